@@ -1,0 +1,33 @@
+# The two commands: `make playbook` and `make test`. Each creates or refreshes .venv, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch is pinned to the local CPU wheel here; the `reference` extra itself asks only for a compatible range.
+TORCH := torch==2.13.0
+export JAX_PLATFORMS ?= cpu
+export PYTHONHASHSEED := 0
+
+.PHONY: playbook test venv lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[tpu,test,notebook,reference]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+playbook: $(STAMP)
+	$(PY) -m playbook.build --out build/playbook
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook
+
+clean:
+	rm -rf build .pytest_cache

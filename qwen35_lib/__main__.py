@@ -1,0 +1,83 @@
+"""Command line: `python -m qwen35_lib info --model NAME [--hardware NAME] [--json]`.
+
+Subcommands are argparse subparsers, each `_add_<name>(subparsers)` registering a parser whose `run` default
+is called with the parsed arguments; errors go to stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from qwen35_lib import budget as budget_lib
+from qwen35_lib import hardware as hw
+from qwen35_lib.config import DTYPES, EXPERT_DTYPES, PRESETS, Config, from_hf_config, get_config
+
+
+def _model(name: str, **changes) -> Config:
+    """A preset by name, or the `config.json` of a checkpoint directory."""
+    if name in PRESETS:
+        return get_config(name, **changes)
+    path = pathlib.Path(name)
+    if path.is_dir() and (path / "config.json").exists():
+        return from_hf_config(path, name=path.name, **changes)
+    raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)} (or a checkpoint directory)")
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from qwen35_lib.report import format_report, model_report
+
+    changes = {k: v for k, v in dict(dtype=args.dtype, gdn_state_dtype=args.gdn_state_dtype).items() if v}
+    if args.expert_dtype is not None:
+        changes["expert_dtype"] = None if args.expert_dtype == "none" else args.expert_dtype
+    config = _model(args.model, **changes)
+    hardware = hw.get(args.hardware) if args.hardware else None
+    if (args.concurrency or args.context_len) and hardware is None:
+        raise ValueError("--concurrency and --context-len need --hardware")
+    report = model_report(config, hardware, args.concurrency, args.context_len, kv_dtype=args.kv_dtype,
+                          placement=args.placement)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="parameters, active parameters, bytes, cache sizes, and whether it fits",
+                       description="Sizes of a model, computed from its weight declarations; with --hardware, "
+                                   "whether the weights fit and how much cache the rest holds.")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint directory")
+    p.add_argument("--hardware", help="a system from data/hardware.json (tpu7x-8, v6e-8, v5p-8, v5e-8, h200, "
+                                      "h200-8, cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: the preset's)")
+    p.add_argument("--expert-dtype", choices=[d for d in EXPERT_DTYPES if d] + ["none"],
+                   help="routed-expert weights: block-scaled FP8, or 'none' for --dtype")
+    p.add_argument("--kv-dtype", choices=DTYPES, help="KV cache (default: --dtype)")
+    p.add_argument("--gdn-state-dtype", choices=DTYPES, help="recurrent GDN state (default: the preset's)")
+    p.add_argument("--concurrency", type=int, default=0, help="requests held at once (with --hardware)")
+    p.add_argument("--context-len", type=int, default=0, help="tokens each request holds (with --hardware)")
+    p.add_argument("--placement", choices=budget_lib.PLACEMENTS, default="even",
+                   help="weights on devices: 'even' (all split) or 'experts_sharded' (the rest replicated)")
+    p.set_defaults(run=_run_info)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m qwen35_lib", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_info(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The memory budget of serving a model on a system: weights first, then what is left for the caches.
+
+`hbm_budget(config, hardware, concurrency, context_len)`:
+1. weight bytes per device, from the weight declarations (`qwen35_lib.stats`), for a weight placement:
+   `even` spreads every weight over all devices (the floor any layout can reach); `experts_sharded` splits the
+   routed experts over the devices and replicates everything else (data-parallel attention + expert
+   parallelism, the `dp8_ep8` layout);
+2. free bytes = devices x (HBM per device - weights per device - reserve per device);
+3. caches of `concurrency` requests holding `context_len` tokens each: KV bytes per token x tokens, plus one
+   GDN state (recurrent + conv) per request, which does not grow with the context;
+4. the caches fit when they are at most the free bytes (requests spread evenly over the devices, as
+   data-parallel attention does).
+Activations and compiler workspace are not modelled; pass `reserve_bytes_per_device` to hold some back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from qwen35_lib import hardware as hw
+from qwen35_lib.config import Config
+from qwen35_lib.stats import model_stats
+from qwen35_lib.weights import declare, is_info
+
+PLACEMENTS = ("even", "experts_sharded")
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmBudget:
+    """Weights vs caches on one system. Byte counts are for the whole system unless named `_per_device`."""
+
+    model: str
+    hardware: str
+    placement: str
+    devices: int
+    hbm_bytes_per_device: int
+    reserve_bytes_per_device: int
+    weight_bytes: int  # the model once
+    weight_bytes_per_device: int  # under `placement`
+    weight_dtypes: str  # e.g. "bfloat16 + float8_e4m3fn experts"
+    kv_dtype: str
+    gdn_state_dtype: str
+    kv_bytes_per_token: int
+    gdn_state_bytes_per_seq: int
+    concurrency: int
+    context_len: int
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.devices * self.hbm_bytes_per_device
+
+    @property
+    def weights_fit(self) -> bool:
+        return self.weight_bytes_per_device + self.reserve_bytes_per_device <= self.hbm_bytes_per_device
+
+    @property
+    def weight_bytes_on_devices(self) -> int:
+        """Weights summed over the devices (more than `weight_bytes` when some are replicated)."""
+        return self.devices * self.weight_bytes_per_device
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes left for caches on the whole system (negative when the weights do not fit)."""
+        return self.devices * (self.hbm_bytes_per_device - self.weight_bytes_per_device - self.reserve_bytes_per_device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.concurrency * self.context_len * self.kv_bytes_per_token
+
+    @property
+    def gdn_state_bytes(self) -> int:
+        return self.concurrency * self.gdn_state_bytes_per_seq
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.kv_cache_bytes + self.gdn_state_bytes
+
+    @property
+    def left_bytes(self) -> int:
+        """Free bytes after the caches of `concurrency` requests (negative: they do not fit)."""
+        return self.free_bytes - self.cache_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_fit and self.left_bytes >= 0
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Tokens of KV cache the free bytes hold if they held nothing else."""
+        return max(self.free_bytes, 0) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+
+    @property
+    def max_gdn_seqs(self) -> int:
+        """GDN states (one per request) the free bytes hold if they held nothing else."""
+        return max(self.free_bytes, 0) // self.gdn_state_bytes_per_seq if self.gdn_state_bytes_per_seq else 0
+
+    @property
+    def max_concurrency(self) -> int:
+        """Requests of `context_len` tokens whose KV cache and GDN state fit together."""
+        per_request = self.context_len * self.kv_bytes_per_token + self.gdn_state_bytes_per_seq
+        return max(self.free_bytes, 0) // per_request if per_request else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for name in ("hbm_bytes", "weights_fit", "weight_bytes_on_devices", "free_bytes", "kv_cache_bytes",
+                     "gdn_state_bytes", "cache_bytes", "left_bytes", "fits", "max_kv_tokens", "max_gdn_seqs",
+                     "max_concurrency"):
+            d[name] = getattr(self, name)
+        return d
+
+
+def routed_expert_bytes(config: Config) -> int:
+    """Bytes of the routed experts (FP8 scales included): the part expert parallelism splits."""
+    moe = declare(config)["layers"]["moe"]
+    return sum(i.nbytes for i in jax.tree.leaves((moe["w_gate_up"], moe["w_down"]), is_leaf=is_info))
+
+
+def weight_bytes_per_device(config: Config, devices: int, placement: str = "even") -> int:
+    """Weight bytes on each of `devices` devices under `placement` (see the module docstring)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown weight placement {placement!r}; use one of {PLACEMENTS}")
+    total = model_stats(config).weight_bytes
+    if placement == "even":
+        return -(-total // devices)
+    experts = routed_expert_bytes(config)
+    return total - experts + -(-experts // devices)
+
+
+def hbm_budget(config: Config, hardware: hw.Hardware | str, concurrency: int = 0, context_len: int = 0, *,
+               kv_dtype: str | None = None, placement: str = "even", reserve_bytes_per_device: int = 0) -> HbmBudget:
+    """Weights of `config` on `hardware` and the caches of `concurrency` requests of `context_len` tokens.
+
+    Dtypes come from the config (`dtype`, `expert_dtype`, `gdn_state_dtype`); `kv_dtype` defaults to `dtype`.
+    """
+    if concurrency < 0 or context_len < 0:
+        raise ValueError(f"concurrency={concurrency} and context_len={context_len} must be >= 0")
+    hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
+    stats = model_stats(config, kv_dtype=kv_dtype)
+    experts = f" + {config.expert_dtype} experts" if config.expert_dtype else ""
+    return HbmBudget(
+        model=config.name, hardware=hardware.name, placement=placement, devices=hardware.devices,
+        hbm_bytes_per_device=hardware.hbm_bytes_per_device, reserve_bytes_per_device=reserve_bytes_per_device,
+        weight_bytes=stats.weight_bytes,
+        weight_bytes_per_device=weight_bytes_per_device(config, hardware.devices, placement),
+        weight_dtypes=config.dtype + experts, kv_dtype=kv_dtype or config.dtype,
+        gdn_state_dtype=config.gdn_state_dtype, kv_bytes_per_token=stats.kv_bytes_per_token,
+        gdn_state_bytes_per_seq=stats.gdn_state_bytes_per_seq, concurrency=concurrency, context_len=context_len)

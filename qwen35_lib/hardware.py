@@ -1,0 +1,126 @@
+"""The hardware table: chips and the systems built from them, read from `data/hardware.json`.
+
+Every number in that file carries its `source` (or an `assumption` with its reason); `get(name)` turns one
+system into a `Hardware` record in plain units (bytes, bytes/s, FLOP/s). The `cpu` system is this machine:
+its memory is measured when read, never typed in. The file's `_schema` note describes the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+from typing import Any
+
+DATA_ENV = "QWEN35_DATA_DIR"  # a folder holding hardware.json, for installs without the repo's data/
+_FIELDS = ("devices_per_chip", "hbm_bytes", "hbm_bytes_per_s", "peak_bf16_flops", "peak_fp8_flops")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One system (`tpu7x-8`, `h200`, `cpu`, ...): `chips` copies of one chip. Per-chip figures; None = unknown."""
+
+    name: str
+    description: str
+    kind: str  # "tpu", "gpu" or "cpu"
+    chip: str
+    chips: int
+    devices_per_chip: int  # JAX devices per chip (TPU7x: 2 TensorCores; v5p: 1 megacore)
+    hbm_bytes_per_chip: int
+    hbm_bytes_per_s_per_chip: float | None
+    peak_bf16_flops_per_chip: float | None
+    peak_fp8_flops_per_chip: float | None
+    sources: dict[str, str]  # field -> "source: ...", "assumption: ..." or "measured: ..."
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.devices_per_chip
+
+    @property
+    def hbm_bytes_per_device(self) -> int:
+        return self.hbm_bytes_per_chip // self.devices_per_chip
+
+    @property
+    def hbm_bytes(self) -> int:
+        """All memory of the system."""
+        return self.hbm_bytes_per_chip * self.chips
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(devices=self.devices, hbm_bytes_per_device=self.hbm_bytes_per_device, hbm_bytes=self.hbm_bytes)
+        return d
+
+
+def data_path() -> pathlib.Path:
+    """`hardware.json`: from `$QWEN35_DATA_DIR` if set, else the repository's `data/` folder."""
+    folder = os.environ.get(DATA_ENV)
+    path = pathlib.Path(folder) if folder else pathlib.Path(__file__).resolve().parents[1] / "data"
+    path = path / "hardware.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no hardware table at {path}; run from a checkout of the repository (pip install -e .) "
+            f"or point ${DATA_ENV} at a folder holding hardware.json")
+    return path
+
+
+@functools.cache
+def _table() -> dict:
+    return json.loads(data_path().read_text())
+
+
+def names() -> tuple[str, ...]:
+    """The system names `get` accepts, in the file's order."""
+    return tuple(_table()["systems"])
+
+
+def host_memory_bytes() -> int:
+    """This machine's RAM: MemTotal from /proc/meminfo, else page size x physical pages."""
+    meminfo = pathlib.Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                value, unit = line.split()[1:3]
+                assert unit == "kB", line  # the kernel's "kB" is KiB
+                return int(value) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def get(name: str) -> Hardware:
+    """The system `name` (`tpu7x-8`, `v6e-8`, `v5p-8`, `v5e-8`, `h200`, `h200-8`, `cpu`)."""
+    table = _table()
+    if name not in table["systems"]:
+        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(table['systems'])} (see {data_path()})")
+    system = table["systems"][name]
+    chip = table["chips"][system["chip"]]
+    sources = {"chips": _provenance(system["chips"])}
+    values: dict[str, Any] = {}
+    for field in _FIELDS:
+        entry = chip[field]
+        sources[field] = _provenance(entry)
+        value = entry["value"]
+        if "measured" in entry:
+            value = _measure(field)
+        values[field] = value
+    if values["hbm_bytes"] is None:
+        raise ValueError(f"hardware {name!r} has no memory size in {data_path()}")
+    return Hardware(
+        name=name, description=system["description"], kind=chip["kind"], chip=system["chip"],
+        chips=int(system["chips"]["value"]), devices_per_chip=int(values["devices_per_chip"]),
+        hbm_bytes_per_chip=int(values["hbm_bytes"]), hbm_bytes_per_s_per_chip=values["hbm_bytes_per_s"],
+        peak_bf16_flops_per_chip=values["peak_bf16_flops"], peak_fp8_flops_per_chip=values["peak_fp8_flops"],
+        sources=sources)
+
+
+def _provenance(entry: dict) -> str:
+    kinds = [k for k in ("source", "assumption", "measured") if k in entry]
+    if len(kinds) != 1:
+        raise ValueError(f"hardware.json entry {entry} needs exactly one of source / assumption / measured")
+    return f"{kinds[0]}: {entry[kinds[0]]}"
+
+
+def _measure(field: str) -> int:
+    if field == "hbm_bytes":
+        return host_memory_bytes()
+    raise ValueError(f"hardware.json asks to measure {field!r}, which qwen35_lib.hardware cannot measure")

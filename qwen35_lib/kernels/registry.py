@@ -1,0 +1,74 @@
+"""The kernel registry: four slots, each a named set of interchangeable implementations.
+
+| slot         | protocol (see the XLA implementation for shapes)                                   |
+|--------------|-------------------------------------------------------------------------------------|
+| `attention`  | `fn(q, k, v, lengths) -> o`: causal GQA over right-padded rows                      |
+| `gdn`        | `fn(q, k, v, g, beta, state, chunk_size) -> (o, state)`: the gated delta rule        |
+| `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU |
+| `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort |
+
+`Config.<slot>_kernel` names the implementation; "auto" picks the default for the backend in use. Every
+implementation is checked against its slot's reference twin in the tests. Pallas kernels register here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+SLOTS = ("attention", "gdn", "moe_matmul", "permute")
+_IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
+# "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
+_DEFAULTS: dict[str, dict[str, str]] = {
+    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "tiled", "permute": "xla"},
+    "tpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
+    "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
+}
+
+
+def register(slot: str, name: str) -> Callable[[Any], Any]:
+    """Decorator: `@register("moe_matmul", "ragged_dot")` adds an implementation to a slot."""
+    if slot not in _IMPLS:
+        raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
+
+    def add(impl: Any) -> Any:
+        _IMPLS[slot][name] = impl
+        return impl
+
+    return add
+
+
+def available(slot: str) -> tuple[str, ...]:
+    _load_all()
+    return tuple(_IMPLS[slot])
+
+
+def resolve_name(slot: str, name: str, backend: str | None = None) -> str:
+    """The implementation name that `name` means on `backend` ("auto" -> the backend's default)."""
+    if name != "auto":
+        return name
+    backend = backend or jax.default_backend()
+    return _DEFAULTS.get(backend, _DEFAULTS["cpu"])[slot]
+
+
+def get(slot: str, name: str = "auto", backend: str | None = None) -> Any:
+    """The implementation of `slot` called `name`."""
+    _load_all()
+    if slot not in _IMPLS:
+        raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
+    resolved = resolve_name(slot, name, backend)
+    if resolved not in _IMPLS[slot]:
+        raise ValueError(f"no {slot!r} kernel named {resolved!r}; available: {', '.join(_IMPLS[slot])}")
+    return _IMPLS[slot][resolved]
+
+
+def for_config(slot: str, config: Any) -> Any:
+    """The implementation `config` selects for `slot` (field `<slot>_kernel`, "auto" by default)."""
+    field = {"moe_matmul": "moe_kernel"}.get(slot, f"{slot}_kernel")
+    return get(slot, getattr(config, field))
+
+
+def _load_all() -> None:
+    # importing the implementation modules registers them
+    from qwen35_lib.kernels import attention_xla, gdn_xla, moe_xla, permute_xla  # noqa: F401

@@ -1,0 +1,109 @@
+"""The decoder stack and `forward`: embeddings, a scan over layer groups, final norm, LM head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35_lib.config import LINEAR, Config
+from qwen35_lib.model.attention import attention_block
+from qwen35_lib.model.deltanet import gdn_block
+from qwen35_lib.model.layers import rms_norm
+from qwen35_lib.model.moe import moe_block
+from qwen35_lib.weights import abstract_weights
+
+
+def _group(cfg: Config, h: jax.Array, w: dict, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
+    B, T, D = h.shape
+    valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    i_gdn = i_attn = 0
+    for p, kind in enumerate(cfg.layer_pattern):
+        x = rms_norm(h, w["input_norm"][p], cfg.rms_norm_eps)
+        if kind == LINEAR:
+            x, _, _ = gdn_block(cfg, jax.tree.map(lambda a: a[i_gdn], w["gdn"]), x, valid)
+            i_gdn += 1
+        else:
+            x = attention_block(cfg, jax.tree.map(lambda a: a[i_attn], w["attn"]), x, positions, lengths)
+            i_attn += 1
+        h = h + x
+        x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
+        h = h + moe_block(cfg, jax.tree.map(lambda a: a[p], w["moe"]), x.reshape(B * T, D)).reshape(B, T, D)
+    return h
+
+
+@jax.jit(static_argnums=0)
+def _forward(cfg: Config, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    B, T = token_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    h = weights["embed"][token_ids]  # [B, T, D]
+
+    def body(h, w):
+        with jax.named_scope("layer_group"):
+            return _group(cfg, h, w, positions, lengths), None
+
+    h, _ = jax.lax.scan(body, h, weights["layers"])
+    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
+
+
+def forward(config: Config, weights: dict, token_ids, lengths=None) -> jax.Array:
+    """float32 logits [B, T, V] for right-padded token rows [B, T]; `lengths` [B] gives each row's real length.
+
+    Positions at or past a row's length are padding: they do not influence the real positions, and their
+    logits are meaningless. Any T works (the GDN pads to whole chunks internally).
+    """
+    token_ids = _check_tokens(config, token_ids)
+    B, T = token_ids.shape
+    if lengths is None:
+        lengths = np.full((B,), T, np.int32)
+    lengths = _check_lengths(lengths, B, T)
+    check_weights(config, weights)
+    return _forward(config, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+
+def _check_tokens(config: Config, token_ids):
+    dtype = getattr(token_ids, "dtype", None)
+    if dtype is None:
+        token_ids = np.asarray(token_ids)
+        dtype = token_ids.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"token_ids must be an integer array; got dtype {dtype}. Token ids are vocabulary indices, "
+                        "e.g. np.asarray(ids, np.int32)")
+    if token_ids.ndim != 2:
+        hint = " (add a batch dim: token_ids[None])" if token_ids.ndim == 1 else ""
+        raise ValueError(f"token_ids must be [batch, seq]; got shape {tuple(token_ids.shape)}{hint}")
+    if token_ids.shape[1] == 0:
+        raise ValueError("token_ids has no tokens (seq length 0)")
+    if not isinstance(token_ids, jax.core.Tracer):
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {config.vocab_size}) of {config.name}")
+    return token_ids
+
+
+def _check_lengths(lengths, B: int, T: int) -> np.ndarray:
+    lengths = np.asarray(lengths)
+    if lengths.shape != (B,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be {B} integers (one per row); got {lengths.dtype} of shape {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > T:
+        raise ValueError(f"each length must be in [1, {T}] (the padded row length); got {lengths.tolist()}")
+    return lengths
+
+
+def check_weights(config: Config, weights: dict) -> None:
+    """Raise a clear error when `weights` does not have the tree, shapes and dtypes `config` declares."""
+    expected = abstract_weights(config)
+    exp_leaves, exp_tree = jax.tree_util.tree_flatten_with_path(expected)
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(weights)
+    if exp_tree != got_tree:
+        exp_paths = {jax.tree_util.keystr(p) for p, _ in exp_leaves}
+        got_paths = {jax.tree_util.keystr(p) for p, _ in got_leaves}
+        raise ValueError(f"weights do not match config {config.name!r}: missing {sorted(exp_paths - got_paths)[:8]}, "
+                         f"unexpected {sorted(got_paths - exp_paths)[:8]} (were they made for another config?)")
+    for (path, e), (_, g) in zip(exp_leaves, got_leaves):
+        if tuple(g.shape) != tuple(e.shape) or jnp.dtype(g.dtype) != jnp.dtype(e.dtype):
+            raise ValueError(f"weight {jax.tree_util.keystr(path)} is {g.dtype}{list(g.shape)} but config "
+                             f"{config.name!r} declares {e.dtype}{list(e.shape)}")

@@ -1,0 +1,58 @@
+"""The sparse MoE block: router, routed SwiGLU experts (dropless), and the gated shared expert."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_lib.config import Config
+from qwen35_lib.kernels import for_config
+from qwen35_lib.model.layers import linear
+from qwen35_lib.weights import BlockFP8, dequantize_fp8
+
+
+def route(cfg: Config, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """softmax over all experts (float32) -> top-k -> renormalise. x: [N, D] -> (weights [N, k], ids [N, k])."""
+    logits = linear(x, router)  # [N, E] in x's dtype, as HF
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids
+
+
+def shared_expert(w: dict, x: jax.Array) -> jax.Array:
+    """sigmoid(x · shared_gate) * SwiGLU(x). x: [N, D] -> [N, D]."""
+    h = linear(x, w["shared_gate_up"]).astype(jnp.float32)  # [N, 2, Fs]
+    a = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x.dtype)
+    gate = jax.nn.sigmoid(linear(x, w["shared_gate"][:, None]).astype(jnp.float32))  # [N, 1]
+    return (gate * linear(a, w["shared_down"]).astype(jnp.float32)).astype(x.dtype)
+
+
+def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+    """Σ_j weights_j * expert_{ids_j}(x), dropless: dispatch (sort copies by expert), grouped matmul, combine."""
+    permute = for_config("permute", cfg)
+    x_sorted, group_sizes, order = permute.dispatch(x, ids, cfg.num_experts)  # [N*k, D], [E]
+    y_sorted = for_config("moe_matmul", cfg)(x_sorted, group_sizes, w["w_gate_up"], w["w_down"],
+                                             cfg.fp8_block_size)
+    return permute.combine(y_sorted.astype(x.dtype), order, weights).astype(x.dtype)  # [N, D]
+
+
+def moe_block(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
+    """The MoE layer on flat tokens. x: [N, D] -> [N, D]."""
+    with jax.named_scope("moe"):
+        weights, ids = route(cfg, w["router"], x)
+        return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
+
+
+def moe_dense_reference(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
+    """Every expert on every token, masked by the routing weights: the twin the grouped path is tested against."""
+    weights, ids = route(cfg, w["router"], x)
+    dense = lambda p: dequantize_fp8(p, cfg.fp8_block_size, x.dtype) if isinstance(p, BlockFP8) else p
+    h = jnp.einsum("nd,edcf->necf", x, dense(w["w_gate_up"]), preferred_element_type=jnp.float32)
+    a = (jax.nn.silu(h[:, :, 0]) * h[:, :, 1]).astype(x.dtype)  # [N, E, F]
+    y = jnp.einsum("nef,efd->ned", a, dense(w["w_down"]), preferred_element_type=jnp.float32)
+    gate = jnp.zeros((x.shape[0], cfg.num_experts), jnp.float32).at[jnp.arange(x.shape[0])[:, None], ids].add(
+        weights.astype(jnp.float32))  # [N, E]
+    routed = jnp.einsum("ned,ne->nd", y.astype(x.dtype).astype(jnp.float32), gate)
+    return routed.astype(x.dtype) + shared_expert(w, x)

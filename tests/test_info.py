@@ -1,0 +1,110 @@
+"""`python -m qwen35_lib info`, the hardware table and the HBM budget behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from qwen35_lib import budget, hardware
+from qwen35_lib.config import get_config
+from qwen35_lib.report import active_params_by_part
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def info(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "qwen35_lib", "info", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def info_json(*args: str) -> dict:
+    out = info(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_397b_counts_and_fit_on_tpu7x():
+    r = info_json("--model", "qwen3.5-397b-a17b", "--hardware", "tpu7x-8", "--expert-dtype", "float8_e4m3fn",
+                  "--gdn-state-dtype", "bfloat16", "--concurrency", "512", "--context-len", "8192")
+    assert r["total_params"] == 396_346_350_336
+    assert r["active_params"] == 17_349_040_896
+    assert sum(r["params_by_part"].values()) == r["total_params"]
+    assert sum(r["active_params_by_part"].values()) == r["active_params"]
+    assert r["kv_bytes_per_token"] == 2 * 15 * 2 * 256 * 2  # K and V, 15 attention layers, 2 KV heads of 256, bf16
+    assert r["gdn_state_bytes_per_seq"] == 45 * (64 * 128 * 128 + 12288 * 3) * 2  # recurrent + conv, bf16
+    assert r["weight_bytes_by_dtype"]["float8_e4m3fn"] == 386_547_056_640
+    assert r["hardware"]["devices"] == 8 and r["hardware"]["hbm_bytes_per_device"] == 96 * GiB
+    b = r["budget"]
+    assert b["weights_fit"] and b["fits"] and b["left_bytes"] > 0
+    assert b["kv_cache_bytes"] == 512 * 8192 * r["kv_bytes_per_token"]
+    assert b["max_concurrency"] >= 512
+
+
+def test_qwen3_next_80b_counts():
+    r = info_json("--model", "qwen3-next-80b-a3b")
+    assert (r["total_params"], r["active_params"]) == (79_674_391_296, 3_874_929_408)
+    assert "budget" not in r
+
+
+def test_text_output():
+    out = info("--model", "qwen3.5-397b-a17b", "--hardware", "tpu7x-8")
+    assert out.returncode == 0, out.stderr
+    assert "396,346,350,336" in out.stdout and "17,349,040,896" in out.stdout and "tpu7x-8" in out.stdout
+
+
+def test_bf16_weights_squeeze_in_but_leave_no_room_for_512_requests():
+    bf16 = get_config("qwen3.5-397b-a17b", gdn_state_dtype="bfloat16")
+    b = budget.hbm_budget(bf16, "tpu7x-8", concurrency=512, context_len=1024)
+    assert b.weights_fit and not b.fits
+    assert b.free_bytes < b.gdn_state_bytes  # the GDN state alone does not fit
+    fp8 = bf16.replace(expert_dtype="float8_e4m3fn")
+    assert budget.hbm_budget(fp8, "tpu7x-8", concurrency=512, context_len=8192).fits
+    # replicating everything but the routed experts (dp8_ep8) costs 7 extra copies of the dense weights
+    even = budget.hbm_budget(bf16, "tpu7x-8")
+    rep = budget.hbm_budget(bf16, "tpu7x-8", placement="experts_sharded")
+    dense = even.weight_bytes - budget.routed_expert_bytes(bf16)
+    assert rep.weight_bytes_on_devices - even.weight_bytes_on_devices == pytest.approx(7 * dense, abs=16)
+    assert not rep.weights_fit
+
+
+def test_does_not_fit_is_reported():
+    r = info_json("--model", "qwen3.5-397b-a17b", "--hardware", "h200")
+    assert not r["budget"]["weights_fit"] and not r["budget"]["fits"]
+    assert r["budget"]["max_kv_tokens"] == 0 and r["budget"]["max_concurrency"] == 0
+    out = info("--model", "qwen3.5-397b-a17b", "--hardware", "h200-8")
+    assert out.returncode == 0 and "DO NOT FIT" in out.stdout
+
+
+def test_unknown_model_and_hardware():
+    out = info("--model", "qwen9")
+    assert out.returncode == 2 and "unknown model 'qwen9'" in out.stderr and "qwen3.5-397b-a17b" in out.stderr
+    out = info("--model", "qwen3.5-tiny", "--hardware", "tpu99")
+    assert out.returncode == 2 and "unknown hardware 'tpu99'" in out.stderr and "tpu7x-8" in out.stderr
+    with pytest.raises(ValueError, match="unknown hardware"):
+        hardware.get("tpu99")
+
+
+def test_hardware_table_has_provenance():
+    for name in hardware.names():
+        h = hardware.get(name)
+        assert h.devices >= 1 and h.hbm_bytes_per_device > 0
+        assert set(h.sources) >= {"chips", "hbm_bytes", "peak_bf16_flops", "peak_fp8_flops", "hbm_bytes_per_s"}
+        assert all(s.split(":")[0] in ("source", "assumption", "measured") for s in h.sources.values())
+    assert set(hardware.names()) >= {"tpu7x-8", "v6e-8", "v5p-8", "v5e-8", "h200", "h200-8", "cpu"}
+    tpu = hardware.get("tpu7x-8")
+    assert (tpu.chips, tpu.devices, tpu.hbm_bytes_per_chip) == (4, 8, 192 * GiB)
+    assert hardware.get("cpu").hbm_bytes == hardware.host_memory_bytes()
+
+
+def test_active_breakdown_counts_top_k_of_the_routed_experts():
+    cfg = get_config("qwen3.5-397b-a17b")
+    parts = active_params_by_part(cfg)
+    assert parts["routed_experts"] == 60 * 10 * 3 * 4096 * 1024
+    assert sum(parts.values()) == 17_349_040_896
