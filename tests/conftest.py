@@ -7,5 +7,4 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import jax  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
 assert len(jax.devices()) == 8, jax.devices()
