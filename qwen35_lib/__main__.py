@@ -1,7 +1,9 @@
-"""Command line: `python -m qwen35_lib info --model NAME [--hardware NAME] [--json]`.
+"""The qwen35_lib command line: `python -m qwen35_lib SUBCOMMAND --help` (or the `qwen35` script).
 
-Subcommands are argparse subparsers, each `_add_<name>(subparsers)` registering a parser whose `run` default
-is called with the parsed arguments; errors go to stderr with exit status 2.
+`info --model NAME [--hardware NAME] [--json]`: parameters, active parameters, bytes, cache sizes, and whether
+the model fits. Each subcommand is an argparse subparser registered by `_add_<name>(subparsers)`, whose `run`
+default is called with the parsed arguments; a `ValueError` or `FileNotFoundError` is printed to stderr as
+`error: ...` with exit status 2.
 """
 
 from __future__ import annotations

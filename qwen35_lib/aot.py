@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,9 @@ TPU7X_8 = "tpu7x:2x2x1"
 @functools.lru_cache(maxsize=4)
 def topology_devices(topology: str = TPU7X_8) -> tuple:
     """The devices of a TPU topology description (needs libtpu: `pip install 'qwen35-playbook[tpu]'`)."""
+    # libtpu takes /tmp/libtpu_lockfile for the whole process; without this, a second process (a notebook
+    # kernel next to a test run) cannot load it. Nothing here drives a real TPU, so sharing is safe.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:

@@ -11,6 +11,10 @@
 4. the caches fit when they are at most the free bytes (requests spread evenly over the devices, as
    data-parallel attention does).
 Activations and compiler workspace are not modelled; pass `reserve_bytes_per_device` to hold some back.
+
+`compiled_weight_bytes` checks step 1 against XLA: it compiles a program taking the weights (abstract, nothing
+allocated) placed as `placement` says on a TPU topology (`tpu7x:2x2x1` by default, needs libtpu) and reads the
+per-device argument bytes, or the compiler's refusal when they do not fit.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
 from qwen35_lib.stats import model_stats
-from qwen35_lib.weights import declare, is_info
+from qwen35_lib.weights import abstract_weights, declare, is_info
 
 PLACEMENTS = ("even", "experts_sharded")
 
@@ -148,3 +154,52 @@ def hbm_budget(config: Config, hardware: hw.Hardware | str, concurrency: int = 0
         weight_dtypes=config.dtype + experts, kv_dtype=kv_dtype or config.dtype,
         gdn_state_dtype=config.gdn_state_dtype, kv_bytes_per_token=stats.kv_bytes_per_token,
         gdn_state_bytes_per_seq=stats.gdn_state_bytes_per_seq, concurrency=concurrency, context_len=context_len)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same placement, compiled ahead of time for a TPU topology.
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledWeights:
+    """What XLA made of the weights under a placement: per-device bytes, or why it refused."""
+
+    placement: str
+    topology: str
+    argument_bytes_per_device: int | None  # None when the compile failed
+    error: str | None  # the compiler's message (e.g. RESOURCE_EXHAUSTED: Ran out of memory on HBM ...)
+
+
+def weight_shardings(config: Config, mesh: Mesh, placement: str = "even") -> Any:
+    """`NamedSharding`s over all axes of `mesh` for every weight, as `placement` says.
+
+    `experts_sharded`: the `experts` logical axis over the whole mesh, the rest replicated. `even`: each weight split
+    on its first dim the mesh size divides (replicated when none does: a few norm-sized arrays at most).
+    """
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown weight placement {placement!r}; use one of {PLACEMENTS}")
+    axes, size = tuple(mesh.axis_names), mesh.devices.size
+
+    def spec(info) -> PartitionSpec:
+        if placement == "experts_sharded":
+            dims = [d for d, a in enumerate(info.logical_axes) if a == "experts"]
+        else:
+            dims = [d for d, n in enumerate(info.shape) if n % size == 0][:1]
+        return PartitionSpec(*[axes if d in dims else None for d in range(len(info.shape))])
+
+    return jax.tree.map(lambda i: NamedSharding(mesh, spec(i)), declare(config), is_leaf=is_info)
+
+
+def compiled_weight_bytes(config: Config, placement: str = "even", topology: str | None = None) -> CompiledWeights:
+    """Per-device weight bytes as XLA compiles them for `topology` (default TPU7x-8), nothing allocated."""
+    from qwen35_lib import aot
+
+    topology = topology or aot.TPU7X_8
+    mesh = aot.chip_core_mesh(aot.topology_devices(topology))
+    weights = abstract_weights(config, weight_shardings(config, mesh, placement))
+    touch = jax.jit(lambda w: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)  # keeps every weight
+    try:
+        compiled = touch.lower(weights).compile()
+    except jax.errors.JaxRuntimeError as e:
+        return CompiledWeights(placement, topology, None, str(e).splitlines()[0])
+    return CompiledWeights(placement, topology, compiled.memory_analysis().argument_size_in_bytes, None)

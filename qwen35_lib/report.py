@@ -105,12 +105,12 @@ def format_report(report: dict[str, Any]) -> str:
             + ("fit" if b["weights_fit"] else "DO NOT FIT"),
         ]
         if b["weights_fit"]:
-            lines.append(f"left for caches   {human_bytes(b['free_bytes'])}: {b['max_kv_tokens']:,} tokens of KV cache, "
-                         f"or {b['max_gdn_seqs']:,} sequences of GDN state")
+            lines.append(f"left for caches   {human_bytes(b['free_bytes'])}: {b['max_kv_tokens']:,} tokens of KV "
+                         f"cache, or {b['max_gdn_seqs']:,} sequences of GDN state")
         if b["concurrency"]:
             lines.append(
-                f"{b['concurrency']} requests x {b['context_len']:,} tokens: KV {human_bytes(b['kv_cache_bytes'])} + GDN "
-                f"{human_bytes(b['gdn_state_bytes'])} = {human_bytes(b['cache_bytes'])}: "
+                f"{b['concurrency']} requests x {b['context_len']:,} tokens: KV {human_bytes(b['kv_cache_bytes'])} "
+                f"+ GDN {human_bytes(b['gdn_state_bytes'])} = {human_bytes(b['cache_bytes'])}: "
                 + (f"fit, {human_bytes(b['left_bytes'])} left" if b["fits"] else "DO NOT FIT")
                 + f" (at most {b['max_concurrency']:,} such requests)")
         elif b["context_len"]:

@@ -78,7 +78,7 @@ def test_does_not_fit_is_reported():
     r = info_json("--model", "qwen3.5-397b-a17b", "--hardware", "h200")
     assert not r["budget"]["weights_fit"] and not r["budget"]["fits"]
     assert r["budget"]["max_kv_tokens"] == 0 and r["budget"]["max_concurrency"] == 0
-    out = info("--model", "qwen3.5-397b-a17b", "--hardware", "h200-8")
+    out = info("--model", "qwen3.5-397b-a17b", "--hardware", "v6e-8")
     assert out.returncode == 0 and "DO NOT FIT" in out.stdout
 
 
@@ -108,3 +108,36 @@ def test_active_breakdown_counts_top_k_of_the_routed_experts():
     parts = active_params_by_part(cfg)
     assert parts["routed_experts"] == 60 * 10 * 3 * 4096 * 1024
     assert sum(parts.values()) == 17_349_040_896
+
+
+def test_max_concurrency_is_the_fit_boundary():
+    fp8 = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+    n = budget.hbm_budget(fp8, "tpu7x-8", 1, 8192).max_concurrency
+    assert budget.hbm_budget(fp8, "tpu7x-8", n, 8192).fits
+    assert not budget.hbm_budget(fp8, "tpu7x-8", n + 1, 8192).fits
+
+
+def test_info_reads_a_checkpoint_directory(tmp_path):
+    pytest.importorskip("transformers")
+    from qwen35_lib import testing
+
+    model = testing.make_hf_model("qwen3_5_moe", seed=0)
+    testing.save_hf_checkpoint(model, tmp_path / "ckpt", form="per_expert")
+    r = info_json("--model", str(tmp_path / "ckpt"))
+    assert r["total_params"] == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.tpu_compile
+def test_compiled_weight_bytes_match_the_budget():
+    """XLA, compiling for tpu7x:2x2x1, puts as many weight bytes on each device as the budget predicts."""
+    fp8 = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
+    try:
+        results = {p: budget.compiled_weight_bytes(fp8, p) for p in budget.PLACEMENTS}
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    for placement, r in results.items():
+        assert r.error is None, r
+        predicted = budget.weight_bytes_per_device(fp8, 8, placement)
+        assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (placement, r, predicted)
+    refused = budget.compiled_weight_bytes(fp8.replace(expert_dtype=None), "experts_sharded")
+    assert refused.argument_bytes_per_device is None and "RESOURCE_EXHAUSTED" in refused.error

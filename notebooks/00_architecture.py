@@ -1,0 +1,341 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Architecture: what is in Qwen3.5-397B-A17B, and what must fit in 8 x 96 GiB?
+#
+# Qwen3.5-397B-A17B holds about 397 billion parameters but runs about 17 billion of them per token. Its layers
+# mix Gated DeltaNet (linear attention, a fixed-size state per request) with gated attention that has only 2 KV
+# heads, and every layer ends in a mixture of 512 experts. Before sharding anything, this notebook asks: where
+# do the parameters sit, what does one request cost in cache, and does the model fit on a TPU7x-8 (4 Ironwood
+# chips, 8 TensorCores, 8 x 96 GiB of HBM) with room left for 512 concurrent requests?
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/00_architecture.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept.
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[reference]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
+import glob
+import os
+
+import jax
+from jax._src import xla_bridge
+
+ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+if not ACCELERATOR and not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+devices = jax.devices()
+if devices[0].platform == "cpu":
+    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
+SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
+print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+
+# %%
+# %matplotlib inline
+import json
+import tempfile
+
+import numpy as np
+
+import qwen35_lib
+from qwen35_lib import budget, hardware, viz
+from qwen35_lib.report import format_report, human_bytes, model_report
+
+cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
+
+# %% [markdown]
+# ## 1. Anatomy
+#
+# ```
+# token ids -> embed [V, D]
+#   repeat for each layer:   h = h + mixer(norm(h))     mixer: Gated DeltaNet, or gated GQA attention
+#                            h = h + MoE(norm(h))       MoE:   top-k of E routed experts + 1 shared expert
+# -> norm -> lm_head [D, V] -> logits
+# ```
+#
+# The mixers repeat in a fixed pattern: three Gated DeltaNet (GDN) layers, then one attention layer. GDN keeps
+# a fixed-size recurrent state per request, whatever the context length; attention keeps K and V for every
+# token, but with only 2 KV heads. The sizes, from the preset:
+
+# %%
+c = cfg
+print(f"hidden D = {c.hidden_size}, vocab V = {c.vocab_size:,}, {c.num_layers} layers = {c.num_groups} groups of "
+      f"{c.layer_pattern}")
+print(f"attention: {c.num_q_heads} query heads, {c.num_kv_heads} KV heads of {c.head_dim} "
+      f"({c.rotary_dim} rotary dims), sigmoid output gate")
+print(f"Gated DeltaNet: {c.gdn_num_k_heads} key heads of {c.gdn_k_head_dim}, {c.gdn_num_v_heads} value heads of "
+      f"{c.gdn_v_head_dim}, conv kernel {c.gdn_conv_kernel}")
+print(f"MoE: {c.num_experts} experts of FFN {c.moe_ffn}, top-{c.num_experts_per_tok}, "
+      f"+ a shared expert of FFN {c.shared_ffn}")
+viz.plot_layer_pattern(cfg)
+
+# %% [markdown]
+# ## 2. Parameters: total and active
+#
+# **Predict.** A routed expert is a SwiGLU MLP, three `D x F` matrices, so the routed experts hold
+# `L * E * 3 * D * F` parameters. A token runs `k` of the `E` experts, so it touches
+# `active = total - routed * (1 - k / E)`. The routed experts should dominate the total, and not the active count.
+
+# %%
+D, F, E, k, L = c.hidden_size, c.moe_ffn, c.num_experts, c.num_experts_per_tok, c.num_layers
+predicted_routed = L * E * 3 * D * F
+print(f"predicted routed-expert parameters: {predicted_routed:,}; per token: {predicted_routed * k // E:,}")
+
+# %% [markdown]
+# **Measure.** `qwen35_lib.model_stats` counts over the weight declarations (`qwen35_lib.weights.declare`): the
+# same tree that random init, checkpoint loading and sharding use. `python -m qwen35_lib info --model
+# qwen3.5-397b-a17b` prints the same report.
+
+# %%
+stats = qwen35_lib.model_stats(cfg)
+print(format_report(model_report(cfg)))
+
+# %%
+viz.plot_param_breakdown(cfg)
+
+# %% [markdown]
+# **Check.** The declarations agree with the prediction, and with HF transformers' own module built on the
+# `meta` device (no memory) when transformers is installed.
+
+# %%
+assert stats.params_by_part["routed_experts"] == predicted_routed
+assert stats.active_params == stats.total_params - predicted_routed + predicted_routed * k // E
+HAVE_HF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+if HAVE_HF:
+    import torch
+    import transformers
+
+    from qwen35_lib import testing
+
+    transformers.logging.set_verbosity_error()  # quiet: no progress bars, no notes on missing fast kernels
+    transformers.logging.disable_progress_bar()
+    hf_config = testing.tiny_hf_config(  # transformers' names for our Config's fields
+        "qwen3_5_moe", vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_q_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        linear_num_key_heads=c.gdn_num_k_heads, linear_num_value_heads=c.gdn_num_v_heads,
+        linear_key_head_dim=c.gdn_k_head_dim, linear_value_head_dim=c.gdn_v_head_dim, num_experts=E,
+        num_experts_per_tok=k, moe_intermediate_size=F, shared_expert_intermediate_size=c.shared_ffn)
+    with torch.device("meta"):  # shapes only, no memory
+        hf_total = sum(p.numel() for p in transformers.Qwen3_5MoeForCausalLM(hf_config).parameters())
+    assert hf_total == stats.total_params, (hf_total, stats.total_params)
+    print(f"transformers' Qwen3_5MoeForCausalLM has {hf_total:,} parameters: the same")
+else:
+    print("transformers not installed: skipped the comparison with HF")
+
+# %% [markdown]
+# ## 3. Caches: per token and per request
+#
+# **Predict.** Each attention layer caches K and V for every token: `2 * KV heads * head_dim` values. Each GDN
+# layer keeps one state of `value heads * key dim * value dim` values per request, plus the last `K - 1` inputs
+# of its causal convolution, however long the context. HF keeps the GDN state in float32; tpu-inference keeps
+# it in bf16, as we will when serving.
+
+# %%
+serve = cfg.replace(gdn_state_dtype="bfloat16")
+n_attn, n_gdn = cfg.layer_types.count("full_attention"), cfg.layer_types.count("linear_attention")
+predicted_kv = 2 * n_attn * c.num_kv_heads * c.head_dim * 2  # bytes per token, bf16
+predicted_gdn = n_gdn * (c.gdn_num_v_heads * c.gdn_k_head_dim * c.gdn_v_head_dim
+                         + c.gdn_conv_dim * (c.gdn_conv_kernel - 1)) * 2  # bytes per request, bf16
+print(f"predicted: KV {predicted_kv:,} B per token; GDN state {predicted_gdn:,} B per request")
+
+# %% [markdown]
+# **Measure** and **check**.
+
+# %%
+serve_stats = qwen35_lib.model_stats(serve)
+assert serve_stats.kv_bytes_per_token == predicted_kv
+assert serve_stats.gdn_state_bytes_per_seq == predicted_gdn
+print(f"KV cache: {human_bytes(serve_stats.kv_bytes_per_token)} per token, "
+      f"{human_bytes(8192 * serve_stats.kv_bytes_per_token)} for an 8k-token request")
+print(f"GDN state: {human_bytes(serve_stats.gdn_state_bytes_per_seq)} per request "
+      f"({human_bytes(stats.gdn_state_bytes_per_seq)} with HF's float32 state), "
+      f"as much as {serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token:,} tokens of KV cache")
+
+# %% [markdown]
+# ## 4. The HBM budget of a TPU7x-8
+#
+# **Predict.** bf16 weights take 2 bytes per parameter. FP8 (e4m3, block-scaled) routed experts take 1 byte
+# per parameter plus one float32 scale per 128 x 128 block; the rest stays bf16.
+
+# %%
+tpu = hardware.get("tpu7x-8")
+routed = stats.params_by_part["routed_experts"]
+predicted_bf16 = 2 * stats.total_params
+predicted_fp8 = 2 * (stats.total_params - routed) + routed
+print(f"{tpu.name}: {tpu.chips} chips x {tpu.devices_per_chip} TensorCores, {human_bytes(tpu.hbm_bytes_per_device)} "
+      f"per device, {human_bytes(tpu.hbm_bytes)} in all")
+print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {human_bytes(predicted_fp8)} (+ scales)")
+
+# %% [markdown]
+# **Measure.** `qwen35_lib.budget.hbm_budget` puts the weights on the devices and asks what the caches of 512
+# concurrent requests need, at 8k and at 1k tokens of context each. `even` placement spreads every weight
+# over the 8 devices: the best any layout can do.
+
+# %%
+bf16, fp8 = serve, serve.replace(expert_dtype="float8_e4m3fn")
+budgets = [budget.hbm_budget(m, tpu, concurrency=512, context_len=n) for m in (bf16, fp8) for n in (8192, 1024)]
+for b in budgets:
+    verdict = f"fits, {human_bytes(b.left_bytes)} left" if b.fits else f"short by {human_bytes(-b.left_bytes)}"
+    print(f"{b.weight_dtypes:<32} {b.context_len:>5} tokens: weights {human_bytes(b.weight_bytes)}, free "
+          f"{human_bytes(b.free_bytes)}, KV {human_bytes(b.kv_cache_bytes)} + GDN {human_bytes(b.gdn_state_bytes)}: "
+          f"{verdict}")
+viz.plot_hbm_budget(budgets)
+
+# %% [markdown]
+# **Measure it as a TPU would.** With libtpu installed, XLA compiles for a TPU7x-8 (`tpu7x:2x2x1`) on this
+# machine, nothing allocated. We compile a program that takes all the weights, placed `even`, or
+# `experts_sharded`: routed experts split 8 ways and every other weight replicated on each device, which is
+# what data-parallel attention with expert parallelism (notebook 02) does. XLA reports the bytes per device,
+# or refuses.
+
+# %%
+compiled = {}
+if importlib.util.find_spec("libtpu") is not None:  # the 'tpu' extra
+    for m in (bf16, fp8):
+        for placement in budget.PLACEMENTS:
+            compiled[m.expert_dtype or m.dtype, placement] = (m, budget.compiled_weight_bytes(m, placement))
+else:
+    print("libtpu not installed (pip install 'jax[tpu]'): skipped the ahead-of-time compiles")
+for (dtype, placement), (m, r) in compiled.items():
+    predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
+    got = human_bytes(r.argument_bytes_per_device) if r.error is None else r.error
+    print(f"{dtype:<14} {placement:<16} predicted {human_bytes(predicted)} per device; XLA: {got}")
+
+# %% [markdown]
+# **Check.** bf16 weights squeeze in, but the GDN state of 512 requests alone is more than what is left, even
+# at 1k tokens; with FP8 experts both workloads fit. XLA's per-device bytes match the prediction, and it refuses
+# bf16 weights once the dense weights are replicated. Its message also names the HBM a program may use per
+# device, a little under the table's 96 GiB: the runtime keeps some for itself.
+
+# %%
+bf16_8k, bf16_1k, fp8_8k, fp8_1k = budgets
+assert bf16_1k.weights_fit and not bf16_1k.fits and bf16_1k.free_bytes < bf16_1k.gdn_state_bytes
+assert fp8_8k.fits and fp8_1k.fits
+for (dtype, placement), (m, r) in compiled.items():
+    predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
+    if r.error is None:
+        assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (dtype, placement, r)
+    else:
+        assert "RESOURCE_EXHAUSTED" in r.error and predicted > tpu.hbm_bytes_per_device, r
+print(f"bf16: at most {bf16_1k.max_concurrency} requests of 1k tokens; FP8 experts: at most "
+      f"{fp8_8k.max_concurrency:,} of 8k, {fp8_1k.max_concurrency:,} of 1k")
+
+# %% [markdown]
+# ## 5. The same model, small: our logits against transformers
+#
+# Everything above came from declarations. To see that they describe the model HF runs, build a tiny random
+# Qwen3.5 MoE in transformers, save it as a checkpoint (one tensor per expert, as the released checkpoints
+# are), load it with `qwen35_lib.load_hf_checkpoint`, and compare logits.
+
+# %%
+if HAVE_HF:
+    hf_model = testing.make_hf_model(model_type="qwen3_5_moe", seed=0)
+    with tempfile.TemporaryDirectory() as checkpoint:
+        testing.save_hf_checkpoint(hf_model, checkpoint, form="per_expert")
+        tiny, tiny_weights = qwen35_lib.load_hf_checkpoint(checkpoint)
+    ids = np.random.default_rng(0).integers(0, tiny.vocab_size, size=(2, 16))
+    with jax.default_matmul_precision("highest"):  # float32 matmuls in full precision on a TPU too
+        ours = np.asarray(qwen35_lib.forward(tiny, tiny_weights, ids))
+    with torch.no_grad():
+        theirs = hf_model(torch.as_tensor(ids)).logits.float().numpy()
+    print(f"{tiny.name}: {qwen35_lib.model_stats(tiny).total_params:,} parameters; logits {ours.shape}, "
+          f"max |ours - transformers| = {np.abs(ours - theirs).max():.2e}")
+else:
+    print("transformers not installed: skipped the comparison with HF")
+
+# %% [markdown]
+# **Check.** Same parameter count, same logits (float32, up to summation order).
+
+# %%
+if HAVE_HF:
+    assert qwen35_lib.model_stats(tiny).total_params == sum(p.numel() for p in hf_model.parameters())
+    np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-3)
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+if os.environ.get("QWEN35_RESULTS_DIR"):
+    record = dict(total_params=stats.total_params, active_params=stats.active_params,
+                  kv_bytes_per_token=serve_stats.kv_bytes_per_token,
+                  gdn_state_bytes_per_seq=serve_stats.gdn_state_bytes_per_seq,
+                  budgets=[b.as_dict() for b in budgets])
+    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "architecture.json").write_text(json.dumps(record, indent=2))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> The routed experts are nearly all of the weights but under half of the per-token work, so
+# storing them in FP8 is what leaves a TPU7x-8 room for the GDN state and KV cache of 512 concurrent requests.
+# </div>
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **[GDN vs KV]** A request with a long context: at what length does its KV cache outgrow its GDN state?
+#    <details><summary>Answer</summary>
+#
+#    When `context_len * kv_bytes_per_token > gdn_state_bytes_per_seq`: compute
+#    `serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token` (printed in section 3: a few
+#    thousand tokens). Below that length the 45 GDN layers cost more than the 15 attention layers, although
+#    attention is the part that grows.
+#    </details>
+#
+# 2. **[Replication]** Data-parallel attention replicates every weight that is not a routed expert on each of
+#    the 8 devices. How many extra bytes does that cost the slice with FP8 experts, and what is left for caches?
+#    <details><summary>Answer</summary>
+#
+#    `budget.hbm_budget(fp8, tpu, 512, 8192, placement="experts_sharded")`: `weight_bytes_on_devices -
+#    weight_bytes` is 7 extra copies of the dense weights (attention, GDN, shared experts, router, embeddings),
+#    and `free_bytes` shrinks by as much; `.fits` tells whether 512 requests of 8k tokens still fit. With bf16
+#    weights the same placement does not even fit the weights: XLA refused it above.
+#    </details>
+#
+# 3. **[State dtype]** Keep HF's float32 GDN state instead of bf16. How many requests of 8k tokens fit with FP8
+#    experts?
+#    <details><summary>Answer</summary>
+#
+#    `budget.hbm_budget(fp8.replace(gdn_state_dtype="float32"), tpu, 512, 8192).max_concurrency`: the state
+#    doubles, so fewer requests fit, but more than 512 still do.
+#    </details>
+#
+# 4. **[Other hardware]** Does the model fit on eight H200s? On a v5p-8? Use the command line.
+#    <details><summary>Answer</summary>
+#
+#    `python -m qwen35_lib info --model qwen3.5-397b-a17b --hardware h200-8 --expert-dtype float8_e4m3fn
+#    --gdn-state-dtype bfloat16 --concurrency 512 --context-len 8192`, then `--hardware v5p-8` (4 chips of
+#    95 GiB: the FP8 weights alone nearly fill it).
+#    </details>
+#
+# 5. **[Workload lengths]** In the prefill-heavy workload `8k/1k` a request ends holding its 8k input plus 1k
+#    output tokens. Does that change the verdict for FP8 experts?
+#    <details><summary>Answer</summary>
+#
+#    `budget.hbm_budget(fp8, tpu, 512, 8192 + 1024).fits`: it still fits; the KV cache grows by an eighth.
+#    </details>
