@@ -59,3 +59,18 @@ def test_bfloat16_run_is_as_close_as_transformers_own_bfloat16(case):
         ours_err = np.abs(ours[b, :n] - ref32[b]).max()
         hf_err = np.abs(ref16[b] - ref32[b]).max()
         assert ours_err <= 2 * hf_err + 1e-3, f"row {b}: ours {ours_err:.3e} vs transformers bf16 {hf_err:.3e}"
+
+
+@pytest.mark.parametrize("fp8", ["keep", "dequantize"])
+def test_fp8_checkpoint_matches_its_dequantized_twin_in_transformers(tmp_path, fp8):
+    """Block-scaled FP8 end to end: our forward on the FP8 checkpoint (experts kept in FP8, or everything
+    dequantized on load) against transformers running the FP8-rounded weights in float32."""
+    from qwen35_lib.testing import fp8_round_trip
+
+    model = make_hf_model("qwen3_5_moe", seed=2)
+    config, weights = load_hf_checkpoint(save_hf_checkpoint(model, tmp_path / "fp8", "fp8"), fp8=fp8)
+    assert (config.expert_dtype == "float8_e4m3fn") == (fp8 == "keep")
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, (1, 70))
+    ours = np.asarray(forward(config, weights, ids))[0]
+    (ref,) = _hf_rows(fp8_round_trip(model), ids, [70])
+    assert np.abs(ours - ref).max() <= 1e-4

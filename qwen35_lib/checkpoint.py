@@ -1,0 +1,443 @@
+"""Load HuggingFace safetensors checkpoints of Qwen3.5 MoE and Qwen3-Next into our weight tree.
+
+Public: `load_hf_checkpoint(path, ...) -> (Config, weights)`. The tree is exactly `declare(config)`'s, filled.
+
+On-disk forms read (HF name -> our leaf; HF `nn.Linear` weights are [out, in], ours [in, ..., out]):
+- prefix `model.` (text checkpoints) or `model.language_model.` (the Qwen3.5 VL checkpoints); `model.visual.*`
+  and `mtp.*` are skipped with one warning;
+- experts fused (`mlp.experts.gate_up_proj [E, 2F, D]`, `mlp.experts.down_proj [E, D, F]`) or per expert
+  (`mlp.experts.{e}.{gate,up,down}_proj.weight`) -> `w_gate_up [E, D, 2, F]`, `w_down [E, F, D]`;
+- GDN: Qwen3.5 `in_proj_qkv` ([q | k | v] rows, head-major), `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next
+  `in_proj_qkvz` / `in_proj_ba`, grouped by key head (`fix_query_key_value_ordering`); `conv1d.weight
+  [conv_dim, 1, K]` -> `conv_q/k/v [K, heads, head_dim]` (tap K-1 multiplies the current token);
+- attention `q_proj [Hq * 2 * hd, D]` is per head [query hd | gate hd] -> `w_q`, `w_gate [D, Hq, hd]`;
+- block-scaled FP8: `X.weight` (float8_e4m3fn) with `X.weight_scale_inv [cdiv(out, b), cdiv(in, b)]` (fused:
+  `X_scale_inv`), `w = q * scale_inv` blockwise. Dequantized, or experts kept as `BlockFP8` (`fp8="keep"`).
+
+Every HF tensor is fetched once (`safetensors_io.SafeTensorsFile.get`, a memmap view) and its bytes copied once:
+leaves that share a source (e.g. `w_q`, `w_k`, `w_v` from `in_proj_qkv`) are assembled together as one group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35_lib import safetensors_io
+from qwen35_lib.config import FULL, LINEAR, Config, from_hf_config
+from qwen35_lib.weights import ArrayInfo, BlockFP8, declare, dequantize_fp8_np, is_info
+
+Path = tuple[str, ...]  # a leaf's path in the weight tree, e.g. ("layers", "gdn", "w_q")
+Place = Callable[[Path, np.ndarray, ArrayInfo], Any]
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # vision tower, multi-token prediction
+FP8 = np.dtype(jnp.float8_e4m3fn)
+
+
+def default_place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
+    """Put a loaded leaf on the default device (a sharded loader passes its own `place`)."""
+    return jnp.asarray(array)
+
+
+def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize",
+                       place: Place = default_place, **config_changes: Any) -> tuple[Config, dict]:
+    """Read an HF checkpoint directory (`config.json` + `*.safetensors`) into `(config, weights)`.
+
+    dtype: the weights' dtype ("float32" / "bfloat16"); default: the checkpoint's (config.json `dtype`).
+    fp8: "dequantize" (FP8 tensors become plain weights in `dtype`) or "keep" (FP8 expert weights stay
+      `BlockFP8(value, scale)` and the config gets `expert_dtype="float8_e4m3fn"`; the rest is dequantized).
+    place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per leaf as soon as it is assembled.
+    config_changes: fields of `Config` to override (e.g. `attention_kernel="xla"`).
+
+    1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
+       (EOS ids from `generation_config.json` when present).
+    2. Plan: for every group of leaves, the HF tensors it needs, their expected shapes, and how they split.
+    3. Check before reading: missing tensors, shapes that disagree with config.json, leftover tensors.
+    4. Per group: allocate the numpy leaves, copy every source in (each read once), check against
+       `declare(config)`, `place` each leaf.
+    """
+    if fp8 not in ("dequantize", "keep"):
+        raise ValueError(f"fp8={fp8!r}; use 'dequantize' (plain weights) or 'keep' (BlockFP8 experts)")
+    root = pathlib.Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {root}; pass an HF checkpoint directory "
+                                "(config.json + *.safetensors)")
+    hf = json.loads((root / "config.json").read_text())
+    from_hf_config(hf)  # fails early on an unknown model_type or missing fields
+    quant = _quant_block(hf)
+    tensors = _open_files(root)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
+    changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes)
+    config = from_hf_config(hf, **changes)
+    if config.expert_dtype is not None and config.fp8_block_size != quant:
+        raise ValueError(f"{root}: expert_dtype={config.expert_dtype!r} keeps the checkpoint's FP8 experts, but the "
+                         f"checkpoint has {'no FP8 weights' if not quant else f'FP8 blocks of {quant}'}; "
+                         "load with fp8='keep' on an FP8 checkpoint, or without expert_dtype")
+    text = hf.get("text_config") or hf
+    tied = bool(text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False)))
+
+    decl = declare(config)
+    infos = dict(_leaves(decl))
+    groups = _plan(config, prefix, tensors, tied)
+    _check(root, config, tensors, groups, quant)
+    out: dict[Path, Any] = {}
+    for group in groups:
+        arrays = {key: np.empty(infos[p].shape, infos[p].dtype) for key, p in group.leaves.items()}
+        for op in group.ops:
+            sources = [_read(tensors, n, quant, op.raw) for n in op.sources]
+            for key, piece in op.split(*sources).items():
+                target = arrays[key][op.index]
+                assert piece.shape == target.shape, (group.leaves[key], op.index, piece.shape, target.shape)
+                target[...] = piece  # casts to the declared dtype
+        for key, p in group.leaves.items():
+            out[p] = place(p, arrays.pop(key), infos[p])
+            if (out[p].shape, out[p].dtype) != (infos[p].shape, infos[p].dtype):
+                raise ValueError(f"place returned {out[p].shape} {out[p].dtype} for {'/'.join(p)}, declared "
+                                 f"{infos[p].shape} {infos[p].dtype}; place must keep the shape and dtype")
+    assert out.keys() == infos.keys(), f"internal error: no plan for {sorted(set(infos) - set(out))}"
+    return config, jax.tree.structure(decl, is_leaf=is_info).unflatten([out[p] for p in infos])
+
+
+def _config_changes(root: pathlib.Path, hf: dict, tensors: dict, prefix: str, quant: int | None, dtype: Any,
+                    fp8: str, changes: dict) -> dict:
+    """Config fields set by the load: the name (the directory's, unless config.json has one), `dtype`, EOS ids
+    from generation_config.json, FP8 experts kept."""
+    changes = dict(changes)
+    if not (hf.get("_name_or_path") or (hf.get("text_config") or {}).get("_name_or_path")):
+        changes.setdefault("name", root.resolve().name)
+    if dtype is not None:
+        changes["dtype"] = jnp.dtype(dtype).name
+    gen = root / "generation_config.json"
+    if gen.exists() and "eos_token_ids" not in changes:  # what HF generate() stops on
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            changes["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    if fp8 == "keep" and quant and _experts_are_fp8(tensors, prefix):
+        changes.setdefault("expert_dtype", "float8_e4m3fn")
+    return changes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files, config and reading
+
+
+def _open_files(root: pathlib.Path) -> dict[str, safetensors_io.SafeTensorsFile]:
+    """Tensor name -> its open file, over the files the index names, else every `*.safetensors` in `root`."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory; pass the checkpoint directory "
+                                "(config.json + *.safetensors)")
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [n for n in names if not (root / n).exists()]
+        if absent:
+            raise FileNotFoundError(f"{index.name} names {len(absent)} files missing from {root}: {absent[:10]}; "
+                                    "finish the download")
+    else:
+        names = sorted(p.name for p in root.glob("*.safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors files in {root}; this loader reads safetensors only (no .bin / "
+                                ".pt pickles): download the safetensors weights or convert them first")
+    tensors: dict[str, safetensors_io.SafeTensorsFile] = {}
+    for f in (safetensors_io.SafeTensorsFile(root / n) for n in names):
+        for name in f.keys():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} is in both {tensors[name].path} and {f.path}")
+            tensors[name] = f
+    return tensors
+
+
+def _quant_block(hf: dict) -> int | None:
+    """The FP8 block size of a block-scaled FP8 checkpoint, None for an unquantized one."""
+    quant = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    block = quant.get("weight_block_size")
+    if method != "fp8" or not block:
+        raise ValueError(f"quantization_config {quant} is not supported; this loader reads block-scaled FP8 "
+                         "(quant_method 'fp8' with weight_block_size) or unquantized checkpoints")
+    return int(block[0])
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len(".weight")] + ".weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+
+
+def _experts_are_fp8(tensors: dict, prefix: str) -> bool:
+    return any(n.startswith(prefix + "layers.") and ".mlp.experts." in n and f.tensors[n].dtype == "F8_E4M3"
+               for n, f in tensors.items())
+
+
+def _read(tensors: dict, name: str, block: int | None, raw: bool) -> np.ndarray:
+    """A tensor as stored (`raw`, or not FP8), or dequantized to float32 with its `scale_inv`."""
+    value = tensors[name].get(name)
+    if raw or value.dtype != FP8:
+        return value
+    scale_name = _scale_name(name)
+    return dequantize_fp8_np(value, tensors[scale_name].get(scale_name), block)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: groups of leaves filled by ops, each op reading some HF tensors once
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    sources: tuple[str, ...]  # HF tensor names, passed to `split` in this order
+    shapes: tuple[tuple[int, ...], ...]  # their shapes as config.json implies
+    index: tuple[int, ...]  # where the pieces go in each leaf of the group (leading dims)
+    split: Callable[..., dict[str, np.ndarray]]  # source arrays -> {leaf key: piece}
+    raw: bool = False  # True: FP8 sources as stored (values and scales), not dequantized
+
+
+@dataclasses.dataclass
+class _Group:
+    leaves: dict[str, Path]  # leaf key (as `split` names it) -> path in the tree
+    ops: list[_Op] = dataclasses.field(default_factory=list)
+
+
+class _Planner:
+    """Collects ops into groups: `add` for an op filling several leaves, `one` for a single tensor -> leaf."""
+
+    def __init__(self):
+        self.groups: dict[tuple[Path, ...], _Group] = {}
+
+    def add(self, leaves: dict[str, Path], sources: list[tuple[str, tuple[int, ...]]], index: tuple[int, ...],
+            split: Callable[..., dict[str, np.ndarray]], raw: bool = False) -> None:
+        group = self.groups.setdefault(tuple(leaves.values()), _Group(leaves))
+        group.ops.append(_Op(tuple(n for n, _ in sources), tuple(s for _, s in sources), index, split, raw))
+
+    def one(self, path: Path, name: str, shape: tuple[int, ...], index: tuple[int, ...] = (),
+            fn: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> None:
+        self.add({"x": path}, [(name, shape)], index, lambda a: {"x": fn(a)})
+
+
+def _in_heads(w: np.ndarray, n: int, d: int) -> np.ndarray:
+    """HF rows [n * d, X] (head-major) -> ours [X, n, d]."""
+    return w.reshape(n, d, w.shape[-1]).transpose(2, 0, 1)
+
+
+def _out_heads(w: np.ndarray, n: int, d: int) -> np.ndarray:
+    """HF [D, n * d] (an output projection) -> ours [n, d, D]."""
+    return w.reshape(w.shape[0], n, d).transpose(1, 2, 0)
+
+
+def _plan(c: Config, prefix: str, tensors: dict, tied: bool) -> list[_Group]:
+    """Every group of leaves and the ops that fill it.
+
+    1. Top level: embed, final_norm, lm_head (`lm_head.weight`, else the embedding if `tied`).
+    2. Per layer i (group g = i // P, slot p = i % P, slot j among layers of its kind): norms and MoE at
+       [g, p], then the GDN or attention block at [g, j].
+    """
+    pl = _Planner()
+    D, V, P = c.hidden_size, c.vocab_size, len(c.layer_pattern)
+    embed = prefix + "embed_tokens.weight"
+    if "lm_head.weight" in tensors or not tied:
+        pl.one(("embed",), embed, (V, D))
+        pl.one(("lm_head",), "lm_head.weight", (V, D), fn=lambda a: a.T)
+    else:  # tied: one read feeds both leaves
+        pl.add({"embed": ("embed",), "lm_head": ("lm_head",)}, [(embed, (V, D))], (),
+               lambda a: {"embed": a, "lm_head": a.T})
+    pl.one(("final_norm",), prefix + "norm.weight", (D,))
+    for i, kind in enumerate(c.layer_types):
+        g, p = divmod(i, P)
+        j = c.layer_pattern[:p].count(kind)
+        pre = f"{prefix}layers.{i}."
+        pl.one(("layers", "input_norm"), pre + "input_layernorm.weight", (D,), (g, p))
+        pl.one(("layers", "post_norm"), pre + "post_attention_layernorm.weight", (D,), (g, p))
+        _plan_moe(pl, c, pre + "mlp.", (g, p), fused=pre + "mlp.experts.gate_up_proj" in tensors)
+        if kind == LINEAR:
+            _plan_gdn(pl, c, pre + "linear_attn.", (g, j))
+        else:
+            assert kind == FULL, kind
+            _plan_attn(pl, c, pre + "self_attn.", (g, j))
+    return list(pl.groups.values())
+
+
+def _plan_gdn(pl: _Planner, c: Config, la: str, gj: tuple[int, int]) -> None:
+    """One Gated DeltaNet layer (`la` = "...linear_attn.")."""
+    D, K = c.hidden_size, c.gdn_conv_kernel
+    nk, nv, dk, dv, kd, vd = c.gdn_num_k_heads, c.gdn_num_v_heads, c.gdn_k_head_dim, c.gdn_v_head_dim, \
+        c.gdn_key_dim, c.gdn_value_dim
+    r = nv // nk  # value heads per key head
+    gdn = ("layers", "gdn")
+    proj = {n: (*gdn, n) for n in ("w_q", "w_k", "w_v", "w_z", "w_b", "w_a")}
+    if c.model_type == "qwen3_next":
+        def split_next(qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
+            # rows grouped by key head: per group [q dk | k dk | v r*dv | z r*dv] and [b r | a r];
+            # group h owns value heads h*r .. h*r + r-1, so value rows are head-major after the split
+            q, k, v, z = np.split(qkvz.reshape(nk, 2 * dk + 2 * r * dv, D), [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+            b, a = np.split(ba.reshape(nk, 2 * r, D), [r], axis=1)
+            return dict(w_q=q.transpose(2, 0, 1), w_k=k.transpose(2, 0, 1),  # [D, nk, dk]
+                        w_v=_in_heads(v, nv, dv), w_z=_in_heads(z, nv, dv),  # [D, nv, dv]
+                        w_b=b.reshape(nv, D).T, w_a=a.reshape(nv, D).T)  # [D, nv]
+
+        pl.add(proj, [(la + "in_proj_qkvz.weight", (2 * kd + 2 * vd, D)), (la + "in_proj_ba.weight", (2 * nv, D))],
+               gj, split_next)
+    else:
+        def split_qkv(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray) -> dict[str, np.ndarray]:
+            q, k, v = np.split(qkv, [kd, 2 * kd])  # rows [q | k | v], each head-major
+            return dict(w_q=_in_heads(q, nk, dk), w_k=_in_heads(k, nk, dk), w_v=_in_heads(v, nv, dv),
+                        w_z=_in_heads(z, nv, dv), w_b=b.T, w_a=a.T)
+
+        pl.add(proj, [(la + "in_proj_qkv.weight", (2 * kd + vd, D)), (la + "in_proj_z.weight", (vd, D)),
+                      (la + "in_proj_b.weight", (nv, D)), (la + "in_proj_a.weight", (nv, D))], gj, split_qkv)
+
+    def split_conv(w: np.ndarray) -> dict[str, np.ndarray]:
+        q, k, v = np.split(w[:, 0, :], [kd, 2 * kd])  # channels [q | k | v] (both model types), each [ch, K]
+        return dict(conv_q=_in_heads(q, nk, dk), conv_k=_in_heads(k, nk, dk), conv_v=_in_heads(v, nv, dv))  # [K, n, d]
+
+    pl.add({n: (*gdn, n) for n in ("conv_q", "conv_k", "conv_v")}, [(la + "conv1d.weight", (2 * kd + vd, 1, K))],
+           gj, split_conv)
+    pl.one((*gdn, "A_log"), la + "A_log", (nv,), gj)
+    pl.one((*gdn, "dt_bias"), la + "dt_bias", (nv,), gj)
+    pl.one((*gdn, "norm"), la + "norm.weight", (dv,), gj)
+    pl.one((*gdn, "w_out"), la + "out_proj.weight", (D, vd), gj, lambda a: _out_heads(a, nv, dv))
+
+
+def _plan_attn(pl: _Planner, c: Config, sa: str, gj: tuple[int, int]) -> None:
+    """One gated attention layer (`sa` = "...self_attn.")."""
+    D, Hq, Hkv, hd = c.hidden_size, c.num_q_heads, c.num_kv_heads, c.head_dim
+    attn = ("layers", "attn")
+
+    def split_q(w: np.ndarray) -> dict[str, np.ndarray]:
+        qg = w.reshape(Hq, 2, hd, D)  # per head [query hd | gate hd]
+        return dict(w_q=qg[:, 0].transpose(2, 0, 1), w_gate=qg[:, 1].transpose(2, 0, 1))  # [D, Hq, hd]
+
+    pl.add({"w_q": (*attn, "w_q"), "w_gate": (*attn, "w_gate")}, [(sa + "q_proj.weight", (Hq * 2 * hd, D))], gj,
+           split_q)
+    pl.one((*attn, "w_k"), sa + "k_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
+    pl.one((*attn, "w_v"), sa + "v_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
+    pl.one((*attn, "w_o"), sa + "o_proj.weight", (D, Hq * hd), gj, lambda a: _out_heads(a, Hq, hd))
+    pl.one((*attn, "q_norm"), sa + "q_norm.weight", (hd,), gj)
+    pl.one((*attn, "k_norm"), sa + "k_norm.weight", (hd,), gj)
+
+
+def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool) -> None:
+    """One MoE block (`m` = "...mlp."): router, shared expert, routed experts.
+
+    Experts: `w_gate_up [E, D, 2, F]`, `w_down [E, F, D]`. Fused tensors give one op per layer, per-expert tensors
+    one op per expert. With `config.expert_dtype` set, values and `scale_inv` tensors are copied as stored into
+    `BlockFP8(value, scale)` leaves, the scales transposed like the values.
+    """
+    D, E, F, Fs, b = c.hidden_size, c.num_experts, c.moe_ffn, c.shared_ffn, c.fp8_block_size
+    moe, s, x = ("layers", "moe"), m + "shared_expert.", m + "experts."
+    pl.one((*moe, "router"), m + "gate.weight", (E, D), gp, lambda a: a.T)
+    pl.one((*moe, "shared_gate"), m + "shared_expert_gate.weight", (1, D), gp, lambda a: a[0])
+    pl.add({"x": (*moe, "shared_gate_up")}, [(s + "gate_proj.weight", (Fs, D)), (s + "up_proj.weight", (Fs, D))],
+           gp, lambda gw, uw: {"x": np.stack([gw.T, uw.T], axis=1)})  # [D, 2, Fs]
+    pl.one((*moe, "shared_down"), s + "down_proj.weight", (D, Fs), gp, lambda a: a.T)
+
+    fp8 = c.expert_dtype is not None
+    cd, cf = -(-D // b), -(-F // b)
+    gu = {"v": (*moe, "w_gate_up", "value"), "s": (*moe, "w_gate_up", "scale")} if fp8 else {"v": (*moe, "w_gate_up")}
+    dn = {"v": (*moe, "w_down", "value"), "s": (*moe, "w_down", "scale")} if fp8 else {"v": (*moe, "w_down")}
+    if fused:
+        gate_up, down = x + "gate_up_proj", x + "down_proj"  # [E, 2F, D] rows [gate | up]; [E, D, F]
+        if not fp8:
+            pl.add(gu, [(gate_up, (E, 2 * F, D))], gp, lambda a: {"v": a.reshape(E, 2, F, D).transpose(0, 3, 1, 2)})
+            pl.add(dn, [(down, (E, D, F))], gp, lambda a: {"v": a.transpose(0, 2, 1)})
+            return
+        if F % b:
+            raise ValueError(f"fused FP8 experts with moe_intermediate_size {F}, not a multiple of the FP8 block {b}: "
+                             "a scale block straddles gate and up; load with fp8='dequantize'")
+
+        def split_gate_up(v: np.ndarray, sc: np.ndarray) -> dict[str, np.ndarray]:
+            return {"v": v.reshape(E, 2, F, D).transpose(0, 3, 1, 2),  # [E, D, 2, F]
+                    "s": sc.reshape(E, 2, cf, cd).transpose(0, 3, 1, 2)}  # [E, cdiv(D, b), 2, cdiv(F, b)]
+
+        pl.add(gu, [(gate_up, (E, 2 * F, D)), (_scale_name(gate_up), (E, 2 * cf, cd))], gp, split_gate_up, raw=True)
+        pl.add(dn, [(down, (E, D, F)), (_scale_name(down), (E, cd, cf))], gp,
+               lambda v, sc: {"v": v.transpose(0, 2, 1), "s": sc.transpose(0, 2, 1)}, raw=True)
+        return
+    for e in range(E):
+        gate, up, down = (f"{x}{e}.{n}_proj.weight" for n in ("gate", "up", "down"))  # [F, D], [F, D], [D, F]
+        if not fp8:
+            pl.add(gu, [(gate, (F, D)), (up, (F, D))], (*gp, e), lambda gw, uw: {"v": np.stack([gw.T, uw.T], axis=1)})
+            pl.add(dn, [(down, (D, F))], (*gp, e), lambda a: {"v": a.T})
+            continue
+        pl.add(gu, [(gate, (F, D)), (up, (F, D)), (_scale_name(gate), (cf, cd)), (_scale_name(up), (cf, cd))], (*gp, e),
+               lambda gv, uv, gs, us: {"v": np.stack([gv.T, uv.T], axis=1), "s": np.stack([gs.T, us.T], axis=1)},
+               raw=True)
+        pl.add(dn, [(down, (D, F)), (_scale_name(down), (cd, cf))], (*gp, e),
+               lambda v, sc: {"v": v.T, "s": sc.T}, raw=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks before reading
+
+
+def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], block: int | None) -> None:
+    """Raise on missing tensors, shapes that disagree with config.json, FP8 tensors without (right) scales and
+    leftover tensors; warn once about skipped vision / MTP tensors."""
+    used: set[str] = set()
+    missing: list[str] = []
+    wrong: list[str] = []
+    fp8_wrong: list[str] = []
+    for op in (op for grp in groups for op in grp.ops):
+        for name, shape in zip(op.sources, op.shapes, strict=True):
+            used.add(name)
+            if name not in tensors:
+                missing.append(name)
+                continue
+            info = tensors[name].tensors[name]
+            if info.shape != shape:
+                wrong.append(f"{name}: config.json implies {shape}, the file has {info.shape}")
+            if op.raw and not name.endswith("_scale_inv") and info.dtype != "F8_E4M3":
+                fp8_wrong.append(f"{name} is {info.dtype}, not F8_E4M3 (expert_dtype float8_e4m3fn keeps FP8 experts)")
+            if not op.raw and info.dtype == "F8_E4M3":  # dequantized on read: its scale must be there and fit
+                scale = _scale_name(name)
+                used.add(scale)
+                if block is None:
+                    fp8_wrong.append(f"{name} is FP8 but config.json has no quantization_config.weight_block_size")
+                elif scale not in tensors:
+                    missing.append(scale)
+                else:
+                    want = (*shape[:-2], *(-(-n // block) for n in shape[-2:]))
+                    got = tensors[scale].tensors[scale].shape
+                    if got != want:
+                        wrong.append(f"{scale}: blocks of {block} imply {want}, the file has {got}")
+    where = f"{root} (model_type {c.model_type}, {c.num_layers} layers, {c.num_experts} experts)"
+    if missing:
+        raise ValueError(f"{where}: {len(missing)} tensors that config.json implies are missing: {_some(missing)}. "
+                         "Check that every shard downloaded and that config.json belongs to these weights")
+    if wrong:
+        raise ValueError(f"{where}: {len(wrong)} tensors disagree with config.json: {_some(wrong)}. "
+                         "The config.json does not describe these weights: use the checkpoint's own config.json")
+    if fp8_wrong:
+        raise ValueError(f"{where}: {_some(fp8_wrong)}")
+    rest = [n for n in tensors if n not in used]
+    skipped = [n for n in rest if n.startswith(SKIPPED_PREFIXES)]
+    left = [n for n in rest if not n.startswith(SKIPPED_PREFIXES)]
+    if left:
+        raise ValueError(f"{where}: {len(left)} tensors are neither weights of this text model nor vision "
+                         f"(model.visual.*) / MTP (mtp.*) weights: {_some(left)}. Is config.json the right one?")
+    if skipped:
+        warnings.warn(f"{root}: skipped {len(skipped)} vision (model.visual.*) and MTP (mtp.*) tensors; "
+                      "this library loads the text model only", stacklevel=3)
+
+
+def _some(items: list[str], n: int = 10) -> str:
+    return ", ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
+
+
+def _leaves(tree: Any) -> list[tuple[Path, ArrayInfo]]:
+    """(path, ArrayInfo) of every leaf, in `jax.tree` order; paths use dict keys and BlockFP8 field names."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
+    return [(tuple(_key(k) for k in kp), info) for kp, info in flat]
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            v = getattr(k, attr)
+            return BlockFP8._fields[v] if attr == "idx" else str(v)
+    raise TypeError(k)

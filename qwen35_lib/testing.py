@@ -1,0 +1,270 @@
+"""The test factory: tiny random HF models and their checkpoints in every on-disk form we load.
+
+Used by the tests and the notebooks alike. torch and transformers are imported inside the functions, so
+importing this module costs nothing without the `reference` extra.
+
+    model = make_hf_model("qwen3_5_moe")               # Qwen3_5MoeForCausalLM, eval(), seeded
+    path = save_hf_checkpoint(model, tmp / "ckpt", "fused")
+    config, weights = load_hf_checkpoint(path)
+
+Forms (`FORMS`):
+- "per_expert": what `save_pretrained` writes (experts as `mlp.experts.{e}.{gate,up,down}_proj.weight`);
+- "fused": experts as 3-D `mlp.experts.gate_up_proj [E, 2F, D]` / `down_proj [E, D, F]`, as the real Qwen3.5
+  bf16 checkpoints store them;
+- "language_model" (Qwen3.5 only): the VL layout: nested config.json (`qwen3_5_moe` + `text_config`), tensors under
+  `model.language_model.`, fused experts, plus a few `model.visual.*` and `mtp.*` tensors a loader must skip;
+- "sharded": per-expert tensors in `num_shards` files with `model.safetensors.index.json`;
+- "fp8": block-scaled FP8 (e4m3) of every 2-D linear weight except the embedding, lm_head and router, with
+  `*.weight_scale_inv` (`w = q * scale_inv`), per-expert experts, a `quantization_config`;
+- "fp8_dequantized": the same FP8-rounded weights, dequantized to float32: the FP8 checkpoint's exact twin.
+`fp8_round_trip(model)` gives that twin as an HF model, for logits comparisons.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from qwen35_lib import safetensors_io
+
+FORMS = ("per_expert", "fused", "language_model", "sharded", "fp8", "fp8_dequantized")
+FP8_BLOCK = 16  # tiny shapes get several blocks per matrix, and partial ones (in_proj_b/a: 4 rows)
+FP8_MAX = 448.0  # largest float8_e4m3fn
+# Norm and decay parameters that HF initialises to constants (0 or 1); make_hf_model perturbs them.
+PERTURBED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+             "model.norm.weight", "linear_attn.norm.weight", "A_log", "dt_bias")
+FAKE_SKIPPED = {  # VL form: tensors of the vision tower and the MTP head (shapes do not matter)
+    "model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
+    "model.visual.blocks.0.attn.qkv.weight": (48, 16),
+    "mtp.fc.weight": (64, 128),
+    "mtp.norm.weight": (64,),
+    "mtp.layers.0.mlp.experts.0.down_proj.weight": (64, 32),
+}
+
+
+def tiny_hf_config(model_type: str = "qwen3_5_moe", **overrides: Any) -> Any:
+    """A transformers config matching our `qwen3.5-tiny` preset (fields in `overrides` replace the defaults).
+
+    vocab 256, hidden 64, 4 layers (3 GDN + 1 attention), 4 q / 2 kv heads of 32, GDN 2 key / 4 value heads of
+    16 / 24, conv 4, 8 experts top-3 of 32, shared expert 48, RoPE theta 1e7 on a quarter of each head, EOS 1.
+    """
+    import transformers
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, eos_token_id=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    )
+    if model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        return transformers.Qwen3_5MoeTextConfig(**{**fields, **overrides})
+    if model_type == "qwen3_next":
+        fields.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return transformers.Qwen3NextConfig(**{**fields, **overrides})
+    raise ValueError(f"unknown model_type {model_type!r}; use 'qwen3_5_moe' or 'qwen3_next'")
+
+
+def make_hf_model(model_type: str = "qwen3_5_moe", seed: int = 0, dtype: Any = None, **overrides: Any) -> Any:
+    """A seeded random `Qwen3_5MoeForCausalLM` / `Qwen3NextForCausalLM` in eval mode.
+
+    1. Build the model under `torch.manual_seed(seed)` (HF's own init: normal(0.02) matrices).
+    2. Add 0.1 * N(0, 1) to every parameter HF initialises to a constant (zero-centred norms at 0, the gated
+       norm and dt_bias at 1) and to A_log, so a loader that drops or swaps them cannot go unnoticed.
+    3. Cast to `dtype` (default float32; a torch dtype or its name) and record it in the config.
+    """
+    import torch
+    import transformers
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+    config = tiny_hf_config(model_type, **overrides)
+    cls = transformers.Qwen3NextForCausalLM if model_type == "qwen3_next" else transformers.Qwen3_5MoeForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = cls(config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(PERTURBED):
+                    param.add_(0.1 * torch.randn(param.shape))
+    model = model.to(dtype).eval()
+    model.config.dtype = dtype
+    return model
+
+
+def checkpoint_tensors(model: Any, form: str = "per_expert", fp8_block: int = FP8_BLOCK) -> dict[str, np.ndarray]:
+    """The tensors `save_hf_checkpoint(model, path, form)` writes, as numpy arrays (bfloat16 via ml_dtypes).
+
+    1. The model's state dict (fused experts, `model.` prefix); 2. split experts per expert unless the form
+    keeps them fused; 3. FP8 forms: quantize (or round-trip) the linear weights; 4. the VL form: re-prefix and
+    add the vision / MTP tensors.
+    """
+    _check_form(model, form)
+    sd = {name: _to_numpy(t) for name, t in model.state_dict().items()}
+    if form not in ("fused", "language_model"):
+        sd = _split_experts(sd)
+    if form in ("fp8", "fp8_dequantized"):
+        out = {}
+        for name, w in sd.items():
+            if not _quantized(name, w):
+                out[name] = w
+                continue
+            q, scale = quantize_fp8_blocks(w.astype(np.float32), fp8_block)
+            if form == "fp8":
+                out[name], out[name[: -len(".weight")] + ".weight_scale_inv"] = q, scale
+            else:
+                out[name] = dequantize_fp8_blocks(q, scale, fp8_block)
+        sd = out
+    if form == "language_model":
+        sd = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): w for n, w in sd.items()}
+        rng = np.random.default_rng(0)
+        sd.update({n: rng.standard_normal(s).astype(np.float32) for n, s in FAKE_SKIPPED.items()})
+    return sd
+
+
+def save_hf_checkpoint(model: Any, path: str | pathlib.Path, form: str = "per_expert", *,
+                       fp8_block: int = FP8_BLOCK, num_shards: int = 3) -> pathlib.Path:
+    """Write `model` as an HF checkpoint directory in one of `FORMS`; returns the directory.
+
+    Every form has config.json and generation_config.json. "per_expert" is `model.save_pretrained(path)` itself.
+    """
+    path = pathlib.Path(path)
+    _check_form(model, form)
+    if form == "per_expert":
+        model.save_pretrained(path)
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = checkpoint_tensors(model, form, fp8_block)
+    config = model.config.to_dict()
+    config["dtype"] = str(model.dtype).removeprefix("torch.")
+    config["architectures"] = [type(model).__name__]
+    if form == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [fp8_block, fp8_block]}
+    if form == "language_model":
+        import transformers
+
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=config["hidden_size"],
+                      patch_size=4)
+        vl = transformers.Qwen3_5MoeConfig(text_config=config, vision_config=vision).to_dict()
+        vl.update(architectures=["Qwen3_5MoeForConditionalGeneration"], dtype=config["dtype"])
+        config = vl
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    model.generation_config.save_pretrained(path)
+    if form != "sharded":
+        safetensors_io.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return path
+    names = sorted(tensors)
+    chunks = [names[k::num_shards] for k in range(num_shards)]  # interleaved: every file holds some of each layer
+    weight_map = {}
+    for k, chunk in enumerate(chunks):
+        file = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+        safetensors_io.save_file({n: tensors[n] for n in chunk}, path / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in chunk})
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return path
+
+
+def fp8_round_trip(model: Any, fp8_block: int = FP8_BLOCK) -> Any:
+    """A copy of `model` whose weights are those of its "fp8" checkpoint, dequantized (the twin, in memory)."""
+    import torch
+
+    twin = copy.deepcopy(model)
+    sd = checkpoint_tensors(model, "fp8_dequantized", fp8_block)
+    sd = _fuse_experts(sd)
+    with torch.no_grad():
+        for name, param in twin.state_dict().items():
+            param.copy_(torch.from_numpy(np.asarray(sd[name], np.float32)).to(param.dtype))
+    return twin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block-scaled FP8, written independently of qwen35_lib.weights so the tests check one against the other.
+
+
+def quantize_fp8_blocks(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """`w [out, in]` float32 -> (q float8_e4m3fn [out, in], scale_inv float32 [cdiv(out, b), cdiv(in, b)]).
+
+    Per block: scale = amax / 448 (1 for an all-zero block), q = w / scale rounded to e4m3; so w ~= q * scale.
+    """
+    out, inn = w.shape
+    co, ci = -(-out // block), -(-inn // block)
+    padded = np.zeros((co * block, ci * block), np.float32)
+    padded[:out, :inn] = w
+    tiles = padded.reshape(co, block, ci, block)
+    amax = np.abs(tiles).max(axis=(1, 3))  # [co, ci]
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+    q = (tiles / scale[:, None, :, None]).reshape(padded.shape)[:out, :inn].astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """q * scale_inv, each scale covering a `block` x `block` tile; float32."""
+    full = np.kron(scale, np.ones((block, block), np.float32))[: q.shape[0], : q.shape[1]]
+    return q.astype(np.float32) * full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_form(model: Any, form: str) -> None:
+    if form not in FORMS:
+        raise ValueError(f"unknown checkpoint form {form!r}; forms: {', '.join(FORMS)}")
+    if form == "language_model" and model.config.model_type == "qwen3_next":
+        raise ValueError("Qwen3-Next has no vision-language checkpoint; the 'language_model' form is Qwen3.5 only")
+
+
+def _to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: go through float32 (exact both ways)
+        return t.float().numpy().astype(ml_dtypes.bfloat16)
+    return t.numpy().copy()
+
+
+def _split_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fused `experts.gate_up_proj [E, 2F, D]` / `experts.down_proj [E, D, F]` -> per-expert `.weight`s."""
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, F = name[: -len("gate_up_proj")], w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = w[e, :F], w[e, F:]
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            out.update({f"{base}{e}.down_proj.weight": w[e] for e in range(w.shape[0])})
+        else:
+            out[name] = w
+    return out
+
+
+def _fuse_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of `_split_experts` (what HF's conversion mapping does on load)."""
+    out, experts = {}, {}
+    for name, w in sd.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = w
+            continue
+        e, proj = tail.split(".")[:2]
+        experts.setdefault(head, {}).setdefault(proj, {})[int(e)] = w
+    for head, projs in experts.items():
+        E = len(projs["down_proj"])
+        out[f"{head}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(E)])
+        out[f"{head}.mlp.experts.down_proj"] = np.stack([projs["down_proj"][e] for e in range(E)])
+    return out
+
+
+def _quantized(name: str, w: np.ndarray) -> bool:
+    """Whether the "fp8" form stores `name` in FP8: 2-D linear weights but the embedding, lm_head and router."""
+    return (w.ndim == 2 and name.endswith(".weight")
+            and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")))
