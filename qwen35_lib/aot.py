@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import os
 
 import jax
@@ -30,6 +31,9 @@ def topology_devices(topology: str = TPU7X_8) -> tuple:
     # libtpu takes /tmp/libtpu_lockfile for the whole process; without this, a second process (a notebook
     # kernel next to a test run) cannot load it. Nothing here drives a real TPU, so sharing is safe.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"):  # no TPU here: quiet libtpu's probing
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "tpu7x-8")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     try:
