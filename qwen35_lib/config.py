@@ -217,7 +217,8 @@ def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, **cha
     pattern = _find_pattern(tuple(layer_types))
     if model_type == "qwen3_next":
         if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("Qwen3-Next configs with dense (mlp_only) layers are not supported: every layer must be MoE")
+            raise ValueError("Qwen3-Next configs with dense (mlp_only) layers are not supported: "
+                             "every layer must be MoE")
     eos = text.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     hf_dtype = text.get("dtype") or text.get("torch_dtype") or "bfloat16"

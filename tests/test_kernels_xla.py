@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from qwen35_lib import get_config, init_weights
-from qwen35_lib.kernels import available, get
-from qwen35_lib.kernels import gdn_xla
+from qwen35_lib.kernels import available, gdn_xla, get
 from qwen35_lib.model import moe
 from qwen35_lib.weights import BlockFP8, dequantize_fp8, quantize_fp8
 

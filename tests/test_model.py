@@ -73,7 +73,7 @@ def test_bad_lengths_and_weights_are_named(tiny):
         forward(cfg, w, ids, [5, 6])
     with pytest.raises(ValueError, match="lengths must be 2 integers"):
         forward(cfg, w, ids, [5])
-    with pytest.raises(ValueError, match=r"weight \['embed'\] is float32\[256, 64\] but config .* declares float32\[512"):
+    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[256, 64\] but config .* declares float32\[512"):
         forward(cfg.replace(vocab_size=512), w, ids)
     with pytest.raises(ValueError, match="missing .*lm_head"):
         forward(cfg, {k: v for k, v in w.items() if k != "lm_head"}, ids)

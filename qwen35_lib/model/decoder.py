@@ -14,6 +14,11 @@ from qwen35_lib.model.moe import moe_block
 from qwen35_lib.weights import abstract_weights
 
 
+def _take(tree: dict, i: int) -> dict:
+    """Layer i of a stacked weight tree: [n, ...] -> [...]."""
+    return jax.tree.map(lambda a: a[i], tree)
+
+
 def _group(cfg: Config, h: jax.Array, w: dict, positions: jax.Array, lengths: jax.Array) -> jax.Array:
     """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
     B, T, D = h.shape
@@ -22,14 +27,14 @@ def _group(cfg: Config, h: jax.Array, w: dict, positions: jax.Array, lengths: ja
     for p, kind in enumerate(cfg.layer_pattern):
         x = rms_norm(h, w["input_norm"][p], cfg.rms_norm_eps)
         if kind == LINEAR:
-            x, _, _ = gdn_block(cfg, jax.tree.map(lambda a: a[i_gdn], w["gdn"]), x, valid)
+            x, _, _ = gdn_block(cfg, _take(w["gdn"], i_gdn), x, valid)
             i_gdn += 1
         else:
-            x = attention_block(cfg, jax.tree.map(lambda a: a[i_attn], w["attn"]), x, positions, lengths)
+            x = attention_block(cfg, _take(w["attn"], i_attn), x, positions, lengths)
             i_attn += 1
         h = h + x
         x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
-        h = h + moe_block(cfg, jax.tree.map(lambda a: a[p], w["moe"]), x.reshape(B * T, D)).reshape(B, T, D)
+        h = h + moe_block(cfg, _take(w["moe"], p), x.reshape(B * T, D)).reshape(B, T, D)
     return h
 
 
