@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qwen35_lib.kernels.registry import register
+from qwen35_lib.kernels.registry import AttentionKernels, register
 
 
-@register("attention", "xla")
 def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
     """Causal attention over right-padded rows.
 
@@ -28,3 +27,51 @@ def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) 
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, Hq, d).astype(q.dtype)
+
+
+def write_kv_pages(kv_pages: jax.Array, k: jax.Array, v: jax.Array, page: jax.Array, offset: jax.Array) -> jax.Array:
+    """Store each token's K and V in its page: kv_pages [P, ps, 2*Hkv, d]; k, v [T, Hkv, d]; page, offset [T].
+
+    K of head h goes to combined index 2h, V to 2h + 1 (one page holds a token range of every head's K and V,
+    so a kernel reads it with one contiguous DMA). Padding tokens point at the null page 0.
+    """
+    T, Hkv, d = k.shape
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, d).astype(kv_pages.dtype)  # [T, 2*Hkv, d]
+    return kv_pages.at[page, offset].set(kv)
+
+
+def paged_attention_xla(q: jax.Array, kv_pages: jax.Array, page_table: jax.Array, token_seq: jax.Array,
+                        positions: jax.Array) -> jax.Array:
+    """Attention of flat ragged tokens over the paged KV cache (the new tokens' K/V already written).
+
+    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv, d]; page_table: [S, max_pages] (page ids of each sequence);
+    token_seq, positions: [T] (a token sees its sequence's positions <= its own). Returns [T, Hq, d].
+    1. loop over page j = 0 .. (last page any token needs): gather each token's page j   # [T, ps, 2*Hkv, d]
+    2. scores of each KV head's query group against it, masked causally
+    3. online softmax (running max m, sum l, accumulator acc), float32.
+    """
+    T, Hq, d = q.shape
+    ps, Hkv = kv_pages.shape[1], kv_pages.shape[2] // 2
+    G = Hq // Hkv
+    qg = q.reshape(T, Hkv, G, d).astype(jnp.float32) * d**-0.5
+    pages_of_token = page_table[jnp.clip(token_seq, 0)]  # [T, max_pages]
+    n_pages = jnp.max(positions) // ps + 1
+
+    def body(j, carry):
+        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, d]
+        kv = kv_pages[pages_of_token[:, j]].astype(jnp.float32)  # [T, ps, 2*Hkv, d]
+        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, ps, Hkv, d]
+        s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
+        kv_pos = j * ps + jnp.arange(ps)
+        s = jnp.where((kv_pos[None, :] <= positions[:, None])[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
+
+    init = (jnp.full((T, Hkv, G), -jnp.inf), jnp.zeros((T, Hkv, G)), jnp.zeros((T, Hkv, G, d)))
+    m, l, acc = jax.lax.fori_loop(0, n_pages, body, init)
+    return (acc / l[..., None]).reshape(T, Hq, d).astype(q.dtype)
+
+
+register("attention", "xla")(AttentionKernels(dense=attention_xla, paged=paged_attention_xla, write=write_kv_pages))

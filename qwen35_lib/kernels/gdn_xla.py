@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qwen35_lib.kernels.registry import register
+from qwen35_lib.kernels.registry import GdnKernels, register
 
 
 def _prepare(q, k, v, g, beta):
@@ -44,6 +44,36 @@ def gdn_recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), S  # o: [B, T, Hv, dv]
 
 
+def _chunk_terms(q, k, v, g, beta, C: int):
+    """Per-chunk WY/UT terms for [B, Hv, T, .] inputs (T a multiple of C); every chunk independent.
+
+    Returns (U, W, P, q_dec, k_dec, last), each [B, Hv, n, ...]: see `gdn_chunked`.
+    """
+    n = q.shape[2] // C
+    chunk = lambda x: x.reshape(x.shape[0], x.shape[1], n, C, *x.shape[3:])
+    q, k, v, g, beta = map(chunk, (q, k, v, g, beta))  # [B, Hv, n, C, .]
+    G = jnp.cumsum(g, axis=-1)  # [B, Hv, n, C]
+    lower = jnp.tril(jnp.ones((C, C), bool))
+    gamma = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, Hv, n, C, C]
+    kb = k * beta[..., None]
+    A = jnp.einsum("...ik,...jk->...ij", kb, k) * gamma * jnp.tril(jnp.ones((C, C)), -1)
+    L = A + jnp.eye(C)  # unit lower triangular
+    solve = lambda b: jax.scipy.linalg.solve_triangular(L, b, lower=True, unit_diagonal=True)
+    U = solve(v * beta[..., None])  # [B, Hv, n, C, dv]
+    W = solve(kb * jnp.exp(G)[..., None])  # [B, Hv, n, C, dk]
+    P = jnp.einsum("...ik,...jk->...ij", q, k) * gamma  # [B, Hv, n, C, C]
+    q_dec = q * jnp.exp(G)[..., None]
+    k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
+    return U, W, P, q_dec, k_dec, jnp.exp(G[..., -1])
+
+
+def _chunk_step(S, U_c, W_c, P_c, q_c, k_c, l_c):
+    """One chunk of the inter-chunk scan. S: [..., dk, dv]; chunk terms [..., C, .]. Returns (S', o [..., C, dv])."""
+    v_new = U_c - jnp.einsum("...ck,...kv->...cv", W_c, S)
+    o = jnp.einsum("...ck,...kv->...cv", q_c, S) + jnp.einsum("...cj,...jv->...cv", P_c, v_new)
+    return S * l_c[..., None, None] + jnp.einsum("...ck,...cv->...kv", k_c, v_new), o
+
+
 def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     """The chunked (WY/UT) form: parallel inside chunks of C tokens, a scan over chunks.
 
@@ -58,39 +88,14 @@ def gdn_chunked(q, k, v, g, beta, state, chunk_size: int = 64):
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, T, .]
     pad = -T % C
     padt = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-    q, k, v, g, beta = map(padt, (q, k, v, g, beta))
-    n = (T + pad) // C
-    chunk = lambda x: x.reshape(x.shape[0], x.shape[1], n, C, *x.shape[3:])
-    q, k, v, g, beta = map(chunk, (q, k, v, g, beta))  # [B, Hv, n, C, .]
-
-    G = jnp.cumsum(g, axis=-1)  # [B, Hv, n, C]
-    lower = jnp.tril(jnp.ones((C, C), bool))
-    gamma = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, Hv, n, C, C]
-    kb = k * beta[..., None]
-    A = jnp.einsum("...ik,...jk->...ij", kb, k) * gamma * jnp.tril(jnp.ones((C, C)), -1)
-    L = A + jnp.eye(C)  # unit lower triangular
-    solve = lambda b: jax.scipy.linalg.solve_triangular(L, b, lower=True, unit_diagonal=True)
-    U = solve(v * beta[..., None])  # [B, Hv, n, C, dv]
-    W = solve(kb * jnp.exp(G)[..., None])  # [B, Hv, n, C, dk]
-    P = jnp.einsum("...ik,...jk->...ij", q, k) * gamma  # [B, Hv, n, C, C]
-    q_dec = q * jnp.exp(G)[..., None]
-    k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
-    last = jnp.exp(G[..., -1])  # [B, Hv, n]
-
-    def step(S, xs):  # S: [B, Hv, dk, dv]
-        U_c, W_c, P_c, q_c, k_c, l_c = xs
-        v_new = U_c - jnp.einsum("bhck,bhkv->bhcv", W_c, S)
-        o = jnp.einsum("bhck,bhkv->bhcv", q_c, S) + jnp.einsum("bhcj,bhjv->bhcv", P_c, v_new)
-        S = S * l_c[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
-        return S, o
-
+    terms = _chunk_terms(*map(padt, (q, k, v, g, beta)), C)  # each [B, Hv, n, ...]
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)
-    S, o = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(chunk_major, (U, W, P, q_dec, k_dec, last))))
-    o = jnp.moveaxis(o, 0, 2).reshape(B, o.shape[2], n * C, -1)[:, :, :T]  # [B, Hv, T, dv]
+    S, o = jax.lax.scan(lambda S, xs: _chunk_step(S, *xs), state.astype(jnp.float32),
+                        tuple(map(chunk_major, terms)))  # o: [n, B, Hv, C, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, o.shape[2], -1, o.shape[-1])[:, :, :T]  # [B, Hv, T, dv]
     return jnp.swapaxes(o, 1, 2), S
 
 
-@register("gdn", "xla")
 def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
     """The recurrent form for single-token steps, the chunked form otherwise. Output o in v's dtype."""
     if q.shape[1] == 1:
@@ -98,3 +103,62 @@ def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
     else:
         o, S = gdn_chunked(q, k, v, g, beta, state, chunk_size)
     return o.astype(v.dtype), S
+
+
+def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
+    """The delta rule over one rank's flat ragged tokens, with per-sequence state slots.
+
+    q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv] (0 at padding); states: [NS, Hv, dk, dv] (slot 0: null).
+    `meta` (a RaggedMeta) lays the tokens out as [decode region | prefill region]:
+    - tokens [0, D) are single decode tokens, token i of sequence i (i < num_decode): the recurrent form,
+      vectorised over sequences, reading and writing their slots;
+    - tokens [D, T) hold the other sequences' chunks, each starting at a multiple of C (so a C-chunk never
+      spans two sequences): the chunked form, as one scan over all chunks whose state is reloaded from the
+      slot (or zeroed, for a sequence's first step) at each sequence's first chunk, and stored after its last.
+    Returns (o [T, Hv, dv] in v's dtype, states).
+    """
+    C = chunk_size
+    D = meta.decode_seq.shape[0]
+    T = q.shape[0]
+    S_in = states.astype(jnp.float32)
+    fresh = meta.kv_len == meta.q_len  # [S]: no context before this step -> zero state
+
+    def seq_state(seq):  # state a sequence starts from: [..., Hv, dk, dv]
+        s = jnp.clip(seq, 0)
+        return jnp.where((fresh[s] | (seq < 0))[..., None, None, None], 0.0, S_in[meta.slot[s]])
+
+    # 1. decode region: one recurrent step per sequence
+    dseq = meta.decode_seq  # [D], -1 for padding
+    dq, dk_, dv, dg, db = (x[:D, None] for x in (q, k, v, g, beta))  # [D, 1, ...] as batch of 1-token rows
+    o_dec, S_dec = gdn_recurrent(dq, dk_, dv, dg, db, seq_state(dseq))  # [D, 1, Hv, dv], [D, Hv, dk, dv]
+    dslot = jnp.where(dseq >= 0, meta.slot[jnp.clip(dseq, 0)], 0)
+    states = states.at[dslot].set(S_dec.astype(states.dtype))
+    if T == D:
+        return o_dec[:, 0].astype(v.dtype), states
+
+    # 2. prefill region: chunks aligned to sequences
+    n = (T - D) // C
+    pq, pk, pv, pg, pb = _prepare(*(x[None, D:] for x in (q, k, v, g, beta)))  # [1, Hv, T-D, .]
+    terms = [jnp.moveaxis(t[0], 1, 0) for t in _chunk_terms(pq, pk, pv, pg, pb, C)]  # each [n, Hv, ...]
+    first_tok = D + jnp.arange(n) * C
+    cseq = meta.token_seq[first_tok]  # [n] sequence of each chunk, -1 for padding chunks
+    cs = jnp.clip(cseq, 0)
+    is_first = (cseq >= 0) & (first_tok == meta.q_start[cs])
+    last_tok = meta.q_start[cs] + meta.q_len[cs] - 1
+    is_last = (cseq >= 0) & (last_tok >= first_tok) & (last_tok < first_tok + C)
+    start_state = seq_state(cseq)  # [n, Hv, dk, dv]
+
+    def step(S, xs):
+        first, S0, *chunk = xs
+        S, o = _chunk_step(jnp.where(first, S0, S), *chunk)
+        return S, (S, o)
+
+    _, (S_after, o_pre) = jax.lax.scan(step, jnp.zeros_like(start_state[0]), (is_first, start_state, *terms))
+    pslot = jnp.where(is_last, meta.slot[cs], 0)
+    states = states.at[pslot].set(S_after.astype(states.dtype))
+    Hv, dv = o_pre.shape[1], o_pre.shape[3]
+    o_pre = jnp.swapaxes(o_pre, 1, 2).reshape(T - D, Hv, dv)  # [n, Hv, C, dv] -> [T-D, Hv, dv]
+    return jnp.concatenate([o_dec[:, 0], o_pre]).astype(v.dtype), states
+
+
+register("gdn", "xla")(GdnKernels(dense=gdn_xla, ragged=gdn_ragged_xla))

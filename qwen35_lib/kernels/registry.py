@@ -1,11 +1,13 @@
 """The kernel registry: four slots, each a named set of interchangeable implementations.
 
-| slot         | protocol (see the XLA implementation for shapes)                                   |
-|--------------|-------------------------------------------------------------------------------------|
-| `attention`  | `fn(q, k, v, lengths) -> o`: causal GQA over right-padded rows                      |
-| `gdn`        | `fn(q, k, v, g, beta, state, chunk_size) -> (o, state)`: the gated delta rule        |
-| `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU |
-| `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort |
+| slot         | protocol (see the XLA implementation for shapes)                                     |
+|--------------|---------------------------------------------------------------------------------------|
+| `attention`  | `AttentionKernels(dense, paged, write)`: causal GQA over right-padded rows; over the  |
+|              | paged KV cache for flat ragged tokens; the KV-cache write                             |
+| `gdn`        | `GdnKernels(dense, ragged)`: the gated delta rule over rows; over a ragged batch      |
+|              | with per-sequence state slots                                                         |
+| `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU  |
+| `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort   |
 
 `Config.<slot>_kernel` names the implementation; "auto" picks the default for the backend in use. Every
 implementation is checked against its slot's reference twin in the tests. Pallas kernels register here too.
@@ -13,11 +15,22 @@ implementation is checked against its slot's reference twin in the tests. Pallas
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
 SLOTS = ("attention", "gdn", "moe_matmul", "permute")
+
+
+class AttentionKernels(NamedTuple):
+    dense: Callable  # (q [B,T,Hq,d], k, v [B,T,Hkv,d], lengths [B]) -> o [B,T,Hq,d]
+    paged: Callable  # (q [T,Hq,d], kv_pages [P,ps,2Hkv,d], page_table [S,n], token_seq [T], positions [T]) -> o
+    write: Callable  # (kv_pages, k [T,Hkv,d], v, page [T], offset [T]) -> kv_pages
+
+
+class GdnKernels(NamedTuple):
+    dense: Callable  # (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv], state [B,Hv,dk,dv], chunk_size) -> (o, S)
+    ragged: Callable  # (q, k, v, g, beta over flat tokens, state slots, conv..., batch metadata): see gdn_xla
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
 _DEFAULTS: dict[str, dict[str, str]] = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
@@ -30,5 +31,25 @@ def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, le
     """Full-sequence gated attention over right-padded rows. x: [B, T, D] -> [B, T, D]."""
     with jax.named_scope("attention"):
         q, gate, k, v = qkv(cfg, w, x, positions)
-        o = for_config("attention", cfg)(q, k, v, lengths)  # [B, T, Hq, d]
+        o = for_config("attention", cfg).dense(q, k, v, lengths)  # [B, T, Hq, d]
         return output(w, o, gate)
+
+
+def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gated attention over a ragged batch and the paged KV cache: x [R, T, D]; kv [R, P, ps, 2*Hkv, d].
+
+    1. projections, norms, RoPE at each token's position; 2. write the new K/V into their pages (padding
+    tokens into the null page 0); 3. paged attention of every token over its sequence (kernel slot `attention`).
+    """
+    with jax.named_scope("attention"):
+        q, gate, k, v = qkv(cfg, w, x, meta.positions)
+        kernels = for_config("attention", cfg)
+        ps = kv.shape[2]
+        valid = meta.token_seq >= 0  # [R, T]
+        seq_pages = jnp.take_along_axis(meta.page_table, jnp.clip(meta.token_seq, 0)[..., None], axis=1)  # [R,T,n]
+        page = jnp.take_along_axis(seq_pages, (meta.positions // ps)[..., None], axis=2)[..., 0]
+        page = jnp.where(valid, page, 0)
+        offset = jnp.where(valid, meta.positions % ps, 0)
+        kv = jax.vmap(kernels.write)(kv, k, v, page, offset)
+        o = jax.vmap(kernels.paged)(q, kv, meta.page_table, meta.token_seq, meta.positions)
+        return output(w, o, gate), kv

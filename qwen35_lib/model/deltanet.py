@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -52,7 +54,55 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
         g = -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"])  # [B, T, Hv], <= 0
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-        o, state = for_config("gdn", cfg)(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
+        o, state = for_config("gdn", cfg).dense(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
                                           chunk_size=cfg.gdn_chunk_size)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)  # [B, T, Hv, dv]
         return linear(o, w["w_out"], contract=2), new_hist, state.astype(jnp.dtype(cfg.gdn_state_dtype))
+
+
+def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
+    """Causal conv + SiLU over one rank's flat ragged tokens, continuing each sequence from its slot.
+
+    x: [T, H, d]; taps: [K, H, d]; hist: [NS, K-1, H, d] slot pool of previous inputs; meta: RaggedMeta.
+    Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
+    same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step).
+    Returns (y [T, H, d], hist with each sequence's last K - 1 inputs stored in its slot).
+    """
+    K = taps.shape[0]
+    seq = jnp.clip(meta.token_seq, 0)  # [T]
+    fresh = meta.kv_len == meta.q_len  # [S]
+    seq_hist = jnp.where(fresh[:, None, None, None], 0, hist[meta.slot]).astype(x.dtype)  # [S, K-1, H, d]
+
+    def inputs_at(idx, s):  # input number idx of sequence s (flat index space), from x or the history
+        start = meta.q_start[s]
+        from_hist = seq_hist[s, jnp.clip(K - 1 - (start - idx), 0, K - 2)]
+        return jnp.where((idx >= start)[..., None, None], x[jnp.clip(idx, 0)], from_hist)
+
+    t = jnp.arange(x.shape[0])
+    y = sum(inputs_at(t - (K - 1 - j), seq).astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
+    s_all = jnp.arange(meta.q_start.shape[0])
+    end = meta.q_start + meta.q_len  # [S]
+    new = jnp.stack([inputs_at(end - (K - 1) + i, s_all) for i in range(K - 1)], axis=1)  # [S, K-1, H, d]
+    slots = jnp.where(meta.q_len > 0, meta.slot, 0)
+    return jax.nn.silu(y).astype(x.dtype), hist.at[slots].set(new.astype(hist.dtype))
+
+
+def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict) -> tuple[jax.Array, dict]:
+    """One GDN layer over a ragged batch: x [R, T, D]; meta fields [R, ...]; cache {"conv_q", ..., "state"}
+    with [R, NS, ...] pools. The same math as `gdn_block`, with per-sequence state slots."""
+    with jax.named_scope("gdn"):
+        valid = meta.token_seq >= 0  # [R, T]
+        x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
+        conv_out, new_cache = {}, {}
+        for n in "qkv":
+            conv_out[n], new_cache[f"conv_{n}"] = jax.vmap(ragged_conv, (0, None, 0, 0))(
+                linear(x, w[f"w_{n}"]), w[f"conv_{n}"], cache[f"conv_{n}"], meta)
+        z = linear(x, w["w_z"])
+        beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
+        a = linear(x, w["w_a"]).astype(jnp.float32)
+        g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
+        ragged = partial(for_config("gdn", cfg).ragged, chunk_size=cfg.gdn_chunk_size)
+        o, new_cache["state"] = jax.vmap(ragged)(conv_out["q"], conv_out["k"], conv_out["v"], g, beta,
+                                                 cache["state"], meta)
+        o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
+        return linear(o, w["w_out"], contract=2), new_cache

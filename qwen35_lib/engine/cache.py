@@ -1,0 +1,65 @@
+"""The serving caches: a paged KV cache for attention layers and per-sequence state slots for GDN layers.
+
+Declared like the weights (`ArrayInfo` leaves with logical axes), with a leading data-parallel rank axis R:
+each rank owns its own page and slot pools, so a data-parallel layout only shards what is already split.
+
+- `kv`    [G, Na, R, P, ps, 2*Hkv, d]: P pages of ps tokens per rank; in a page, token-major, then K and V of
+  every KV head interleaved (combined index 2h = K of head h, 2h + 1 = V of head h), then head_dim. One page is
+  one contiguous block: a ragged paged attention kernel reads it with one DMA. Page 0 is the null page that
+  padding tokens write to; it is never handed to a sequence.
+- `conv_q`, `conv_k` [G, Ng, R, NS, K-1, Hk, dk], `conv_v` [G, Ng, R, NS, K-1, Hv, dv]: the last K - 1 inputs of
+  the causal conv; `state` [G, Ng, R, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
+  NS slots per rank; slot 0 is the null slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_lib.config import Config
+from qwen35_lib.weights import ArrayInfo, is_info
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    ranks: int = 1  # data-parallel ranks, each with its own pools
+    num_pages: int = 64  # per rank, including the null page 0
+    page_size: int = 16
+    num_slots: int = 9  # per rank, including the null slot 0: at most num_slots - 1 running sequences
+    kv_dtype: str | None = None  # None: the model dtype
+
+    def __post_init__(self):
+        if self.num_pages < 2 or self.num_slots < 2 or self.page_size < 1 or self.ranks < 1:
+            raise ValueError(f"cache needs >= 2 pages and >= 2 slots per rank (0 is the null one): {self}")
+
+
+def declare_cache(config: Config, shape: CacheShape) -> dict:
+    c, s = config, shape
+    G, Ng, Na, R, K = c.num_groups, c.gdn_per_group, c.attn_per_group, s.ranks, c.gdn_conv_kernel
+    dt = jnp.dtype(c.dtype)
+    lead = (None, None, "batch")
+    out = {}
+    if Na:
+        out["kv"] = ArrayInfo((G, Na, R, s.num_pages, s.page_size, 2 * c.num_kv_heads, c.head_dim),
+                              jnp.dtype(s.kv_dtype or c.dtype), (*lead, None, None, "kv_heads", None), "zeros")
+    if Ng:
+        slots = (G, Ng, R, s.num_slots)
+        for name, heads, hd, axis in (("conv_q", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),
+                                      ("conv_k", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),
+                                      ("conv_v", c.gdn_num_v_heads, c.gdn_v_head_dim, "gdn_v_heads")):
+            out[name] = ArrayInfo((*slots, K - 1, heads, hd), dt, (*lead, None, None, axis, None), "zeros")
+        out["state"] = ArrayInfo((*slots, c.gdn_num_v_heads, c.gdn_k_head_dim, c.gdn_v_head_dim),
+                                 jnp.dtype(c.gdn_state_dtype), (*lead, None, "gdn_v_heads", None, None), "zeros")
+    return out
+
+
+def init_cache(config: Config, shape: CacheShape) -> dict:
+    """Zeroed caches."""
+    return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), declare_cache(config, shape), is_leaf=is_info)
+
+
+def cache_bytes(config: Config, shape: CacheShape) -> int:
+    return sum(i.nbytes for i in jax.tree.leaves(declare_cache(config, shape), is_leaf=is_info))
