@@ -1,0 +1,6 @@
+"""The serving engine: paged KV cache, GDN state slots, ragged mixed batches, continuous batching, sampling."""
+
+from qwen35_lib.engine.engine import Engine, EngineConfig, Result
+from qwen35_lib.engine.sampling import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "Result", "SamplingParams"]

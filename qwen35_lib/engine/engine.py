@@ -1,0 +1,237 @@
+"""The serving engine: requests in, tokens out, one jitted ragged step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import jax
+import numpy as np
+
+from qwen35_lib.config import Config
+from qwen35_lib.engine.batch import bucket, pack, stack_ranks
+from qwen35_lib.engine.cache import CacheShape, init_cache
+from qwen35_lib.engine.sampling import SamplingParams, sample
+from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
+from qwen35_lib.model.decoder import check_weights
+from qwen35_lib.model.ragged import ragged_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # running sequences per rank
+    max_num_batched_tokens: int = 128  # new tokens per step per rank (decodes + prefill chunks)
+    page_size: int = 16
+    num_pages: int | None = None  # per rank, null page included; None: enough for max_num_seqs full contexts
+    max_model_len: int = 1024  # prompt + output tokens of one request
+    ranks: int = 1  # data-parallel ranks, each with its own pools
+
+    def __post_init__(self):
+        for f in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_model_len", "ranks"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def pages(self) -> int:
+        n = self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+        if n - 1 < self.pages_per_seq:
+            raise ValueError(f"num_pages={n} cannot hold one request of max_model_len={self.max_model_len} "
+                             f"({self.pages_per_seq} pages of {self.page_size} + the null page): raise num_pages "
+                             "or lower max_model_len")
+        return n
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request."""
+
+    id: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # without the prompt; with the EOS token if one ended it
+    finish_reason: str  # "eos" or "length"
+    arrival: float
+    token_times: list[float]
+    preemptions: int
+
+    @property
+    def ttft(self) -> float:  # time to first token (s)
+        return self.token_times[0] - self.arrival
+
+    @property
+    def tpot(self) -> float:  # mean time per output token after the first (s)
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
+
+
+@dataclasses.dataclass
+class StepStats:
+    steps: int = 0
+    traces: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # real new tokens per step
+    seqs: list[int] = dataclasses.field(default_factory=list)  # sequences per step
+    mixed_steps: int = 0  # steps with decodes and prefill chunks together
+    buckets: set = dataclasses.field(default_factory=set)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache and GDN state slots.
+
+        engine = Engine(config, weights, EngineConfig(max_num_seqs=8))
+        results = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=16))
+
+    Or drive it: `add_request(...)`, then `step()` until `has_work` is False; `step()` returns the
+    (request id, token) pairs it produced, and finished requests appear in `engine.results`.
+    """
+
+    def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, **knobs):
+        check_weights(config, weights)
+        ec = engine_config or EngineConfig(**knobs)
+        self.config, self.weights, self.ec = config, weights, ec
+        C = config.gdn_chunk_size
+        self.chunk = C
+        self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
+        self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
+        self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
+                                      num_slots=ec.max_num_seqs + 1)
+        self.cache = init_cache(config, self.cache_shape)
+        self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
+                                    ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
+        self.stats = StepStats()
+        self.results: dict[int, Result] = {}
+        self._next_id = 0
+
+    # --- requests -------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Bad input is refused here, before it can touch running requests."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)] if len(prompt_ids) else []
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one token id")
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.ec.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
+                             f"exceeds max_model_len={self.ec.max_model_len}: shorten the prompt, lower "
+                             "max_new_tokens, or build the engine with a larger max_model_len")
+        stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
+                                             else self.config.eos_token_ids)
+        rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
+        r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter())
+        self._next_id += 1
+        self.ranks[rank].waiting.append(r)
+        return r.id
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.waiting or s.running for s in self.ranks)
+
+    # --- one step -------------------------------------------------------------------------------------------
+    def step(self) -> list[tuple[int, int]]:
+        plans = [s.plan() for s in self.ranks]
+        if not any(p.decodes or p.prefills for p in plans):
+            if self.has_work:
+                raise RuntimeError("the scheduler made no progress: " + repr([(len(s.waiting), len(s.running))
+                                                                              for s in self.ranks]))
+            return []
+        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
+        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
+        T = D + bucket(pre, self.prefill_buckets)
+        S = self.ec.max_num_seqs
+        packs = [pack([w for _, w in p.decodes], [w for _, w in p.prefills], D, T, S, self.ec.pages_per_seq,
+                      self.chunk) for p in plans]
+        tokens, meta = stack_ranks(packs)
+        samp = self._sampling_arrays(plans, S)
+        self.stats.buckets.add((D, T))
+        traced = TRACES[0]
+        next_tokens, self.cache = _engine_step(self.config, self.weights, self.cache, tokens, meta, samp)
+        self.stats.traces += TRACES[0] - traced
+        next_tokens = np.asarray(next_tokens)  # [R, S]
+        now = time.perf_counter()
+        events = []
+        for rank, plan in enumerate(plans):
+            for s, (r, w) in enumerate(plan.decodes + plan.prefills):
+                r.computed += len(w.tokens)
+                if r.computed == len(r.known):  # all known tokens are in: the sample is the next output
+                    token = int(next_tokens[rank, s])
+                    r.output.append(token)
+                    r.token_times.append(now)
+                    events.append((r.id, token))
+                    self._maybe_finish(rank, r, token)
+        self._record(plans)
+        return events
+
+    def _sampling_arrays(self, plans: list[Plan], S: int) -> dict:
+        R = len(plans)
+        arr = dict(temperature=np.zeros((R, S), np.float32), top_k=np.zeros((R, S), np.int32),
+                   top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
+                   position=np.zeros((R, S), np.int32))
+        for rank, plan in enumerate(plans):
+            for s, (r, w) in enumerate(plan.decodes + plan.prefills):
+                p = r.params
+                arr["temperature"][rank, s], arr["top_k"][rank, s], arr["top_p"][rank, s] = \
+                    p.temperature, p.top_k, p.top_p
+                arr["seed"][rank, s] = p.seed
+                arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
+        return arr
+
+    def _maybe_finish(self, rank: int, r: Request, token: int) -> None:
+        reason = "eos" if token in r.stop_ids else ("length" if len(r.output) >= r.params.max_new_tokens else None)
+        if reason:
+            self.ranks[rank].finish(r, reason)
+            self.results[r.id] = Result(r.id, r.prompt, list(r.output), reason, r.arrival, r.token_times,
+                                        r.preemptions)
+
+    def _record(self, plans: list[Plan]) -> None:
+        st = self.stats
+        st.steps += 1
+        st.tokens.append(sum(p.tokens for p in plans))
+        st.seqs.append(sum(len(p.decodes) + len(p.prefills) for p in plans))
+        st.mixed_steps += any(p.decodes and p.prefills for p in plans)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s.preemptions for s in self.ranks)
+
+    # --- convenience ----------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[Result]:
+        """Run `prompts` to completion (with whatever else is queued); results in input order."""
+        many = isinstance(params, (list, tuple))
+        ids = [self.add_request(p, params[i] if many else params) for i, p in enumerate(prompts)]
+        while not all(i in self.results for i in ids):
+            for rid, token in self.step():
+                if on_token:
+                    on_token(rid, token)
+        return [self.results[i] for i in ids]
+
+
+def _powers_of_two(n: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (n,)
+
+
+TRACES = [0]  # how many times the step has been traced (compiled), process-wide
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
+    """The jitted step, shared by all engines (one compilation per config and bucket)."""
+    TRACES[0] += 1  # runs only while tracing
+    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta)  # [R, S, V]
+    R, S, V = logits.shape
+    flat = lambda x: x.reshape(R * S)
+    next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
+                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]))
+    return next_tokens.reshape(R, S), cache
