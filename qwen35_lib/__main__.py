@@ -1,9 +1,10 @@
 """The qwen35_lib command line: `python -m qwen35_lib SUBCOMMAND --help` (or the `qwen35` script).
 
 `info --model NAME [--hardware NAME] [--json]`: parameters, active parameters, bytes, cache sizes, and whether
-the model fits. Each subcommand is an argparse subparser registered by `_add_<name>(subparsers)`, whose `run`
-default is called with the parsed arguments; a `ValueError` or `FileNotFoundError` is printed to stderr as
-`error: ...` with exit status 2.
+the model fits. `generate [--checkpoint DIR] --prompt-ids "1 2 3" ... [--json]`: tokens from the serving engine
+(implemented in `qwen35_lib.cli_generate`). Each subcommand is an argparse subparser registered by
+`_add_<name>(subparsers)`, whose `run` default is called with the parsed arguments; a `ValueError` or
+`FileNotFoundError` is printed to stderr as `error: ...` with exit status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pathlib
 import sys
 
 from qwen35_lib import budget as budget_lib
+from qwen35_lib import cli_generate
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import DTYPES, EXPERT_DTYPES, PRESETS, Config, from_hf_config, get_config
 
@@ -64,10 +66,15 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_info)
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    cli_generate.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qwen35_lib", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
+    _add_generate(sub)
     return parser
 
 

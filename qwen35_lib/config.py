@@ -26,10 +26,13 @@ class Config:
 
     The layer stack repeats `layer_pattern` `num_groups` times (Qwen3.5: 3 x GDN + 1 x attention), which lets
     the decoder scan over groups so that compile time does not grow with depth.
+    Fields that do not change the computation (name, model_type, EOS ids, max positions) are left out of
+    equality and hashing, so two checkpoints of the same shape share compiled programs.
     """
 
-    name: str
-    model_type: str = "qwen3_5_moe"  # "qwen3_5_moe" or "qwen3_next": differ in the GDN projections on disk
+    name: str = dataclasses.field(compare=False)
+    # "qwen3_5_moe" or "qwen3_next": they differ only in how GDN projections are stored on disk
+    model_type: str = dataclasses.field(default="qwen3_5_moe", compare=False)
     vocab_size: int = 248320
     hidden_size: int = 4096
     num_layers: int = 60
@@ -54,8 +57,8 @@ class Config:
     shared_ffn: int = 1024
     norm_topk_prob: bool = True
     rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 262144
-    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = dataclasses.field(default=262144, compare=False)
+    eos_token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)
     # how to run it
     dtype: str = "bfloat16"  # weights and activations
     expert_dtype: str | None = None  # None: as `dtype`; "float8_e4m3fn": block-scaled FP8 expert weights

@@ -120,3 +120,24 @@ def test_invalid_sampling_parameters_are_named(kwargs, match):
 def test_engine_config_that_cannot_hold_one_request():
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len=160"):
         _ = EngineConfig(max_model_len=160, page_size=8, num_pages=10).pages
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe", "qwen3_next"])
+def test_greedy_equals_transformers_generate(tmp_path, model_type):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from qwen35_lib import load_hf_checkpoint
+    from qwen35_lib.testing import make_hf_model, save_hf_checkpoint
+
+    model = make_hf_model(model_type, seed=4)
+    cfg, w = load_hf_checkpoint(save_hf_checkpoint(model, tmp_path / model_type, "fused" if model_type ==
+                                                   "qwen3_5_moe" else "per_expert"))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (100, 7, 66)]  # 100, 66 > a 64-token chunk
+    results = Engine(cfg, w, EC).generate(prompts, SamplingParams(max_new_tokens=6))
+    for p, r in zip(prompts, results):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=list(
+                cfg.eos_token_ids), pad_token_id=0)[0, len(p):].tolist()
+        assert r.output_ids == out
