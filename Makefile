@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the local CPU wheel here; the `reference` extra itself asks only for a compatible range.
 TORCH := torch==2.13.0
 export JAX_PLATFORMS ?= cpu
+# Compiled programs persist across processes (tests, notebook kernels, CLI runs): compile once, reuse.
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/build/jax-cache
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0.5
 export PYTHONHASHSEED := 0
 
 .PHONY: playbook test venv lint clean
