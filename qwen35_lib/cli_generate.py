@@ -1,0 +1,200 @@
+"""`python -m qwen35_lib generate`: run prompts through the serving engine and print the tokens.
+
+The CLI only wires: it parses prompts, builds `SamplingParams` and `EngineConfig`, loads a checkpoint (or makes
+seeded random weights for a preset), and calls `Engine.generate`, streaming each token to stderr. Every check of
+the input lives in the engine, whose `ValueError`s `__main__` prints as one line with exit status 2.
+
+With `--json`, stdout holds exactly one JSON document:
+    {"requests": [{"prompt_ids": [...], "output_ids": [...], "finish_reason": "length" | "eos", "text"?}, ...],
+     "model": ..., "stats": {...}, ...}
+with the requests in input order, `output_ids` without the prompt (with the EOS token if one ended it), and
+`text` (the decoded output) only when the checkpoint has a `tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+import time
+from typing import Any
+
+from qwen35_lib.config import PRESETS
+
+# The names of DESIGN.md "Layouts"; only `single` runs until the parallel layouts land.
+LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")
+ROUTINGS = ("replicate", "all_to_all")
+RANDOM_WEIGHTS_SEED = 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate tokens for prompts with the serving engine",
+                       description="Run prompts through the serving engine (continuous batching, paged KV cache); "
+                                   "greedy unless sampling options are given. Tokens stream to stderr.",
+                       epilog="Each new batch shape compiles the engine step once (seconds on CPU); set "
+                              "JAX_COMPILATION_CACHE_DIR to reuse compilations across runs.")
+    src = p.add_argument_group("model")
+    src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + *.safetensors; "
+                                                         "EOS ids from generation_config.json)")
+    src.add_argument("--model", metavar="PRESET", help=f"without --checkpoint: a preset with random weights (seeded "
+                                                       f"{RANDOM_WEIGHTS_SEED}); default qwen3.5-tiny; "
+                                                       f"presets: {', '.join(PRESETS)}")
+    src.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and activations (default: the "
+                                                                      "checkpoint's or the preset's)")
+    req = p.add_argument_group("requests (repeatable, in any mix: one request each, in the order given)")
+    req.add_argument("--prompt-ids", dest="prompts", action="append", type=lambda s: ("ids", s), metavar='"1 2 3"',
+                     help="token ids, separated by spaces or commas")
+    req.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s), metavar="TEXT",
+                     help="text, encoded with the checkpoint's tokenizer.json (needs the `tokenizers` package)")
+    smp = p.add_argument_group("sampling (greedy unless --temperature, --top-k or --top-p is given)")
+    smp.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="default 16")
+    smp.add_argument("--temperature", type=float, metavar="T",
+                     help="0 = greedy; default 1.0 with --top-k / --top-p, else 0")
+    smp.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off (default)")
+    smp.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 = off (default)")
+    smp.add_argument("--seed", type=int, default=0, metavar="S",
+                     help="sampling seed (each token: fold_in(seed, position))")
+    smp.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--layout", choices=LAYOUTS, default="single", help="only 'single' runs yet")
+    eng.add_argument("--routing", choices=ROUTINGS, default="replicate",
+                     help="MoE routing of the EP layouts (no effect under single)")
+    eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once (8)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N", help="new tokens per step (128)")
+    eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
+    eng.add_argument("--max-model-len", type=int, default=1024, metavar="N",
+                     help="prompt + output tokens of one request (1024)")
+    p.add_argument("--json", action="store_true", help="print one JSON document to stdout")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
+
+    # 1. Everything that needs no weights first, so bad input fails before a long load.
+    if args.layout != "single":
+        raise ValueError(f"layout {args.layout!r} comes with the parallel layouts, which are not implemented yet; "
+                         "use --layout single")
+    if not args.prompts:
+        raise ValueError("no prompts: give --prompt-ids \"1 2 3\" or --prompt TEXT (repeatable, one request each)")
+    if args.checkpoint and args.model:
+        raise ValueError("--checkpoint and --model are exclusive: --model picks a preset with random weights")
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 1.0 if (args.top_k or args.top_p != 1.0) else 0.0
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      page_size=args.page_size, max_model_len=args.max_model_len)
+    _ = ec.pages  # checks that the page pool holds one request
+    root = pathlib.Path(args.checkpoint) if args.checkpoint else None
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist; pass an HF checkpoint directory, "
+                                "or leave --checkpoint out for a random preset")
+    tokenizer = _tokenizer(root, needed=any(kind == "text" for kind, _ in args.prompts))
+    prompts = [_parse_ids(s) if kind == "ids" else tokenizer.encode(s).ids for kind, s in args.prompts]
+
+    # 2. Weights, engine, generation.
+    _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
+    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype)
+    engine = Engine(config, weights, ec)
+    _progress(f"{config.name}: {len(prompts)} request(s), {'greedy' if temperature == 0 else 'sampling'}, "
+              f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer))
+    wall = time.perf_counter() - t0
+
+    # 3. Report.
+    requests = []
+    for r in results:
+        item: dict[str, Any] = dict(prompt_ids=r.prompt_ids, output_ids=r.output_ids, finish_reason=r.finish_reason)
+        if tokenizer is not None:
+            item["text"] = tokenizer.decode(r.output_ids)
+        requests.append(item)
+    out_tokens = sum(len(r.output_ids) for r in results)
+    doc = dict(
+        requests=requests, model=config.name, checkpoint=str(root) if root else None, dtype=config.dtype,
+        layout=args.layout, routing=args.routing, eos_token_ids=list(config.eos_token_ids),
+        sampling=dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
+                      top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos),
+        engine=dict(max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+                    page_size=ec.page_size, max_model_len=ec.max_model_len, num_pages=ec.pages),
+        stats=dict(steps=engine.stats.steps, traces=engine.stats.traces, preemptions=engine.preemptions,
+                   mixed_steps=engine.stats.mixed_steps, output_tokens=out_tokens,
+                   wall_s=round(wall, 4)),  # compilation included: a benchmark is `python -m qwen35_lib.bench`
+    )
+    print(json.dumps(doc) if args.json else _summary(doc))
+    return 0
+
+
+def _parse_ids(s: str) -> list[int]:
+    ids = []
+    for word in re.split(r"[\s,]+", s.strip()):
+        if word:
+            try:
+                ids.append(int(word))
+            except ValueError:
+                raise ValueError(f"--prompt-ids {s!r}: {word!r} is not an integer token id") from None
+    return ids
+
+
+def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
+    """The checkpoint's `tokenizer.json` as a `tokenizers.Tokenizer`, or None when there is none and none is
+    needed (it is needed for --prompt)."""
+    path = root / "tokenizer.json" if root else None
+    if path is None or not path.is_file():
+        if needed:
+            where = f"{root} has no tokenizer.json" if root else "a random preset has no tokenizer"
+            raise ValueError(f"--prompt needs a tokenizer, but {where}; use --prompt-ids, or a --checkpoint "
+                             "directory with tokenizer.json")
+        return None
+    try:
+        import tokenizers
+    except ImportError:
+        if not needed:
+            return None
+        raise ValueError("--prompt needs the `tokenizers` package (pip install tokenizers); or use --prompt-ids") \
+            from None
+    return tokenizers.Tokenizer.from_file(str(path))
+
+
+def _load(root: pathlib.Path | None, preset: str, dtype: str | None) -> tuple[Any, dict]:
+    if root is not None:
+        from qwen35_lib.checkpoint import load_hf_checkpoint
+
+        return load_hf_checkpoint(root, dtype=dtype)
+    from qwen35_lib.config import get_config
+    from qwen35_lib.weights import init_weights
+
+    config = get_config(preset, **({"dtype": dtype} if dtype else {}))
+    return config, init_weights(config, RANDOM_WEIGHTS_SEED)
+
+
+def _progress(message: str) -> None:
+    print(f"# {message}", file=sys.stderr, flush=True)
+
+
+def _stream(rid: int, token: int, tokenizer: Any) -> None:
+    """One line per token on stderr: `[req 0] 17`, with the decoded piece when there is a tokenizer.
+    (The CLI's engine is fresh, so request ids are the input indices.)"""
+    piece = f" {tokenizer.decode([token])!r}" if tokenizer is not None else ""
+    print(f"[req {rid}] {token}{piece}", file=sys.stderr, flush=True)
+
+
+def _summary(doc: dict) -> str:
+    s = doc["sampling"]
+    how = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-k {s['top_k']}, " \
+                                                 f"top-p {s['top_p']}, seed {s['seed']}"
+    lines = [f"{doc['model']} ({doc['checkpoint'] or 'random weights'}, {doc['dtype']}), layout {doc['layout']}, "
+             f"{how}, {len(doc['requests'])} request(s)"]
+    for i, r in enumerate(doc["requests"]):
+        lines.append(f"[{i}] {len(r['prompt_ids'])} prompt tokens -> {len(r['output_ids'])} tokens "
+                     f"({r['finish_reason']}): {' '.join(map(str, r['output_ids']))}")
+        if "text" in r:
+            lines.append(f"    text: {r['text']!r}")
+    st = doc["stats"]
+    lines.append(f"{st['steps']} steps, {st['traces']} traces, {st['preemptions']} preemptions, "
+                 f"{st['output_tokens']} tokens in {st['wall_s']:.2f} s (compilation included)")
+    return "\n".join(lines)

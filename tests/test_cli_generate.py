@@ -1,0 +1,206 @@
+"""`python -m qwen35_lib generate`: the JSON contract, greedy and sampled tokens equal to `Engine.generate` in-process,
+EOS from generation_config.json, text prompts through tokenizer.json, and one-line errors with exit status 2.
+
+Cost: compiling is most of it (seconds per engine-step bucket on CPU), so
+1. the engine shape admits all four prompts in one step: two buckets per run (one prefill step, then decodes);
+2. every subprocess, and this module in-process, share one persistent compilation cache: the first CLI run
+   compiles, the in-process references and the other runs read it (the HLO is the same for every config here);
+3. errors are checked in-process through `main` on a checkpoint (loading compiles nothing), one by subprocess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from qwen35_lib import get_config, init_weights, load_hf_checkpoint
+from qwen35_lib.__main__ import main
+from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, page_size=8, max_model_len=160)
+ENGINE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--page-size", "8", "--max-model-len", "160"]
+PROMPTS = [[3, 4, 5], [7, 8], [200, 9, 31, 77, 2, 6], [11]]
+REQUEST_KEYS = {"prompt_ids", "output_ids", "finish_reason"}
+CACHE_OPTIONS = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0,
+                 "jax_persistent_cache_min_entry_size_bytes": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_env(tmp_path_factory) -> dict:
+    """One persistent compilation cache for this module (in-process) and its subprocesses (their environment):
+    the one already set up (`make test`: build/jax-cache), else a temporary one, undone afterwards."""
+    own = jax.config.jax_compilation_cache_dir is None
+    before = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    if own:
+        for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax"))}.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()  # re-read the settings at the next compile
+    settings = {name.upper(): str(getattr(jax.config, name)) for name in CACHE_OPTIONS}  # JAX_COMPILATION_CACHE_DIR...
+    yield {**os.environ, "JAX_PLATFORMS": "cpu", **settings}
+    if own:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwen35_lib", "generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def ids_flags(prompts: list[list[int]]) -> list[str]:
+    return [a for p in prompts for a in ("--prompt-ids", " ".join(map(str, p)))]
+
+
+# --- references -------------------------------------------------------------------------------------------------
+TINY = get_config("qwen3.5-tiny", dtype="float32")
+
+
+def reference(config, weights, prompts, params: SamplingParams) -> list[list[int]]:
+    """Output ids per prompt from `Engine.generate` in-process, ignoring EOS. (Configs of the same shapes are
+    equal, so every run here shares one compiled step per bucket, in-process and, via the cache, in the CLI.)"""
+    results = Engine(config, weights, EC).generate(prompts, dataclasses.replace(params, ignore_eos=True))
+    return [r.output_ids for r in results]
+
+
+def until_eos(outputs: list[list[int]], eos: tuple[int, ...]) -> list[tuple[list[int], str]]:
+    """(output_ids, finish_reason) that a run stopping on `eos` gives: cut after the first EOS token."""
+    out = []
+    for ids in outputs:
+        cut = next((i for i, t in enumerate(ids) if t in eos), None)
+        out.append((ids, "length") if cut is None else (ids[: cut + 1], "eos"))
+    return out
+
+
+def streamed(stderr: str) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    for m in re.finditer(r"^\[req (\d+)\] (\d+)", stderr, re.M):
+        tokens.setdefault(int(m[1]), []).append(int(m[2]))
+    return tokens
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    pytest.importorskip("transformers")
+    from qwen35_lib.testing import make_hf_model, save_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {t: save_hf_checkpoint(make_hf_model(t, seed=1), root / t, "fused") for t in ("qwen3_5_moe", "qwen3_next")}
+
+
+def write_tokenizer(path: pathlib.Path) -> None:
+    """A WordLevel tokenizer: word `w{i}` is token i, for the whole vocabulary of 256."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def set_eos(path: pathlib.Path, eos: int) -> None:
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eos}))
+
+
+# --- runs -------------------------------------------------------------------------------------------------------
+def test_random_preset_json_contract(cache_env):
+    out = cli(cache_env, *ids_flags(PROMPTS), "--max-new-tokens", "5", "--dtype", "float32", "--json", *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # exactly one JSON document
+    assert doc["model"] == "qwen3.5-tiny" and doc["checkpoint"] is None and doc["layout"] == "single"
+    assert doc["eos_token_ids"] == [1] and doc["sampling"]["temperature"] == 0.0
+    assert {"steps", "traces", "preemptions"} <= doc["stats"].keys() and doc["stats"]["steps"] >= 5
+    expected = until_eos(reference(TINY, init_weights(TINY, 0), PROMPTS, SamplingParams(max_new_tokens=5)), (1,))
+    assert [r.keys() for r in doc["requests"]] == [REQUEST_KEYS] * len(PROMPTS)  # no text without a tokenizer
+    assert [r["prompt_ids"] for r in doc["requests"]] == PROMPTS  # input order, output_ids without the prompt
+    assert [(r["output_ids"], r["finish_reason"]) for r in doc["requests"]] == expected
+    assert streamed(out.stderr) == {i: r["output_ids"] for i, r in enumerate(doc["requests"])}
+
+
+def test_checkpoint_eos_and_text_prompts(cache_env, checkpoints):
+    """Qwen3.5: EOS set to a token the greedy model produces ends that request there (EOS included); a --prompt
+    goes through tokenizer.json, in input order among the --prompt-ids; every request gets its decoded text."""
+    path = checkpoints["qwen3_5_moe"]
+    config, weights = load_hf_checkpoint(path)
+    prompts = PROMPTS[:2] + [[5, 17, 3]] + PROMPTS[2:3]  # the third as text: "w5 w17 w3"
+    outputs = reference(config, weights, prompts, SamplingParams(max_new_tokens=6))
+    eos = next(t for i, t in enumerate(outputs[0]) if i >= 2 and t not in outputs[0][:i])  # ends request 0 there
+    expected = until_eos(outputs, (eos,))
+    assert {reason for _, reason in expected} == {"eos", "length"}
+    set_eos(path, eos)
+    write_tokenizer(path)
+
+    out = cli(cache_env, "--checkpoint", str(path), *ids_flags(PROMPTS[:2]), "--prompt", "w5 w17 w3",
+              *ids_flags(PROMPTS[2:3]), "--max-new-tokens", "6", "--json", *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["eos_token_ids"] == [eos] and doc["checkpoint"] == str(path)
+    assert [r.keys() for r in doc["requests"]] == [REQUEST_KEYS | {"text"}] * 4
+    assert [r["prompt_ids"] for r in doc["requests"]] == prompts
+    assert [(r["output_ids"], r["finish_reason"]) for r in doc["requests"]] == expected
+    assert [r["text"] for r in doc["requests"]] == [" ".join(f"w{t}" for t in ids) for ids, _ in expected]
+    assert f"[req 0] {eos} 'w{eos}'" in out.stderr  # streamed with the decoded piece
+
+
+def test_qwen3_next_sampled_text_summary(cache_env, checkpoints):
+    """Qwen3-Next, sampled (per-request seeds make it reproducible in-process), the readable summary."""
+    path = checkpoints["qwen3_next"]
+    config, weights = load_hf_checkpoint(path)
+    params = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=5, seed=7)
+    expected = until_eos(reference(config, weights, PROMPTS, params), config.eos_token_ids)
+
+    out = cli(cache_env, "--checkpoint", str(path), *ids_flags(PROMPTS), "--max-new-tokens", "4", "--temperature",
+              "0.8", "--top-k", "5", "--seed", "7", *ENGINE_FLAGS)
+    assert out.returncode == 0, out.stderr
+    rows = re.findall(r"^\[(\d)\] (\d+) prompt tokens -> \d+ tokens \((\w+)\):([\d ]*)$", out.stdout, re.M)
+    assert [(int(i), int(n), [int(t) for t in ids.split()], reason) for i, n, reason, ids in rows] == \
+           [(i, len(p), ids, reason) for i, (p, (ids, reason)) in enumerate(zip(PROMPTS, expected))]
+    assert "temperature 0.8, top-k 5" in out.stdout and " steps, " in out.stdout
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+def test_bad_token_id_exits_2_with_one_line(cache_env, checkpoints):
+    out = cli(cache_env, "--checkpoint", str(checkpoints["qwen3_next"]), "--prompt-ids", "1 256", "--json")
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1] == "error: token id 256 is outside the vocabulary [0, 256)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt-ids", ""], "empty prompt"),
+    (["--prompt-ids", "1 2 x"], "'x' is not an integer token id"),
+    (["--prompt-ids", "-1"], "token id -1 is outside the vocabulary"),
+    (["--prompt-ids", " ".join(["5"] * 150), "--max-new-tokens", "20"], "exceeds max_model_len=160"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt-ids", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--prompt", "w1 w2"], "has no tokenizer.json"),
+    ([], "no prompts"),
+    (["--prompt-ids", "1", "--layout", "tp8"], "layout 'tp8' comes with the parallel layouts"),
+    (["--prompt-ids", "1", "--max-model-len", "0"], "max_model_len must be >= 1"),
+])
+def test_bad_input_names_the_problem(checkpoints, capsys, args, message):
+    """In-process (`main` is what the subprocess runs): loading a tiny checkpoint compiles nothing."""
+    assert main(["generate", "--checkpoint", str(checkpoints["qwen3_next"]), "--max-model-len", "160", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint", "/nonexistent/ckpt", "--prompt-ids", "1"], "checkpoint directory /nonexistent/ckpt does not"),
+    (["--prompt", "hello"], "a random preset has no tokenizer"),
+    (["--model", "qwen3.5-tiny", "--checkpoint", ".", "--prompt-ids", "1"], "exclusive"),
+])
+def test_bad_model_names_the_problem(capsys, args, message):
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1], err
