@@ -141,3 +141,18 @@ def test_greedy_equals_transformers_generate(tmp_path, model_type):
             out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=list(
                 cfg.eos_token_ids), pad_token_id=0)[0, len(p):].tolist()
         assert r.output_ids == out
+
+
+def test_data_parallel_ranks_have_their_own_pools_and_same_outputs(tiny):
+    cfg, w = tiny
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (40, 3, 70, 12)]
+    params = SamplingParams(max_new_tokens=3)
+    two = Engine(cfg, w, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=160,
+                                      ranks=2))
+    ids = [two.add_request(p, params) for p in prompts]
+    assert {two.ranks[0].waiting[0].id, two.ranks[1].waiting[0].id} == {ids[0], ids[1]}  # balanced by load
+    while two.has_work:
+        two.step()
+    assert [two.results[i].output_ids for i in ids] == [r.output_ids for r in Engine(cfg, w, EC).generate(
+        prompts, params)]
