@@ -10,6 +10,7 @@ each rank owns its own page and slot pools, so a data-parallel layout only shard
 - `conv_q`, `conv_k` [G, Ng, R, NS, K-1, Hk, dk], `conv_v` [G, Ng, R, NS, K-1, Hv, dv]: the last K - 1 inputs of
   the causal conv; `state` [G, Ng, R, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
   NS slots per rank; slot 0 is the null slot.
+- `kv_scale` [G, Na, R, P, ps, 2*Hkv] float32, only for an FP8 (e4m3) KV cache: one scale per token and head.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class CacheShape:
     num_pages: int = 64  # per rank, including the null page 0
     page_size: int = 16
     num_slots: int = 9  # per rank, including the null slot 0: at most num_slots - 1 running sequences
-    kv_dtype: str | None = None  # None: the model dtype
+    kv_dtype: str | None = None  # None: the model dtype; "float8_e4m3fn": FP8 with per-token scales
 
     def __post_init__(self):
         if self.num_pages < 2 or self.num_slots < 2 or self.page_size < 1 or self.ranks < 1:
@@ -43,8 +44,11 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
     lead = (None, None, "batch")
     out = {}
     if Na:
-        out["kv"] = ArrayInfo((G, Na, R, s.num_pages, s.page_size, 2 * c.num_kv_heads, c.head_dim),
-                              jnp.dtype(s.kv_dtype or c.dtype), (*lead, None, None, "kv_heads", None), "zeros")
+        pages = (G, Na, R, s.num_pages, s.page_size, 2 * c.num_kv_heads)
+        kv_dtype = jnp.dtype(s.kv_dtype or c.dtype)
+        out["kv"] = ArrayInfo((*pages, c.head_dim), kv_dtype, (*lead, None, None, "kv_heads", None), "zeros")
+        if kv_dtype.itemsize == 1:
+            out["kv_scale"] = ArrayInfo(pages, jnp.float32, (*lead, None, None, "kv_heads"), "ones")
     if Ng:
         slots = (G, Ng, R, s.num_slots)
         for name, heads, hd, axis in (("conv_q", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),
@@ -57,8 +61,9 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
 
 
 def init_cache(config: Config, shape: CacheShape) -> dict:
-    """Zeroed caches."""
-    return jax.tree.map(lambda i: jnp.zeros(i.shape, i.dtype), declare_cache(config, shape), is_leaf=is_info)
+    """Zeroed caches (unit scales)."""
+    return jax.tree.map(lambda i: jnp.full(i.shape, 1 if i.init == "ones" else 0, i.dtype),
+                        declare_cache(config, shape), is_leaf=is_info)
 
 
 def cache_bytes(config: Config, shape: CacheShape) -> int:

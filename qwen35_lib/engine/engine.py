@@ -27,6 +27,7 @@ class EngineConfig:
     num_pages: int | None = None  # per rank, null page included; None: enough for max_num_seqs full contexts
     max_model_len: int = 1024  # prompt + output tokens of one request
     ranks: int = 1  # data-parallel ranks, each with its own pools
+    kv_dtype: str | None = None  # None: the model dtype; "float8_e4m3fn": an FP8 KV cache with per-token scales
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_model_len", "ranks"):
@@ -98,7 +99,7 @@ class Engine:
         self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
-                                      num_slots=ec.max_num_seqs + 1)
+                                      num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
         self.cache = init_cache(config, self.cache_shape)
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]

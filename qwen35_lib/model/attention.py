@@ -35,8 +35,9 @@ def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, le
         return output(w, o, gate)
 
 
-def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Gated attention over a ragged batch and the paged KV cache: x [R, T, D]; kv [R, P, ps, 2*Hkv, d].
+def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array, kv_scales: jax.Array | None):
+    """Gated attention over a ragged batch and the paged KV cache: x [R, T, D]; kv [R, P, ps, 2*Hkv, d]
+    (+ kv_scales [R, P, ps, 2*Hkv] for an FP8 cache). Returns (out [R, T, D], kv, kv_scales).
 
     1. projections, norms, RoPE at each token's position; 2. write the new K/V into their pages (padding
     tokens into the null page 0); 3. paged attention of every token over its sequence (kernel slot `attention`).
@@ -50,6 +51,6 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
         page = jnp.take_along_axis(seq_pages, (meta.positions // ps)[..., None], axis=2)[..., 0]
         page = jnp.where(valid, page, 0)
         offset = jnp.where(valid, meta.positions % ps, 0)
-        kv = jax.vmap(kernels.write)(kv, k, v, page, offset)
-        o = jax.vmap(kernels.paged)(q, kv, meta.page_table, meta.token_seq, meta.positions)
-        return output(w, o, gate), kv
+        kv, kv_scales = jax.vmap(kernels.write)(kv, kv_scales, k, v, page, offset)
+        o = jax.vmap(kernels.paged)(q, kv, kv_scales, meta.page_table, meta.token_seq, meta.positions)
+        return output(w, o, gate), kv, kv_scales

@@ -37,8 +37,12 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
                 c = dict(c, **{n: c[n].at[i_gdn].set(layer[n]) for n in layer})
                 i_gdn += 1
             else:
-                x, kv = attention_ragged_block(cfg, _take(w["attn"], i_attn), x, meta, c["kv"][i_attn])
+                scales = c["kv_scale"][i_attn] if "kv_scale" in c else None
+                x, kv, scales = attention_ragged_block(cfg, _take(w["attn"], i_attn), x, meta, c["kv"][i_attn],
+                                                       scales)
                 c = dict(c, kv=c["kv"].at[i_attn].set(kv))
+                if scales is not None:
+                    c["kv_scale"] = c["kv_scale"].at[i_attn].set(scales)
                 i_attn += 1
             h = h + x
             x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
