@@ -58,9 +58,12 @@ def _chunk_terms(q, k, v, g, beta, C: int):
     kb = k * beta[..., None]
     A = jnp.einsum("...ik,...jk->...ij", kb, k) * gamma * jnp.tril(jnp.ones((C, C)), -1)
     L = A + jnp.eye(C)  # unit lower triangular
-    solve = lambda b: jax.scipy.linalg.solve_triangular(L, b, lower=True, unit_diagonal=True)
-    U = solve(v * beta[..., None])  # [B, Hv, n, C, dv]
-    W = solve(kb * jnp.exp(G)[..., None])  # [B, Hv, n, C, dk]
+    # One solve for both right-hand sides: two independent LAPACK solves in one XLA:CPU program can deadlock
+    # its thread pool on a 2-core machine (seen: both blocked in jaxlib's batched triangular solver).
+    dv = v.shape[-1]
+    UW = jax.scipy.linalg.solve_triangular(L, jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], -1),
+                                           lower=True, unit_diagonal=True)
+    U, W = UW[..., :dv], UW[..., dv:]  # [B, Hv, n, C, dv], [B, Hv, n, C, dk]
     P = jnp.einsum("...ik,...jk->...ij", q, k) * gamma  # [B, Hv, n, C, C]
     q_dec = q * jnp.exp(G)[..., None]
     k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]

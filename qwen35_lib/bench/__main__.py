@@ -1,0 +1,49 @@
+"""Command line: `python -m qwen35_lib.bench NAME [--json PATH] [--repeats N] ...` (NAME from `BENCHMARKS`).
+
+1. Build one argparse subcommand per benchmark from its module's `add_arguments`.
+2. Run the chosen benchmark (it prints its table), then write its JSON document to `--json`
+   (default `build/bench/NAME.json`) and say where on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from qwen35_lib.bench import BENCHMARKS, default_json_path, load
+from qwen35_lib.bench.timing import write_json
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m qwen35_lib.bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    for name in BENCHMARKS:
+        module = load(name)
+        p = sub.add_parser(name, help=module.DESCRIPTION, description=module.DESCRIPTION)
+        p.add_argument("--json", metavar="PATH", default=str(default_json_path(name)),
+                       help="where to write the results (default: %(default)s)")
+        p.add_argument("--repeats", type=int, default=3, help="timed calls per candidate; the median is reported")
+        p.add_argument("--settle", type=int, default=1, help="untimed calls before each timed one (default: 1)")
+        module.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.command_line = " ".join(["python -m qwen35_lib.bench", *argv])
+    if args.repeats < 1 or args.settle < 0:
+        print("error: --repeats must be at least 1 and --settle at least 0", file=sys.stderr)
+        return 2
+    try:
+        doc = load(args.benchmark).run(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    path = write_json(args.json, {**doc, "command": args.command_line})
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Shared timing for the benchmarks: warm-up, interleaved repeats, medians, environment, results JSON.
+
+Rules every benchmark follows (the machine may be shared and noisy):
+- compare candidates side by side in one run, never absolute times across runs;
+- warm up (compile) each candidate before timing it;
+- interleave the candidates repeat by repeat, so drift and neighbours hit all of them alike;
+- report the median of the repeats, and ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+from tqdm import tqdm
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call of one candidate: every repeat, and their median."""
+
+    times: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    def to_json(self) -> dict:
+        return {"median_s": self.median, "min_s": self.min, "times_s": list(self.times)}
+
+
+def block(result: Any) -> Any:
+    """Wait until every JAX array in `result` is computed (torch on CPU is synchronous already)."""
+    for leaf in jax.tree.leaves(result):
+        if isinstance(leaf, jax.Array):
+            leaf.block_until_ready()
+    return result
+
+
+def measure(candidates: dict[str, Callable[[], Any]], repeats: int = 3, warmup: int = 1, settle: int = 1,
+            desc: str = "timing") -> tuple[dict[str, Timing], dict[str, Any]]:
+    """Time zero-argument callables side by side.
+
+    1. Warm up: call each candidate `warmup` times (compiles; at least once), keeping its last result.
+    2. `repeats` rounds: each round visits every candidate, rotating the order from round to round; a visit makes
+       `settle` untimed calls, then the timed one. Settling keeps one candidate's after-effects off the next
+       one's time (seen: any XLA:CPU call right after a large `ragged_dot` takes ~130 ms longer).
+    3. Returns ({name: Timing}, {name: the warm-up result}) so callers can check the outputs agree.
+    A tqdm bar on stderr counts the calls.
+    """
+    names = list(candidates)
+    outputs: dict[str, Any] = {}
+    total = len(names) * (max(1, warmup) + repeats * (1 + settle))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    with progress(total, desc) as bar:
+        for name in names:
+            for _ in range(max(1, warmup)):
+                outputs[name] = block(candidates[name]())
+                bar.update()
+        for r in range(repeats):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                for _ in range(settle):
+                    block(candidates[name]())
+                    bar.update()
+                start = time.perf_counter()
+                block(candidates[name]())
+                times[name].append(time.perf_counter() - start)
+                bar.update()
+    return {n: Timing(tuple(t)) for n, t in times.items()}, outputs
+
+
+def warn_if_busy() -> float | None:
+    """Print a warning to stderr when other processes keep the CPUs busy; returns the 1-minute load average.
+
+    On a 2-core machine a neighbour's process slows thread-pooled runtimes (XLA, torch) by up to ~10x, and
+    unevenly: such a run's ratios are not to be trusted.
+    """
+    load = _loadavg()
+    if load is not None and load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load} on {os.cpu_count()} cores before the run: other processes are busy, "
+              "timings will be noisy", file=sys.stderr)
+    return load
+
+
+def progress(total: int, desc: str) -> tqdm:
+    """A progress bar on stderr (the tables go to stdout)."""
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(**extra: Any) -> dict:
+    """What a result was measured on: date, jax and its backend, CPU, cores, load now; `extra` adds fields."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "jaxlib": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+        "backend": jax.default_backend(),
+        "devices": len(jax.devices()),
+        "device_kind": jax.devices()[0].device_kind,
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1m_after": _loadavg(),
+    }
+    env.update(extra)
+    return env
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def write_json(path: str | pathlib.Path, doc: dict) -> pathlib.Path:
+    """Write `doc` as indented JSON, creating the parent folders; returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table, columns right-aligned except the first."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e-2 else f"{v:,.2f}"
+    return str(v)

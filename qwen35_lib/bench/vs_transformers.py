@@ -1,0 +1,191 @@
+"""`python -m qwen35_lib.bench vs-transformers`: prefill throughput of our jitted `forward` vs HF transformers.
+
+Both sides run the same random weights in float32 on the CPU: the HF model (`Qwen3_5MoeForCausalLM`, eager
+PyTorch under `torch.no_grad`, its default attention and experts implementations, torch threads = cores) is
+saved with `save_pretrained` and loaded into ours with `load_hf_checkpoint`, so the converter is exercised too.
+Per (batch, seq) shape: the logits' max |Δ|, and tokens/s of each side, timed interleaved, and their ratio.
+Needs the `reference` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
+from qwen35_lib.config import Config, get_config
+
+DESCRIPTION = "prefill tokens/s: our jitted forward vs HF transformers eager (float32, same random weights)"
+DEFAULT_SHAPES = "1x512,4x256,1x2048"
+OFF = 1e-3  # logits further apart than this at a position: count it (top-k routing ties flip a few)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen3.5-mini", help="a Qwen3.5 preset (default: %(default)s)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="BATCHxSEQ prefill shapes (default: %(default)s)")
+    p.add_argument("--moe-kernel", default="auto", help="our moe_matmul implementation (default: %(default)s)")
+    p.add_argument("--hf-experts", help="transformers experts_implementation (default: transformers' own)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the HF weights and the token ids")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """1. Build the seeded random HF model for the preset; save it; load it with `load_hf_checkpoint`.
+    2. For each shape: random token ids; time our forward and HF's side by side (warm-up compiles ours).
+    3. Check the logits agree (max |Δ| from the warm-up outputs, and how many positions are off by more than
+       `OFF`); print the table; return the JSON document.
+    """
+    from qwen35_lib.checkpoint import load_hf_checkpoint
+    from qwen35_lib.kernels.registry import resolve_name
+    from qwen35_lib.model import forward
+
+    torch = _import_reference()
+    load_before = warn_if_busy()
+    config = get_config(args.model)
+    shapes = parse_shapes(args.shapes)
+    torch.set_num_threads(args.threads)
+    hf = _hf_model(config, args.seed, args.hf_experts)
+    with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
+        hf.save_pretrained(tmp)
+        ours, weights = load_hf_checkpoint(tmp, dtype="float32", moe_kernel=args.moe_kernel)
+    _check_same_model(config, ours)
+    moe_kernel = resolve_name("moe_matmul", ours.moe_kernel)
+    hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
+    print(f"prefill, float32 on both sides, {config.name} random weights (seed {args.seed}); ours: jitted forward, "
+          f"moe_matmul={moe_kernel}; transformers {_version('transformers')} eager (torch {torch.__version__}, "
+          f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); "
+          f"median of {args.repeats}, interleaved, {args.settle} untimed call(s) before each")
+
+    rng = np.random.default_rng(args.seed)
+    results = []
+    for B, T in shapes:
+        ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
+        results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args))
+    _print_table(results)
+    geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in results])))
+    print(f"geometric-mean speedup of ours over transformers: {geo:.2f}x (float32, CPU)")
+    return {
+        "benchmark": "vs-transformers",
+        "model": config.name,
+        "dtype": "float32",
+        "repeats": args.repeats,
+        "settle": args.settle,
+        "ours": {"moe_kernel": moe_kernel, "jit": True},
+        "transformers": {"version": _version("transformers"), "torch": torch.__version__, "threads": args.threads,
+                         "mode": "eager, torch.no_grad, use_cache=False", **hf_impl},
+        "shapes": results,
+        "geomean_speedup": geo,
+        "environment": environment(loadavg_1m_before=load_before),
+    }
+
+
+def _measure_shape(ours_forward, hf, ids: np.ndarray, args: argparse.Namespace) -> dict:
+    """Time both sides on one [B, T] batch of token ids; compare their logits (from the warm-up calls)."""
+    import torch
+
+    B, T = ids.shape
+    ids_torch = torch.from_numpy(ids.astype(np.int64))
+
+    def hf_forward():
+        with torch.no_grad():
+            return hf(input_ids=ids_torch, use_cache=False).logits
+
+    timings, outputs = measure({"ours": ours_forward, "transformers": hf_forward}, repeats=args.repeats, warmup=2,
+                               settle=args.settle, desc=f"{B}x{T}")
+    ref = outputs["transformers"].float().numpy()
+    err = np.max(np.abs(np.asarray(outputs["ours"], np.float32) - ref), axis=-1)  # [B, T] per position
+    tps = {n: B * T / t.median for n, t in timings.items()}
+    return {"batch": B, "seq": T, "tokens": B * T, "tokens_per_s": tps, "speedup": tps["ours"] / tps["transformers"],
+            "max_abs_logit_diff": float(err.max()), f"positions_over_{OFF:g}": int(np.sum(err > OFF)),
+            "max_abs_logit": float(np.max(np.abs(ref))), "timings": {n: t.to_json() for n, t in timings.items()}}
+
+
+def _print_table(results: list[dict]) -> None:
+    rows = [[f"{r['batch']}x{r['seq']}", r["tokens"], r["timings"]["ours"]["median_s"] * 1e3,
+             r["timings"]["transformers"]["median_s"] * 1e3, r["tokens_per_s"]["ours"],
+             r["tokens_per_s"]["transformers"], f"{r['speedup']:.2f}x", f"{r['max_abs_logit_diff']:.1e}",
+             r[f"positions_over_{OFF:g}"]] for r in results]
+    print(format_table(["BxT", "tokens", "ours ms", "HF ms", "ours tok/s", "HF tok/s", "ours/HF", "max|Δ| logits",
+                        f"positions |Δ|>{OFF:g}"], rows))
+    print(f"(a few positions off by more than {OFF:g} are usually top-k routing near-ties that rounding resolved "
+          "the other way; many mean a real mismatch)")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"1x512,4x256" -> [(1, 512), (4, 256)]."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            b, t = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"shape {item!r} is not BATCHxSEQ (e.g. 1x512)") from None
+        if b < 1 or t < 1:
+            raise ValueError(f"shape {item!r}: batch and seq must be positive")
+        shapes.append((b, t))
+    if not shapes:
+        raise ValueError("--shapes is empty; give BATCHxSEQ items, e.g. 1x512,4x256")
+    return shapes
+
+
+def hf_fields(config: Config) -> dict[str, Any]:
+    """`Qwen3_5MoeTextConfig` fields equivalent to `config` (a Qwen3.5 MoE config with plain expert weights)."""
+    if config.model_type != "qwen3_5_moe" or not config.norm_topk_prob or config.expert_dtype is not None:
+        raise ValueError(f"{config.name}: vs-transformers compares Qwen3.5 MoE models (model_type 'qwen3_5_moe', "
+                         "norm_topk_prob, unquantized experts); pick a qwen3.5-* preset")
+    return dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        layer_types=list(config.layer_types), num_attention_heads=config.num_q_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
+        linear_num_key_heads=config.gdn_num_k_heads, linear_num_value_heads=config.gdn_num_v_heads,
+        linear_key_head_dim=config.gdn_k_head_dim, linear_value_head_dim=config.gdn_v_head_dim,
+        linear_conv_kernel_dim=config.gdn_conv_kernel, num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_ffn,
+        shared_expert_intermediate_size=config.shared_ffn, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=False,
+        eos_token_id=list(config.eos_token_ids) or None,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                         "partial_rotary_factor": config.partial_rotary_factor},
+    )
+
+
+def _hf_model(config: Config, seed: int, experts: str | None) -> Any:
+    """The seeded random HF model (the test factory's: norms and decays perturbed off their constants)."""
+    from qwen35_lib.testing import make_hf_model
+
+    model = make_hf_model("qwen3_5_moe", seed=seed, dtype="float32", **hf_fields(config))
+    if experts:
+        model.set_experts_implementation(experts)
+    return model
+
+
+def _check_same_model(want: Config, got: Config) -> None:
+    """The loaded config must describe the preset's architecture (else the mapping above is wrong)."""
+    same = lambda c: c.replace(name="", dtype="float32", moe_kernel="auto", eos_token_ids=(),
+                               max_position_embeddings=0)
+    if same(want) != same(got):
+        diff = {f: (getattr(want, f), getattr(got, f)) for f in want.__dataclass_fields__
+                if getattr(same(want), f) != getattr(same(got), f)}
+        raise ValueError(f"the HF checkpoint loads as a different model than {want.name}: {diff}")
+
+
+def _import_reference():
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"vs-transformers needs the 'reference' extra (torch, transformers): {e}; "
+                         "install with: pip install -e '.[reference]'") from None
+    return torch
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,73 @@
+"""Smoke tests of the benchmark scripts: each runs end to end at a tiny size and writes valid JSON.
+
+No timing assertions (benchmarks measure, they do not judge); only structure, and that the compared outputs agree.
+"""
+
+import json
+
+import pytest
+
+from qwen35_lib.bench import BENCHMARKS, load
+from qwen35_lib.bench.__main__ import main
+from qwen35_lib.bench.timing import environment, measure
+from qwen35_lib.bench.vs_transformers import parse_shapes
+
+
+def test_every_benchmark_module_has_the_protocol():
+    for name in BENCHMARKS:
+        module = load(name)
+        assert module.DESCRIPTION and callable(module.add_arguments) and callable(module.run), name
+
+
+def test_unknown_benchmark_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["no-such-benchmark"])
+    assert e.value.code == 2
+    assert "vs-transformers" in capsys.readouterr().err  # argparse lists the choices
+
+
+def test_measure_interleaves_and_keeps_warmup_outputs():
+    calls = []
+    candidates = {"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}
+    timings, outputs = measure(candidates, repeats=3, settle=0)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then rounds in rotated order
+    calls.clear()
+    measure(candidates, repeats=2, settle=1)
+    assert calls == ["a", "b", "a", "a", "b", "b", "b", "b", "a", "a"]  # each timed call right after its twin
+    assert outputs == {"a": 1, "b": 2}
+    assert len(timings["a"].times) == 3 and timings["a"].median >= 0
+    assert {"date", "jax", "backend", "cpu", "cores"} <= set(environment())
+
+
+def test_parse_shapes():
+    assert parse_shapes("1x512, 4X256") == [(1, 512), (4, 256)]
+    for bad in ("", "512", "1x0", "axb"):
+        with pytest.raises(ValueError):
+            parse_shapes(bad)
+
+
+def test_kernels_smoke(tmp_path):
+    out, choice = tmp_path / "kernels.json", tmp_path / "choice.json"
+    assert main(["kernels", "--model", "qwen3.5-tiny", "--tokens", "8", "--dtypes", "float32", "--repeats", "1",
+                 "--tile-sweep", "16", "--json", str(out), "--write-choice", str(choice)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"cases", "implementations", "wins", "overall", "environment"} <= set(doc)
+    case = doc["cases"][0]
+    assert case["tokens"] == 8 and case["dtype"] == "float32" and case["winner"] in doc["implementations"]
+    assert set(case["median_ms"]) == set(doc["implementations"]) | {"tiled m=16", "dense (all experts)"}
+    assert max(case["max_abs_diff_vs_ragged_dot"].values()) < 1e-5  # every candidate computes the same thing
+    assert json.loads(choice.read_text())["overall"] == doc["overall"]
+
+
+@pytest.mark.reference
+def test_vs_transformers_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "vs.json"
+    assert main(["vs-transformers", "--model", "qwen3.5-tiny", "--shapes", "1x16", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "float32" and doc["model"] == "qwen3.5-tiny"
+    (shape,) = doc["shapes"]
+    assert (shape["batch"], shape["seq"], shape["tokens"]) == (1, 16, 16)
+    assert set(shape["tokens_per_s"]) == {"ours", "transformers"} and shape["speedup"] > 0
+    assert shape["max_abs_logit_diff"] < 1e-4  # the same weights give the same logits
