@@ -58,7 +58,7 @@ def tiny_moe():
     return cfg, w
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled"])
+@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
 @pytest.mark.parametrize("n", [1, 64, 333])
 def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
     cfg, w = tiny_moe
@@ -68,11 +68,12 @@ def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-5)  # float32; only summation order differs
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled"])
-def test_moe_matmul_empty_groups_and_padding_rows(kernel):
+@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
+@pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5]])  # capacity: 9 > 8 slots -> fallback
+def test_moe_matmul_empty_groups_and_padding_rows(kernel, sizes):
     E, D, F = 6, 16, 8
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
-    sizes = jnp.array([0, 5, 0, 0, 9, 1], jnp.int32)  # 15 real rows, then 5 padding rows
+    sizes = jnp.array(sizes, jnp.int32)  # 15 real rows, then 5 padding rows
     x = jax.random.normal(kx, (20, D))
     wgu = jax.random.normal(kw, (E, D, 2, F))
     wd = jax.random.normal(kd, (E, F, D))
@@ -93,7 +94,7 @@ def test_moe_fp8_experts_match_dequantized(tiny_moe):
     w8 = dict(w, w_gate_up=quantize_fp8(w["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(w["w_down"], 16, (1, 2)))
     wdq = dict(w, **{n: dequantize_fp8(w8[n], 16, jnp.float32) for n in ("w_gate_up", "w_down")})
     x = jax.random.normal(jax.random.key(9), (40, cfg.hidden_size))
-    for kernel in ("ragged_dot", "tiled"):
+    for kernel in ("ragged_dot", "tiled", "capacity"):
         np.testing.assert_allclose(moe_block(cfg8.replace(moe_kernel=kernel), w8, x), moe_block(cfg, wdq, x),
                                    atol=1e-6, rtol=1e-5)
 

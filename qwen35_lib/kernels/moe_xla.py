@@ -77,3 +77,31 @@ def moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | Non
     a = _swiglu(h, x.dtype)  # [num_tiles, m, F]
     y = jnp.einsum("tmf,tfd->tmd", a, take(w_down), preferred_element_type=jnp.float32)
     return y.reshape(num_tiles * m, D).at[dest].get(mode="fill", fill_value=0)  # [N, D]
+
+
+@register("moe_matmul", "capacity")
+def moe_capacity(x, group_sizes, w_gate_up, w_down, fp8_block=None, factor: int = 2):
+    """Expert-major slots: each expert's rows in C = `factor` x the mean group size slots (a power of two), so
+    both matmuls use the expert weights in place, as one batched matmul [E, C, D] x [E, D, 2F].
+
+    Dropless and exact: when any group is larger than C, the step falls back to `moe_tiled` (`lax.cond`), so
+    the cost is data dependent, never the result. Padding slots cost (C - size) rows per expert.
+    """
+    N, D = x.shape
+    E = group_sizes.shape[0]
+    C = 1 << (max(1, -(-factor * N // E)) - 1).bit_length()
+    ends = jnp.cumsum(group_sizes)
+    row = jnp.arange(N)
+    g = jnp.searchsorted(ends, row, side="right")  # [N] group of each sorted row (E for padding rows)
+    gc = jnp.minimum(g, E - 1)
+    slot = jnp.where(g < E, gc * C + row - (ends[gc] - group_sizes[gc]), E * C)  # [N]
+
+    def in_place(x):
+        xe = jnp.zeros((E * C, D), x.dtype).at[slot].set(x, mode="drop").reshape(E, C, D)
+        h = jnp.einsum("ecd,edkf->eckf", xe, _dense(w_gate_up, fp8_block, x.dtype), preferred_element_type=jnp.float32)
+        y = jnp.einsum("ecf,efd->ecd", _swiglu(h, x.dtype), _dense(w_down, fp8_block, x.dtype),
+                       preferred_element_type=jnp.float32)
+        return y.reshape(E * C, D).at[slot].get(mode="fill", fill_value=0)
+
+    overflow = lambda x: moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block)
+    return jax.lax.cond(jnp.max(group_sizes) <= C, in_place, overflow, x)
