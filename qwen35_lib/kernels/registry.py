@@ -36,7 +36,7 @@ class GdnKernels(NamedTuple):
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
 _DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "tiled", "permute": "xla"},
+    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "capacity", "permute": "xla"},
     "tpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
     "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
 }
