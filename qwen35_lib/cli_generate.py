@@ -96,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(root, needed=any(kind == "text" for kind, _ in args.prompts))
     prompts = [_parse_ids(s) if kind == "ids" else tokenizer.encode(s).ids for kind, s in args.prompts]
 
+    from qwen35_lib.config import from_hf_config, get_config
+    from qwen35_lib.engine.engine import validate_request
+
+    shape = from_hf_config(root) if root else get_config(args.model or "qwen3.5-tiny")  # config.json only
+    for p in prompts:
+        validate_request(shape, ec, p, params)
+
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
     config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype)

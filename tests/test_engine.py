@@ -156,3 +156,9 @@ def test_data_parallel_ranks_have_their_own_pools_and_same_outputs(tiny):
         two.step()
     assert [two.results[i].output_ids for i in ids] == [r.output_ids for r in Engine(cfg, w, EC).generate(
         prompts, params)]
+
+
+def test_non_integer_prompt_is_refused(tiny):
+    cfg, w = tiny
+    with pytest.raises(ValueError, match="integer token ids; got float64"):
+        Engine(cfg, w, EC).add_request([1.5, 2.0])

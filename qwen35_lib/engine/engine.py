@@ -111,17 +111,7 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input is refused here, before it can touch running requests."""
         params = params or SamplingParams()
-        prompt = [int(t) for t in np.asarray(prompt_ids, dtype=np.int64).reshape(-1)] if len(prompt_ids) else []
-        if not prompt:
-            raise ValueError("empty prompt: a request needs at least one token id")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        total = len(prompt) + params.max_new_tokens
-        if total > self.ec.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
-                             f"exceeds max_model_len={self.ec.max_model_len}: shorten the prompt, lower "
-                             "max_new_tokens, or build the engine with a larger max_model_len")
+        prompt = validate_request(self.config, self.ec, prompt_ids, params)
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
                                              else self.config.eos_token_ids)
         rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
@@ -213,6 +203,26 @@ class Engine:
                 if on_token:
                     on_token(rid, token)
         return [self.results[i] for i in ids]
+
+
+def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    """The prompt as a list of ints, or a ValueError naming what is wrong with the request and how to fix it.
+    Needs no weights: a CLI can check requests before loading a checkpoint."""
+    arr = np.asarray(prompt_ids)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"a prompt is a list of integer token ids; got {arr.dtype} values")
+    prompt = [int(t) for t in arr.reshape(-1)]
+    if not prompt:
+        raise ValueError("empty prompt: a request needs at least one token id")
+    bad = [t for t in prompt if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    total = len(prompt) + params.max_new_tokens
+    if total > ec.max_model_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
+                         f"exceeds max_model_len={ec.max_model_len}: shorten the prompt, lower max_new_tokens, "
+                         "or build the engine with a larger max_model_len")
+    return prompt
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:
