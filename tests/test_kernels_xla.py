@@ -69,18 +69,19 @@ def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
 
 
 @pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
-@pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5]])  # capacity: 9 > 8 slots -> fallback
+# capacity: 20 rows over 6 experts get 16 slots each, so the 17-row group takes the fallback
+@pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5], [0, 17, 0, 0, 1, 0]])
 def test_moe_matmul_empty_groups_and_padding_rows(kernel, sizes):
     E, D, F = 6, 16, 8
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
-    sizes = jnp.array(sizes, jnp.int32)  # 15 real rows, then 5 padding rows
+    sizes = jnp.array(sizes, jnp.int32)  # sum(sizes) real rows, then padding rows up to 20
     x = jax.random.normal(kx, (20, D))
     wgu = jax.random.normal(kw, (E, D, 2, F))
     wd = jax.random.normal(kd, (E, F, D))
     y = jax.jit(get("moe_matmul", kernel))(x, sizes, wgu, wd)
     expert = np.repeat(np.arange(E), np.asarray(sizes))
     for r in range(20):
-        if r < 15:
+        if r < int(sizes.sum()):
             h = x[r] @ wgu[expert[r]].reshape(D, 2 * F)
             want = (jax.nn.silu(h[:F]) * h[F:]) @ wd[expert[r]]
         else:

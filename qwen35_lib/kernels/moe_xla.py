@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qwen35_lib.kernels.registry import register
 from qwen35_lib.weights import BlockFP8, dequantize_fp8
@@ -80,16 +81,19 @@ def moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | Non
 
 
 @register("moe_matmul", "capacity")
-def moe_capacity(x, group_sizes, w_gate_up, w_down, fp8_block=None, factor: int = 2):
-    """Expert-major slots: each expert's rows in C = `factor` x the mean group size slots (a power of two), so
-    both matmuls use the expert weights in place, as one batched matmul [E, C, D] x [E, D, 2F].
+def moe_capacity(x, group_sizes, w_gate_up, w_down, fp8_block=None, sigmas: float = 4.0):
+    """Expert-major slots: each expert's rows in C slots, so both matmuls use the expert weights in place, as one
+    batched matmul [E, C, D] x [E, D, 2F]. C = the next power of two >= mean + `sigmas` * sqrt(mean) + 2, with
+    mean = N / E rows per expert: balanced routing puts a Poisson-like count on each expert, so C holds every
+    group with high probability (2x the mean at prefill sizes, a few rows at decode sizes).
 
     Dropless and exact: when any group is larger than C, the step falls back to `moe_tiled` (`lax.cond`), so
     the cost is data dependent, never the result. Padding slots cost (C - size) rows per expert.
     """
     N, D = x.shape
     E = group_sizes.shape[0]
-    C = 1 << (max(1, -(-factor * N // E)) - 1).bit_length()
+    mean = N / E
+    C = 1 << (int(np.ceil(mean + sigmas * np.sqrt(mean) + 2)) - 1).bit_length()
     ends = jnp.cumsum(group_sizes)
     row = jnp.arange(N)
     g = jnp.searchsorted(ends, row, side="right")  # [N] group of each sorted row (E for padding rows)
