@@ -16,6 +16,7 @@ from types import ModuleType
 BENCHMARKS: dict[str, str] = {
     "vs-transformers": "qwen35_lib.bench.vs_transformers",
     "kernels": "qwen35_lib.bench.kernels",
+    "engine": "qwen35_lib.bench.engine",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory
 

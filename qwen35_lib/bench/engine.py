@@ -1,0 +1,571 @@
+"""`python -m qwen35_lib.bench engine`: the serving engine's throughput, TTFT and TPOT per workload and concurrency.
+
+Closed loop: for each workload (`8k/1k`, `1k/8k`, `1k/1k`, lengths scaled at CPU size by one factor, default 1/16)
+and each concurrency N, N requests are submitted at t = 0 (ignore_eos, so every output has its drawn length) and
+run to completion. One `EngineConfig` per N, shared by every workload (so they share compiled steps), sized so
+the N requests fit without preemption: max_num_seqs = N, pages for N requests of the longest workload, a token
+budget scaled like the lengths (InferenceMAX's 8192 -> 512 at 1/16).
+
+Compilation is kept out of the measurement: before each measured run, a warm-up run submits the same prompts
+with every output shortened by the same number of tokens. The scheduler then makes exactly the same batches
+(same prefill chunks, same decode counts as requests finish in the same order), only fewer pure-decode steps in
+the middle, so every bucket the measured run needs is compiled. The measured run's trace count says whether this
+held (0); if not, the run is measured again, warm.
+
+`--vs-transformers` (on when transformers is installed): the same random weights in both (the HF twin of the
+preset, saved and loaded with `load_hf_checkpoint`, float32 on both sides), 8 requests of the scaled 1k/1k
+workload: our engine (greedy) vs transformers' `generate` on one left-padded batch (greedy, eager, KV/state
+cache), timed interleaved; the greedy tokens compared request by request. Each timed call is a whole generation
+(seconds long), so `--settle` is not used here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import pathlib
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from qwen35_lib.bench import workloads as wl
+from qwen35_lib.bench.timing import environment, format_table, measure, progress, warn_if_busy
+from qwen35_lib.config import Config, get_config
+
+DESCRIPTION = ("serving throughput, TTFT, TPOT of the engine per workload and concurrency (closed loop); "
+               "decode vs transformers' generate")
+DEFAULTS = dict(model="qwen3.5-mini", concurrency="1,8,64", workloads="8k/1k,1k/8k,1k/1k", scale=None,
+                vs_requests=8)
+QUICK = dict(model="qwen3.5-tiny", concurrency="1,2", workloads="1k/1k", scale="1/64", vs_requests=2)
+DECODE_TARGET = 4.0  # decode tokens/s at the largest concurrency over that at 1
+VS_TARGET = 2.0  # our output tokens/s over transformers' at `vs_requests`
+PAGE_SIZE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"a Qwen3.5 preset (default: {DEFAULTS['model']}; --quick: {QUICK['model']})")
+    p.add_argument("--dtype", default="float32", help="weights and activations (default: %(default)s)")
+    p.add_argument("--concurrency", help=f"requests in flight, comma-separated (default: {DEFAULTS['concurrency']})")
+    p.add_argument("--workloads", help=f"workload names (default: {DEFAULTS['workloads']})")
+    p.add_argument("--scale", help="length scale factor for both input and output (default: data/workloads.json "
+                   f"cpu_scale, {wl.cpu_scale()}; --quick: {QUICK['scale']})")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="engine token budget per step (default: the published 8192 times --scale, at least one chunk)")
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="KV-cache page size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests and the weights")
+    p.add_argument("--plot", metavar="PATH", help="the figure (default: next to --json, .png)")
+    p.add_argument("--vs-transformers", action=argparse.BooleanOptionalAction, default=None,
+                   help="also compare with transformers' generate (default: when transformers is installed)")
+    p.add_argument("--vs-requests", type=int, help=f"requests in the comparison (default: {DEFAULTS['vs_requests']})")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small end-to-end run (tiny model, concurrency 1,2, 1k/1k at 1/64, one repeat)")
+
+
+# --- the engine under a closed loop ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepLog:
+    """What each engine step did and how long it took (seconds)."""
+
+    wall: list[float] = dataclasses.field(default_factory=list)  # the whole `engine.step()` call
+    device: list[float] = dataclasses.field(default_factory=list)  # the jitted step, until its tokens are ready
+    tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens fed (decodes + prefill chunks)
+    decode_only: list[bool] = dataclasses.field(default_factory=list)  # every sequence fed one token and sampled
+    traced: list[int] = dataclasses.field(default_factory=list)  # compilations during the step
+    cpu_share: float | None = None  # this process's CPU seconds / (wall seconds x cores): low = others competed
+    loadavg: float | None = None  # 1-minute load average at the end
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def _device_timer(times: list[float]):
+    """Time the engine's jitted step call (blocking on its tokens, which `Engine.step` reads right after anyway).
+
+    Instrumentation only: wraps `qwen35_lib.engine.engine._engine_step` for the duration and restores it. When
+    the engine has no such function (renamed), device times are not recorded.
+    """
+    import jax
+
+    from qwen35_lib.engine import engine as engine_module
+
+    original = getattr(engine_module, "_engine_step", None)
+    if original is None:
+        yield False
+        return
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        jax.block_until_ready(out[0])
+        times.append(time.perf_counter() - start)
+        return out
+
+    engine_module._engine_step = timed
+    try:
+        yield True
+    finally:
+        engine_module._engine_step = original
+
+
+def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[int], int]], desc: str):
+    """Submit every request at once, step the engine until all are done; returns (engine, StepLog, wall seconds).
+
+    A tqdm bar on stderr counts output tokens.
+    """
+    from qwen35_lib.engine import Engine, SamplingParams
+
+    engine = Engine(config, weights, ec)
+    log = StepLog()
+    device: list[float] = []
+    cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
+    with progress(sum(o for _, o in requests), desc) as bar, _device_timer(device) as timing_device:
+        for prompt, out in requests:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
+        while engine.has_work:
+            traces, start = engine.stats.traces, time.perf_counter()
+            events = engine.step()
+            log.wall.append(time.perf_counter() - start)
+            fed, seqs = engine.stats.tokens[-1], engine.stats.seqs[-1]
+            log.tokens.append(fed)
+            log.decode_only.append(fed == seqs == len(events))
+            log.traced.append(engine.stats.traces - traces)
+            bar.update(len(events))
+    log.device = device if timing_device and len(device) == len(log.wall) else []
+    log.cpu_share = (_cpu_seconds() - cpu_start) / ((time.perf_counter() - wall_start) * (os.cpu_count() or 1))
+    log.loadavg = _loadavg()
+    results = list(engine.results.values())
+    wall = max(r.token_times[-1] for r in results) - min(r.arrival for r in results)
+    return engine, log, wall
+
+
+def warmup_requests(requests: list[tuple[list[int], int]], chunk: int, budget: int) -> list[tuple[list[int], int]]:
+    """The same prompts with every output shortened by one constant c: the same batches, fewer decode steps.
+
+    Requests finish in the same order at the same offsets (less c steps), so every (decodes, prefill) bucket of
+    the full run recurs, provided no request finishes while prompts are still being prefilled: each keeps at
+    least `margin` output tokens, twice a bound on the number of steps that carry prefill chunks.
+    """
+    n = len(requests)
+    chunks = sum(-(-len(p) // chunk) * chunk for p, _ in requests)  # prefill tokens, chunk-aligned
+    per_step = max(chunk, (budget - n) // chunk * chunk)
+    margin = 2 * -(-chunks // per_step) + 2
+    c = max(0, min(o for _, o in requests) - margin)
+    return [(p, o - c) for p, o in requests]
+
+
+def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    return {"p50": float(np.percentile(values, 50)) * scale, "p99": float(np.percentile(values, 99)) * scale}
+
+
+def metrics(engine, log: StepLog, wall: float) -> dict:
+    """Throughput, latency percentiles and where the time went, for one finished closed-loop run."""
+    results = list(engine.results.values())
+    out_tokens = sum(len(r.output_ids) for r in results)
+    in_tokens = sum(len(r.prompt_ids) for r in results)
+    dec = [i for i, d in enumerate(log.decode_only) if d]
+    pre = [i for i, d in enumerate(log.decode_only) if not d]
+    dec_time = sum(log.wall[i] for i in dec)
+    step_time, device_time = sum(log.wall), sum(log.device) if log.device else None
+    return {
+        "requests": len(results),
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "total_tokens_per_s": (in_tokens + out_tokens) / wall,
+        "ttft_ms": _percentiles([r.ttft for r in results]),
+        "tpot_ms": _percentiles([r.tpot for r in results]),
+        "steps": engine.stats.steps,
+        "mean_tokens_per_step": float(np.mean(log.tokens)),
+        "mean_seqs_per_step": float(np.mean(engine.stats.seqs)),
+        "decode_steps": len(dec),
+        "prefill_steps": len(pre),
+        "mixed_steps": engine.stats.mixed_steps,
+        "decode_tokens_per_s": sum(log.tokens[i] for i in dec) / dec_time if dec_time else None,
+        "decode_step_ms": _percentiles([log.wall[i] for i in dec]) if dec else None,
+        "prefill_tokens_per_s": sum(log.tokens[i] for i in pre) / sum(log.wall[i] for i in pre) if pre else None,
+        "time_s": {"prefill_steps": sum(log.wall[i] for i in pre), "decode_steps": dec_time,
+                   "device": device_time, "host_in_steps": step_time - device_time if device_time else None,
+                   "outside_steps": wall - step_time},
+        "preemptions": engine.preemptions,
+        "cpu_share": log.cpu_share,
+        "loadavg_1m_after": log.loadavg,
+        "traces": engine.stats.traces,
+        "buckets": sorted(list(b) for b in engine.stats.buckets),
+    }
+
+
+def engine_config(n: int, max_model_len: int, budget: int, page_size: int):
+    """Knobs under which n requests of up to max_model_len tokens run together without preemption."""
+    from qwen35_lib.engine import EngineConfig
+
+    return EngineConfig(max_num_seqs=n, max_num_batched_tokens=budget, page_size=page_size, num_pages=None,
+                        max_model_len=max_model_len)
+
+
+def knobs(config: Config, ec) -> dict:
+    from qwen35_lib.engine.cache import CacheShape, cache_bytes
+
+    shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size, num_slots=ec.max_num_seqs + 1)
+    return {"max_num_seqs": ec.max_num_seqs, "max_num_batched_tokens": ec.max_num_batched_tokens,
+            "page_size": ec.page_size, "num_pages": ec.pages, "max_model_len": ec.max_model_len, "ranks": ec.ranks,
+            "cache_mib": cache_bytes(config, shape) / 2**20}
+
+
+def measure_run(config: Config, weights: dict, ec, requests, label: str) -> dict:
+    """Warm up (shortened outputs), then the measured run (again if it still compiled something)."""
+    warm = warmup_requests(requests, config.gdn_chunk_size, ec.max_num_batched_tokens)
+    start = time.perf_counter()
+    engine, log, _ = run_requests(config, weights, ec, warm, f"{label} warm-up")
+    warmup = {"wall_s": time.perf_counter() - start, "steps": engine.stats.steps, "traces": engine.stats.traces,
+              "output_tokens": sum(o for _, o in warm),
+              "compile_steps_s": sum(w for w, t in zip(log.wall, log.traced) if t)}
+    engine, log, wall = run_requests(config, weights, ec, requests, label)
+    remeasured = engine.stats.traces > 0
+    if remeasured:
+        print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) the warm-up did not; "
+              "measuring again", file=sys.stderr)
+        engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
+    return metrics(engine, log, wall) | {"warmup": warmup, "remeasured": remeasured}
+
+
+# --- vs transformers -------------------------------------------------------------------------------------------
+
+
+def hf_twin(config: Config, seed: int) -> tuple[Any, Config, dict]:
+    """(the seeded random HF model of `config`, and our (config, float32 weights) loaded from its checkpoint).
+
+    The same construction as `vs-transformers`: `make_hf_model` with `hf_fields(config)`, `save_pretrained`,
+    `load_hf_checkpoint`, and a check that the loaded config is the preset's architecture.
+    """
+    from qwen35_lib.bench.vs_transformers import _check_same_model, hf_fields
+    from qwen35_lib.checkpoint import load_hf_checkpoint
+    from qwen35_lib.testing import make_hf_model
+
+    hf = make_hf_model("qwen3_5_moe", seed=seed, dtype="float32", **hf_fields(config))
+    with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
+        hf.save_pretrained(tmp)
+        ours, weights = load_hf_checkpoint(tmp, dtype="float32")
+    _check_same_model(config, ours)
+    return hf, ours, weights
+
+
+def _reference_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hf_generate(hf, requests: list[tuple[list[int], int]]) -> Any:
+    """transformers' greedy `generate` on one left-padded batch, max_new_tokens = the longest output, EOS off.
+
+    Returns the generated ids [B, max_new] (torch)."""
+    import torch
+
+    B, L = len(requests), max(len(p) for p, _ in requests)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, (p, _) in enumerate(requests):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in requests),
+                          do_sample=False, pad_token_id=0)
+    return out[:, L:]
+
+
+def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, repeats: int) -> dict:
+    """Our engine vs transformers' generate on the same requests, timed interleaved; greedy tokens compared."""
+    import torch
+    import transformers
+
+    from qwen35_lib.engine import Engine, SamplingParams
+
+    hf.generation_config.eos_token_id = None  # ignore_eos on both sides: exact lengths
+    n_out = sum(o for _, o in requests)
+    hf_new = max(o for _, o in requests)
+
+    def ours():
+        results = Engine(config, weights, ec).generate(
+            [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
+        return [r.output_ids for r in results]
+
+    timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
+                               repeats=repeats, warmup=1, settle=0, desc=f"vs transformers, {len(requests)} requests")
+    hf_ids = outputs["transformers"].tolist()
+    same_prefix = []
+    for mine, theirs, (_, o) in zip(outputs["ours"], hf_ids, requests):
+        k = next((i for i, (a, b) in enumerate(zip(mine, theirs[:o])) if a != b), o)
+        same_prefix.append(k)
+    t_ours, t_hf = timings["ours"].median, timings["transformers"].median
+    tps = {"ours": n_out / t_ours, "transformers": len(requests) * hf_new / t_hf,
+           "transformers_useful": n_out / t_hf}
+    return {
+        "requests": len(requests),
+        "prompt_lengths": [len(p) for p, _ in requests],
+        "output_lengths": [o for _, o in requests],
+        "dtype": "float32",
+        "transformers": {"version": transformers.__version__, "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "mode": "generate, greedy, left-padded batch, "
+                         f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
+                         "attention": hf.config._attn_implementation,
+                         "experts": getattr(hf.config, "_experts_implementation", None)},
+        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config)},
+        "timings": {n: t.to_json() for n, t in timings.items()},
+        "output_tokens_per_s": tps,
+        "speedup": tps["ours"] / tps["transformers"],
+        "speedup_useful": tps["ours"] / tps["transformers_useful"],
+        "target": VS_TARGET,
+        "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
+                         "tokens_before_first_difference": same_prefix,
+                         "tokens_compared": n_out},
+    }
+
+
+def _moe_kernel(config: Config) -> str:
+    from qwen35_lib.kernels.registry import resolve_name
+
+    return resolve_name("moe_matmul", config.moe_kernel)
+
+
+# --- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def _resolve(args: argparse.Namespace) -> dict:
+    base = QUICK if args.quick else DEFAULTS
+    r = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in base.items()}
+    r["scale"] = r["scale"] or wl.cpu_scale()
+    try:
+        r["concurrency"] = sorted({int(c) for c in str(r["concurrency"]).split(",") if c.strip()})
+    except ValueError:
+        raise ValueError(f"--concurrency {r['concurrency']!r}: give request counts like 1,8,64") from None
+    if not r["concurrency"] or min(r["concurrency"]) < 1 or r["vs_requests"] < 1:
+        raise ValueError("--concurrency and --vs-requests need positive request counts, e.g. --concurrency 1,8,64")
+    r["workloads"] = wl.parse_names(r["workloads"])
+    r["repeats"] = 1 if args.quick else args.repeats
+    return r
+
+
+def run(args: argparse.Namespace) -> dict:
+    """1. Resolve the options; build the weights (the HF twin's when comparing with transformers, else seeded
+       random ones); one EngineConfig per concurrency.
+    2. For each concurrency and workload: draw the requests, warm up, measure (progress bars on stderr).
+    3. Optionally compare with transformers' generate.
+    4. Print the tables and ratios; plot; return the JSON document.
+    """
+    from qwen35_lib.weights import init_weights
+
+    opts = _resolve(args)
+    vs = args.vs_transformers
+    if vs is None:
+        vs = _reference_available()
+    elif vs and not _reference_available():
+        raise ValueError("--vs-transformers needs the 'reference' extra (torch, transformers); install with: "
+                         "pip install -e '.[reference]'")
+    load_before = warn_if_busy()
+    preset = get_config(opts["model"], dtype=args.dtype)
+    hf = None
+    if vs:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        if args.dtype != "float32":
+            raise ValueError(f"the comparison with transformers runs float32; pass --no-vs-transformers for --dtype "
+                             f"{args.dtype}")
+        hf, _, weights = hf_twin(get_config(opts["model"]), args.seed)
+        config = preset  # hf_twin checked the loaded config is the preset's architecture: the same compiled steps
+    else:
+        config = preset
+        weights = init_weights(config, args.seed)
+    scale = str(wl.parse_factor(opts["scale"]))
+    loads = {name: wl.scaled(name, scale) for name in opts["workloads"]}
+    max_len = max(w.max_len for w in loads.values())
+    budget = args.max_num_batched_tokens or max(config.gdn_chunk_size,
+                                                round(wl.max_num_batched_tokens() * wl.parse_factor(scale)))
+    configs = {n: engine_config(n, max_len, budget, args.page_size) for n in opts["concurrency"]}
+    print(f"engine benchmark: {config.name} ({'the HF twin, ' if vs else ''}random weights, seed {args.seed}), "
+          f"{config.dtype}, moe_matmul={_moe_kernel(config)}; lengths x{scale}: "
+          + ", ".join(f"{n} -> {w.input_len}/{w.output_len}" for n, w in loads.items())
+          + f" (each uniform in [{next(iter(loads.values())).range_ratio} L, L]); closed loop, all N requests at t=0, "
+          "ignore_eos")
+    print(format_table(["N", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_pages", "max_model_len",
+                        "cache MiB"], [[n, *[knobs(config, ec)[k] for k in ("max_num_seqs", "max_num_batched_tokens",
+                                        "page_size", "num_pages", "max_model_len", "cache_mib")]]
+                                       for n, ec in configs.items()]))
+    sys.stdout.flush()
+
+    runs = []
+    for n, ec in configs.items():
+        for name, w in loads.items():
+            requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
+            m = measure_run(config, weights, ec, requests, f"{name} N={n}")
+            runs.append({"workload": name, "concurrency": n} | m)
+    _print_runs(runs)
+    scaling = decode_scaling(runs)
+
+    comparison = None
+    if vs:
+        name = "1k/1k"
+        w = wl.scaled(name, scale)
+        n = opts["vs_requests"]
+        ec = configs.get(n) or engine_config(n, max(max_len, w.max_len), budget, args.page_size)  # shared compiles
+        comparison = compare_with_transformers(hf, config, weights, ec, wl.draw_requests(w, n, args.seed,
+                                               config.vocab_size), opts["repeats"]) | {"workload": name}
+        _print_comparison(comparison)
+
+    doc = {
+        "benchmark": "engine",
+        "model": config.name,
+        "dtype": config.dtype,
+        "weights": "HF twin (make_hf_model), loaded with load_hf_checkpoint" if vs else "init_weights",
+        "seed": args.seed,
+        "moe_kernel": _moe_kernel(config),
+        "scale": scale,
+        "workloads": {name: w.to_json() for name, w in loads.items()},
+        "concurrency": opts["concurrency"],
+        "engine_configs": {str(n): knobs(config, ec) for n, ec in configs.items()},
+        "loop": "closed: all N requests submitted at t=0, run to completion, ignore_eos",
+        "warmup": "same prompts, every output shortened by one constant (same batches), before each measured run",
+        "runs": runs,
+        "decode_scaling": scaling,
+        "vs_transformers": comparison,
+        "environment": environment(loadavg_1m_before=load_before),
+    }
+    plot_path = pathlib.Path(args.plot) if args.plot else pathlib.Path(args.json).with_suffix(".png")
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot_results(doc).savefig(plot_path, dpi=110)
+    doc["plot"] = str(plot_path)
+    print(f"wrote {plot_path}", file=sys.stderr)
+    return doc
+
+
+def decode_scaling(runs: list[dict]) -> dict | None:
+    """Decode tokens/s at the largest concurrency over that at the smallest, per workload (target: 4x, 64 vs 1)."""
+    out = {}
+    for name in dict.fromkeys(r["workload"] for r in runs):
+        rs = sorted((r for r in runs if r["workload"] == name), key=lambda r: r["concurrency"])
+        lo, hi = rs[0], rs[-1]
+        if lo is hi or not lo["decode_tokens_per_s"] or not hi["decode_tokens_per_s"]:
+            continue
+        out[name] = {"low": lo["concurrency"], "high": hi["concurrency"],
+                     "decode_tokens_per_s": [lo["decode_tokens_per_s"], hi["decode_tokens_per_s"]],
+                     "ratio": hi["decode_tokens_per_s"] / lo["decode_tokens_per_s"],
+                     "output_tokens_per_s_ratio": hi["output_tokens_per_s"] / lo["output_tokens_per_s"],
+                     "target": DECODE_TARGET}
+    if not out:
+        return None
+    print("\ndecode tokens/s (pure decode steps) at the largest concurrency over the smallest "
+          f"(target >= {DECODE_TARGET:g}x at 64 vs 1):")
+    print(format_table(["workload", "N", "decode tok/s", "ratio", "output tok/s ratio"],
+                       [[k, f"{v['high']} vs {v['low']}", f"{v['decode_tokens_per_s'][1]:,.1f} vs "
+                         f"{v['decode_tokens_per_s'][0]:,.1f}", f"{v['ratio']:.2f}x",
+                         f"{v['output_tokens_per_s_ratio']:.2f}x"] for k, v in out.items()]))
+    return out
+
+
+def _print_runs(runs: list[dict]) -> None:
+    ms = lambda d, k: f"{d[k]['p50']:,.0f} / {d[k]['p99']:,.0f}"
+    rows = [[r["workload"], r["concurrency"], r["output_tokens_per_s"], r["total_tokens_per_s"], ms(r, "ttft_ms"),
+             ms(r, "tpot_ms"), r["decode_tokens_per_s"] or "-", r["steps"], r["mean_tokens_per_step"],
+             r["preemptions"], f"{r['warmup']['traces']}/{r['traces']}", f"{r['wall_s']:.1f}"] for r in runs]
+    print("\nmeasured runs (after warm-up; CPU, float32):")
+    print(format_table(["workload", "N", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                        "decode tok/s", "steps", "tok/step", "preempt", "traces warm/meas", "wall s"], rows))
+    rows = []
+    for r in runs:
+        t = r["time_s"]
+        step = t["prefill_steps"] + t["decode_steps"]
+        host = t["host_in_steps"]
+        rows.append([r["workload"], r["concurrency"], f"{t['prefill_steps']:.2f}", f"{t['decode_steps']:.2f}",
+                     f"{100 * host / step:.1f}%" if host is not None and step else "-",
+                     r["decode_step_ms"]["p50"] if r["decode_step_ms"] else "-",
+                     r["prefill_tokens_per_s"] or "-", len(r["buckets"]), f"{r['warmup']['wall_s']:.1f}",
+                     f"{r['warmup']['compile_steps_s']:.1f}", f"{100 * r['cpu_share']:.0f}%", r["loadavg_1m_after"]])
+    print("\nwhere the time went (measured run; host = scheduling, packing, sampling bookkeeping outside the "
+          "jitted step; CPU = this process's share of all cores, well under ~90% or a load above the core count "
+          "means other processes competed and that row is slowed):")
+    print(format_table(["workload", "N", "prefill steps s", "decode steps s", "host %", "decode step ms p50",
+                        "prefill tok/s", "buckets", "warm-up s", "compiling steps s", "CPU", "load"], rows))
+    sys.stdout.flush()
+
+
+def _print_comparison(c: dict) -> None:
+    t = c["output_tokens_per_s"]
+    g = c["greedy_match"]
+    print(f"\nvs transformers: {c['requests']} requests of {c['workload']} (prompts {min(c['prompt_lengths'])}-"
+          f"{max(c['prompt_lengths'])}, outputs {min(c['output_lengths'])}-{max(c['output_lengths'])} tokens), "
+          f"float32 both, same weights; median of {len(c['timings']['ours']['times_s'])}, interleaved")
+    print(format_table(["", "seconds", "output tok/s"],
+                       [["ours (engine, greedy)", c["timings"]["ours"]["median_s"], t["ours"]],
+                        ["transformers generate (all rows to the longest)", c["timings"]["transformers"]["median_s"],
+                         t["transformers"]],
+                        ["transformers, requested tokens only", c["timings"]["transformers"]["median_s"],
+                         t["transformers_useful"]]]))
+    print(f"ours / transformers: {c['speedup']:.2f}x output tokens/s (target >= {c['target']:g}x); "
+          f"{c['speedup_useful']:.2f}x counting only the requested tokens")
+    print(f"greedy tokens: {g['requests_identical']}/{c['requests']} requests identical; tokens before the first "
+          f"difference: {g['tokens_before_first_difference']} (float32 both; a difference is a near-tie that "
+          "rounding resolved the other way)")
+    sys.stdout.flush()
+
+
+def plot_results(doc: dict):
+    """Throughput (output and total tokens/s) and latency (TTFT, TPOT p50 solid / p99 dashed) vs concurrency."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    axes = fig.subplots(2, 2)
+    panels = [(axes[0, 0], "output_tokens_per_s", "output tokens/s"),
+              (axes[0, 1], "total_tokens_per_s", "total (input + output) tokens/s"),
+              (axes[1, 0], "ttft_ms", "TTFT (ms)"), (axes[1, 1], "tpot_ms", "TPOT (ms)")]
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2"]
+    for i, name in enumerate(doc["workloads"]):
+        rs = sorted((r for r in doc["runs"] if r["workload"] == name), key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rs]
+        w = doc["workloads"][name]
+        label = f"{name} ({w['input_len']}/{w['output_len']})"
+        for ax, key, _ in panels:
+            if key.endswith("_ms"):
+                ax.plot(xs, [r[key]["p50"] for r in rs], "o-", color=colors[i % 5], label=f"{label} p50")
+                ax.plot(xs, [r[key]["p99"] for r in rs], "o--", color=colors[i % 5], alpha=0.6, label=f"{label} p99")
+            else:
+                ax.plot(xs, [r[key] for r in rs], "o-", color=colors[i % 5], label=label)
+    for ax, key, title in panels:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(doc["concurrency"], [str(c) for c in doc["concurrency"]])
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if key.endswith("_ms"):
+            ax.set_yscale("log")
+    axes[0, 0].legend(fontsize=8)
+    axes[1, 0].legend(fontsize=7, ncol=2)
+    env = doc["environment"]
+    title = (f"{doc['model']} engine, {doc['dtype']}, measured on CPU ({env.get('cores')} cores, {env.get('cpu')}); "
+             f"lengths x{doc['scale']}, closed loop")
+    vs = doc.get("vs_transformers")
+    if vs:
+        title += f"\nvs transformers generate at {vs['requests']} requests: {vs['speedup']:.2f}x output tokens/s"
+    fig.suptitle(title, fontsize=10)
+    return fig

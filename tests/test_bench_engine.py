@@ -1,0 +1,96 @@
+"""The engine benchmark: the harness runs end to end at tiny size and writes its JSON and plot; the workloads.
+
+No timing assertions (benchmarks measure, they do not judge): structure, exact lengths, and agreement only.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qwen35_lib.bench import workloads as wl
+from qwen35_lib.bench.__main__ import main
+from qwen35_lib.bench.engine import warmup_requests
+
+RUN_KEYS = {"workload", "concurrency", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "tpot_ms", "steps",
+            "mean_tokens_per_step", "preemptions", "traces", "buckets", "decode_tokens_per_s", "time_s", "warmup",
+            "input_tokens", "output_tokens", "wall_s"}
+
+
+def test_workloads_file_has_the_three_workloads_and_the_convention():
+    loads = wl.load()
+    assert {n: (w.input_len, w.output_len) for n, w in loads.items()} == {
+        "8k/1k": (8192, 1024), "1k/8k": (1024, 8192), "1k/1k": (1024, 1024)}
+    assert all(w.range_ratio == 0.8 for w in loads.values())
+    assert wl.parse_factor(wl.cpu_scale()) == wl.parse_factor("1/16")
+    w = wl.scaled("8k/1k", "1/16")
+    assert (w.input_len, w.output_len, w.scale) == (512, 64, "1/16")
+    assert (wl.scaled("1k/8k", 1 / 16).input_len, wl.scaled("1k/8k", 1 / 16).output_len) == (64, 512)
+    for bad in ("0", "2", "x", "1/0"):
+        with pytest.raises(ValueError):
+            wl.parse_factor(bad)
+    with pytest.raises(ValueError, match="unknown workload"):
+        wl.scaled("2k/2k", 1)
+
+
+@pytest.mark.parametrize("name", ["8k/1k", "1k/8k", "1k/1k"])
+def test_drawn_lengths_lie_in_the_range_and_are_seeded(name):
+    w = wl.scaled(name, "1/16")
+    requests = wl.draw_requests(w, 200, seed=3, vocab_size=4096)
+    ins = [len(p) for p, _ in requests]
+    outs = [o for _, o in requests]
+    for lengths, L in ((ins, w.input_len), (outs, w.output_len)):
+        assert 0.8 * L <= min(lengths) and max(lengths) <= L
+        assert len(set(lengths)) > 1  # drawn, not constant
+    assert all(2 <= t < 4096 for p, _ in requests for t in p)
+    assert requests == wl.draw_requests(w, 200, seed=3, vocab_size=4096)
+    assert requests != wl.draw_requests(w, 200, seed=4, vocab_size=4096)
+    assert w.bounds(64) == (math.ceil(0.8 * 64), 64) == (52, 64)
+
+
+def test_warmup_keeps_the_finishing_order_and_offsets():
+    rng = np.random.default_rng(0)
+    requests = [(list(range(int(n))), int(o)) for n, o in zip(rng.integers(52, 65, 16), rng.integers(410, 513, 16))]
+    warm = warmup_requests(requests, chunk=64, budget=512)
+    shift = {o - w for (_, o), (_, w) in zip(requests, warm)}
+    assert len(shift) == 1 and shift.pop() > 0  # one constant: same batches, fewer steps
+    assert [p for p, _ in warm] == [p for p, _ in requests]
+    assert min(o for _, o in warm) >= 2 * 2 + 2  # outlives the prefill steps (16 x 64 tokens, 512 per step)
+
+
+def _check_doc(doc, concurrency, plot):
+    assert doc["benchmark"] == "engine" and doc["model"] == "qwen3.5-tiny" and doc["scale"] == "1/64"
+    assert {"workloads", "engine_configs", "runs", "decode_scaling", "vs_transformers", "environment",
+            "plot"} <= set(doc)
+    assert [(r["workload"], r["concurrency"]) for r in doc["runs"]] == [("1k/1k", n) for n in concurrency]
+    for r in doc["runs"]:
+        assert RUN_KEYS <= set(r)
+        assert r["traces"] == 0  # the warm-up compiled every bucket the measured run used
+        assert r["preemptions"] == 0 and r["steps"] >= 13
+        assert r["input_tokens"] == r["concurrency"] * 16 or 13 * r["concurrency"] <= r["input_tokens"]
+        assert r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert doc["engine_configs"][str(r["concurrency"])]["max_num_seqs"] >= r["concurrency"]
+    assert {"date", "jax", "backend", "cpu"} <= set(doc["environment"])
+    assert plot.stat().st_size > 0 and doc["plot"] == str(plot)
+
+
+def test_engine_bench_smoke(tmp_path):
+    out, plot = tmp_path / "engine.json", tmp_path / "engine.png"
+    assert main(["engine", "--quick", "--no-vs-transformers", "--json", str(out), "--plot", str(plot)]) == 0
+    doc = json.loads(out.read_text())
+    _check_doc(doc, [1, 2], plot)
+    assert doc["vs_transformers"] is None
+    assert doc["decode_scaling"]["1k/1k"]["low"] == 1 and doc["decode_scaling"]["1k/1k"]["high"] == 2
+
+
+@pytest.mark.reference
+def test_engine_bench_vs_transformers_smoke(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "engine.json"
+    assert main(["engine", "--quick", "--concurrency", "2", "--vs-transformers", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    _check_doc(doc, [2], tmp_path / "engine.png")
+    vs = doc["vs_transformers"]
+    assert vs["requests"] == 2 and vs["dtype"] == "float32" and vs["speedup"] > 0
+    assert vs["greedy_match"]["requests_identical"] == 2  # same weights, float32 both: the same greedy tokens
