@@ -88,7 +88,9 @@ def test_engine_bench_smoke(tmp_path):
 def test_engine_bench_vs_transformers_smoke(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "engine.json"
-    assert main(["engine", "--quick", "--concurrency", "2", "--vs-transformers", "--json", str(out)]) == 0
+    # one torch thread: two beside XLA's pool on a busy 2-core machine stalled generate ~100x (0.05 s -> 13 s)
+    assert main(["engine", "--quick", "--concurrency", "2", "--vs-transformers", "--threads", "1",
+                 "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     _check_doc(doc, [2], tmp_path / "engine.png")
     vs = doc["vs_transformers"]
