@@ -85,5 +85,12 @@ def for_config(slot: str, config: Any) -> Any:
 
 
 def _load_all() -> None:
-    # importing the implementation modules registers them
-    from qwen35_lib.kernels import attention_xla, gdn_xla, moe_xla, permute_xla  # noqa: F401
+    """Import every implementation module (`kernels/*_xla.py`, `kernels/*_pallas.py`): importing registers them."""
+    import importlib
+    import pkgutil
+
+    import qwen35_lib.kernels as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name.endswith(("_xla", "_pallas")):
+            importlib.import_module(f"qwen35_lib.kernels.{mod.name}")
