@@ -18,6 +18,8 @@ FULL = "full_attention"  # a gated GQA attention layer
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = ("float32", "bfloat16")
 EXPERT_DTYPES = (None, "float8_e4m3fn")
+LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")  # see qwen35_lib.parallel.layouts
+ROUTINGS = ("replicate", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,12 @@ class Config:
     moe_kernel: str = "auto"
     gdn_kernel: str = "auto"
     permute_kernel: str = "auto"
+    # how to run it on many devices (qwen35_lib.parallel); the mesh itself is passed where it is used
+    layout: str = "single"  # single | tp8 | tp8_kvrep | dp4_tp2_ep8 | dp8_ep8
+    routing: str = "replicate"  # EP layouts: replicate (all-gather tokens) | all_to_all (send tokens to experts)
+    fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 all-gathers -> 2)
+    hierarchical_rs: bool = False  # replicate: reduce-scatter over `core`, then over `chip`, micro-batched
+    capacity_factor: float | None = None  # all_to_all: None = dropless; else slots per device = f * mean (drops)
 
     def __post_init__(self):
         _check(self.model_type in MODEL_TYPES, f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
@@ -83,6 +91,10 @@ class Config:
                f"gdn_num_v_heads={self.gdn_num_v_heads} is not a multiple of gdn_num_k_heads={self.gdn_num_k_heads}")
         _check(0 < self.num_experts_per_tok <= self.num_experts,
                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
+        _check(self.layout in LAYOUTS, f"unknown layout {self.layout!r}; use one of {LAYOUTS}")
+        _check(self.routing in ROUTINGS, f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+        _check(self.capacity_factor is None or self.capacity_factor > 0,
+               f"capacity_factor must be None (dropless) or > 0; got {self.capacity_factor}")
         _check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
                f"partial_rotary_factor={self.partial_rotary_factor} gives an odd or empty rotary dim")
 
