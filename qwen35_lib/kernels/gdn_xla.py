@@ -57,17 +57,38 @@ def _chunk_terms(q, k, v, g, beta, C: int):
     gamma = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, Hv, n, C, C]
     kb = k * beta[..., None]
     A = jnp.einsum("...ik,...jk->...ij", kb, k) * gamma * jnp.tril(jnp.ones((C, C)), -1)
-    L = A + jnp.eye(C)  # unit lower triangular
-    # One solve for both right-hand sides: two independent LAPACK solves in one XLA:CPU program can deadlock
-    # its thread pool on a 2-core machine (seen: both blocked in jaxlib's batched triangular solver).
+    # (I + A)^-1 by block doubling (matmuls), not a LAPACK triangular solve: jaxlib's CPU solver runs on a
+    # thread pool that deadlocks when several solves (layers, or 8 simulated devices) run at once on 2 cores.
     dv = v.shape[-1]
-    UW = jax.scipy.linalg.solve_triangular(L, jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], -1),
-                                           lower=True, unit_diagonal=True)
+    UW = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(A),
+                    jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], -1),
+                    precision="highest")
     U, W = UW[..., :dv], UW[..., dv:]  # [B, Hv, n, C, dv], [B, Hv, n, C, dk]
     P = jnp.einsum("...ik,...jk->...ij", q, k) * gamma  # [B, Hv, n, C, C]
     q_dec = q * jnp.exp(G)[..., None]
     k_dec = k * jnp.exp(G[..., -1:] - G)[..., None]
     return U, W, P, q_dec, k_dec, jnp.exp(G[..., -1])
+
+
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower triangular A [..., C, C], C a power of two, by block doubling.
+
+    1. X = I inverts the 1x1 diagonal blocks of M = I + A;
+    2. for b = 1, 2, 4, ... C/2: if X inverts M's b-blocks, X - X M_off X inverts its 2b-blocks, where M_off
+       holds M inside the 2b-blocks but outside the b-blocks ([[P, 0], [R, Q]]^-1 = [[P^-1, 0],
+       [-Q^-1 R P^-1, Q^-1]]). log2(C) steps of two batched matmuls; no intermediate outgrows the inverse.
+    """
+    C = A.shape[-1]
+    assert C & (C - 1) == 0, f"chunk size {C} must be a power of two"
+    row, col = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+    X = jnp.broadcast_to(jnp.eye(C, dtype=A.dtype), A.shape)
+    b = 1
+    while b < C:
+        off = ((row // (2 * b)) == (col // (2 * b))) & ((row // b) != (col // b))  # [C, C]
+        M_off = jnp.where(off, A, 0)
+        X = X - jnp.einsum("...ij,...jk,...kl->...il", X, M_off, X, precision="highest")
+        b *= 2
+    return X
 
 
 def _chunk_step(S, U_c, W_c, P_c, q_c, k_c, l_c):

@@ -39,10 +39,26 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
 
 
 def moe_block(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
-    """The MoE layer on flat tokens. x: [N, D] -> [N, D]."""
+    """The MoE layer on flat tokens. x: [N, D] -> [N, D]. Under a multi-device layout (`cfg.layout`) the
+    experts run in a `shard_map` over the context mesh (`qwen35_lib.parallel.routing`)."""
+    from qwen35_lib.parallel import routing
+    from qwen35_lib.parallel.layouts import get_layout
+
     with jax.named_scope("moe"):
         weights, ids = route(cfg, w["router"], x)
-        return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
+        mode = get_layout(cfg.layout).moe
+        if mode == "local":
+            return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
+        _need_mesh(cfg)
+        if mode == "tp":
+            return routing.moe_tp(cfg, w, x, ids, weights, shared_expert)
+        return routing.moe_ep(cfg, w, x, ids, weights)[0] + shared_expert(w, x)
+
+
+def _need_mesh(cfg: Config) -> None:
+    if jax.sharding.get_abstract_mesh().empty:
+        raise ValueError(f"layout {cfg.layout!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` with "
+                         "mesh = qwen35_lib.parallel.make_mesh() (the Engine does this when given mesh=...)")
 
 
 def moe_dense_reference(cfg: Config, w: dict, x: jax.Array) -> jax.Array:

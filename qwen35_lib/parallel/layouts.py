@@ -97,7 +97,8 @@ def check_layout(config: Config, mesh) -> Layout:
         raise ValueError(
             f"{config.num_kv_heads} KV heads cannot be split over {kv} devices of axes {lay.axes('kv_heads')} "
             f"(layout {lay.name!r}: {config.num_kv_heads}/{kv} heads per device); use layout 'dp8_ep8' or "
-            f"replicate KV heads with 'tp8_kvrep' ({kv // config.num_kv_heads}x KV-cache memory per device)")
+            f"replicate KV heads with 'tp8_kvrep' (every device then holds all {config.num_kv_heads}: {kv}x the "
+            "KV-cache memory per device of an even split)")
     ep = axis_size(mesh, lay.ep_axes)
     if lay.moe == "ep" and config.num_experts % ep:
         raise ValueError(f"{config.num_experts} experts cannot be split evenly over {ep} devices (expert "

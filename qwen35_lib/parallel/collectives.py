@@ -1,0 +1,64 @@
+"""Collectives for the MoE under expert parallelism, each with its plain twin (used inside `shard_map`).
+
+- `gather_routing`: the top-k ids and weights of every token, all-gathered: two all-gathers, or one over a
+  packed int32 array (`fuse_allgather`: with the hidden states, 3 all-gathers become 2).
+- `reduce_scatter`: `psum_scatter` over both mesh axes, or hierarchically (`hierarchical_rs`): over `core`
+  (inside a chip), then over `chip` (across chips), in micro-batches so the second phase of one micro-batch can
+  overlap the first phase of the next.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_lib.parallel.mesh import EIGHT
+
+
+def all_gather(x: jax.Array, axes=EIGHT) -> jax.Array:
+    """[n, ...] per device -> [N = n * devices, ...], device-major (device i's rows at [i*n, (i+1)*n))."""
+    return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+
+
+def gather_routing(ids: jax.Array, weights: jax.Array, fused: bool, axes=EIGHT) -> tuple[jax.Array, jax.Array]:
+    """All-gather the routing: ids [n, k] int32, weights [n, k] -> ids [N, k], weights [N, k] (same dtype).
+
+    fused: 1. the weights are bitcast to int32 (as float32) and packed beside the ids: [n, 2k] int32;
+    2. one all-gather; 3. unpacked and bitcast back. Bit-exact; one collective instead of two.
+    """
+    if not fused:
+        return all_gather(ids, axes), all_gather(weights, axes)
+    k = ids.shape[1]
+    bits = jax.lax.bitcast_convert_type(weights.astype(jnp.float32), jnp.int32)  # [n, k]
+    packed = all_gather(jnp.concatenate([ids.astype(jnp.int32), bits], axis=1), axes)  # [N, 2k]
+    w = jax.lax.bitcast_convert_type(packed[:, k:], jnp.float32).astype(weights.dtype)
+    return packed[:, :k], w
+
+
+def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> jax.Array:
+    """Sum `x` [N, ...] over all devices of ('chip', 'core') and keep this device's block of N / 8 rows.
+
+    Flat: one `psum_scatter` over ('chip', 'core'): device (c, j) (chip c, core j) gets block 2c + j.
+    Hierarchical:
+    1. rows reordered so that a scatter over `core` first, then over `chip`, leaves device (c, j) with block
+       2c + j too: view the 8 blocks as [chip 4, core 2] and transpose to [core, chip] (a scatter over `core`
+       takes the leading half for core 0; the one over `chip` then takes the c-th quarter of that half);
+    2. each block is split into `micro_batches` row slices; for each: psum_scatter over `core` (the 2 cores
+       of a chip exchange halves), then over `chip` (4 chips exchange quarters of what is left);
+    3. the slices are concatenated back. The phases of different micro-batches are independent, so XLA can
+       run one's inter-chip phase while the next one's intra-chip phase is in flight.
+    """
+    if not hierarchical:
+        return jax.lax.psum_scatter(x, EIGHT, scatter_dimension=0, tiled=True)
+    n_chip, n_core = jax.lax.axis_size("chip"), jax.lax.axis_size("core")
+    N = x.shape[0]
+    n = N // (n_chip * n_core)  # rows each device keeps
+    m = micro_batches if n % micro_batches == 0 else 1
+    blocks = x.reshape(n_chip, n_core, m, n // m, *x.shape[1:])  # [chip, core, mb, n/m, ...]
+    blocks = jnp.swapaxes(blocks, 0, 1)  # [core, chip, mb, n/m, ...]: scatter order core, then chip
+    out = []
+    for i in range(m):
+        part = blocks[:, :, i].reshape(N // m, *x.shape[1:])  # [core * chip * n/m, ...]
+        part = jax.lax.psum_scatter(part, "core", scatter_dimension=0, tiled=True)  # [chip * n/m, ...]
+        out.append(jax.lax.psum_scatter(part, "chip", scatter_dimension=0, tiled=True))  # [n/m, ...]
+    return jnp.concatenate(out, axis=0)  # [n, ...]
