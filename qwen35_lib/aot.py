@@ -43,11 +43,12 @@ def topology_devices(topology: str = TPU7X_8) -> tuple:
                            "libtpu: pip install 'jax[tpu]' (the project's 'tpu' extra)") from e
 
 
-def chip_core_mesh(devices) -> Mesh:
-    """The playbook's `('chip', 'core')` mesh, ordered chip-major, core-minor by physical coordinates."""
-    devs = sorted(devices, key=lambda d: (tuple(reversed(d.coords)), d.core_on_chip))
-    cores = max(d.core_on_chip for d in devs) + 1
-    return Mesh(np.array(devs).reshape(-1, cores), ("chip", "core"))
+def chip_core_mesh(devices=None) -> Mesh:
+    """The playbook's `('chip', 'core')` mesh over TPU devices (default: the tpu7x:2x2x1 description), ordered
+    chip-major, core-minor by physical coordinates."""
+    from qwen35_lib.parallel.mesh import make_mesh
+
+    return make_mesh(topology_devices() if devices is None else devices)
 
 
 def for_backend(config: Config, backend: str) -> Config:
@@ -66,3 +67,39 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
     return _forward.lower(for_backend(config, "tpu"), weights, ids, lengths).compile()
+
+
+def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
+                 page_size: int = 16, kv_dtype: str | None = None):
+    """The engine's jitted step under `config.layout`, lowered with abstract weights, caches and inputs on
+    `mesh` (e.g. `chip_core_mesh()` for TPU7x-8) and compiled; nothing is allocated.
+
+    requests: concurrent sequences (pools sized for `requests` of `context_len` tokens, spread over the
+    layout's data-parallel ranks); decode / prefill: tokens per rank in this step (decode region, then a
+    prefill region rounded up to whole GDN chunks). Returns the compiled executable.
+    """
+    from qwen35_lib.engine.batch import RaggedMeta
+    from qwen35_lib.engine.cache import CacheShape, declare_cache
+    from qwen35_lib.engine.engine import _engine_step
+    from qwen35_lib.parallel.layouts import batch_sharding, cache_shardings, check_layout, weight_shardings
+    from qwen35_lib.weights import is_info
+
+    layout = check_layout(config, mesh)
+    R = layout.dp_size(mesh)
+    S = -(-requests // R)  # sequences per rank
+    pages = -(-context_len // page_size)
+    C = config.gdn_chunk_size
+    T = decode + -(-prefill // C) * C
+    shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
+    weights = abstract_weights(config, weight_shardings(config, mesh))
+    cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
+                         declare_cache(config, shape), cache_shardings(config, shape, mesh), is_leaf=is_info)
+    arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(config, mesh, len(shp)))
+    meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
+                      kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),
+                      decode_seq=arr((R, max(decode, 1))), sample_tok=arr((R, S)))
+    samp = dict(temperature=arr((R, S), jnp.float32), top_k=arr((R, S)), top_p=arr((R, S), jnp.float32),
+                seed=arr((R, S), jnp.uint32), position=arr((R, S)))
+    backend = mesh.devices.flat[0].platform
+    with jax.set_mesh(mesh):
+        return _engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -9,6 +10,7 @@ from functools import partial
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import bucket, pack, stack_ranks
@@ -17,6 +19,7 @@ from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.ragged import ragged_forward
+from qwen35_lib.parallel.layouts import batch_sharding, cache_shardings, check_layout, shard_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +93,19 @@ class Engine:
     (request id, token) pairs it produced, and finished requests appear in `engine.results`.
     """
 
-    def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, **knobs):
+    def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, *, mesh=None,
+                 **knobs):
         check_weights(config, weights)
+        layout = check_layout(config, mesh)
         ec = engine_config or EngineConfig(**knobs)
+        self.mesh = None if layout.name == "single" else mesh
+        if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the layout
+            dp = layout.dp_size(mesh)
+            if ec.ranks not in (1, dp):
+                raise ValueError(f"EngineConfig.ranks={ec.ranks}, but layout {layout.name!r} on this mesh has {dp} "
+                                 "data-parallel ranks: leave ranks at 1 (it is set from the layout)")
+            ec = dataclasses.replace(ec, ranks=dp)
+            weights = shard_weights(config, weights, mesh)
         self.config, self.weights, self.ec = config, weights, ec
         C = config.gdn_chunk_size
         self.chunk = C
@@ -100,7 +113,11 @@ class Engine:
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
                                       num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
-        self.cache = init_cache(config, self.cache_shape)
+        if self.mesh is None:
+            self.cache = init_cache(config, self.cache_shape)
+        else:  # each device allocates only its own shards
+            shardings = cache_shardings(config, self.cache_shape, mesh)
+            self.cache = jax.jit(partial(init_cache, config, self.cache_shape), out_shardings=shardings)()
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
         self.stats = StepStats()
@@ -142,9 +159,11 @@ class Engine:
         samp = self._sampling_arrays(plans, S)
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
-        next_tokens, self.cache = _engine_step(self.config, self.weights, self.cache, tokens, meta, samp)
+        with self._on_mesh():
+            tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
+            next_tokens, self.cache = _engine_step(self.config, self.weights, self.cache, tokens, meta, samp)
         self.stats.traces += TRACES[0] - traced
-        next_tokens = np.asarray(next_tokens)  # [R, S]
+        next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         now = time.perf_counter()
         events = []
         for rank, plan in enumerate(plans):
@@ -158,6 +177,18 @@ class Engine:
                     self._maybe_finish(rank, r, token)
         self._record(plans)
         return events
+
+    def _on_mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _place(self, x: np.ndarray):
+        """A host array [R, ...] as a global array split over the data-parallel ranks (any process count:
+        each process supplies the shards its devices hold, from the same host copy)."""
+        if self.mesh is None:
+            return x
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, batch_sharding(self.config, self.mesh, x.ndim),
+                                            lambda index: x[index])
 
     def _sampling_arrays(self, plans: list[Plan], S: int) -> dict:
         R = len(plans)
@@ -245,4 +276,7 @@ def _engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
     flat = lambda x: x.reshape(R * S)
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
                          flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]))
-    return next_tokens.reshape(R, S), cache
+    next_tokens = next_tokens.reshape(R, S)
+    if not jax.sharding.get_abstract_mesh().empty:  # every process reads all ranks' tokens
+        next_tokens = jax.lax.with_sharding_constraint(next_tokens, PartitionSpec())
+    return next_tokens, cache

@@ -44,15 +44,16 @@ def moe_block(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
     from qwen35_lib.parallel import routing
     from qwen35_lib.parallel.layouts import get_layout
 
+    mode = get_layout(cfg.layout).moe
     with jax.named_scope("moe"):
+        if mode == "ep":
+            _need_mesh(cfg)
+            return routing.moe_ep(cfg, w, x, route)[0] + shared_expert(w, x)
         weights, ids = route(cfg, w["router"], x)
-        mode = get_layout(cfg.layout).moe
-        if mode == "local":
-            return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
-        _need_mesh(cfg)
         if mode == "tp":
+            _need_mesh(cfg)
             return routing.moe_tp(cfg, w, x, ids, weights, shared_expert)
-        return routing.moe_ep(cfg, w, x, ids, weights)[0] + shared_expert(w, x)
+        return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
 
 
 def _need_mesh(cfg: Config) -> None:

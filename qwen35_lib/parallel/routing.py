@@ -1,7 +1,7 @@
 """The MoE across devices: tensor-parallel experts, or expert parallelism with two token-routing strategies.
 
-All three take the flat tokens `x [N, D]` with their routing (top-k `ids`, `weights` [N, k], computed by the
-data-parallel router outside) and return the routed-expert output [N, D]; the model adds the shared expert.
+All take the flat tokens `x [N, D]` and return the MoE output [N, D] (under `ep` without the shared expert,
+which the model adds, data-parallel).
 Each runs as a `shard_map` over the context mesh (`jax.set_mesh`), so every collective is written out:
 
 - `tp`  (layouts tp8, tp8_kvrep): tokens replicated, `W[E, D, F_x]`: every device runs every expert on its
@@ -69,32 +69,35 @@ def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Arra
                          out_specs=P())(x, ids, weights, w["w_gate_up"], w["w_down"], shared)
 
 
-def moe_ep(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Routed experts under expert parallelism over ('chip', 'core'): (out [N, D], dropped copies [])."""
+def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn) -> tuple[jax.Array, jax.Array]:
+    """Routed experts under expert parallelism over ('chip', 'core'): (out [N, D], dropped copies []).
+
+    Tokens are split evenly over the 8 devices (padded to a multiple of 8); each device routes its own tokens
+    (`route_fn(cfg, router, x) -> (weights, ids)`, the router replicated), so routing needs no collective.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     ep = math.prod(mesh.shape[a] for a in EIGHT)
     count = cfg.num_experts // ep
     N = x.shape[0]
-    pad = -N % ep  # tokens are split evenly over the 8 devices
+    pad = -N % ep
     if pad:
-        x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
+        x = jnp.pad(x, ((0, pad), (0, 0)))
     rows = P(EIGHT)
 
-    def replicate(x, ids, weights, w_gate_up, w_down):
+    def body(x, router, w_gate_up, w_down):
+        weights, ids = route_fn(cfg, router, x)  # [n, k] each, this device's tokens
+        if cfg.routing == "all_to_all":
+            y, dropped = _all_to_all(cfg, w_gate_up, w_down, x, ids, weights, ep, count)
+            return y, dropped[None]
         xa = all_gather(x)  # [N, D]
         ida, wa = gather_routing(ids, weights, cfg.fuse_allgather)  # [N, k]
         first = jax.lax.axis_index(EIGHT) * count
-        y = local_experts(cfg, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial
+        y = local_experts(cfg, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         return reduce_scatter(y, cfg.hierarchical_rs), jnp.zeros((1,), jnp.int32)
 
-    def all_to_all(x, ids, weights, w_gate_up, w_down):
-        y, dropped = _all_to_all(cfg, w_gate_up, w_down, x, ids, weights, ep, count)
-        return y, dropped[None]
-
-    body = replicate if cfg.routing == "replicate" else all_to_all
-    out, dropped = jax.shard_map(body, in_specs=(rows, rows, rows, _spec_like(w["w_gate_up"], P(EIGHT)),
+    out, dropped = jax.shard_map(body, in_specs=(rows, P(), _spec_like(w["w_gate_up"], P(EIGHT)),
                                                  _spec_like(w["w_down"], P(EIGHT))),
-                                 out_specs=(rows, P(EIGHT)))(x, ids, weights, w["w_gate_up"], w["w_down"])
+                                 out_specs=(rows, P(EIGHT)))(x, w["router"], w["w_gate_up"], w["w_down"])
     return out[:N], jnp.sum(dropped)
 
 
