@@ -1,0 +1,151 @@
+"""The sharding explorer: what each device holds under a layout, and whether it fits, as a figure and a widget.
+
+    placement_figure(placement(config, "dp8_ep8"))     # a matplotlib Figure, headless
+    sharding_explorer()                                 # an ipywidgets box: model, layout, devices, KV dtype, requests
+
+The widget's summary is an `ipywidgets.HTML` holding `<div class="qwen35-explorer-summary">`, and its controls
+have stable descriptions ("model", "layout", "devices", "KV dtype", "requests"), so a browser test can find them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from qwen35_lib.config import LAYOUTS, PRESETS, get_config
+from qwen35_lib.parallel.placement import Placement, fmt_range, placement
+from qwen35_lib.viz.architecture import COLORS, GiB
+
+SUMMARY_CLASS = "qwen35-explorer-summary"
+LABELS = dict(q_heads="query heads", kv_heads="KV heads", gdn_k_heads="GDN key heads", gdn_v_heads="GDN value heads",
+              experts="experts", moe_ffn="expert FFN cols", requests="requests")
+BARS = (("routed experts", "routed experts", COLORS["moe"]), ("attention", "attention weights", COLORS["attention"]),
+        ("GDN", "GDN weights", COLORS["gdn"]), ("other", "embed, lm_head, shared, norms", "#937860"),
+        ("kv", "KV cache", COLORS["kv"]), ("gdn_state", "GDN state", COLORS["gdn_state"]))
+KV_DTYPES = (("model dtype", None), ("float8_e4m3fn", "float8_e4m3fn"))
+DEVICE_COUNTS = (1, 2, 4, 8, 16)
+BROKEN_ROW = (("KV heads cannot", "kv_heads"), ("experts cannot", "experts"), ("expert FFN", "moe_ffn"),
+              ("FP8 expert scales", "moe_ffn"))  # substring of the refusal -> the row drawn red
+
+
+def placement_figure(p: Placement) -> Figure:
+    """Devices as columns: what each holds (top) and its memory against the HBM line (bottom).
+
+    1. top: one row per axis (query heads, KV heads, GDN heads, experts, expert FFN, requests), one cell per device
+       with the indices it holds; blue when the axis is split (devices hold different indices), red for the axis
+       whose rule a refused layout breaks (drawn with `spec`'s fallback: replicated);
+    2. bottom: stacked bars per device (routed experts, attention, GDN, other weights, KV cache, GDN state) in GiB,
+       with the device's HBM as a black line;
+    3. title: the verdict (fits / does not fit / refused, with the rule that breaks).
+    """
+    n = p.devices
+    fig = Figure(figsize=(max(8.0, 1.15 * n + 3.0), 7.0), layout="constrained")
+    top, bottom = fig.subplots(2, 1, height_ratios=(1.1, 1.0))
+    rows = [k for k in LABELS if k in p.per_device[0].holds]
+    broken = {row for key, row in BROKEN_ROW if p.problem and key in p.problem}
+    for y, key in enumerate(rows):
+        split = len({p.per_device[d].holds[key] for d in range(n)}) > 1
+        color = "#F4CCCC" if key in broken else "#DCE6F2" if split else "#F2F2F2"
+        for d in range(n):
+            r = p.per_device[d].holds[key]
+            top.add_patch(_cell(d, y, color))
+            top.text(d + 0.5, y + 0.5, fmt_range(r).replace(" (", "\n("), ha="center", va="center", fontsize=7)
+    top.set_xlim(0, n)
+    top.set_ylim(len(rows), 0)
+    top.set_yticks([y + 0.5 for y in range(len(rows))],
+                   [f"{LABELS[k]} ({p.sizes[k]})" for k in rows], fontsize=8)
+    top.set_xticks([d + 0.5 for d in range(n)], [f"dev {d}\nchip {x.chip} core {x.core}"
+                                                for d, x in enumerate(p.per_device)], fontsize=7)
+    top.xaxis.tick_top()
+    top.tick_params(length=0)
+    for side in top.spines.values():
+        side.set_visible(False)
+
+    for d, dev in enumerate(p.per_device):
+        parts = dict(dev.weight_bytes_by_part, kv=dev.kv_bytes, gdn_state=dev.gdn_state_bytes)
+        base = 0.0
+        for key, _, color in BARS:
+            value = parts.get(key, 0) / GiB
+            bottom.bar(d + 0.5, value, bottom=base, width=0.7, color=color)
+            base += value
+        bottom.text(d + 0.5, base, f"{base:,.1f}", ha="center", va="bottom", fontsize=7)
+    hbm = p.hbm_bytes_per_device / GiB
+    bottom.axhline(hbm, color=COLORS["capacity"], lw=1.5)
+    bottom.text(n, hbm, f" HBM {hbm:,.0f} GiB", va="bottom", ha="right", fontsize=8)
+    bottom.set_xlim(0, n)
+    bottom.set_ylim(0, max(hbm, p.total_bytes_per_device / GiB) * 1.15)
+    bottom.set_xticks([d + 0.5 for d in range(n)], [f"dev {d}" for d in range(n)], fontsize=7)
+    bottom.set_ylabel("GiB per device")
+    fig.legend(handles=[Patch(color=c, label=label) for _, label, c in BARS], loc="outside lower center",
+               ncol=len(BARS), fontsize=8, frameon=False)
+    fig.suptitle(_title(p), fontsize=10, color="black" if p.fits else COLORS["kv"])
+    return fig
+
+
+def _cell(x: float, y: float, color: str) -> Rectangle:
+    return Rectangle((x + 0.03, y + 0.05), 0.94, 0.9, color=color)
+
+
+def _title(p: Placement) -> str:
+    head = f"{p.model}, {p.layout} on {p.devices} devices; {p.requests} requests x {p.context_len:,} tokens"
+    if p.problem:
+        return f"{head}\nREFUSED: {p.problem.split(';')[0]}"
+    verdict = "fits" if p.fits else "does NOT fit"
+    return f"{head}\n{p.total_bytes_per_device / GiB:,.1f} of {p.hbm_bytes_per_device / GiB:,.0f} GiB per device: " \
+           f"{verdict}"
+
+
+def summary_html(p: Placement | str) -> str:
+    """The summary text (a Placement's, or an error message) in a `<div class="qwen35-explorer-summary">`."""
+    text = p.summary() if isinstance(p, Placement) else p
+    return f'<div class="{SUMMARY_CLASS}" style="white-space: pre-wrap; font-family: monospace; font-size: 12px">' \
+           f"{html.escape(text)}</div>"
+
+
+def sharding_explorer(model: str = "qwen3.5-397b-a17b", layout: str = "dp8_ep8", devices: int = 8,
+                      kv_dtype: str | None = None, requests: int = 512, *, context_len: int = 8192,
+                      expert_dtype: str | None = "float8_e4m3fn", hardware: str = "tpu7x-8"):
+    """An ipywidgets box: controls, the summary (HTML) and the placement figure (an Output holding a PNG).
+
+    1. controls (descriptions are stable): "model", "layout", "devices", "KV dtype", "requests";
+    2. on any change: `placement(get_config(model, expert_dtype=...), layout, ...)`, then the summary and the
+       figure are replaced; a ValueError (e.g. a model the expert dtype cannot apply to) shows as the summary;
+    3. the figure goes into the Output's `outputs` as PNG display data, so it updates with or without a kernel.
+    """
+    import ipywidgets as w
+
+    style = {"description_width": "initial"}
+    controls = dict(
+        model=w.Dropdown(options=list(PRESETS), value=model, description="model", style=style),
+        layout=w.Dropdown(options=list(LAYOUTS), value=layout, description="layout", style=style),
+        devices=w.Dropdown(options=list(DEVICE_COUNTS), value=devices, description="devices", style=style),
+        kv_dtype=w.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
+        requests=w.BoundedIntText(value=requests, min=1, max=1 << 20, step=64, description="requests", style=style),
+    )
+    summary = w.HTML(value="")
+    output = w.Output()
+
+    def update(_=None) -> None:
+        try:
+            cfg = get_config(controls["model"].value, expert_dtype=expert_dtype)
+            p = placement(cfg, controls["layout"].value, controls["devices"].value, controls["kv_dtype"].value,
+                          controls["requests"].value, context_len=context_len, hardware=hardware)
+        except ValueError as e:
+            summary.value = summary_html(f"error: {e}")
+            output.outputs = ()
+            return
+        summary.value = summary_html(p)
+        buf = io.BytesIO()
+        placement_figure(p).savefig(buf, format="png", dpi=80)
+        png = base64.b64encode(buf.getvalue()).decode("ascii")
+        output.outputs = ({"output_type": "display_data", "metadata": {},
+                           "data": {"image/png": png, "text/plain": f"<placement figure: {p.layout}>"}},)
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), summary, output])

@@ -1,0 +1,207 @@
+"""The Pallas ragged paged attention and KV-write kernels vs their XLA twins (interpret mode), and their TPU7x
+ahead-of-time compile at the 397B shapes.
+
+Batches are packed by the engine's own `pack` (decode region first, prefill chunks at chunk boundaries, padding),
+so the kernels see exactly the layouts a step produces.
+
+Tolerances: in float32 the kernel and the twin do the same float32 math (scores, online softmax, p v) and differ
+only in summation order (the kernel groups `pages_per_step` pages per softmax update, the twin one page): a few
+ulp of the output, so atol = rtol = 2e-5 (outputs are O(1)). FP8 caches are dequantized by both with the same
+e4m3 values and the same float32 scales, so the same bound holds. In bfloat16 both compute in float32 from exactly
+representable products and round the output once to bfloat16; a rounding-boundary straddle costs 1 ulp
+(2^-8 relative), so atol = rtol = 1e-2.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_lib.engine.batch import SeqWork, pack
+from qwen35_lib.kernels import get
+from qwen35_lib.kernels.attention_pallas import paged_attention_pallas, write_kv_pages_pallas
+from qwen35_lib.kernels.attention_xla import paged_attention_xla, write_kv_pages
+
+HQ, HKV, D = 8, 2, 64  # CPU size: 4 query heads per KV head
+
+
+def _batch(rng, ps: int, decodes: list[int], prefills: list[tuple[int, int]], T: int, chunk: int = 16,
+           num_pages: int = 96):
+    """A packed ragged batch: `decodes` = context length after the step of each decode, `prefills` = (start
+    position, new tokens) of each prefill chunk. Pages are handed out shuffled. Returns (meta, page, offset)."""
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    works = []
+    for start, n in [(L - 1, 1) for L in decodes] + prefills:
+        pages = [int(free.pop()) for _ in range(-(-(start + n) // ps))]
+        works.append(SeqWork(tokens=[1] * n, start_pos=start, pages=pages, slot=0))
+    S = len(works) + 1  # one unused sequence row
+    max_pages = max(len(w.pages) for w in works) + 1
+    _, meta = pack(works[: len(decodes)], works[len(decodes):], D=max(len(decodes), 1), T=T, S=S,
+                   max_pages=max_pages, chunk=chunk)
+    return (meta, *_rows(meta, ps))
+
+
+def _case(seed, dtype, kv_dtype, ps, decodes, prefills, T, num_pages=96):
+    """Random cache + queries + new K/V; both writes, then both attentions. Returns what the tests compare."""
+    rng = np.random.default_rng(seed)
+    meta, page, offset = _batch(rng, ps, decodes, prefills, T, num_pages=num_pages)
+    fp8 = kv_dtype == jnp.float8_e4m3fn
+    old = rng.standard_normal((2, num_pages * ps, HKV, D)).astype(np.float32)  # K and V of every cache row
+    if fp8:  # quantize the old contents the way the write does, one scale per row and head
+        every = np.repeat(np.arange(num_pages), ps), np.tile(np.arange(ps), num_pages)
+        empty = jnp.zeros((num_pages, ps, 2 * HKV, D), kv_dtype), jnp.ones((num_pages, ps, 2 * HKV), jnp.float32)
+        kv, scales = write_kv_pages(*empty, old[0], old[1], *every)
+    else:
+        kv, scales = jnp.asarray(np.stack([old[0], old[1]], 2).reshape(num_pages, ps, 2 * HKV, D), kv_dtype), None
+    q = jnp.asarray(rng.standard_normal((T, HQ, D)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((T, HKV, D)), dtype) for _ in range(2))
+    meta_j = jax.tree.map(jnp.asarray, meta)
+    kv_x, sc_x = write_kv_pages(kv, scales, k, v, page, offset)
+    kv_p, sc_p = write_kv_pages_pallas(kv, scales, k, v, page, offset)
+    args = (meta_j.page_table, meta_j.token_seq, meta_j.positions)
+    return meta, (kv_x, sc_x), (kv_p, sc_p), paged_attention_xla(q, kv_x, sc_x, *args), q, args
+
+
+def _close(a, b, valid, tol):
+    a, b = np.asarray(a, np.float32)[valid], np.asarray(b, np.float32)[valid]
+    np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+
+
+# (dtype, kv dtype, page size, decode context lengths, prefills (start, new tokens), T, block_q, pages_per_step)
+CASES = {
+    # decodes at position 0, at a page boundary and 100 pages deep mixed with prefills of odd lengths, one
+    # continuing mid-page; T leaves padding tokens; block_q 8 splits the prefills mid-chunk
+    "f32-mixed": (jnp.float32, jnp.float32, 8, [1, 16, 803], [(0, 37), (21, 19)], 112, 8, 4),
+    "f32-one-page-steps": (jnp.float32, jnp.float32, 16, [5, 130], [(3, 45)], 80, 16, 1),
+    "bf16-mixed": (jnp.bfloat16, jnp.bfloat16, 16, [1, 33, 257], [(0, 50), (70, 13)], 112, 16, None),
+    "fp8-mixed": (jnp.float32, jnp.float8_e4m3fn, 16, [2, 17, 300], [(0, 29), (40, 20)], 96, 8, None),
+    "decode-only": (jnp.float32, jnp.float32, 16, [1, 2, 15, 16, 17, 64, 200], [], 8, 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_attention_matches_xla(name):
+    dtype, kv_dtype, ps, decodes, prefills, T, bq, pps = CASES[name]
+    num_pages = 128 if name == "f32-mixed" else 96
+    meta, (kv_x, sc_x), (kv_p, sc_p), ref, q, args = _case(0, dtype, kv_dtype, ps, decodes, prefills, T, num_pages)
+    # the write: every real page identical (page 0, the null page, only takes padding and is never read)
+    np.testing.assert_array_equal(np.asarray(kv_p[1:], np.float32), np.asarray(kv_x[1:], np.float32))
+    if sc_x is not None:
+        np.testing.assert_array_equal(np.asarray(sc_p[1:]), np.asarray(sc_x[1:]))
+    out = paged_attention_pallas(q, kv_p, sc_p, *args, block_q=bq, pages_per_step=pps)
+    valid = meta.token_seq >= 0
+    _close(out, ref, valid, 1e-2 if dtype == jnp.bfloat16 else 2e-5)
+    assert np.all(np.asarray(out, np.float32)[~valid] == 0)  # padding rows are zeros, never garbage
+
+
+def test_dma_and_semaphores_under_tpu_interpret():
+    """TPU interpret mode simulates VMEM, DMAs and semaphores: VMEM starts as NaN (so a row of a page that was
+    never fetched, or a wait before its copy, would show), and the race detector watches the double buffer."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+    from jax.experimental.pallas import tpu as pltpu
+
+    meta, (kv_x, sc_x), _, ref, q, args = _case(0, jnp.float32, jnp.float8_e4m3fn, 16, [2, 40], [(0, 21)], 48)
+    ip = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+    kv_p, sc_p = write_kv_pages_pallas(kv_x, sc_x, *_new_kv(q), *_rows(meta, 16), interpret=ip)
+    assert not ipc.races.races_found
+    kv_x, sc_x = write_kv_pages(kv_x, sc_x, *_new_kv(q), *_rows(meta, 16))
+    np.testing.assert_array_equal(np.asarray(kv_p[1:], np.float32), np.asarray(kv_x[1:], np.float32))
+    out = paged_attention_pallas(q, kv_p, sc_p, *args, block_q=8, pages_per_step=2, interpret=ip)
+    assert not ipc.races.races_found
+    _close(out, paged_attention_xla(q, kv_x, sc_x, *args), meta.token_seq >= 0, 2e-5)
+
+
+def _new_kv(q):
+    """Fresh K and V [T, Hkv, d] derived from q (any values do)."""
+    return q[:, :HKV] * 0.5, q[:, HKV:2 * HKV] - 1.0
+
+
+def _rows(meta, ps):
+    """(page, offset) [T] of each token, padding to the null page 0."""
+    valid = meta.token_seq >= 0
+    seq_pages = meta.page_table[np.clip(meta.token_seq, 0, None)]  # [T, max_pages]
+    page = np.where(valid, seq_pages[np.arange(len(valid)), meta.positions // ps], 0)
+    return page.astype(np.int32), np.where(valid, meta.positions % ps, 0).astype(np.int32)
+
+
+def test_vmapped_over_ranks_like_the_model():
+    """`model/attention.py` vmaps write and paged over data-parallel ranks: the Pallas pair batches too."""
+    per_rank = [_case(s, jnp.float32, jnp.float32, 16, [3, 40], [(0, 21)], 48) for s in (1, 2)]
+    stack = lambda *xs: jnp.stack([jnp.asarray(x) for x in xs])  # noqa: E731
+    kv = stack(*(c[2][0] for c in per_rank))
+    q = stack(*(c[4] for c in per_rank))
+    args = [stack(*(c[5][i] for c in per_rank)) for i in range(3)]
+    out = jax.vmap(paged_attention_pallas)(q, kv, None, *args)
+    for r, c in enumerate(per_rank):
+        _close(out[r], c[3], c[0].token_seq >= 0, 2e-5)
+
+
+def test_non_contiguous_sequences_beyond_the_item_bound_give_nan():
+    """Tokens of two sequences interleaved one by one make T runs (> T / block_q + S items): NaN, not wrong."""
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.standard_normal((4, 8, 2 * HKV, D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((8, HQ, D)), jnp.float32)
+    ts = jnp.asarray([0, 1] * 4, jnp.int32)
+    out = paged_attention_pallas(q, kv, None, jnp.asarray([[1], [2]], jnp.int32), ts, jnp.zeros(8, jnp.int32),
+                                 block_q=8)
+    assert np.isnan(np.asarray(out)).all()
+
+
+def test_registered():
+    impl = get("attention", "pallas")
+    assert impl.paged is paged_attention_pallas and impl.write is write_kv_pages_pallas
+
+
+@pytest.fixture(scope="module")
+def tpu_device():
+    from qwen35_lib.aot import topology_devices
+
+    try:
+        return topology_devices()[0]
+    except RuntimeError as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"{e}")
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
+def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
+    """Mosaic lowering (interpret off) for one TPU7x core at Qwen3.5-397B: Hq 32, Hkv 2, d 256, one rank of
+    dp8 at 512 concurrent requests of ~9k tokens: S 64 sequences, 576k cached tokens, T 512 new tokens."""
+    from jax.sharding import SingleDeviceSharding
+
+    sh = SingleDeviceSharding(tpu_device)
+    Hq, Hkv, d, T, S, ctx = 32, 2, 256, 512, 64, 9216
+    n = ctx // ps
+    P = S * n + 1
+    kvd = jnp.dtype(kv_dtype)
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    kv = sds((P, ps, 2 * Hkv, d), kvd)
+    scales = sds((P, ps, 2 * Hkv), jnp.float32) if kvd.itemsize == 1 else None
+    ints = sds((T,), jnp.int32)
+    attn = jax.jit(lambda *a: paged_attention_pallas(*a, block_q=16, interpret=False))
+    attn.lower(sds((T, Hq, d), jnp.bfloat16), kv, scales, sds((S, n), jnp.int32), ints, ints).compile()
+    write = jax.jit(lambda *a: write_kv_pages_pallas(*a, interpret=False), donate_argnums=(0, 1))
+    k = sds((T, Hkv, d), jnp.bfloat16)
+    compiled = write.lower(kv, scales, k, k, ints, ints).compile()
+    assert "kv_cache_write" in compiled.as_text()
+
+
+@pytest.mark.slow  # ~13 s alone, mostly compiling the tiny model's forward and ragged step
+def test_engine_step_with_pallas_attention_matches_forward():
+    """The whole tiny model through the engine's ragged step (prefill chunks, one mid-sequence, next to decodes),
+    with the Pallas write and paged attention swapped in, against the full-sequence forward (float32)."""
+    from test_ragged_step import run_schedule
+
+    from qwen35_lib import forward, get_config, init_weights
+
+    cfg = get_config("qwen3.5-tiny", dtype="float32", attention_kernel="pallas")
+    w = init_weights(cfg, 0)
+    rng = np.random.default_rng(0)
+    A, B = rng.integers(0, 256, 110).tolist(), rng.integers(0, 256, 20).tolist()
+    ref = {"A": np.asarray(forward(cfg, w, np.array([A])))[0], "B": np.asarray(forward(cfg, w, np.array([B])))[0]}
+    for logits, name, pos in run_schedule(cfg, w, A, B):
+        np.testing.assert_allclose(logits, ref[name][pos], atol=2e-5)

@@ -1,0 +1,112 @@
+"""The arithmetic placement report against real shards (CPU size) and hand-checked 397B cases; the explorer."""
+
+from __future__ import annotations
+
+import io
+
+import jax
+import matplotlib
+import numpy as np
+import pytest
+
+matplotlib.use("Agg")
+
+from qwen35_lib import budget  # noqa: E402
+from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
+from qwen35_lib.engine.cache import init_cache  # noqa: E402
+from qwen35_lib.parallel import cache_shardings, make_mesh, shard_weights  # noqa: E402
+from qwen35_lib.parallel.placement import fmt_range, placement  # noqa: E402
+from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
+from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
+
+BIG = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
+
+
+def _bytes_on(tree, device) -> int:
+    return sum(s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("expert_dtype", [None, "float8_e4m3fn"])
+def test_weight_and_cache_bytes_equal_real_shards(expert_dtype):
+    """At CPU size, on 8 simulated devices: bytes per device from the arithmetic = bytes of the real shards."""
+    mesh, dev0 = make_mesh(), jax.devices()[0]
+    tiny = get_config("qwen3.5-tiny", dtype="float32", expert_dtype=expert_dtype)
+    if expert_dtype is None:  # random weights; the layout does not change them, so one init (one compile) serves all
+        values = init_weights(tiny)
+    else:  # FP8 pairs: only shapes and dtypes matter for bytes, so zeros (no second init compile)
+        values = jax.tree.map(lambda i: np.zeros(i.shape, i.dtype), declare(tiny), is_leaf=is_info)
+    valid = []
+    for layout in LAYOUTS:
+        cfg = tiny.replace(layout=layout)
+        p = placement(cfg, layout, requests=5, context_len=40, page_size=8)
+        if p.problem:
+            continue
+        valid.append(layout)
+        weights = shard_weights(cfg, values, mesh)
+        assert _bytes_on(weights, dev0) == p.weight_bytes_per_device, layout
+        cache = jax.device_put(init_cache(cfg, p.cache_shape), cache_shardings(cfg, p.cache_shape, mesh))
+        assert _bytes_on(cache, dev0) == p.kv_bytes_per_device + p.gdn_state_bytes_per_device, layout
+    assert valid == ["single", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8"]  # tp8: 2 KV heads do not divide 8
+
+
+def test_dp8_ep8_397b():
+    p = placement(BIG, "dp8_ep8")
+    assert p.problem is None and p.ranks == 8
+    for d, dev in enumerate(p.per_device):
+        assert dev.holds["experts"] == range(64 * d, 64 * d + 64)  # 512 / 8 = 64 experts per device
+        assert dev.holds["kv_heads"] == range(2) and dev.holds["q_heads"] == range(32)  # attention whole
+        assert len(dev.holds["requests"]) == 64
+    assert fmt_range(p.per_device[0].holds["experts"]) == "0-63"
+    # everything but the routed experts replicated, the experts split 8 ways: budget's `experts_sharded`
+    assert p.weight_bytes_per_device == budget.weight_bytes_per_device(BIG, 8, "experts_sharded")
+    assert p.hbm_bytes_per_device == 96 * 2**30
+
+
+def test_tp8_refused_with_the_fix():
+    p = placement(BIG, "tp8")
+    assert p.problem and "tp8_kvrep" in p.problem and "dp8_ep8" in p.problem
+    assert "2 KV heads" in p.problem and p.why and not p.fits
+    assert any(r.startswith("kv_heads: 2/4 do not divide 8") for r in p.replicated)
+
+
+def test_tp8_kvrep_kv_bytes_are_8x_dp8_ep8():
+    # tp8_kvrep splits neither the KV heads (replicated) nor the requests (TP has one data-parallel rank), so each
+    # device holds the whole KV cache of all 512 requests. dp8_ep8 keeps both KV heads too, but each device has
+    # only its own 64 requests. Per device: 512 / 64 = 8x, not 4x. (check_layout's "4x" is vLLM-style replication,
+    # where each device keeps only the one KV head its 4 query heads use; tp8_kvrep keeps both.) Not exactly 8x:
+    # each rank has one null page, 1 in tp8_kvrep's pool vs 1 per 64 requests in dp8_ep8's.
+    rep, dp = placement(BIG, "tp8_kvrep"), placement(BIG, "dp8_ep8")
+    assert rep.problem is None and rep.ranks == 1
+    pages = -(-8192 // 16)
+    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx((512 * pages + 1) / (64 * pages + 1))
+    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx(8, rel=1e-4)
+    assert rep.copies["kv"] == 8 and dp.copies["kv"] == 1
+    assert dp.fits and not rep.fits  # 120 GiB of KV per device under tp8_kvrep alone exceeds 96 GiB
+
+
+def test_dp4_tp2_ep8_heads_over_core_requests_over_chip():
+    p = placement(BIG, "dp4_tp2_ep8", requests=9)
+    d0, d1, d2 = p.per_device[:3]
+    assert (d0.holds["kv_heads"], d1.holds["kv_heads"]) == (range(0, 1), range(1, 2))
+    assert d0.holds["requests"] == d1.holds["requests"] == range(0, 9, 4) and d2.holds["requests"] == range(1, 9, 4)
+    assert p.copies["kv"] == 1 and p.cache_shape.num_slots == 4  # ceil(9 / 4) = 3 requests per rank + null slot
+
+
+def test_figure_and_explorer_headless():
+    fig = placement_figure(placement(BIG, "tp8"))
+    fig.savefig(io.BytesIO(), format="png")
+    box = sharding_explorer()
+    widgets, stack = {}, [box]
+    while stack:
+        node = stack.pop()
+        stack += list(getattr(node, "children", ()))
+        widgets[getattr(node, "description", None) or type(node).__name__] = node
+    assert {"model", "layout", "devices", "KV dtype", "requests", "HTML", "Output"} <= set(widgets)
+    summary = widgets["HTML"]
+    before = summary.value
+    assert SUMMARY_CLASS in before and "fits" in before and "REFUSED" not in before
+    widgets["layout"].value = "tp8"
+    assert summary.value != before and "REFUSED" in summary.value and "tp8_kvrep" in summary.value
+    assert "image/png" in widgets["Output"].outputs[0]["data"]
+    widgets["requests"].value = 8
+    assert "8 requests" in summary.value
