@@ -46,14 +46,35 @@ def default_place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
     return jnp.asarray(array)
 
 
+def sharded_place(config: Config, mesh) -> Place:
+    """A `place` that puts each leaf straight into its shards under `config.layout` on `mesh`: every device
+    receives only its slice (`make_array_from_callback`), so no device ever holds a whole leaf."""
+    from jax.sharding import NamedSharding
+
+    from qwen35_lib.parallel.layouts import check_layout, spec
+
+    layout = check_layout(config, mesh)
+
+    def place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
+        sharding = NamedSharding(mesh, spec(layout, mesh, info.logical_axes, info.shape))
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    return place
+
+
 def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize",
-                       place: Place = default_place, **config_changes: Any) -> tuple[Config, dict]:
+                       place: Place | None = None, mesh=None, layout: str | None = None,
+                       **config_changes: Any) -> tuple[Config, dict]:
     """Read an HF checkpoint directory (`config.json` + `*.safetensors`) into `(config, weights)`.
 
     dtype: the weights' dtype ("float32" / "bfloat16"); default: the checkpoint's (config.json `dtype`).
     fp8: "dequantize" (FP8 tensors become plain weights in `dtype`) or "keep" (FP8 expert weights stay
       `BlockFP8(value, scale)` and the config gets `expert_dtype="float8_e4m3fn"`; the rest is dequantized).
-    place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per leaf as soon as it is assembled.
+    place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per leaf as soon as it is assembled;
+      default: the default device, or with `mesh`, straight into the leaf's shards (`sharded_place`).
+    mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh: each device
+      gets only its shards. The host still assembles one whole leaf at a time (the stacked experts are the
+      largest); reading each shard's slice from disk directly is not done yet.
     config_changes: fields of `Config` to override (e.g. `attention_kernel="xla"`).
 
     1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
@@ -74,8 +95,13 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     quant = _quant_block(hf)
     tensors = _open_files(root)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
+    if layout is not None:
+        config_changes = dict(config_changes, layout=layout)
     changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes)
     config = from_hf_config(hf, **changes)
+    if place is not None and mesh is not None:
+        raise ValueError("pass either place or mesh (mesh places each leaf into its shards for the layout)")
+    place = sharded_place(config, mesh) if mesh is not None else (place or default_place)
     if config.expert_dtype is not None and config.fp8_block_size != quant:
         raise ValueError(f"{root}: expert_dtype={config.expert_dtype!r} keeps the checkpoint's FP8 experts, but the "
                          f"checkpoint has {'no FP8 weights' if not quant else f'FP8 blocks of {quant}'}; "

@@ -437,3 +437,33 @@ def test_safetensors_rejects_bad_files(tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(data[:-8])
     with pytest.raises(ValueError, match="do not fit"):
         safetensors_io.SafeTensorsFile(tmp_path / "cut.safetensors")
+
+
+@pytest.mark.parametrize("layout,fp8", [("dp8_ep8", "keep"), ("tp8_kvrep", "dequantize")])
+def test_load_straight_into_shards(ckpts, layout, fp8):
+    """With `mesh`, each leaf lands in its shards: device 0 holds 1/8 of the experts (EP) or of the expert FFN
+    (TP), the values are the unsharded load's, and the sharded model runs under the mesh."""
+    import jax
+
+    from qwen35_lib import forward
+    from qwen35_lib.parallel import make_mesh, weight_shardings
+
+    path = ckpts("qwen3_5_moe", "fp8")
+    mesh = make_mesh()
+    config, sharded = load_hf_checkpoint(path, fp8=fp8, dtype="float32", mesh=mesh, layout=layout)
+    assert config.layout == layout
+    _, plain = load_hf_checkpoint(path, fp8=fp8, dtype="float32")
+    want = weight_shardings(config, mesh)
+    for (p, a), (_, b), (_, s) in zip(_leaves(sharded), _leaves(plain), _leaves(want)):
+        assert a.sharding.is_equivalent_to(s, a.ndim), p
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+    w_down = sharded["layers"]["moe"]["w_down"]  # [G, P, E, F, D]
+    w_down = w_down.value if fp8 == "keep" else w_down
+    shard = w_down.addressable_shards[0].data.shape
+    E, F = config.num_experts, config.moe_ffn
+    assert shard[2:4] == ((E // 8, F) if layout == "dp8_ep8" else (E, F // 8))
+    tokens = np.arange(1, 9, dtype=np.int32)[None]
+    with jax.set_mesh(mesh):
+        out = forward(config, sharded, tokens)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(forward(config.replace(layout="single"), plain, tokens)),
+                               atol=2e-5, rtol=1e-5)  # float32; only the order of the expert sums differs

@@ -1,0 +1,173 @@
+"""Every layout, routing and collective flag against the single-device model, on 8 simulated CPU devices."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from qwen35_lib import forward, get_config, init_weights
+from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.sampling import SamplingParams
+from qwen35_lib.model.moe import moe_block, route
+from qwen35_lib.parallel import EIGHT, check_layout, make_mesh, shard_weights
+from qwen35_lib.parallel import hlo
+from qwen35_lib.parallel.collectives import gather_routing, reduce_scatter
+from qwen35_lib.parallel.routing import moe_ep
+
+# Every valid (layout, routing, fuse_allgather, hierarchical_rs): the flags apply to EP + replicate only.
+EP_SETTINGS = [("replicate", f, h) for f in (False, True) for h in (False, True)] + [("all_to_all", False, False)]
+SETTINGS = [("tp8_kvrep", "replicate", False, False)] + [(lay, *s) for lay in ("dp4_tp2_ep8", "dp8_ep8")
+                                                         for s in EP_SETTINGS]
+# 2 layer groups, so the layer scan stays a loop in the compiled HLO
+BASE = get_config("qwen3.5-tiny", dtype="float32", num_layers=8)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init_weights(BASE, 0)
+
+
+def _cfg(layout, routing="replicate", fuse=False, hier=False, **kw):
+    return BASE.replace(layout=layout, routing=routing, fuse_allgather=fuse, hierarchical_rs=hier, **kw)
+
+
+def test_layouts_that_cannot_work_are_refused_with_the_fix(mesh, weights):
+    with pytest.raises(ValueError, match=r"2 KV heads cannot be split over 8 devices.*'dp8_ep8'.*'tp8_kvrep'"):
+        check_layout(_cfg("tp8"), mesh)
+    with pytest.raises(ValueError, match="12 experts cannot be split evenly over 8 devices"):
+        check_layout(_cfg("dp8_ep8", num_experts=12), mesh)
+    with pytest.raises(ValueError, match="routing='replicate' only"):
+        check_layout(_cfg("dp8_ep8", "all_to_all", fuse=True), mesh)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        check_layout(_cfg("dp8_ep8"), None)
+    with pytest.raises(ValueError, match="set_mesh"):  # a layout used without a mesh says how to give one
+        forward(_cfg("dp8_ep8"), weights, np.ones((1, 4), np.int32))
+
+
+@pytest.fixture(scope="module")
+def tokens_and_reference(weights):
+    tokens = np.random.RandomState(0).randint(0, BASE.vocab_size, (3, 21)).astype(np.int32)
+    return tokens, np.asarray(forward(BASE, weights, tokens, lengths=[21, 9, 1]))
+
+
+@pytest.mark.parametrize("layout,routing,fuse,hier", SETTINGS, ids=lambda v: str(v))
+def test_logits_equal_single_device(layout, routing, fuse, hier, mesh, weights, tokens_and_reference):
+    tokens, ref = tokens_and_reference
+    cfg = _cfg(layout, routing, fuse, hier)
+    with jax.set_mesh(mesh):
+        out = np.asarray(forward(cfg, shard_weights(cfg, weights, mesh), tokens, lengths=[21, 9, 1]))
+    # float32: a layout only reorders sums (per-expert partial outputs reduced across devices, TP partial
+    # matmuls all-reduced), a few ulps of the hidden state per layer; logits are O(1).
+    valid = np.arange(21)[None, :] < np.array([21, 9, 1])[:, None]
+    np.testing.assert_allclose(out[valid], ref[valid], atol=2e-5, rtol=1e-5)
+
+
+def test_hierarchical_reduce_scatter_equals_psum_scatter(mesh):
+    x = jax.random.normal(jax.random.key(0), (8 * 48, 5))  # per device [48, 5] partial sums after the shard_map
+
+    def both(x):
+        return (jax.lax.psum_scatter(x, EIGHT, scatter_dimension=0, tiled=True),
+                reduce_scatter(x, hierarchical=True, micro_batches=2), reduce_scatter(x, hierarchical=True,
+                                                                                      micro_batches=1))
+
+    with jax.set_mesh(mesh):
+        flat, hier, hier1 = jax.jit(jax.shard_map(both, in_specs=P(EIGHT), out_specs=(P(EIGHT),) * 3))(
+            jax.device_put(x, jax.sharding.NamedSharding(mesh, P(EIGHT))))
+    np.testing.assert_allclose(np.asarray(hier), np.asarray(flat), rtol=1e-6, atol=1e-6)  # sum order only
+    np.testing.assert_allclose(np.asarray(hier1), np.asarray(flat), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_routing_gather_is_bit_exact(mesh):
+    ids = jax.random.randint(jax.random.key(1), (8 * 4, 3), 0, 512, jnp.int32)
+    w = jax.random.uniform(jax.random.key(2), (8 * 4, 3), jnp.float32).astype(jnp.bfloat16)
+
+    def both(ids, w):
+        return (*gather_routing(ids, w, fused=False), *gather_routing(ids, w, fused=True))
+
+    with jax.set_mesh(mesh):
+        a_ids, a_w, b_ids, b_w = jax.jit(jax.shard_map(both, in_specs=(P(EIGHT), P(EIGHT)),
+                                                       out_specs=P(EIGHT)))(ids, w)
+    assert np.array_equal(a_ids, b_ids) and np.array_equal(np.asarray(a_w, np.float32), np.asarray(b_w, np.float32))
+
+
+def test_all_to_all_is_dropless_by_default_and_counts_drops(mesh, weights):
+    w = jax.tree.map(lambda a: a[0, 0], weights["layers"]["moe"])  # layer 0
+    x = jax.random.normal(jax.random.key(3), (64, BASE.hidden_size))
+    ref = moe_block(BASE, w, x)
+
+    def run(cfg):
+        f = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))
+        with jax.set_mesh(mesh):
+            out, dropped = f(w, x)
+        return np.asarray(out), int(dropped)
+
+    out, dropped = run(_cfg("dp8_ep8", "all_to_all"))
+    assert dropped == 0
+    shared = moe_block(BASE, dict(w, w_down=jnp.zeros_like(w["w_down"])), x)  # the shared expert alone
+    np.testing.assert_allclose(out, np.asarray(ref - shared), atol=1e-5)
+    out, dropped = run(_cfg("dp8_ep8", "all_to_all", capacity_factor=0.25))  # 1/4 of the mean slots per device
+    assert dropped > 0
+    assert not np.allclose(out, np.asarray(ref - shared), atol=1e-5)
+
+
+def _allgathers_per_moe_layer(mesh, **flags) -> float:
+    from qwen35_lib.aot import compile_step
+
+    cfg = _cfg("dp8_ep8", "replicate", **flags).replace(dtype="bfloat16")
+    text = compile_step(cfg, mesh, requests=16, context_len=64, decode=2, prefill=64).as_text()
+    body = hlo.layer_body(text)
+    assert body is not None, "the layer scan should be a loop in the compiled step"
+    return hlo.count(text, body)["all-gather"]["count"] / len(cfg.layer_pattern)
+
+
+def test_fused_allgather_two_instead_of_three_on_cpu(mesh):
+    assert _allgathers_per_moe_layer(mesh, fuse=False) == 3
+    assert _allgathers_per_moe_layer(mesh, fuse=True, hier=True) == 2
+
+
+@pytest.mark.tpu_compile
+def test_fused_allgather_two_instead_of_three_on_tpu7x():
+    from qwen35_lib.aot import chip_core_mesh
+
+    try:
+        tpu = chip_core_mesh()
+    except RuntimeError as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(str(e))
+    assert _allgathers_per_moe_layer(tpu, fuse=False) == 3
+    assert _allgathers_per_moe_layer(tpu, fuse=True) == 2
+
+
+# --- the engine, end to end: greedy tokens equal the single-device engine's -----------------------------------
+EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, page_size=8)
+GREEDY = SamplingParams(max_new_tokens=3, ignore_eos=True)
+PROMPTS = [list(np.random.RandomState(i).randint(2, BASE.vocab_size, n)) for i, n in
+           enumerate((5, 17, 1, 9, 30, 3, 12, 7, 2))]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(weights):
+    return [r.output_ids for r in Engine(BASE, weights, EC).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("layout,routing,fuse,hier", [("tp8_kvrep", "replicate", False, False),
+                                                      ("dp8_ep8", "all_to_all", False, False),
+                                                      ("dp8_ep8", "replicate", True, True)], ids=str)
+def test_engine_greedy_tokens_equal_single_device(layout, routing, fuse, hier, mesh, weights, reference_tokens):
+    engine = Engine(_cfg(layout, routing, fuse, hier), weights, EC, mesh=mesh)
+    assert engine.ec.ranks == (8 if layout == "dp8_ep8" else 1)
+    assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == reference_tokens
+    if layout == "dp8_ep8" and routing == "replicate":  # 1, 3 and 9 requests: fewer requests than ranks too
+        for n in (1, 3):
+            assert [r.output_ids for r in engine.generate(PROMPTS[:n], GREEDY)] == reference_tokens[:n]
