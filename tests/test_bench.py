@@ -54,9 +54,14 @@ def test_kernels_smoke(tmp_path):
     assert {"cases", "implementations", "wins", "overall", "environment"} <= set(doc)
     case = doc["cases"][0]
     assert case["tokens"] == 8 and case["dtype"] == "float32" and case["winner"] in doc["implementations"]
-    assert set(case["median_ms"]) == set(doc["implementations"]) | {"tiled m=16", "dense (all experts)"}
+    assert set(case["median_ms"]) == set(doc["implementations"]) | {"tiled m=16", "dense (all experts)",
+                                                                     "dense matmul (equal FLOPs)"}
     assert max(case["max_abs_diff_vs_ragged_dot"].values()) < 1e-5  # every candidate computes the same thing
     assert json.loads(choice.read_text())["overall"] == doc["overall"]
+    # off a TPU the Pallas kernels are checked in interpret mode, never timed; every timed one has a ratio
+    assert "pallas" not in doc["implementations"] and doc["numerics_only"] == ["pallas", "megablox gmm"]
+    assert set(doc["throughput_ratio_vs_dense"]) == set(doc["implementations"]) | {"tiled m=16"}
+    assert doc["default_implementation"] in doc["implementations"] and doc["acceptance"]["tokens"] == 8
 
 
 @pytest.mark.reference
