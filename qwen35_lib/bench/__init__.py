@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "vs-transformers": "qwen35_lib.bench.vs_transformers",
     "kernels": "qwen35_lib.bench.kernels",
     "engine": "qwen35_lib.bench.engine",
+    "costmodel": "qwen35_lib.bench.costmodel",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory
 

@@ -1,0 +1,387 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · The cost model: prefill-heavy and decode-heavy at 512 concurrency, stage by stage
+#
+# The published account of this work reports that a sequence of changes took Qwen3.5-397B-A17B on a TPU7x-8
+# from a baseline to 3.1x the throughput on a decode-heavy workload and 4.7x on a prefill-heavy one, at 512
+# concurrent requests. Nobody can rerun that here. This notebook builds the next best thing: a hardware-aware
+# cost model that predicts each stage from the model's shapes and the chips' specs, says where every step's time
+# goes and how far each stage is from the roofline, and is checked three ways: against the real engine on this
+# CPU, against XLA's own counts for the step compiled for TPU7x, and against published measurements.
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/06_cost_model_and_benchmarks.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept.
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[reference]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
+import glob
+import os
+
+import jax
+from jax._src import xla_bridge
+
+ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+if not ACCELERATOR and not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+devices = jax.devices()
+if devices[0].platform == "cpu":
+    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
+SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
+print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+
+# %%
+# %matplotlib inline
+import json
+
+import numpy as np
+from IPython.display import display
+
+import qwen35_lib
+from qwen35_lib import costmodel, hardware
+from qwen35_lib.costmodel import collectives, cpu_bench, ops, sensitivity, specs, validate  # noqa: F401 (exercises)
+from qwen35_lib.costmodel.stages import STAGES
+from qwen35_lib.viz import costmodel as viz
+
+cfg = costmodel.serving_model("qwen3.5-397b-a17b")  # FP8 (e4m3, block-scaled) experts, bf16 GDN state
+tpu = specs.get("tpu7x-8")
+
+# %% [markdown]
+# ## 1. The hardware, as data
+#
+# Every number the model uses is in `data/hardware.json` (peaks, HBM) or `data/costmodel_hardware.json` (links,
+# latencies, efficiencies, what each kernel moves), each with a `source`, a `measured` recipe, or an
+# `assumption` with its reason. Per-link ICI and core-to-core bandwidths are not published for TPU7x: they are
+# assumptions, and section 7 shows how much the conclusions depend on them. Figures are per JAX device (one
+# TensorCore), bandwidths one way.
+
+# %%
+for key in ("peak_flops", "hbm_bytes_per_s", "ici_link_bytes_per_s", "core_link_bytes_per_s", "hop_latency_s",
+            "collective_launch_s", "eff_matmul", "eff_hbm"):
+    src = tpu.sources.get(key) or tpu.sources.get({"eff_matmul": "matmul_flops", "eff_hbm": "hbm_bytes"}.get(key, ""),
+                                                  "derived from hardware.json")
+    print(f"{key:<22} {getattr(tpu, key):>10.3g}   {src[:110]}")
+
+# %% [markdown]
+# ## 2. One decode step, by hand and by the model
+#
+# **Predict.** At 512 concurrent requests under `dp8_ep8` each TensorCore decodes 64 sequences. Their 64 x 10
+# expert choices per layer touch nearly all of its 64 local experts: `64 (1 - (1 - 10/512)^512)`. A Pallas
+# grouped matmul reads each touched expert once in FP8, so the expert weights alone take
+# `60 layers x 64 experts x 3 D F bytes / HBM bandwidth`, a floor under the step time.
+
+# %%
+D, F, E, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts, cfg.num_experts_per_tok, cfg.num_layers
+touched = 64 * (1 - (1 - k / E) ** 512)
+expert_bytes = L * touched * 3 * D * F * 1.0  # FP8: one byte per parameter (scales add 0.02%)
+floor_s = expert_bytes / tpu.hbm_bytes_per_s
+print(f"experts touched per device: {touched:.2f} of 64; expert bytes per step {expert_bytes / 1e9:.1f} GB; "
+      f"floor {floor_s * 1e3:.1f} ms")
+
+# %% [markdown]
+# **Measure** (the model): `step_time` adds everything else a device does: the dense weights it replicates,
+# KV and GDN state, the collectives, at the stated efficiencies.
+
+# %%
+batch = ops.Batch(decodes=512, decode_ctx=4096, max_ctx=8192)
+t_kernels = costmodel.step_time(cfg, tpu, STAGES["kernels"], batch, kv_dtype="float8_e4m3fn")
+t_baseline = costmodel.step_time(cfg, tpu, STAGES["baseline"], batch, kv_dtype="float8_e4m3fn")
+for name, t in (("kernels", t_kernels), ("baseline", t_baseline)):
+    top = sorted(t.breakdown.items(), key=lambda kv: -kv[1])[:4]
+    print(f"{name:<9} {t.seconds * 1e3:7.2f} ms: " + ", ".join(f"{c} {v * 1e3:.2f}" for c, v in top))
+
+# %% [markdown]
+# **Check.** The model's routed-expert time is the hand floor divided by the HBM efficiency (0.85), plus the
+# activations; the baseline's XLA path reads every local expert's weights three times (the sliced scan input) and
+# dequantizes FP8 into a bf16 copy, so its expert time is several times larger.
+
+# %%
+assert floor_s / tpu.eff_hbm <= t_kernels.breakdown["routed_experts"] <= 1.1 * floor_s / tpu.eff_hbm
+assert t_baseline.breakdown["routed_experts"] > 4 * t_kernels.breakdown["routed_experts"]
+
+# %% [markdown]
+# ## 3. The stage ladder at 512 concurrent requests
+#
+# **Predict.** `costmodel.ladder` runs the scheduler simulation (prefill chunks interleaved with decodes, a token
+# budget per data-parallel rank, memory limits on running sequences) for every stage, on 8k/1k (prefill-heavy)
+# and 1k/8k (decode-heavy). The prediction code never reads the published figures.
+
+# %%
+rows = costmodel.ladder(cfg, "tpu7x-8", concurrency=512)
+for r in rows:
+    print(f"{r['workload']:>6} {r['stage']:<10} {r['total_tokens_per_s']:>9,.0f} total tok/s "
+          f"({r['output_tokens_per_s']:>8,.0f} output)  step {r['mean_step_s'] * 1e3:6.1f} ms  "
+          f"x{r['gain']:.2f} over the previous, x{r['vs_baseline']:.2f} over baseline, "
+          f"{r['fraction_of_roofline']:.0%} of roofline")
+
+# %%
+reported = {"8k/1k": 4.7, "1k/8k": 3.1}
+viz.plot_ladder(rows, reported)
+
+# %%
+viz.plot_breakdown(rows)
+
+# %%
+viz.plot_roofline(rows)
+
+# %% [markdown]
+# **Check.** Every stage fits the slice, the end-to-end gain is positive on both workloads, and every stage
+# stays under its roofline bound.
+
+# %%
+assert all(r["fits"] for r in rows)
+final = {r["workload"]: r["vs_baseline"] for r in rows if r["stage"] == "kernels"}
+assert all(0 < r["fraction_of_roofline"] <= 1 for r in rows) and all(v > 1 for v in final.values())
+print("predicted end-to-end:", {w: f"x{v:.2f} (reported x{reported[w]})" for w, v in final.items()})
+
+# %% [markdown]
+# **Why the predictions differ from 3.1x and 4.7x.** Read the breakdown: the model's baseline is *our* XLA
+# path, and its largest cost is the routed experts: XLA's `ragged_dot` reads every local expert (measured from
+# its TPU cost analysis), the FP8 weights are dequantized into a bf16 copy, and the scanned weights are sliced
+# into copies. The Pallas stage reads only the experts hit, in FP8, in place. That one change carries most of
+# the predicted gain, so the ratio depends on how bad the baseline's MoE is, and the published baseline's may
+# well have been better. The collective stages (`replicate`, `fused_ag`, `hier_rs`) gain little in the model,
+# because at 512 requests a step is dominated by weight traffic; the published account credits them more.
+# The model also ignores what it cannot see: load imbalance between experts, host overheads, and idle time
+# between steps, all of which lower the measured throughput of the later, faster stages most.
+
+# %% [markdown]
+# ## 4. Validation (a): the real engine on this CPU
+#
+# **Predict** with this CPU's measured specs (micro-benchmarks: matmul FLOP/s, streaming-read bandwidth, the
+# cost of one launched op, the rate of a materialized copy, a batched matmul with few rows), then **measure** the engine's jitted step for `qwen3.5-mini` on two batches: eight
+# decodes, and four decodes with a 64-token prompt chunk. Each batch compiles once; the timed calls are
+# interleaved. `python -m qwen35_lib.bench costmodel` runs more cases (and writes `data/costmodel_validation.json`).
+
+# %%
+cpu = cpu_bench.measure()
+print({k: f"{v:.3g}" for k, v in cpu.items()})
+cpu_rows = []
+if devices[0].platform == "cpu":  # on an accelerator the engine would not run on the CPU: see the bench's rows
+    mini = qwen35_lib.get_config("qwen3.5-mini", dtype="float32")
+    cases = [validate.StepCase("decode x8", (96,) * 8), validate.StepCase("mixed 4 + 64", (96,) * 4, ((64, 0),))]
+    cpu_rows = validate.cpu_engine_steps(mini, qwen35_lib.init_weights(mini, 0), cases, repeats=2, cpu_specs=cpu)
+for r in cpu_rows:
+    print(f"{r['case']:<14} measured {r['measured_s'] * 1e3:7.1f} ms  predicted {r['predicted_s'] * 1e3:7.1f} ms  "
+          f"ratio {r['ratio']:.2f}")
+
+# %%
+bench_file = hardware.data_path().parent / "costmodel_validation.json"
+bench = json.loads(bench_file.read_text()) if bench_file.exists() else None
+if cpu_rows or bench:
+    display(viz.plot_cpu_validation(cpu_rows + (bench["cpu_steps"] if bench else [])))
+
+# %% [markdown]
+# **Check.** The target is every case within 1.5x. The CPU model charges what this machine measurably does
+# slowly: the sliced copy of each layer group's weights that XLA:CPU materializes (at the measured copy rate,
+# page faults included), and the MoE kernel's expert slots (at the measured small-matmul rate). Timings on a
+# shared 2-core machine move with its load, which is printed with the ratios; no timing is asserted (benchmarks
+# report, they do not assert). Prefill steps suffer most from other processes: profiled with `jax.profiler`
+# under load, one step spent more time in a few of its ops than the same ops take alone.
+
+# %%
+ratios = [r["ratio"] for r in cpu_rows]
+assert all(np.isfinite(ratios)) and all(r > 0 for r in ratios)
+if ratios:
+    print(f"ratios {min(ratios):.2f} .. {max(ratios):.2f}; within 1.5x: {all(1 / 1.5 <= r <= 1.5 for r in ratios)}; "
+          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+if bench:
+    print(f"bench ({bench['environment']['date']}, load {bench['environment'].get('loadavg_1m_before')}): ratios "
+          f"{bench['cpu_ratio_spread'][0]:.2f} .. {bench['cpu_ratio_spread'][1]:.2f} over {len(bench['cpu_steps'])} "
+          "cases")
+
+# %% [markdown]
+# ## 5. Validation (b): XLA's counts for the step compiled for TPU7x
+#
+# **Measure.** With libtpu installed, `forward` compiles for one TensorCore of `tpu7x:2x2x1` on this machine.
+# XLA's `cost_analysis()` and `memory_analysis()` then give its FLOPs, bytes accessed and argument bytes. We
+# compile one layer group (4 layers: XLA counts a while loop's body once, so one group keeps its figures whole) of
+# `qwen3.5-mini` here; the 397B model's group takes one to two minutes to compile on 2 cores, so its figures come
+# from the bench.
+
+# %%
+aot_rows = []
+if importlib.util.find_spec("libtpu") is not None:  # in a child process: a compiler crash is reported, not fatal
+    live = validate.aot_forward_isolated("qwen3.5-mini", 4, 2, 64)
+    print(f"qwen3.5-mini x4 (this run): {live['error']}" if "error" in live else "qwen3.5-mini x4 compiled")
+    aot_rows += [live] if "error" not in live else []
+else:
+    print("libtpu not installed (pip install 'jax[tpu]'): skipped the ahead-of-time compile")
+bench_aot = [r for r in (bench["aot"] if bench else []) if "error" not in r]
+aot_rows += [dict(r, model=f"{r['model']} (bench)") for r in bench_aot if not aot_rows or "mini" not in r["model"]]
+for r in aot_rows:
+    print(f"{r['model']} ({r['layers']} layers, {r['batch']}x{r['seq']} tokens): FLOPs {r['flops_ratio']:.3f}, "
+          f"bytes {r['bytes_ratio']:.2f}, argument memory {r['memory_ratio']:.4f} (predicted / XLA)")
+
+# %%
+if aot_rows:
+    for r in aot_rows:
+        r["label"] = f"{r['model']} x{r['layers']}"
+    display(viz.plot_ratios(aot_rows, ["flops_ratio", "bytes_ratio", "memory_ratio"], "label",
+                            "(b) predicted / XLA cost and memory analysis, tpu7x"))
+
+# %% [markdown]
+# **Check.** FLOPs and argument memory agree closely: the model counts the same matmuls and the same weights as
+# the compiler. Bytes agree less: XLA's `bytes accessed` charges every intermediate's write and read (score
+# matrices, upcasts, copies of sliced weights) while the model charges only the traffic that must reach HBM.
+
+# %%
+for r in aot_rows:
+    assert abs(r["flops_ratio"] - 1) < 0.1 and abs(r["memory_ratio"] - 1) < 0.01, r
+
+# %% [markdown]
+# ## 6. Validation (c): published measurements
+#
+# `data/published.json` holds the Qwen3.5-397B-on-TPU7x figures we could find and cite (tpu-inference pull
+# requests), with their setups; the blog post with the ladder itself could not be found, so none of its numbers are
+# quoted. The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent 8k/1k requests.
+
+# %%
+pub = validate.published_comparison()
+for r in pub:
+    print(f"{r['source'].rsplit('/', 1)[-1]:>5} {r['isl']}/{r['osl']} x{r['concurrency']:<4} measured "
+          f"{r['measured_total_tokens_per_s']:>7,} tok/s; predicted fused_ag {r['predicted_total_fused_ag']:>8,.0f} "
+          f"(x{r['ratio_fused_ag']:.2f}), kernels {r['predicted_total_kernels']:>8,.0f} (x{r['ratio_kernels']:.2f})")
+for r in pub:
+    r["label"] = f"8k/1k x{r['concurrency']}"
+viz.plot_ratios(pub, ["ratio_fused_ag", "ratio_kernels"], "label", "(c) predicted / published total tokens/s")
+
+# %% [markdown]
+# **Check.** The published system sits between our `fused_ag` (XLA kernels) and `kernels` (Pallas) stages, which
+# is where it belongs: it ran Pallas attention and grouped matmuls, but not everything our `kernels` stage assumes.
+# The `kernels` stage over-predicts it by under 2x: the stated efficiencies (80% of the MXU, 85% of HBM) are
+# upper bounds a serving system with host overheads and expert imbalance does not reach.
+
+# %%
+assert all(r["ratio_fused_ag"] < 1 < r["ratio_kernels"] < 2 for r in pub)
+
+# %% [markdown]
+# ## 7. Sensitivity to the labelled assumptions
+#
+# Each assumption without a published figure is scaled 4x down and 4x up, the others held, and the end-to-end
+# gain (kernels over baseline) recomputed.
+
+# %%
+sweeps = sensitivity.sweep((0.25, 1.0, 4.0), assumptions=("ICI link bandwidth", "core-to-core bandwidth"))
+for name, pts in sweeps.items():
+    print(f"{name:<24} " + "  ".join(f"x{s:g}: {a:.2f} / {b:.2f}" for s, a, b in pts))
+viz.plot_sensitivity(sweeps)
+
+# %% [markdown]
+# A quarter of the assumed ICI bandwidth moves the prefill-heavy gain the most: the baseline's all-reduces and
+# the EP stages' all-gathers carry every token's hidden state. The core-to-core bandwidth barely matters at 512
+# requests. `sensitivity.ASSUMPTIONS` also holds the collective latency and the HBM efficiency.
+
+# %% [markdown]
+# ## 8. Explore
+#
+# Pick a model, system, stage, concurrency and lengths; `viz.costmodel.explore` is the same function without
+# widgets (`python -m qwen35_lib.costmodel predict ...` on the command line).
+
+# %%
+text, fig = viz.explore("qwen3.5-397b-a17b", "tpu7x-8", "kernels", 512, 1024, 8192)
+print(text)
+try:
+    import ipywidgets  # noqa: F401
+
+    display(viz.explorer())
+except ImportError:
+    print("ipywidgets not installed: use viz.explore(...) directly")
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+if os.environ.get("QWEN35_RESULTS_DIR"):
+    keep = ("workload", "stage", "total_tokens_per_s", "output_tokens_per_s", "gain", "vs_baseline",
+            "fraction_of_roofline", "mean_step_s", "breakdown_s")
+    record = dict(ladder=[{k: r[k] for k in keep} for r in rows], reported=reported, predicted_end_to_end=final,
+                  validation_cpu=[{k: r[k] for k in ("case", "measured_s", "predicted_s", "ratio")} for r in cpu_rows],
+                  validation_aot=[{k: r[k] for k in ("model", "layers", "flops_ratio", "bytes_ratio", "memory_ratio")}
+                                  for r in aot_rows],
+                  validation_published=[{k: r[k] for k in ("source", "concurrency", "ratio_fused_ag", "ratio_kernels")}
+                                        for r in pub],
+                  sensitivity=sweeps, cpu_specs=cpu)
+    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "costmodel.json").write_text(json.dumps(record, indent=2))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> At 512 concurrent requests a TPU7x-8 step is dominated by reading expert weights, so the stage
+# that reads only the experts a batch hits, once and in FP8, carries most of the predicted gain; the layout and
+# collective stages matter for what they let that stage do, and the model lands within 2x of published numbers.
+# </div>
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **[Concurrency]** How does the `kernels` stage's decode-heavy throughput grow from 64 to 512 concurrent
+#    requests, and why does it not grow 8x?
+#    <details><summary>Answer</summary>
+#
+#    `costmodel.predict(cfg, "tpu7x-8", "kernels", 1024, 8192, c)` for `c` in (64, 512). The expert weights a
+#    step reads barely change once most local experts are hit (`experts.expected_distinct`), so the step time
+#    grows slowly and throughput grows nearly with the batch, until KV and GDN state traffic and compute catch up.
+#    </details>
+#
+# 2. **[Collectives]** Which component does `fused_ag` change, and by how much per step?
+#    <details><summary>Answer</summary>
+#
+#    The `all_gather` entry of `breakdown_s`: one collective fewer per layer saves its launch and ring hops,
+#    `60 x (collective_launch_s + 7 hop_latency_s)`, about 0.7 ms per step with the assumed 5 us and 1 us. Its
+#    bytes do not change: ids and weights travel packed instead of separately.
+#    </details>
+#
+# 3. **[Hierarchy]** With `collectives.hierarchical_reduce_scatter`, at what core-to-core bandwidth does the
+#    hierarchical reduce-scatter stop beating the flat one for a 64 MB input?
+#    <details><summary>Answer</summary>
+#
+#    Compare `collectives.hierarchical_reduce_scatter(tpu.replace(core_link_bytes_per_s=b), 64e6, 8).seconds`
+#    with `collectives.reduce_scatter(tpu, 64e6).seconds` over a range of `b`: phase 1 sends half the input over
+#    the core link, so once that link is much slower than the chip ring, phase 1 dominates.
+#    </details>
+#
+# 4. **[Other hardware]** Does the model fit on a v5p-8 or eight H200s, and what does the cost model predict?
+#    <details><summary>Answer</summary>
+#
+#    `python -m qwen35_lib.costmodel predict --hardware v5p-8 --stage kernels --isl 8192 --osl 1024
+#    --concurrency 512` (4 chips of 95 GiB: does the FP8 model leave room for a request?), then `--hardware h200-8`
+#    (an NVSwitch: collectives at full NVLink bandwidth between any two GPUs).
+#    </details>
+#
+# 5. **[Baseline]** Give the baseline Pallas kernels but keep its layout: `costmodel.predict(cfg, "tpu7x-8",
+#    costmodel.stages.custom_stage("tp8_kvrep", kernels="pallas"), 8192, 1024, 512)`. How much of the ladder's gain
+#    does that recover, and what does the remaining gap come from?
+#    <details><summary>Answer</summary>
+#
+#    Most of it: the kernel change is what the model rewards most. The rest is the layout: under `tp8_kvrep` every
+#    device runs the router and attention for all 512 requests' tokens and all-reduces the full hidden state twice
+#    per layer, and its replicated KV heads cap how many requests fit.
+#    </details>

@@ -1,0 +1,15 @@
+"""The hardware-aware cost model: specs, op costs, collectives, the step-time model, the scheduler simulation,
+and the stage ladder. Public: `predict`, `ladder`, `STAGES`, `step_time`, `Batch`.
+
+    from qwen35_lib import costmodel
+    costmodel.predict("qwen3.5-397b-a17b", "tpu7x-8", "kernels", isl=8192, osl=1024, concurrency=512)
+
+`python -m qwen35_lib.costmodel predict --model NAME --hardware NAME --stage NAME --isl N --osl N --concurrency N`.
+"""
+
+from qwen35_lib.costmodel.ops import Batch
+from qwen35_lib.costmodel.predict import ladder, predict, serving_model
+from qwen35_lib.costmodel.stages import LADDER, STAGES
+from qwen35_lib.costmodel.step import step_time
+
+__all__ = ["LADDER", "STAGES", "Batch", "ladder", "predict", "serving_model", "step_time"]

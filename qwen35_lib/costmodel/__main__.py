@@ -1,0 +1,100 @@
+"""`python -m qwen35_lib.costmodel predict --model NAME --hardware NAME --stage NAME --isl N --osl N --concurrency N
+[--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
+[--max-seqs N] [--kv-dtype D] [--json]` and `python -m qwen35_lib.costmodel ladder [--json]`.
+
+`predict` prints whole-slice output and total (input + output) tokens/s, per chip, the mean step-time breakdown by
+component, and the roofline bound; a model that does not fit is reported so (exit status 0, `fits: false`).
+Errors in the arguments print `error: ...` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from qwen35_lib.config import PRESETS
+from qwen35_lib.costmodel.predict import ladder, predict, serving_model
+from qwen35_lib.costmodel.stages import KERNELS, LADDER, LAYOUTS, ROUTINGS, custom_stage, get_stage
+
+
+def _model(args: argparse.Namespace):
+    changes = {}
+    if args.expert_dtype:
+        changes["expert_dtype"] = None if args.expert_dtype == "none" else args.expert_dtype
+    return serving_model(args.model, **changes)
+
+
+def _stage(args: argparse.Namespace):
+    if args.layout:
+        return custom_stage(args.layout, args.routing, args.fuse_allgather, args.hierarchical_rs, args.kernels)
+    return get_stage(args.stage)
+
+
+def _format(r: dict) -> str:
+    head = (f"{r['model']} on {r['hardware']}, stage {r['stage']} ({r['layout']}, routing {r['routing']}, kernels "
+            f"{r['kernels']}); ISL {r['isl']} / OSL {r['osl']} at {r['concurrency']} concurrent requests")
+    if not r["fits"]:
+        return f"{head}\ndoes not fit: {r['reason']}"
+    lines = [head,
+             f"  output tokens/s  {r['output_tokens_per_s']:12,.0f}  "
+             f"({r['output_tokens_per_s_per_chip']:,.0f} per chip)",
+             f"  total tokens/s   {r['total_tokens_per_s']:12,.0f}  ({r['total_tokens_per_s_per_chip']:,.0f} per chip)",
+             f"  mean step        {r['mean_step_s'] * 1e3:12.2f} ms over {r['steps']:,} steps"]
+    if "roofline_total_tokens_per_s" in r:
+        lines.append(f"  roofline bound   {r['roofline_total_tokens_per_s']:12,.0f} total tokens/s "
+                     f"({r['fraction_of_roofline']:.0%} of it reached)")
+    lines.append("  breakdown of the mean step:")
+    for k, v in sorted(r["breakdown_s"].items(), key=lambda kv: -kv[1]):
+        if v > 0:
+            lines.append(f"    {k:<16} {v * 1e3:9.3f} ms  {r['breakdown_fraction'][k]:6.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwen35_lib.costmodel", description=__doc__.split("\n\n")[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("predict", help="throughput of one stage for one workload")
+    lad = sub.add_parser("ladder", help="every stage, prefill-heavy (8k/1k) and decode-heavy (1k/8k)")
+    for q in (pr, lad):
+        q.add_argument("--model", default="qwen3.5-397b-a17b", help=f"a preset ({', '.join(PRESETS)})")
+        q.add_argument("--hardware", default="tpu7x-8", help="tpu7x-8, v6e-8, v5p-8, v5e-8, h200, h200-8, cpu")
+        q.add_argument("--concurrency", type=int, default=512)
+        q.add_argument("--expert-dtype", choices=["float8_e4m3fn", "none"],
+                       help="routed experts (default: float8_e4m3fn, the serving configuration)")
+        q.add_argument("--kv-dtype", default="float8_e4m3fn", help="KV cache dtype (default: %(default)s)")
+        q.add_argument("--max-batched-tokens", type=int, help="token budget per step per DP rank")
+        q.add_argument("--max-seqs", type=int, help="running sequences per DP rank")
+        q.add_argument("--json", action="store_true", help="print one JSON document")
+    pr.add_argument("--stage", default="kernels", choices=LADDER)
+    pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
+    pr.add_argument("--osl", type=int, default=1024, help="output tokens per request")
+    pr.add_argument("--layout", choices=list(LAYOUTS), help="describe a setup instead of --stage")
+    pr.add_argument("--routing", choices=ROUTINGS, default="replicate", help="EP layouts (with --layout)")
+    pr.add_argument("--fuse-allgather", action="store_true", help="with --layout")
+    pr.add_argument("--hierarchical-rs", action="store_true", help="with --layout")
+    pr.add_argument("--kernels", choices=KERNELS, default="xla", help="with --layout")
+    args = p.parse_args(argv)
+    try:
+        common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
+                      max_seqs=args.max_seqs, kv_dtype=args.kv_dtype)
+        if args.command == "predict":
+            r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common)
+            print(json.dumps(r, indent=2) if args.json else _format(r))
+        else:
+            rows = ladder(_model(args), args.hardware, **common)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                for r in rows:
+                    tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s  x{r['vs_baseline']:.2f}" if r["fits"] else \
+                        "does not fit"
+                    print(f"{r['workload']:>6} {r['stage']:<10} {tail}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Op costs from the Config: FLOPs, HBM bytes and launched ops of each block, per device, for one step.
+
+A step is described by a `Batch` (whole slice); a `Placement` says what one device holds and computes. Each
+function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
+    max(mxu_flops / (peak * eff_matmul) + vector_flops / (peak * vector_fraction), bytes / (bw * eff_hbm))
+    + launches * op_overhead
+Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
+moved, as data/costmodel_hardware.json 'kernels' records from the code:
+- attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
+  batch and scores against it; `pallas` (ragged paged attention): each sequence's context is read once;
+- MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
+  dequantized to a bf16 copy first (+2 B written +2 B read per parameter); `capacity` (the CPU default): every
+  expert computes C slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `gmm` (Pallas
+  grouped matmul): ideal FLOPs, only the experts hit are read, FP8 read as FP8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from qwen35_lib.config import FULL, LINEAR, Config
+from qwen35_lib.costmodel.experts import expected_distinct
+from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.stats import model_stats
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's work for the whole slice (all data-parallel ranks together)."""
+
+    decodes: int = 0  # decoding sequences (one new token each)
+    decode_ctx: float = 0.0  # their mean context after this step (tokens in the cache, the new one included)
+    prefill_tokens: int = 0  # prompt tokens of this step (chunks)
+    prefill_seqs: int = 0  # sequences with a prompt chunk
+    prefill_ctx: float = 0.0  # mean tokens cached before each chunk
+    max_ctx: int = 0  # longest context in the batch (the XLA attention reads it for every token)
+    padded_tokens: int = 0  # tokens the compiled step computes (bucket padding); 0: exactly the real ones
+    logit_rows: int = 0  # rows the LM head computes; 0: one per sequence (a full forward computes every token's)
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prefill_tokens
+
+    @property
+    def computed(self) -> int:
+        return max(self.tokens, self.padded_tokens)
+
+    @property
+    def seqs(self) -> int:
+        return self.decodes + self.prefill_seqs
+
+    @property
+    def attention_pairs(self) -> float:
+        """(query, key) pairs of causal attention: decodes see their context, chunks their past + causal part."""
+        n = self.prefill_tokens / self.prefill_seqs if self.prefill_seqs else 0.0
+        return self.decodes * self.decode_ctx + self.prefill_tokens * self.prefill_ctx + \
+            self.prefill_seqs * n * (n + 1) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """What one device holds and computes: `dp` ranks split the tokens, `tp` splits heads and FFNs."""
+
+    dp: int = 1
+    tp: int = 1
+    moe: str = "local"  # "tp", "ep", "local"
+    ep: int = 1
+    attention: str = "xla"  # "xla" or "pallas"
+    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "gmm"
+    kv_dtype: str | None = None  # None: the model dtype
+    page_size: int = 256
+    max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
+    weight_passes: float = 1.0  # HBM passes over each weight byte (3 for XLA's sliced scan inputs: read, copy, read)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    mxu_flops: float = 0.0
+    vector_flops: float = 0.0
+    bytes: float = 0.0  # streamed HBM reads and writes
+    launches: float = 0.0
+    copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
+    small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
+
+    def __add__(self, o: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+
+    def __mul__(self, k: float) -> Cost:
+        return Cost(*(a * k for a in dataclasses.astuple(self)))
+
+    @property
+    def flops(self) -> float:
+        return self.mxu_flops + self.vector_flops + self.small_mxu_flops
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.bytes + self.copy_bytes
+
+
+def seconds(c: Cost, s: Specs) -> float:
+    """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads."""
+    compute = c.mxu_flops / (s.peak_flops * s.eff_matmul) + c.vector_flops / (s.peak_flops * s.vector_fraction) + \
+        c.small_mxu_flops / (s.small_matmul_flops or s.peak_flops * s.eff_matmul)
+    memory = c.bytes / (s.hbm_bytes_per_s * s.eff_hbm) + \
+        c.copy_bytes / (s.copy_bytes_per_s or s.hbm_bytes_per_s * s.eff_hbm)
+    return max(compute, memory) + c.launches * s.op_overhead_s
+
+
+@functools.lru_cache(maxsize=64)
+def sizes(cfg: Config) -> dict[str, float]:
+    """Per-layer parameter counts by part (from the weight declarations) and item sizes."""
+    st = model_stats(cfg)
+    p = st.params_by_part
+    n_attn, n_gdn = cfg.layer_types.count(FULL), cfg.layer_types.count(LINEAR)
+    act = ITEMSIZE[cfg.dtype]
+    exp_item = 1 + 4 / cfg.fp8_block_size**2 if cfg.expert_dtype == "float8_e4m3fn" else act
+    return dict(
+        attn=p.get("attention", 0) / max(n_attn, 1), gdn=p.get("gdn", 0) / max(n_gdn, 1),
+        router=p.get("router", 0) / cfg.num_layers, shared=p.get("shared_experts", 0) / cfg.num_layers,
+        expert=3 * cfg.hidden_size * cfg.moe_ffn, embed=p.get("embed", 0), lm_head=p.get("lm_head", 0),
+        norms=p.get("norms", 0), act=act, exp_item=exp_item, n_attn=n_attn, n_gdn=n_gdn)
+
+
+def kv_item(cfg: Config, pl: Placement) -> float:
+    """Bytes per cached K or V element (FP8: 1 B + a float32 scale per token and head)."""
+    dtype = pl.kv_dtype or cfg.dtype
+    return 1 + 4 / cfg.head_dim if dtype == "float8_e4m3fn" else ITEMSIZE[dtype]
+
+
+def kv_heads_per_device(cfg: Config, tp: int) -> int:
+    """KV heads a device stores: Hkv / tp when it divides, else 1 (replicated: tp8_kvrep)."""
+    return cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
+
+
+def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+    """One attention layer: projections (q+gate, k, v, o) and the attention core over the paged cache."""
+    z = sizes(cfg)
+    T = b.computed / pl.dp  # tokens this device computes
+    hd, hq = cfg.head_dim, cfg.num_q_heads / pl.tp
+    kvh = kv_heads_per_device(cfg, pl.tp)
+    w_kv = 2 * cfg.hidden_size * cfg.num_kv_heads * hd
+    w = (z["attn"] - w_kv) / pl.tp + w_kv * kvh / cfg.num_kv_heads  # params on this device
+    proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
+                copy_bytes=w * z["act"] * (pl.weight_passes - 1))
+    tok_bytes = 2 * kvh * hd * kv_item(cfg, pl)  # K and V of one token on this device
+    new = b.tokens / pl.dp * tok_bytes  # the KV-cache write
+    qo = T * hq * hd * z["act"] * 2
+    if pl.attention == "pallas":
+        chunk = b.prefill_tokens / max(b.prefill_seqs, 1)
+        keys = (b.decodes * b.decode_ctx + b.prefill_seqs * (b.prefill_ctx + chunk)) / pl.dp  # each context once
+        pairs = b.attention_pairs / pl.dp
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, keys * tok_bytes + new + qo, 2)
+    else:
+        pairs = T * b.max_ctx  # every token scores (and reads) the longest context
+        pages = math.ceil(b.max_ctx / pl.page_size)
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * tok_bytes + new + qo, 4 * pages + 2)
+    return {"attn_proj": proj, "attn_core": core}
+
+
+def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+    """One Gated DeltaNet layer: projections + conv, and the delta rule (recurrent for decodes, chunked for
+    prompt chunks: per chunk of C tokens and head ~ 2 C^2 (3 dk + 2 dv) + 6 C dk dv MXU FLOPs, plus the chunk's
+    (I + A)^-1 by block doubling as `gdn_xla.unit_lower_inverse` computes it: log2 C steps of two C x C x C matmuls,
+    4 C^3 log2 C FLOPs)."""
+    z = sizes(cfg)
+    T = b.computed / pl.dp
+    w = z["gdn"] / pl.tp
+    proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
+                copy_bytes=w * z["act"] * (pl.weight_passes - 1))
+    hv = cfg.gdn_num_v_heads / pl.tp
+    dk, dv, C = cfg.gdn_k_head_dim, cfg.gdn_v_head_dim, cfg.gdn_chunk_size
+    state = hv * dk * dv * ITEMSIZE[cfg.gdn_state_dtype]  # one sequence's state on this device
+    dec = b.decodes / pl.dp
+    pre_seqs = b.prefill_seqs / pl.dp
+    chunks = math.ceil(max(b.computed - b.decodes, 0) / pl.dp / C)  # the prefill region, C-aligned
+    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec, bytes=2 * state * dec, launches=6)
+    inverse = 4 * C**3 * math.log2(C)
+    chunked = Cost(mxu_flops=chunks * hv * (2 * C * C * (3 * dk + 2 * dv) + 6 * C * dk * dv + inverse),
+                   bytes=2 * state * pre_seqs + chunks * C * hv * (dk + dv) * 4 * 2,
+                   launches=5 * chunks + 4 if chunks else 0)
+    return {"gdn_proj": proj, "gdn_core": recurrent + chunked}
+
+
+def capacity_slots(rows: float, experts: int, sigmas: float = 4.0) -> int:
+    """Slots per expert of `moe_xla.moe_capacity`: mean + sigmas sqrt(mean) + 2, rounded up to a multiple of 8."""
+    mean = rows / experts
+    return -(-int(np.ceil(mean + sigmas * np.sqrt(mean) + 2)) // 8) * 8
+
+
+def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+    """One MoE layer: router, shared expert, routed experts (weights touched per `pl.moe_impl`), permutes."""
+    z = sizes(cfg)
+    D, E, k, F = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn
+    T_dev = b.computed / pl.dp  # tokens whose router and shared expert this device runs
+    copies = pl.weight_passes - 1  # a sliced copy: written once and read once more
+    router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
+                  z["router"] * z["act"] * copies)
+    shared_w = z["shared"] / (pl.tp if pl.moe == "tp" else 1)
+    shared = Cost(2 * T_dev * shared_w, 0, shared_w * z["act"] + T_dev * D * z["act"] * 3, 4,
+                  shared_w * z["act"] * copies)
+    if pl.moe == "ep":
+        experts_dev, f_dev = E / pl.ep, F
+        rows = b.computed * k / pl.ep  # every token of the slice, k copies, spread over the EP devices
+    else:
+        experts_dev, f_dev = E, F / pl.tp
+        rows = b.computed * k
+    ideal = 2 * rows * 3 * D * f_dev
+    w_expert = 3 * D * f_dev  # params of one expert on this device
+    small = 0.0
+    if pl.moe_impl == "gmm":
+        touched = expected_distinct(b.tokens, E, k) * experts_dev / E
+        mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
+    else:
+        dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0  # bf16 copy written and read
+        wbytes = experts_dev * w_expert * z["exp_item"]
+        copy = experts_dev * w_expert * (z["exp_item"] * copies + dequant)
+        mxu = ideal
+        if pl.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
+            mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
+    routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small)
+    permute = Cost(0, 0, rows * D * z["act"] * 4, 6)
+    return {"router": router, "shared_expert": shared, "routed_experts": routed, "permute": permute}
+
+
+def norms(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """The two RMSNorms of a layer (and residual adds): element-wise passes over [T, D]."""
+    T = b.computed / pl.dp
+    return Cost(0, 8 * T * cfg.hidden_size * 2, T * cfg.hidden_size * sizes(cfg)["act"] * 4, 2)
+
+
+def embed_and_head(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """Embedding gather for every token; final norm and LM head for each sequence's last token (vocab split
+    over tp)."""
+    z = sizes(cfg)
+    T, S = b.computed / pl.dp, (b.logit_rows or max(b.seqs, 1)) / pl.dp
+    w = z["lm_head"] / pl.tp
+    return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pl.tp * 4, 4)

@@ -1,0 +1,141 @@
+"""`predict()`: throughput of a model on a system under a stage, for a workload at a concurrency.
+
+1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: per-rank
+   token budget and max sequences default to tpu-inference's Qwen3.5 recipe (`max-num-batched-tokens =
+   min(max(ISL / DP, 1024), 2048)`, `max-num-seqs = 2 CONC / DP`; tpu_serving_anchors.md 1.3);
+2. memory: weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
+   (KV + GDN state); a model whose weights do not fit is reported so (`fits: False`) with no throughput;
+3. the scheduler simulation (`schedule.simulate`) with the step-time model (`step.step_time`), and the same
+   schedule at the roofline bound (`ideal=True`);
+4. whole-slice output and total (input + output) tokens/s, per chip, the step-time breakdown by component.
+The prediction never reads published measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwen35_lib.config import Config, get_config
+from qwen35_lib.costmodel import ops
+from qwen35_lib.costmodel import specs as specs_lib
+from qwen35_lib.costmodel.schedule import simulate
+from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
+from qwen35_lib.costmodel.step import step_time
+
+USABLE_HBM = 94.75e9 / 103079215104
+USABLE_HBM_SOURCE = ("measured: XLA's RESOURCE_EXHAUSTED message for a program compiled for tpu7x:2x2x1 on this "
+                     "machine names 'available HBM (94.75G)' of the 96 GiB per TensorCore; the same fraction is "
+                     "assumed for the other systems")
+
+
+def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
+    """The real serving configuration: FP8 (e4m3, block-scaled) experts and a bf16 GDN state (DESIGN.md)."""
+    base = dict(expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+    base.update(changes)
+    return get_config(name, **base)
+
+
+def weight_bytes_per_device(cfg: Config, sp: Specs, stage: Stage) -> float:
+    """Weights one device holds: routed experts split over all devices; the rest split over `tp` (replicated
+    on each data-parallel rank)."""
+    z = ops.sizes(cfg)
+    lay = resolve_layout(stage, cfg, sp.devices)
+    experts = cfg.num_experts * z["expert"] * cfg.num_layers * z["exp_item"]
+    dense = (z["attn"] * z["n_attn"] + z["gdn"] * z["n_gdn"] + (z["router"] + z["shared"]) * cfg.num_layers +
+             z["embed"] + z["lm_head"] + z["norms"]) * z["act"]
+    return experts / sp.devices + dense / lay.tp
+
+
+def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None) -> float:
+    """Cache one request of `tokens` tokens puts on each device holding it (KV of its heads + GDN state)."""
+    lay = resolve_layout(stage, cfg, sp.devices)
+    z = ops.sizes(cfg)
+    pl = ops.Placement(kv_dtype=kv_dtype)
+    kv = z["n_attn"] * 2 * ops.kv_heads_per_device(cfg, lay.tp) * cfg.head_dim * ops.kv_item(cfg, pl) * tokens
+    state = z["n_gdn"] * (cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim *
+                          ops.ITEMSIZE[cfg.gdn_state_dtype] + cfg.gdn_conv_dim * (cfg.gdn_conv_kernel - 1) * z["act"])
+    return kv + state / lay.tp
+
+
+def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
+            stage: str | Stage = "kernels", isl: int = 8192, osl: int = 1024, concurrency: int = 512, *,
+            max_batched_tokens: int | None = None, max_seqs: int | None = None,
+            kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
+            num_prompts: int | None = None, seed: int = 0, roofline: bool = True, overlap: bool = True) -> dict:
+    """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
+    `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
+    `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `fits`, the setup used."""
+    cfg = serving_model(model) if isinstance(model, str) else model
+    sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
+    st = get_stage(stage) if isinstance(stage, str) else stage
+    lay = resolve_layout(st, cfg, sp.devices)
+    budget = max_batched_tokens or min(max(isl // lay.dp, 1024), 2048)
+    seqs = max_seqs or max(1, 2 * concurrency // lay.dp)
+    usable = sp.hbm_bytes * USABLE_HBM
+    w = weight_bytes_per_device(cfg, sp, st)
+    per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype)
+    # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
+    max_running = int((usable - w) // per_req) if usable > w else 0
+    doc: dict[str, Any] = dict(
+        model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.name, routing=st.routing,
+        fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,
+        isl=isl, osl=osl, concurrency=concurrency, dp=lay.dp, tp=lay.tp, chips=sp.chips, devices=sp.devices,
+        max_batched_tokens_per_rank=budget, max_seqs_per_rank=seqs, kv_dtype=kv_dtype or cfg.dtype,
+        weight_bytes_per_device=w, usable_hbm_bytes_per_device=usable, request_bytes_per_device=per_req,
+        max_running_per_rank=max_running, fits=max_running >= 1)
+    if not doc["fits"]:
+        doc["reason"] = (f"weights need {w / 2**30:.1f} GiB per device of {usable / 2**30:.1f} GiB usable, leaving no "
+                         f"room for one request of {isl + osl} tokens ({per_req / 2**30:.2f} GiB)")
+        return doc
+
+    def fn(ideal: bool):
+        def run(b: ops.Batch):
+            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap)
+            return r.seconds, r.breakdown
+        return run
+
+    sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed)
+    doc.update(
+        output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
+        output_tokens_per_s_per_chip=sim.output_tokens_per_s / sp.chips,
+        total_tokens_per_s_per_chip=sim.total_tokens_per_s / sp.chips,
+        seconds=sim.seconds, steps=sim.steps, mean_step_s=sim.seconds / sim.steps,
+        mean_decode_batch=sim.mean_decode_batch, mean_running_per_rank=sim.mean_running,
+        breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
+        breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
+    if roofline:
+        ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed)
+        doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
+                   roofline_output_tokens_per_s=ideal.output_tokens_per_s,
+                   fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
+    return doc
+
+
+def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
+           workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)), concurrency: int = 512,
+           stages: tuple[str, ...] | None = None, **kwargs: Any) -> list[dict]:
+    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage)
+    and `vs_baseline`."""
+    from qwen35_lib.costmodel.stages import LADDER
+
+    rows = []
+    for isl, osl in workloads:
+        prev = base = None
+        for name in stages or LADDER:
+            r = predict(model, hardware, name, isl, osl, concurrency, **kwargs)
+            r["workload"] = f"{_k(isl)}/{_k(osl)}"
+            if r.get("fits"):
+                base = base or r["total_tokens_per_s"]
+                r["gain"] = r["total_tokens_per_s"] / prev if prev else 1.0
+                r["vs_baseline"] = r["total_tokens_per_s"] / base
+                prev = r["total_tokens_per_s"]
+            rows.append(r)
+    return rows
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+__all__ = ["ladder", "predict", "serving_model", "weight_bytes_per_device"]

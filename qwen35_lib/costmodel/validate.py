@@ -1,0 +1,185 @@
+"""The cost model's validations: (a) CPU engine steps, (b) TPU7x ahead-of-time compiles, (c) published figures.
+
+(a) `cpu_engine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine._engine_step`) on this CPU, for
+    hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
+    packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
+    interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by
+    `cpu_bench`) with the CPU kernels (`capacity` MoE, XLA attention and GDN), one device.
+(b) `aot_forward(cfg, batch, seq)`: `forward` compiled for one TensorCore of `tpu7x:2x2x1` (`qwen35_lib.aot`);
+    XLA's `cost_analysis()` FLOPs and bytes and `memory_analysis()` argument bytes against the model's
+    prediction for the same work (a prefill of batch x seq tokens with every token's logits, XLA kernels).
+(c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this
+    function reads that file; `predict` never does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import numpy as np
+
+from qwen35_lib import hardware as hw
+from qwen35_lib.config import Config
+from qwen35_lib.costmodel import specs as specs_lib
+from qwen35_lib.costmodel.ops import Batch
+from qwen35_lib.costmodel.stages import Stage
+from qwen35_lib.costmodel.step import step_time
+
+SINGLE_XLA = Stage("single", "tp8_kvrep")  # resolves to `single` on one device; XLA kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    name: str
+    decode_ctx: tuple[int, ...] = ()  # context after the step of each decoding sequence
+    chunks: tuple[tuple[int, int], ...] = ()  # (new tokens, cached before) of each prefill chunk
+
+
+def default_cases() -> list[StepCase]:
+    """Batch sizes and prefill/decode mixes for `qwen3.5-mini` at CPU size (8 sequences, 64-token chunks)."""
+    return [StepCase("decode x1", (96,)), StepCase("decode x8", (96,) * 8),
+            StepCase("mixed 4 + 64", (96,) * 4, ((64, 0),)), StepCase("prefill 2 x 64", (), ((64, 0), (64, 64)))]
+
+
+def case_batch(case: StepCase, D: int, T: int, S: int) -> Batch:
+    """The `Batch` of a case as the compiled step computes it (D decode slots, T tokens, S logit rows)."""
+    pre = sum(n for n, _ in case.chunks)
+    ctxs = list(case.decode_ctx) + [n + c for n, c in case.chunks]
+    return Batch(decodes=len(case.decode_ctx), decode_ctx=float(np.mean(case.decode_ctx)) if case.decode_ctx else 0.0,
+                 prefill_tokens=pre, prefill_seqs=len(case.chunks),
+                 prefill_ctx=float(np.mean([c for _, c in case.chunks])) if case.chunks else 0.0,
+                 max_ctx=max(ctxs), padded_tokens=T, logit_rows=S)
+
+
+def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = None, repeats: int = 5,
+                     page_size: int = 16, max_num_seqs: int = 8, cpu_specs: dict | None = None) -> list[dict]:
+    """Measured vs predicted seconds of the engine's step for each case (see the module doc)."""
+    import jax
+
+    from qwen35_lib.engine.batch import SeqWork, bucket, pack, stack_ranks
+    from qwen35_lib.engine.engine import Engine, EngineConfig, _engine_step
+
+    cases = cases or default_cases()
+    longest = max(max(c.decode_ctx, default=0) for c in cases) + max(sum(n for n, _ in c.chunks) for c in cases)
+    if jax.default_backend() != "cpu":
+        raise ValueError("the CPU validation runs the engine on the default backend, which is not the CPU here")
+    eng = Engine(cfg, weights, EngineConfig(max_num_seqs=max_num_seqs, page_size=page_size,
+                                            max_num_batched_tokens=max(256, cfg.gdn_chunk_size * 4),
+                                            max_model_len=max(256, longest + page_size)))
+    S, C = max_num_seqs, eng.chunk
+    inputs = []
+    rng = np.random.default_rng(0)  # distinct random tokens: repeated ones would all route to the same experts
+    for case in cases:
+        works, slot, next_page = [], 1, 1
+        for n, start in [(1, c - 1) for c in case.decode_ctx] + list(case.chunks):
+            pages = list(range(next_page, next_page + -(-(start + n) // page_size)))
+            next_page += len(pages)
+            works.append(SeqWork(rng.integers(2, cfg.vocab_size, n).tolist(), start, pages, slot))
+            slot += 1
+        dec, pre = works[: len(case.decode_ctx)], works[len(case.decode_ctx):]
+        D = bucket(max(len(dec), 1), eng.decode_buckets)
+        T = D + bucket(sum(-(-len(w.tokens) // C) * C for w in pre), eng.prefill_buckets)
+        tokens, meta = stack_ranks([pack(dec, pre, D, T, S, eng.ec.pages_per_seq, C)])
+        samp = dict(temperature=np.zeros((1, S), np.float32), top_k=np.zeros((1, S), np.int32),
+                    top_p=np.ones((1, S), np.float32), seed=np.zeros((1, S), np.uint32),
+                    position=np.zeros((1, S), np.int32))
+        inputs.append((case, D, T, tokens, meta, samp))
+
+    def run(i: int) -> float:
+        _, _, _, tokens, meta, samp = inputs[i]
+        t = time.perf_counter()
+        out, eng.cache = _engine_step(cfg, eng.weights, eng.cache, tokens, meta, samp)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t
+
+    compile_s = [run(i) for i in range(len(inputs))]  # warm-up: compiles each bucket
+    times: list[list[float]] = [[] for _ in inputs]
+    for r in range(repeats):
+        for i in list(range(r % len(inputs), len(inputs))) + list(range(r % len(inputs))):
+            times[i].append(run(i))
+    sp = specs_lib.get("cpu", cpu_specs)
+    rows = []
+    for (case, D, T, *_), ts, cs in zip(inputs, times, compile_s):
+        pred = step_time(cfg, sp, SINGLE_XLA, case_batch(case, D, T, S), page_size=page_size)
+        measured = statistics.median(ts)
+        rows.append(dict(case=case.name, D=D, T=T, measured_s=measured, predicted_s=pred.seconds,
+                         ratio=pred.seconds / measured, first_call_s=cs, times_s=ts,
+                         breakdown_s={k: v for k, v in pred.breakdown.items() if v}))
+    return rows
+
+
+def aot_forward(cfg: Config, batch: int, seq: int) -> dict:
+    """XLA's own counts for `forward` compiled for tpu7x:2x2x1 (one TensorCore) vs the model's (see module doc)."""
+    from qwen35_lib import aot
+
+    t = time.perf_counter()
+    ex = aot.compile_forward(cfg, batch, seq)
+    seconds = time.perf_counter() - t
+    ca = ex.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    ma = ex.memory_analysis()
+    sp = specs_lib.get("tpu7x-8").replace(chips=1, devices_per_chip=1)
+    b = Batch(prefill_tokens=batch * seq, prefill_seqs=batch, max_ctx=seq, logit_rows=batch * seq)
+    pred = step_time(cfg, sp, SINGLE_XLA, b)
+    from qwen35_lib.costmodel.predict import weight_bytes_per_device
+
+    weights = weight_bytes_per_device(cfg, sp, SINGLE_XLA)
+    return dict(model=cfg.name, layers=cfg.num_layers, batch=batch, seq=seq, compile_s=seconds,
+                xla_flops=float(ca.get("flops", 0.0)), predicted_flops=pred.flops,
+                xla_bytes=float(ca.get("bytes accessed", 0.0)), predicted_bytes=pred.hbm_bytes,
+                xla_argument_bytes=int(ma.argument_size_in_bytes), predicted_argument_bytes=weights,
+                xla_temp_bytes=int(ma.temp_size_in_bytes),
+                flops_ratio=pred.flops / float(ca.get("flops", 1.0)),
+                bytes_ratio=pred.hbm_bytes / float(ca.get("bytes accessed", 1.0)),
+                memory_ratio=weights / ma.argument_size_in_bytes)
+
+
+def aot_forward_isolated(model: str, layers: int, batch: int, seq: int, timeout: float = 600) -> dict:
+    """`aot_forward` of preset `model` with `layers` layers in a child process, so that a compiler crash is
+    reported (`{"error": ...}`) instead of taking the caller down."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from qwen35_lib import get_config; from qwen35_lib.costmodel import validate; "
+            f"print(json.dumps(validate.aot_forward(get_config({model!r}, num_layers={layers}), {batch}, {seq})))")
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(model=model, layers=layers, batch=batch, seq=seq, error=f"compile took over {timeout} s")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        why = f"the compiler crashed (signal {-out.returncode})" if out.returncode < 0 else \
+            (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return dict(model=model, layers=layers, batch=batch, seq=seq, error=why)
+    return json.loads(lines[-1])
+
+
+def published() -> dict:
+    """data/published.json (cited measurements; read only for comparison)."""
+    return json.loads((hw.data_path().parent / "published.json").read_text())
+
+
+def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> list[dict]:
+    """Each published row with a setup the model can describe, next to `predict` under `stages`."""
+    from qwen35_lib.costmodel.predict import predict
+
+    rows = []
+    for m in published()["measurements"]:
+        if not m.get("compare"):
+            continue
+        row = dict(source=m["source"], setup=m["setup_label"], isl=m["isl"], osl=m["osl"],
+                   concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
+                   measured_output_tokens_per_s=m.get("output_tokens_per_s"))
+        for st in stages:
+            p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
+                        max_batched_tokens=m.get("max_batched_tokens_per_rank"),
+                        max_seqs=m.get("max_seqs_per_rank"), num_prompts=m.get("num_prompts"))
+            row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
+            row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
+        rows.append(row)
+    return rows

@@ -1,0 +1,186 @@
+"""Figures of notebook 06 (the cost model) and its explorer, as pure functions: data in, a Figure out.
+
+Every plot takes the dicts that `qwen35_lib.costmodel` returns (`ladder` rows, `validate` rows), so it runs headless
+and in tests. `explorer()` wraps `explore()` (a pure function: choices in, (text, Figure) out) in ipywidgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+GROUPS = {  # breakdown components, grouped for the stacked bars
+    "attention": ("attn_proj", "attn_core"), "GDN": ("gdn_proj", "gdn_core"),
+    "routed experts": ("routed_experts",), "shared expert + router": ("shared_expert", "router"),
+    "permute": ("permute",), "norms, embed, head": ("norms", "embed_lm_head"),
+    "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+}
+COLORS = ["#DD8452", "#4C72B0", "#8C8C8C", "#55A868", "#937860", "#DA8BC3", "#C44E52"]
+
+
+def _by_workload(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["workload"], []).append(r)
+    return out
+
+
+def plot_ladder(rows: Sequence[dict], reported: dict[str, float] | None = None) -> Figure:
+    """Predicted total tokens/s per stage, one panel per workload; each bar labelled with its gain over baseline.
+    `reported` ({workload: ratio}) draws the reported end-to-end ratio as a dashed line at baseline x ratio."""
+    groups = _by_workload(rows)
+    fig = Figure(figsize=(5.5 * len(groups), 3.8), layout="constrained")
+    for ax, (wl, rs) in zip(np.atleast_1d(fig.subplots(1, len(groups))), groups.items()):
+        rs = [r for r in rs if r.get("fits")]
+        vals = [r["total_tokens_per_s"] / 1e3 for r in rs]
+        ax.bar([r["stage"] for r in rs], vals, color="#4C72B0")
+        for i, r in enumerate(rs):
+            ax.text(i, vals[i], f"x{r['vs_baseline']:.2f}", ha="center", va="bottom", fontsize=8)
+        if reported and wl in reported and rs:
+            ax.axhline(vals[0] * reported[wl], ls="--", color="#C44E52", label=f"reported x{reported[wl]}")
+            ax.legend(fontsize=8, loc="upper left")
+        ax.set_ylabel("total tokens/s (thousands)")
+        ax.set_title(f"{wl}, {rs[0]['concurrency'] if rs else ''} concurrent (predicted)")
+        ax.tick_params(axis="x", rotation=30)
+    return fig
+
+
+def plot_breakdown(rows: Sequence[dict]) -> Figure:
+    """The mean step's time by component group, stacked, per stage and workload."""
+    groups = _by_workload(rows)
+    fig = Figure(figsize=(5.5 * len(groups), 3.8), layout="constrained")
+    for ax, (wl, rs) in zip(np.atleast_1d(fig.subplots(1, len(groups))), groups.items()):
+        rs = [r for r in rs if r.get("fits")]
+        bottom = np.zeros(len(rs))
+        for (name, parts), color in zip(GROUPS.items(), COLORS):
+            v = np.array([sum(r["breakdown_s"].get(p, 0.0) for p in parts) * 1e3 for r in rs])
+            ax.bar([r["stage"] for r in rs], v, bottom=bottom, color=color, label=name)
+            bottom += v
+        ax.set_ylabel("mean step (ms, per device)")
+        ax.set_title(f"{wl}: where a step's time goes (predicted)")
+        ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=7, loc="upper right")
+    return fig
+
+
+def plot_roofline(rows: Sequence[dict]) -> Figure:
+    """Each stage's throughput as a fraction of the roofline bound of the same schedule."""
+    groups = _by_workload(rows)
+    fig = Figure(figsize=(6, 3.4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(len(groups), 1)
+    for i, (wl, rs) in enumerate(groups.items()):
+        rs = [r for r in rs if r.get("fits")]
+        x = np.arange(len(rs)) + i * width
+        ax.bar(x, [r["fraction_of_roofline"] for r in rs], width, label=wl)
+        ax.set_xticks(np.arange(len(rs)) + width * (len(groups) - 1) / 2, [r["stage"] for r in rs], rotation=30)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of the roofline bound")
+    ax.legend(fontsize=8)
+    ax.set_title("how close each stage comes to what the hardware allows")
+    return fig
+
+
+def plot_cpu_validation(rows: Sequence[dict], band: float = 1.5) -> Figure:
+    """Predicted vs measured step seconds on this CPU (log-log), with the x`band` corridor."""
+    fig = Figure(figsize=(4.8, 4.2), layout="constrained")
+    ax = fig.subplots()
+    m = np.array([r["measured_s"] for r in rows]) * 1e3
+    p = np.array([r["predicted_s"] for r in rows]) * 1e3
+    ax.scatter(m, p, color="#4C72B0", zorder=3)
+    for r, x, y in zip(rows, m, p):
+        ax.annotate(r["case"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    lo, hi = min(m.min(), p.min()) / 2, max(m.max(), p.max()) * 2
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, "k-", lw=0.8)
+    ax.fill_between(xs, xs / band, xs * band, color="#55A868", alpha=0.2, label=f"within {band}x")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (ms, CPU)",
+           ylabel="predicted step (ms)", title="(a) engine steps on this CPU")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_ratios(rows: Sequence[dict], keys: Sequence[str], label: str, title: str) -> Figure:
+    """Bars of predicted / measured ratios (`keys` of each row), a line at 1."""
+    fig = Figure(figsize=(6, 3.2), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        ax.bar(np.arange(len(rows)) + i * width, [r[k] for r in rows], width, label=k)
+    ax.set_xticks(np.arange(len(rows)) + width * (len(keys) - 1) / 2, [r[label] for r in rows], fontsize=8)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("predicted / measured")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_sensitivity(sweeps: dict[str, list[tuple[float, float, float]]]) -> Figure:
+    """Gain of the whole ladder (kernels over baseline) as each labelled assumption is scaled.
+    `sweeps`: {assumption: [(scale, prefill-heavy gain, decode-heavy gain), ...]}."""
+    fig = Figure(figsize=(10, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=False)
+    for name, pts in sweeps.items():
+        s = [p[0] for p in pts]
+        axes[0].plot(s, [p[1] for p in pts], marker="o", label=name)
+        axes[1].plot(s, [p[2] for p in pts], marker="o", label=name)
+    for ax, t in zip(axes, ("8k/1k (prefill-heavy)", "1k/8k (decode-heavy)")):
+        ax.set(xscale="log", xlabel="assumption x scale", ylabel="kernels / baseline", title=t)
+    axes[1].legend(fontsize=7)
+    return fig
+
+
+def explore(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", stage: str = "kernels",
+            concurrency: int = 512, isl: int = 8192, osl: int = 1024) -> tuple[str, Figure | None]:
+    """One prediction as (text, breakdown figure) -- the explorer's body, testable headless."""
+    from qwen35_lib.costmodel import predict
+
+    r = predict(model, hardware, stage, isl, osl, concurrency)
+    if not r["fits"]:
+        return f"{model} on {hardware}: does not fit. {r['reason']}", None
+    text = (f"{model} on {hardware}, {stage}: {r['output_tokens_per_s']:,.0f} output tok/s, "
+            f"{r['total_tokens_per_s']:,.0f} total tok/s ({r['total_tokens_per_s_per_chip']:,.0f} per chip); "
+            f"mean step {r['mean_step_s'] * 1e3:.1f} ms; {r['fraction_of_roofline']:.0%} of the roofline bound")
+    fig = Figure(figsize=(6, 3), layout="constrained")
+    ax = fig.subplots()
+    items = sorted(((k, v * 1e3) for k, v in r["breakdown_s"].items() if v > 0), key=lambda kv: kv[1])
+    ax.barh([k for k, _ in items], [v for _, v in items], color="#4C72B0")
+    ax.set_xlabel("ms per step (per device)")
+    ax.set_title("step-time breakdown (predicted)")
+    return text, fig
+
+
+def explorer():
+    """ipywidgets: model preset, hardware, stage, concurrency, input and output lengths -> `explore`."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    from qwen35_lib.config import PRESETS
+    from qwen35_lib.costmodel import specs
+    from qwen35_lib.costmodel.stages import LADDER
+
+    controls = dict(
+        model=w.Dropdown(options=list(PRESETS), value="qwen3.5-397b-a17b", description="model"),
+        hardware=w.Dropdown(options=[n for n in specs.names() if n != "cpu"], value="tpu7x-8", description="hardware"),
+        stage=w.Dropdown(options=list(LADDER), value="kernels", description="stage"),
+        concurrency=w.IntSlider(value=512, min=1, max=1024, step=1, description="concurrency"),
+        isl=w.IntText(value=8192, description="input len"), osl=w.IntText(value=1024, description="output len"))
+    out = w.Output()
+
+    def update(_=None):
+        out.clear_output(wait=True)
+        with out:
+            try:
+                text, fig = explore(**{k: c.value for k, c in controls.items()})
+            except ValueError as e:
+                text, fig = f"error: {e}", None
+            print(text)
+            if fig is not None:
+                display(fig)
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])

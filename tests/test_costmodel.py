@@ -1,0 +1,183 @@
+"""The cost model against hand-computed cases, and its public contracts (no device work; a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from qwen35_lib import costmodel, get_config, model_stats
+from qwen35_lib.costmodel import collectives as cc
+from qwen35_lib.costmodel import experts, ops, specs
+from qwen35_lib.costmodel.stages import STAGES, Stage
+from qwen35_lib.costmodel.step import step_time
+
+GB = 1e9
+
+
+def toy(chips: int = 4, cores: int = 1, **changes) -> specs.Specs:
+    """A made-up system with round numbers, so every expected value below is hand arithmetic."""
+    base = dict(name="toy", kind="tpu", chip="toy", chips=chips, devices_per_chip=cores, peak_flops=100e12,
+                hbm_bytes_per_s=1e12, hbm_bytes=64 * 2**30, ici_link_bytes_per_s=100 * GB, links_per_neighbour=1,
+                core_link_bytes_per_s=400 * GB if cores > 1 else None, ring="ring", hop_latency_s=1e-6,
+                collective_launch_s=5e-6, eff_matmul=0.5, eff_hbm=0.8, eff_ici=1.0, vector_fraction=0.1)
+    base.update(changes)
+    return specs.Specs(**base)
+
+
+def test_matmul_roofline():
+    s = toy()
+    # [M, K] x [K, N] in bf16: 2 M K N FLOPs; reads both operands and writes the output once
+    M, K, N = 4096, 8192, 8192
+    flops, nbytes = 2 * M * K * N, 2 * (M * K + K * N + M * N)
+    big = ops.Cost(mxu_flops=flops, bytes=nbytes)
+    assert ops.seconds(big, s) == pytest.approx(flops / (100e12 * 0.5))  # 10.99 ms of compute > 0.29 ms of bytes
+    M = 8  # a decode-sized matmul: the weights' bytes dominate
+    flops, nbytes = 2 * M * K * N, 2 * (M * K + K * N + M * N)
+    small = ops.Cost(mxu_flops=flops, bytes=nbytes)
+    assert ops.seconds(small, s) == pytest.approx(nbytes / (1e12 * 0.8))
+    assert ops.seconds(ops.Cost(), s.replace(op_overhead_s=1e-5)) == 0.0
+    assert ops.seconds(ops.Cost(launches=3), s.replace(op_overhead_s=1e-5)) == pytest.approx(3e-5)
+
+
+def test_all_gather_on_a_ring():
+    s = toy(chips=4)
+    B = 8e6  # each of 4 devices holds 8 MB; each receives 3 shards, half over each direction of its ring link
+    got = cc.all_gather(s, B)
+    assert got.seconds == pytest.approx(5e-6 + 3 * 1e-6 + 3 * B / (2 * 100 * GB))  # 128 us
+    assert got.wire_bytes == 3 * B
+    assert cc.reduce_scatter(s, 4 * B).seconds == pytest.approx(got.seconds)  # RS of 4B = AG of B, backwards
+    assert cc.all_reduce(s, 4 * B).seconds == pytest.approx(2 * got.seconds)
+    sw = toy(chips=4, ring="switch")  # behind a switch: 3 shards through one link, one hop
+    assert cc.all_gather(sw, B).seconds == pytest.approx(5e-6 + 1e-6 + 3 * B / (100 * GB))
+    assert cc.all_gather(toy(chips=1), B).seconds == 0.0
+
+
+def test_all_to_all_on_a_ring():
+    assert cc.ring_hops_sum(8) == 1 + 2 + 3 + 4 + 3 + 2 + 1
+    assert cc.ring_hops_sum(4) == 1 + 2 + 1
+    s = toy(chips=8)
+    X = 16e6  # each device sends 2 MB to each of 8 devices; 16 link-hops of 2 MB over 16 directed links each
+    assert cc.all_to_all(s, X).seconds == pytest.approx(5e-6 + 4 * 1e-6 + X * 16 / 16 / (100 * GB))
+
+
+def test_hierarchical_reduce_scatter_on_2x4():
+    s = toy(chips=4, cores=2)  # 8 devices: 4 chips x 2 cores; core link 400 GB/s, ring link 100 GB/s
+    X = 64e6
+    t1 = (X / 2) / (400 * GB) + 1e-6  # phase 1: 32 MB to the sibling core: 81 us
+    t2 = 2 * 3 * (X / 2 / 4) / 2 / (100 * GB) + 3 * 1e-6  # phase 2: 2 cores x 3 steps of 8 MB, half each way: 243 us
+    assert t1 == pytest.approx(81e-6) and t2 == pytest.approx(243e-6)
+    assert cc.hierarchical_reduce_scatter(s, X, 1, overlap=False).seconds == pytest.approx(5e-6 + t1 + t2)
+    assert cc.hierarchical_reduce_scatter(s, X, 4).seconds == pytest.approx(5e-6 + t2 + t1 / 4)
+    flat = cc.reduce_scatter(s, X)  # one ring through all 8 devices, each step at the slower (ICI) link
+    assert flat.seconds == pytest.approx(5e-6 + 7 * 1e-6 + 7 * (X / 8) / (2 * 100 * GB))  # 292 us
+    assert cc.hierarchical_reduce_scatter(s, X, 4).seconds < flat.seconds
+    assert cc.hierrs_micro_batches(100) == 1 and cc.hierrs_micro_batches(4096) == 8
+
+
+def test_distinct_experts_against_simulation():
+    for T, E, k in ((1, 512, 10), (16, 512, 10), (64, 64, 8), (512, 512, 10)):
+        expected = experts.expected_distinct(T, E, k)
+        simulated = experts.simulate_distinct(T, E, k, trials=100)
+        assert expected == pytest.approx(simulated, rel=0.03), (T, E, k)
+    assert experts.expected_distinct(1, 512, 10) == pytest.approx(10)
+    assert experts.expected_distinct_per_device(10_000, 512, 10, 8) == pytest.approx(64)
+
+
+def test_decode_step_hbm_bytes():
+    """One decode token of the 397B model on one device with the Pallas kernels: the weights it reads (every
+    dense weight once, exactly k experts per layer in FP8, the LM head) plus its context's KV and GDN state."""
+    cfg = costmodel.serving_model()
+    st = model_stats(cfg).params_by_part
+    D, F, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts_per_tok, cfg.num_layers
+    dense = st["attention"] + st["gdn"] + st["router"] + st["shared_experts"] + st["lm_head"]
+    fp8 = 1 + 4 / 128**2  # one float32 scale per 128 x 128 block
+    ctx = 1000
+    kv = 15 * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * (1 + 4 / cfg.head_dim)  # FP8 KV with per-token scales
+    state = 45 * 2 * cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * 2  # bf16, read + written
+    hand = 2 * dense + L * k * 3 * D * F * fp8 + kv + state
+    one = toy(chips=1)
+    got = step_time(cfg, one, STAGES["kernels"], ops.Batch(decodes=1, decode_ctx=ctx, max_ctx=ctx),
+                    kv_dtype="float8_e4m3fn")
+    assert got.hbm_bytes == pytest.approx(hand, rel=0.01)  # activations are the rest
+    xla = step_time(cfg, one, STAGES["baseline"], ops.Batch(decodes=1, decode_ctx=ctx, max_ctx=ctx),
+                    kv_dtype="float8_e4m3fn")
+    assert xla.hbm_bytes > 3 * got.hbm_bytes  # XLA: every expert, dequantized copies, sliced weights
+
+
+def test_stage_collectives_per_layer():
+    """fused_ag saves one all-gather's launch and hops, not bytes; a2a moves k copies of each token."""
+    cfg = costmodel.serving_model()
+    s = specs.get("tpu7x-8")
+    b = ops.Batch(decodes=512, decode_ctx=2000, max_ctx=2000)
+    t = {n: step_time(cfg, s, STAGES[n], b, "float8_e4m3fn") for n in ("replicate", "fused_ag", "hier_rs")}
+    saved = t["replicate"].breakdown["all_gather"] - t["fused_ag"].breakdown["all_gather"]
+    assert saved == pytest.approx(cfg.num_layers * (s.collective_launch_s + 7 * s.hop_latency_s), rel=1e-6)
+    assert t["replicate"].wire_bytes == pytest.approx(t["fused_ag"].wire_bytes)
+    assert t["hier_rs"].breakdown["reduce_scatter"] < t["fused_ag"].breakdown["reduce_scatter"]
+
+
+def test_predict_contract_and_fit():
+    r = costmodel.predict("qwen3.5-397b-a17b", "tpu7x-8", "kernels", isl=1024, osl=1024, concurrency=64)
+    assert r["fits"] and r["output_tokens_per_s"] > 0 and r["total_tokens_per_s"] > r["output_tokens_per_s"]
+    assert r["total_tokens_per_s_per_chip"] == pytest.approx(r["total_tokens_per_s"] / 4)
+    assert sum(r["breakdown_fraction"].values()) == pytest.approx(1.0)
+    assert 0 < r["fraction_of_roofline"] <= 1.0
+    small = costmodel.predict("qwen3.5-397b-a17b", "v6e-8", "kernels", 1024, 1024, 64)
+    assert not small["fits"] and "weights need" in small["reason"]
+    with pytest.raises(ValueError, match="KV heads cannot be split"):
+        costmodel.predict(stage=Stage("naive", "tp8"), isl=1024, osl=1024, concurrency=8)
+
+
+def test_cli_predict_json():
+    out = subprocess.run([sys.executable, "-m", "qwen35_lib.costmodel", "predict", "--model", "qwen3.5-397b-a17b",
+                          "--hardware", "tpu7x-8", "--stage", "fused_ag", "--isl", "1024", "--osl", "512",
+                          "--concurrency", "32", "--json"], capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    assert doc["stage"] == "fused_ag" and doc["fits"] and doc["layout"] == "dp8_ep8"
+    assert math.isfinite(doc["output_tokens_per_s"]) and math.isfinite(doc["total_tokens_per_s"])
+
+
+def test_every_constant_has_provenance():
+    for name in specs.names():
+        if name == "cpu":
+            continue
+        sp = specs.get(name)
+        assert all(v.split(":")[0] in ("source", "assumption", "measured") for v in sp.sources.values()), name
+    assert set(specs.kernel_facts()) >= {"xla_weight_passes", "moe_xla_reads_all_local_experts"}
+
+
+def test_mini_fits_cpu_sizes():
+    cfg = get_config("qwen3.5-mini", dtype="float32")
+    z = ops.sizes(cfg)
+    assert z["expert"] == 3 * 512 * 128 and z["act"] == 4
+    assert ops.capacity_slots(64, 64) == 8 and ops.capacity_slots(544, 64) == 24  # moe_xla.moe_capacity's rule
+
+
+def test_cpu_regimes_are_charged_at_their_measured_rates():
+    s = toy(chips=1, copy_bytes_per_s=10 * GB, small_matmul_flops=1e12)
+    c = ops.Cost(copy_bytes=20e6, small_mxu_flops=3e9)
+    # memory: 20 MB at 10 GB/s = 2 ms; compute: 3 GFLOP at 1 TFLOP/s = 3 ms
+    assert ops.seconds(c, s) == pytest.approx(3e-3)
+    assert ops.seconds(ops.Cost(copy_bytes=8e9), toy(chips=1)) == pytest.approx(8e9 / (1e12 * 0.8))  # HBM rate
+
+
+def test_figures_headless():
+    from matplotlib.figure import Figure
+
+    from qwen35_lib.viz import costmodel as viz
+
+    rows = costmodel.ladder(workloads=((1024, 256), (256, 1024)), concurrency=16, stages=("baseline", "kernels"))
+    for fig in (viz.plot_ladder(rows, {"1k/256": 4.7}), viz.plot_breakdown(rows), viz.plot_roofline(rows)):
+        assert isinstance(fig, Figure)
+    cpu_rows = [dict(case="a", measured_s=0.1, predicted_s=0.12), dict(case="b", measured_s=0.2, predicted_s=0.15)]
+    assert isinstance(viz.plot_cpu_validation(cpu_rows), Figure)
+    assert isinstance(viz.plot_ratios([dict(x="a", r=1.2)], ["r"], "x", "t"), Figure)
+    assert isinstance(viz.plot_sensitivity({"ICI": [(0.5, 5.0, 3.0), (1.0, 6.0, 3.5)]}), Figure)
+    text, fig = viz.explore("qwen3.5-397b-a17b", "tpu7x-8", "kernels", 16, 1024, 256)
+    assert "total tok/s" in text and isinstance(fig, Figure)
+    text, fig = viz.explore("qwen3.5-397b-a17b", "v5e-8", "kernels", 16, 1024, 256)
+    assert "does not fit" in text and fig is None
