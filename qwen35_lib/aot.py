@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import SLOTS, resolve_name
+from qwen35_lib.kernels.registry import SLOTS, compile_target, resolve_name
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
@@ -66,7 +66,8 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
     weights = abstract_weights(config, jax.tree.map(lambda _: one, abstract_weights(config)))
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
-    return _forward.lower(for_backend(config, "tpu"), weights, ids, lengths).compile()
+    with compile_target("tpu"):  # Pallas kernels lower for Mosaic, not for the interpreter
+        return _forward.lower(for_backend(config, "tpu"), weights, ids, lengths).compile()
 
 
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
@@ -101,5 +102,5 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     samp = dict(temperature=arr((R, S), jnp.float32), top_k=arr((R, S)), top_p=arr((R, S), jnp.float32),
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
     backend = mesh.devices.flat[0].platform
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), compile_target(backend):
         return _engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()

@@ -33,7 +33,7 @@ def test_topology_is_tpu7x_8(topology):
 def test_mini_forward_compiles_for_tpu7x(topology):
     from qwen35_lib.aot import compile_forward
 
-    cfg = get_config("qwen3.5-mini")
+    cfg = get_config("qwen3.5-mini", attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
     stats = model_stats(cfg)
     compiled = compile_forward(cfg, batch=2, seq=256)
     assert compiled.memory_analysis().argument_size_in_bytes >= stats.weight_bytes
@@ -42,3 +42,10 @@ def test_mini_forward_compiles_for_tpu7x(topology):
     p = stats.params_by_part
     dense = stats.active_params - p["embed"] - p["routed_experts"] * cfg.num_experts_per_tok // cfg.num_experts
     assert compiled.cost_analysis()["flops"] >= 2 * (2 * 256) * dense
+
+
+def test_mini_forward_with_the_pallas_defaults_compiles_for_tpu7x(topology):
+    from qwen35_lib.aot import compile_forward
+
+    text = compile_forward(get_config("qwen3.5-mini"), batch=2, seq=256).as_text()  # "auto" = Pallas on TPU
+    assert text.count("tpu_custom_call") >= 2, "the Pallas GDN and MoE kernels should be Mosaic custom calls"

@@ -29,13 +29,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35_lib.kernels.attention_xla import FP8_MAX, attention_xla
-from qwen35_lib.kernels.registry import AttentionKernels, register
+from qwen35_lib.kernels.registry import AttentionKernels, pallas_interpret, register
 
 NEG = -1e30  # finite mask value: exp(NEG - NEG) = 1 keeps untouched rows' running state exact (no inf - inf)
 
 
 def _interpret() -> bool:
-    return jax.default_backend() != "tpu"
+    return pallas_interpret()
 
 
 def _work_items(token_seq, positions, block_q: int, page_size: int, num_items: int):

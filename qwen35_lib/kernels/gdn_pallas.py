@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35_lib.kernels.registry import GdnKernels, register
+from qwen35_lib.kernels.registry import GdnKernels, pallas_interpret, register
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -45,7 +45,7 @@ FIRST, FRESH = 1, 2  # per-chunk flag bits: the sequence's first chunk this step
 def _interpret(interpret):
     """None: interpret off a TPU (HLO interpreter); else as given (bool, or `pltpu.InterpretParams` for the TPU
     interpreter that simulates VMEM, DMAs and races)."""
-    return jax.default_backend() != "tpu" if interpret is None else interpret
+    return pallas_interpret() if interpret is None else interpret
 
 
 def _dot(a, b):  # a [m, k] @ b [k, n], float32 on the MXU

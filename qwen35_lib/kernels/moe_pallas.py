@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35_lib.kernels.registry import register
+from qwen35_lib.kernels.registry import pallas_interpret, register
 from qwen35_lib.weights import BlockFP8
 
 REAL, DUMMY, NOOP = 0, 1, 2  # visit kinds: a local group's rows; rows of no local expert (zeros); grid padding
@@ -31,8 +31,8 @@ VMEM_BUDGET = 40 * 2**20  # what tiles may take: the rest is headroom for Mosaic
 
 
 def interpret_default() -> bool:
-    """Pallas TPU kernels run compiled on a TPU and in interpret mode (numerics only) anywhere else."""
-    return jax.default_backend() != "tpu"
+    """Pallas TPU kernels run compiled for a TPU and in interpret mode (numerics only) anywhere else."""
+    return pallas_interpret()
 
 
 def out_struct(shape: tuple[int, ...], dtype, *inputs) -> jax.ShapeDtypeStruct:

@@ -15,6 +15,8 @@ implementation is checked against its slot's reference twin in the tests. Pallas
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -37,9 +39,35 @@ _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
 _DEFAULTS: dict[str, dict[str, str]] = {
     "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "capacity", "permute": "xla"},
-    "tpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
+    # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
+    # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
+    "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
     "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
 }
+
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen35_kernel_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(backend: str):
+    """Trace for `backend` (e.g. "tpu" for an ahead-of-time TPU compile on this CPU): "auto" kernels resolve for
+    it, and Pallas kernels lower for real (Mosaic) instead of in interpret mode."""
+    token = _TARGET.set(backend)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_backend() -> str:
+    """The backend being traced for: `compile_target`'s, else the default backend."""
+    return _TARGET.get() or jax.default_backend()
+
+
+def pallas_interpret() -> bool:
+    """Pallas TPU kernels run compiled when tracing for a TPU, and in interpret mode (numerics only) otherwise."""
+    return target_backend() != "tpu"
 
 
 def register(slot: str, name: str) -> Callable[[Any], Any]:
@@ -63,7 +91,7 @@ def resolve_name(slot: str, name: str, backend: str | None = None) -> str:
     """The implementation name that `name` means on `backend` ("auto" -> the backend's default)."""
     if name != "auto":
         return name
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     return _DEFAULTS.get(backend, _DEFAULTS["cpu"])[slot]
 
 
