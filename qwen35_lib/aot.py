@@ -15,7 +15,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config

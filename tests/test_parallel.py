@@ -14,8 +14,7 @@ from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import moe_block, route
-from qwen35_lib.parallel import EIGHT, check_layout, make_mesh, shard_weights
-from qwen35_lib.parallel import hlo
+from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import gather_routing, reduce_scatter
 from qwen35_lib.parallel.routing import moe_ep
 

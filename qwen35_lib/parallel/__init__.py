@@ -5,8 +5,16 @@
     weights = shard_weights(config, init_weights(config), mesh)
 """
 
-from qwen35_lib.parallel.layouts import (Layout, batch_sharding, cache_shardings, check_layout, get_layout,
-                                         shard_weights, spec, weight_shardings)
+from qwen35_lib.parallel.layouts import (
+                                         Layout,
+                                         batch_sharding,
+                                         cache_shardings,
+                                         check_layout,
+                                         get_layout,
+                                         shard_weights,
+                                         spec,
+                                         weight_shardings,
+)
 from qwen35_lib.parallel.mesh import AXES, EIGHT, axis_size, make_mesh
 
 __all__ = ["AXES", "EIGHT", "Layout", "axis_size", "batch_sharding", "cache_shardings", "check_layout",
