@@ -172,3 +172,12 @@ def test_engine_greedy_tokens_equal_single_device(layout, routing, fuse, hier, m
     if layout == "dp8_ep8" and routing == "replicate":  # 1, 3 and 9 requests: fewer requests than ranks too
         for n in (1, 3):
             assert [r.output_ids for r in engine.generate(PROMPTS[:n], GREEDY)] == reference_tokens[:n]
+
+
+def test_every_stage_is_a_complete_valid_config(mesh):
+    from qwen35_lib.parallel.stages import LADDER, stage_config
+
+    layouts = [check_layout(stage_config(get_config("qwen3.5-mini"), s), mesh).name for s in LADDER]
+    assert layouts == ["tp8_kvrep"] + ["dp8_ep8"] * 5
+    top = stage_config(get_config("qwen3.5-mini"), "kernels")
+    assert top.fuse_allgather and top.hierarchical_rs and top.moe_kernel == "pallas"
