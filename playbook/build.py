@@ -1,26 +1,24 @@
-"""Execute every notebook into HTML: `python -m playbook.build --out build/playbook [--only 00_architecture]`.
+"""Build the playbook site: `python -m playbook.build --out build/playbook [--only 00_architecture] [--jobs 2]`.
 
-1. Find the notebooks: `notebooks/[0-9][0-9]_*.py` (jupytext py:percent, the sources of truth).
-2. Execute each in a fresh `python3` kernel with nbclient, working directory `notebooks/`, the repository root on
-   `PYTHONPATH` (and `ALLOW_MULTIPLE_LIBTPU_LOAD=1`, so ahead-of-time TPU compiles do not wait on libtpu's
-   process lock), a per-cell timeout, and a cell counter on stderr as progress.
-3. Export the executed notebook (outputs and figures embedded) to `<out>/<name>.html` with nbconvert, also when a
-   cell failed (the error is in the page).
-4. Write `<out>/index.html` linking the pages and `<out>/results.json`, then print a summary table. The exit
-   status is 1 when any notebook failed.
+1. Find the notebooks, `notebooks/NN_*.py` (jupytext py:percent, the sources of truth), and execute each in a
+   fresh `python3` kernel (playbook/run.py): working directory `notebooks/`, the checkout on `PYTHONPATH`, a
+   per-cell timeout, `$QWEN35_RESULTS_DIR` for the JSON results it records, and a progress line per notebook.
+   On a machine with an accelerator, `JAX_PLATFORMS=cpu` is dropped so the notebooks run at that hardware's size.
+2. Export each executed notebook, outputs and figures embedded, to `<out>/notebook-NN_name.html` (also when a
+   cell failed: the error is in the page).
+3. Render the chapters `playbook/chapters/*.md`, filling each `{{ result: ... }}` from this run's results
+   (playbook/results.py), and write the results page, `index.html` and `results.json` (playbook/site.py).
+4. Print a summary: each notebook's status and time, and the key results (the values the conclusion quotes).
+   The exit status is 1 when a notebook failed or a chapter quotes a result that was not produced.
 
-Results contract: before executing notebook `<name>`, the builder creates the empty folder
-`<out>/results/<name>/` and exports its path as `$QWEN35_RESULTS_DIR` to the kernel. A notebook MAY write JSON
-files there (only when the variable is set; interactively it is not, and nothing is written). Each `<stem>.json`
-found afterwards is merged into `results.json` as `notebooks[i]["results"][<stem>]`. `results.json` is
-`{"jax": version, "python": version, "notebooks": [{"name", "title", "status": "ok"|"failed", "seconds",
-"cells", "html", "error", "results"}]}`.
+`results.json` is `{"build": {...}, "jax": version, "python": version, "notebooks": [{"name", "title", "status":
+"ok"|"failed", "seconds", "cells", "html", "error", "results": {stem: document}}]}`.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -28,109 +26,53 @@ import pathlib
 import platform
 import sys
 import time
-from typing import Any
 
-from playbook import RESULTS_ENV
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS = ROOT / "notebooks"
+from playbook import run, site
 
 
-def notebook_paths(only: list[str] | None = None) -> list[pathlib.Path]:
-    """The notebook sources, in order; `only` keeps those whose stem is listed."""
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
-    if only:
-        unknown = set(only) - {p.stem for p in paths}
-        if unknown:
-            raise SystemExit(f"unknown notebooks {sorted(unknown)}; known: {[p.stem for p in paths]}")
-        paths = [p for p in paths if p.stem in only]
-    return paths
+def run_notebooks(paths: list[pathlib.Path], out: pathlib.Path, timeout: int, jobs: int) -> list[dict]:
+    progress = run.Progress(len(paths), live=jobs == 1 and sys.stderr.isatty())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(run.execute, p, out, timeout, progress, i) for i, p in enumerate(paths, 1)]
+        return [f.result() for f in futures]
 
 
-def _title(nb: Any) -> str:
-    for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            for line in cell.source.splitlines():
-                if line.startswith("# "):
-                    return line[2:].strip()
-    return ""
-
-
-def execute(path: pathlib.Path, out: pathlib.Path, timeout: int) -> dict[str, Any]:
-    """Run one notebook, write its HTML page, and return its entry of results.json."""
-    import jupytext
-    import nbclient
-    from nbconvert import HTMLExporter
-
-    nb = jupytext.read(path)
-    results_dir = out / "results" / path.stem
-    results_dir.mkdir(parents=True, exist_ok=True)
-    for old in results_dir.glob("*.json"):
-        old.unlink()
-    os.environ[RESULTS_ENV] = str(results_dir)
-    code_cells = sum(c.cell_type == "code" for c in nb.cells)
-    done = 0
-
-    def progress(cell: Any, cell_index: int, execute_reply: Any) -> None:
-        nonlocal done
-        done += 1
-        print(f"\r  {path.stem}: cell {done}/{code_cells}", end="", file=sys.stderr, flush=True)
-
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout,
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}}, on_cell_executed=progress)
-    start, error = time.perf_counter(), None
-    try:
-        client.execute()
-    except Exception as e:  # a failing cell: keep the partial notebook, report the error
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-    seconds = time.perf_counter() - start
-    print(file=sys.stderr)
-    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    page = out / f"{path.stem}.html"
-    page.write_text(body, encoding="utf-8")
-    results = {f.stem: json.loads(f.read_text()) for f in sorted(results_dir.glob("*.json"))}
-    return dict(name=path.stem, title=_title(nb), status="failed" if error else "ok", seconds=round(seconds, 2),
-                cells=code_cells, html=page.name, error=error, results=results)
-
-
-def write_index(out: pathlib.Path, entries: list[dict[str, Any]]) -> None:
-    rows = "\n".join(
-        f"<tr><td><a href=\"{html.escape(e['html'])}\">{html.escape(e['name'])}</a></td>"
-        f"<td>{html.escape(e['title'])}</td><td>{e['status']}</td><td>{e['seconds']:.1f} s</td></tr>"
-        for e in entries)
-    out.joinpath("index.html").write_text(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>Qwen3.5-397B on TPU7x: the playbook</title>"
-        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td,th{padding:.3em 1em;text-align:left}"
-        "</style></head><body><h1>Serving Qwen3.5-397B-A17B on TPU7x: the playbook</h1>"
-        f"<table><tr><th>notebook</th><th>question</th><th>status</th><th>time</th></tr>\n{rows}\n</table>"
-        "<p>Executed by <code>python -m playbook.build</code>; numbers per notebook in "
-        "<a href=\"results.json\">results.json</a>.</p></body></html>\n", encoding="utf-8")
+def summary(entries: list[dict], key_values: list[site.Value], errors: list[str], out: pathlib.Path,
+            seconds: float) -> str:
+    width = max([len(e["name"]) for e in entries] + [8])
+    lines = [f"{'notebook':<{width}}  {'status':<6}  {'seconds':>7}  error"]
+    lines += [f"{e['name']:<{width}}  {e['status']:<6}  {e['seconds']:>7.1f}  {e['error'] or ''}" for e in entries]
+    unique = list({v.path: v for v in key_values}.values())
+    if unique:
+        width = max(len(v.path) for v in unique)
+        lines += ["", f"{'key result (quoted by the conclusion)':<{width}}  value"]
+        lines += [f"{v.path:<{width}}  {v.text if v.text is not None else 'missing: ' + v.reason}" for v in unique]
+    lines += [f"\n{len(errors)} chapter error(s):", *errors] if errors else []
+    ok = sum(e["status"] == "ok" for e in entries)
+    lines.append(f"\n{ok}/{len(entries)} notebooks ok in {seconds:.0f} s; site: {out / 'index.html'}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m playbook.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/playbook", help="output folder (default: build/playbook)")
-    parser.add_argument("--only", nargs="+", help="notebook names to build (default: all)")
+    parser.add_argument("--only", nargs="+", help="notebook names to run (default: all)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default: 600)")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks run at once (default: 1)")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     out = pathlib.Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # kernels compiling for TPU ahead of time share libtpu
-    paths = notebook_paths(args.only)
-    entries = []
-    for i, path in enumerate(paths, 1):
-        print(f"[{i}/{len(paths)}] {path.stem}", file=sys.stderr, flush=True)
-        entries.append(execute(path, out, args.timeout))
-    summary = dict(jax=importlib.metadata.version("jax"), python=platform.python_version(), notebooks=entries)
-    out.joinpath("results.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_index(out, entries)
-    width = max([len(e["name"]) for e in entries] + [8])
-    print(f"{'notebook':<{width}}  {'status':<6}  {'seconds':>8}  error")
-    for e in entries:
-        print(f"{e['name']:<{width}}  {e['status']:<6}  {e['seconds']:>8.1f}  {e['error'] or ''}")
-    print(f"{sum(e['status'] == 'ok' for e in entries)}/{len(entries)} ok; site: {out / 'index.html'}")
-    return 0 if all(e["status"] == "ok" for e in entries) else 1
+    checkout = [p.stem for p in run.notebook_paths()]
+    entries = run_notebooks(run.notebook_paths(args.only), out, args.timeout, args.jobs)
+    versions = dict(jax=importlib.metadata.version("jax"), python=platform.python_version())
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs" + (", accelerator" if run.accelerator_present() else "")
+    build = site.build_info(machine=machine, **versions)
+    out.joinpath("results.json").write_text(json.dumps(dict(build=build, **versions, notebooks=entries), indent=2)
+                                            + "\n")
+    key_values, errors = site.write_site(out, entries, build, checkout)
+    print(summary(entries, key_values, errors, out, time.perf_counter() - start))
+    return 0 if not errors and all(e["status"] == "ok" for e in entries) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Results the notebooks recorded, and the `{{ result: ... }}` placeholders that quote them in the chapters.
+
+A placeholder names one value: `{{ result: STEP.FILE.KEY... }}`, optionally `| FORMAT`.
+  STEP    the notebook's number, `06` for `06_cost_model_and_benchmarks`
+  FILE    the stem of a JSON file the notebook wrote under `$QWEN35_RESULTS_DIR` (`ladder` for ladder.json)
+  KEY...  keys into that JSON document; list items by index (`budgets.0.fits`)
+  FORMAT  `bytes` (binary units, `3.75 GiB`), `x` (a ratio, `3.10x`), or a Python format spec (`,`, `.2f`, `.1%`)
+
+Filling a placeholder:
+1. The step is not a chapter or notebook of this checkout: an error (a typo).
+2. The step's notebook was not run in this build (absent, or left out with `--only`) or failed: the value is
+   shown as missing, with the reason. A figure is never typed in.
+3. The notebook ran and did not produce the value: an error, raised by `fill` after all placeholders are seen,
+   naming each one and what the notebook did produce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import re
+from typing import Any
+
+PLACEHOLDER = re.compile(r"\{\{\s*result:\s*([\w.\-/]+)\s*(?:\|\s*([^}]*?)\s*)?\}\}")
+
+
+class PlaceholderError(ValueError):
+    """A chapter names a result that the run did not produce, or a step that does not exist."""
+
+
+@dataclasses.dataclass
+class Value:
+    path: str
+    text: str | None  # the formatted value; None when missing
+    reason: str = ""  # why it is missing
+
+    def html(self) -> str:
+        if self.text is None:
+            reason = html.escape(self.reason)
+            return f'<span class="pb-missing" title="{reason}">missing ({reason})</span>'
+        return f'<span class="pb-result" title="{html.escape(self.path)}">{html.escape(self.text)}</span>'
+
+
+def flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": [1, 2]}}` -> `{"a.b.0": 1, "a.b.1": 2}`: every scalar with the path a placeholder uses."""
+    if isinstance(doc, dict):
+        items = doc.items()
+    elif isinstance(doc, list):
+        items = enumerate(doc)
+    else:
+        return {prefix: doc}
+    out: dict[str, Any] = {}
+    for key, value in items:
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def format_value(value: Any, spec: str | None) -> str:
+    if isinstance(value, (dict, list)) or value is None:
+        raise TypeError(f"not a single number or string: {value!r}")
+    if spec == "bytes":
+        size = float(value)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(size) < 1024 or unit == "TiB":
+                return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+            size /= 1024
+    if spec == "x":
+        return f"{float(value):.2f}x"
+    if spec:
+        return format(value, spec)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+class Results:
+    """The notebooks of one build (entries of results.json) and the steps the playbook knows."""
+
+    def __init__(self, entries: list[dict[str, Any]], steps: set[str]):
+        self.by_step = {e["name"][:2]: e for e in entries}
+        self.steps = steps | set(self.by_step)
+
+    def lookup(self, path: str, spec: str | None = None) -> Value:
+        step, _, rest = path.partition(".")
+        if step not in self.steps:
+            raise PlaceholderError(f"{path}: no step {step!r} (steps: {', '.join(sorted(self.steps))})")
+        entry = self.by_step.get(step)
+        if entry is None:
+            return Value(path, None, f"notebook {step} did not run in this build")
+        produced = flatten(entry.get("results") or {})
+        if rest in produced:
+            try:
+                return Value(path, format_value(produced[rest], spec))
+            except (TypeError, ValueError) as e:
+                raise PlaceholderError(f"{path}: cannot format as {spec!r}: {e}") from None
+        if entry["status"] != "ok":
+            return Value(path, None, f"notebook {entry['name']} failed")
+        known = ", ".join(f"{step}.{k}" for k in sorted(produced)[:40]) or "nothing"
+        raise PlaceholderError(f"{path}: notebook {entry['name']} ran but did not produce it; it produced: {known}")
+
+    def fill(self, text: str, where: str) -> tuple[str, list[Value]]:
+        """Replace each placeholder in `text` with its value's HTML; raise PlaceholderError listing every bad one."""
+        values: list[Value] = []
+        errors: list[str] = []
+
+        def replace(match: re.Match) -> str:
+            try:
+                value = self.lookup(match.group(1), match.group(2) or None)
+            except PlaceholderError as e:
+                errors.append(f"{where}: {e}")
+                return match.group(0)
+            values.append(value)
+            return value.html()
+
+        filled = PLACEHOLDER.sub(replace, text)
+        if errors:
+            raise PlaceholderError("\n".join(errors))
+        return filled, values

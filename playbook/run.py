@@ -1,0 +1,141 @@
+"""Execute notebooks with nbclient, one fresh `python3` kernel each, and export them to HTML with nbconvert.
+
+Results contract: before executing notebook `<name>`, the builder creates the empty folder
+`<out>/results/<name>/` and passes its path to the kernel as `$QWEN35_RESULTS_DIR`. A notebook MAY write JSON
+files there (only when the variable is set; interactively it is not, and nothing is written). Each `<stem>.json`
+found afterwards becomes `entry["results"][<stem>]`, quoted in the chapters as `{{ result: NN.<stem>.key }}`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+import sys
+import threading
+import time
+from typing import Any
+
+from playbook import RESULTS_ENV
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def notebook_paths(only: list[str] | None = None) -> list[pathlib.Path]:
+    """The notebook sources (`NN_*.py`, jupytext py:percent), in order; `only` keeps those whose stem is listed."""
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    if only:
+        unknown = set(only) - {p.stem for p in paths}
+        if unknown:
+            raise SystemExit(f"unknown notebooks {sorted(unknown)}; known: {[p.stem for p in paths]}")
+        paths = [p for p in paths if p.stem in only]
+    return paths
+
+
+def accelerator_present() -> bool:
+    """A TPU (or GPU) device file: the notebooks then run at that hardware's size."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+
+
+def kernel_env(results_dir: pathlib.Path) -> dict[str, str]:
+    """The kernel's environment: the checkout importable, results folder set, JAX free to find an accelerator."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env[RESULTS_ENV] = str(results_dir)
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # kernels compiling for TPU ahead of time share libtpu
+    env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    if accelerator_present() and env.get("JAX_PLATFORMS") == "cpu":  # the Makefile's default for CPU machines
+        del env["JAX_PLATFORMS"]
+    return env
+
+
+def title_of(nb: Any) -> str:
+    """The first `# ` heading of a markdown cell."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return ""
+
+
+class Progress:
+    """One line per notebook; on a terminal (and one notebook at a time) a live bar with cells done and seconds."""
+
+    def __init__(self, total: int, live: bool):
+        self.total, self.live, self.lock = total, live, threading.Lock()
+
+    def start(self, index: int, name: str, cells: int) -> None:
+        if self.live:
+            self.cell(index, name, 0, cells, 0.0)
+        else:
+            self._line(f"[{index}/{self.total}] {name}: started, {cells} code cells")
+
+    def cell(self, index: int, name: str, done: int, cells: int, seconds: float) -> None:
+        if self.live:
+            bar = "#" * (20 * done // max(cells, 1))
+            with self.lock:
+                print(f"\r[{index}/{self.total}] {name} [{bar:<20}] {done}/{cells} cells {seconds:5.1f} s",
+                      end="", file=sys.stderr, flush=True)
+
+    def end(self, index: int, entry: dict[str, Any]) -> None:
+        status = "ok" if entry["status"] == "ok" else f"FAILED: {entry['error']}"
+        if self.live:
+            print("\r\033[K", end="", file=sys.stderr)
+        self._line(f"[{index}/{self.total}] {entry['name']}: {entry['cells']} cells, {entry['seconds']:.1f} s, "
+                   f"{status}")
+
+    def _line(self, text: str) -> None:
+        with self.lock:
+            print(text, file=sys.stderr, flush=True)
+
+
+def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progress, index: int) -> dict[str, Any]:
+    """Run one notebook, write its executed HTML page, and return its entry of results.json."""
+    import jupytext
+    import nbclient
+
+    nb = jupytext.read(path)
+    results_dir = out / "results" / path.stem
+    results_dir.mkdir(parents=True, exist_ok=True)
+    for old in results_dir.glob("*.json"):
+        old.unlink()
+    cells = sum(c.cell_type == "code" for c in nb.cells)
+    start, done = time.perf_counter(), 0
+
+    def on_cell(cell: Any, cell_index: int, execute_reply: Any) -> None:
+        nonlocal done
+        done += 1
+        progress.cell(index, path.stem, done, cells, time.perf_counter() - start)
+
+    progress.start(index, path.stem, cells)
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, on_cell_executed=on_cell,
+                                     resources={"metadata": {"path": str(path.parent)}})
+    error = None
+    try:
+        client.execute(env=kernel_env(results_dir))
+    except Exception as e:  # a failing cell: keep the partial notebook, report the error
+        lines = str(e).strip().splitlines()
+        error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+    results = {}
+    for f in sorted(results_dir.glob("*.json")):
+        try:
+            results[f.stem] = json.loads(f.read_text())
+        except ValueError as e:
+            error = error or f"{f.name} is not JSON: {e}"
+    entry = dict(name=path.stem, title=title_of(nb), status="failed" if error else "ok",
+                 seconds=round(time.perf_counter() - start, 2), cells=cells, html=f"notebook-{path.stem}.html",
+                 error=error, results=results)
+    out.joinpath(entry["html"]).write_text(export_html(nb), encoding="utf-8")
+    progress.end(index, entry)
+    return entry
+
+
+def export_html(nb: Any) -> str:
+    """The executed notebook as one HTML page (outputs and figures embedded), also when a cell failed."""
+    from nbconvert import HTMLExporter
+
+    body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
+    return body
