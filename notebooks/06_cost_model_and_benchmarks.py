@@ -28,7 +28,9 @@
 
 # %%
 # Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept.
+# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
+# the libtpu that matches the pinned jax.
+import glob
 import importlib.util
 import pathlib
 import subprocess
@@ -40,7 +42,8 @@ if importlib.util.find_spec("qwen35_lib") is None:
     if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
         checkout = pathlib.Path("qwen35-playbook").resolve()
         subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[reference]"], check=True)
+        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
     sys.path.insert(0, str(checkout))
 
 # %%
