@@ -27,7 +27,7 @@ playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, a test file stays on one (its compiled fixtures shared)
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook
