@@ -49,7 +49,8 @@ def test_parse_shapes():
 def test_kernels_smoke(tmp_path):
     out, choice = tmp_path / "kernels.json", tmp_path / "choice.json"
     assert main(["kernels", "--model", "qwen3.5-tiny", "--tokens", "8", "--dtypes", "float32", "--repeats", "1",
-                 "--tile-sweep", "16", "--json", str(out), "--write-choice", str(choice)]) == 0
+                 "--tile-sweep", "16", "--gdn-prefill-tokens", "70", "--gdn-decode-batch", "2",
+                 "--json", str(out), "--write-choice", str(choice)]) == 0
     doc = json.loads(out.read_text())
     assert {"cases", "implementations", "wins", "overall", "environment"} <= set(doc)
     case = doc["cases"][0]
@@ -62,6 +63,13 @@ def test_kernels_smoke(tmp_path):
     assert "pallas" not in doc["implementations"] and doc["numerics_only"] == ["pallas", "megablox gmm"]
     assert set(doc["throughput_ratio_vs_dense"]) == set(doc["implementations"]) | {"tiled m=16"}
     assert doc["default_implementation"] in doc["implementations"] and doc["acceptance"]["tokens"] == 8
+    # the attention and GDN sections: Pallas next to its XLA twin, labelled interpret mode, computing the same
+    for slot in ("attention", "gdn"):
+        rows = doc[slot]["rows"]
+        assert rows and {r["implementation"] for r in rows} == {"xla", "pallas"}, slot
+        for r in rows:
+            assert r["median_ms"] > 0 and (r["implementation"] == "xla" or "interpret" in r["mode"]), r
+            assert r["max_abs_diff_vs_xla"] < 2e-2, r  # bf16 (the tiny model's dtype): one rounding of O(1) outputs
 
 
 @pytest.mark.reference

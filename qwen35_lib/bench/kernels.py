@@ -10,6 +10,10 @@ Two baselines, not slot implementations (they never win):
 - "dense (all experts)": every expert on every token, masked by the routing weights (E / k times the FLOPs).
 Pallas TPU kernels ("pallas", and megablox `gmm` for comparison) run only in interpret mode off a TPU: there
 they are checked for numerics at each case and never timed (`numerics_only`); on a TPU they are timed.
+Next to the MoE section, the same side-by-side figures for the `attention` slot (`kernels_attention.attention_rows`:
+ragged paged attention vs `paged_attention_xla`) and the `gdn` slot (`kernels_gdn.gdn_rows`: the chunked and decode
+kernels vs the XLA scan), at small CPU cases by default (`--no-attention`, `--no-gdn` skip them); off a TPU their
+Pallas rows run in interpret mode and are labelled numerics-only (the time of an emulator, not of a TPU).
 `--tile-sweep` also times "tiled" at fixed tile sizes, to check `moe_xla.tile_rows`. `--write-choice` writes the
 measured winner per case to `data/kernel_choice_cpu.json`, which backs the CPU default in
 `qwen35_lib/kernels/registry.py`.
@@ -32,6 +36,7 @@ from qwen35_lib.config import Config, get_config
 from qwen35_lib.kernels import registry
 from qwen35_lib.kernels.moe_pallas import moe_megablox
 from qwen35_lib.kernels.moe_xla import moe_tiled, tile_rows
+from qwen35_lib.kernels.permute_pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.model.moe import route
 
 DESCRIPTION = "moe_matmul implementations (ragged_dot, tiled, ...) vs dense matmuls, decode and prefill sizes"
@@ -53,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-dense", action="store_true", help="skip the dense all-experts baseline")
     p.add_argument("--no-interpret-check", action="store_true",
                    help="off a TPU, skip the interpret-mode numerics check of the Pallas kernels")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention side-by-side section")
+    p.add_argument("--no-gdn", action="store_true", help="skip the GDN side-by-side section")
+    p.add_argument("--gdn-prefill-tokens", type=int, default=None,
+                   help="GDN prefill case length (default: 512 on a TPU, 128 in interpret mode)")
+    p.add_argument("--gdn-decode-batch", type=int, default=None,
+                   help="GDN decode rows (default: 32 on a TPU, 8 in interpret mode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write-choice", nargs="?", const=str(CHOICE_PATH), metavar="PATH",
                    help=f"write the winner per case (default path: {CHOICE_PATH})")
@@ -100,6 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"useful FLOP/s vs a dense matmul of equal FLOPs, {acceptance['dtype']} T={acceptance['tokens']}: "
           + ", ".join(f"{n} {r:.2f}" for n, r in ratios.items())
           + f"; default on {jax.default_backend()}: {default} (target >= {TARGET_RATIO})")
+    sections = _attention_and_gdn(base.name, on_tpu, args)
     doc = {
         "benchmark": "kernels",
         "slot": "moe_matmul",
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         "default_tile_rule": "moe_xla.tile_rows(rows, experts)",
         "cases": cases,
         **summary,
+        **sections,
         "environment": environment(loadavg_1m_before=load_before),
     }
     if args.write_choice:
@@ -190,6 +203,40 @@ def _case(cfg: Config, tokens: int, impls: list[str], tiles: list[int], dense: b
     return record
 
 
+# Interpret mode is an emulator (seconds per call at CPU size): small cases off a TPU, the full ones on a TPU.
+ATTENTION_CASES_INTERPRET = {"4 decodes x ctx 256 + a 64-token chunk at 192": ([256] * 4, [(192, 64)])}
+INTERPRET_NOTE = ("Pallas rows off a TPU run in interpret mode: numerics only; their time is an emulator's, "
+                  "not a TPU's")
+
+
+def _attention_and_gdn(model: str, on_tpu: bool, args) -> dict:
+    """The `attention` and `gdn` sections: Pallas vs the XLA twin, side by side (rows as `attention_rows` and
+    `gdn_rows` return them), printed as tables."""
+    from qwen35_lib.bench.kernels_attention import attention_rows
+    from qwen35_lib.bench.kernels_gdn import gdn_rows
+
+    out = {}
+    if not args.no_attention:
+        rows = attention_rows(model, cases=None if on_tpu else ATTENTION_CASES_INTERPRET, repeats=args.repeats,
+                              seed=args.seed)
+        out["attention"] = {"slot": "attention", "reference": "xla", "note": INTERPRET_NOTE, "rows": rows}
+        print(f"\nattention (paged): Pallas ragged paged attention vs paged_attention_xla, {model}")
+        print(format_table(["case", "implementation", "mode", "median ms", "vs xla", "max|Δ| vs xla"],
+                           [[r["case"], r["implementation"], r["mode"], r["median_ms"], r["throughput_ratio_vs_xla"],
+                             r["max_abs_diff_vs_xla"]] for r in rows]))
+    if not args.no_gdn:
+        prefill = args.gdn_prefill_tokens or (512 if on_tpu else 128)
+        batch = args.gdn_decode_batch or (32 if on_tpu else 8)
+        rows = gdn_rows(model, prefill_tokens=prefill, decode_batch=batch, repeats=args.repeats,
+                        settle=args.settle, seed=args.seed)
+        out["gdn"] = {"slot": "gdn", "reference": "xla", "note": INTERPRET_NOTE, "rows": rows}
+        print(f"\ngdn: Pallas chunk and decode kernels vs the XLA gated delta rule, {model}")
+        print(format_table(["case", "shape", "implementation", "mode", "median ms", "vs xla", "max|Δ| vs xla"],
+                           [[r["case"], r["shape"], r["implementation"], r["mode"], r["median_ms"],
+                             r["speedup_vs_xla"], r["max_abs_diff_vs_xla"]] for r in rows]))
+    return out
+
+
 def _inputs(cfg: Config, tokens: int, seed: int) -> tuple[jax.Array, ...]:
     """Random tokens x [T, D], routed by a random router (weights, ids [T, k]); expert weights (std 0.02)."""
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
@@ -226,3 +273,177 @@ def _summary(cases: list[dict], impls: list[str]) -> dict:
 
 def _split(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
+
+
+# --- side by side per kernel: the XLA twin vs the Pallas kernel (notebook 05; `run` adds attention and GDN) ------
+INTERPRET = "pallas interpret (CPU: numerics only, not a speed)"
+
+
+def _mode(name: str) -> str:
+    if name != "pallas":
+        return f"xla ({jax.default_backend()})"
+    return "pallas compiled" if jax.default_backend() == "tpu" else INTERPRET
+
+
+def _side_by_side(kernel: str, case: str, candidates: dict, repeats: int, settle: int, **extra) -> list[dict]:
+    """Time `candidates` {name: zero-arg callable -> array} interleaved; the first is the reference twin. One row
+    per implementation: median_ms, speedup_vs_xla (reference median / this median), max_abs_diff_vs_xla."""
+    timings, outputs = measure(candidates, repeats=repeats, settle=settle, desc=f"{kernel} {case}")
+    ref_name = next(iter(candidates))
+    ref = jnp.asarray(outputs[ref_name], jnp.float32)
+    return [{"kernel": kernel, "case": case, "implementation": name, "mode": _mode(name),
+             "backend": jax.default_backend(), "median_ms": t.median * 1e3,
+             "speedup_vs_xla": timings[ref_name].median / t.median,
+             "max_abs_diff_vs_xla": float(jnp.max(jnp.abs(jnp.asarray(outputs[name], jnp.float32) - ref))), **extra}
+            for name, t in timings.items()]
+
+
+def moe_rows(model: str = "qwen3.5-mini", tokens: int = 64, dtype: str = "float32", repeats: int = 3,
+             settle: int = 1, seed: int = 0) -> list[dict]:
+    """The `moe_matmul` slot's XLA default (the backend's "auto" unless that is Pallas: then `ragged_dot`) vs the
+    Pallas grouped GEMM on the same sorted token copies (routed by a random router, dispatched by `permute`).
+    Row keys as `_side_by_side`, plus rows (token copies), useful_flops (2 * rows * 3 * D * F)."""
+    cfg = get_config(model, dtype=dtype)
+    x, _, ids, w_gate_up, w_down = _inputs(cfg, tokens, seed)
+    dispatch = jax.jit(registry.get("permute", "xla").dispatch, static_argnums=2)
+    x_sorted, group_sizes, _ = dispatch(x, ids, cfg.num_experts)  # [N, D], [E]
+    default = registry.resolve_name("moe_matmul", "auto")
+    twin = default if default != "pallas" else REFERENCE
+    fns = {n: jax.jit(functools.partial(registry.get("moe_matmul", n), fp8_block=None)) for n in (twin, "pallas")}
+    N = int(x_sorted.shape[0])
+    return _side_by_side("moe_matmul", f"T={tokens} x top-{cfg.num_experts_per_tok} = {N} rows",
+                         {n: functools.partial(f, x_sorted, group_sizes, w_gate_up, w_down) for n, f in fns.items()},
+                         repeats, settle, model=model, dtype=dtype, rows=N,
+                         useful_flops=6 * N * cfg.hidden_size * cfg.moe_ffn)
+
+
+def permute_rows(model: str = "qwen3.5-mini", tokens: int = 64, dtype: str = "float32", repeats: int = 3,
+                 settle: int = 1, seed: int = 0) -> list[dict]:
+    """The `permute` slot, XLA vs Pallas: dispatch (sort the T * k token copies by expert) then the weighted
+    combine back to [T, D] (an identity expert in between), on the same routed tokens. Row keys as
+    `_side_by_side`, plus bytes_moved (each copy's row read and written, both ways)."""
+    cfg = get_config(model, dtype=dtype)
+    x, weights, ids, _, _ = _inputs(cfg, tokens, seed)
+
+    def round_trip(name, x, ids, weights):
+        p = registry.get("permute", name)
+        x_sorted, _, order = p.dispatch(x, ids, cfg.num_experts)
+        return p.combine(x_sorted, order, weights)  # [T, D] = x * sum_j weights_j
+
+    fns = {n: jax.jit(functools.partial(round_trip, n)) for n in ("xla", "pallas")}
+    N = tokens * cfg.num_experts_per_tok
+    return _side_by_side("permute", f"T={tokens} x top-{cfg.num_experts_per_tok}: dispatch + combine",
+                         {n: functools.partial(f, x, ids, weights) for n, f in fns.items()}, repeats, settle,
+                         model=model, dtype=dtype, rows=N, bytes_moved=4 * N * cfg.hidden_size * x.dtype.itemsize)
+
+
+def tpu7x_compile_rows(model: str = "qwen3.5-397b-a17b", seqs: int = 64, context: int = 9216, page_size: int = 256,
+                       prefill_chunks: int = 4) -> list[dict]:
+    """Each Pallas kernel lowered by Mosaic and compiled for one TPU7x core (`tpu7x:2x2x1` device 0, needs libtpu;
+    nothing runs, nothing is allocated) at `model`'s shapes, for one data-parallel rank of a 512-request decode
+    step: `seqs` sequences of `context` tokens in an FP8 paged KV cache, their MoE rows (seqs * top-k copies over
+    8 devices' experts... every rank's tokens, as token replication does: 8 * seqs * k / 8 rows per device's
+    E / 8 experts, FP8 block-scaled weights), the GDN ragged step (seqs decodes + `prefill_chunks` chunks), and
+    the permutes of the rank's tokens. Returns rows {kernel, case, compile_s, mosaic (a Mosaic custom call is in
+    the program), flops, bytes_accessed (XLA's cost_analysis: a prediction; a Mosaic call counts as its operand
+    and result bytes plus its CostEstimate's FLOPs), temp_bytes, argument_bytes}."""
+    import time
+
+    from qwen35_lib.aot import topology_devices
+    from qwen35_lib.engine.batch import RaggedMeta
+    from qwen35_lib.kernels.attention_pallas import paged_attention_pallas
+    from qwen35_lib.kernels.gdn_pallas import gdn_ragged_pallas
+    from qwen35_lib.kernels.moe_pallas import moe_pallas
+    from qwen35_lib.weights import BlockFP8
+
+    cfg = get_config(model)
+    one = jax.sharding.SingleDeviceSharding(topology_devices()[0])
+    sds = lambda *shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=one)  # noqa: E731
+    Hq, Hkv, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+    Hk, Hv, dk, dv, C = (cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim,
+                         cfg.gdn_chunk_size)
+    D, F, E, k, b = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts, cfg.num_experts_per_tok, cfg.fp8_block_size
+    n = context // page_size
+    E_loc, rows = E // 8, seqs * k  # all 8 ranks' copies, spread over the 8 devices' experts
+    T = seqs + prefill_chunks * C
+    meta = RaggedMeta(*(sds(*s, dt="int32") for s in ((T,), (T,), (seqs,), (seqs,), (seqs,), (seqs, 4), (seqs,),
+                                                        (seqs,), (seqs,))))
+    programs = {
+        ("attention", f"{seqs} decodes x {context} ctx, FP8 KV, pages of {page_size}"): (
+            functools.partial(paged_attention_pallas, interpret=False),
+            (sds(seqs, Hq, d), sds(seqs * n + 1, page_size, 2 * Hkv, d, dt="float8_e4m3fn"),
+             sds(seqs * n + 1, page_size, 2 * Hkv, dt="float32"), sds(seqs, n, dt="int32"),
+             sds(seqs, dt="int32"), sds(seqs, dt="int32")), {}),
+        ("moe_matmul", f"{rows} rows, {E_loc} local experts, FP8 weights"): (
+            functools.partial(moe_pallas, fp8_block=b, interpret=False),
+            (sds(rows, D), sds(E, dt="int32"),
+             BlockFP8(sds(E_loc, D, 2 * F, dt="float8_e4m3fn"), sds(E_loc, D // b, 2 * F // b, dt="float32")),
+             BlockFP8(sds(E_loc, F, D, dt="float8_e4m3fn"), sds(E_loc, F // b, D // b, dt="float32"))),
+            {"group_offset": sds(dt="int32")}),
+        ("gdn", f"{seqs} decodes + {prefill_chunks} chunks of {C}, {seqs + 1} state slots"): (
+            functools.partial(gdn_ragged_pallas, interpret=False),
+            (sds(T, Hk, dk), sds(T, Hk, dk), sds(T, Hv, dv), sds(T, Hv, dt="float32"), sds(T, Hv, dt="float32"),
+             sds(seqs + 1, Hv, dk, dv, dt=cfg.gdn_state_dtype), meta), {}),
+        ("permute", f"dispatch + combine of {seqs} tokens x top-{k}"): (
+            functools.partial(_round_trip_pallas, num_experts=E),
+            (sds(seqs, D), sds(seqs, k, dt="int32"), sds(seqs, k)), {}),
+    }
+    out = []
+    for (kernel, case), (fn, args, kwargs) in programs.items():
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn).lower(*args, **kwargs).compile()
+        cost, mem = compiled.cost_analysis(), compiled.memory_analysis()
+        out.append({"kernel": kernel, "case": case, "model": model, "target": "tpu7x:2x2x1 (one TensorCore)",
+                    "compile_s": time.perf_counter() - t0, "mosaic": "tpu_custom_call" in compiled.as_text(),
+                    "flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),
+                    "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes})
+    return out
+
+
+def _round_trip_pallas(x, ids, weights, *, num_experts: int):
+    """The Pallas permutes, compiled for real: dispatch then combine (an identity expert between)."""
+    x_sorted, _, order = dispatch_pallas(x, ids, num_experts, interpret=False)
+    return combine_pallas(x_sorted, order, weights, interpret=False)
+
+
+SLOT_COMPONENT = {"attention": "attn_core", "moe_matmul": "routed_experts", "gdn": "gdn_core", "permute": "permute"}
+
+
+def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", concurrency: int = 512,
+                  context: int = 9216, prefill_chunk: int = 2048) -> list[dict]:
+    """Where each kernel sits on one device's roofline, per the cost model (`costmodel.ops`), XLA vs Pallas.
+
+    1. Two whole-slice steps of the serving model (FP8 experts, FP8 KV cache): `decode` = `concurrency` decodes at a
+       mean context of `context` / 2 (the longest `context`); `prefill` = one `prefill_chunk` chunk per rank at
+       `context` / 2 tokens already cached.
+    2. The placements of the `hier_rs` stage (XLA kernels) and the `kernels` stage (Pallas), from `step.placement`.
+    3. Per kernel's component, one layer on one device: FLOPs, HBM bytes, arithmetic intensity (FLOPs per byte)
+       against the ridge point (peak FLOP/s / HBM bytes/s), the bound, and the roofline seconds (`ops.seconds`).
+    The cost model credits the GDN and permute kernels with nothing over XLA (same bytes, same FLOPs): their rows
+    say so by being equal.
+    """
+    from qwen35_lib.costmodel import ops, specs, step
+    from qwen35_lib.costmodel.predict import serving_model
+    from qwen35_lib.costmodel.stages import get_stage
+
+    cfg, sp = serving_model(model), specs.get(hardware)
+    ridge = sp.peak_flops / sp.hbm_bytes_per_s
+    dp = sp.devices
+    batches = {"decode": ops.Batch(decodes=concurrency, decode_ctx=context / 2, max_ctx=context),
+               "prefill": ops.Batch(prefill_tokens=dp * prefill_chunk, prefill_seqs=dp, prefill_ctx=context / 2,
+                                    max_ctx=context)}
+    blocks = {"attn_core": ops.attention_block, "gdn_core": ops.gdn_block, "routed_experts": ops.moe_block,
+              "permute": ops.moe_block}
+    out = []
+    for stage, impl in (("hier_rs", "xla"), ("kernels", "pallas")):
+        pl = step.placement(cfg, sp, get_stage(stage), kv_dtype="float8_e4m3fn")
+        for case, b in batches.items():
+            for kernel, comp in SLOT_COMPONENT.items():
+                c = blocks[comp](cfg, b, pl)[comp]
+                ai = c.flops / c.hbm_bytes if c.hbm_bytes else float("inf")
+                out.append({"kernel": kernel, "case": case, "implementation": impl, "stage": stage, "model": cfg.name,
+                            "hardware": sp.name, "flops": c.flops, "hbm_bytes": c.hbm_bytes, "intensity": ai,
+                            "ridge": ridge, "bound": "compute" if ai >= ridge else "memory",
+                            "seconds": ops.seconds(c, sp), "peak_flops": sp.peak_flops,
+                            "hbm_bytes_per_s": sp.hbm_bytes_per_s})
+    return out

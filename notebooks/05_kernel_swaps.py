@@ -1,0 +1,318 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Kernel swaps: what do Pallas kernels buy over XLA's generic code on TPU7x?
+#
+# With the layout and the collectives settled (notebooks 02-04), a step's time is in its computation. The last
+# rung of the ladder swaps four pieces of XLA's generic code for Pallas TPU kernels: **batched ragged paged
+# attention**, the MoE's **grouped GEMM**, the **chunked gated delta rule** and the **gather/scatter permutes**.
+# For each: which roofline bounds it on a TPU7x TensorCore, what the kernel changes about the bytes and FLOPs,
+# whether it computes the same thing as its XLA twin (checked here, in Pallas interpret mode on the CPU), whether
+# it lowers for the real chip (compiled for `tpu7x:2x2x1` ahead of time), and what the cost model says it buys.
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/05_kernel_swaps.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
+# the libtpu that matches the pinned jax.
+import glob
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
+import glob
+import os
+
+import jax
+from jax._src import xla_bridge
+
+ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+if not ACCELERATOR and not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+devices = jax.devices()
+if devices[0].platform == "cpu":
+    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
+SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
+print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+
+# %%
+# %matplotlib inline
+import concurrent.futures
+import json
+
+import numpy as np
+from IPython.display import display
+from matplotlib.figure import Figure
+
+from qwen35_lib.bench import kernels as kb
+from qwen35_lib.bench.kernels_attention import attention_rows
+from qwen35_lib.bench.kernels_gdn import gdn_rows
+from qwen35_lib.bench.timing import format_table
+from qwen35_lib.costmodel.predict import predict
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
+# Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
+aot = concurrent.futures.ThreadPoolExecutor(1).submit(kb.tpu7x_compile_rows) if HAVE_LIBTPU else None
+
+
+def table(rows, keys):
+    print(format_table(list(keys), [[r[k] for k in keys] for r in rows]))
+
+
+def compiled(kernel):
+    """The TPU7x compile of `kernel`'s Pallas implementation, as one line."""
+    if aot is None:
+        return "libtpu not installed (pip install 'jax[tpu]'): ahead-of-time compile skipped"
+    r = next(r for r in aot.result() if r["kernel"] == kernel)
+    return (f"{kernel} compiled for {r['target']} at {r['model']} ({r['case']}): Mosaic kernel in the program: "
+            f"{r['mosaic']}; arguments {r['argument_bytes'] / 2**20:,.0f} MiB, temporaries "
+            f"{r['temp_bytes'] / 2**20:,.1f} MiB; {r['compile_s']:.1f} s")
+
+
+# %% [markdown]
+# ## 1. Predict: the four kernels on one TensorCore's roofline
+#
+# A TensorCore of TPU7x does ~1.15 PFLOP/s of bf16 matmul and streams ~3.7 TB/s from HBM, so an op needs about
+# 313 FLOPs per byte it moves (the **ridge point**) before compute, not memory, bounds it. The cost model
+# (`qwen35_lib.costmodel.ops`) counts each kernel's FLOPs and HBM bytes for one layer on one device, for the
+# serving model (FP8 experts, FP8 KV cache) at 512 concurrent requests: a **decode** step (512 decodes, mean
+# context 4.6k) and a **prefill** step (one 2k-token chunk per data-parallel rank), under the `hier_rs` stage
+# (XLA kernels) and the `kernels` stage (Pallas). What each kernel changes, in the model's terms:
+# - attention: XLA's paged attention scores every token against the batch's *longest* context; the ragged kernel
+#   reads each sequence's own pages once, and the whole query group of a KV head together;
+# - grouped GEMM: XLA's `ragged_dot` reads every local expert's weights and first dequantizes FP8 to a bf16 copy;
+#   the kernel reads only the experts that got tokens, as FP8;
+# - GDN and permutes: the kernels keep the state on chip / move rows by DMA, but the cost model counts the same
+#   bytes and FLOPs as XLA's: it predicts no gain for them.
+
+# %%
+roof = kb.roofline_rows()
+for r in roof:
+    r.update(gflop=r["flops"] / 1e9, mib=r["hbm_bytes"] / 2**20, flop_per_byte=r["intensity"], us=r["seconds"] * 1e6)
+table(roof, ("kernel", "case", "implementation", "gflop", "mib", "flop_per_byte", "bound", "us"))
+print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']}, one TensorCore)")
+
+# %%
+fig = Figure(figsize=(7, 4), layout="constrained")
+ax = fig.subplots()
+x = np.logspace(-1.5, 4, 200)
+ax.loglog(x, np.minimum(roof[0]["peak_flops"], x * roof[0]["hbm_bytes_per_s"]) / 1e12, "k-", lw=1)
+colors = dict(attention="C0", moe_matmul="C1", gdn="C2", permute="C3")
+for r in roof:
+    ai = max(r["intensity"], 0.05)  # the permutes do no FLOPs: drawn at the left edge
+    ax.scatter(ai, min(r["peak_flops"], ai * r["hbm_bytes_per_s"]) / 1e12, s=50, edgecolors=colors[r["kernel"]],
+               facecolors="none" if r["implementation"] == "xla" else colors[r["kernel"]],
+               marker="o" if r["case"] == "decode" else "s",
+               label=f"{r['kernel']} {r['case']}" if r["implementation"] == "pallas" else None)
+ax.axvline(roof[0]["ridge"], ls=":", c="gray")
+ax.set_xlabel("arithmetic intensity (FLOPs per HBM byte)")
+ax.set_ylabel("attainable TFLOP/s (one TensorCore)")
+ax.set_title("TPU7x roofline, predicted: filled = Pallas, hollow = XLA; o decode, s prefill")
+ax.legend(fontsize=7, ncol=2)
+display(fig)
+
+# %% [markdown]
+# Decode is memory-bound for all four kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and ~10 token
+# copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they
+# do, for attention (half: no longest-context padding) and for the grouped GEMM (7x: only experts hit, read as FP8).
+# In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
+# them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
+# FLOPs alike, so it wins by doing half the work at the same intensity, not by moving along the roofline. GDN and
+# the permutes (no FLOPs at all: drawn at the left edge) stay where they were, in the model's accounting.
+#
+# ## 2. Measure and check at CPU size
+#
+# Each swap below runs the XLA twin (what the CPU uses) and the Pallas kernel on the same inputs at the
+# `qwen3.5-mini` shapes, side by side (`qwen35_lib.bench`). On a CPU the Pallas kernel runs in **interpret mode**:
+# its time is that of an emulator and says nothing about a TPU; the measurement that counts here is the
+# difference from the twin. Then the same Pallas kernel compiled for TPU7x at the 397B shapes.
+#
+# ### 2a. Ragged paged attention
+#
+# Two decodes (contexts 100 and 300 tokens) next to a 40-token prefill chunk that continues a sequence, over a
+# shuffled page pool: one kernel call for the whole ragged batch.
+
+# %%
+attn = attention_rows(cases={"2 decodes + a 40-token chunk": ([100, 300], [(20, 40)])}, repeats=1)
+table(attn, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(compiled("attention"))
+
+# %% [markdown]
+# **Check.** bf16 at mini size: both compute in float32 and round the output once to bf16, so they may differ by
+# a bf16 ulp of an O(1) output (2^-7 at most); a wrong page or mask would be O(1).
+
+# %%
+assert attn[1]["implementation"] == "pallas" and "interpret" in attn[1]["mode"]
+assert attn[1]["max_abs_diff_vs_xla"] <= 2**-7, attn[1]
+
+# %% [markdown]
+# Read the compile's temporaries against its arguments: a temporary the size of the page pool means the pool is
+# copied on every call, which would cost more than the pages the kernel avoids reading. This compile shows one:
+# the wrapper views `kv_pages [P, ps, 2 Hkv, d]` as `[P, ps, 2 Hkv d]`, free on a CPU but a relayout on a TPU,
+# whose tiles span the two minor dims. Interpret mode cannot see it; the ahead-of-time compile does.
+#
+# ### 2b. Grouped GEMM (the MoE's experts)
+#
+# 16 tokens routed top-8 over 64 experts by a random router: 128 token copies sorted by expert, most groups
+# empty or of one row. The backend's XLA `moe_matmul` (on a CPU the default, `capacity`, chosen by `python -m
+# qwen35_lib.bench kernels`; on a TPU `ragged_dot`) against the Pallas grouped GEMM, float32.
+
+# %%
+moe = kb.moe_rows(tokens=16, repeats=1, settle=0)
+table(moe, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(compiled("moe_matmul"))
+
+# %%
+assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 1e-5, moe  # float32, order only
+
+# %% [markdown]
+# ### 2c. Chunked gated delta rule
+#
+# The ragged protocol the engine uses: 4 decodes from their state slots next to two prompts in chunks of 64, one
+# of them continuing mid-sequence from its slot, float32.
+
+# %%
+gdn = gdn_rows(cases=("mixed",), prefill_tokens=128, decode_batch=4, dtype="float32", repeats=1, settle=0)
+table(gdn, ("shape", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(compiled("gdn"))
+
+# %%
+assert gdn[1]["implementation"] == "pallas" and gdn[1]["max_abs_diff_vs_xla"] < 1e-5, gdn
+
+# %% [markdown]
+# ### 2d. Gather/scatter permutes
+#
+# Dispatch (sort 32 tokens' 8 copies by expert) then the weighted combine back, with an identity expert in
+# between, so the result is each token times the sum of its routing weights. On TPU7x this is the SparseCores'
+# job; our kernel is the TensorCore form, one DMA per row.
+
+# %%
+perm = kb.permute_rows(tokens=32, repeats=1, settle=0)
+table(perm, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(compiled("permute"))
+
+# %%
+assert perm[1]["implementation"] == "pallas" and perm[1]["max_abs_diff_vs_xla"] < 1e-5, perm
+if aot is not None:
+    assert all(r["mosaic"] for r in aot.result()), aot.result()  # every kernel lowered by Mosaic for TPU7x
+
+# %% [markdown]
+# The compiles above are real Mosaic lowerings: a block shape the TPU rejects or a VMEM budget overrun fails
+# there, while interpret mode would have accepted it. (XLA's `cost_analysis()` of such a program is of little use
+# for the kernel itself: it counts a Mosaic call by its operands, the whole page pool or slot pool, and by the
+# FLOPs the kernel declares; the cost model's accounting in section 1 is the prediction.)
+#
+# ## 3. What the swap buys on TPU7x, according to the cost model
+#
+# **Predict.** The `kernels` stage is `hier_rs` with the Pallas kernels: the same layout, routing and collectives.
+# Their difference, per component of a step, is what the kernels buy.
+
+# %%
+buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False)
+        for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
+for wl in ("8k/1k", "1k/8k"):
+    before, after = buys["hier_rs", wl], buys["kernels", wl]
+    print(f"{wl}: {before['total_tokens_per_s']:,.0f} -> {after['total_tokens_per_s']:,.0f} tokens/s "
+          f"({after['total_tokens_per_s'] / before['total_tokens_per_s']:.2f}x, predicted); ms per step by component:")
+    for comp in ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "routed_experts", "permute"):
+        print(f"  {comp:<15} {before['breakdown_s'][comp] * 1e3:7.2f} -> {after['breakdown_s'][comp] * 1e3:7.2f}")
+
+# %% [markdown]
+# **Check.** The gain comes from the routed experts (the grouped GEMM reads only the experts hit, as FP8) and
+# attention (no longest-context reads), plus the projections, which the Pallas stage reads once instead of
+# through XLA's sliced copies; GDN and the permutes cost the same in both, as section 1 said.
+
+# %%
+for wl in ("8k/1k", "1k/8k"):
+    before, after = buys["hier_rs", wl]["breakdown_s"], buys["kernels", wl]["breakdown_s"]
+    assert after["routed_experts"] < before["routed_experts"] and after["attn_core"] < before["attn_core"]
+    assert after["gdn_core"] == before["gdn_core"] and after["permute"] == before["permute"]
+    assert buys["kernels", wl]["total_tokens_per_s"] > buys["hier_rs", wl]["total_tokens_per_s"]
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+if os.environ.get("QWEN35_RESULTS_DIR"):
+    record = dict(
+        roofline=roof, cpu=attn + moe + gdn + perm, tpu7x_compile=aot.result() if aot is not None else [],
+        gain={wl: buys["kernels", wl]["total_tokens_per_s"] / buys["hier_rs", wl]["total_tokens_per_s"]
+              for wl in ("8k/1k", "1k/8k")},
+        total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()})
+    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "kernel_swaps.json").write_text(json.dumps(record, indent=2))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> At serving shapes attention and the MoE are memory-bound under XLA, so the Pallas kernels win by
+# not moving bytes (only valid pages, only the experts hit, FP8 read as FP8) -- after checking that they compute
+# what their XLA twins compute and that they lower for TPU7x.
+# </div>
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **[Ridge point]** At how many token copies per local expert does the grouped GEMM become compute-bound with
+#    FP8 weights? With bf16 weights?
+#    <details><summary>Answer</summary>
+#
+#    Each weight byte does `2 * rows` FLOPs per FP8 byte (`rows` per expert), so it crosses the ridge at
+#    `rows ~ ridge / 2 ~ 160` copies per expert with FP8 and ~310 with bf16 (2 bytes per weight). A decode step of
+#    512 tokens gives 512 * 10 / 512 = 10 copies per expert: memory-bound by a factor of ~16, whatever the kernel.
+#    `kb.roofline_rows(concurrency=...)` moves the decode point.
+#    </details>
+#
+# 2. **[Uneven contexts]** Section 1's decode step has a mean context of half the longest. If the mean falls to a
+#    tenth of the longest (9216), what happens to the bytes of XLA's attention and of the Pallas kernel?
+#    <details><summary>Answer</summary>
+#
+#    XLA's do not move: every token reads the longest context (`ops.attention_block` with `attention="xla"`
+#    charges `max_ctx`). The kernel's fall 5x, with the contexts it really reads. Check with
+#    `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pl)["attn_core"]` for the
+#    placements `costmodel.step.placement(cfg, specs.get("tpu7x-8"), get_stage(stage), kv_dtype="float8_e4m3fn")`
+#    of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).
+#    </details>
+#
+# 3. **[Interpret mode]** The Pallas attention above ran faster than XLA in interpret mode. Does that say anything
+#    about TPU speed?
+#    <details><summary>Answer</summary>
+#
+#    No. Interpret mode runs the kernel's body as ordinary XLA:CPU operations (a loop over the grid); its time
+#    depends on how the emulation maps to the CPU. The TPU-side claims rest on the cost model and the Mosaic
+#    compile, and only a TPU measurement (`python -m qwen35_lib.bench kernels` on a TPU) could confirm them.
+#    </details>
+#
+# 4. **[What the model does not credit]** The cost model gives the chunked GDN kernel no gain. What would it take
+#    to credit one?
+#    <details><summary>Answer</summary>
+#
+#    Counting what the kernel avoids: XLA's chunked scan writes the `[dk, dv]` state of every chunk and the
+#    intermediate WY/UT terms to HBM, while the kernel keeps the state in VMEM across chunks. `ops.gdn_block`
+#    charges both the same `2 * state` bytes per sequence plus the chunk's inputs, so adding XLA's per-chunk state
+#    traffic (64 heads x 128 x 128 x 4 B per chunk) to the `xla` family would be the change.
+#    </details>
