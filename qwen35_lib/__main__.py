@@ -1,10 +1,11 @@
 """The qwen35_lib command line: `python -m qwen35_lib SUBCOMMAND --help` (or the `qwen35` script).
 
 `info --model NAME [--hardware NAME] [--json]`: parameters, active parameters, bytes, cache sizes, and whether
-the model fits. `generate [--checkpoint DIR] --prompt-ids "1 2 3" ... [--json]`: tokens from the serving engine
-(implemented in `qwen35_lib.cli_generate`). Each subcommand is an argparse subparser registered by
-`_add_<name>(subparsers)`, whose `run` default is called with the parsed arguments; a `ValueError` or
-`FileNotFoundError` is printed to stderr as `error: ...` with exit status 2.
+the model fits. `generate [--checkpoint DIR] --prompt-ids "1 2 3" ... [--layout NAME --routing NAME] [--json]`:
+tokens from the serving engine, on one device or split over the 8-device mesh (`qwen35_lib.cli_generate`).
+Each subcommand is an argparse subparser registered by `_add_<name>(subparsers)`, whose `run` default is called
+with the parsed arguments; a `ValueError` or `FileNotFoundError` (a bad layout combination included) is printed
+to stderr as `error: ...` with exit status 2.
 """
 
 from __future__ import annotations

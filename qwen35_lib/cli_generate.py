@@ -4,6 +4,11 @@ The CLI only wires: it parses prompts, builds `SamplingParams` and `EngineConfig
 seeded random weights for a preset), and calls `Engine.generate`, streaming each token to stderr. Every check of
 the input lives in the engine, whose `ValueError`s `__main__` prints as one line with exit status 2.
 
+`--layout` (with `--routing`, `--fuse-allgather`, `--hierarchical-rs`) other than `single` runs the engine on the
+8-device `('chip', 'core')` mesh: the combination is checked first (`check_layout` on an abstract mesh, so a bad
+one fails before any device or weight is touched); on CPU, 8 simulated devices are made when the user set no
+device count and no backend runs yet; a checkpoint loads straight into its shards.
+
 With `--json`, stdout holds exactly one JSON document:
     {"requests": [{"prompt_ids": [...], "output_ids": [...], "finish_reason": "length" | "eos", "text"?}, ...],
      "model": ..., "stats": {...}, ...}
@@ -21,12 +26,10 @@ import sys
 import time
 from typing import Any
 
-from qwen35_lib.config import PRESETS
+from qwen35_lib.config import LAYOUTS, PRESETS, ROUTINGS
 
-# The names of DESIGN.md "Layouts"; only `single` runs until the parallel layouts land.
-LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")
-ROUTINGS = ("replicate", "all_to_all")
 RANDOM_WEIGHTS_SEED = 0
+MESH_DEVICES = 8  # the layouts' ('chip': 4, 'core': 2) mesh
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +61,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="sampling seed (each token: fold_in(seed, position))")
     smp.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--layout", choices=LAYOUTS, default="single", help="only 'single' runs yet")
+    eng.add_argument("--layout", choices=LAYOUTS, default="single",
+                     help="how the model is split over the 8-device ('chip': 4, 'core': 2) mesh (default: single, "
+                          "one device); on CPU, 8 simulated devices are made when needed")
     eng.add_argument("--routing", choices=ROUTINGS, default="replicate",
-                     help="MoE routing of the EP layouts (no effect under single)")
+                     help="MoE token routing of the EP layouts (dp4_tp2_ep8, dp8_ep8; default: replicate)")
+    eng.add_argument("--fuse-allgather", action="store_true",
+                     help="replicate routing: top-k ids and weights in one all-gather")
+    eng.add_argument("--hierarchical-rs", action="store_true",
+                     help="replicate routing: reduce-scatter within each chip, then across chips")
     eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once (8)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N", help="new tokens per step (128)")
     eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
@@ -74,9 +83,6 @@ def run(args: argparse.Namespace) -> int:
     from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 
     # 1. Everything that needs no weights first, so bad input fails before a long load.
-    if args.layout != "single":
-        raise ValueError(f"layout {args.layout!r} comes with the parallel layouts, which are not implemented yet; "
-                         "use --layout single")
     if not args.prompts:
         raise ValueError("no prompts: give --prompt-ids \"1 2 3\" or --prompt TEXT (repeatable, one request each)")
     if args.checkpoint and args.model:
@@ -102,11 +108,17 @@ def run(args: argparse.Namespace) -> int:
     shape = from_hf_config(root) if root else get_config(args.model or "qwen3.5-tiny")  # config.json only
     for p in prompts:
         validate_request(shape, ec, p, params)
+    split = _split_options(args)
+    check_split(shape.replace(**split))
+    mesh = layout_mesh() if args.layout != "single" else None
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
-    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype)
-    engine = Engine(config, weights, ec)
+    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh)
+    engine = Engine(config, weights, ec, mesh=mesh)
+    if mesh is not None:
+        _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
+                  f"{dict(mesh.shape)}: {engine.ec.ranks} data-parallel rank(s) of max_num_seqs={ec.max_num_seqs}")
     _progress(f"{config.name}: {len(prompts)} request(s), {'greedy' if temperature == 0 else 'sampling'}, "
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
@@ -123,17 +135,62 @@ def run(args: argparse.Namespace) -> int:
     out_tokens = sum(len(r.output_ids) for r in results)
     doc = dict(
         requests=requests, model=config.name, checkpoint=str(root) if root else None, dtype=config.dtype,
-        layout=args.layout, routing=args.routing, eos_token_ids=list(config.eos_token_ids),
+        layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
+        hierarchical_rs=args.hierarchical_rs, eos_token_ids=list(config.eos_token_ids),
         sampling=dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
                       top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos),
-        engine=dict(max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
-                    page_size=ec.page_size, max_model_len=ec.max_model_len, num_pages=ec.pages),
+        engine=dict(ranks=engine.ec.ranks, max_num_seqs=ec.max_num_seqs,
+                    max_num_batched_tokens=ec.max_num_batched_tokens, page_size=ec.page_size,
+                    max_model_len=ec.max_model_len, num_pages=ec.pages),
         stats=dict(steps=engine.stats.steps, traces=engine.stats.traces, preemptions=engine.preemptions,
                    mixed_steps=engine.stats.mixed_steps, output_tokens=out_tokens,
                    wall_s=round(wall, 4)),  # compilation included: a benchmark is `python -m qwen35_lib.bench`
     )
     print(json.dumps(doc) if args.json else _summary(doc))
     return 0
+
+
+def _split_options(args: argparse.Namespace) -> dict:
+    return dict(layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
+                hierarchical_rs=args.hierarchical_rs)
+
+
+def check_split(config: Any) -> None:
+    """`check_layout`'s error for the config's layout, routing and flags on the 8-device mesh, checked on an
+    abstract mesh (no devices needed), before any weights are loaded."""
+    from jax.sharding import AbstractMesh
+
+    from qwen35_lib.parallel.layouts import check_layout
+    from qwen35_lib.parallel.mesh import AXES
+
+    if config.layout == "single" and (config.fuse_allgather or config.hierarchical_rs):
+        raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
+                         "--routing replicate; layout 'single' has no collectives")
+    check_layout(config, AbstractMesh((MESH_DEVICES // 2, 2), AXES))
+
+
+def layout_mesh() -> Any:
+    """The ('chip', 'core') mesh over the first 8 devices. On CPU, when no device count was asked for and no
+    backend is running yet, 8 simulated CPU devices are made (`jax_num_cpu_devices`)."""
+    import os
+
+    import jax
+
+    from qwen35_lib.parallel.mesh import make_mesh
+
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    if not forced and jax.config.jax_num_cpu_devices < 0:
+        try:
+            jax.config.update("jax_num_cpu_devices", MESH_DEVICES)  # only the CPU backend reads it
+        except RuntimeError:  # a backend is already running; its devices are what there is
+            pass
+    devices = jax.devices()
+    if len(devices) < MESH_DEVICES:
+        raise ValueError(f"the parallel layouts need {MESH_DEVICES} devices as ('chip': 4, 'core': 2); this "
+                         f"{devices[0].platform} backend has {len(devices)}. On CPU, run with "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={MESH_DEVICES} (or JAX_NUM_CPU_DEVICES="
+                         f"{MESH_DEVICES}), or use --layout single")
+    return make_mesh(devices[:MESH_DEVICES])
 
 
 def _parse_ids(s: str) -> list[int]:
@@ -167,16 +224,18 @@ def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
     return tokenizers.Tokenizer.from_file(str(path))
 
 
-def _load(root: pathlib.Path | None, preset: str, dtype: str | None) -> tuple[Any, dict]:
+def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict, mesh: Any) -> tuple[Any, dict]:
+    """(config with the layout options, weights): a checkpoint loads straight into its shards on `mesh`; random
+    weights are drawn for the unsplit preset (the same values under every layout) and the engine places them."""
     if root is not None:
         from qwen35_lib.checkpoint import load_hf_checkpoint
 
-        return load_hf_checkpoint(root, dtype=dtype)
+        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split)
     from qwen35_lib.config import get_config
     from qwen35_lib.weights import init_weights
 
     config = get_config(preset, **({"dtype": dtype} if dtype else {}))
-    return config, init_weights(config, RANDOM_WEIGHTS_SEED)
+    return config.replace(**split), init_weights(config, RANDOM_WEIGHTS_SEED)
 
 
 def _progress(message: str) -> None:

@@ -5,7 +5,8 @@ Cost: compiling is most of it (seconds per engine-step bucket on CPU), so
 1. the engine shape admits all four prompts in one step: two buckets per run (one prefill step, then decodes);
 2. every subprocess, and this module in-process, share one persistent compilation cache: the first CLI run
    compiles, the in-process references and the other runs read it (the HLO is the same for every config here);
-3. errors are checked in-process through `main` on a checkpoint (loading compiles nothing), one by subprocess.
+3. errors are checked in-process through `main` on a checkpoint (loading compiles nothing), one by subprocess;
+4. `--layout dp8_ep8` is one more subprocess, compared with the `single` run the JSON-contract test checks.
 """
 
 from __future__ import annotations
@@ -113,8 +114,16 @@ def set_eos(path: pathlib.Path, eos: int) -> None:
 
 
 # --- runs -------------------------------------------------------------------------------------------------------
-def test_random_preset_json_contract(cache_env):
-    out = cli(cache_env, *ids_flags(PROMPTS), "--max-new-tokens", "5", "--dtype", "float32", "--json", *ENGINE_FLAGS)
+RANDOM_RUN = [*ids_flags(PROMPTS), "--max-new-tokens", "5", "--dtype", "float32", "--json", *ENGINE_FLAGS]
+
+
+@pytest.fixture(scope="module")
+def single_run(cache_env) -> subprocess.CompletedProcess:
+    return cli(cache_env, *RANDOM_RUN)
+
+
+def test_random_preset_json_contract(single_run):
+    out = single_run
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)  # exactly one JSON document
     assert doc["model"] == "qwen3.5-tiny" and doc["checkpoint"] is None and doc["layout"] == "single"
@@ -168,6 +177,20 @@ def test_qwen3_next_sampled_text_summary(cache_env, checkpoints):
     assert "temperature 0.8, top-k 5" in out.stdout and " steps, " in out.stdout
 
 
+def test_layout_dp8_ep8_matches_single(cache_env, single_run):
+    """8 data-parallel ranks, experts over 8 devices: the greedy tokens of one device. No device count is given
+    (the test runner's XLA_FLAGS removed): the CLI makes the 8 CPU devices itself."""
+    flags = " ".join(f for f in cache_env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    out = cli({**cache_env, "XLA_FLAGS": flags}, *RANDOM_RUN, "--layout", "dp8_ep8", "--routing", "replicate",
+              "--fuse-allgather")
+    assert out.returncode == 0, out.stderr
+    doc, single = json.loads(out.stdout), json.loads(single_run.stdout)
+    assert (doc["layout"], doc["routing"], doc["fuse_allgather"], doc["engine"]["ranks"]) == \
+           ("dp8_ep8", "replicate", True, 8)
+    assert doc["requests"] == single["requests"]
+    assert "layout dp8_ep8 on 8 cpu devices" in out.stderr
+
+
 # --- errors -----------------------------------------------------------------------------------------------------
 def test_bad_token_id_exits_2_with_one_line(cache_env, checkpoints):
     out = cli(cache_env, "--checkpoint", str(checkpoints["qwen3_next"]), "--prompt-ids", "1 256", "--json")
@@ -185,7 +208,11 @@ def test_bad_token_id_exits_2_with_one_line(cache_env, checkpoints):
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
     (["--prompt", "w1 w2"], "has no tokenizer.json"),
     ([], "no prompts"),
-    (["--prompt-ids", "1", "--layout", "tp8"], "layout 'tp8' comes with the parallel layouts"),
+    (["--prompt-ids", "1", "--layout", "tp8"], "2 KV heads cannot be split over 8 devices"),
+    (["--prompt-ids", "1", "--layout", "tp8_kvrep", "--fuse-allgather"], "apply to EP layouts"),
+    (["--prompt-ids", "1", "--layout", "dp8_ep8", "--routing", "all_to_all", "--hierarchical-rs"],
+     "apply to routing='replicate' only"),
+    (["--prompt-ids", "1", "--hierarchical-rs"], "layout 'single' has no collectives"),
     (["--prompt-ids", "1", "--max-model-len", "0"], "max_model_len must be >= 1"),
 ])
 def test_bad_input_names_the_problem(checkpoints, capsys, args, message):

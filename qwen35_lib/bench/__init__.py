@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "qwen35_lib.bench.kernels",
     "engine": "qwen35_lib.bench.engine",
     "costmodel": "qwen35_lib.bench.costmodel",
+    "layouts": "qwen35_lib.bench.layouts",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qwen35_lib.config import LAYOUTS, Config
@@ -156,8 +157,23 @@ def cache_shardings(config: Config, cache_shape, mesh) -> dict:
 
 
 def shard_weights(config: Config, weights: dict, mesh) -> dict:
-    """`weights` placed on `mesh` under the config's layout (arrays already placed so are not moved)."""
-    return jax.device_put(weights, weight_shardings(config, mesh))
+    """`weights` placed on `mesh` under the config's layout (arrays already placed so are not moved).
+
+    Across processes (`jax.distributed`), each process passes its own copy, the same in every process, and
+    supplies from it only the shards its devices hold (`device_put` would check equality with a collective per
+    array); global arrays are resharded by `device_put`.
+    """
+    shardings = weight_shardings(config, mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(weights, shardings)
+    return jax.tree.map(_place_local_copy, weights, shardings)
+
+
+def _place_local_copy(x, sharding: NamedSharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def batch_sharding(config: Config, mesh, ndim: int) -> NamedSharding:
