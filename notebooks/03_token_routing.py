@@ -1,0 +1,324 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Token routing: all-to-all dispatch or token replication?
+#
+# Under expert parallelism a token's `k` experts live on other devices, so either the token goes to them or the
+# experts' devices get every token. **All-to-all dispatch** sends each of a token's `k` copies to the device that
+# owns its expert and brings the outputs back; it has to reserve buffer room for an uneven routing, or drop what
+# does not fit. **Token replication** all-gathers every token (and its top-k ids and weights) to every device,
+# runs the local experts on the copies routed to them, and reduce-scatters the summed outputs back. This notebook
+# asks which moves fewer bytes for Qwen3.5-397B (top-10 of 512 experts on 8 devices), what dropping costs, and
+# which gives a request an answer that does not depend on who else is in the batch.
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/03_token_routing.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
+# the libtpu that matches the pinned jax.
+import glob
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
+import glob
+import os
+
+import jax
+from jax._src import xla_bridge
+
+ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+if not ACCELERATOR and not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+devices = jax.devices()
+if devices[0].platform == "cpu":
+    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
+SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
+print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+
+# %%
+# %matplotlib inline
+import json
+import math
+
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qwen35_lib
+from qwen35_lib import aot
+from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
+from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights, weight_shardings
+from qwen35_lib.parallel.routing import moe_ep
+from qwen35_lib.report import human_bytes
+
+mesh = make_mesh()
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
+# %% [markdown]
+# ## 1. Bytes per MoE layer
+#
+# **Predict.** A step holds `N` tokens, `n = N / 8` per device, hidden size `D`, `k` experts per token, `b`
+# bytes per activation (bf16: 2). Per device, the size of each collective's result:
+#
+# | strategy | collectives per MoE layer | result bytes per device |
+# |---|---|---|
+# | `replicate` | all-gather `x`, ids, weights; reduce-scatter `y` | `N·D·b + N·k·4 + N·k·b`; `n·D·b` |
+# | `all_to_all` | all-to-all `x` there, ids there, `y` back | `2 · 8·cap·D·b + 8·cap·4` |
+#
+# where `cap` is the buffer rows per destination device: `n·k` when nothing may be dropped (all of a device's
+# copies could go to one device), `ceil(f · n·k / 8)` with a capacity factor `f`. On the wire a device receives
+# 7/8 of an all-gather's or all-to-all's result (its own block stays), and sends 7/8 of a reduce-scatter's *input*
+# (`N·D·b`).
+
+# %%
+def predicted_bytes(config, N, capacity_factor=None):
+    """{collective: result bytes per device} of one MoE layer with N tokens in the step."""
+    D, k, b, n = config.hidden_size, config.num_experts_per_tok, jnp.dtype(config.dtype).itemsize, N // 8
+    if config.routing == "replicate":
+        return {"all-gather": N * D * b + N * k * 4 + N * k * b, "reduce-scatter": n * D * b}
+    cap = n * k if capacity_factor is None else max(1, math.ceil(capacity_factor * n * k / 8))
+    return {"all-to-all": 2 * 8 * cap * D * b + 8 * cap * 4}
+
+
+def wire_bytes(config, N, capacity_factor=None):
+    """Bytes one device receives (all-gather, all-to-all) or sends (reduce-scatter) in one MoE layer."""
+    got = predicted_bytes(config, N, capacity_factor)
+    return sum(v * 7 / 8 if kind != "reduce-scatter" else v * 8 * 7 / 8 for kind, v in got.items())
+
+
+STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
+              "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
+for N in (512, 8 * 2048):
+    row = {s: human_bytes(wire_bytes(big.replace(**kw), N, kw.get("capacity_factor"))) for s, kw in STRATEGIES.items()}
+    print(f"397B, N = {N:>5} tokens per step: {row}")
+
+# %% [markdown]
+# Replication moves each token to all 8 devices once; dispatch moves `k = 10` copies there and `k` back. With
+# more experts per token than devices, a token's copies reach almost every device anyway (on average
+# `8·(1 - (7/8)^10) = 5.9` distinct devices), so dispatch has nothing to save, and its dropless buffers are sized
+# for the worst case: `k = 10` times the tokens, per destination.
+#
+# **Measure, as a TPU7x-8 would.** One MoE layer (`routing.moe_ep`, the same function the model calls),
+# compiled for `tpu7x:2x2x1` with abstract weights, at the `qwen3.5-mini` width (`D = 512`, `k = 8`): the 397B
+# width takes minutes per compile here; the formula is the same. XLA reports each collective with its shape.
+
+# %%
+def moe_layer_hlo(config, m, N):
+    """Optimized HLO of one MoE layer under config.routing on mesh m: x [N, D] split over the 8 devices."""
+    config = aot.for_backend(config.replace(moe_kernel="ragged_dot"), m.devices.flat[0].platform)
+    w = qwen35_lib.abstract_weights(config, weight_shardings(config, m))["layers"]["moe"]
+    x = jax.ShapeDtypeStruct((N, config.hidden_size), jnp.dtype(config.dtype), sharding=NamedSharding(m, P(EIGHT)))
+    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)  # layer 0 of group 0
+    with jax.set_mesh(m):
+        return jax.jit(layer).lower(w, x).compile().as_text()
+
+
+mini = qwen35_lib.get_config("qwen3.5-mini", layout="dp8_ep8")
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
+tpu_counts = {}
+if HAVE_LIBTPU:
+    tpu_mesh = aot.chip_core_mesh()
+    for s, kw in STRATEGIES.items():
+        counts = hlo.count(moe_layer_hlo(mini.replace(**kw), tpu_mesh, 512))
+        tpu_counts[s] = {kind: v for kind, v in counts.items() if v["bytes"] > 4}  # drop the 4-byte drop counter
+        print(f"TPU7x, qwen3.5-mini width, N = 512: {s:<22} {tpu_counts[s]}")
+else:
+    print("libtpu not installed (pip install 'jax[tpu]'): skipped the TPU7x compiles")
+
+# %% [markdown]
+# **Check.** The compiled layer moves exactly the predicted bytes, with 3 all-gathers + 1 reduce-scatter, or 3
+# all-to-alls.
+
+# %%
+for s, counts in tpu_counts.items():
+    kw = STRATEGIES[s]
+    want = predicted_bytes(mini.replace(**kw), 512, kw.get("capacity_factor"))
+    assert {kind: v["bytes"] for kind, v in counts.items()} == want, (s, counts, want)
+    assert {kind: v["count"] for kind, v in counts.items()} == (
+        {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
+
+# %%
+Ns = [64, 256, 512, 2048, 8 * 2048]
+fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
+for s, kw in STRATEGIES.items():
+    ax.plot(Ns, [wire_bytes(big.replace(**kw), N, kw.get("capacity_factor")) / 2**20 for N in Ns], marker="o", label=s)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("tokens per step N (all 8 devices)")
+ax.set_ylabel("MiB per device per MoE layer")
+ax.set_title("Qwen3.5-397B: bytes on the wire per MoE layer (prediction; formula checked by the TPU7x compile)",
+             fontsize=9)
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## 2. Dropping, counted
+#
+# **Predict.** With a capacity factor `f`, each device may send at most `cap = ceil(f·n·k/8)` copies to each
+# other device; the rest are dropped (their expert output is missing from the token's sum). The count needs
+# only the routing: for every source device and destination, `max(0, copies - cap)`. A skewed routing (most
+# tokens preferring expert 0, on device 0) drops far more than a balanced one.
+#
+# At CPU size: `qwen3.5-tiny` (8 experts, top-3: one expert per device), 64 tokens, float32. The skewed tokens
+# are random tokens pushed along the router's column for expert 0.
+
+# %%
+weights = qwen35_lib.init_weights(tiny, 0)
+layer = jax.tree.map(lambda a: a[0, 0], weights["layers"]["moe"])  # the first MoE layer
+r0 = np.asarray(layer["router"][:, 0])
+rng = np.random.default_rng(0)
+balanced = rng.standard_normal((64, tiny.hidden_size)).astype(np.float32)
+skewed = balanced + 3.0 * r0 / np.linalg.norm(r0)  # every token leans towards expert 0
+
+
+def predicted_drops(x, f):
+    _, ids = route(tiny, layer["router"], jnp.asarray(x))  # [64, k]
+    n, k = 8, tiny.num_experts_per_tok
+    cap = max(1, math.ceil(f * n * k / 8))
+    dest = np.asarray(ids).reshape(8, n * k) // (tiny.num_experts // 8)  # [source device, copies]
+    return int(sum(max(0, int((d == j).sum()) - cap) for d in dest for j in range(8)))
+
+
+def run(routing, x, capacity_factor=None):
+    """(out [N, D], dropped) of routing.moe_ep on the 8 CPU devices."""
+    cfg = tiny.replace(routing=routing, capacity_factor=capacity_factor)
+    sharded = shard_weights(cfg, weights, mesh)
+    w = jax.tree.map(lambda a: a[0, 0], sharded["layers"]["moe"])
+    with jax.set_mesh(mesh):
+        out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))(w, jnp.asarray(x))
+    return np.asarray(out), int(dropped)
+
+
+print({name: predicted_drops(x, 1.0) for name, x in (("balanced", balanced), ("skewed", skewed))})
+
+# %% [markdown]
+# **Measure.** `moe_ep` returns the number of dropped copies along with the output.
+
+# %%
+results = {}
+for name, x in (("balanced", balanced), ("skewed", skewed)):
+    results[name] = {"replicate": run("replicate", x), "all_to_all": run("all_to_all", x),
+                     "all_to_all f=1": run("all_to_all", x, 1.0)}
+    print(f"{name:<9} dropped copies: " + ", ".join(f"{s}: {d}" for s, (_, d) in results[name].items()))
+
+# %% [markdown]
+# **Check.** Dropless strategies drop nothing and equal the dense reference (every expert on every token,
+# masked by the routing weights: `moe_dense_reference`, less its shared expert); the capped all-to-all drops
+# exactly the predicted copies, more under skew.
+
+# %%
+for name, x in (("balanced", balanced), ("skewed", skewed)):
+    ref = np.asarray(moe_dense_reference(tiny, layer, jnp.asarray(x)) - shared_expert(layer, jnp.asarray(x)))
+    for s in ("replicate", "all_to_all"):
+        out, dropped = results[name][s]
+        assert dropped == 0
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert results[name]["all_to_all f=1"][1] == predicted_drops(x, 1.0)
+assert results["skewed"]["all_to_all f=1"][1] > results["balanced"]["all_to_all f=1"][1]
+
+# %% [markdown]
+# ## 3. Determinism: does my answer depend on my neighbours?
+#
+# **Predict.** Replication computes every token's output from that token alone, whoever else is in the batch. A
+# capped all-to-all gives buffer slots first come, first served on each device: a token whose device also carries
+# tokens crowding the same experts loses some of its copies. Keep tokens 4-7 of every device's 8 the same, and make
+# tokens 0-3 (which claim slots first) either balanced or skewed.
+
+# %%
+mixed = balanced.copy()
+first_half = (np.arange(64) % 8) < 4
+mixed[first_half] = skewed[first_half]
+same_rows = ~first_half
+changed = {}
+for s, (routing, f) in {"replicate": ("replicate", None), "all_to_all f=1": ("all_to_all", 1.0)}.items():
+    alone, _ = results["balanced"][s]
+    crowded, _ = run(routing, mixed, f)
+    changed[s] = int((np.abs(crowded[same_rows] - alone[same_rows]).max(axis=1) > 1e-6).sum())
+    print(f"{s:<15} tokens (of {same_rows.sum()} unchanged ones) whose output changed: {changed[s]}")
+
+# %% [markdown]
+# **Check.** Replication: no token's output moves. The capped all-to-all: some do, for no fault of their own.
+
+# %%
+assert changed["replicate"] == 0 and changed["all_to_all f=1"] > 0
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+if os.environ.get("QWEN35_RESULTS_DIR"):
+    record = dict(
+        wire_bytes_397b={str(N): {s: wire_bytes(big.replace(**kw), N, kw.get("capacity_factor"))
+                                  for s, kw in STRATEGIES.items()} for N in Ns},
+        tpu7x_mini_collectives=tpu_counts,
+        dropped={name: {s: d for s, (_, d) in r.items()} for name, r in results.items()},
+        outputs_changed_by_neighbours=changed)
+    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "token_routing.json").write_text(json.dumps(record, indent=2))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> With top-10 routing over 8 devices, replicating tokens moves fewer bytes than dispatching
+# their 10 copies, needs no capacity to tune, drops nothing, and gives every request the same answer whatever
+# else is in the batch.
+# </div>
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **[Crossover]** For which top-`k` would an all-to-all with `f = 1.25` move fewer bytes than replication, at
+#    `N = 512`?
+#    <details><summary>Answer</summary>
+#
+#    Per device and per token of the step, replication moves about `2 · 7/8 · D·b` on the wire (the all-gather,
+#    and the reduce-scatter's input), whatever `k`; the capped all-to-all only ships the device's own eighth of the
+#    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare
+#    `wire_bytes(big.replace(routing=r, num_experts_per_tok=k),
+#    512, f)` for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer from `k = 7`. Qwen3.5's
+#    `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
+#    </details>
+#
+# 2. **[How much capacity]** What capacity factor makes the skewed batch of section 2 drop nothing?
+#    <details><summary>Answer</summary>
+#
+#    Raise `f` in `predicted_drops(skewed, f)` until it returns 0, then confirm with `run("all_to_all", skewed,
+#    f)`: `f = 2.5` here (the balanced batch still drops 1 copy at `f = 2`). Twice the average buffer, and the
+#    bytes of the all-to-all grow with it.
+#    </details>
+#
+# 3. **[Dropless all-to-all on TPU]** Why is `ragged_all_to_all` the better primitive for a dropless dispatch?
+#    <details><summary>Answer</summary>
+#
+#    It sends each destination exactly the rows routed to it (sizes exchanged first), instead of `cap = n·k`
+#    padded rows per destination: the bytes become `k·n·D·b` there and back, no worst-case padding. XLA:CPU does
+#    not implement it, which is why the library pads here.
+#    </details>

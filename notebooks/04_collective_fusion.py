@@ -1,0 +1,298 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Collective fusion: two all-gathers instead of three, a reduce-scatter in two phases
+#
+# Token replication (notebook 03) costs, per MoE layer, three all-gathers and one reduce-scatter. Two of the
+# all-gathers carry tiny arrays (the top-k ids and weights), so their cost is mostly the fixed latency of a
+# collective; and the reduce-scatter crosses two very different links: the two TensorCores of a chip sit side by
+# side, while chips talk over ICI. This notebook asks: can the ids and weights travel in one collective, can the
+# reduce-scatter be split into an intra-chip phase and an inter-chip phase that overlap, and do both still compute
+# exactly what they replace?
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/04_collective_fusion.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
+# the libtpu that matches the pinned jax.
+import glob
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
+import glob
+import os
+
+import jax
+from jax._src import xla_bridge
+
+ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
+if not ACCELERATOR and not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+devices = jax.devices()
+if devices[0].platform == "cpu":
+    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
+SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
+print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+
+# %%
+# %matplotlib inline
+import json
+
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qwen35_lib
+from qwen35_lib import aot
+from qwen35_lib.model.moe import route
+from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights, weight_shardings
+from qwen35_lib.parallel.collectives import reduce_scatter
+from qwen35_lib.parallel.routing import moe_ep
+from qwen35_lib.report import human_bytes
+
+mesh = make_mesh()
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
+# %% [markdown]
+# ## 1. Three all-gathers become two
+#
+# `fuse_allgather` bitcasts the float top-k weights to int32 and packs them beside the int32 ids: one `[n, 2k]`
+# int32 array, one all-gather, unpacked and bitcast back on arrival (`collectives.gather_routing`). Bit-exact.
+#
+# **Predict.** Per MoE layer: 3 all-gathers → 2 (per layer group of 4 MoE layers, 12 → 8). The bytes barely move:
+# the weights travel as 4-byte words instead of bf16, `N·k·2` bytes more per layer, for one collective less.
+#
+# **Measure.** One MoE layer (`routing.moe_ep`, the function the model calls; `qwen3.5-tiny`, bf16, 512 tokens),
+# compiled for the 8 CPU devices and for a TPU7x-8 (`tpu7x:2x2x1`). Notebook 02 read the same collectives out
+# of a whole layer group of the engine's step.
+
+# %%
+def moe_layer_hlo(config, m, N):
+    """Optimized HLO of one MoE layer (routing.moe_ep) on mesh m: x [N, D] split over the 8 devices."""
+    config = aot.for_backend(config.replace(moe_kernel="ragged_dot"), m.devices.flat[0].platform)
+    w = qwen35_lib.abstract_weights(config, weight_shardings(config, m))["layers"]["moe"]
+    x = jax.ShapeDtypeStruct((N, config.hidden_size), jnp.dtype(config.dtype), sharding=NamedSharding(m, P(EIGHT)))
+    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)  # layer 0 of group 0
+    with jax.set_mesh(m):
+        return jax.jit(layer).lower(w, x).compile().as_text()
+
+
+layer_cfg = qwen35_lib.get_config("qwen3.5-tiny", layout="dp8_ep8")  # bf16, the serving dtype
+targets = {"CPU": mesh} | ({"TPU7x": aot.chip_core_mesh()} if HAVE_LIBTPU else {})
+all_gathers = {}
+for fused in (False, True):
+    for where, m in targets.items():
+        counts = hlo.count(moe_layer_hlo(layer_cfg.replace(fuse_allgather=fused), m, 512))
+        all_gathers[where, fused] = counts["all-gather"]
+for (where, fused), v in all_gathers.items():
+    print(f"{where:<6} fuse_allgather={fused!s:<5}: {v['count']} all-gathers, {v['bytes']:,} bytes")
+if not HAVE_LIBTPU:
+    print("libtpu not installed (pip install 'jax[tpu]'): skipped the TPU7x compiles")
+
+# %% [markdown]
+# **Check.** 3 → 2 on both compilers. On the TPU (bf16, `N = 512`, `k = 3`) the bytes grow by exactly `N·k·2`;
+# XLA:CPU carries the bf16 weights in float32 already, so there the bytes do not change at all.
+
+# %%
+k = layer_cfg.num_experts_per_tok
+for where in targets:
+    off, on = all_gathers[where, False], all_gathers[where, True]
+    assert (off["count"], on["count"]) == (3, 2), (where, off, on)
+    assert on["bytes"] - off["bytes"] == (512 * k * 2 if where == "TPU7x" else 0), (where, off, on)
+
+# %% [markdown]
+# ## 2. The reduce-scatter in two phases
+#
+# After the local experts, every device holds partial sums `{y[N, D]}_U` for all `N` tokens; each token's owner
+# needs the sum. A flat `psum_scatter` over `('chip', 'core')` does it in one collective. The hierarchical
+# version (`hierarchical_rs`) does it in two: first over `core` (the 2 TensorCores of a chip exchange halves:
+# intra-chip), then over `chip` (4 chips exchange quarters of what is left: inter-chip), and splits the rows
+# into micro-batches so that one micro-batch's inter-chip phase can run while the next one's intra-chip phase is
+# in flight.
+#
+# **The row-order subtlety.** A scatter over `core` hands core `j` the `j`-th half of the rows; the one over
+# `chip` then hands chip `c` the `c`-th quarter of that half. Device `(c, j)` ends with block `4j + c` of 8, but
+# the flat scatter (and the data-parallel layout of the tokens) puts block `2c + j` there. So the rows must be
+# permuted first: view the 8 blocks as `[chip 4, core 2]` and transpose to `[core, chip]`. Watch it happen, with
+# rows numbered by the block they belong to.
+
+# %%
+N, D = 64, 16
+blocks = np.repeat(np.arange(8), N // 8).astype(np.float32)  # row r belongs to block r // 8
+x = np.broadcast_to(blocks[:, None], (N, D)) * np.ones((8, 1, 1), np.float32)  # [device, N, D]: same on each
+
+
+def per_device(fn):
+    """fn(x [N, D]) -> [N / 8, D] run on every device of the mesh; returns [8, N / 8, D]."""
+    run = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(EIGHT), out_specs=P(EIGHT))
+    return np.asarray(jax.jit(run)(jnp.asarray(x)))
+
+
+flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
+naive = per_device(lambda v: jax.lax.psum_scatter(jax.lax.psum_scatter(v, "core", scatter_dimension=0, tiled=True),
+                                                  "chip", scatter_dimension=0, tiled=True))
+hier = per_device(lambda v: reduce_scatter(v, hierarchical=True, micro_batches=2))
+block_of = lambda out: (out[:, 0, 0] / 8).astype(int).tolist()  # each device's block id (sums of 8 copies)
+print("device (chip, core):     ", [(c, j) for c in range(4) for j in range(2)])
+print("flat psum_scatter:       ", block_of(flat))
+print("core, then chip (naive): ", block_of(naive))
+print("hierarchical_rs:         ", block_of(hier))
+
+# %% [markdown]
+# **Check.** On random data (each device its own partial sums), `hierarchical_rs` equals `psum_scatter` over
+# `('chip', 'core')` for 1, 2 and 4 micro-batches; in float32 up to summation order (the two-phase sum adds the
+# 8 partials in a different order: relative differences of order 1e-7).
+
+# %%
+assert block_of(flat) == list(range(8)) and block_of(hier) == list(range(8))
+assert block_of(naive) == [4 * j + c for c in range(4) for j in range(2)]
+x = np.random.default_rng(0).standard_normal((8, N, D)).astype(np.float32)
+flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
+for m in (1, 2, 4):
+    np.testing.assert_allclose(per_device(lambda v: reduce_scatter(v, True, m)), flat, rtol=1e-5, atol=1e-6)
+print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")
+
+# %% [markdown]
+# ## 3. Bytes per phase
+#
+# **Predict.** A device starts with `N·D·b` bytes of partial sums. Phase 1 (over `core`) sends half of them to the
+# other core of its chip: `N·D·b / 2` intra-chip, leaving `N/2` rows. Phase 2 (over `chip`) is a reduce-scatter
+# of those among 4 chips: `3/4 · N/2 · D·b = 3/8 · N·D·b` inter-chip. The flat reduce-scatter sends
+# `7/8 · N·D·b`, all over whatever links the 8-device ring uses. With `m` micro-batches each phase runs `m` times
+# on `1/m` of the rows.
+#
+# **Measure.** The collectives of the compiled two-phase reduce-scatter (result shapes say which phase: `N/2`
+# rows after phase 1, `N/8` after phase 2), on the CPU and for TPU7x.
+
+# %%
+def rs_collectives(m_devices, micro_batches, n=512, d=4096):
+    run = jax.shard_map(lambda v: reduce_scatter(v[0], True, micro_batches)[None], mesh=m_devices,
+                        in_specs=P(EIGHT), out_specs=P(EIGHT))
+    spec = jax.ShapeDtypeStruct((8, n, d), jnp.bfloat16, sharding=NamedSharding(m_devices, P(EIGHT)))
+    return [op for op in hlo.collectives(jax.jit(run).lower(spec).compile().as_text()) if op.kind == "reduce-scatter"]
+
+
+phases = {name: rs_collectives(m, 2) for name, m in targets.items()}
+for name, ops in phases.items():
+    print(name, [(op.kind, op.shape.split("{")[0]) for op in ops])
+
+# %% [markdown]
+# **Check.** Two micro-batches, two phases each: reduce-scatters whose results are `N/2/2 = 128` rows (phase 1)
+# and `N/8/2 = 32` rows (phase 2). (XLA:CPU carries bf16 reductions in float32.) From the row counts, the bytes
+# each device sends per phase for the 397B at `N = 512`:
+
+# %%
+for name, ops in phases.items():
+    rows = sorted(int(op.shape.split("[")[1].split(",")[0]) for op in ops)
+    assert rows == [32, 32, 128, 128], (name, rows)
+Nb = 512 * big.hidden_size * 2  # N·D·b, bf16
+per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat, 8 devices": 7 * Nb / 8}
+print({k: human_bytes(v) for k, v in per_phase.items()})
+
+# %%
+fig, ax = plt.subplots(figsize=(6.5, 2.4), layout="constrained")
+ax.barh(["flat", "hierarchical"], [0, Nb / 2 / 2**20], color="#8172B2", label="intra-chip (core)")
+ax.barh(["flat", "hierarchical"], [7 * Nb / 8 / 2**20, 3 * Nb / 8 / 2**20], left=[0, Nb / 2 / 2**20],
+        color="#C44E52", label="inter-chip (chip) / mixed")
+ax.set_xlabel("MiB sent per device, one MoE layer, N = 512 (397B, bf16)")
+ax.legend(fontsize=8, loc="lower right")
+plt.show()
+
+# %% [markdown]
+# The hierarchical version sends the same bytes in all (`1/2 + 3/8 = 7/8`), but only `3/8` of them cross the
+# chip-to-chip links, the scarce ones on a 2x2x1 slice, and the intra-chip half overlaps the
+# inter-chip phase of the previous micro-batch. The cost model (notebook 06) turns these bytes into time.
+#
+# ## 4. The whole MoE layer, fused and hierarchical, still the same function
+#
+# **Check.** One MoE layer on the 8 CPU devices (`qwen3.5-tiny`, float32): plain replication, with
+# `fuse_allgather`, and with both flags, against each other.
+
+# %%
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
+weights = qwen35_lib.init_weights(tiny, 0)
+tokens = jnp.asarray(np.random.default_rng(1).standard_normal((64, tiny.hidden_size)), jnp.float32)
+outs = {}
+for flags in ({}, {"fuse_allgather": True}, {"fuse_allgather": True, "hierarchical_rs": True}):
+    cfg = tiny.replace(**flags)
+    w = jax.tree.map(lambda a: a[0, 0], shard_weights(cfg, weights, mesh)["layers"]["moe"])
+    with jax.set_mesh(mesh):
+        outs[tuple(flags)] = np.asarray(jax.jit(lambda w, x: moe_ep(cfg, w, x, route)[0])(w, tokens))
+plain = outs[()]
+assert np.array_equal(outs[("fuse_allgather",)], plain)  # packing is bit-exact
+np.testing.assert_allclose(outs[("fuse_allgather", "hierarchical_rs")], plain, rtol=1e-5, atol=1e-6)
+print({k or ("plain",): float(np.abs(v - plain).max()) for k, v in outs.items()})
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+if os.environ.get("QWEN35_RESULTS_DIR"):
+    record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fused), v in all_gathers.items()},
+                  reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
+                  bytes_per_phase_397b_n512=per_phase)
+    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "collective_fusion.json").write_text(json.dumps(record, indent=2))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> Packing ids and weights saves one collective per MoE layer for a few extra bytes, and splitting
+# the reduce-scatter by link (core, then chip, rows permuted first) keeps more than half of its traffic inside the
+# chip, where it can overlap the inter-chip phase, with the same result.
+# </div>
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. **[Reverse the order]** Instead of permuting rows, reduce-scatter over `chip` first, then over `core`. Which
+#    block does device `(c, j)` end with, and what does each phase send?
+#    <details><summary>Answer</summary>
+#
+#    Over `chip` first, chip `c` keeps quarter `c`; then core `j` keeps half `j` of it: block `2c + j`, the right
+#    one, with no permute. But now the first phase (`3/4 · N·D·b`) crosses chips and the second (`1/8 · N·D·b`)
+#    stays inside: most traffic on the slow links, which is why the library permutes instead.
+#    </details>
+#
+# 2. **[Micro-batches]** With `m` micro-batches and perfect overlap, how long does the two-phase scatter take,
+#    if the phases take `t1` and `t2` unsplit?
+#    <details><summary>Answer</summary>
+#
+#    About `max(t1, t2) + min(t1, t2) / m` (a pipeline of `m` stages), plus `m` times a collective's fixed
+#    latency: `qwen35_lib.costmodel.collectives.hierarchical_reduce_scatter` models exactly this.
+#    </details>
+#
+# 3. **[Bytes for one collective less]** At what `N` does the fused all-gather's extra `N·k·2` bytes cost more
+#    than the latency of the collective it saves (say 10 µs at 100 GB/s)?
+#    <details><summary>Answer</summary>
+#
+#    `N·10·2 B / 100 GB/s = 10 µs` at `N = 50,000` tokens: far beyond any step here, so fusing always pays.
+#    </details>
