@@ -187,7 +187,7 @@ for name, (m, c) in targets.items():
     text = aot.compile_step(c, m, requests=16, context_len=256, decode=8).as_text()
     body = hlo.layer_body(text)
     per_group[name] = hlo.count(text, body)
-    body_ops[name] = [op for op in hlo.collectives(text) if op.computation in hlo._called(text, body)]
+    body_ops[name] = [op for op in hlo.collectives(text) if op.computation in hlo.called(text, body)]
     print(f"{name}, one layer group: {per_group[name]}")
 for op in body_ops["CPU"][:5]:
     print(f"  CPU  {op.kind:<15} {op.bytes:>6} B  {op.shape}")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.model.layers import linear, rms_norm, rope
+from qwen35_lib.parallel.ranks import per_rank
 
 
 def qkv(cfg: Config, w: dict, x: jax.Array, positions: jax.Array):
@@ -51,6 +52,7 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
         page = jnp.take_along_axis(seq_pages, (meta.positions // ps)[..., None], axis=2)[..., 0]
         page = jnp.where(valid, page, 0)
         offset = jnp.where(valid, meta.positions % ps, 0)
-        kv, kv_scales = jax.vmap(kernels.write)(kv, kv_scales, k, v, page, offset)
-        o = jax.vmap(kernels.paged)(q, kv, kv_scales, meta.page_table, meta.token_seq, meta.positions)
+        kv, kv_scales = per_rank(cfg, "attention", kernels.write, kv, kv_scales, k, v, page, offset)
+        o = per_rank(cfg, "attention", kernels.paged, q, kv, kv_scales, meta.page_table, meta.token_seq,
+                     meta.positions)
         return output(w, o, gate), kv, kv_scales

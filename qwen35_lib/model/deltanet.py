@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.model.layers import gated_rms_norm, linear
+from qwen35_lib.parallel.ranks import per_rank
 
 
 def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -102,7 +103,7 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict) -> t
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
         ragged = partial(for_config("gdn", cfg).ragged, chunk_size=cfg.gdn_chunk_size)
-        o, new_cache["state"] = jax.vmap(ragged)(conv_out["q"], conv_out["k"], conv_out["v"], g, beta,
-                                                 cache["state"], meta)
+        o, new_cache["state"] = per_rank(cfg, "gdn", ragged, conv_out["q"], conv_out["k"], conv_out["v"], g, beta,
+                                         cache["state"], meta)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
         return linear(o, w["w_out"], contract=2), new_cache

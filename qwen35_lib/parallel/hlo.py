@@ -38,10 +38,11 @@ def collectives(hlo_text: str) -> list[Collective]:
         m = _OP.match(line)
         if m and "-done" not in line.split("=")[1].split("(")[0]:
             shapes = _SHAPE.findall(m["shape"])
-            # async starts return (operands..., results...): the result is the last shape
-            dtype, dims = shapes[-1] if m["start"] else shapes[0] if len(shapes) == 1 else shapes[-1]
-            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-            out.append(Collective(m["kind"], comp, n * _BYTES.get(dtype, 4), m["shape"]))
+            # an async start returns (operands..., result): count the result; a plain op may return a tuple
+            # (XLA:CPU's all-to-all: one buffer per peer): count them all
+            size = lambda dtype, dims: int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES.get(dtype, 4)
+            nbytes = size(*shapes[-1]) if m["start"] else sum(size(*sh) for sh in shapes)
+            out.append(Collective(m["kind"], comp, nbytes, m["shape"]))
     return out
 
 
@@ -51,13 +52,13 @@ def layer_body(hlo_text: str) -> str | None:
     length 1: give the model two layer groups)."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
     ops = collectives(hlo_text)
-    counts = {b: sum(c.computation in _called(hlo_text, b) for c in ops) for b in bodies}
+    counts = {b: sum(c.computation in called(hlo_text, b) for c in ops) for b in bodies}
     return max(counts, key=counts.get) if counts and max(counts.values()) else None
 
 
 def count(hlo_text: str, computation: str | None = None) -> dict[str, dict[str, int]]:
     """{kind: {"count": n, "bytes": b}} over the module, or one computation and the ones it calls."""
-    names = _called(hlo_text, computation) if computation else None
+    names = called(hlo_text, computation) if computation else None
     out: dict[str, dict[str, int]] = {}
     for c in collectives(hlo_text):
         if names is None or c.computation in names:
@@ -67,7 +68,7 @@ def count(hlo_text: str, computation: str | None = None) -> dict[str, dict[str, 
     return out
 
 
-def _called(hlo_text: str, root: str) -> set[str]:
+def called(hlo_text: str, root: str) -> set[str]:
     """`root` and every computation reachable from it (fusions, conditionals, nested loops)."""
     bodies: dict[str, str] = {}
     name = None

@@ -1,0 +1,34 @@
+"""Per-rank kernel calls under a layout: `vmap` over the data-parallel rank axis R, and, for Pallas kernels on a
+mesh, inside a `shard_map` (XLA cannot partition a Mosaic kernel itself: each device runs it on its own ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from qwen35_lib.config import Config
+from qwen35_lib.kernels.registry import resolve_name
+from qwen35_lib.parallel.layouts import get_layout
+from qwen35_lib.parallel.mesh import EIGHT
+
+
+def per_rank(cfg: Config, slot: str, fn: Callable, *args):
+    """`jax.vmap(fn)(*args)` over the leading R of every array in `args` (None entries pass through).
+
+    With a Pallas kernel in `slot` under a multi-device layout, the vmap runs in a `shard_map` that gives each
+    device its own ranks: this needs every mesh axis to split ranks (`dp8_ep8`); other layouts split heads
+    too, which these kernels do not take yet, and are refused with the fix.
+    """
+    f = jax.vmap(fn)
+    layout = get_layout(cfg.layout)
+    field = {"moe_matmul": "moe_kernel"}.get(slot, f"{slot}_kernel")
+    if layout.name == "single" or resolve_name(slot, getattr(cfg, field)) != "pallas":
+        return f(*args)
+    if layout.batch_axes != EIGHT:
+        raise ValueError(f"the Pallas {slot} kernel runs per data-parallel rank; layout {layout.name!r} also splits "
+                         f"heads across devices: use layout 'dp8_ep8' (the 'kernels' stage) or {field}='xla'")
+    specs = jax.tree.map(lambda _: P(EIGHT), args)
+    return jax.shard_map(f, in_specs=specs, out_specs=P(EIGHT), check_vma=False)(*args)
