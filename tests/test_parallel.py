@@ -181,3 +181,12 @@ def test_every_stage_is_a_complete_valid_config(mesh):
     assert layouts == ["tp8_kvrep"] + ["dp8_ep8"] * 5
     top = stage_config(get_config("qwen3.5-mini"), "kernels")
     assert top.fuse_allgather and top.hierarchical_rs and top.moe_kernel == "pallas"
+
+
+def test_kernels_stage_every_pallas_kernel_under_dp8_ep8(mesh, weights, reference_tokens):
+    """The top of the ladder: dp8_ep8 + replicate + both flags + all four Pallas kernels (interpret mode here),
+    per rank inside shard_maps, gives the single-device XLA engine's tokens."""
+    from qwen35_lib.parallel.stages import stage_config
+
+    engine = Engine(stage_config(BASE, "kernels"), weights, EC, mesh=mesh)
+    assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]
