@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# pytest-xdist: one persistent compile cache per worker (and the notebook kernels it starts); two processes
+# writing the same entry at once aborted one of them in jax's cache write.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
 import jax  # noqa: E402
 
