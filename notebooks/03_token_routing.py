@@ -67,19 +67,15 @@ print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
 # %%
 # %matplotlib inline
 import json
-import math
 
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights, weight_shardings
-from qwen35_lib.parallel.routing import moe_ep
+from qwen35_lib.parallel import hlo, make_mesh, routing
 from qwen35_lib.report import human_bytes
 
 mesh = make_mesh()
@@ -103,25 +99,10 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # (`N·D·b`).
 
 # %%
-def predicted_bytes(config, N, capacity_factor=None):
-    """{collective: result bytes per device} of one MoE layer with N tokens in the step."""
-    D, k, b, n = config.hidden_size, config.num_experts_per_tok, jnp.dtype(config.dtype).itemsize, N // 8
-    if config.routing == "replicate":
-        return {"all-gather": N * D * b + N * k * 4 + N * k * b, "reduce-scatter": n * D * b}
-    cap = n * k if capacity_factor is None else max(1, math.ceil(capacity_factor * n * k / 8))
-    return {"all-to-all": 2 * 8 * cap * D * b + 8 * cap * 4}
-
-
-def wire_bytes(config, N, capacity_factor=None):
-    """Bytes one device receives (all-gather, all-to-all) or sends (reduce-scatter) in one MoE layer."""
-    got = predicted_bytes(config, N, capacity_factor)
-    return sum(v * 7 / 8 if kind != "reduce-scatter" else v * 8 * 7 / 8 for kind, v in got.items())
-
-
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
 for N in (512, 8 * 2048):
-    row = {s: human_bytes(wire_bytes(big.replace(**kw), N, kw.get("capacity_factor"))) for s, kw in STRATEGIES.items()}
+    row = {s: human_bytes(routing.wire_bytes(big.replace(**kw), N)) for s, kw in STRATEGIES.items()}
     print(f"397B, N = {N:>5} tokens per step: {row}")
 
 # %% [markdown]
@@ -135,23 +116,13 @@ for N in (512, 8 * 2048):
 # width takes minutes per compile here; the formula is the same. XLA reports each collective with its shape.
 
 # %%
-def moe_layer_hlo(config, m, N):
-    """Optimized HLO of one MoE layer under config.routing on mesh m: x [N, D] split over the 8 devices."""
-    config = aot.for_backend(config.replace(moe_kernel="ragged_dot"), m.devices.flat[0].platform)
-    w = qwen35_lib.abstract_weights(config, weight_shardings(config, m))["layers"]["moe"]
-    x = jax.ShapeDtypeStruct((N, config.hidden_size), jnp.dtype(config.dtype), sharding=NamedSharding(m, P(EIGHT)))
-    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)  # layer 0 of group 0
-    with jax.set_mesh(m):
-        return jax.jit(layer).lower(w, x).compile().as_text()
-
-
 mini = qwen35_lib.get_config("qwen3.5-mini", layout="dp8_ep8")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
 tpu_counts = {}
 if HAVE_LIBTPU:
     tpu_mesh = aot.chip_core_mesh()
     for s, kw in STRATEGIES.items():
-        counts = hlo.count(moe_layer_hlo(mini.replace(**kw), tpu_mesh, 512))
+        counts = hlo.count(aot.compile_moe_layer(mini.replace(**kw), tpu_mesh, 512).as_text())
         tpu_counts[s] = {kind: v for kind, v in counts.items() if v["bytes"] > 4}  # drop the 4-byte drop counter
         print(f"TPU7x, qwen3.5-mini width, N = 512: {s:<22} {tpu_counts[s]}")
 else:
@@ -164,7 +135,7 @@ else:
 # %%
 for s, counts in tpu_counts.items():
     kw = STRATEGIES[s]
-    want = predicted_bytes(mini.replace(**kw), 512, kw.get("capacity_factor"))
+    want = routing.collective_bytes(mini.replace(**kw), 512)
     assert {kind: v["bytes"] for kind, v in counts.items()} == want, (s, counts, want)
     assert {kind: v["count"] for kind, v in counts.items()} == (
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
@@ -173,7 +144,7 @@ for s, counts in tpu_counts.items():
 Ns = [64, 256, 512, 2048, 8 * 2048]
 fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
 for s, kw in STRATEGIES.items():
-    ax.plot(Ns, [wire_bytes(big.replace(**kw), N, kw.get("capacity_factor")) / 2**20 for N in Ns], marker="o", label=s)
+    ax.plot(Ns, [routing.wire_bytes(big.replace(**kw), N) / 2**20 for N in Ns], marker="o", label=s)
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("tokens per step N (all 8 devices)")
@@ -202,26 +173,10 @@ rng = np.random.default_rng(0)
 balanced = rng.standard_normal((64, tiny.hidden_size)).astype(np.float32)
 skewed = balanced + 3.0 * r0 / np.linalg.norm(r0)  # every token leans towards expert 0
 
-
-def predicted_drops(x, f):
-    _, ids = route(tiny, layer["router"], jnp.asarray(x))  # [64, k]
-    n, k = 8, tiny.num_experts_per_tok
-    cap = max(1, math.ceil(f * n * k / 8))
-    dest = np.asarray(ids).reshape(8, n * k) // (tiny.num_experts // 8)  # [source device, copies]
-    return int(sum(max(0, int((d == j).sum()) - cap) for d in dest for j in range(8)))
-
-
-def run(routing, x, capacity_factor=None):
-    """(out [N, D], dropped) of routing.moe_ep on the 8 CPU devices."""
-    cfg = tiny.replace(routing=routing, capacity_factor=capacity_factor)
-    sharded = shard_weights(cfg, weights, mesh)
-    w = jax.tree.map(lambda a: a[0, 0], sharded["layers"]["moe"])
-    with jax.set_mesh(mesh):
-        out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))(w, jnp.asarray(x))
-    return np.asarray(out), int(dropped)
-
-
-print({name: predicted_drops(x, 1.0) for name, x in (("balanced", balanced), ("skewed", skewed))})
+capped = {f: tiny.replace(routing="all_to_all", capacity_factor=f) for f in (1.0,)}
+batches = {"balanced": balanced, "skewed": skewed}
+ids = {name: route(tiny, layer["router"], jnp.asarray(x))[1] for name, x in batches.items()}  # [64, k] each
+print({name: routing.predicted_drops(capped[1.0], i) for name, i in ids.items()})
 
 # %% [markdown]
 # **Measure.** `moe_ep` returns the number of dropped copies along with the output.
@@ -229,8 +184,9 @@ print({name: predicted_drops(x, 1.0) for name, x in (("balanced", balanced), ("s
 # %%
 results = {}
 for name, x in (("balanced", balanced), ("skewed", skewed)):
-    results[name] = {"replicate": run("replicate", x), "all_to_all": run("all_to_all", x),
-                     "all_to_all f=1": run("all_to_all", x, 1.0)}
+    results[name] = {s: routing.run_layer(tiny.replace(routing=r, capacity_factor=f), weights, x, mesh)
+                     for s, (r, f) in {"replicate": ("replicate", None), "all_to_all": ("all_to_all", None),
+                                       "all_to_all f=1": ("all_to_all", 1.0)}.items()}
     print(f"{name:<9} dropped copies: " + ", ".join(f"{s}: {d}" for s, (_, d) in results[name].items()))
 
 # %% [markdown]
@@ -245,7 +201,7 @@ for name, x in (("balanced", balanced), ("skewed", skewed)):
         out, dropped = results[name][s]
         assert dropped == 0
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert results[name]["all_to_all f=1"][1] == predicted_drops(x, 1.0)
+    assert results[name]["all_to_all f=1"][1] == routing.predicted_drops(capped[1.0], ids[name])
 assert results["skewed"]["all_to_all f=1"][1] > results["balanced"]["all_to_all f=1"][1]
 
 # %% [markdown]
@@ -262,9 +218,9 @@ first_half = (np.arange(64) % 8) < 4
 mixed[first_half] = skewed[first_half]
 same_rows = ~first_half
 changed = {}
-for s, (routing, f) in {"replicate": ("replicate", None), "all_to_all f=1": ("all_to_all", 1.0)}.items():
+for s, (r, f) in {"replicate": ("replicate", None), "all_to_all f=1": ("all_to_all", 1.0)}.items():
     alone, _ = results["balanced"][s]
-    crowded, _ = run(routing, mixed, f)
+    crowded, _ = routing.run_layer(tiny.replace(routing=r, capacity_factor=f), weights, mixed, mesh)
     changed[s] = int((np.abs(crowded[same_rows] - alone[same_rows]).max(axis=1) > 1e-6).sum())
     print(f"{s:<15} tokens (of {same_rows.sum()} unchanged ones) whose output changed: {changed[s]}")
 
@@ -278,7 +234,7 @@ assert changed["replicate"] == 0 and changed["all_to_all f=1"] > 0
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 if os.environ.get("QWEN35_RESULTS_DIR"):
     record = dict(
-        wire_bytes_397b={str(N): {s: wire_bytes(big.replace(**kw), N, kw.get("capacity_factor"))
+        wire_bytes_397b={str(N): {s: routing.wire_bytes(big.replace(**kw), N)
                                   for s, kw in STRATEGIES.items()} for N in Ns},
         tpu7x_mini_collectives=tpu_counts,
         dropped={name: {s: d for s, (_, d) in r.items()} for name, r in results.items()},
@@ -302,7 +258,7 @@ if os.environ.get("QWEN35_RESULTS_DIR"):
 #    Per device and per token of the step, replication moves about `2 · 7/8 · D·b` on the wire (the all-gather,
 #    and the reduce-scatter's input), whatever `k`; the capped all-to-all only ships the device's own eighth of the
 #    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare
-#    `wire_bytes(big.replace(routing=r, num_experts_per_tok=k),
+#    `routing.wire_bytes(big.replace(routing=r, num_experts_per_tok=k),
 #    512, f)` for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer from `k = 7`. Qwen3.5's
 #    `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
 #    </details>
@@ -310,9 +266,9 @@ if os.environ.get("QWEN35_RESULTS_DIR"):
 # 2. **[How much capacity]** What capacity factor makes the skewed batch of section 2 drop nothing?
 #    <details><summary>Answer</summary>
 #
-#    Raise `f` in `predicted_drops(skewed, f)` until it returns 0, then confirm with `run("all_to_all", skewed,
-#    f)`: `f = 2.5` here (the balanced batch still drops 1 copy at `f = 2`). Twice the average buffer, and the
-#    bytes of the all-to-all grow with it.
+#    Raise `f` in `routing.predicted_drops` for the skewed routing until it returns 0, then confirm with
+#    `routing.run_layer` (all_to_all, skewed, f): `f = 2.5` here (the balanced batch still drops 1 copy at
+#    `f = 2`). Twice the average buffer, and the bytes of the all-to-all grow with it.
 #    </details>
 #
 # 3. **[Dropless all-to-all on TPU]** Why is `ragged_all_to_all` the better primitive for a dropless dispatch?

@@ -76,7 +76,7 @@ from jax.sharding import PartitionSpec as P
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.model.moe import route
-from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights, weight_shardings
+from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import reduce_scatter
 from qwen35_lib.parallel.routing import moe_ep
 from qwen35_lib.report import human_bytes
@@ -99,22 +99,12 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # of a whole layer group of the engine's step.
 
 # %%
-def moe_layer_hlo(config, m, N):
-    """Optimized HLO of one MoE layer (routing.moe_ep) on mesh m: x [N, D] split over the 8 devices."""
-    config = aot.for_backend(config.replace(moe_kernel="ragged_dot"), m.devices.flat[0].platform)
-    w = qwen35_lib.abstract_weights(config, weight_shardings(config, m))["layers"]["moe"]
-    x = jax.ShapeDtypeStruct((N, config.hidden_size), jnp.dtype(config.dtype), sharding=NamedSharding(m, P(EIGHT)))
-    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)  # layer 0 of group 0
-    with jax.set_mesh(m):
-        return jax.jit(layer).lower(w, x).compile().as_text()
-
-
 layer_cfg = qwen35_lib.get_config("qwen3.5-tiny", layout="dp8_ep8")  # bf16, the serving dtype
 targets = {"CPU": mesh} | ({"TPU7x": aot.chip_core_mesh()} if HAVE_LIBTPU else {})
 all_gathers = {}
 for fused in (False, True):
     for where, m in targets.items():
-        counts = hlo.count(moe_layer_hlo(layer_cfg.replace(fuse_allgather=fused), m, 512))
+        counts = hlo.count(aot.compile_moe_layer(layer_cfg.replace(fuse_allgather=fused), m, 512).as_text())
         all_gathers[where, fused] = counts["all-gather"]
 for (where, fused), v in all_gathers.items():
     print(f"{where:<6} fuse_allgather={fused!s:<5}: {v['count']} all-gathers, {v['bytes']:,} bytes")

@@ -103,3 +103,23 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     backend = mesh.devices.flat[0].platform
     with jax.set_mesh(mesh), compile_target(backend):
         return _engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()
+
+
+def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):
+    """One EP MoE layer (`parallel.routing.moe_ep`, layer 0 of group 0, the XLA grouped matmul) on `mesh` with
+    x [tokens, D] split over the 8 devices, compiled with abstract weights: its collectives as XLA emits them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qwen35_lib.model.moe import route
+    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.parallel.mesh import EIGHT
+    from qwen35_lib.parallel.routing import moe_ep
+
+    backend = mesh.devices.flat[0].platform
+    config = for_backend(config.replace(moe_kernel="ragged_dot"), backend)
+    w = abstract_weights(config, weight_shardings(config, mesh))["layers"]["moe"]
+    x = jax.ShapeDtypeStruct((tokens, config.hidden_size), jnp.dtype(config.dtype),
+                             sharding=NamedSharding(mesh, PartitionSpec(EIGHT)))
+    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)
+    with jax.set_mesh(mesh), compile_target(backend):
+        return jax.jit(layer).lower(w, x).compile()

@@ -16,7 +16,7 @@ from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import moe_block, route
 from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import gather_routing, reduce_scatter
-from qwen35_lib.parallel.routing import moe_ep
+from qwen35_lib.parallel.routing import moe_ep, predicted_drops
 
 # Every valid (layout, routing, fuse_allgather, hierarchical_rs): the flags apply to EP + replicate only.
 EP_SETTINGS = [("replicate", f, h) for f in (False, True) for h in (False, True)] + [("all_to_all", False, False)]
@@ -114,8 +114,10 @@ def test_all_to_all_is_dropless_by_default_and_counts_drops(mesh, weights):
     assert dropped == 0
     shared = moe_block(BASE, dict(w, w_down=jnp.zeros_like(w["w_down"])), x)  # the shared expert alone
     np.testing.assert_allclose(out, np.asarray(ref - shared), atol=1e-5)
-    out, dropped = run(_cfg("dp8_ep8", "all_to_all", capacity_factor=0.25))  # 1/4 of the mean slots per device
+    capped = _cfg("dp8_ep8", "all_to_all", capacity_factor=0.25)  # 1/4 of the mean slots per device
+    out, dropped = run(capped)
     assert dropped > 0
+    assert dropped == predicted_drops(capped, route(BASE, w["router"], x)[1])  # the arithmetic count
     assert not np.allclose(out, np.asarray(ref - shared), atol=1e-5)
 
 

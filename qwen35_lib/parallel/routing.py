@@ -131,3 +131,50 @@ def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count:
     out = jnp.einsum("nkd,nk->nd", back.reshape(n, k, D), weights.astype(back.dtype),
                      preferred_element_type=jnp.float32)
     return out.astype(x.dtype), c - jnp.sum(keep, dtype=jnp.int32)
+
+
+def collective_bytes(cfg: Config, N: int) -> dict[str, int]:
+    """Predicted result bytes per device of each collective kind in one EP MoE layer with N tokens in the step
+    (split over 8 devices, n = N / 8 each; b = bytes of cfg.dtype):
+
+    replicate:  all-gathers N·D·b (hidden) + N·k·4 (ids) + N·k·b (weights); reduce-scatter n·D·b
+    all_to_all: 2 · 8·cap·D·b (dispatch and return) + 8·cap·4 (expert ids), cap = n·k dropless,
+                else ceil(capacity_factor · n·k / 8) rows per destination.
+    """
+    D, k, b, n = cfg.hidden_size, cfg.num_experts_per_tok, jnp.dtype(cfg.dtype).itemsize, N // 8
+    if cfg.routing == "replicate":
+        return {"all-gather": N * D * b + N * k * 4 + N * k * b, "reduce-scatter": n * D * b}
+    cap = n * k if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * n * k / 8))
+    return {"all-to-all": 2 * 8 * cap * D * b + 8 * cap * 4}
+
+
+def wire_bytes(cfg: Config, N: int) -> float:
+    """Bytes one device receives (all-gather, all-to-all: 7/8 of the result) or sends (reduce-scatter: 7/8 of its
+    N·D·b input) in one EP MoE layer."""
+    return sum(v * 7 / 8 * (8 if kind == "reduce-scatter" else 1) for kind, v in collective_bytes(cfg, N).items())
+
+
+def predicted_drops(cfg: Config, ids) -> int:
+    """Copies all_to_all drops for routing `ids` [N, k] (N split over 8 devices): for every source device and
+    destination, max(0, copies - cap)."""
+    import numpy as np
+
+    ids = np.asarray(ids)
+    n, k = ids.shape[0] // 8, ids.shape[1]
+    cap = n * k if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * n * k / 8))
+    dest = ids.reshape(8, n * k) // (cfg.num_experts // 8)  # [source device, copies]
+    return int(sum(max(0, int((d == j).sum()) - cap) for d in dest for j in range(8)))
+
+
+def run_layer(cfg: Config, weights: dict, x, mesh, group: int = 0, position: int = 0):
+    """`moe_ep` of one layer of the model's `weights` (placed on `mesh` under cfg.layout) on x [N, D]:
+    numpy (out [N, D] without the shared expert, dropped copies)."""
+    import numpy as np
+
+    from qwen35_lib.model.moe import route
+    from qwen35_lib.parallel.layouts import shard_weights
+
+    layer = jax.tree.map(lambda a: a[group, position], shard_weights(cfg, weights, mesh)["layers"]["moe"])
+    with jax.set_mesh(mesh):
+        out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))(layer, jnp.asarray(x))
+    return np.asarray(out), int(dropped)
