@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
+from qwen35_lib.parallel.stages import stage_config
 
 DESCRIPTION = ("one engine step (decode- and prefill-sized) per stage's layout and routing (tp8_kvrep, dp8_ep8 + "
                "all_to_all / replicate / fused all-gather / hierarchical reduce-scatter) on 8 CPU devices")
@@ -62,14 +63,6 @@ def _options(args: argparse.Namespace) -> dict:
     if min(o["seqs"], o["context"], o["prefill_seqs"], o["prefill_len"]) < 1:
         raise ValueError("--seqs, --context, --prefill-seqs and --prefill-len must be >= 1")
     return o
-
-
-def stage_config(base, name: str):
-    from qwen35_lib.costmodel.stages import get_stage
-
-    st = get_stage(name)
-    return base.replace(layout=st.layout, routing=st.routing or "replicate", fuse_allgather=st.fuse_allgather,
-                        hierarchical_rs=st.hierarchical_rs)
 
 
 def _split(total: int, ranks: int, what: str) -> int:
