@@ -176,14 +176,12 @@ def layout_mesh() -> Any:
 
     import jax
 
+    from qwen35_lib.devices import simulate_cpu_devices
     from qwen35_lib.parallel.mesh import make_mesh
 
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if not forced and jax.config.jax_num_cpu_devices < 0:
-        try:
-            jax.config.update("jax_num_cpu_devices", MESH_DEVICES)  # only the CPU backend reads it
-        except RuntimeError:  # a backend is already running; its devices are what there is
-            pass
+        simulate_cpu_devices(MESH_DEVICES)  # only the CPU backend reads it; no-op once a backend runs
     devices = jax.devices()
     if len(devices) < MESH_DEVICES:
         raise ValueError(f"the parallel layouts need {MESH_DEVICES} devices as ('chip': 4, 'core': 2); this "

@@ -2,8 +2,11 @@
 
 import os
 
+from qwen35_lib.devices import patient_collectives
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+patient_collectives()  # a simulated device that lags behind on a busy machine must not abort the test process
 # pytest-xdist: one persistent compile cache per worker (and the notebook kernels it starts); two processes
 # writing the same entry at once aborted one of them in jax's cache write.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):

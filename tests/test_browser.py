@@ -57,8 +57,8 @@ def _free_port() -> int:
 
 
 def _write_notebook(folder: pathlib.Path) -> str:
-    setup = ("import jax\n"
-             "jax.config.update('jax_num_cpu_devices', 8)  # the playbook's 8 simulated devices")
+    setup = ("from qwen35_lib.devices import simulate_cpu_devices\n"
+             "simulate_cpu_devices(8)  # the playbook's 8 simulated devices")
     cells = [nbformat.v4.new_code_cell(setup), nbformat.v4.new_code_cell(f"{EXPLORER}\n\nsharding_explorer()")]
     nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
                                                                          "display_name": "Python 3"}})

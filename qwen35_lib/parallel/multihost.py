@@ -112,11 +112,10 @@ def initialize(coordinator: str, num_processes: int, process_id: int, local_devi
     initializes a JAX backend (importing jax is fine)."""
     import jax
 
-    flags = child_env().get("XLA_FLAGS")  # read by XLA when the backend starts, which has not happened yet
-    if flags is None:
-        os.environ.pop("XLA_FLAGS", None)
-    else:
-        os.environ["XLA_FLAGS"] = flags
+    from qwen35_lib.devices import with_patient_collectives
+
+    # read by XLA when the backend starts, which has not happened yet
+    os.environ["XLA_FLAGS"] = with_patient_collectives(child_env().get("XLA_FLAGS", ""))
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU default; explicit for clarity
