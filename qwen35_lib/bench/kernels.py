@@ -5,8 +5,10 @@ N = T * k token copies are routed by a random router and sorted by expert (the l
 `permute` dispatch), then every registered `moe_matmul` implementation runs the grouped SwiGLU on them.
 Two baselines, not slot implementations (they never win):
 - "dense matmul (equal FLOPs)": x_sorted [N, D] @ W [D, 3F], the useful FLOPs of the MoE (2 * T * k * 3 * D * F)
-  in one plain matmul. Each implementation's `throughput_ratio_vs_dense` is its useful FLOP/s over this one's,
-  measured in the same run; the acceptance figure is the default implementation's at 4096 tokens (target 0.5);
+  in one plain matmul, accumulated in float32 and rounded to x's dtype as the slot's output is (on XLA:CPU the
+  fastest way to a bf16 result: a dot that outputs bf16 directly runs ~2x slower). Each implementation's
+  `throughput_ratio_vs_dense` is its useful FLOP/s over this one's, measured in the same run; the acceptance
+  figure is the default implementation's at 4096 tokens (target 0.5);
 - "dense (all experts)": every expert on every token, masked by the routing weights (E / k times the FLOPs).
 Pallas TPU kernels ("pallas", and megablox `gmm` for comparison) run only in interpret mode off a TPU: there
 they are checked for numerics at each case and never timed (`numerics_only`); on a TPU they are timed.
@@ -251,8 +253,8 @@ def _inputs(cfg: Config, tokens: int, seed: int) -> tuple[jax.Array, ...]:
 
 
 def _dense_matmul(x, w):
-    """x [N, D] @ w [D, 3F] -> [N, 3F] float32: the MoE's useful FLOPs as one dense matmul."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    """x [N, D] @ w [D, 3F] -> [N, 3F] in x's dtype: the MoE's useful FLOPs as one dense matmul."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _dense_all_experts(x, gate, w_gate_up, w_down):

@@ -1,7 +1,7 @@
 """Grouped SwiGLU expert FFNs as one Pallas TPU kernel: the `moe_matmul` slot's "pallas" implementation.
 
 Same protocol as `moe_xla` (x_sorted [N, D] sorted by expert, group_sizes, w_gate_up [E, D, 2, F], w_down
-[E, F, D], dense or `BlockFP8`; y_sorted [N, D] float32, 0 for rows of no local expert), plus `group_offset`
+[E, F, D], dense or `BlockFP8`; y_sorted [N, D] in x's dtype, 0 for rows of no local expert), plus `group_offset`
 for expert parallelism: `group_sizes` [G] counts the rows of G groups in sorted order, the weights hold the
 E <= G local experts `group_offset .. group_offset + E - 1`, and rows of every other group give 0 (so can a
 trailing group of non-local rows). `w_gate_up` may also come pre-fused as [E, D, 2F] (gate | up columns), the
@@ -75,7 +75,7 @@ def row_tile(n_rows: int, num_groups: int) -> int:
 
 def vmem_bytes(tm: int, tf: int, D: int, F: int, x_bytes: int, w_bytes: int, fp8_block: int | None) -> int:
     """VMEM the kernel's blocks take (each input/output block double-buffered by the pipeline)."""
-    b = 2 * tm * D * x_bytes + 2 * tm * D * 4 + 2 * 3 * D * tf * w_bytes  # x, y (f32), gate + up + down tiles
+    b = 4 * tm * D * x_bytes + tm * D * 4 + 2 * 3 * D * tf * w_bytes  # x, y, the f32 accumulator, weight tiles
     b += 4 * tm * tf * 4 + tm * D * 4  # gate, up, SiLU product [tm, tf] and the down product [tm, D] (f32)
     if fp8_block:  # expanded scales, and the dequantized tiles in x's dtype
         b += 2 * 2 * (D // fp8_block) * tf * 4 + 2 * (F // fp8_block) * D * 4 + 3 * D * tf * x_bytes
@@ -150,18 +150,21 @@ def _dequantize_into(w_ref, s_ref, out_ref, block: int, s_row0) -> None:
 
 def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, fixed_ref,  # scalar prefetch [V]
                 x_ref, wg_ref, wu_ref, wd_ref, *rest, tm: int, fp8_block: int | None):
-    """One (visit v, F tile f) step: y[tile] += mask * (silu(x wg) * (x wu)) wd over this F tile."""
+    """One (visit v, F tile f) step: acc[tile] += mask * (silu(x wg) * (x wu)) wd over this F tile; the tile's
+    last step rounds acc (float32, VMEM) into y (x's dtype)."""
     del expert_ref, fixed_ref  # used by the index maps only
     if fp8_block:
-        sg_ref, su_ref, sd_ref, y_ref, wg_s, wu_s, wd_s = rest
+        sg_ref, su_ref, sd_ref, y_ref, wg_s, wu_s, wd_s, acc_ref = rest
     else:
-        (y_ref,) = rest
+        y_ref, acc_ref = rest
     v, f = pl.program_id(0), pl.program_id(1)
+    V, nf = pl.num_programs(0), pl.num_programs(1)
     kind = kind_ref[v]
+    last = (v == V - 1) | (tile_ref[jnp.minimum(v + 1, V - 1)] != tile_ref[v])  # the tile's last visit
 
     @pl.when((f == 0) & (first_ref[v] == 1))
     def _zero():
-        y_ref[...] = jnp.zeros_like(y_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
     @pl.when(kind == REAL)
     def _compute():
@@ -178,7 +181,11 @@ def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, f
         rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)  # [tm, 1]
         mask = (rows >= start_ref[v]) & (rows < end_ref[v])
         a = jnp.where(mask, jax.nn.silu(g) * u, 0.0).astype(x.dtype)  # other groups' rows contribute nothing
-        y_ref[...] += jnp.dot(a, wd, preferred_element_type=jnp.float32)  # [tm, D]
+        acc_ref[...] += jnp.dot(a, wd, preferred_element_type=jnp.float32)  # [tm, D]
+
+    @pl.when((f == nf - 1) & last)
+    def _write():
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
 
 
 def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=None, *, interpret=None,
@@ -190,8 +197,9 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     3. x is padded to whole row tiles (interpret mode clamps out-of-bounds blocks instead of masking them);
        w_gate_up is viewed as [E, D, 2F] so gate and up are two blocks of one array; FP8 scales are repeated
        along their lane dim (1/block of the weight's size) so the kernel scales whole rows of a block at once.
-    4. The kernel (grid V x F/tf): zero a tile on its first visit; for a REAL visit add
-       mask * (silu(x wg) * (x wu)) wd for the F tile, FP8 tiles dequantized in VMEM first.
+    4. The kernel (grid V x F/tf): zero a tile's float32 accumulator on its first visit; for a REAL visit add
+       mask * (silu(x wg) * (x wu)) wd for the F tile, FP8 tiles dequantized in VMEM first; round the
+       accumulator into the output tile (x's dtype) at the tile's last step.
     """
     interpret = interpret_default() if interpret is None else interpret
     N, D = x.shape
@@ -200,7 +208,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     E = wgu.shape[0]
     F = w_down.value.shape[1] if fp8 else w_down.shape[1]
     if N == 0:
-        return jnp.zeros((0, D), jnp.float32)
+        return jnp.zeros((0, D), x.dtype)
     if fp8 and (D % fp8_block or F % fp8_block):
         raise ValueError(f"pallas moe_matmul needs D={D} and F={F} to be multiples of the FP8 block {fp8_block}")
     wgu = wgu.reshape(E, D, 2 * F)  # [E, D, 2F]: columns [0, F) gate, [F, 2F) up (on TPU a relayout if 4D)
@@ -235,7 +243,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
                 pl.BlockSpec((None, D, tf), up_map),
                 pl.BlockSpec((None, tf, D), down_map)]
     args = [xp, wgu, wgu, wd]
-    scratch = []
+    scratch = [pltpu.VMEM((tm, D), jnp.float32)]  # the accumulator, last
     if fp8:
         b = fp8_block
         sgu = jnp.repeat(w_gate_up.scale.reshape(E, D // b, 2, F // b), b, axis=-1).reshape(E, D // b, 2 * F)
@@ -243,7 +251,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
         in_specs += [pl.BlockSpec((None, D // b, tf), gate_map), pl.BlockSpec((None, D // b, tf), up_map),
                      pl.BlockSpec((None, F // b, D), lambda v, f, tile, expert, *_: (expert[v], 0, 0))]
         args += [sgu, sgu, sd]
-        scratch = [pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((tf, D), x.dtype)]
+        scratch = [pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((tf, D), x.dtype), *scratch]
     est = vmem_bytes(tm, tf, D, F, x_bytes, w_bytes, fp8_block if fp8 else None)
     make_call = lambda out_shape, interpret: pl.pallas_call(
         functools.partial(_ffn_kernel, tm=tm, fp8_block=fp8_block if fp8 else None),
@@ -255,7 +263,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
                                              vmem_limit_bytes=int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est)))),
         interpret=interpret,
     )
-    y = run_pallas(make_call, out_struct((T * tm, D), jnp.float32, *plan, *args), interpret, *plan, *args)
+    y = run_pallas(make_call, out_struct((T * tm, D), x.dtype, *plan, *args), interpret, *plan, *args)
     return y[:N]
 
 
@@ -285,10 +293,10 @@ def moe_megablox(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset
     h = gmm(xp, wgu.reshape(E, D, 2 * F), sizes, jnp.float32, (tm, tile(D, 512), tile(2 * F, 1024)), off,
             interpret=interpret)  # [N, 2F]
     a = (jax.nn.silu(h[:, :F]) * h[:, F:]).astype(x.dtype)
-    y = gmm(a, wd, sizes, jnp.float32, (tm, tile(F, 512), tile(D, 1024)), off, interpret=interpret)  # [N, D]
+    y = gmm(a, wd, sizes, x.dtype, (tm, tile(F, 512), tile(D, 1024)), off, interpret=interpret)  # [N, D]
     ends = jnp.cumsum(sizes)
     o = 0 if off is None else off
     lo = jnp.where(o > 0, ends[jnp.maximum(o - 1, 0)], 0)
     hi = ends[jnp.minimum(o + E, sizes.shape[0]) - 1]
     row = jnp.arange(y.shape[0])[:, None]
-    return jnp.where((row >= lo) & (row < hi), y, 0.0)[:N]
+    return jnp.where((row >= lo) & (row < hi), y, jnp.zeros((), y.dtype))[:N]

@@ -3,7 +3,9 @@
 Protocol: `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`
 - x_sorted: [N, D], rows sorted by expert, group e holding `group_sizes[e]` rows (rows past the sum are padding);
 - w_gate_up: [E, D, 2, F] (gate | up), w_down: [E, F, D], each a dense array or a `BlockFP8` pair;
-- y_sorted: [N, D] float32, row r = down(silu(gate(x_r)) * up(x_r)) of its expert, 0 for padding rows.
+- y_sorted: [N, D] in x's dtype, row r = down(silu(gate(x_r)) * up(x_r)) of its expert, 0 for padding rows;
+  both matmuls accumulate in float32 and the result is rounded to x's dtype once (the model rounds it there
+  before the combine anyway; in bf16 this halves the bytes the combine reads).
 Dropless: every row is computed, whatever the group sizes.
 """
 
@@ -34,7 +36,7 @@ def moe_ragged_dot(x, group_sizes, w_gate_up, w_down, fp8_block=None):
     h = jax.lax.ragged_dot(x, wgu, group_sizes, preferred_element_type=jnp.float32)  # [N, 2F]
     a = _swiglu(h.reshape(-1, 2, F), x.dtype)  # [N, F]
     return jax.lax.ragged_dot(a, _dense(w_down, fp8_block, x.dtype), group_sizes,
-                              preferred_element_type=jnp.float32)  # [N, D]
+                              preferred_element_type=jnp.float32).astype(x.dtype)  # [N, D]
 
 
 def tile_rows(n_rows: int, num_experts: int) -> int:
@@ -76,7 +78,7 @@ def moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | Non
 
     h = jnp.einsum("tmd,tdcf->tmcf", xp, take(w_gate_up), preferred_element_type=jnp.float32)
     a = _swiglu(h, x.dtype)  # [num_tiles, m, F]
-    y = jnp.einsum("tmf,tfd->tmd", a, take(w_down), preferred_element_type=jnp.float32)
+    y = jnp.einsum("tmf,tfd->tmd", a, take(w_down), preferred_element_type=jnp.float32).astype(x.dtype)
     return y.reshape(num_tiles * m, D).at[dest].get(mode="fill", fill_value=0)  # [N, D]
 
 
@@ -110,7 +112,7 @@ def moe_capacity(x, group_sizes, w_gate_up, w_down, fp8_block=None, sigmas: floa
         xe = jnp.concatenate([x, jnp.zeros((1, D), x.dtype)])[src]  # [E, C, D]
         h = jnp.einsum("ecd,edkf->eckf", xe, _dense(w_gate_up, fp8_block, x.dtype), preferred_element_type=jnp.float32)
         y = jnp.einsum("ecf,efd->ecd", _swiglu(h, x.dtype), _dense(w_down, fp8_block, x.dtype),
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=jnp.float32).astype(x.dtype)  # rounded before the gather: half the bytes
         return y.reshape(E * C, D).at[slot].get(mode="fill", fill_value=0)
 
     overflow = lambda x: moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block)

@@ -35,7 +35,7 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
     x_sorted, group_sizes, order = permute.dispatch(x, ids, cfg.num_experts)  # [N*k, D], [E]
     y_sorted = for_config("moe_matmul", cfg)(x_sorted, group_sizes, w["w_gate_up"], w["w_down"],
                                              cfg.fp8_block_size)
-    return permute.combine(y_sorted.astype(x.dtype), order, weights).astype(x.dtype)  # [N, D]
+    return permute.combine(y_sorted, order, weights).astype(x.dtype)  # [N, D]
 
 
 def moe_block(cfg: Config, w: dict, x: jax.Array) -> jax.Array:

@@ -46,7 +46,7 @@ def local_experts(cfg: Config, w_gate_up, w_down, x: jax.Array, ids: jax.Array, 
     permute = for_config("permute", cfg)
     x_sorted, sizes, order = permute.dispatch(x, lid, count + 1)  # [N*k, D], [count + 1]
     y = for_config("moe_matmul", cfg)(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)
-    return permute.combine(y.astype(x.dtype), order, jnp.where(mine, weights, 0)).astype(x.dtype)  # [N, D]
+    return permute.combine(y, order, jnp.where(mine, weights, 0)).astype(x.dtype)  # [N, D]
 
 
 def _spec_like(w, spec: P):
