@@ -74,7 +74,7 @@ import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.model.decoder import _forward  # the jitted core of `forward` (as `aot.compile_forward` uses it)
+from qwen35_lib.model.decoder import lower_forward  # `forward`'s program, to compile and inspect
 from qwen35_lib.parallel import get_layout, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.placement import fmt_range, placement
 from qwen35_lib.viz.sharding_explorer import placement_figure
@@ -142,7 +142,7 @@ with jax.default_matmul_precision("highest"):
     reference = np.asarray(qwen35_lib.forward(tiny, weights, ids, lengths))  # one device
     with jax.set_mesh(mesh):
         sharded_weights = shard_weights(dp_cfg, weights, mesh)
-        forward_dp = _forward.lower(dp_cfg, sharded_weights, jnp.asarray(ids), jnp.asarray(lengths)).compile()
+        forward_dp = lower_forward(dp_cfg, sharded_weights, ids, lengths).compile()
         logits = np.asarray(forward_dp(sharded_weights, jnp.asarray(ids), jnp.asarray(lengths)))
 mask = np.arange(16)[None, :] < lengths[:, None]  # real positions only
 err = np.abs(logits - reference)[mask].max()

@@ -71,14 +71,12 @@ import json
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.model.moe import route
 from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights
-from qwen35_lib.parallel.collectives import reduce_scatter
+from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep
 from qwen35_lib.report import human_bytes
 
@@ -144,12 +142,7 @@ N, D = 64, 16
 blocks = np.repeat(np.arange(8), N // 8).astype(np.float32)  # row r belongs to block r // 8
 x = np.broadcast_to(blocks[:, None], (N, D)) * np.ones((8, 1, 1), np.float32)  # [device, N, D]: same on each
 
-
-def per_device(fn):
-    """fn(x [N, D]) -> [N / 8, D] run on every device of the mesh; returns [8, N / 8, D]."""
-    run = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(EIGHT), out_specs=P(EIGHT))
-    return np.asarray(jax.jit(run)(jnp.asarray(x)))
-
+per_device = lambda fn: on_each_device(fn, x, mesh)  # [8, N / 8, D]: fn(x[i]) on device i
 
 flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
 naive = per_device(lambda v: jax.lax.psum_scatter(jax.lax.psum_scatter(v, "core", scatter_dimension=0, tiled=True),
@@ -172,7 +165,7 @@ assert block_of(naive) == [4 * j + c for c in range(4) for j in range(2)]
 x = np.random.default_rng(0).standard_normal((8, N, D)).astype(np.float32)
 flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
 for m in (1, 2, 4):
-    np.testing.assert_allclose(per_device(lambda v: reduce_scatter(v, True, m)), flat, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(per_device(lambda v, m=m: reduce_scatter(v, True, m)), flat, rtol=1e-5, atol=1e-6)
 print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")
 
 # %% [markdown]
@@ -188,14 +181,7 @@ print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")
 # rows after phase 1, `N/8` after phase 2), on the CPU and for TPU7x.
 
 # %%
-def rs_collectives(m_devices, micro_batches, n=512, d=4096):
-    run = jax.shard_map(lambda v: reduce_scatter(v[0], True, micro_batches)[None], mesh=m_devices,
-                        in_specs=P(EIGHT), out_specs=P(EIGHT))
-    spec = jax.ShapeDtypeStruct((8, n, d), jnp.bfloat16, sharding=NamedSharding(m_devices, P(EIGHT)))
-    return [op for op in hlo.collectives(jax.jit(run).lower(spec).compile().as_text()) if op.kind == "reduce-scatter"]
-
-
-phases = {name: rs_collectives(m, 2) for name, m in targets.items()}
+phases = {name: reduce_scatter_ops(m, micro_batches=2, rows=512, cols=4096) for name, m in targets.items()}
 for name, ops in phases.items():
     print(name, [(op.kind, op.shape.split("{")[0]) for op in ops])
 
@@ -240,7 +226,7 @@ for flags in ({}, {"fuse_allgather": True}, {"fuse_allgather": True, "hierarchic
     cfg = tiny.replace(**flags)
     w = jax.tree.map(lambda a: a[0, 0], shard_weights(cfg, weights, mesh)["layers"]["moe"])
     with jax.set_mesh(mesh):
-        outs[tuple(flags)] = np.asarray(jax.jit(lambda w, x: moe_ep(cfg, w, x, route)[0])(w, tokens))
+        outs[tuple(flags)] = np.asarray(jax.jit(lambda w, x, cfg=cfg: moe_ep(cfg, w, x, route)[0])(w, tokens))
 plain = outs[()]
 assert np.array_equal(outs[("fuse_allgather",)], plain)  # packing is bit-exact
 np.testing.assert_allclose(outs[("fuse_allgather", "hierarchical_rs")], plain, rtol=1e-5, atol=1e-6)

@@ -58,7 +58,7 @@ def for_backend(config: Config, backend: str) -> Config:
 
 def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_8):
     """`forward` compiled for one device of `topology` with abstract weights; returns the compiled executable."""
-    from qwen35_lib.model.decoder import _forward
+    from qwen35_lib.model.decoder import lower_forward
 
     device = topology_devices(topology)[0]
     one = jax.sharding.SingleDeviceSharding(device)
@@ -66,7 +66,7 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
     with compile_target("tpu"):  # Pallas kernels lower for Mosaic, not for the interpreter
-        return _forward.lower(for_backend(config, "tpu"), weights, ids, lengths).compile()
+        return lower_forward(for_backend(config, "tpu"), weights, ids, lengths).compile()
 
 
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,

@@ -15,7 +15,7 @@ from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import moe_block, route
 from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weights
-from qwen35_lib.parallel.collectives import gather_routing, reduce_scatter
+from qwen35_lib.parallel.collectives import gather_routing, on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
 
 # Every valid (layout, routing, fuse_allgather, hierarchical_rs): the flags apply to EP + replicate only.
@@ -84,6 +84,16 @@ def test_hierarchical_reduce_scatter_equals_psum_scatter(mesh):
             jax.device_put(x, jax.sharding.NamedSharding(mesh, P(EIGHT))))
     np.testing.assert_allclose(np.asarray(hier), np.asarray(flat), rtol=1e-6, atol=1e-6)  # sum order only
     np.testing.assert_allclose(np.asarray(hier1), np.asarray(flat), rtol=1e-6, atol=1e-6)
+
+
+def test_reduce_scatter_by_hand_and_its_compiled_phases(mesh):
+    # every device holds rows numbered by the block they belong to; device (chip c, core j) must end with block 2c + j
+    x = np.broadcast_to(np.repeat(np.arange(8.0), 8)[:, None], (64, 4)) * np.ones((8, 1, 1))  # [device, 64, 4]
+    for m in (1, 2):
+        out = on_each_device(lambda v, m=m: reduce_scatter(v, hierarchical=True, micro_batches=m), x, mesh)
+        assert out.shape == (8, 8, 4) and (out[:, 0, 0] / 8).tolist() == list(range(8))
+    rows = [int(op.shape.split("[")[1].split(",")[0]) for op in reduce_scatter_ops(mesh, 2, rows=64, cols=16)]
+    assert sorted(rows) == [4, 4, 16, 16]  # per micro-batch: 64 / 2 / 2 after `core`, 64 / 8 / 2 after `chip`
 
 
 def test_fused_routing_gather_is_bit_exact(mesh):

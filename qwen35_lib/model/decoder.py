@@ -68,6 +68,16 @@ def forward(config: Config, weights: dict, token_ids, lengths=None) -> jax.Array
     return _forward(config, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
+def lower_forward(config: Config, weights: dict, token_ids, lengths) -> jax.stages.Lowered:
+    """`forward`'s jitted program lowered for these arguments, which may be sharded arrays or abstract
+    `jax.ShapeDtypeStruct`s: `.compile()` gives the executable, its HLO (`.as_text()`), `cost_analysis()` and
+    `memory_analysis()`; calling it takes (weights, token_ids, lengths)."""
+    if not isinstance(token_ids, jax.ShapeDtypeStruct):
+        token_ids = jnp.asarray(_check_tokens(config, token_ids), jnp.int32)
+        lengths = jnp.asarray(_check_lengths(lengths, *token_ids.shape), jnp.int32)
+    return _forward.lower(config, weights, token_ids, lengths)
+
+
 def _check_tokens(config: Config, token_ids):
     dtype = getattr(token_ids, "dtype", None)
     if dtype is None:

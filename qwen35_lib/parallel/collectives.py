@@ -5,12 +5,17 @@
 - `reduce_scatter`: `psum_scatter` over both mesh axes, or hierarchically (`hierarchical_rs`): over `core`
   (inside a chip), then over `chip` (across chips), in micro-batches so the second phase of one micro-batch can
   overlap the first phase of the next.
+- `on_each_device`, `reduce_scatter_ops`: run a collective by hand on the 8 devices, and read the reduce-scatters
+  XLA compiles for the hierarchical version (notebook 04).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.parallel.mesh import EIGHT
 
@@ -62,3 +67,22 @@ def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> 
         part = jax.lax.psum_scatter(part, "core", scatter_dimension=0, tiled=True)  # [chip * n/m, ...]
         out.append(jax.lax.psum_scatter(part, "chip", scatter_dimension=0, tiled=True))  # [n/m, ...]
     return jnp.concatenate(out, axis=0)  # [n, ...]
+
+
+def on_each_device(fn, x, mesh) -> np.ndarray:
+    """fn on each device of the ('chip', 'core') `mesh`: x [8, ...] (device i's slab at [i]) -> [8, ...] of
+    fn(x[i]) stacked in device order. For trying a collective by hand: fn runs inside `shard_map`."""
+    run = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(EIGHT), out_specs=P(EIGHT))
+    return np.asarray(jax.jit(run)(jnp.asarray(x)))
+
+
+def reduce_scatter_ops(mesh, micro_batches: int, rows: int = 512, cols: int = 4096, dtype=jnp.bfloat16) -> list:
+    """The reduce-scatters XLA compiles for `reduce_scatter(hierarchical=True)` of [rows, cols] partial sums per
+    device on `mesh` (8 CPU devices, or `aot.chip_core_mesh()` for TPU7x): `hlo.Collective`s in program order,
+    two per micro-batch (result rows rows / 2 / m after `core`, rows / 8 / m after `chip`)."""
+    from qwen35_lib.parallel import hlo
+
+    run = jax.shard_map(lambda v: reduce_scatter(v[0], True, micro_batches)[None], mesh=mesh,
+                        in_specs=P(EIGHT), out_specs=P(EIGHT))
+    spec = jax.ShapeDtypeStruct((8, rows, cols), dtype, sharding=NamedSharding(mesh, P(EIGHT)))
+    return [op for op in hlo.collectives(jax.jit(run).lower(spec).compile().as_text()) if op.kind == "reduce-scatter"]
