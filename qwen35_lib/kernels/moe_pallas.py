@@ -253,12 +253,16 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
         args += [sgu, sgu, sd]
         scratch = [pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((tf, D), x.dtype), *scratch]
     est = vmem_bytes(tm, tf, D, F, x_bytes, w_bytes, fp8_block if fp8 else None)
+    # for XLA's scheduler: each row through its expert once (masked rows of straddled tiles not counted); bytes
+    # 0: XLA's cost analysis already counts a custom call's operand and result bytes, and adds these
+    cost = pl.CostEstimate(flops=6 * N * D * F, transcendentals=N * F, bytes_accessed=0)
     make_call = lambda out_shape, interpret: pl.pallas_call(
         functools.partial(_ffn_kernel, tm=tm, fp8_block=fp8_block if fp8 else None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(plan), grid=(plan[0].shape[0], nf), in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, D), rows_map), scratch_shapes=scratch),
         out_shape=out_shape,
+        cost_estimate=cost,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est)))),
         interpret=interpret,
