@@ -126,7 +126,7 @@ assert "'dp8_ep8'" in refusal and "'tp8_kvrep'" in refusal
 # ## 2. The patch: replicate the KV heads (`tp8_kvrep`)
 #
 # `tp8_kvrep` splits everything `tp8` splits except the KV heads: `W_k[D, Hkv]` and `W_v[D, Hkv]` are whole on
-# every device, and so is the KV cache `kv[.., P, ps, 2·Hkv, d]`. Every device computes K and V for both heads
+# every device, and so is the KV cache `kv[.., P, ps, 2·Hkv·d]`. Every device computes K and V for both heads
 # (a little redundant matmul work) and keeps them for **every request**: the batch is not split either, because
 # every device works on every token.
 #

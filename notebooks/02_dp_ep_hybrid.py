@@ -94,7 +94,7 @@ print(get_layout("dp8_ep8").summary)
 # | routed experts `W_gate_up[E_x, D, 2, F]`, `W_down[E_x, F, D]` | split by expert | 64 of 512 experts |
 # | attention, GDN, shared expert, router, embeddings | replicated | all of them |
 # | tokens in flight `x[B_x, D]` | split by request | 1/8 of the requests |
-# | KV cache `kv[.., R_x, P, ps, 2·Hkv, d]`, GDN state `S[.., R_x, NS, Hv, dk, dv]` | by rank | own requests |
+# | KV cache `kv[.., R_x, P, ps, 2·Hkv·d]`, GDN state `S[.., R_x, NS, Hv, dk, dv]` | by rank | own requests |
 #
 # **Predict.** Replicating the dense weights costs memory (7 extra copies of everything that is not a routed
 # expert), but attention and GDN become purely local: no collective in the mixer. The MoE needs, per layer: the

@@ -175,11 +175,24 @@ assert attn[1]["implementation"] == "pallas" and "interpret" in attn[1]["mode"]
 assert attn[1]["max_abs_diff_vs_xla"] <= 2**-7, attn[1]
 
 # %% [markdown]
-# Read the compile's temporaries against its arguments: a temporary the size of the page pool means the pool is
-# copied on every call, which would cost more than the pages the kernel avoids reading. This compile shows one:
-# the wrapper views `kv_pages [P, ps, 2 Hkv, d]` as `[P, ps, 2 Hkv d]`, free on a CPU but a relayout on a TPU,
-# whose tiles span the two minor dims. Interpret mode cannot see it; the ahead-of-time compile does.
-#
+# Read the compile's temporaries against its arguments: a temporary the size of the page pool would mean the pool
+# is copied on every call, which costs more than the pages the kernel avoids reading. A TPU stores an array in
+# tiles that span its two minor dims, so a reshape of those dims is a copy. The pool is therefore stored as
+# `kv [P, ps, 2 Hkv d]`, K and V of every head merged into one minor dim (`engine/cache.py`): the kernel DMAs its
+# pages straight from it, and the KV write merges new rows into the pool's tiles in place. (Stored as
+# `[P, ps, 2 Hkv, d]` and viewed as `[P, ps, 2 Hkv d]` by the kernel, the pool was relaid out on every call: an
+# 865 MiB temporary in this compile.) The temporary left is the FP8 scales `kv_scale [P, ps, 2 Hkv]` float32: XLA
+# keeps them compact, and the kernel takes them row-major with their 4-wide minor dim padded to 128 lanes, a
+# 32x-sized copy. Interpret mode cannot see such copies; the ahead-of-time compile does.
+
+# %%
+if aot is not None:
+    row = next(r for r in aot.result() if r["kernel"] == "attention")
+    P, ps = 64 * 9216 // 256 + 1, 256  # kb.tpu7x_compile_rows' pool: 64 sequences of 9216 tokens, pages of 256
+    scales_relaid = P * ps * 128 * 4  # kv_scale [P, ps, 4] float32 padded to 128 lanes
+    assert row["temp_bytes"] - scales_relaid < row["argument_bytes"] / 8, row  # no copy of the pool
+
+# %% [markdown]
 # ### 2b. Grouped GEMM (the MoE's experts)
 #
 # 16 tokens routed top-8 over 64 experts by a random router: 128 token copies sorted by expert, most groups

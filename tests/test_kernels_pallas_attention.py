@@ -51,10 +51,10 @@ def _case(seed, dtype, kv_dtype, ps, decodes, prefills, T, num_pages=96):
     old = rng.standard_normal((2, num_pages * ps, HKV, D)).astype(np.float32)  # K and V of every cache row
     if fp8:  # quantize the old contents the way the write does, one scale per row and head
         every = np.repeat(np.arange(num_pages), ps), np.tile(np.arange(ps), num_pages)
-        empty = jnp.zeros((num_pages, ps, 2 * HKV, D), kv_dtype), jnp.ones((num_pages, ps, 2 * HKV), jnp.float32)
+        empty = jnp.zeros((num_pages, ps, 2 * HKV * D), kv_dtype), jnp.ones((num_pages, ps, 2 * HKV), jnp.float32)
         kv, scales = write_kv_pages(*empty, old[0], old[1], *every)
     else:
-        kv, scales = jnp.asarray(np.stack([old[0], old[1]], 2).reshape(num_pages, ps, 2 * HKV, D), kv_dtype), None
+        kv, scales = jnp.asarray(np.stack([old[0], old[1]], 2).reshape(num_pages, ps, 2 * HKV * D), kv_dtype), None
     q = jnp.asarray(rng.standard_normal((T, HQ, D)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((T, HKV, D)), dtype) for _ in range(2))
     meta_j = jax.tree.map(jnp.asarray, meta)
@@ -94,6 +94,19 @@ def test_paged_attention_matches_xla(name):
     valid = meta.token_seq >= 0
     _close(out, ref, valid, 1e-2 if dtype == jnp.bfloat16 else 2e-5)
     assert np.all(np.asarray(out, np.float32)[~valid] == 0)  # padding rows are zeros, never garbage
+
+
+@pytest.mark.parametrize("ps,block_t", [(16, 4), (12, 32), (4, 8)])
+def test_write_merges_rows_into_tiles(ps, block_t):
+    """The write's read-modify-write of tiles (8 rows, or the whole page when ps is not a multiple of 8): runs of a
+    prefill across tiles, pages and blocks of `block_t` tokens, next to decodes: every real page as the XLA twin."""
+    rng = np.random.default_rng(1)
+    meta, page, offset = _batch(rng, ps, [1, 9, 30], [(0, 29), (5, 22)], 80, num_pages=64)
+    kv = jnp.asarray(rng.standard_normal((64, ps, 2 * HKV * D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((80, HQ, D)), jnp.float32)
+    ref, _ = write_kv_pages(kv, None, *_new_kv(q), page, offset)
+    out, _ = write_kv_pages_pallas(kv, None, *_new_kv(q), page, offset, block_t=block_t)
+    np.testing.assert_array_equal(np.asarray(out[1:]), np.asarray(ref[1:]))
 
 
 def test_dma_and_semaphores_under_tpu_interpret():
@@ -141,7 +154,7 @@ def test_vmapped_over_ranks_like_the_model():
 def test_non_contiguous_sequences_beyond_the_item_bound_give_nan():
     """Tokens of two sequences interleaved one by one make T runs (> T / block_q + S items): NaN, not wrong."""
     rng = np.random.default_rng(0)
-    kv = jnp.asarray(rng.standard_normal((4, 8, 2 * HKV, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((4, 8, 2 * HKV * D)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((8, HQ, D)), jnp.float32)
     ts = jnp.asarray([0, 1] * 4, jnp.int32)
     out = paged_attention_pallas(q, kv, None, jnp.asarray([[1], [2]], jnp.int32), ts, jnp.zeros(8, jnp.int32),
@@ -179,14 +192,20 @@ def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
     P = S * n + 1
     kvd = jnp.dtype(kv_dtype)
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
-    kv = sds((P, ps, 2 * Hkv, d), kvd)
+    kv = sds((P, ps, 2 * Hkv * d), kvd)
     scales = sds((P, ps, 2 * Hkv), jnp.float32) if kvd.itemsize == 1 else None
     ints = sds((T,), jnp.int32)
     attn = jax.jit(lambda *a: paged_attention_pallas(*a, block_q=16, interpret=False))
-    attn.lower(sds((T, Hq, d), jnp.bfloat16), kv, scales, sds((S, n), jnp.int32), ints, ints).compile()
+    attn_c = attn.lower(sds((T, Hq, d), jnp.bfloat16), kv, scales, sds((S, n), jnp.int32), ints, ints).compile()
     write = jax.jit(lambda *a: write_kv_pages_pallas(*a, interpret=False), donate_argnums=(0, 1))
     k = sds((T, Hkv, d), jnp.bfloat16)
     compiled = write.lower(kv, scales, k, k, ints, ints).compile()
+    # the kernels read and write the pool in place: no relayout copy of it among the temporaries (a reshape of
+    # its two minor dims would copy all of it); kv_scale [P, ps, 2*Hkv] f32 is still relaid out to 128 lanes
+    pool = P * ps * 2 * Hkv * d * kvd.itemsize
+    scales_relaid = P * ps * 128 * 4 if scales is not None else 0
+    assert attn_c.memory_analysis().temp_size_in_bytes - scales_relaid < pool / 8
+    assert compiled.memory_analysis().temp_size_in_bytes < pool / 8
     assert "kv_cache_write" in compiled.as_text()
 
 

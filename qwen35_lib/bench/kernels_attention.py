@@ -55,7 +55,7 @@ def attention_rows(model: str = "qwen3.5-mini", cases: dict | None = None, page_
                        max_pages=max(len(w.pages) for w in works), chunk=64)
         keys = jax.random.split(jax.random.key(seed), 2)
         q = jax.random.normal(keys[0], (T, Hq, d), jnp.float32).astype(dt)
-        kv = jax.random.normal(keys[1], (P, ps, 2 * Hkv, d), jnp.float32)
+        kv = jax.random.normal(keys[1], (P, ps, 2 * Hkv * d), jnp.float32)
         scales = None
         if kv_dtype and jnp.dtype(kv_dtype).itemsize == 1:
             scales = jnp.full((P, ps, 2 * Hkv), 1 / 16, jnp.float32)

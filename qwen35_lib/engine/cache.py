@@ -3,10 +3,12 @@
 Declared like the weights (`ArrayInfo` leaves with logical axes), with a leading data-parallel rank axis R:
 each rank owns its own page and slot pools, so a data-parallel layout only shards what is already split.
 
-- `kv`    [G, Na, R, P, ps, 2*Hkv, d]: P pages of ps tokens per rank; in a page, token-major, then K and V of
-  every KV head interleaved (combined index 2h = K of head h, 2h + 1 = V of head h), then head_dim. One page is
-  one contiguous block: a ragged paged attention kernel reads it with one DMA. Page 0 is the null page that
-  padding tokens write to; it is never handed to a sequence.
+- `kv`    [G, Na, R, P, ps, 2*Hkv*d]: P pages of ps tokens per rank; in a page, token-major, then K and V of
+  every KV head interleaved in one minor dim (index (2h + j)*d + i: j = 0 K, j = 1 V of head h, i < d). One page
+  is one contiguous block: a ragged paged attention kernel reads it with one DMA. Heads and head_dim are merged
+  so that a TPU kernel reads the pool in place (its tiles span the two minor dims: a reshape of them would copy
+  the whole pool); a split over "kv_heads" still gives each device whole heads, K and V together. Page 0 is the
+  null page that padding tokens write to; it is never handed to a sequence.
 - `conv_q`, `conv_k` [G, Ng, R, NS, K-1, Hk, dk], `conv_v` [G, Ng, R, NS, K-1, Hv, dv]: the last K - 1 inputs of
   the causal conv; `state` [G, Ng, R, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
   NS slots per rank; slot 0 is the null slot.
@@ -46,7 +48,8 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
     if Na:
         pages = (G, Na, R, s.num_pages, s.page_size, 2 * c.num_kv_heads)
         kv_dtype = jnp.dtype(s.kv_dtype or c.dtype)
-        out["kv"] = ArrayInfo((*pages, c.head_dim), kv_dtype, (*lead, None, None, "kv_heads", None), "zeros")
+        out["kv"] = ArrayInfo((*pages[:-1], pages[-1] * c.head_dim), kv_dtype, (*lead, None, None, "kv_heads"),
+                              "zeros")
         if kv_dtype.itemsize == 1:
             out["kv_scale"] = ArrayInfo(pages, jnp.float32, (*lead, None, None, "kv_heads"), "ones")
     if Ng:

@@ -15,8 +15,9 @@ and V contiguously (`engine/cache.py`), so one DMA per page fetches what the who
 Why the write is a separate kernel, not fused: the slot protocol (and `model/attention.py`, which calls it)
 writes the step's K/V first and then attends over the pages, per rank under `vmap`. Fusing the write into the
 attention kernel would change that call contract and needs an ordering guarantee (a token's own K/V in the page
-before any item reads it) that only holds for the engine's packing; the separate kernel is one aliased, in-place
-DMA per new token, so the extra cost is one launch and re-reading the new rows from HBM.
+before any item reads it) that only holds for the engine's packing; the separate kernel is aliased and in place
+(a read-modify-write of the 8-row tiles the new tokens land in: Mosaic DMAs start at tile boundaries), so the extra
+cost is one launch and moving those tiles.
 """
 
 from __future__ import annotations
@@ -179,17 +180,19 @@ def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positi
                            pages_per_step: int | None = None, interpret: bool | None = None):
     """Attention of flat ragged tokens over the paged KV cache, one Pallas call; the XLA twin's protocol.
 
-    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv, d] bf16/f32 or FP8 (then kv_scales [P, ps, 2*Hkv] f32, else None);
+    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] bf16/f32 or FP8 (then kv_scales [P, ps, 2*Hkv] f32, else None);
     page_table: [S, n]; token_seq, positions: [T]. Returns o: [T, Hq, d] (0 for padding tokens).
     Precondition (the engine's `RaggedMeta` meets it): a sequence's tokens are contiguous in the flat batch, so
     there are at most T / block_q + S runs; otherwise the result is NaN.
     1. pad T to a multiple of block_q; queries to KV-head-major rows: [Hkv, T*G, d] (row = token * G + g)
     2. derive the items (runs of one sequence inside a query block) and their page counts
-    3. one pallas_call over the items (`_attention_kernel`); back to [T, Hq, d], padding rows zeroed.
+    3. one pallas_call over the items (`_attention_kernel`), reading the pool in place; back to [T, Hq, d],
+       padding rows zeroed.
     """
     T, Hq, d = q.shape
-    P, ps, H2, _ = kv_pages.shape
-    Hkv, G = H2 // 2, Hq // (H2 // 2)
+    P, ps, H2d = kv_pages.shape
+    Hkv = H2d // (2 * d)
+    G = Hq // Hkv
     S, n = page_table.shape
     fp8 = kv_scales is not None
     pps = pages_per_step or max(1, min(n, 128 // ps))
@@ -204,15 +207,14 @@ def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positi
     qt = qt.reshape(Hkv, Tp * G, d)  # [Hkv, Tp*G, d]
     row_pos = jnp.repeat(positions, G)[:, None]  # [Tp*G, 1]
     block, seq, lo, hi, pages, first, last, n_runs = _work_items(token_seq, positions, block_q, ps, W)
-    kv = kv_pages.reshape(P, ps, H2 * d)  # [P, ps, 2*Hkv*d]: free (minor dims merge)
 
     q_spec = pl.BlockSpec((Hkv, R, d), lambda i, blk, *_: (0, blk[i], 0))
     in_specs = [q_spec, pl.BlockSpec((R, 1), lambda i, blk, *_: (blk[i], 0)), pl.BlockSpec(memory_space=pl.ANY)]
-    scratch = [pltpu.VMEM((2, pps * ps, H2 * d), kv.dtype)]
-    args = [qt, row_pos, kv]
+    scratch = [pltpu.VMEM((2, pps * ps, H2d), kv_pages.dtype)]
+    args = [qt, row_pos, kv_pages]
     if fp8:
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        scratch.append(pltpu.VMEM((2, pps * ps, H2), jnp.float32))
+        scratch.append(pltpu.VMEM((2, pps * ps, 2 * Hkv), jnp.float32))
         args.append(kv_scales.astype(jnp.float32))
     scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32), pltpu.VMEM((Hkv, R, d), jnp.float32)]
@@ -230,26 +232,46 @@ def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positi
     return jnp.where(n_runs > W, jnp.nan, o).astype(q.dtype)
 
 
-def _write_kernel(row_ref, new_ref, kv_in, kv_out, sem, *, block_t: int):
-    """Copy each new token's [2*Hkv, d] row from VMEM to its cache row in HBM (kv_out aliases kv_in).
+def _write_kernel(page_ref, tile_ref, rows_ref, new_ref, kv_in, kv_out, buf, sem, *, block_t: int, tile: int):
+    """Merge each group's new rows into its cache tile in HBM, read-modify-write (kv_out aliases kv_in).
 
-    row_ref [T] (SMEM): flat cache row page * ps + offset, or -1 to skip (padding); new_ref [bt, 2*Hkv, d].
-    1. start one DMA per valid token of this block; 2. wait for them all.
+    A group is a run of tokens writing one tile (`tile` rows of one page; DMAs must start at a tile boundary on
+    TPU, so a single row cannot be copied alone). SMEM [Tp]: page_ref (the page of the group starting at this
+    token, -1 elsewhere and for padding), tile_ref (the tile's first row in its page), rows_ref (bit r set: the
+    group writes row r of the tile); new_ref [bt, tile, 2*Hkv*d] (slot j: the new rows of the group starting at
+    token j); kv_out [P, ps, 2*Hkv*d] in HBM, indexed by (page, rows): nothing reshaped; buf [bt, tile, 2*Hkv*d].
+    1. DMA in the tile of every group of this block; 2. keep its old rows but the group's new ones;
+    3. DMA the tiles back, then wait for them all.
     """
     del kv_in
     b = pl.program_id(0)
 
-    def desc(j):
-        return pltpu.make_async_copy(new_ref.at[j], kv_out.at[jnp.maximum(row_ref[b * block_t + j], 0)], sem.at[0])
+    def desc(j, into):
+        t = b * block_t + j
+        hbm = kv_out.at[jnp.maximum(page_ref[t], 0), pl.ds(pl.multiple_of(tile_ref[t], tile), tile)]
+        src, dst = (hbm, buf.at[j]) if into else (buf.at[j], hbm)
+        return pltpu.make_async_copy(src, dst, sem.at[0])
 
-    for method in ("start", "wait"):
-        def body(j, carry, method=method):
-            @pl.when(row_ref[b * block_t + j] >= 0)
+    def each(fn):
+        def body(j, carry):
+            @pl.when(page_ref[b * block_t + j] >= 0)
             def _go():
-                getattr(desc(j), method)()
+                fn(j)
             return carry
 
         jax.lax.fori_loop(0, block_t, body, 0)
+
+    def merge(j):
+        bits = rows_ref[b * block_t + j]
+        row = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
+        keep_new = jax.lax.shift_right_logical(jnp.full((tile, 1), bits, jnp.int32), row) & 1 == 1  # [tile, 1]
+        buf[j] = jnp.where(keep_new, new_ref[j], buf[j])
+
+    each(lambda j: desc(j, True).start())
+    each(lambda j: desc(j, True).wait())
+    each(merge)
+    each(lambda j: desc(j, False).start())
+    each(lambda j: desc(j, False).wait())
 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
@@ -257,38 +279,52 @@ def write_kv_pages_pallas(kv_pages, kv_scales, k, v, page, offset, *, block_t: i
                           interpret: bool | None = None):
     """The KV-cache write of `attention_xla.write_kv_pages`, the rows moved by a Pallas DMA kernel, in place.
 
-    kv_pages [P, ps, 2*Hkv, d]; kv_scales [P, ps, 2*Hkv] | None; k, v [T, Hkv, d]; page, offset [T].
-    1. interleave K and V per head -> [T, 2*Hkv, d]; for FP8 quantize with per-(token, head) scales amax / 448
+    kv_pages [P, ps, 2*Hkv*d]; kv_scales [P, ps, 2*Hkv] | None; k, v [T, Hkv, d]; page, offset [T].
+    Precondition (the engine's `RaggedMeta` meets it): tokens writing the same tile of a page are contiguous.
+    1. interleave K and V per head -> [T, 2*Hkv*d]; for FP8 quantize with per-(token, head) scales amax / 448
        (elementwise, left to XLA) and store the scales with an XLA scatter (4 bytes per row)
-    2. Pallas: one DMA per token into cache row page * ps + offset of the aliased cache (page 0 = padding: skipped;
-       the null page's contents are never read for a real token). In place when the caller donates the cache.
+    2. group the tokens: a run writing one tile of 8 rows (ps when ps is not a multiple of 8) inside a block of
+       bt tokens; place each group's new rows in a [tile, 2*Hkv*d] slot (XLA scatter, a few rows per token)
+    3. Pallas: per group one DMA of the tile in, the merge, one DMA back into the aliased cache (page 0 = padding:
+       skipped; the null page's contents are never read for a real token). In place when the caller donates it.
     """
     T, Hkv, d = k.shape
-    P, ps, H2, _ = kv_pages.shape
+    ps = kv_pages.shape[1]
+    tr = 8 if ps % 8 == 0 else ps
+    if tr > 32:
+        raise ValueError(f"page_size {ps}: the Pallas KV write needs a multiple of 8 or at most 32 (row bit masks)")
     interpret = _interpret() if interpret is None else interpret
-    kv = jnp.stack([k, v], axis=2).reshape(T, H2, d)  # [T, 2*Hkv, d]
+    kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, d)  # [T, 2*Hkv, d]
     if kv_scales is not None:
         kv32 = kv.astype(jnp.float32)
         scale = jnp.maximum(jnp.max(jnp.abs(kv32), axis=-1), 1e-12) / FP8_MAX  # [T, 2*Hkv]
         kv = kv32 / scale[..., None]
         kv_scales = kv_scales.at[page, offset].set(scale)
-    kv = kv.astype(kv_pages.dtype)
+    kv = kv.astype(kv_pages.dtype).reshape(T, 2 * Hkv * d)  # [T, 2*Hkv*d]
     bt = min(block_t, T)
     Tp = -(-T // bt) * bt
-    kv = jnp.pad(kv, ((0, Tp - T), (0, 0), (0, 0)))
-    row = jnp.where(page > 0, page * ps + offset, -1).astype(jnp.int32)
-    row = jnp.pad(row, (0, Tp - T), constant_values=-1)  # [Tp]
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    pg = jnp.pad(jnp.where(page > 0, page, -1).astype(jnp.int32), (0, Tp - T), constant_values=-1)  # [Tp]
+    off = jnp.pad(offset.astype(jnp.int32), (0, Tp - T))
+    key = jnp.where(pg >= 0, pg * (ps // tr) + off // tr, -1)  # [Tp]: the tile a token writes
+    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), key[:-1]])
+    start = (pg >= 0) & ((t % bt == 0) | (key != prev))
+    group = jax.lax.cummax(jnp.where(start, t, -1))  # [Tp]: the group's first token
+    slot = jnp.where(pg >= 0, group, Tp)  # Tp = dropped
+    new = jnp.zeros((Tp, tr, 2 * Hkv * d), kv.dtype).at[slot[:T], off[:T] % tr].set(kv, mode="drop")
+    rows = jnp.zeros((Tp,), jnp.int32).at[slot].add(jnp.left_shift(1, off % tr), mode="drop")
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(Tp // bt,),
-        in_specs=[pl.BlockSpec((bt, H2, d), lambda b, r: (b, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY), scratch_shapes=[pltpu.SemaphoreType.DMA((1,))])
+        num_scalar_prefetch=3, grid=(Tp // bt,),
+        in_specs=[pl.BlockSpec((bt, tr, 2 * Hkv * d), lambda b, *_: (b, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.VMEM((bt, tr, 2 * Hkv * d), kv.dtype), pltpu.SemaphoreType.DMA((1,))])
     out = pl.pallas_call(
-        functools.partial(_write_kernel, block_t=bt), grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((P * ps, H2, d), kv_pages.dtype), input_output_aliases={2: 0},
+        functools.partial(_write_kernel, block_t=bt, tile=tr), grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype), input_output_aliases={4: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
         name="kv_cache_write",
-    )(row, kv, kv_pages.reshape(P * ps, H2, d))
-    return out.reshape(P, ps, H2, d), kv_scales
+    )(jnp.where(start, pg, -1), off // tr * tr, rows, new, kv_pages)
+    return out, kv_scales
 
 
 register("attention", "pallas")(AttentionKernels(dense=attention_xla, paged=paged_attention_pallas,

@@ -157,7 +157,7 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     cache_shape = CacheShape(ranks=ranks, num_pages=per_rank * -(-context_len // page_size) + 1,
                              page_size=page_size, num_slots=per_rank + 1, kv_dtype=kv_dtype)
     weights = _leaves(declare(config))
-    cache = _leaves(declare_cache(config, cache_shape))
+    cache = [(p, _kv_rows(config, i) if p[0] == "kv" else i) for p, i in _leaves(declare_cache(config, cache_shape))]
     w_bytes = {_part(path): 0 for path, _ in weights}
     for path, info in weights:
         w_bytes[_part(path)] += info.nbytes // _shards(lay, mesh, info)
@@ -201,6 +201,12 @@ def _leaves(tree) -> list[tuple[tuple[str, ...], ArrayInfo]]:
     """(path keys, ArrayInfo) of every leaf; FP8 pairs give two leaves (value, scale) under the same path."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
     return [(tuple(k.key for k in p if hasattr(k, "key")), i) for p, i in flat]
+
+
+def _kv_rows(config: Config, info: ArrayInfo) -> ArrayInfo:
+    """`kv` [.., 2*Hkv*d] counted as [.., 2*Hkv, d]: `spec` splits it only into whole K and V rows of heads."""
+    return dataclasses.replace(info, shape=(*info.shape[:-1], 2 * config.num_kv_heads, config.head_dim),
+                               logical_axes=(*info.logical_axes, None))
 
 
 def _part(path: tuple[str, ...]) -> str:
