@@ -67,20 +67,17 @@ print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
 # %matplotlib inline
 import json
 
-import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
 import qwen35_lib
 from qwen35_lib import aot
-from qwen35_lib.engine.cache import declare_cache
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel import cache_shardings, check_layout, make_mesh, weight_shardings
-from qwen35_lib.parallel.placement import placement
+from qwen35_lib.parallel import check_layout, make_mesh
+from qwen35_lib.parallel.placement import placement, shard_bytes_per_device
 from qwen35_lib.report import human_bytes
 from qwen35_lib.viz.sharding_explorer import placement_figure, sharding_explorer
-from qwen35_lib.weights import is_info
 
 mesh = make_mesh()  # the 8 devices as ('chip': 4, 'core': 2)
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
@@ -185,13 +182,7 @@ print({k: human_bytes(v) for k, v in predicted.items()}, f"ratio {predicted['tp8
 dp = Engine(tiny.replace(layout="dp8_ep8"), weights,
             EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256), mesh=mesh)
 
-
-def kv_bytes_per_device(engine: Engine) -> list[int]:
-    return [sum(s.data.nbytes for s in engine.cache["kv"].addressable_shards if s.device == d)
-            for d in mesh.devices.flat]
-
-
-measured = {"tp8_kvrep": kv_bytes_per_device(kvrep), "dp8_ep8": kv_bytes_per_device(dp)}
+measured = {name: shard_bytes_per_device(e.cache["kv"], mesh) for name, e in (("tp8_kvrep", kvrep), ("dp8_ep8", dp))}
 for name, per_device in measured.items():
     print(f"{name:<10} KV cache per device: {[human_bytes(b) for b in per_device]}")
 
@@ -230,23 +221,9 @@ for name, p in plans.items():
 # layout, and read `memory_analysis()`: the bytes per device XLA assigned, or its refusal.
 
 # %%
-def compiled_bytes(config, p):
-    """(argument bytes per device, None) of weights + caches compiled for TPU7x-8 under config.layout, or (None,
-    the compiler's refusal)."""
-    tpu_mesh = aot.chip_core_mesh()
-    w = qwen35_lib.abstract_weights(config, weight_shardings(config, tpu_mesh))
-    cache = jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s),
-                         declare_cache(config, p.cache_shape), cache_shardings(config, p.cache_shape, tpu_mesh),
-                         is_leaf=is_info)
-    touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)  # keeps every input
-    try:
-        return touch.lower(w, cache).compile().memory_analysis().argument_size_in_bytes, None
-    except jax.errors.JaxRuntimeError as e:
-        return None, str(e).splitlines()[0]
-
-
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
-xla = {name: compiled_bytes(big.replace(layout=name), p) for name, p in plans.items()} if HAVE_LIBTPU else {}
+xla = ({name: aot.resident_bytes(big.replace(layout=name), p.cache_shape, aot.chip_core_mesh())
+       for name, p in plans.items()} if HAVE_LIBTPU else {})
 for name, (nbytes, error) in xla.items():
     print(f"{name:<12} XLA (tpu7x): {human_bytes(nbytes) + ' per device' if error is None else error}")
 if not HAVE_LIBTPU:

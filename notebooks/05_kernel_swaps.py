@@ -76,27 +76,14 @@ from matplotlib.figure import Figure
 from qwen35_lib.bench import kernels as kb
 from qwen35_lib.bench.kernels_attention import attention_rows
 from qwen35_lib.bench.kernels_gdn import gdn_rows
-from qwen35_lib.bench.timing import format_table
+from qwen35_lib.bench.timing import dict_table
 from qwen35_lib.costmodel.predict import predict
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
 # Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
 aot = concurrent.futures.ThreadPoolExecutor(1).submit(kb.tpu7x_compile_rows) if HAVE_LIBTPU else None
 
-
-def table(rows, keys):
-    print(format_table(list(keys), [[r[k] for k in keys] for r in rows]))
-
-
-def compiled(kernel):
-    """The TPU7x compile of `kernel`'s Pallas implementation, as one line."""
-    if aot is None:
-        return "libtpu not installed (pip install 'jax[tpu]'): ahead-of-time compile skipped"
-    r = next(r for r in aot.result() if r["kernel"] == kernel)
-    return (f"{kernel} compiled for {r['target']} at {r['model']} ({r['case']}): Mosaic kernel in the program: "
-            f"{r['mosaic']}; arguments {r['argument_bytes'] / 2**20:,.0f} MiB, temporaries "
-            f"{r['temp_bytes'] / 2**20:,.1f} MiB; {r['compile_s']:.1f} s")
-
+compiled = lambda kernel: kb.compile_summary(aot.result() if aot else None, kernel)  # one line per kernel
 
 # %% [markdown]
 # ## 1. Predict: the four kernels on one TensorCore's roofline
@@ -118,7 +105,7 @@ def compiled(kernel):
 roof = kb.roofline_rows()
 for r in roof:
     r.update(gflop=r["flops"] / 1e9, mib=r["hbm_bytes"] / 2**20, flop_per_byte=r["intensity"], us=r["seconds"] * 1e6)
-table(roof, ("kernel", "case", "implementation", "gflop", "mib", "flop_per_byte", "bound", "us"))
+print(dict_table(roof, ("kernel", "case", "implementation", "gflop", "mib", "flop_per_byte", "bound", "us")))
 print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']}, one TensorCore)")
 
 # %%
@@ -163,7 +150,7 @@ display(fig)
 
 # %%
 attn = attention_rows(cases={"2 decodes + a 40-token chunk": ([100, 300], [(20, 40)])}, repeats=1)
-table(attn, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(dict_table(attn, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("attention"))
 
 # %% [markdown]
@@ -201,7 +188,7 @@ if aot is not None:
 
 # %%
 moe = kb.moe_rows(tokens=16, repeats=1, settle=0)
-table(moe, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(dict_table(moe, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("moe_matmul"))
 
 # %%
@@ -215,7 +202,7 @@ assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 
 
 # %%
 gdn = gdn_rows(cases=("mixed",), prefill_tokens=128, decode_batch=4, dtype="float32", repeats=1, settle=0)
-table(gdn, ("shape", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(dict_table(gdn, ("shape", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("gdn"))
 
 # %%
@@ -230,7 +217,7 @@ assert gdn[1]["implementation"] == "pallas" and gdn[1]["max_abs_diff_vs_xla"] < 
 
 # %%
 perm = kb.permute_rows(tokens=32, repeats=1, settle=0)
-table(perm, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla"))
+print(dict_table(perm, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("permute"))
 
 # %%

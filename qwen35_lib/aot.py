@@ -123,3 +123,22 @@ def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):
     layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)
     with jax.set_mesh(mesh), compile_target(backend):
         return jax.jit(layer).lower(w, x).compile()
+
+
+def resident_bytes(config: Config, cache_shape, mesh: Mesh) -> tuple[int | None, str | None]:
+    """Per-device bytes XLA assigns to the weights plus the caches of `cache_shape` (an `engine.cache.CacheShape`)
+    under `config.layout` on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from `memory_analysis()` of
+    a program that keeps every input, or (None, the compiler's refusal, e.g. RESOURCE_EXHAUSTED)."""
+    from qwen35_lib.engine.cache import declare_cache
+    from qwen35_lib.parallel.layouts import cache_shardings, weight_shardings
+    from qwen35_lib.weights import is_info
+
+    weights = abstract_weights(config, weight_shardings(config, mesh))
+    abstract = lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh)
+    cache = jax.tree.map(abstract, declare_cache(config, cache_shape), cache_shardings(config, cache_shape, mesh),
+                         is_leaf=is_info)
+    touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)
+    try:
+        return touch.lower(weights, cache).compile().memory_analysis().argument_size_in_bytes, None
+    except jax.errors.JaxRuntimeError as e:
+        return None, str(e).splitlines()[0]

@@ -15,7 +15,7 @@ from qwen35_lib import budget  # noqa: E402
 from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
 from qwen35_lib.engine.cache import init_cache  # noqa: E402
 from qwen35_lib.parallel import cache_shardings, make_mesh, shard_weights  # noqa: E402
-from qwen35_lib.parallel.placement import fmt_range, placement  # noqa: E402
+from qwen35_lib.parallel.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
 from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
 
@@ -46,6 +46,7 @@ def test_weight_and_cache_bytes_equal_real_shards(expert_dtype):
         assert _bytes_on(weights, dev0) == p.weight_bytes_per_device, layout
         cache = jax.device_put(init_cache(cfg, p.cache_shape), cache_shardings(cfg, p.cache_shape, mesh))
         assert _bytes_on(cache, dev0) == p.kv_bytes_per_device + p.gdn_state_bytes_per_device, layout
+        assert shard_bytes_per_device(cache["kv"], mesh) == [p.kv_bytes_per_device] * 8, layout  # every device
     assert valid == ["single", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8"]  # tp8: 2 KV heads do not divide 8
 
 

@@ -339,6 +339,16 @@ def permute_rows(model: str = "qwen3.5-mini", tokens: int = 64, dtype: str = "fl
                          model=model, dtype=dtype, rows=N, bytes_moved=4 * N * cfg.hidden_size * x.dtype.itemsize)
 
 
+def compile_summary(rows: list[dict] | None, kernel: str) -> str:
+    """One line for `kernel`'s row of `tpu7x_compile_rows` (None: libtpu was not there to compile)."""
+    if rows is None:
+        return "libtpu not installed (pip install 'jax[tpu]'): ahead-of-time compile skipped"
+    r = next(r for r in rows if r["kernel"] == kernel)
+    return (f"{kernel} compiled for {r['target']} at {r['model']} ({r['case']}): Mosaic kernel in the program: "
+            f"{r['mosaic']}; arguments {r['argument_bytes'] / 2**20:,.0f} MiB, temporaries "
+            f"{r['temp_bytes'] / 2**20:,.1f} MiB; {r['compile_s']:.1f} s")
+
+
 def tpu7x_compile_rows(model: str = "qwen3.5-397b-a17b", seqs: int = 64, context: int = 9216, page_size: int = 256,
                        prefill_chunks: int = 4) -> list[dict]:
     """Each Pallas kernel lowered by Mosaic and compiled for one TPU7x core (`tpu7x:2x2x1` device 0, needs libtpu;

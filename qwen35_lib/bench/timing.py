@@ -161,6 +161,11 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
+def dict_table(rows: list[dict], keys) -> str:
+    """`format_table` of dict rows: one column per key, in order."""
+    return format_table(list(keys), [[r[k] for k in keys] for r in rows])
+
+
 def _cell(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e-2 else f"{v:,.2f}"

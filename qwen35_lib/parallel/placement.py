@@ -197,6 +197,12 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def shard_bytes_per_device(array: jax.Array, mesh) -> list[int]:
+    """Bytes of `array`'s shards held by each device of `mesh`, in mesh order: measured from the array, to set
+    against `placement`'s arithmetic."""
+    return [sum(s.data.nbytes for s in array.addressable_shards if s.device == d) for d in mesh.devices.flat]
+
+
 def _leaves(tree) -> list[tuple[tuple[str, ...], ArrayInfo]]:
     """(path keys, ArrayInfo) of every leaf; FP8 pairs give two leaves (value, scale) under the same path."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
