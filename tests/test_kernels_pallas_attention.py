@@ -1,5 +1,5 @@
-"""The Pallas ragged paged attention and KV-write kernels vs their XLA twins (interpret mode), and their TPU7x
-ahead-of-time compile at the 397B shapes.
+"""The Pallas ragged paged attention and KV-write kernels vs their XLA twins (interpret mode), the fused write +
+attention call vs the two kernels (bit for bit), and their TPU7x ahead-of-time compile at the 397B shapes.
 
 Batches are packed by the engine's own `pack` (decode region first, prefill chunks at chunk boundaries, padding),
 so the kernels see exactly the layouts a step produces.
@@ -21,7 +21,11 @@ import pytest
 
 from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels import get
-from qwen35_lib.kernels.attention_pallas import paged_attention_pallas, write_kv_pages_pallas
+from qwen35_lib.kernels.attention_pallas import (
+    paged_attention_pallas,
+    paged_attention_write_pallas,
+    write_kv_pages_pallas,
+)
 from qwen35_lib.kernels.attention_xla import paged_attention_xla, write_kv_pages
 
 HQ, HKV, D = 8, 2, 64  # CPU size: 4 query heads per KV head
@@ -117,6 +121,7 @@ def test_dma_and_semaphores_under_tpu_interpret():
 
     meta, (kv_x, sc_x), _, ref, q, args = _case(0, jnp.float32, jnp.float8_e4m3fn, 16, [2, 40], [(0, 21)], 48)
     ip = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+    kv0, sc0 = kv_x, sc_x
     kv_p, sc_p = write_kv_pages_pallas(kv_x, sc_x, *_new_kv(q), *_rows(meta, 16), interpret=ip)
     assert not ipc.races.races_found
     kv_x, sc_x = write_kv_pages(kv_x, sc_x, *_new_kv(q), *_rows(meta, 16))
@@ -124,6 +129,12 @@ def test_dma_and_semaphores_under_tpu_interpret():
     out = paged_attention_pallas(q, kv_p, sc_p, *args, block_q=8, pages_per_step=2, interpret=ip)
     assert not ipc.races.races_found
     _close(out, paged_attention_xla(q, kv_x, sc_x, *args), meta.token_seq >= 0, 2e-5)
+    # the fused call: its step-0 tile writes and the items' page reads share the aliased pool
+    out_f, kv_f, _ = paged_attention_write_pallas(q, *_new_kv(q), kv0, sc0, *_rows(meta, 16), *args, block_q=8,
+                                                  pages_per_step=2, block_t=16, interpret=ip)
+    assert not ipc.races.races_found
+    np.testing.assert_array_equal(np.asarray(kv_f), np.asarray(kv_p))
+    np.testing.assert_array_equal(np.asarray(out_f), np.asarray(out))
 
 
 def _new_kv(q):
@@ -162,9 +173,43 @@ def test_non_contiguous_sequences_beyond_the_item_bound_give_nan():
     assert np.isnan(np.asarray(out)).all()
 
 
+@pytest.mark.parametrize("kv_dtype,ps", [(jnp.bfloat16, 16), (jnp.float8_e4m3fn, 16), (jnp.bfloat16, 12),
+                                         (jnp.float8_e4m3fn, 12)])
+def test_fused_write_and_attention_equal_the_two_calls(kv_dtype, ps):
+    """`paged_attention_write_pallas` (one call: the tile writes at grid step 0, then the items) against
+    `write_kv_pages_pallas` then `paged_attention_pallas`: outputs, the whole pool (null page included) and the
+    FP8 scales bit for bit. Decodes (one at a page boundary) next to a prefill chunk continuing its sequence
+    mid-page, whose items read the pages this very call writes; ps 12 writes whole pages (not 8-row tiles)."""
+    rng = np.random.default_rng(3)
+    num_pages, T = 48, 64
+    meta, page, offset = _batch(rng, ps, [1, ps + 1, 50], [(ps + 5, 27)], T, num_pages=num_pages)
+    kv = jnp.asarray(rng.standard_normal((num_pages, ps, 2 * HKV * D)), kv_dtype)
+    fp8 = kv_dtype == jnp.float8_e4m3fn
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (num_pages, ps, 2 * HKV)), jnp.float32) if fp8 else None
+    q = jnp.asarray(rng.standard_normal((T, HQ, D)), jnp.bfloat16)
+    k, v = _new_kv(q)
+    args = tuple(jnp.asarray(a) for a in (meta.page_table, meta.token_seq, meta.positions))
+    kv_ref, sc_ref = write_kv_pages_pallas(kv, scales, k, v, page, offset, block_t=16)
+    ref = paged_attention_pallas(q, kv_ref, sc_ref, *args, block_q=8, pages_per_step=2)
+    out, kv_out, sc_out = paged_attention_write_pallas(q, k, v, kv, scales, page, offset, *args, block_q=8,
+                                                       pages_per_step=2, block_t=16)
+    assert (out.dtype, kv_out.dtype) == (ref.dtype, kv_ref.dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(kv_out, np.float32), np.asarray(kv_ref, np.float32))
+    if fp8:
+        np.testing.assert_array_equal(np.asarray(sc_out), np.asarray(sc_ref))
+    else:
+        assert sc_out is None
+    # and the fused call did write before reading: attention over the old pool differs on the prefill's rows
+    stale = paged_attention_pallas(q, kv, scales, *args, block_q=8, pages_per_step=2)
+    assert not np.array_equal(np.asarray(stale, np.float32), np.asarray(out, np.float32))
+
+
 def test_registered():
     impl = get("attention", "pallas")
     assert impl.paged is paged_attention_pallas and impl.write is write_kv_pages_pallas
+    assert impl.paged_write is paged_attention_write_pallas
+    assert get("attention", "xla").paged_write is None  # the XLA twin keeps write, then paged
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +224,10 @@ def tpu_device():
         pytest.skip(f"{e}")
 
 
-@pytest.mark.tpu_compile
-@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
-def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
-    """Mosaic lowering (interpret off) for one TPU7x core at Qwen3.5-397B: Hq 32, Hkv 2, d 256, one rank of
-    dp8 at 512 concurrent requests of ~9k tokens: S 64 sequences, 576k cached tokens, T 512 new tokens."""
+def _abstract_397b(tpu_device, kv_dtype: str, ps: int):
+    """Abstract inputs on one TPU7x core at Qwen3.5-397B: Hq 32, Hkv 2, d 256, one rank of dp8 at 512 concurrent
+    requests of ~9k tokens: S 64 sequences, 576k cached tokens, T 512 new tokens. Returns (q, k, kv, scales,
+    page_table, ints [T], pool bytes, the bytes of kv_scale relaid out to 128 lanes (0 for a bf16 pool))."""
     from jax.sharding import SingleDeviceSharding
 
     sh = SingleDeviceSharding(tpu_device)
@@ -194,19 +238,41 @@ def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
     kv = sds((P, ps, 2 * Hkv * d), kvd)
     scales = sds((P, ps, 2 * Hkv), jnp.float32) if kvd.itemsize == 1 else None
-    ints = sds((T,), jnp.int32)
+    pool = P * ps * 2 * Hkv * d * kvd.itemsize
+    scales_relaid = P * ps * 128 * 4 if scales is not None else 0
+    return (sds((T, Hq, d), jnp.bfloat16), sds((T, Hkv, d), jnp.bfloat16), kv, scales, sds((S, n), jnp.int32),
+            sds((T,), jnp.int32), pool, scales_relaid)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
+def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
+    """Mosaic lowering (interpret off) for one TPU7x core at the 397B shapes (`_abstract_397b`)."""
+    q, k, kv, scales, page_table, ints, pool, scales_relaid = _abstract_397b(tpu_device, kv_dtype, ps)
     attn = jax.jit(lambda *a: paged_attention_pallas(*a, block_q=16, interpret=False))
-    attn_c = attn.lower(sds((T, Hq, d), jnp.bfloat16), kv, scales, sds((S, n), jnp.int32), ints, ints).compile()
+    attn_c = attn.lower(q, kv, scales, page_table, ints, ints).compile()
     write = jax.jit(lambda *a: write_kv_pages_pallas(*a, interpret=False), donate_argnums=(0, 1))
-    k = sds((T, Hkv, d), jnp.bfloat16)
     compiled = write.lower(kv, scales, k, k, ints, ints).compile()
     # the kernels read and write the pool in place: no relayout copy of it among the temporaries (a reshape of
     # its two minor dims would copy all of it); kv_scale [P, ps, 2*Hkv] f32 is still relaid out to 128 lanes
-    pool = P * ps * 2 * Hkv * d * kvd.itemsize
-    scales_relaid = P * ps * 128 * 4 if scales is not None else 0
     assert attn_c.memory_analysis().temp_size_in_bytes - scales_relaid < pool / 8
     assert compiled.memory_analysis().temp_size_in_bytes < pool / 8
     assert "kv_cache_write" in compiled.as_text()
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
+def test_fused_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
+    """The fused write + attention call lowered by Mosaic at the 397B shapes, the pool donated: one kernel, and
+    no pool-sized temporary (the pool is aliased in place; only kv_scale's 128-lane relayout is pool-scale)."""
+    q, k, kv, scales, page_table, ints, pool, scales_relaid = _abstract_397b(tpu_device, kv_dtype, ps)
+    fused = jax.jit(lambda *a: paged_attention_write_pallas(*a, block_q=16, interpret=False), donate_argnums=(3, 4))
+    compiled = fused.lower(q, k, k, kv, scales, ints, ints, page_table, ints, ints).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    print(f"fused {kv_dtype} ps {ps}: temp {temp} bytes (kv_scale relaid {scales_relaid}), pool {pool} bytes")
+    assert temp - scales_relaid < pool / 8
+    text = compiled.as_text()
+    assert "ragged_paged_attention_kv_write" in text and "kv_cache_write" not in text
 
 
 @pytest.mark.slow  # ~13 s alone, mostly compiling the tiny model's forward and ragged step

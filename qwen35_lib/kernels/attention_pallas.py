@@ -1,7 +1,7 @@
 """Batched ragged paged attention and the KV-cache write as Pallas TPU kernels (slot `attention`, name "pallas").
 
 The reference twins are in `attention_xla.py`; the protocol is the same (see `registry.AttentionKernels`).
-On a backend other than TPU both kernels run in Pallas interpret mode (numerics only, slow). The slot's `dense`
+On a backend other than TPU the kernels run in Pallas interpret mode (numerics only, slow). The slot's `dense`
 entry (full-sequence attention over right-padded rows, not the serving path) stays the XLA one.
 
 The attention kernel's unit of work is an *item*: one run of consecutive flat tokens that belong to the same
@@ -12,12 +12,16 @@ pages up to the last one its tokens can see (double-buffered DMAs from HBM, page
 and keeps a running softmax for its block's rows. All KV heads are done in one item: a page holds every head's K
 and V contiguously (`engine/cache.py`), so one DMA per page fetches what the whole block needs.
 
-Why the write is a separate kernel, not fused: the slot protocol (and `model/attention.py`, which calls it)
-writes the step's K/V first and then attends over the pages, per rank under `vmap`. Fusing the write into the
-attention kernel would change that call contract and needs an ordering guarantee (a token's own K/V in the page
-before any item reads it) that only holds for the engine's packing; the separate kernel is aliased and in place
-(a read-modify-write of the 8-row tiles the new tokens land in: Mosaic DMAs start at tile boundaries), so the extra
-cost is one launch and moving those tiles.
+The write, separate and fused. The slot protocol (`model/attention.py`) writes the step's K/V and then attends
+over the pages, per rank under `vmap`. `write_kv_pages_pallas` is that write as its own kernel: aliased and in
+place, a read-modify-write of the 8-row tiles the new tokens land in (Mosaic DMAs start at tile boundaries).
+`paged_attention_write_pallas` (the slot's optional `paged_write`, which the model prefers) fuses it into the
+attention: ONE pallas_call over the attention items whose grid step 0 first does every tile's read-modify-write
+and waits on the DMAs back, so a token's own K/V is in the pool before any item reads its page (the grid is
+sequential, "arbitrary"); the items then read the pages from the aliased output (the pool as written: in the HLO
+interpreter the input and output are distinct buffers). This saves a launch; the tiles moved are the same. FP8
+scales are still stored by an XLA scatter before the call. Both share their preparation (`_write_setup`,
+`_attention_setup`) and kernel bodies (`_merge_tiles`, `_attention_kernel`) with the separate kernels.
 """
 
 from __future__ import annotations
@@ -175,6 +179,50 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
         o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
+def _attention_setup(q, kv_pages, kv_scales, page_table, token_seq, positions, block_q: int,
+                     pages_per_step: int | None):
+    """What a pallas_call over the attention items needs (steps 1-2 of `paged_attention_pallas`).
+
+    Returns (scalars: the 8 scalar-prefetch arrays, blocked: [qt, row_pos] and their BlockSpecs, q_spec (also the
+    output's), scratch (the attention's VMEM / semaphores, the FP8 scale buffer included), kernel keywords for
+    `_attention_kernel`, W (items = grid steps), finish: out [Hkv, Tp*G, d] -> o [T, Hq, d]).
+    """
+    T, Hq, d = q.shape
+    P, ps, H2d = kv_pages.shape
+    Hkv = H2d // (2 * d)
+    G = Hq // Hkv
+    S, n = page_table.shape
+    fp8 = kv_scales is not None
+    pps = pages_per_step or max(1, min(n, 128 // ps))
+    Tp = -(-T // block_q) * block_q
+    nb, R = Tp // block_q, block_q * G
+    W = nb + S  # items: every block once, plus one extra per sequence boundary
+
+    token_seq = jnp.pad(token_seq.astype(jnp.int32), (0, Tp - T), constant_values=-1)
+    positions = jnp.pad(positions.astype(jnp.int32), (0, Tp - T))
+    qt = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, Hkv, G, d).transpose(1, 0, 2, 3)
+    qt = qt.reshape(Hkv, Tp * G, d)  # [Hkv, Tp*G, d]
+    row_pos = jnp.repeat(positions, G)[:, None]  # [Tp*G, 1]
+    block, seq, lo, hi, pages, first, last, n_runs = _work_items(token_seq, positions, block_q, ps, W)
+    scalars = [block, seq, lo, hi, pages, first, last, page_table.astype(jnp.int32).reshape(-1)]
+
+    q_spec = pl.BlockSpec((Hkv, R, d), lambda i, blk, *_: (0, blk[i], 0))
+    specs = [q_spec, pl.BlockSpec((R, 1), lambda i, blk, *_: (blk[i], 0))]
+    scratch = [pltpu.VMEM((2, pps * ps, H2d), kv_pages.dtype)]
+    if fp8:
+        scratch.append(pltpu.VMEM((2, pps * ps, 2 * Hkv), jnp.float32))
+    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((Hkv, R, 1), jnp.float32),
+                pltpu.VMEM((Hkv, R, 1), jnp.float32), pltpu.VMEM((Hkv, R, d), jnp.float32)]
+    kw = dict(block_q=block_q, group=G, head_dim=d, page_size=ps, pages_per_step=pps, max_pages=n, fp8=fp8)
+
+    def finish(out):
+        o = out.reshape(Hkv, Tp, G, d).transpose(1, 0, 2, 3).reshape(Tp, Hq, d)[:T]
+        o = jnp.where((token_seq[:T] >= 0)[:, None, None], o, 0)
+        return jnp.where(n_runs > W, jnp.nan, o).astype(q.dtype)
+
+    return scalars, ([qt, row_pos], specs), q_spec, scratch, kw, W, finish
+
+
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_step", "interpret"))
 def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positions, *, block_q: int = 16,
                            pages_per_step: int | None = None, interpret: bool | None = None):
@@ -189,63 +237,34 @@ def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positi
     3. one pallas_call over the items (`_attention_kernel`), reading the pool in place; back to [T, Hq, d],
        padding rows zeroed.
     """
-    T, Hq, d = q.shape
-    P, ps, H2d = kv_pages.shape
-    Hkv = H2d // (2 * d)
-    G = Hq // Hkv
-    S, n = page_table.shape
-    fp8 = kv_scales is not None
-    pps = pages_per_step or max(1, min(n, 128 // ps))
     interpret = _interpret() if interpret is None else interpret
-    Tp = -(-T // block_q) * block_q
-    nb, R = Tp // block_q, block_q * G
-    W = nb + S  # items: every block once, plus one extra per sequence boundary
-
-    token_seq = jnp.pad(token_seq.astype(jnp.int32), (0, Tp - T), constant_values=-1)
-    positions = jnp.pad(positions.astype(jnp.int32), (0, Tp - T))
-    qt = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, Hkv, G, d).transpose(1, 0, 2, 3)
-    qt = qt.reshape(Hkv, Tp * G, d)  # [Hkv, Tp*G, d]
-    row_pos = jnp.repeat(positions, G)[:, None]  # [Tp*G, 1]
-    block, seq, lo, hi, pages, first, last, n_runs = _work_items(token_seq, positions, block_q, ps, W)
-
-    q_spec = pl.BlockSpec((Hkv, R, d), lambda i, blk, *_: (0, blk[i], 0))
-    in_specs = [q_spec, pl.BlockSpec((R, 1), lambda i, blk, *_: (blk[i], 0)), pl.BlockSpec(memory_space=pl.ANY)]
-    scratch = [pltpu.VMEM((2, pps * ps, H2d), kv_pages.dtype)]
-    args = [qt, row_pos, kv_pages]
-    if fp8:
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        scratch.append(pltpu.VMEM((2, pps * ps, 2 * Hkv), jnp.float32))
-        args.append(kv_scales.astype(jnp.float32))
-    scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((Hkv, R, 1), jnp.float32),
-                pltpu.VMEM((Hkv, R, 1), jnp.float32), pltpu.VMEM((Hkv, R, d), jnp.float32)]
-    kernel = functools.partial(_attention_kernel, block_q=block_q, group=G, head_dim=d, page_size=ps,
-                               pages_per_step=pps, max_pages=n, fp8=fp8)
-    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=8, grid=(W,), in_specs=in_specs,
+    scalars, (blocked, specs), q_spec, scratch, kw, W, finish = _attention_setup(
+        q, kv_pages, kv_scales, page_table, token_seq, positions, block_q, pages_per_step)
+    pools = [kv_pages] + ([kv_scales.astype(jnp.float32)] if kv_scales is not None else [])
+    any_specs = [pl.BlockSpec(memory_space=pl.ANY)] * len(pools)
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(scalars), grid=(W,), in_specs=specs + any_specs,
                                              out_specs=q_spec, scratch_shapes=scratch)
     out = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        functools.partial(_attention_kernel, **kw), grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(blocked[0].shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
         name="ragged_paged_attention",
-    )(block, seq, lo, hi, pages, first, last, page_table.astype(jnp.int32).reshape(-1), *args)
-    o = out.reshape(Hkv, Tp, G, d).transpose(1, 0, 2, 3).reshape(Tp, Hq, d)[:T]
-    o = jnp.where((token_seq[:T] >= 0)[:, None, None], o, 0)
-    return jnp.where(n_runs > W, jnp.nan, o).astype(q.dtype)
+    )(*scalars, *blocked, *pools)
+    return finish(out)
 
 
-def _write_kernel(page_ref, tile_ref, rows_ref, new_ref, kv_in, kv_out, buf, sem, *, block_t: int, tile: int):
-    """Merge each group's new rows into its cache tile in HBM, read-modify-write (kv_out aliases kv_in).
+def _merge_tiles(b, page_ref, tile_ref, rows_ref, new_ref, kv_out, buf, sem, *, block_t: int, tile: int):
+    """Merge the new rows of the groups in token block `b` into their cache tiles in HBM, read-modify-write.
 
     A group is a run of tokens writing one tile (`tile` rows of one page; DMAs must start at a tile boundary on
     TPU, so a single row cannot be copied alone). SMEM [Tp]: page_ref (the page of the group starting at this
     token, -1 elsewhere and for padding), tile_ref (the tile's first row in its page), rows_ref (bit r set: the
-    group writes row r of the tile); new_ref [bt, tile, 2*Hkv*d] (slot j: the new rows of the group starting at
-    token j); kv_out [P, ps, 2*Hkv*d] in HBM, indexed by (page, rows): nothing reshaped; buf [bt, tile, 2*Hkv*d].
+    group writes row r of the tile); new_ref [bt, tile, 2*Hkv*d] in VMEM (slot j: the new rows of the group
+    starting at token b*bt + j); kv_out [P, ps, 2*Hkv*d] in HBM, indexed by (page, rows): nothing reshaped;
+    buf [bt, tile, 2*Hkv*d].
     1. DMA in the tile of every group of this block; 2. keep its old rows but the group's new ones;
-    3. DMA the tiles back, then wait for them all.
+    3. DMA the tiles back, then wait for them all (so a later read of the pool sees them).
     """
-    del kv_in
-    b = pl.program_id(0)
-
     def desc(j, into):
         t = b * block_t + j
         hbm = kv_out.at[jnp.maximum(page_ref[t], 0), pl.ds(pl.multiple_of(tile_ref[t], tile), tile)]
@@ -274,26 +293,21 @@ def _write_kernel(page_ref, tile_ref, rows_ref, new_ref, kv_in, kv_out, buf, sem
     each(lambda j: desc(j, False).wait())
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
-def write_kv_pages_pallas(kv_pages, kv_scales, k, v, page, offset, *, block_t: int = 32,
-                          interpret: bool | None = None):
-    """The KV-cache write of `attention_xla.write_kv_pages`, the rows moved by a Pallas DMA kernel, in place.
+def _write_kernel(page_ref, tile_ref, rows_ref, new_ref, kv_in, kv_out, buf, sem, *, block_t: int, tile: int):
+    """One grid step = one block of bt tokens: `_merge_tiles` (kv_out aliases kv_in; new_ref is this block's)."""
+    del kv_in
+    _merge_tiles(pl.program_id(0), page_ref, tile_ref, rows_ref, new_ref, kv_out, buf, sem, block_t=block_t,
+                 tile=tile)
 
-    kv_pages [P, ps, 2*Hkv*d]; kv_scales [P, ps, 2*Hkv] | None; k, v [T, Hkv, d]; page, offset [T].
-    Precondition (the engine's `RaggedMeta` meets it): tokens writing the same tile of a page are contiguous.
-    1. interleave K and V per head -> [T, 2*Hkv*d]; for FP8 quantize with per-(token, head) scales amax / 448
-       (elementwise, left to XLA) and store the scales with an XLA scatter (4 bytes per row)
-    2. group the tokens: a run writing one tile of 8 rows (ps when ps is not a multiple of 8) inside a block of
-       bt tokens; place each group's new rows in a [tile, 2*Hkv*d] slot (XLA scatter, a few rows per token)
-    3. Pallas: per group one DMA of the tile in, the merge, one DMA back into the aliased cache (page 0 = padding:
-       skipped; the null page's contents are never read for a real token). In place when the caller donates it.
-    """
+
+def _write_setup(kv_pages, kv_scales, k, v, page, offset, block_t: int):
+    """Steps 1-2 of `write_kv_pages_pallas`. Returns (kv_scales (updated for FP8), scalars: [page_ref, tile_ref,
+    rows_ref] [Tp], new [Tp, tile, 2*Hkv*d], bt, tile)."""
     T, Hkv, d = k.shape
     ps = kv_pages.shape[1]
     tr = 8 if ps % 8 == 0 else ps
     if tr > 32:
         raise ValueError(f"page_size {ps}: the Pallas KV write needs a multiple of 8 or at most 32 (row bit masks)")
-    interpret = _interpret() if interpret is None else interpret
     kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, d)  # [T, 2*Hkv, d]
     if kv_scales is not None:
         kv32 = kv.astype(jnp.float32)
@@ -313,19 +327,109 @@ def write_kv_pages_pallas(kv_pages, kv_scales, k, v, page, offset, *, block_t: i
     slot = jnp.where(pg >= 0, group, Tp)  # Tp = dropped
     new = jnp.zeros((Tp, tr, 2 * Hkv * d), kv.dtype).at[slot[:T], off[:T] % tr].set(kv, mode="drop")
     rows = jnp.zeros((Tp,), jnp.int32).at[slot].add(jnp.left_shift(1, off % tr), mode="drop")
+    return kv_scales, [jnp.where(start, pg, -1), off // tr * tr, rows], new, bt, tr
+
+
+@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
+def write_kv_pages_pallas(kv_pages, kv_scales, k, v, page, offset, *, block_t: int = 32,
+                          interpret: bool | None = None):
+    """The KV-cache write of `attention_xla.write_kv_pages`, the rows moved by a Pallas DMA kernel, in place.
+
+    kv_pages [P, ps, 2*Hkv*d]; kv_scales [P, ps, 2*Hkv] | None; k, v [T, Hkv, d]; page, offset [T].
+    Precondition (the engine's `RaggedMeta` meets it): tokens writing the same tile of a page are contiguous.
+    1. interleave K and V per head -> [T, 2*Hkv*d]; for FP8 quantize with per-(token, head) scales amax / 448
+       (elementwise, left to XLA) and store the scales with an XLA scatter (4 bytes per row)
+    2. group the tokens: a run writing one tile of 8 rows (ps when ps is not a multiple of 8) inside a block of
+       bt tokens; place each group's new rows in a [tile, 2*Hkv*d] slot (XLA scatter, a few rows per token)
+    3. Pallas: per group one DMA of the tile in, the merge, one DMA back into the aliased cache (page 0 = padding:
+       skipped; the null page's contents are never read for a real token). In place when the caller donates it.
+    """
+    interpret = _interpret() if interpret is None else interpret
+    kv_scales, scalars, new, bt, tr = _write_setup(kv_pages, kv_scales, k, v, page, offset, block_t)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(Tp // bt,),
-        in_specs=[pl.BlockSpec((bt, tr, 2 * Hkv * d), lambda b, *_: (b, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
+        num_scalar_prefetch=len(scalars), grid=(new.shape[0] // bt,),
+        in_specs=[pl.BlockSpec((bt,) + new.shape[1:], lambda b, *_: (b, 0, 0)), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        scratch_shapes=[pltpu.VMEM((bt, tr, 2 * Hkv * d), kv.dtype), pltpu.SemaphoreType.DMA((1,))])
+        scratch_shapes=[pltpu.VMEM((bt,) + new.shape[1:], new.dtype), pltpu.SemaphoreType.DMA((1,))])
     out = pl.pallas_call(
         functools.partial(_write_kernel, block_t=bt, tile=tr), grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype), input_output_aliases={4: 0},
+        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype), input_output_aliases={len(scalars) + 1: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
         name="kv_cache_write",
-    )(jnp.where(start, pg, -1), off // tr * tr, rows, new, kv_pages)
+    )(*scalars, new, kv_pages)
     return out, kv_scales
 
 
+def _fused_kernel(*refs, n_attn_scratch: int, n_write_blocks: int, block_t: int, tile: int, fp8: bool, **kw):
+    """The KV write, then the attention items, in one grid (`paged_attention_write_pallas`); refs:
+
+    SMEM: the 8 attention scalars (`_attention_kernel`), then the write's page_ref, tile_ref, rows_ref [Tw];
+    inputs q_ref, pos_ref (blocked), new_hbm [Tw, tile, 2*Hkv*d], kv_in (aliased by kv_out: unused), sc_hbm (FP8);
+    outputs o_ref, kv_out [P, ps, 2*Hkv*d] (HBM); the attention's scratch, then newbuf, buf [bt, tile, 2*Hkv*d],
+    wsem.
+    1. at grid step 0 only: for each block of bt new tokens, DMA its slots in and `_merge_tiles` them into kv_out,
+       waiting on every tile's DMA back before the next block (the grid is sequential, so all writes land before
+       any page read below)
+    2. every step: the item's attention (`_attention_kernel`) reading the pages from kv_out, the written pool
+       (not kv_in: in the HLO interpreter they are distinct buffers)
+    """
+    attn_smem, (page_ref, tile_ref, rows_ref), rest = refs[:8], refs[8:11], refs[11:]
+    q_ref, pos_ref, new_hbm, _kv_in, *rest = rest
+    sc = [rest.pop(0)] if fp8 else []
+    o_ref, kv_out, *rest = rest
+    attn_scratch, (newbuf, buf, wsem) = rest[:n_attn_scratch], rest[n_attn_scratch:]
+
+    @pl.when(pl.program_id(0) == 0)
+    def _write():
+        def block(b, carry):
+            cp = pltpu.make_async_copy(new_hbm.at[pl.ds(pl.multiple_of(b * block_t, block_t), block_t)], newbuf,
+                                       wsem.at[0])
+            cp.start()
+            cp.wait()
+            _merge_tiles(b, page_ref, tile_ref, rows_ref, newbuf, kv_out, buf, wsem, block_t=block_t, tile=tile)
+            return carry
+
+        jax.lax.fori_loop(0, n_write_blocks, block, 0)
+
+    _attention_kernel(*attn_smem, q_ref, pos_ref, kv_out, *sc, o_ref, *attn_scratch, fp8=fp8, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_step", "block_t", "interpret"))
+def paged_attention_write_pallas(q, k, v, kv_pages, kv_scales, page, offset, page_table, token_seq, positions, *,
+                                 block_q: int = 16, pages_per_step: int | None = None, block_t: int = 32,
+                                 interpret: bool | None = None):
+    """`write_kv_pages_pallas` then `paged_attention_pallas` as ONE Pallas call: the slot's `paged_write`.
+
+    q [T, Hq, d]; k, v [T, Hkv, d]; kv_pages, kv_scales, page, offset as the write's; page_table, token_seq,
+    positions as the attention's. Returns (o [T, Hq, d], kv_pages, kv_scales), equal bit for bit to the two calls.
+    Preconditions: both kernels' (the engine's `RaggedMeta` meets them).
+    1. the write's preparation (`_write_setup`: FP8 scales still by an XLA scatter) and the attention's
+       (`_attention_setup`)
+    2. one pallas_call over the attention items (`_fused_kernel`): grid step 0 first merges every new row into its
+       tile of the pool (aliased: in place when the caller donates it), then the items read the pages from it.
+    """
+    interpret = _interpret() if interpret is None else interpret
+    kv_scales, w_scalars, new, bt, tr = _write_setup(kv_pages, kv_scales, k, v, page, offset, block_t)
+    scalars, (blocked, specs), q_spec, scratch, kw, W, finish = _attention_setup(
+        q, kv_pages, kv_scales, page_table, token_seq, positions, block_q, pages_per_step)
+    scalars += w_scalars
+    sc = [kv_scales.astype(jnp.float32)] if kv_scales is not None else []
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars), grid=(W,), in_specs=specs + [hbm, hbm] + [hbm] * len(sc),
+        out_specs=[q_spec, hbm],
+        scratch_shapes=scratch + [pltpu.VMEM((bt,) + new.shape[1:], new.dtype)] * 2 + [pltpu.SemaphoreType.DMA((1,))])
+    kernel = functools.partial(_fused_kernel, n_attn_scratch=len(scratch), n_write_blocks=new.shape[0] // bt,
+                               block_t=bt, tile=tr, **kw)
+    out_shape = (jax.ShapeDtypeStruct(blocked[0].shape, q.dtype), jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype))
+    out, kv_pages = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=out_shape,
+        input_output_aliases={len(scalars) + len(blocked) + 1: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
+        name="ragged_paged_attention_kv_write",
+    )(*scalars, *blocked, new, kv_pages, *sc)
+    return finish(out), kv_pages, kv_scales
+
+
 register("attention", "pallas")(AttentionKernels(dense=attention_xla, paged=paged_attention_pallas,
-                                                 write=write_kv_pages_pallas))
+                                                 write=write_kv_pages_pallas, paged_write=paged_attention_write_pallas))

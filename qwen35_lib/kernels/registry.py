@@ -2,8 +2,9 @@
 
 | slot         | protocol (see the XLA implementation for shapes)                                     |
 |--------------|---------------------------------------------------------------------------------------|
-| `attention`  | `AttentionKernels(dense, paged, write)`: causal GQA over right-padded rows; over the  |
-|              | paged KV cache for flat ragged tokens; the KV-cache write                             |
+| `attention`  | `AttentionKernels(dense, paged, write, paged_write)`: causal GQA over right-padded     |
+|              | rows; over the paged KV cache for flat ragged tokens; the KV-cache write; optionally  |
+|              | the write and the paged attention as one call                                         |
 | `gdn`        | `GdnKernels(dense, ragged)`: the gated delta rule over rows; over a ragged batch      |
 |              | with per-sequence state slots                                                         |
 | `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU  |
@@ -30,6 +31,9 @@ class AttentionKernels(NamedTuple):
     #  positions [T]) -> o [T,Hq,d]
     paged: Callable
     write: Callable  # (kv_pages, kv_scales, k [T,Hkv,d], v, page [T], offset [T]) -> (kv_pages, kv_scales)
+    # optional: write then paged as one call, (q, k, v, kv_pages, kv_scales, page, offset, page_table, token_seq,
+    # positions) -> (o, kv_pages, kv_scales); `model/attention.py` uses it when present, else write then paged
+    paged_write: Callable | None = None
 
 
 class GdnKernels(NamedTuple):

@@ -41,7 +41,8 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
     (+ kv_scales [R, P, ps, 2*Hkv] for an FP8 cache). Returns (out [R, T, D], kv, kv_scales).
 
     1. projections, norms, RoPE at each token's position; 2. write the new K/V into their pages (padding
-    tokens into the null page 0); 3. paged attention of every token over its sequence (kernel slot `attention`).
+    tokens into the null page 0); 3. paged attention of every token over its sequence (kernel slot `attention`;
+    2 and 3 as one call when the implementation has `paged_write`).
     """
     with jax.named_scope("attention"):
         q, gate, k, v = qkv(cfg, w, x, meta.positions)
@@ -52,7 +53,11 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
         page = jnp.take_along_axis(seq_pages, (meta.positions // ps)[..., None], axis=2)[..., 0]
         page = jnp.where(valid, page, 0)
         offset = jnp.where(valid, meta.positions % ps, 0)
-        kv, kv_scales = per_rank(cfg, "attention", kernels.write, kv, kv_scales, k, v, page, offset)
-        o = per_rank(cfg, "attention", kernels.paged, q, kv, kv_scales, meta.page_table, meta.token_seq,
-                     meta.positions)
+        ragged = (meta.page_table, meta.token_seq, meta.positions)
+        if kernels.paged_write is not None:  # one call: the write, then the attention over the written pages
+            o, kv, kv_scales = per_rank(cfg, "attention", kernels.paged_write, q, k, v, kv, kv_scales, page, offset,
+                                        *ragged)
+        else:
+            kv, kv_scales = per_rank(cfg, "attention", kernels.write, kv, kv_scales, k, v, page, offset)
+            o = per_rank(cfg, "attention", kernels.paged, q, kv, kv_scales, *ragged)
         return output(w, o, gate), kv, kv_scales
