@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, a test file stays on one (its compiled fixtures shared)
 
 lint: $(STAMP)
-	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook
+	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook notebooks
 
 clean:
 	rm -rf build .pytest_cache

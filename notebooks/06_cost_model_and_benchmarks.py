@@ -183,8 +183,9 @@ print("predicted end-to-end:", {w: f"x{v:.2f} (reported x{reported[w]})" for w, 
 # ## 4. Validation (a): the real engine on this CPU
 #
 # **Predict** with this CPU's measured specs (micro-benchmarks: matmul FLOP/s, streaming-read bandwidth, the
-# cost of one launched op, the rate of a materialized copy, a batched matmul with few rows), then **measure** the engine's jitted step for `qwen3.5-mini` on two batches: eight
-# decodes, and four decodes with a 64-token prompt chunk. Each batch compiles once; the timed calls are
+# cost of one launched op, the rate of a materialized copy, a batched matmul with few rows), then **measure** the
+# engine's jitted step for `qwen3.5-mini` on two batches: eight decodes, and four decodes with a 64-token prompt
+# chunk. Each batch compiles once; the timed calls are
 # interleaved. `python -m qwen35_lib.bench costmodel` runs more cases (and writes `data/costmodel_validation.json`).
 
 # %%
