@@ -384,7 +384,7 @@ def tpu7x_compile_rows(model: str = "qwen3.5-397b-a17b", seqs: int = 64, context
         ("attention", f"{seqs} decodes x {context} ctx, FP8 KV, pages of {page_size}"): (
             functools.partial(paged_attention_pallas, interpret=False),
             (sds(seqs, Hq, d), sds(seqs * n + 1, page_size, 2 * Hkv * d, dt="float8_e4m3fn"),
-             sds(seqs * n + 1, page_size, 2 * Hkv, dt="float32"), sds(seqs, n, dt="int32"),
+             sds(seqs * n + 1, 2 * Hkv, page_size, dt="float32"), sds(seqs, n, dt="int32"),
              sds(seqs, dt="int32"), sds(seqs, dt="int32")), {}),
         ("moe_matmul", f"{rows} rows, {E_loc} local experts, FP8 weights"): (
             functools.partial(moe_pallas, fp8_block=b, interpret=False),

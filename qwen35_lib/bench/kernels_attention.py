@@ -58,7 +58,7 @@ def attention_rows(model: str = "qwen3.5-mini", cases: dict | None = None, page_
         kv = jax.random.normal(keys[1], (P, ps, 2 * Hkv * d), jnp.float32)
         scales = None
         if kv_dtype and jnp.dtype(kv_dtype).itemsize == 1:
-            scales = jnp.full((P, ps, 2 * Hkv), 1 / 16, jnp.float32)
+            scales = jnp.full((P, 2 * Hkv, ps), 1 / 16, jnp.float32)
             kv = (kv * 16).astype(kv_dtype)  # e4m3 holds up to 448: 28 sigma
         else:
             kv = kv.astype(kv_dtype or dt)

@@ -12,7 +12,9 @@ each rank owns its own page and slot pools, so a data-parallel layout only shard
 - `conv_q`, `conv_k` [G, Ng, R, NS, K-1, Hk, dk], `conv_v` [G, Ng, R, NS, K-1, Hv, dv]: the last K - 1 inputs of
   the causal conv; `state` [G, Ng, R, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
   NS slots per rank; slot 0 is the null slot.
-- `kv_scale` [G, Na, R, P, ps, 2*Hkv] float32, only for an FP8 (e4m3) KV cache: one scale per token and head.
+- `kv_scale` [G, Na, R, P, 2*Hkv, ps] float32, only for an FP8 (e4m3) KV cache: one scale per token and head,
+  token-minor (index [page, 2h + j, offset], j as in `kv`): a page's scales of one head are one row, the keys'
+  axis of a kernel's scores, and a pool with ps a multiple of 128 is lane-dense (no relayout for a TPU kernel).
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
     lead = (None, None, "batch")
     out = {}
     if Na:
-        pages = (G, Na, R, s.num_pages, s.page_size, 2 * c.num_kv_heads)
+        pages = (G, Na, R, s.num_pages)
         kv_dtype = jnp.dtype(s.kv_dtype or c.dtype)
-        out["kv"] = ArrayInfo((*pages[:-1], pages[-1] * c.head_dim), kv_dtype, (*lead, None, None, "kv_heads"),
-                              "zeros")
+        out["kv"] = ArrayInfo((*pages, s.page_size, 2 * c.num_kv_heads * c.head_dim), kv_dtype,
+                              (*lead, None, None, "kv_heads"), "zeros")
         if kv_dtype.itemsize == 1:
-            out["kv_scale"] = ArrayInfo(pages, jnp.float32, (*lead, None, None, "kv_heads"), "ones")
+            out["kv_scale"] = ArrayInfo((*pages, 2 * c.num_kv_heads, s.page_size), jnp.float32,
+                                        (*lead, None, "kv_heads", None), "ones")
     if Ng:
         slots = (G, Ng, R, s.num_slots)
         for name, heads, hd, axis in (("conv_q", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),

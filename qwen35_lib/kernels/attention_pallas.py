@@ -86,12 +86,15 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
 
     q_ref [Hkv, R, d] with R = block_q * G rows (row r = token r // G of the block, query head r % G of the group);
     pos_ref [R, 1] int32 (each row's position); kv_hbm [P, ps, 2*Hkv*d] in HBM (K of head h in lanes
-    [2h*d, (2h+1)*d), V in the next d); sc_hbm [P, ps, 2*Hkv] f32 (FP8 only); o_ref [Hkv, R, d];
-    scratch: kvbuf [2, pps*ps, 2*Hkv*d] (+ scbuf [2, pps*ps, 2*Hkv]), DMA semaphores [2], m, l [Hkv, R, 1],
+    [2h*d, (2h+1)*d), V in the next d); sc_hbm [P, 2*Hkv, ps] f32 (FP8 only: token-minor, row 2h the K scales
+    of head h, 2h + 1 its V scales); o_ref [Hkv, R, d]; scratch: kvbuf [2, pps*ps, 2*Hkv*d] (+ scbuf
+    [2, pps, 2*Hkv, ps]: one DMA'd page each), DMA semaphores [2], m, l [Hkv, R, 1],
     acc [Hkv, R, d] f32.
     1. on the block's first item, zero the running softmax state (m = NEG, l = 0, acc = 0)
     2. loop over steps of pps pages: wait for this step's pages, start the next step's DMAs, then for each KV head:
-       s = q kᵀ / sqrt(d) masked to (row in this run) & (key position <= row position); online softmax update
+       s = q kᵀ / sqrt(d) masked to (row in this run) & (key position <= row position); online softmax update.
+       FP8: the scales stay on the key (lane) axis: s = (q kᵀ) * scale_k[key] and acc += (p * scale_v[key]) v,
+       the same sums as dequantizing K and V rows first (a [1, K] row per head, no transpose)
     3. on the block's last item, write o = acc / l (0 for rows no item touched: padding)
     """
     if fp8:
@@ -119,7 +122,7 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
             page = pt_ref[seq * max_pages + jnp.minimum(j, max_pages - 1)]
             descs = [pltpu.make_async_copy(kv_hbm.at[page], kvbuf.at[slot, pl.ds(k * ps, ps)], sem.at[slot])]
             if fp8:
-                descs.append(pltpu.make_async_copy(sc_hbm.at[page], scbuf.at[slot, pl.ds(k * ps, ps)], sem.at[slot]))
+                descs.append(pltpu.make_async_copy(sc_hbm.at[page], scbuf.at[slot, k], sem.at[slot]))
             out.append((j < n_pages, descs))
         return out
 
@@ -150,24 +153,32 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
             key_pos = step * pps * ps + jax.lax.broadcasted_iota(jnp.int32, (1, pps * ps), 1)  # [1, K]
             mask = row_ok & (key_pos <= row_pos)  # [R, K]
             key_in = step * pps * ps + jax.lax.broadcasted_iota(jnp.int32, (pps * ps, 1), 0) < n_pages * ps  # [K, 1]
-            sc = scbuf[slot] if fp8 else None  # [K, 2*Hkv]
+            sc = scbuf[slot] if fp8 else None  # [pps, 2*Hkv, ps]
+
+            def rows(r):
+                """[1, K]: scale row r (2h: K, 2h + 1: V of head h) of the step's pages in turn."""
+                return sc[0, r:r + 1] if pps == 1 else jnp.concatenate([sc[j, r:r + 1] for j in range(pps)], axis=1)
+
             for h in range(Hkv):
                 k = kv[:, 2 * h * d:(2 * h + 1) * d]  # [K, d]
                 v = kv[:, (2 * h + 1) * d:(2 * h + 2) * d]
                 q = q_ref[h]  # [R, d]
                 if fp8:
-                    k = k.astype(jnp.float32) * sc[:, 2 * h:2 * h + 1]
-                    v = v.astype(jnp.float32) * sc[:, 2 * h + 1:2 * h + 2]
-                    q = q.astype(jnp.float32)
+                    k, q = k.astype(jnp.float32), q.astype(jnp.float32)
                 v = jnp.where(key_in, v.astype(jnp.float32), 0.0)  # pages not fetched hold stale VMEM
                 s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                s = jnp.where(mask, s * head_dim**-0.5, NEG)  # [R, K]
+                if fp8:
+                    s = s * rows(2 * h)  # [R, K] * [1, K]: K of key t dequantized by its scale
+                s = jnp.where(mask, s * head_dim**-0.5, NEG)  # [R, K] (stale keys' NaN masked away)
                 m_prev = m_ref[h]  # [R, 1]
                 m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
                 p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [R, K]
                 alpha = jnp.exp(m_prev - m_new)
                 l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
-                acc_ref[h] = alpha * acc_ref[h] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+                pv = p
+                if fp8:  # V of key t dequantized by its scale; masked so a stale scale cannot make 0 * inf
+                    pv = jnp.where(mask, p * rows(2 * h + 1), 0.0)
+                acc_ref[h] = alpha * acc_ref[h] + jnp.dot(pv, v, preferred_element_type=jnp.float32)
                 m_ref[h] = m_new
             return carry
 
@@ -210,7 +221,7 @@ def _attention_setup(q, kv_pages, kv_scales, page_table, token_seq, positions, b
     specs = [q_spec, pl.BlockSpec((R, 1), lambda i, blk, *_: (blk[i], 0))]
     scratch = [pltpu.VMEM((2, pps * ps, H2d), kv_pages.dtype)]
     if fp8:
-        scratch.append(pltpu.VMEM((2, pps * ps, 2 * Hkv), jnp.float32))
+        scratch.append(pltpu.VMEM((2, pps, 2 * Hkv, ps), jnp.float32))
     scratch += [pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((Hkv, R, 1), jnp.float32),
                 pltpu.VMEM((Hkv, R, 1), jnp.float32), pltpu.VMEM((Hkv, R, d), jnp.float32)]
     kw = dict(block_q=block_q, group=G, head_dim=d, page_size=ps, pages_per_step=pps, max_pages=n, fp8=fp8)
@@ -223,12 +234,22 @@ def _attention_setup(q, kv_pages, kv_scales, page_table, token_seq, positions, b
     return scalars, ([qt, row_pos], specs), q_spec, scratch, kw, W, finish
 
 
+def _attention_cost(q, kv_pages, page_table) -> pl.CostEstimate:
+    """A static estimate for the attention calls: the pages actually attended are data dependent, so every token
+    is counted against a full page table row (n * ps keys): q kᵀ and p v, 2 FLOPs per multiply-add each, and one
+    exp per score."""
+    T, Hq, d = q.shape
+    keys = page_table.shape[1] * kv_pages.shape[1]
+    # bytes 0: XLA's cost analysis already counts a custom call's operand and result bytes, and adds these
+    return pl.CostEstimate(flops=4 * T * Hq * d * keys, transcendentals=T * Hq * keys, bytes_accessed=0)
+
+
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_step", "interpret"))
 def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positions, *, block_q: int = 16,
                            pages_per_step: int | None = None, interpret: bool | None = None):
     """Attention of flat ragged tokens over the paged KV cache, one Pallas call; the XLA twin's protocol.
 
-    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] bf16/f32 or FP8 (then kv_scales [P, ps, 2*Hkv] f32, else None);
+    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] bf16/f32 or FP8 (then kv_scales [P, 2*Hkv, ps] f32, else None);
     page_table: [S, n]; token_seq, positions: [T]. Returns o: [T, Hq, d] (0 for padding tokens).
     Precondition (the engine's `RaggedMeta` meets it): a sequence's tokens are contiguous in the flat batch, so
     there are at most T / block_q + S runs; otherwise the result is NaN.
@@ -248,7 +269,7 @@ def paged_attention_pallas(q, kv_pages, kv_scales, page_table, token_seq, positi
         functools.partial(_attention_kernel, **kw), grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(blocked[0].shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
-        name="ragged_paged_attention",
+        cost_estimate=_attention_cost(q, kv_pages, page_table), name="ragged_paged_attention",
     )(*scalars, *blocked, *pools)
     return finish(out)
 
@@ -313,7 +334,7 @@ def _write_setup(kv_pages, kv_scales, k, v, page, offset, block_t: int):
         kv32 = kv.astype(jnp.float32)
         scale = jnp.maximum(jnp.max(jnp.abs(kv32), axis=-1), 1e-12) / FP8_MAX  # [T, 2*Hkv]
         kv = kv32 / scale[..., None]
-        kv_scales = kv_scales.at[page, offset].set(scale)
+        kv_scales = kv_scales.at[page, :, offset].set(scale)  # [page, 2h + j, offset]: in place, token-minor
     kv = kv.astype(kv_pages.dtype).reshape(T, 2 * Hkv * d)  # [T, 2*Hkv*d]
     bt = min(block_t, T)
     Tp = -(-T // bt) * bt
@@ -335,10 +356,11 @@ def write_kv_pages_pallas(kv_pages, kv_scales, k, v, page, offset, *, block_t: i
                           interpret: bool | None = None):
     """The KV-cache write of `attention_xla.write_kv_pages`, the rows moved by a Pallas DMA kernel, in place.
 
-    kv_pages [P, ps, 2*Hkv*d]; kv_scales [P, ps, 2*Hkv] | None; k, v [T, Hkv, d]; page, offset [T].
+    kv_pages [P, ps, 2*Hkv*d]; kv_scales [P, 2*Hkv, ps] | None; k, v [T, Hkv, d]; page, offset [T].
     Precondition (the engine's `RaggedMeta` meets it): tokens writing the same tile of a page are contiguous.
     1. interleave K and V per head -> [T, 2*Hkv*d]; for FP8 quantize with per-(token, head) scales amax / 448
-       (elementwise, left to XLA) and store the scales with an XLA scatter (4 bytes per row)
+       (elementwise, left to XLA) and store the scales with an XLA scatter (4 bytes per token and head, at
+       [page, 2h + j, offset])
     2. group the tokens: a run writing one tile of 8 rows (ps when ps is not a multiple of 8) inside a block of
        bt tokens; place each group's new rows in a [tile, 2*Hkv*d] slot (XLA scatter, a few rows per token)
     3. Pallas: per group one DMA of the tile in, the merge, one DMA back into the aliased cache (page 0 = padding:
@@ -426,7 +448,7 @@ def paged_attention_write_pallas(q, k, v, kv_pages, kv_scales, page, offset, pag
         kernel, grid_spec=grid_spec, out_shape=out_shape,
         input_output_aliases={len(scalars) + len(blocked) + 1: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)), interpret=interpret,
-        name="ragged_paged_attention_kv_write",
+        cost_estimate=_attention_cost(q, kv_pages, page_table), name="ragged_paged_attention_kv_write",
     )(*scalars, *blocked, new, kv_pages, *sc)
     return finish(out), kv_pages, kv_scales
 

@@ -37,8 +37,9 @@ def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
 
     K of head h goes to lanes [2h*d, (2h+1)*d), V to the next d (one page holds a token range of every head's K
     and V, so a kernel reads it with one contiguous DMA). Padding tokens point at the null page 0.
-    An FP8 cache (kv_scales [P, ps, 2*Hkv] float32, else None) stores one scale per token and head:
-    amax / 448, so every row uses the full e4m3 range. Returns (kv_pages, kv_scales).
+    An FP8 cache (kv_scales [P, 2*Hkv, ps] float32, else None) stores one scale per token and head at
+    [page, 2h + j, offset] (token-minor: a page's scales of one head are one row): amax / 448, so every row uses
+    the full e4m3 range. Returns (kv_pages, kv_scales).
     """
     T, Hkv, d = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, d)  # [T, 2*Hkv, d]
@@ -47,13 +48,13 @@ def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
     kv32 = kv.astype(jnp.float32)
     scale = jnp.maximum(jnp.max(jnp.abs(kv32), axis=-1), 1e-12) / FP8_MAX  # [T, 2*Hkv]
     q = (kv32 / scale[..., None]).astype(kv_pages.dtype).reshape(T, 2 * Hkv * d)
-    return kv_pages.at[page, offset].set(q), kv_scales.at[page, offset].set(scale)
+    return kv_pages.at[page, offset].set(q), kv_scales.at[page, :, offset].set(scale)
 
 
 def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions):
     """Attention of flat ragged tokens over the paged KV cache (the new tokens' K/V already written).
 
-    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] (+ kv_scales [P, ps, 2*Hkv] for FP8, else None);
+    q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] (+ kv_scales [P, 2*Hkv, ps] for FP8, else None);
     page_table: [S, max_pages] (page ids of each sequence); token_seq, positions: [T] (a token sees its
     sequence's positions <= its own). Returns [T, Hq, d].
     1. loop over page j = 0 .. (last page any token needs): gather each token's page j   # [T, ps, 2*Hkv, d]
@@ -71,7 +72,7 @@ def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions
         m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, d]
         kv = kv_pages[pages_of_token[:, j]].reshape(T, ps, 2 * Hkv, d).astype(jnp.float32)  # [T, ps, 2*Hkv, d]
         if kv_scales is not None:
-            kv = kv * kv_scales[pages_of_token[:, j]][..., None]
+            kv = kv * kv_scales[pages_of_token[:, j]].transpose(0, 2, 1)[..., None]  # [T, ps, 2*Hkv, 1]
         k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, ps, Hkv, d]
         s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
         kv_pos = j * ps + jnp.arange(ps)

@@ -27,7 +27,7 @@ SLOTS = ("attention", "gdn", "moe_matmul", "permute")
 
 class AttentionKernels(NamedTuple):
     dense: Callable  # (q [B,T,Hq,d], k, v [B,T,Hkv,d], lengths [B]) -> o [B,T,Hq,d]
-    # (q [T,Hq,d], kv_pages [P,ps,2Hkv*d], kv_scales [P,ps,2Hkv] | None, page_table [S,n], token_seq [T],
+    # (q [T,Hq,d], kv_pages [P,ps,2Hkv*d], kv_scales [P,2Hkv,ps] | None, page_table [S,n], token_seq [T],
     #  positions [T]) -> o [T,Hq,d]
     paged: Callable
     write: Callable  # (kv_pages, kv_scales, k [T,Hkv,d], v, page [T], offset [T]) -> (kv_pages, kv_scales)

@@ -38,7 +38,7 @@ def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, le
 
 def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array, kv_scales: jax.Array | None):
     """Gated attention over a ragged batch and the paged KV cache: x [R, T, D]; kv [R, P, ps, 2*Hkv*d]
-    (+ kv_scales [R, P, ps, 2*Hkv] for an FP8 cache). Returns (out [R, T, D], kv, kv_scales).
+    (+ kv_scales [R, P, 2*Hkv, ps] for an FP8 cache). Returns (out [R, T, D], kv, kv_scales).
 
     1. projections, norms, RoPE at each token's position; 2. write the new K/V into their pages (padding
     tokens into the null page 0); 3. paged attention of every token over its sequence (kernel slot `attention`;
