@@ -7,8 +7,8 @@ from qwen35_lib.devices import patient_collectives
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 patient_collectives()  # a simulated device that lags behind on a busy machine must not abort the test process
-# pytest-xdist: one persistent compile cache per worker (and the notebook kernels it starts); two processes
-# writing the same entry at once aborted one of them in jax's cache write.
+# With JAX_COMPILATION_CACHE_DIR set (the Makefile no longer sets it: writing CPU executables into it segfaulted
+# now and then), one persistent cache per pytest-xdist worker: two processes writing one entry at once crashed.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 
