@@ -1,4 +1,5 @@
 # The two commands: `make playbook` and `make test`. Each creates or refreshes .venv, then runs.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -26,8 +27,16 @@ venv: $(STAMP)
 playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
+# Two workers, a test file stays on one (its compiled fixtures shared). jaxlib 0.10.2's XLA:CPU compiler now and
+# then segfaults (seen about once in four full runs, never in the same test twice): when a worker crashed, the
+# failed tests run once more and decide the result; any other failure stands as it is.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, a test file stays on one (its compiled fixtures shared)
+	@mkdir -p build
+	$(PY) -m pytest -q -n 2 --dist loadfile 2>&1 | tee build/test.log; status=$${PIPESTATUS[0]}; \
+	if [ $$status -ne 0 ] && grep -q "crashed while running" build/test.log; then \
+	  echo "a test worker crashed (see build/test.log): running the failed tests once more"; \
+	  $(PY) -m pytest -q -n 2 --dist loadfile --last-failed; \
+	else exit $$status; fi
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook notebooks
