@@ -28,7 +28,7 @@ playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
 # Two workers, a test file stays on one (its compiled fixtures shared). jaxlib 0.10.2's XLA:CPU compiler now and
-# then segfaults (seen about once in four full runs, never in the same test twice): when a worker crashed, the
+# then segfaults (2 of 7 full runs here, both in tests/test_ragged_step.py): when a worker crashed, the
 # failed tests run once more and decide the result; any other failure stands as it is.
 test: $(STAMP)
 	@mkdir -p build
