@@ -27,15 +27,17 @@ venv: $(STAMP)
 playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
-# Two workers, a test file stays on one (its compiled fixtures shared). jaxlib 0.10.2's XLA:CPU compiler now and
+# Two workers; worksteal hands each a contiguous half of the tests (a file mostly stays on one: its compiled
+# fixtures shared) and, unlike loadfile, carries on after a worker crash (loadfile waited forever: the CI
+# timeout). jaxlib 0.10.2's XLA:CPU compiler now and
 # then segfaults (2 of 7 full runs here, both in tests/test_ragged_step.py): when a worker crashed, the
 # failed tests run once more and decide the result; any other failure stands as it is.
 test: $(STAMP)
 	@mkdir -p build
-	$(PY) -m pytest -q -n 2 --dist loadfile 2>&1 | tee build/test.log; status=$${PIPESTATUS[0]}; \
+	$(PY) -m pytest -q -n 2 --dist worksteal 2>&1 | tee build/test.log; status=$${PIPESTATUS[0]}; \
 	if [ $$status -ne 0 ] && grep -q "crashed while running" build/test.log; then \
 	  echo "a test worker crashed (see build/test.log): running the failed tests once more"; \
-	  $(PY) -m pytest -q -n 2 --dist loadfile --last-failed; \
+	  $(PY) -m pytest -q -n 2 --dist worksteal --last-failed; \
 	else exit $$status; fi
 
 lint: $(STAMP)
