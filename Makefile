@@ -30,7 +30,7 @@ playbook: $(STAMP)
 # Two workers; worksteal hands each a contiguous half of the tests (a file mostly stays on one: its compiled
 # fixtures shared) and, unlike loadfile, carries on after a worker crash (loadfile waited forever: the CI
 # timeout). jaxlib 0.10.2's XLA:CPU compiler now and
-# then segfaults (2 of 7 full runs here, both in tests/test_ragged_step.py): when a worker crashed, the
+# then segfaults (3 of 8 full runs here, all in tests/test_ragged_step.py): when a worker crashed, the
 # failed tests run once more and decide the result; any other failure stands as it is.
 test: $(STAMP)
 	@mkdir -p build
