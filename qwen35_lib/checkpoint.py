@@ -16,13 +16,23 @@ On-disk forms read (HF name -> our leaf; HF `nn.Linear` weights are [out, in], o
 
 Every HF tensor is fetched once (`safetensors_io.SafeTensorsFile.get`, a memmap view) and its bytes copied once:
 leaves that share a source (e.g. `w_q`, `w_k`, `w_v` from `in_proj_qkv`) are assembled together as one group.
+
+What is refused (one-line errors: `CheckpointError`, `ConfigError`, `SafeTensorsError`, all `ValueError`s):
+files outside the folder (an index entry that is not a plain file name), files that are not regular (a FIFO),
+safetensors files that break the format, a stored dtype of another kind than the declared weight (integers for
+a float), non-finite weights (checked on the device that holds each shard; `check_weights=False` skips it),
+EOS ids of generation_config.json that are not token ids of the vocabulary. Float-to-float casts (e.g. BF16
+stored, float32 declared) are allowed and said in one logged line per load.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import json
+import logging
+import os
 import pathlib
+import stat
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,13 +42,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35_lib import safetensors_io
-from qwen35_lib.config import FULL, LINEAR, Config, from_hf_config
+from qwen35_lib.config import FULL, LINEAR, Config, ConfigError, eos_ids, from_hf_config, read_json
 from qwen35_lib.weights import ArrayInfo, BlockFP8, declare, dequantize_fp8_np, is_info
 
 Path = tuple[str, ...]  # a leaf's path in the weight tree, e.g. ("layers", "gdn", "w_q")
 Place = Callable[[Path, np.ndarray, ArrayInfo], Any]
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # vision tower, multi-token prediction
 FP8 = np.dtype(jnp.float8_e4m3fn)
+INDEX = "model.safetensors.index.json"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder whose files do not make this model's weights (one line: what is wrong, the fix)."""
 
 
 def default_place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
@@ -63,7 +79,7 @@ def sharded_place(config: Config, mesh) -> Place:
 
 
 def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize",
-                       place: Place | None = None, mesh=None, layout: str | None = None,
+                       place: Place | None = None, mesh=None, layout: str | None = None, check_weights: bool = True,
                        **config_changes: Any) -> tuple[Config, dict]:
     """Read an HF checkpoint directory (`config.json` + `*.safetensors`) into `(config, weights)`.
 
@@ -75,30 +91,36 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh: each device
       gets only its shards. The host still assembles one whole leaf at a time (the stacked experts are the
       largest); reading each shard's slice from disk directly is not done yet.
+    check_weights: refuse NaN / Inf weights (a jitted `isfinite` reduction per placed leaf, on its devices: no
+      host scan); False skips it.
     config_changes: fields of `Config` to override (e.g. `attention_kernel="xla"`).
 
     1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
        (EOS ids from `generation_config.json` when present).
     2. Plan: for every group of leaves, the HF tensors it needs, their expected shapes, and how they split.
-    3. Check before reading: missing tensors, shapes that disagree with config.json, leftover tensors.
+    3. Check before reading: missing tensors, shapes that disagree with config.json, stored dtypes of the wrong
+       kind, leftover tensors.
     4. Per group: allocate the numpy leaves, copy every source in (each read once), check against
-       `declare(config)`, `place` each leaf.
+       `declare(config)`, `place` each leaf, start its finiteness check.
+    5. Wait for the finiteness checks; name the HF tensors of any leaf that failed.
     """
     if fp8 not in ("dequantize", "keep"):
         raise ValueError(f"fp8={fp8!r}; use 'dequantize' (plain weights) or 'keep' (BlockFP8 experts)")
     root = pathlib.Path(path)
-    if not (root / "config.json").is_file():
+    config_path = root / "config.json"
+    if not os.path.lexists(config_path):
         raise FileNotFoundError(f"no config.json in {root}; pass an HF checkpoint directory "
                                 "(config.json + *.safetensors)")
-    hf = json.loads((root / "config.json").read_text())
-    from_hf_config(hf)  # fails early on an unknown model_type or missing fields
-    quant = _quant_block(hf)
+    hf = read_json(config_path, "config.json")
+    base = from_hf_config(hf, source=str(config_path))  # fails early on a broken config.json
+    quant = _quant_block(hf, config_path)
     tensors = _open_files(root)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
     if layout is not None:
         config_changes = dict(config_changes, layout=layout)
-    changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes)
-    config = from_hf_config(hf, **changes)
+    changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes,
+                              config_changes.get("vocab_size", base.vocab_size))
+    config = from_hf_config(hf, source=str(config_path), **changes)
     if place is not None and mesh is not None:
         raise ValueError("pass either place or mesh (mesh places each leaf into its shards for the layout)")
     place = sharded_place(config, mesh) if mesh is not None else (place or default_place)
@@ -107,13 +129,16 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
                          f"checkpoint has {'no FP8 weights' if not quant else f'FP8 blocks of {quant}'}; "
                          "load with fp8='keep' on an FP8 checkpoint, or without expert_dtype")
     text = hf.get("text_config") or hf
-    tied = bool(text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False)))
+    tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    if not isinstance(tied, bool):
+        raise ConfigError(f"{config_path}: tie_word_embeddings is {tied!r}; it must be true or false")
 
     decl = declare(config)
     infos = dict(_leaves(decl))
     groups = _plan(config, prefix, tensors, tied)
-    _check(root, config, tensors, groups, quant)
+    _check(root, config, tensors, groups, quant, infos)
     out: dict[Path, Any] = {}
+    finite: list[tuple[Path, Any]] = []  # (leaf, its on-device all-finite flag), resolved after the last leaf
     for group in groups:
         arrays = {key: np.empty(infos[p].shape, infos[p].dtype) for key, p in group.leaves.items()}
         for op in group.ops:
@@ -127,12 +152,35 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
             if (out[p].shape, out[p].dtype) != (infos[p].shape, infos[p].dtype):
                 raise ValueError(f"place returned {out[p].shape} {out[p].dtype} for {'/'.join(p)}, declared "
                                  f"{infos[p].shape} {infos[p].dtype}; place must keep the shape and dtype")
+            if check_weights and jnp.issubdtype(out[p].dtype, jnp.inexact):
+                finite.append((p, _all_finite(out[p])))  # dispatched, not awaited
     assert out.keys() == infos.keys(), f"internal error: no plan for {sorted(set(infos) - set(out))}"
+    bad = [p for (p, _), ok in zip(finite, jax.device_get([f for _, f in finite]), strict=True) if not ok]
+    if bad:
+        names = [n for p in bad for n in _nonfinite_sources(p, out[p], groups)]
+        raise CheckpointError(f"{root}: {len(names)} tensors hold NaN or Inf values: {_some(names)} (leaves "
+                              f"{', '.join('/'.join(p) for p in bad[:5])}); the checkpoint is corrupt: download it "
+                              "again, or pass check_weights=False (CLI: --no-check-weights) to load it anyway")
     return config, jax.tree.structure(decl, is_leaf=is_info).unflatten([out[p] for p in infos])
 
 
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    """A scalar: no NaN or Inf in `x`; each device reduces its own shards, then one small all-reduce."""
+    return jnp.all(jnp.isfinite(x))
+
+
+def _nonfinite_sources(path: Path, leaf: jax.Array, groups: list[_Group]) -> list[str]:
+    """The HF tensors behind the non-finite parts of `leaf`: one reduction over the dims below the ops' index
+    (e.g. [G, P] for a per-layer leaf, [G, P, E] for per-expert tensors), then each op whose index holds one."""
+    ops = [op for g in groups if path in g.leaves.values() for op in g.ops]
+    k = max(len(op.index) for op in ops)
+    bad = np.asarray(jnp.any(~jnp.isfinite(leaf), axis=tuple(range(k, leaf.ndim))))
+    return [n for op in ops if bad[op.index].any() for n in op.sources]
+
+
 def _config_changes(root: pathlib.Path, hf: dict, tensors: dict, prefix: str, quant: int | None, dtype: Any,
-                    fp8: str, changes: dict) -> dict:
+                    fp8: str, changes: dict, vocab_size: int) -> dict:
     """Config fields set by the load: the name (the directory's, unless config.json has one), `dtype`, EOS ids
     from generation_config.json, FP8 experts kept."""
     changes = dict(changes)
@@ -141,10 +189,13 @@ def _config_changes(root: pathlib.Path, hf: dict, tensors: dict, prefix: str, qu
     if dtype is not None:
         changes["dtype"] = jnp.dtype(dtype).name
     gen = root / "generation_config.json"
-    if gen.exists() and "eos_token_ids" not in changes:  # what HF generate() stops on
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            changes["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+    if os.path.lexists(gen) and "eos_token_ids" not in changes:  # what HF generate() stops on
+        g = read_json(gen, "generation_config.json")
+        if not isinstance(g, dict):
+            raise ConfigError(f"{gen}: holds a JSON {type(g).__name__}, not an object; use the checkpoint's own "
+                              "generation_config.json (or delete it: EOS ids then come from config.json)")
+        if g.get("eos_token_id") is not None:
+            changes["eos_token_ids"] = eos_ids(g["eos_token_id"], vocab_size, f"{gen}: eos_token_id")
     if fp8 == "keep" and quant and _experts_are_fp8(tensors, prefix):
         changes.setdefault("expert_dtype", "float8_e4m3fn")
     return changes
@@ -155,13 +206,17 @@ def _config_changes(root: pathlib.Path, hf: dict, tensors: dict, prefix: str, qu
 
 
 def _open_files(root: pathlib.Path) -> dict[str, safetensors_io.SafeTensorsFile]:
-    """Tensor name -> its open file, over the files the index names, else every `*.safetensors` in `root`."""
+    """Tensor name -> its open file, over the files the index names, else every `*.safetensors` in `root`.
+
+    Index entries must be plain file names in `root` (no directories, no `..`, not absolute) naming regular
+    files; symlinks are followed (the Hugging Face cache links each file to a blob elsewhere).
+    """
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory; pass the checkpoint directory "
                                 "(config.json + *.safetensors)")
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    index = root / INDEX
+    if os.path.lexists(index):
+        names = _index_files(index)
         absent = [n for n in names if not (root / n).exists()]
         if absent:
             raise FileNotFoundError(f"{index.name} names {len(absent)} files missing from {root}: {absent[:10]}; "
@@ -171,26 +226,53 @@ def _open_files(root: pathlib.Path) -> dict[str, safetensors_io.SafeTensorsFile]
     if not names:
         raise FileNotFoundError(f"no *.safetensors files in {root}; this loader reads safetensors only (no .bin / "
                                 ".pt pickles): download the safetensors weights or convert them first")
+    for n in names:
+        mode = os.stat(root / n).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise CheckpointError(f"{root / n}: {kind}; a checkpoint's weights are regular files (or symlinks to them)")
     tensors: dict[str, safetensors_io.SafeTensorsFile] = {}
     for f in (safetensors_io.SafeTensorsFile(root / n) for n in names):
         for name in f.keys():
             if name in tensors:
-                raise ValueError(f"tensor {name!r} is in both {tensors[name].path} and {f.path}")
+                raise CheckpointError(f"tensor {safetensors_io.quote(name)} is in both {tensors[name].path} and "
+                                      f"{f.path}; remove the stray file")
             tensors[name] = f
     return tensors
 
 
-def _quant_block(hf: dict) -> int | None:
+def _index_files(index: pathlib.Path) -> list[str]:
+    """The file names an index's `weight_map` {tensor: file} names, each a plain name of a file in its folder."""
+    data = read_json(index, INDEX)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no weight_map object (tensor name -> file name); download the index again, "
+                              "or delete it to read every *.safetensors file in the folder")
+    names = set()
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index}: weight_map[{safetensors_io.quote(tensor)}] is not a file name; download "
+                                  "the index again")
+        if file in ("", ".", "..") or "/" in file or "\\" in file or "\0" in file:
+            raise CheckpointError(f"{index}: weight_map[{safetensors_io.quote(tensor)}] is "
+                                  f"{safetensors_io.quote(file)}, not a plain file name in the checkpoint folder "
+                                  "(no directories, '..' or absolute paths); download the index again")
+        names.add(file)
+    return sorted(names)
+
+
+def _quant_block(hf: dict, where: pathlib.Path) -> int | None:
     """The FP8 block size of a block-scaled FP8 checkpoint, None for an unquantized one."""
     quant = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
     if not quant:
         return None
-    method = quant.get("quant_method")
-    block = quant.get("weight_block_size")
-    if method != "fp8" or not block:
-        raise ValueError(f"quantization_config {quant} is not supported; this loader reads block-scaled FP8 "
-                         "(quant_method 'fp8' with weight_block_size) or unquantized checkpoints")
-    return int(block[0])
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if not (isinstance(quant, dict) and quant.get("quant_method") == "fp8" and isinstance(block, list) and block
+            and isinstance(block[0], int) and not isinstance(block[0], bool) and block[0] >= 1):
+        raise ConfigError(f"{where}: quantization_config {safetensors_io.quote(quant)} is not supported; this loader "
+                          "reads block-scaled FP8 (quant_method 'fp8' with weight_block_size) or unquantized "
+                          "checkpoints")
+    return block[0]
 
 
 def _scale_name(name: str) -> str:
@@ -401,54 +483,89 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
 # Checks before reading
 
 
-def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], block: int | None) -> None:
-    """Raise on missing tensors, shapes that disagree with config.json, FP8 tensors without (right) scales and
-    leftover tensors; warn once about skipped vision / MTP tensors."""
+def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], block: int | None,
+           infos: dict[Path, ArrayInfo]) -> None:
+    """Raise on missing tensors, shapes that disagree with config.json, stored dtypes of another kind than the
+    declared leaves (integers for floats), FP8 tensors without (right) scales and leftover tensors; warn once
+    about skipped vision / MTP tensors; note once the float-to-float casts the copy will do."""
     used: set[str] = set()
     missing: list[str] = []
     wrong: list[str] = []
     fp8_wrong: list[str] = []
-    for op in (op for grp in groups for op in grp.ops):
-        for name, shape in zip(op.sources, op.shapes, strict=True):
-            used.add(name)
-            if name not in tensors:
-                missing.append(name)
-                continue
-            info = tensors[name].tensors[name]
-            if info.shape != shape:
-                wrong.append(f"{name}: config.json implies {shape}, the file has {info.shape}")
-            if op.raw and not name.endswith("_scale_inv") and info.dtype != "F8_E4M3":
-                fp8_wrong.append(f"{name} is {info.dtype}, not F8_E4M3 (expert_dtype float8_e4m3fn keeps FP8 experts)")
-            if not op.raw and info.dtype == "F8_E4M3":  # dequantized on read: its scale must be there and fit
-                scale = _scale_name(name)
-                used.add(scale)
-                if block is None:
-                    fp8_wrong.append(f"{name} is FP8 but config.json has no quantization_config.weight_block_size")
-                elif scale not in tensors:
-                    missing.append(scale)
-                else:
-                    want = (*shape[:-2], *(-(-n // block) for n in shape[-2:]))
-                    got = tensors[scale].tensors[scale].shape
-                    if got != want:
-                        wrong.append(f"{scale}: blocks of {block} imply {want}, the file has {got}")
+    kinds: list[str] = []
+    casts: collections.Counter[str] = collections.Counter()
+    for grp in groups:
+        leaf_dtypes = {np.dtype(infos[p].dtype) for p in grp.leaves.values()}
+        leaf_kinds = {_kind(d) for d in leaf_dtypes}
+        for op in grp.ops:
+            for name, shape in zip(op.sources, op.shapes, strict=True):
+                used.add(name)
+                if name not in tensors:
+                    missing.append(name)
+                    continue
+                info = tensors[name].tensors[name]
+                if safetensors_io.kind(info.dtype) not in leaf_kinds:
+                    kinds.append(f"{name} is stored as {info.dtype} ({safetensors_io.kind(info.dtype)}s), but its "
+                                 f"weight is {' / '.join(sorted(d.name for d in leaf_dtypes))}")
+                    continue
+                target = (np.dtype(np.float32) if name.endswith("_scale_inv") else FP8) if op.raw else \
+                    None if info.dtype == "F8_E4M3" or len(leaf_dtypes) > 1 else next(iter(leaf_dtypes))
+                if target is not None and safetensors_io.DTYPES[info.dtype] != target:
+                    casts[f"{info.dtype} -> {target.name}"] += 1
+                if info.shape != shape:
+                    wrong.append(f"{name}: config.json implies {shape}, the file has {info.shape}")
+                _check_fp8(name, info, shape, op.raw, block, tensors, used, missing, wrong, fp8_wrong)
     where = f"{root} (model_type {c.model_type}, {c.num_layers} layers, {c.num_experts} experts)"
     if missing:
-        raise ValueError(f"{where}: {len(missing)} tensors that config.json implies are missing: {_some(missing)}. "
-                         "Check that every shard downloaded and that config.json belongs to these weights")
+        raise CheckpointError(f"{where}: {len(missing)} tensors that config.json implies are missing: "
+                              f"{_some(missing)}. Check that every shard downloaded and that config.json belongs to "
+                              "these weights")
+    if kinds:
+        raise CheckpointError(f"{where}: {len(kinds)} tensors hold another kind of number than their weight: "
+                              f"{_some(kinds, 3)}. A cast would make them garbage: use a checkpoint with float "
+                              "weights (export it again)")
     if wrong:
-        raise ValueError(f"{where}: {len(wrong)} tensors disagree with config.json: {_some(wrong)}. "
-                         "The config.json does not describe these weights: use the checkpoint's own config.json")
+        raise CheckpointError(f"{where}: {len(wrong)} tensors disagree with config.json: {_some(wrong)}. "
+                              "The config.json does not describe these weights: use the checkpoint's own config.json")
     if fp8_wrong:
-        raise ValueError(f"{where}: {_some(fp8_wrong)}")
+        raise CheckpointError(f"{where}: {_some(fp8_wrong)}")
     rest = [n for n in tensors if n not in used]
     skipped = [n for n in rest if n.startswith(SKIPPED_PREFIXES)]
     left = [n for n in rest if not n.startswith(SKIPPED_PREFIXES)]
     if left:
-        raise ValueError(f"{where}: {len(left)} tensors are neither weights of this text model nor vision "
-                         f"(model.visual.*) / MTP (mtp.*) weights: {_some(left)}. Is config.json the right one?")
+        raise CheckpointError(f"{where}: {len(left)} tensors are neither weights of this text model nor vision "
+                              f"(model.visual.*) / MTP (mtp.*) weights: {_some(left)}. Is config.json the right one?")
     if skipped:
         warnings.warn(f"{root}: skipped {len(skipped)} vision (model.visual.*) and MTP (mtp.*) tensors; "
                       "this library loads the text model only", stacklevel=3)
+    if casts:
+        log.warning("note: %s: %d tensors are cast to their weights' dtype (%s)", root, sum(casts.values()),
+                    ", ".join(f"{n} x {k}" for k, n in sorted(casts.items())))
+
+
+def _check_fp8(name: str, info: safetensors_io.TensorInfo, shape: tuple[int, ...], raw: bool, block: int | None,
+               tensors: dict, used: set[str], missing: list[str], wrong: list[str], fp8_wrong: list[str]) -> None:
+    """FP8 sources: kept ones (`raw`) must be F8_E4M3; dequantized ones need their `scale_inv`, of the right shape."""
+    if raw and not name.endswith("_scale_inv") and info.dtype != "F8_E4M3":
+        fp8_wrong.append(f"{name} is {info.dtype}, not F8_E4M3 (expert_dtype float8_e4m3fn keeps FP8 experts)")
+    if not raw and info.dtype == "F8_E4M3":  # dequantized on read: its scale must be there and fit
+        scale = _scale_name(name)
+        used.add(scale)
+        if block is None:
+            fp8_wrong.append(f"{name} is FP8 but config.json has no quantization_config.weight_block_size")
+        elif scale not in tensors:
+            missing.append(scale)
+        else:
+            want = (*shape[:-2], *(-(-n // block) for n in shape[-2:]))
+            sinfo = tensors[scale].tensors[scale]
+            if sinfo.shape != want:
+                wrong.append(f"{scale}: blocks of {block} imply {want}, the file has {sinfo.shape}")
+            if safetensors_io.kind(sinfo.dtype) != "float":
+                fp8_wrong.append(f"{scale} is stored as {sinfo.dtype}; FP8 scales are floats")
+
+
+def _kind(dt: np.dtype) -> str:
+    return "float" if jnp.issubdtype(dt, jnp.floating) else "bool" if dt == np.bool_ else "int"
 
 
 def _some(items: list[str], n: int = 10) -> str:

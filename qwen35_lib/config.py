@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
+import os
 import pathlib
+import stat
 from typing import Any
 
 LINEAR = "linear_attention"  # a Gated DeltaNet layer
@@ -78,6 +82,10 @@ class Config:
     capacity_factor: float | None = None  # all_to_all: None = dropless; else slots per device = f * mean (drops)
 
     def __post_init__(self):
+        _check_types(self)
+        for f in _POSITIVE:
+            _check(getattr(self, f) >= 1, f"{f}={getattr(self, f)} must be at least 1")
+        _check(len(self.layer_pattern) >= 1, "layer_pattern is empty; it needs at least one layer type")
         _check(self.model_type in MODEL_TYPES, f"unknown model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
         _check(self.dtype in DTYPES, f"dtype {self.dtype!r} is not supported; use one of {DTYPES}")
         _check(self.expert_dtype in EXPERT_DTYPES, f"expert_dtype {self.expert_dtype!r}; use one of {EXPERT_DTYPES}")
@@ -135,9 +143,33 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot describe a model: a Config field, config.json or generation_config.json
+    (one line: the file and field, what is wrong, the fix)."""
+
+
+# Config fields that count something: each at least 1 (checked before anything divides by them)
+_POSITIVE = ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "gdn_num_k_heads",
+             "gdn_num_v_heads", "gdn_k_head_dim", "gdn_v_head_dim", "gdn_conv_kernel", "gdn_chunk_size", "num_experts",
+             "num_experts_per_tok", "moe_ffn", "shared_ffn", "max_position_embeddings", "fp8_block_size")
+_TYPES = {"int": (numbers.Integral,), "float": (numbers.Real,), "bool": (bool,), "str": (str,),
+          "str | None": (str, type(None)), "float | None": (numbers.Real, type(None))}
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
+
+
+def _check_types(config: Config) -> None:
+    """Each scalar field has its annotated type (bool is no int; numpy integers are)."""
+    for f in dataclasses.fields(config):
+        v, allowed = getattr(config, f.name), _TYPES.get(str(f.type))
+        if allowed is None:
+            continue
+        bad_bool = isinstance(v, bool) and bool not in allowed
+        _check(isinstance(v, allowed) and not bad_bool, f"Config field {f.name}={v!r} is a {type(v).__name__}; "
+               f"it must be {str(f.type).replace(' | ', ' or ')}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,7 +207,7 @@ QWEN35_TINY = _preset(Config(
 def get_config(name: str, **changes: Any) -> Config:
     """A preset by name, optionally with fields replaced (`get_config("qwen3.5-tiny", dtype="float32")`)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name].replace(**changes) if changes else PRESETS[name]
 
 
@@ -183,102 +215,255 @@ def get_config(name: str, **changes: Any) -> Config:
 # HF config.json
 
 
-def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, **changes: Any) -> Config:
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """The value in a JSON file; a `ConfigError` naming the file, line and column when it is not valid JSON, and
+    a refusal (without blocking) when it is not a regular file (a symlink to one is fine)."""
+    path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {what} at {path}") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: not a regular file; the {what} must be a plain file (or a symlink to one)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {e.start}); restore the {what}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}; fix the {what} "
+                          "there or download it again") from None
+    except ValueError as e:  # _no_constant
+        raise ConfigError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to be a {what}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"holds the constant {name}, which is not valid JSON")
+
+
+def _json_type(x: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(x), type(x).__name__)
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed reads of config.json fields; every error names the file and the field (`text_config.x` when nested)."""
+
+    def __init__(self, text: dict, where: str, prefix: str, copied: set[str], model: str):
+        self.text, self.where, self.prefix, self.copied, self.model = text, where, prefix, copied, model
+
+    def name(self, key: str) -> str:
+        return key if key in self.copied else self.prefix + key
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {self.name(key)} {message}")
+
+    def raw(self, key: str, default: Any = _REQUIRED) -> Any:
+        v = self.text.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ConfigError(f"{self.where}: lacks the field {self.name(key)!r} needed for a {self.model} model; "
+                                  "use the checkpoint's own config.json")
+            return default
+        return v
+
+    def int(self, key: str, default: Any = _REQUIRED, low: int | None = 1) -> Any:
+        if self.text.get(key) is None and default is not _REQUIRED:
+            return default
+        v = self.raw(key)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self.fail(key, f"is {_show(v)} ({_json_type(v)}); it must be an integer")
+        if low is not None and v < low:
+            raise self.fail(key, f"is {v}; it must be at least {low}")
+        return v
+
+    def float(self, key: str, v: Any, low_exclusive: float = 0.0, high: float = math.inf) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise self.fail(key, f"is {_show(v)} ({_json_type(v)}); it must be a number")
+        if not (low_exclusive < v <= high):
+            rng = f"in ({low_exclusive}, {high}]" if high < math.inf else f"finite and above {low_exclusive}"
+            raise self.fail(key, f"is {v}; it must be {rng}")
+        return float(v)
+
+    def of(self, key: str, types: tuple[type, ...], what: str, default: Any = None) -> Any:
+        v = self.text.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise self.fail(key, f"is {_show(v)} ({_json_type(v)}); it must be {what}")
+        return v
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, source: str | None = None,
+                   **changes: Any) -> Config:
     """A `Config` from an HF `config.json` (a dict, the file, or the checkpoint directory holding it).
 
     Reads the nested Qwen3.5 form (`model_type` `qwen3_5_moe` with `text_config`), its text-only form
     (`qwen3_5_moe_text`) and the flat Qwen3-Next form (`qwen3_next`). `changes` override fields (e.g. `dtype`).
+    source: how errors name a dict's file (default "config.json"; the file's path when a path is given).
+    Every field is type- and range-checked: a wrong one is a `ConfigError` naming the file, the field and the fix.
     """
-    if not isinstance(hf, dict):
+    if isinstance(hf, (str, os.PathLike)):
         path = pathlib.Path(hf)
         path = path / "config.json" if path.is_dir() else path
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}")
-        hf = json.loads(path.read_text())
+        source = source or str(path)
+        hf = read_json(path, "config.json")
+    where = source or "config.json"
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: holds {_json_type(hf)}, not a JSON object of model fields; use the "
+                          "checkpoint's own config.json")
+    known = [f.name for f in dataclasses.fields(Config)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown Config fields {unknown}; fields: {', '.join(known)}")
     top_type = hf.get("model_type")
     if top_type == "qwen3_5_moe":
-        if "text_config" not in hf:
-            raise ValueError("config.json has model_type 'qwen3_5_moe' but no 'text_config'")
+        if not isinstance(hf.get("text_config"), dict):
+            raise ConfigError(f"{where}: model_type 'qwen3_5_moe' needs a 'text_config' object, found "
+                              f"{_json_type(hf.get('text_config'))}; use the checkpoint's own config.json")
         text = dict(hf["text_config"])
         text.setdefault("model_type", "qwen3_5_moe_text")
-        for key in ("quantization_config", "torch_dtype", "dtype", "eos_token_id"):  # may live at the top level
-            if key in hf and key not in text:
-                text[key] = hf[key]
+        copied = {k for k in ("quantization_config", "torch_dtype", "dtype", "eos_token_id")  # may live at the top
+                  if k in hf and k not in text}
+        text.update({k: hf[k] for k in copied})
+        prefix = "text_config."
     elif top_type in ("qwen3_5_moe_text", "qwen3_next"):
-        text = hf
+        text, copied, prefix = hf, set(), ""
     else:
-        raise ValueError(
-            f"unknown model_type {top_type!r} in config.json; this library loads Qwen3.5 MoE "
+        raise ConfigError(
+            f"{where}: unknown model_type {_show(top_type)}; this library loads Qwen3.5 MoE "
             "('qwen3_5_moe', 'qwen3_5_moe_text') and Qwen3-Next ('qwen3_next') checkpoints")
     model_type = "qwen3_next" if top_type == "qwen3_next" else "qwen3_5_moe"
+    r = _Fields(text, where, prefix, copied, top_type)
 
-    def get(key: str, default: Any = None) -> Any:
-        if key in text:
-            return text[key]
-        if default is None:
-            raise ValueError(f"config.json lacks the field {key!r} needed for a {top_type} model")
-        return default
+    rope = r.of("rope_parameters", (dict,), "an object", {}) or r.of("rope_scaling", (dict,), "an object", {})
+    rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise r.fail(rope_key, f"has rope_type {_show(rope_type)}, which is not supported (only the default RoPE)")
 
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000.0))
-    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    if rope.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported (only the default RoPE)")
-    num_layers = int(get("num_hidden_layers"))
-    layer_types = text.get("layer_types")
+    def rope_field(key: str, default: float, high: float = math.inf) -> float:  # in the rope object, else top level
+        if key in rope:
+            return r.float(f"{rope_key}.{key}", rope[key], high=high)
+        return r.float(key, r.raw(key, default), high=high)
+
+    rope_theta, partial = rope_field("rope_theta", 10_000.0), rope_field("partial_rotary_factor", 0.25, high=1.0)
+    vocab = r.int("vocab_size")
+    hidden = r.int("hidden_size")
+    num_layers = r.int("num_hidden_layers")
+    q_heads, kv_heads = r.int("num_attention_heads"), r.int("num_key_value_heads")
+    if q_heads % kv_heads:
+        raise r.fail("num_attention_heads", f"({q_heads}) is not a multiple of num_key_value_heads ({kv_heads}): "
+                     f"each KV head serves a whole group of query heads; set num_key_value_heads to a divisor of "
+                     f"{q_heads}")
+    head_dim = r.int("head_dim", None)
+    if head_dim is None:
+        head_dim = hidden // q_heads
+        if head_dim < 1:
+            raise r.fail("head_dim", f"is missing and hidden_size // num_attention_heads = {hidden} // {q_heads} = 0; "
+                         "set head_dim")
+    nk, nv = r.int("linear_num_key_heads"), r.int("linear_num_value_heads")
+    if nv % nk:
+        raise r.fail("linear_num_value_heads", f"({nv}) is not a multiple of linear_num_key_heads ({nk}): each GDN "
+                     f"key head serves a whole group of value heads; set linear_num_key_heads to a divisor of {nv}")
+    num_experts = r.int("num_experts")
+    top_k = r.int("num_experts_per_tok")
+    if top_k > num_experts:
+        raise r.fail("num_experts_per_tok", f"({top_k}) is more than num_experts ({num_experts}); it must be in "
+                     f"[1, {num_experts}]")
+    layer_types = r.of("layer_types", (list,), "a list of layer types")
     if layer_types is None:
-        interval = int(text.get("full_attention_interval", 4))
+        interval = r.int("full_attention_interval", 4)
         layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+    elif len(layer_types) != num_layers:
+        raise r.fail("layer_types", f"lists {len(layer_types)} layers but num_hidden_layers is {num_layers}; they "
+                     "must agree")
+    bad = [t for t in layer_types if t not in (LINEAR, FULL)]
+    if bad:
+        raise r.fail("layer_types", f"holds {_show(bad[0])}; each entry must be {LINEAR!r} or {FULL!r}")
     pattern = _find_pattern(tuple(layer_types))
     if model_type == "qwen3_next":
-        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
-            raise ValueError("Qwen3-Next configs with dense (mlp_only) layers are not supported: "
-                             "every layer must be MoE")
-    eos = text.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    hf_dtype = text.get("dtype") or text.get("torch_dtype") or "bfloat16"
-    quant = text.get("quantization_config") or {}
+        if r.of("mlp_only_layers", (list,), "a list", []) or r.int("decoder_sparse_step", 1) != 1:
+            raise ConfigError(f"{where}: Qwen3-Next configs with dense (mlp_only) layers are not supported: "
+                              "every layer must be MoE (mlp_only_layers [] and decoder_sparse_step 1)")
+    eos = eos_ids(text.get("eos_token_id"), vocab, f"{where}: {r.name('eos_token_id')}")
+    hf_dtype = r.of("dtype", (str,), "a dtype name such as \"bfloat16\"") or \
+        r.of("torch_dtype", (str,), "a dtype name such as \"bfloat16\"") or "bfloat16"
+    quant = r.of("quantization_config", (dict,), "an object", {})
     fields = dict(
         name=name or text.get("_name_or_path") or f"hf-{model_type}",
         model_type=model_type,
-        vocab_size=int(get("vocab_size")),
-        hidden_size=int(get("hidden_size")),
+        vocab_size=vocab,
+        hidden_size=hidden,
         num_layers=num_layers,
         layer_pattern=pattern,
-        num_q_heads=int(get("num_attention_heads")),
-        num_kv_heads=int(get("num_key_value_heads")),
-        head_dim=int(text.get("head_dim") or int(get("hidden_size")) // int(get("num_attention_heads"))),
-        rope_theta=float(rope_theta),
-        partial_rotary_factor=float(partial),
-        gdn_num_k_heads=int(get("linear_num_key_heads")),
-        gdn_num_v_heads=int(get("linear_num_value_heads")),
-        gdn_k_head_dim=int(get("linear_key_head_dim")),
-        gdn_v_head_dim=int(get("linear_value_head_dim")),
-        gdn_conv_kernel=int(get("linear_conv_kernel_dim")),
-        num_experts=int(get("num_experts")),
-        num_experts_per_tok=int(get("num_experts_per_tok")),
-        moe_ffn=int(get("moe_intermediate_size")),
-        shared_ffn=int(get("shared_expert_intermediate_size")),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
-        eos_token_ids=eos_ids,
+        num_q_heads=q_heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        partial_rotary_factor=partial,
+        gdn_num_k_heads=nk,
+        gdn_num_v_heads=nv,
+        gdn_k_head_dim=r.int("linear_key_head_dim"),
+        gdn_v_head_dim=r.int("linear_value_head_dim"),
+        gdn_conv_kernel=r.int("linear_conv_kernel_dim"),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_ffn=r.int("moe_intermediate_size"),
+        shared_ffn=r.int("shared_expert_intermediate_size"),
+        norm_topk_prob=r.of("norm_topk_prob", (bool,), "true or false", True),
+        rms_norm_eps=r.float("rms_norm_eps", r.raw("rms_norm_eps", 1e-6)),
+        max_position_embeddings=r.int("max_position_embeddings", 262144),
+        eos_token_ids=eos,
         dtype="float32" if hf_dtype == "float32" else "bfloat16",
     )
+    if not isinstance(fields["name"], str):
+        raise r.fail("_name_or_path", f"is {_json_type(fields['name'])}; it must be a string")
     if quant:
         block = quant.get("weight_block_size") or [128, 128]
+        if not (isinstance(block, list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise r.fail("quantization_config", f"has weight_block_size {_show(block)}; it must be two positive "
+                         "integers, e.g. [128, 128]")
         if block[0] != block[1]:
-            raise ValueError(f"FP8 weight_block_size {block} is not square; only square blocks are supported")
-        fields["fp8_block_size"] = int(block[0])
+            raise r.fail("quantization_config", f"has weight_block_size {block}, not square; only square blocks are "
+                         "supported")
+        fields["fp8_block_size"] = block[0]
     fields.update(changes)
     return Config(**fields)
+
+
+def eos_ids(eos: Any, vocab_size: int, where: str) -> tuple[int, ...]:
+    """An HF `eos_token_id` (an int, a list of ints, or null) as a tuple of token ids of the vocabulary;
+    `where` names the file and field in errors."""
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise ConfigError(f"{where} holds {_show(i)} ({_json_type(i)}); EOS ids must be integer token ids")
+        if not 0 <= i < vocab_size:
+            raise ConfigError(f"{where} holds {i}, outside the vocabulary [0, {vocab_size}); use the checkpoint's own "
+                              "file (the tokenizer and the model disagree)")
+    return tuple(ids)
 
 
 def _find_pattern(layer_types: tuple[str, ...]) -> tuple[str, ...]:
     """The shortest repeating unit of `layer_types` (the decoder scans over repeats of it)."""
     unknown = set(layer_types) - {LINEAR, FULL}
-    if unknown:
-        raise ValueError(f"unknown layer types {sorted(unknown)}; expected {LINEAR!r} or {FULL!r}")
+    if unknown or not layer_types:
+        raise ConfigError(f"layer types {sorted(unknown)}: expected a non-empty list of {LINEAR!r} or {FULL!r}")
     n = len(layer_types)
     for p in range(1, n + 1):
         if n % p == 0 and layer_types == layer_types[:p] * (n // p):

@@ -1,4 +1,4 @@
-"""A small reader and writer of the safetensors format: an 8-byte header length, a JSON header, raw data.
+"""A small, strict reader and a writer of the safetensors format: an 8-byte header length, a JSON header, raw data.
 
 Reading never unpickles: the header is JSON and the data is mapped with `np.memmap`, so a tensor is a
 zero-copy, read-only view whose bytes are read from disk only when used. bfloat16 and float8 come from
@@ -7,6 +7,12 @@ zero-copy, read-only view whose bytes are read from disk only when used. bfloat1
 Format (https://github.com/huggingface/safetensors): `u64 little-endian N`, then N bytes of JSON
 `{name: {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {str: str}}`,
 then the data; offsets count from the end of the header; everything is little-endian and C-ordered.
+
+The reader enforces the format's rules (the reference reader's): N at most 100 MB; the header a JSON object
+of entries, each with a known `dtype`, a `shape` of non-negative ints and `data_offsets` [begin, end]; the
+entries, in offset order, tile the data section exactly (no gap, no overlap, nothing after the last);
+end - begin = prod(shape) * itemsize. Any breach is a `SafeTensorsError` with a one-line message that names
+the file and the entry, never the file's bytes.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -27,18 +34,28 @@ DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
     "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 _NAMES = {dt: name for name, dt in DTYPES.items()}
-_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit
+MAX_HEADER = 100_000_000  # bytes; the reference reader's limit
+_ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 # Called as hook(path, name) on every `SafeTensorsFile.get`; tests count reads with it.
 READ_HOOKS: list[Callable[[str, str], None]] = []
+
+
+class SafeTensorsError(ValueError):
+    """A file that breaks the safetensors format (one line: the file, the entry, what is wrong)."""
 
 
 class TensorInfo(NamedTuple):
@@ -48,42 +65,180 @@ class TensorInfo(NamedTuple):
     end: int
 
 
+def kind(dtype: str) -> str:
+    """"float", "int" or "bool": what a stored dtype holds (a cast may change the width, never the kind)."""
+    return "float" if dtype in FLOATS else "bool" if dtype == "BOOL" else "int"
+
+
+def quote(name: Any, limit: int = 80) -> str:
+    """`repr(name)`, cut to `limit` characters: header strings are untrusted (newlines, megabytes)."""
+    r = repr(name)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def open_regular(path: str) -> Any:
+    """`open(path, "rb")` for a regular file (a symlink to one is fine); anything else (a FIFO, a device, a
+    directory) is refused without blocking: the open is non-blocking and the type checked on the open file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except IsADirectoryError:
+        raise SafeTensorsError(f"{path}: is a directory, not a safetensors file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SafeTensorsError(f"{path}: not a regular file ({_file_type(mode)}); a checkpoint's weights are "
+                                   "regular files (or symlinks to them)")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def parse_header(raw: bytes, data_size: int, where: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The JSON header bytes -> (tensors by name, metadata), checked against a `data_size`-byte data section.
+
+    1. JSON (UTF-8, no NaN constants, no duplicate names, no lone surrogate escapes) holding an object;
+    2. `__metadata__`: absent, null or a str -> str object;
+    3. every other entry: an object with a known `dtype`, a `shape` of non-negative ints, `data_offsets` of
+       two ints, end - begin = the shape's bytes;
+    4. sorted by offsets the entries tile [0, data_size) exactly.
+    """
+    def fail(message: str) -> SafeTensorsError:
+        return SafeTensorsError(f"{where}: {message}")
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"the header is not UTF-8 text (bad byte at offset {8 + e.start}); not a safetensors file, "
+                   "or a corrupt one") from None
+
+    def no_constants(name: str) -> Any:
+        raise fail(f"the header holds the JSON constant {name}, which is not valid JSON")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # every object: unique keys, valid text
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise fail(f"the header names {quote(k)} twice")
+            for t in (k, v) if isinstance(v, str) else (k,):
+                if not _unicode(t):
+                    raise fail(f"the header string {quote(t)} holds a lone surrogate escape, which is not Unicode")
+            out[k] = v
+        return out
+
+    try:
+        header = json.loads(text, object_pairs_hook=unique, parse_constant=no_constants)
+    except json.JSONDecodeError as e:
+        raise fail(f"the header is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                   "a truncated or corrupt file: download it again") from None
+    except RecursionError:
+        raise fail("the header is nested too deeply to be a safetensors header") from None
+    if not isinstance(header, dict):
+        raise fail(f"the header is a JSON {_json_type(header)}, not an object of tensor entries")
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        raise fail(f"__metadata__ is a JSON {_json_type(metadata)}; it must be an object of strings")
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise fail(f"__metadata__[{quote(k)}] is a JSON {_json_type(v)}; metadata values must be strings")
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, h in header.items():
+        tensors[name] = _entry(name, h, fail)
+    end = 0
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if info.begin != end:
+            what = "overlaps the previous tensor" if info.begin < end else "leaves a gap before it"
+            raise fail(f"tensor {quote(name)} starts at byte {info.begin}, where {end} was next: it {what} "
+                       "(entries must tile the data section in order)")
+        end = info.end
+    if end != data_size:
+        raise fail(f"the tensors cover {end} data bytes, the file holds {data_size}: "
+                   + ("truncated: download it again" if end > data_size else "bytes after the last tensor"))
+    return tensors, metadata
+
+
+def _entry(name: str, h: Any, fail: Callable[[str], SafeTensorsError]) -> TensorInfo:
+    """One header entry, checked: `{"dtype": str, "shape": [int >= 0], "data_offsets": [begin, end]}`."""
+    if not isinstance(h, dict):
+        raise fail(f"tensor {quote(name)} is a JSON {_json_type(h)}, not an object with {', '.join(_ENTRY_KEYS)}")
+    lacking = [k for k in _ENTRY_KEYS if k not in h]
+    if lacking:
+        raise fail(f"tensor {quote(name)} has no {' and no '.join(lacking)}")
+    dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise fail(f"tensor {quote(name)} has dtype {quote(dtype, 40)}; supported: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise fail(f"tensor {quote(name)} has shape {quote(shape, 60)}; a shape is a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(n) and n >= 0 for n in offsets)
+            and offsets[0] <= offsets[1]):
+        raise fail(f"tensor {quote(name)} has data_offsets {quote(offsets, 60)}; they must be [begin, end] with "
+                   "0 <= begin <= end")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise fail(f"tensor {quote(name)} spans {offsets[1] - offsets[0]} bytes (data_offsets {offsets}), but "
+                   f"{dtype} {tuple(shape)} is {nbytes} bytes")
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _json_type(x: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(x), "number")
+
+
 class SafeTensorsFile:
     """One `.safetensors` file: its header on open, each tensor as a memmap view on `get`.
 
-    Steps: 1. read and check the header; 2. map the data section once (lazily paged by the OS);
-    3. `get(name)` slices the map and views it as the tensor's dtype and shape (no copy).
+    Steps: 1. open a regular file (never blocking on a FIFO); 2. read the header length (at most `MAX_HEADER`)
+    and the header, and check it (`parse_header`); 3. map the data section once (lazily paged by the OS);
+    4. `get(name)` slices the map and views it as the tensor's dtype and shape (no copy).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        size = os.path.getsize(self.path)
-        with open(self.path, "rb") as f:
+        with open_regular(self.path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
-                raise ValueError(f"{self.path}: not a safetensors file (shorter than the 8-byte header length)")
+                raise SafeTensorsError(f"{self.path}: not a safetensors file ({size} bytes, shorter than the "
+                                       "8-byte header length)")
             (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise ValueError(f"{self.path}: header length {n} is impossible for a {size}-byte file "
-                                 "(truncated download, or not a safetensors file)")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{self.path}: the safetensors header is not valid JSON ({e})") from None
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+            if n > MAX_HEADER:
+                raise SafeTensorsError(f"{self.path}: not a safetensors file: its header length field is over the "
+                                       f"format's {MAX_HEADER // 1_000_000} MB limit")
+            if 8 + n > size:
+                raise SafeTensorsError(f"{self.path}: its header length field exceeds the file's {size} bytes "
+                                       "(a truncated download, or not a safetensors file)")
+            raw = f.read(n)
+        if len(raw) != n:
+            raise SafeTensorsError(f"{self.path}: the file shrank while its header was read")
         self._data_start = 8 + n
-        data_size = size - self._data_start
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, h in header.items():
-            if h["dtype"] not in DTYPES:
-                raise ValueError(f"{self.path}: tensor {name!r} has dtype {h['dtype']!r}; "
-                                 f"supported: {', '.join(DTYPES)}")
-            info = TensorInfo(h["dtype"], tuple(h["shape"]), *h["data_offsets"])
-            nbytes = math.prod(info.shape) * DTYPES[info.dtype].itemsize
-            if info.end - info.begin != nbytes or not 0 <= info.begin <= info.end <= data_size:
-                raise ValueError(f"{self.path}: tensor {name!r} has offsets {info.begin}..{info.end} that do not "
-                                 f"fit its shape {info.shape} ({nbytes} bytes) inside {data_size} data bytes")
-            self.tensors[name] = info
+        self._size = size
+        self.tensors, self.metadata = parse_header(raw, size - self._data_start, self.path)
         self._map: np.ndarray | None = None
 
     def keys(self) -> list[str]:
@@ -98,10 +253,13 @@ class SafeTensorsFile:
         for hook in READ_HOOKS:
             hook(self.path, name)
         if self._map is None:
-            if os.path.getsize(self.path) == self._data_start:  # mmap refuses an empty region
+            if self._size == self._data_start:  # mmap refuses an empty region
                 self._map = np.zeros(0, np.uint8)
             else:
-                self._map = np.memmap(self.path, np.uint8, mode="r", offset=self._data_start)
+                with open_regular(self.path) as f:
+                    if os.fstat(f.fileno()).st_size != self._size:
+                        raise SafeTensorsError(f"{self.path}: the file changed size since it was opened")
+                    self._map = np.memmap(f, np.uint8, mode="r", offset=self._data_start)
         return self._map[info.begin:info.end].view(DTYPES[info.dtype]).reshape(info.shape)
 
     def close(self) -> None:
@@ -133,7 +291,7 @@ def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata:
         a = np.asarray(tensors[name])
         dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
         if dt not in _NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which safetensors cannot store here; "
+            raise SafeTensorsError(f"tensor {name!r} has dtype {a.dtype}, which safetensors cannot store here; "
                              f"use one of {', '.join(str(d) for d in _NAMES)}")
         a = np.ascontiguousarray(a, dtype=dt)
         header[name] = {"dtype": _NAMES[dt], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}

@@ -18,6 +18,8 @@ Forms (`FORMS`):
   `*.weight_scale_inv` (`w = q * scale_inv`), per-expert experts, a `quantization_config`;
 - "fp8_dequantized": the same FP8-rounded weights, dequantized to float32: the FP8 checkpoint's exact twin.
 `fp8_round_trip(model)` gives that twin as an HF model, for logits comparisons.
+`read_raw_safetensors` / `write_raw_safetensors` / `edit_header` take a file apart and put it back unchecked,
+for tests of broken files.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -183,6 +187,32 @@ def fp8_round_trip(model: Any, fp8_block: int = FP8_BLOCK) -> Any:
         for name, param in twin.state_dict().items():
             param.copy_(torch.from_numpy(np.asarray(sd[name], np.float32)).to(param.dtype))
     return twin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Raw safetensors files, for tests of broken ones (nothing here checks anything)
+
+
+def read_raw_safetensors(path: str | pathlib.Path) -> tuple[dict, bytes]:
+    """A safetensors file as (its JSON header, its data section's bytes)."""
+    raw = pathlib.Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_raw_safetensors(path: str | pathlib.Path, header: dict | bytes, data: bytes = b"",
+                          length: int | None = None) -> None:
+    """Write `header` (a dict, as JSON; or bytes as they are) and `data` with the 8-byte length `length`
+    (default: the header's true length), whatever they hold."""
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    pathlib.Path(path).write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)
+
+
+def edit_header(path: str | pathlib.Path, edit: Callable[[dict], Any]) -> None:
+    """Rewrite a safetensors file's header in place: `edit(header)` changes the dict (or returns a new one)."""
+    header, data = read_raw_safetensors(path)
+    new = edit(header)
+    write_raw_safetensors(path, header if new is None else new, data)
 
 
 # ---------------------------------------------------------------------------------------------------------------
