@@ -157,7 +157,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     assert out.keys() == infos.keys(), f"internal error: no plan for {sorted(set(infos) - set(out))}"
     bad = [p for (p, _), ok in zip(finite, jax.device_get([f for _, f in finite]), strict=True) if not ok]
     if bad:
-        names = [n for p in bad for n in _nonfinite_sources(p, out[p], groups)]
+        names = list(dict.fromkeys(n for p in bad for n in _nonfinite_sources(p, out[p], groups, tensors)))
         raise CheckpointError(f"{root}: {len(names)} tensors hold NaN or Inf values: {_some(names)} (leaves "
                               f"{', '.join('/'.join(p) for p in bad[:5])}); the checkpoint is corrupt: download it "
                               "again, or pass check_weights=False (CLI: --no-check-weights) to load it anyway")
@@ -170,13 +170,24 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(x))
 
 
-def _nonfinite_sources(path: Path, leaf: jax.Array, groups: list[_Group]) -> list[str]:
-    """The HF tensors behind the non-finite parts of `leaf`: one reduction over the dims below the ops' index
-    (e.g. [G, P] for a per-layer leaf, [G, P, E] for per-expert tensors), then each op whose index holds one."""
+def _nonfinite_sources(path: Path, leaf: jax.Array, groups: list[_Group], tensors: dict) -> list[str]:
+    """The HF tensors behind the non-finite parts of `leaf` (only called when there are some).
+
+    1. On the device: one reduction over the dims below the ops' index (e.g. [G, P] for a per-layer leaf,
+       [G, P, E] for per-expert tensors): the ops whose part of the leaf is bad.
+    2. On the host, those ops' sources only (and their FP8 scales): the ones holding NaN / Inf. None: the values
+       overflowed in the cast to the leaf's dtype.
+    """
     ops = [op for g in groups if path in g.leaves.values() for op in g.ops]
     k = max(len(op.index) for op in ops)
     bad = np.asarray(jnp.any(~jnp.isfinite(leaf), axis=tuple(range(k, leaf.ndim))))
-    return [n for op in ops if bad[op.index].any() for n in op.sources]
+    names = []
+    for op in (op for op in ops if bad[op.index].any()):
+        stored = [*op.sources, *(_scale_name(n) for n in op.sources if not op.raw and tensors[n].tensors[n].dtype
+                                 == "F8_E4M3")]
+        culprits = [n for n in stored if not np.isfinite(tensors[n].get(n)).all()]
+        names += culprits or [f"{n} (overflows {leaf.dtype})" for n in op.sources]
+    return list(dict.fromkeys(names))
 
 
 def _config_changes(root: pathlib.Path, hf: dict, tensors: dict, prefix: str, quant: int | None, dtype: Any,

@@ -328,7 +328,7 @@ def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, so
     known = [f.name for f in dataclasses.fields(Config)]
     unknown = sorted(set(changes) - set(known))
     if unknown:
-        raise ConfigError(f"unknown Config fields {unknown}; fields: {', '.join(known)}")
+        raise ConfigError(f"unknown Config fields {unknown}; the fields are those of qwen35_lib.config.Config")
     top_type = hf.get("model_type")
     if top_type == "qwen3_5_moe":
         if not isinstance(hf.get("text_config"), dict):

@@ -12,6 +12,9 @@ import contextlib
 import copy
 import dataclasses
 import json
+import logging
+import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -23,8 +26,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from qwen35_lib import safetensors_io, testing  # noqa: E402
-from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint  # noqa: E402
-from qwen35_lib.config import from_hf_config, get_config  # noqa: E402
+from qwen35_lib.checkpoint import CheckpointError, _leaves, load_hf_checkpoint  # noqa: E402
+from qwen35_lib.config import ConfigError, from_hf_config, get_config  # noqa: E402
+from qwen35_lib.safetensors_io import SafeTensorsError  # noqa: E402
 from qwen35_lib.weights import declare, dequantize_fp8  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.filterwarnings("ignore:.*falling back:UserWarning")]
@@ -387,6 +391,218 @@ def test_bad_directories(ckpts, tmp_path):
         load_hf_checkpoint(src, expert_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match="fp8='bogus'"):
         load_hf_checkpoint(src, fp8="bogus")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Broken checkpoints that used to load (issue 15): each gets a one-line error naming the file and the fix
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_overlapping_offsets_are_refused(ckpts, tmp_path):
+    """The embedding's entry pointing at lm_head's bytes (same shape) used to load it as a copy of lm_head."""
+    path = shutil.copytree(ckpts("qwen3_5_moe", "fused"), tmp_path / "alias")
+
+    def alias(header):
+        header["model.embed_tokens.weight"]["data_offsets"] = header["lm_head.weight"]["data_offsets"]
+
+    testing.edit_header(path / "model.safetensors", alias)
+    with pytest.raises(SafeTensorsError, match=r"model\.safetensors: tensor '(lm_head|model\.embed_tokens)\.weight' "
+                                               r"starts at byte \d+, where \d+ was next: it overlaps") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+
+
+@pytest.mark.parametrize("name, stored", [("lm_head.weight", np.int32), ("model.norm.weight", np.uint8),
+                                          ("model.layers.3.self_attn.k_norm.weight", np.bool_)])
+def test_integer_tensors_for_float_weights_are_refused(ckpts, tmp_path, name, stored):
+    """An I32 lm_head used to be cast to zeros (every token 0); a stored kind other than the weight's is refused."""
+    src = ckpts("qwen3_5_moe", "per_expert")
+    shape = safetensors_io.SafeTensorsFile(src / "model.safetensors").tensors[name].shape
+    path = _edited(src, tmp_path / "int", add={name: np.ones(shape, stored)})
+    st_name = safetensors_io._NAMES[np.dtype(stored)]
+    with pytest.raises(CheckpointError, match=rf"1 tensors hold another kind of number than their weight: "
+                                              rf"{re.escape(name)} is stored as {st_name} \((int|bool)s\), but its "
+                                              rf"weight is float32\. A cast would make them garbage") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+
+
+def test_float_casts_are_allowed_and_said_once(ckpts, caplog):
+    """BF16 stored, float32 declared: loaded exactly, and one logged line per load counts the casts."""
+    path = ckpts("qwen3_5_moe", "per_expert", "bfloat16")
+    count = len(safetensors_io.SafeTensorsFile(path / "model.safetensors").tensors)
+    with caplog.at_level(logging.WARNING, logger="qwen35_lib.checkpoint"):
+        load_hf_checkpoint(path, dtype="float32")
+        notes = [r.getMessage() for r in caplog.records if r.name == "qwen35_lib.checkpoint"]
+        assert notes == [f"note: {path}: {count} tensors are cast to their weights' dtype ({count} x BF16 -> float32)"]
+        caplog.clear()
+        load_hf_checkpoint(ckpts("qwen3_5_moe", "per_expert"))  # float32 stored and declared: nothing to say
+        assert not [r for r in caplog.records if r.name == "qwen35_lib.checkpoint"]
+
+
+NONFINITE = [("model.layers.2.linear_attn.in_proj_z.weight", (3, 5), np.nan),
+             ("model.layers.1.mlp.experts.6.down_proj.weight", (0, 7), np.inf),
+             ("lm_head.weight", (255, 0), -np.inf)]
+
+
+@pytest.mark.parametrize("name, index, value", NONFINITE)
+def test_nonfinite_weights_are_refused(ckpts, tmp_path, name, index, value):
+    """NaN / Inf weights used to give tokens [0, 0, 0]; they are refused, naming the tensor; check_weights=False
+    loads them as they are."""
+    src = ckpts("qwen3_5_moe", "per_expert")
+    w = safetensors_io.load_file(src / "model.safetensors")[name]
+    w[index] = value
+    path = _edited(src, tmp_path / "nan", add={name: w})
+    with pytest.raises(CheckpointError, match=rf"nan: 1 tensors hold NaN or Inf values: {re.escape(name)} \(leaves "
+                                              r".*check_weights=False \(CLI: --no-check-weights\)") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+    _, weights = load_hf_checkpoint(path, check_weights=False)
+    assert sum(int((~np.isfinite(np.asarray(leaf, np.float32))).sum()) for _, leaf in _leaves(weights)) >= 1
+
+
+def test_nonfinite_fp8_scale_and_sharded_leaves(ckpts, tmp_path):
+    """A NaN FP8 scale is named (its weight dequantizes to NaN); a NaN expert is found on sharded leaves too."""
+    src = ckpts("qwen3_next", "fp8")
+    scale = "model.layers.0.linear_attn.in_proj_qkvz.weight_scale_inv"
+    s = safetensors_io.load_file(src / "model.safetensors")[scale]
+    s[1, 2] = np.nan
+    path = _edited(src, tmp_path / "scale", add={scale: s})
+    with pytest.raises(CheckpointError, match=rf"1 tensors hold NaN or Inf values: {re.escape(scale)} \(leaves "):
+        load_hf_checkpoint(path)
+    from qwen35_lib.parallel import make_mesh
+
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    src = ckpts("qwen3_5_moe", "per_expert")
+    w = safetensors_io.load_file(src / "model.safetensors")[name]
+    w[2, 3] = np.nan
+    path = _edited(src, tmp_path / "sharded", add={name: w})
+    with pytest.raises(CheckpointError, match=rf"1 tensors hold NaN or Inf values: {re.escape(name)} \(leaves "
+                                              r"layers/moe/w_gate_up\)"):
+        load_hf_checkpoint(path, mesh=make_mesh(), layout="dp8_ep8")
+
+
+@pytest.mark.parametrize("eos, match", [
+    ("x", r"holds 'x' \(a string\); EOS ids must be integer token ids"),
+    (99999, r"holds 99999, outside the vocabulary \[0, 256\)"),
+    ([1, True], r"holds True \(a boolean\)"),
+    ([1, -1], r"holds -1, outside the vocabulary"),
+    ({"id": 1}, r"holds \{'id': 1\} \(an object\)")])
+def test_eos_ids_must_be_token_ids(ckpts, tmp_path, eos, match):
+    path = shutil.copytree(ckpts("qwen3_5_moe", "fused"), tmp_path / "eos")
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eos}))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path / 'generation_config.json'))}: eos_token_id {match}"):
+        load_hf_checkpoint(path)
+    (path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [1, 7]}))
+    assert load_hf_checkpoint(path)[0].eos_token_ids == (1, 7)
+
+
+def _sharded_copy(ckpts, dst):
+    return shutil.copytree(ckpts("qwen3_5_moe", "sharded"), dst)
+
+
+def _set_entry(path, tensor, file):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"][tensor] = file
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "ABS", "sub/model.safetensors", "..", "", ".",
+                                   "a\\b.safetensors"])
+def test_index_entries_are_plain_file_names(ckpts, tmp_path, entry):
+    """An index naming `../x` or an absolute path used to open that file; only plain names in the folder pass."""
+    path = _sharded_copy(ckpts, tmp_path / "ckpt")
+    shutil.copy(path / "model-00001-of-00003.safetensors", tmp_path / "outside.safetensors")  # a real file there
+    (path / "sub").mkdir()
+    shutil.copy(path / "model-00001-of-00003.safetensors", path / "sub" / "model.safetensors")
+    entry = str(tmp_path / "outside.safetensors") if entry == "ABS" else entry
+    _set_entry(path, "model.norm.weight", entry)
+    with pytest.raises(CheckpointError, match=r"index\.json: weight_map\['model\.norm\.weight'\] is "
+                                              r".*, not a plain file name in the checkpoint folder") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+
+
+@pytest.mark.timeout(60)
+def test_special_files_are_refused_without_hanging(ckpts, tmp_path):
+    """An index entry naming a FIFO used to hang on open; a FIFO or directory among `*.safetensors` too."""
+    path = _sharded_copy(ckpts, tmp_path / "fifo")
+    (path / "model-00002-of-00003.safetensors").unlink()
+    os.mkfifo(path / "model-00002-of-00003.safetensors")
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors: a FIFO; a checkpoint's weights are "
+                                              r"regular files"):
+        load_hf_checkpoint(path)
+    path = shutil.copytree(ckpts("qwen3_5_moe", "fused"), tmp_path / "glob")
+    (path / "extra.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"extra\.safetensors: a directory"):
+        load_hf_checkpoint(path)
+
+
+def test_symlinks_into_a_blob_store_load(ckpts, tmp_path):
+    """The Hugging Face cache layout: snapshots/<rev>/<file> are relative symlinks to ../../blobs/<hash>."""
+    src = ckpts("qwen3_5_moe", "sharded")
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
+    config, weights = load_hf_checkpoint(snapshot)
+    _, want = load_hf_checkpoint(src)
+    for (p, a), (_, b) in zip(_leaves(weights), _leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+
+
+@pytest.mark.parametrize("text, error, match", [
+    ('{"metadata": {}}', CheckpointError, "no weight_map object"),
+    ('[1, 2]', CheckpointError, "no weight_map object"),
+    ('{"weight_map": ["model-00001-of-00003.safetensors"]}', CheckpointError, "no weight_map object"),
+    ('{"weight_map": {"model.norm.weight": 3}}', CheckpointError, r"weight_map\['model\.norm\.weight'\] is not a file"),
+    ('{"weight_map": {\n  "a": "b",\n  oops}', ConfigError, r"invalid JSON at line 3, column 3: Expecting")])
+def test_broken_index(ckpts, tmp_path, text, error, match):
+    path = _sharded_copy(ckpts, tmp_path / "index")
+    (path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(error, match=rf"{re.escape(str(path / 'model.safetensors.index.json'))}: {match}") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+
+
+def test_a_file_that_is_not_safetensors_is_not_printed(ckpts, tmp_path):
+    """Today's error printed the first 8 bytes (as the header length); now nothing of the file is shown."""
+    path = _sharded_copy(ckpts, tmp_path / "text")
+    secret = b"password=hunter2 and then some more text"
+    (path / "model-00003-of-00003.safetensors").write_bytes(secret)
+    with pytest.raises(SafeTensorsError, match=r"model-00003-of-00003\.safetensors: not a safetensors file") as e:
+        load_hf_checkpoint(path)
+    message = _one_line(e)
+    assert "hunter2" not in message and str(int.from_bytes(secret[:8], "little")) not in message
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"model_type": "qwen3_next",\n "vocab_size": 256,,\n}', r"invalid JSON at line 2, column 20: Expecting"),
+    ('[{"model_type": "qwen3_next"}]', r"holds a list, not a JSON object of model fields"),
+])
+def test_broken_config_json_names_the_file(ckpts, tmp_path, text, match):
+    path = shutil.copytree(ckpts("qwen3_next", "fused"), tmp_path / "cfg")
+    (path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path / 'config.json'))}: {match}") as e:
+        load_hf_checkpoint(path)
+    _one_line(e)
+
+
+def test_config_json_fields_are_typed_at_load(ckpts, tmp_path):
+    path = _edited(ckpts("qwen3_next", "fused"), tmp_path / "t", config={"num_key_value_heads": 0})
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path / 'config.json'))}: num_key_value_heads is 0; it"):
+        load_hf_checkpoint(path)
+    path = _edited(ckpts("qwen3_next", "fused"), tmp_path / "tie", config={"tie_word_embeddings": "no"})
+    with pytest.raises(ConfigError, match="tie_word_embeddings is 'no'; it must be true or false"):
+        load_hf_checkpoint(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
