@@ -519,8 +519,7 @@ def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], b
                     kinds.append(f"{name} is stored as {info.dtype} ({safetensors_io.kind(info.dtype)}s), but its "
                                  f"weight is {' / '.join(sorted(d.name for d in leaf_dtypes))}")
                     continue
-                target = (np.dtype(np.float32) if name.endswith("_scale_inv") else FP8) if op.raw else \
-                    None if info.dtype == "F8_E4M3" or len(leaf_dtypes) > 1 else next(iter(leaf_dtypes))
+                target = _cast_target(name, info.dtype, op.raw, leaf_dtypes)
                 if target is not None and safetensors_io.DTYPES[info.dtype] != target:
                     casts[f"{info.dtype} -> {target.name}"] += 1
                 if info.shape != shape:
@@ -573,6 +572,16 @@ def _check_fp8(name: str, info: safetensors_io.TensorInfo, shape: tuple[int, ...
                 wrong.append(f"{scale}: blocks of {block} imply {want}, the file has {sinfo.shape}")
             if safetensors_io.kind(sinfo.dtype) != "float":
                 fp8_wrong.append(f"{scale} is stored as {sinfo.dtype}; FP8 scales are floats")
+
+
+def _cast_target(name: str, stored: str, raw: bool, leaf_dtypes: set[np.dtype]) -> np.dtype | None:
+    """The dtype a stored tensor is cast to on copy; None when it is dequantized (FP8 read as weights) or when
+    its group's leaves differ in dtype (then `split` decides)."""
+    if raw:  # FP8 kept: values into the float8 leaf, scales into the float32 one
+        return np.dtype(np.float32) if name.endswith("_scale_inv") else FP8
+    if stored == "F8_E4M3" or len(leaf_dtypes) > 1:
+        return None
+    return next(iter(leaf_dtypes))
 
 
 def _kind(dt: np.dtype) -> str:

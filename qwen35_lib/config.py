@@ -286,7 +286,7 @@ class _Fields:
     def float(self, key: str, v: Any, low_exclusive: float = 0.0, high: float = math.inf) -> float:
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise self.fail(key, f"is {_show(v)} ({_json_type(v)}); it must be a number")
-        if not (low_exclusive < v <= high):
+        if not (math.isfinite(v) and low_exclusive < v <= high):  # JSON's 1e400 parses as inf
             rng = f"in ({low_exclusive}, {high}]" if high < math.inf else f"finite and above {low_exclusive}"
             raise self.fail(key, f"is {v}; it must be {rng}")
         return float(v)

@@ -50,6 +50,7 @@ FIELD_CASES = [  # (field, value, the error); each for both model types
     ("head_dim", -32, r"head_dim is -32; it must be at least 1"),
     ("rms_norm_eps", "1e-6", r"rms_norm_eps is '1e-6' \(a string\); it must be a number"),
     ("rms_norm_eps", 0, r"rms_norm_eps is 0; it must be finite and above 0.0"),
+    ("rms_norm_eps", json.loads("1e400"), r"rms_norm_eps is inf; it must be finite and above 0.0"),
     ("norm_topk_prob", 1, r"norm_topk_prob is 1 \(an integer\); it must be true or false"),
     ("layer_types", ["full_attention"] * 3, r"layer_types lists 3 layers but num_hidden_layers is 4"),
     ("layer_types", ["linear_attention"] * 3 + ["mamba"], r"layer_types holds 'mamba'; each entry must be"),
