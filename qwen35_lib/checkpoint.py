@@ -589,7 +589,9 @@ def _kind(dt: np.dtype) -> str:
 
 
 def _some(items: list[str], n: int = 10) -> str:
-    return ", ".join(items[:n]) + (f" ... and {len(items) - n} more" if len(items) > n else "")
+    """The first `n` items, each printable and short (tensor names come from file headers: newlines, megabytes)."""
+    shown = [i if i.isprintable() and len(i) <= 200 else safetensors_io.quote(i, 200) for i in items[:n]]
+    return ", ".join(shown) + (f" ... and {len(items) - n} more" if len(items) > n else "")
 
 
 def _leaves(tree: Any) -> list[tuple[Path, ArrayInfo]]:

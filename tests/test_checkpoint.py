@@ -369,6 +369,10 @@ def test_leftover_tensors(ckpts, tmp_path):
                    add={"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match=r"1 tensors are neither .*: model\.layers\.0\.mlp\.extra\.weight"):
         load_hf_checkpoint(path)
+    path = _edited(ckpts("qwen3_5_moe", "per_expert"), tmp_path / "nl", add={"a\nb" * 100: np.zeros(3, np.float32)})
+    with pytest.raises(CheckpointError, match=r"1 tensors are neither .*: 'a\\nba\\nb.*\.\.\.\. Is config") as e:
+        load_hf_checkpoint(path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 600  # a header's name is shown escaped and cut
 
 
 def test_bad_directories(ckpts, tmp_path):
