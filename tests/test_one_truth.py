@@ -11,7 +11,7 @@ from qwen35_lib import config as config_lib
 from qwen35_lib import get_config
 from qwen35_lib.costmodel import stages as cm_stages
 from qwen35_lib.costmodel import step as cm_step
-from qwen35_lib.costmodel.specs import get_specs
+from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.kernels import registry
 from qwen35_lib.parallel import layouts, stages
 
@@ -41,7 +41,7 @@ def test_each_stage_is_the_same_layout_and_kernels_in_code_and_cost_model(name):
     lay = cm_stages.resolve_layout(s, cfg, 8)
     assert lay.name == run.layout == s.layout
     assert lay.moe == layouts.get_layout(run.layout).moe
-    pl = cm_step.placement(cfg, get_specs("tpu7x-8"), s)
+    pl = cm_step.placement(cfg, specs_lib.get("tpu7x-8"), s)
     assert pl.attention == run.attention_kernel
     assert pl.moe_impl == {"pallas": "gmm"}.get(run.moe_kernel, run.moe_kernel)
 
@@ -73,11 +73,11 @@ def test_kernel_families_per_backend():
 def test_the_model_takes_its_parallelism_and_never_looks_a_layout_up():
     import numpy as np
 
-    from qwen35_lib import init_weights
+    from qwen35_lib import abstract_weights
     from qwen35_lib.model import forward as model_forward
 
     cfg = get_config("qwen3.5-tiny", layout="dp8_ep8")
-    w = init_weights(cfg.replace(layout="single"), 0)
+    w = abstract_weights(cfg)  # refused before any weight is read
     with pytest.raises(ValueError, match="needs its parallelism"):
         model_forward(cfg, w, np.zeros((1, 4), np.int32))
 
