@@ -75,7 +75,7 @@ from qwen35_lib import aot
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.parallel import check_layout, make_mesh
-from qwen35_lib.parallel.placement import placement, shard_bytes_per_device
+from qwen35_lib.placement import placement, shard_bytes_per_device
 from qwen35_lib.report import human_bytes
 from qwen35_lib.viz.sharding_explorer import placement_figure, sharding_explorer
 
@@ -200,7 +200,7 @@ print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device")
 # %% [markdown]
 # ## 3. At TPU size: Qwen3.5-397B, FP8 experts, 512 requests of 8k tokens
 #
-# **Predict.** `qwen35_lib.parallel.placement` works out, by arithmetic over the same weight and cache
+# **Predict.** `qwen35_lib.placement` works out, by arithmetic over the same weight and cache
 # declarations and the same layout rules, what each device holds. The KV cache of 512 requests x 8192 tokens
 # is 120 GiB in all (bf16); `tp8_kvrep` puts all of it on every device.
 

@@ -74,9 +74,9 @@ import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.model.decoder import lower_forward  # `forward`'s program, to compile and inspect
 from qwen35_lib.parallel import get_layout, hlo, make_mesh, shard_weights
-from qwen35_lib.parallel.placement import fmt_range, placement
+from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
+from qwen35_lib.placement import fmt_range, placement
 from qwen35_lib.viz.sharding_explorer import placement_figure
 
 mesh = make_mesh()

@@ -5,7 +5,7 @@ Public API: `Config`, `get_config`, `from_hf_config`, `init_weights`, `abstract_
 """
 
 from qwen35_lib.config import PRESETS, Config, from_hf_config, get_config
-from qwen35_lib.model import forward
+from qwen35_lib.parallel.parallelism import forward
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import abstract_weights, init_weights
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import SLOTS, compile_target, resolve_name
+from qwen35_lib.kernels.registry import CONFIG_FIELDS, compile_target, resolve_name
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
@@ -52,13 +52,13 @@ def chip_core_mesh(devices=None) -> Mesh:
 
 def for_backend(config: Config, backend: str) -> Config:
     """`config` with every "auto" kernel resolved for `backend` (tracing happens on this CPU, so say it)."""
-    fields = {("moe_kernel" if s == "moe_matmul" else f"{s}_kernel"): s for s in SLOTS}
-    return dataclasses.replace(config, **{f: resolve_name(s, getattr(config, f), backend) for f, s in fields.items()})
+    return dataclasses.replace(config, **{f: resolve_name(s, getattr(config, f), backend)
+                                          for s, f in CONFIG_FIELDS.items()})
 
 
 def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_8):
     """`forward` compiled for one device of `topology` with abstract weights; returns the compiled executable."""
-    from qwen35_lib.model.decoder import lower_forward
+    from qwen35_lib.parallel.parallelism import lower_forward
 
     device = topology_devices(topology)[0]
     one = jax.sharding.SingleDeviceSharding(device)
@@ -79,9 +79,9 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     prefill region rounded up to whole GDN chunks). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
-    from qwen35_lib.engine.cache import CacheShape, declare_cache
+    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
     from qwen35_lib.engine.engine import _engine_step
-    from qwen35_lib.parallel.layouts import batch_sharding, cache_shardings, check_layout, weight_shardings
+    from qwen35_lib.parallel.layouts import batch_sharding, check_layout, weight_shardings
     from qwen35_lib.weights import is_info
 
     layout = check_layout(config, mesh)
@@ -129,8 +129,8 @@ def resident_bytes(config: Config, cache_shape, mesh: Mesh) -> tuple[int | None,
     """Per-device bytes XLA assigns to the weights plus the caches of `cache_shape` (an `engine.cache.CacheShape`)
     under `config.layout` on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from `memory_analysis()` of
     a program that keeps every input, or (None, the compiler's refusal, e.g. RESOURCE_EXHAUSTED)."""
-    from qwen35_lib.engine.cache import declare_cache
-    from qwen35_lib.parallel.layouts import cache_shardings, weight_shardings
+    from qwen35_lib.engine.cache import cache_shardings, declare_cache
+    from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.weights import is_info
 
     weights = abstract_weights(config, weight_shardings(config, mesh))

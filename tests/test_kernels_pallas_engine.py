@@ -25,6 +25,7 @@ from qwen35_lib.engine.cache import CacheShape, init_cache
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.ragged import ragged_forward
+from qwen35_lib.parallel.parallelism import parallelism
 
 XLA = dict(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot", permute_kernel="xla")
 PALLAS = dict(attention_kernel="pallas", gdn_kernel="pallas", moe_kernel="pallas", permute_kernel="pallas")
@@ -73,7 +74,7 @@ def test_ragged_step_logits_with_every_pallas_kernel_match_forward(run):
     seqs, full = {"A": A, "B": B}, {"A": logits[1], "B": logits[0]}
     pages, slots = {"A": [3, 7, 1, 9, 5, 11], "B": [2]}, {"A": 1, "B": 2}
     work = lambda n, a, b: SeqWork(seqs[n][a:b], a, pages[n], slots[n])  # noqa: E731
-    step = jax.jit(ragged_forward, static_argnums=0)
+    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
     cache = init_cache(pallas, CacheShape(ranks=1, num_pages=12, page_size=8, num_slots=3))
     schedule = [([], [("A", 0, 20), ("B", 0, 5)]), ([("B", 5, 6)], [("A", 20, 47)])]
     for decodes, prefills in schedule:

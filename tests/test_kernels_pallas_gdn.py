@@ -152,6 +152,7 @@ def test_model_and_engine_run_with_pallas_gdn():
     from qwen35_lib import forward
     from qwen35_lib.engine.cache import CacheShape, init_cache
     from qwen35_lib.model.ragged import ragged_forward
+    from qwen35_lib.parallel.parallelism import parallelism
 
     cfg_xla = get_config("qwen3.5-tiny", dtype="float32")
     cfg = get_config("qwen3.5-tiny", dtype="float32", gdn_kernel="pallas")
@@ -170,7 +171,7 @@ def test_model_and_engine_run_with_pallas_gdn():
     cache = init_cache(cfg, CacheShape(ranks=1, num_pages=40, page_size=8, num_slots=4))
     pages, slots = {"A": list(range(1, 14)), "B": [14]}, {"A": 1, "B": 2}
     work = lambda n, a, b: SeqWork(seqs[n][a:b], a, pages[n], slots[n])
-    step = jax.jit(ragged_forward, static_argnums=0)
+    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
     for decodes, prefills in [([], [("A", 0, 70), ("B", 0, 5)]), ([("B", 5, 6)], [("A", 70, 100)])]:
         tokens, meta = stack_ranks([pack([work(*d) for d in decodes], [work(*p) for p in prefills], D=2, T=194,
                                          S=2, max_pages=13, chunk=64)])

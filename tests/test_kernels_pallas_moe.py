@@ -25,6 +25,7 @@ from qwen35_lib.kernels.moe_xla import moe_ragged_dot
 from qwen35_lib.kernels.permute_pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
 from qwen35_lib.model import moe
+from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.weights import BlockFP8, quantize_fp8
 
 E, D, F, N = 6, 256, 256, 120  # small but TPU-shaped (multiples of 128); N is not a multiple of any tile
@@ -135,7 +136,7 @@ def tiny_moe():
     return cfg, jax.tree.map(lambda a: a[0, 0], init_weights(cfg, 3)["layers"]["moe"])
 
 
-moe_block = jax.jit(moe.moe_block, static_argnums=0)
+moe_block = jax.jit(lambda cfg, w, x: moe.moe_block(cfg, w, x, parallelism(cfg)), static_argnums=0)
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
 
 

@@ -8,12 +8,13 @@ import pytest
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import available, gdn_xla, get
 from qwen35_lib.model import moe
+from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.weights import BlockFP8, dequantize_fp8, quantize_fp8
 
 # jitted once per shape: eager op-by-op dispatch would dominate the test time
 gdn_recurrent = jax.jit(gdn_xla.gdn_recurrent)
 gdn_chunked = jax.jit(gdn_xla.gdn_chunked, static_argnames="chunk_size")
-moe_block = jax.jit(moe.moe_block, static_argnums=0)
+moe_block = jax.jit(lambda cfg, w, x: moe.moe_block(cfg, w, x, parallelism(cfg)), static_argnums=0)
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
 
 

@@ -3,7 +3,7 @@ tokens as this process's 8 devices, for `dp8_ep8` + `replicate` (all-gathers and
 processes' devices every MoE layer).
 
 Cost (~30 s of CPU per process): each process compiles two engine steps per case (prefill, then decode), so one
-case only (`python -m qwen35_lib.parallel.multihost --case ...` runs more); the two children run while this
+case only (`python -m qwen35_lib.engine.multihost --case ...` runs more); the two children run while this
 process computes the reference.
 """
 
@@ -19,7 +19,7 @@ import sys
 import jax
 import pytest
 
-from qwen35_lib.parallel.multihost import DEFAULT_PROMPTS, child_env, generate_cases, parse_case
+from qwen35_lib.engine.multihost import DEFAULT_PROMPTS, child_env, generate_cases, parse_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CASES = ["dp8_ep8:replicate"]
@@ -43,7 +43,7 @@ def free_port() -> int:
 def launch(port: int) -> list[subprocess.Popen]:
     env = {**child_env(), "JAX_PLATFORMS": "cpu"}
     cases = [a for c in CASES for a in ("--case", c)]
-    return [subprocess.Popen([sys.executable, "-m", "qwen35_lib.parallel.multihost", "--process-id", str(i),
+    return [subprocess.Popen([sys.executable, "-m", "qwen35_lib.engine.multihost", "--process-id", str(i),
                               "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}", *cases], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 

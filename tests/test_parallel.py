@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.model.moe import moe_block, route
+from qwen35_lib.model.moe import local_moe, route
 from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import gather_routing, on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
@@ -112,7 +112,7 @@ def test_fused_routing_gather_is_bit_exact(mesh):
 def test_all_to_all_is_dropless_by_default_and_counts_drops(mesh, weights):
     w = jax.tree.map(lambda a: a[0, 0], weights["layers"]["moe"])  # layer 0
     x = jax.random.normal(jax.random.key(3), (64, BASE.hidden_size))
-    ref = moe_block(BASE, w, x)
+    ref = local_moe(BASE, w, x)
 
     def run(cfg):
         f = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))
@@ -122,7 +122,7 @@ def test_all_to_all_is_dropless_by_default_and_counts_drops(mesh, weights):
 
     out, dropped = run(_cfg("dp8_ep8", "all_to_all"))
     assert dropped == 0
-    shared = moe_block(BASE, dict(w, w_down=jnp.zeros_like(w["w_down"])), x)  # the shared expert alone
+    shared = local_moe(BASE, dict(w, w_down=jnp.zeros_like(w["w_down"])), x)  # the shared expert alone
     np.testing.assert_allclose(out, np.asarray(ref - shared), atol=1e-5)
     capped = _cfg("dp8_ep8", "all_to_all", capacity_factor=0.25)  # 1/4 of the mean slots per device
     out, dropped = run(capped)

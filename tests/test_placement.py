@@ -13,9 +13,9 @@ matplotlib.use("Agg")
 
 from qwen35_lib import budget  # noqa: E402
 from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
-from qwen35_lib.engine.cache import init_cache  # noqa: E402
-from qwen35_lib.parallel import cache_shardings, make_mesh, shard_weights  # noqa: E402
-from qwen35_lib.parallel.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
+from qwen35_lib.engine.cache import cache_shardings, init_cache  # noqa: E402
+from qwen35_lib.parallel import make_mesh, shard_weights  # noqa: E402
+from qwen35_lib.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
 from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
 

@@ -9,8 +9,9 @@ from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
 from qwen35_lib.engine.cache import CacheShape, init_cache
 from qwen35_lib.model.ragged import ragged_forward
+from qwen35_lib.parallel.parallelism import parallelism
 
-step = jax.jit(ragged_forward, static_argnums=0)
+step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
 SHAPE = dict(ranks=1, num_pages=40, page_size=8, num_slots=6)
 
 

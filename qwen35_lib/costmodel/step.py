@@ -21,6 +21,7 @@ from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.stages import Stage, resolve_layout
+from qwen35_lib.kernels.registry import family_kernels
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "router", "shared_expert", "routed_experts",
               "permute", "norms", "embed_lm_head", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -47,11 +48,10 @@ def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = No
                              kv_dtype=kv_dtype, page_size=page_size)
     lay = resolve_layout(stage, cfg, specs.devices)
     facts = kernel_facts()
-    if stage.kernels == "pallas":
-        attention, moe_impl, passes = "pallas", "gmm", facts["pallas_weight_passes"]["value"]
-    else:
-        attention, moe_impl = "xla", "capacity" if specs.kind == "cpu" else "ragged_dot"
-        passes = facts["xla_weight_passes"]["value"]
+    kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
+    attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
+    moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
+    passes = facts[f"{stage.kernels}_weight_passes"]["value"]
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=specs.devices if lay.moe == "ep" else 1,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes)

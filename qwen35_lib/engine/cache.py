@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
+from qwen35_lib.parallel.layouts import check_layout, shardings
 from qwen35_lib.weights import ArrayInfo, is_info
 
 
@@ -74,3 +75,8 @@ def init_cache(config: Config, shape: CacheShape) -> dict:
 
 def cache_bytes(config: Config, shape: CacheShape) -> int:
     return sum(i.nbytes for i in jax.tree.leaves(declare_cache(config, shape), is_leaf=is_info))
+
+
+def cache_shardings(config: Config, shape: CacheShape, mesh) -> dict:
+    """NamedShardings for every cache array of `config` at `shape` under its layout (a tree like the caches)."""
+    return shardings(declare_cache(config, shape), check_layout(config, mesh), mesh)

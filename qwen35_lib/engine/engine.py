@@ -14,12 +14,13 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import bucket, pack, stack_ranks
-from qwen35_lib.engine.cache import CacheShape, init_cache
+from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache
 from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.ragged import ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, cache_shardings, check_layout, shard_weights
+from qwen35_lib.parallel.layouts import batch_sharding, check_layout, shard_weights
+from qwen35_lib.parallel.parallelism import parallelism
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +272,7 @@ TRACES = [0]  # how many times the step has been traced (compiled), process-wide
 def _engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
     """The jitted step, shared by all engines (one compilation per config and bucket)."""
     TRACES[0] += 1  # runs only while tracing
-    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta)  # [R, S, V]
+    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(cfg))  # [R, S, V]
     R, S, V = logits.shape
     flat = lambda x: x.reshape(R * S)
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),

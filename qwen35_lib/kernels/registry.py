@@ -50,6 +50,23 @@ _DEFAULTS: dict[str, dict[str, str]] = {
 }
 
 
+# A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul as XLA:CPU runs it fastest,
+# `capacity`, and `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
+FAMILIES = ("xla", "pallas")
+CONFIG_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
+           "permute": "permute_kernel"}  # slot -> Config field
+
+
+def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
+    """The Config kernel fields of a kernel family on `backend` (default: the one being traced for)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+    if family == "pallas":
+        return dict.fromkeys(CONFIG_FIELDS.values(), "pallas")
+    moe = "capacity" if (backend or target_backend()) == "cpu" else "ragged_dot"
+    return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in CONFIG_FIELDS.items()}
+
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen35_kernel_target", default=None)
 
 
@@ -112,8 +129,7 @@ def get(slot: str, name: str = "auto", backend: str | None = None) -> Any:
 
 def for_config(slot: str, config: Any) -> Any:
     """The implementation `config` selects for `slot` (field `<slot>_kernel`, "auto" by default)."""
-    field = {"moe_matmul": "moe_kernel"}.get(slot, f"{slot}_kernel")
-    return get(slot, getattr(config, field))
+    return get(slot, getattr(config, CONFIG_FIELDS[slot]))
 
 
 def _load_all() -> None:

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.model.layers import linear, rms_norm, rope
-from qwen35_lib.parallel.ranks import per_rank
 
 
 def qkv(cfg: Config, w: dict, x: jax.Array, positions: jax.Array):
@@ -36,7 +35,8 @@ def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, le
         return output(w, o, gate)
 
 
-def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array, kv_scales: jax.Array | None):
+def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Array, kv_scales: jax.Array | None,
+                           parallelism):
     """Gated attention over a ragged batch and the paged KV cache: x [R, T, D]; kv [R, P, ps, 2*Hkv*d]
     (+ kv_scales [R, P, 2*Hkv, ps] for an FP8 cache). Returns (out [R, T, D], kv, kv_scales).
 
@@ -55,9 +55,9 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
         offset = jnp.where(valid, meta.positions % ps, 0)
         ragged = (meta.page_table, meta.token_seq, meta.positions)
         if kernels.paged_write is not None:  # one call: the write, then the attention over the written pages
-            o, kv, kv_scales = per_rank(cfg, "attention", kernels.paged_write, q, k, v, kv, kv_scales, page, offset,
-                                        *ragged)
+            o, kv, kv_scales = parallelism.per_rank(cfg, "attention", kernels.paged_write, q, k, v, kv, kv_scales,
+                                                    page, offset, *ragged)
         else:
-            kv, kv_scales = per_rank(cfg, "attention", kernels.write, kv, kv_scales, k, v, page, offset)
-            o = per_rank(cfg, "attention", kernels.paged, q, kv, kv_scales, *ragged)
+            kv, kv_scales = parallelism.per_rank(cfg, "attention", kernels.write, kv, kv_scales, k, v, page, offset)
+            o = parallelism.per_rank(cfg, "attention", kernels.paged, q, kv, kv_scales, *ragged)
         return output(w, o, gate), kv, kv_scales

@@ -11,6 +11,7 @@ from qwen35_lib.model.attention import attention_block
 from qwen35_lib.model.deltanet import gdn_block
 from qwen35_lib.model.layers import rms_norm
 from qwen35_lib.model.moe import moe_block
+from qwen35_lib.model.parallelism import check_parallelism
 from qwen35_lib.weights import abstract_weights
 
 
@@ -19,63 +20,73 @@ def _take(tree: dict, i: int) -> dict:
     return jax.tree.map(lambda a: a[i], tree)
 
 
-def _group(cfg: Config, h: jax.Array, w: dict, positions: jax.Array, lengths: jax.Array) -> jax.Array:
-    """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
+def residual_layer(cfg: Config, parallelism, w: dict, p: int, h: jax.Array, mixer) -> jax.Array:
+    """Layer p of a group, the one layer body of `forward` and the engine's ragged step. h: [B, T, D].
+
+    1. x = mixer(rms_norm(h)) (GDN or attention; `mixer` closes over its weights and caches); h += x;
+    2. h += MoE(rms_norm(h)) on the flat tokens [B*T, D].
+    """
     B, T, D = h.shape
-    valid = jnp.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    h = h + mixer(rms_norm(h, w["input_norm"][p], cfg.rms_norm_eps))
+    x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
+    return h + moe_block(cfg, _take(w["moe"], p), x.reshape(B * T, D), parallelism).reshape(B, T, D)
+
+
+def _group(cfg: Config, parallelism, h: jax.Array, w: dict, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
+    valid = jnp.arange(h.shape[1])[None, :] < lengths[:, None]  # [B, T]
     i_gdn = i_attn = 0
     for p, kind in enumerate(cfg.layer_pattern):
-        x = rms_norm(h, w["input_norm"][p], cfg.rms_norm_eps)
         if kind == LINEAR:
-            x, _, _ = gdn_block(cfg, _take(w["gdn"], i_gdn), x, valid)
+            mixer = lambda x, i=i_gdn: gdn_block(cfg, _take(w["gdn"], i), x, valid)[0]
             i_gdn += 1
         else:
-            x = attention_block(cfg, _take(w["attn"], i_attn), x, positions, lengths)
+            mixer = lambda x, i=i_attn: attention_block(cfg, _take(w["attn"], i), x, positions, lengths)
             i_attn += 1
-        h = h + x
-        x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
-        h = h + moe_block(cfg, _take(w["moe"], p), x.reshape(B * T, D)).reshape(B, T, D)
+        h = residual_layer(cfg, parallelism, w, p, h, mixer)
     return h
 
 
-@jax.jit(static_argnums=0)
-def _forward(cfg: Config, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+@jax.jit(static_argnums=(0, 1))
+def _forward(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h = weights["embed"][token_ids]  # [B, T, D]
 
     def body(h, w):
         with jax.named_scope("layer_group"):
-            return _group(cfg, h, w, positions, lengths), None
+            return _group(cfg, parallelism, h, w, positions, lengths), None
 
     h, _ = jax.lax.scan(body, h, weights["layers"])
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
 
 
-def forward(config: Config, weights: dict, token_ids, lengths=None) -> jax.Array:
+def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=None) -> jax.Array:
     """float32 logits [B, T, V] for right-padded token rows [B, T]; `lengths` [B] gives each row's real length.
 
     Positions at or past a row's length are padding: they do not influence the real positions, and their
-    logits are meaningless. Any T works (the GDN pads to whole chunks internally).
+    logits are meaningless. Any T works (the GDN pads to whole chunks internally). A multi-device layout needs
+    its `parallelism` (`qwen35_lib.forward` passes the layout's).
     """
+    parallelism = check_parallelism(config, parallelism)
     token_ids = _check_tokens(config, token_ids)
     B, T = token_ids.shape
     if lengths is None:
         lengths = np.full((B,), T, np.int32)
     lengths = _check_lengths(lengths, B, T)
     check_weights(config, weights)
-    return _forward(config, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    return _forward(config, parallelism, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
-def lower_forward(config: Config, weights: dict, token_ids, lengths) -> jax.stages.Lowered:
+def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism=None) -> jax.stages.Lowered:
     """`forward`'s jitted program lowered for these arguments, which may be sharded arrays or abstract
     `jax.ShapeDtypeStruct`s: `.compile()` gives the executable, its HLO (`.as_text()`), `cost_analysis()` and
     `memory_analysis()`; calling it takes (weights, token_ids, lengths)."""
     if not isinstance(token_ids, jax.ShapeDtypeStruct):
         token_ids = jnp.asarray(_check_tokens(config, token_ids), jnp.int32)
         lengths = jnp.asarray(_check_lengths(lengths, *token_ids.shape), jnp.int32)
-    return _forward.lower(config, weights, token_ids, lengths)
+    return _forward.lower(config, check_parallelism(config, parallelism), weights, token_ids, lengths)
 
 
 def _check_tokens(config: Config, token_ids):

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.model.layers import gated_rms_norm, linear
-from qwen35_lib.parallel.ranks import per_rank
 
 
 def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +87,7 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[j
     return jax.nn.silu(y).astype(x.dtype), hist.at[slots].set(new.astype(hist.dtype))
 
 
-def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict) -> tuple[jax.Array, dict]:
+def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, parallelism) -> tuple[jax.Array, dict]:
     """One GDN layer over a ragged batch: x [R, T, D]; meta fields [R, ...]; cache {"conv_q", ..., "state"}
     with [R, NS, ...] pools. The same math as `gdn_block`, with per-sequence state slots."""
     with jax.named_scope("gdn"):
@@ -103,7 +102,7 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict) -> t
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
         ragged = partial(for_config("gdn", cfg).ragged, chunk_size=cfg.gdn_chunk_size)
-        o, new_cache["state"] = per_rank(cfg, "gdn", ragged, conv_out["q"], conv_out["k"], conv_out["v"], g, beta,
-                                         cache["state"], meta)
+        o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, conv_out["q"], conv_out["k"], conv_out["v"],
+                                                     g, beta, cache["state"], meta)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
         return linear(o, w["w_out"], contract=2), new_cache

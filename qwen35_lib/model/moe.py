@@ -38,28 +38,16 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
     return permute.combine(y_sorted, order, weights).astype(x.dtype)  # [N, D]
 
 
-def moe_block(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
-    """The MoE layer on flat tokens. x: [N, D] -> [N, D]. Under a multi-device layout (`cfg.layout`) the
-    experts run in a `shard_map` over the context mesh (`qwen35_lib.parallel.routing`)."""
-    from qwen35_lib.parallel import routing
-    from qwen35_lib.parallel.layouts import get_layout
+def local_moe(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
+    """The MoE layer on one device, flat tokens x: [N, D] -> [N, D]: routed experts (dropless) + shared expert."""
+    weights, ids = route(cfg, w["router"], x)
+    return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
 
-    mode = get_layout(cfg.layout).moe
+
+def moe_block(cfg: Config, w: dict, x: jax.Array, parallelism) -> jax.Array:
+    """The MoE layer on flat tokens, as the layout runs it (`model.parallelism`). x: [N, D] -> [N, D]."""
     with jax.named_scope("moe"):
-        if mode == "ep":
-            _need_mesh(cfg)
-            return routing.moe_ep(cfg, w, x, route)[0] + shared_expert(w, x)
-        weights, ids = route(cfg, w["router"], x)
-        if mode == "tp":
-            _need_mesh(cfg)
-            return routing.moe_tp(cfg, w, x, ids, weights, shared_expert)
-        return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
-
-
-def _need_mesh(cfg: Config) -> None:
-    if jax.sharding.get_abstract_mesh().empty:
-        raise ValueError(f"layout {cfg.layout!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` with "
-                         "mesh = qwen35_lib.parallel.make_mesh() (the Engine does this when given mesh=...)")
+        return parallelism.moe(cfg, w, x)
 
 
 def moe_dense_reference(cfg: Config, w: dict, x: jax.Array) -> jax.Array:

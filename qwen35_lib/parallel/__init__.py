@@ -8,7 +8,6 @@
 from qwen35_lib.parallel.layouts import (
                                          Layout,
                                          batch_sharding,
-                                         cache_shardings,
                                          check_layout,
                                          get_layout,
                                          shard_weights,
@@ -17,5 +16,5 @@ from qwen35_lib.parallel.layouts import (
 )
 from qwen35_lib.parallel.mesh import AXES, EIGHT, axis_size, make_mesh
 
-__all__ = ["AXES", "EIGHT", "Layout", "axis_size", "batch_sharding", "cache_shardings", "check_layout",
+__all__ = ["AXES", "EIGHT", "Layout", "axis_size", "batch_sharding", "check_layout",
            "get_layout", "make_mesh", "shard_weights", "spec", "weight_shardings"]

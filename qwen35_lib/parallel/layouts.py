@@ -140,20 +140,15 @@ def spec(layout: Layout, mesh, logical_axes: tuple, shape: tuple) -> PartitionSp
     return PartitionSpec(*out)
 
 
-def _shardings(decl, layout: Layout, mesh):
+def shardings(decl, layout: Layout, mesh):
+    """NamedShardings for a tree of declared arrays (`ArrayInfo` leaves) under `layout` on `mesh`."""
     return jax.tree.map(lambda i: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)), decl,
                         is_leaf=is_info)
 
 
 def weight_shardings(config: Config, mesh) -> dict:
     """NamedShardings for every weight of `config` under its layout (a tree like the weights)."""
-    return _shardings(declare(config), check_layout(config, mesh), mesh)
-
-
-def cache_shardings(config: Config, cache_shape, mesh) -> dict:
-    from qwen35_lib.engine.cache import declare_cache
-
-    return _shardings(declare_cache(config, cache_shape), check_layout(config, mesh), mesh)
+    return shardings(declare(config), check_layout(config, mesh), mesh)
 
 
 def shard_weights(config: Config, weights: dict, mesh) -> dict:

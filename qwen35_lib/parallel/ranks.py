@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import resolve_name
+from qwen35_lib.kernels.registry import CONFIG_FIELDS, resolve_name
 from qwen35_lib.parallel.layouts import get_layout
 from qwen35_lib.parallel.mesh import EIGHT
 
@@ -24,7 +24,7 @@ def per_rank(cfg: Config, slot: str, fn: Callable, *args):
     """
     f = jax.vmap(fn)
     layout = get_layout(cfg.layout)
-    field = {"moe_matmul": "moe_kernel"}.get(slot, f"{slot}_kernel")
+    field = CONFIG_FIELDS[slot]
     if layout.name == "single" or resolve_name(slot, getattr(cfg, field)) != "pallas":
         return f(*args)
     if layout.batch_axes != EIGHT:

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from qwen35_lib.config import LAYOUTS, PRESETS, get_config
-from qwen35_lib.parallel.placement import Placement, fmt_range, placement
+from qwen35_lib.placement import Placement, fmt_range, placement
 from qwen35_lib.viz.architecture import COLORS, GiB
 
 SUMMARY_CLASS = "qwen35-explorer-summary"

@@ -4,9 +4,9 @@ A TPU7x slice larger than 8 devices spans hosts, one JAX process per host, each 
 This runs that on one machine: 2 processes x 4 CPU devices on loopback (gloo, JAX's CPU default) form the same
 8-device `('chip', 'core')` mesh as one process with 8 devices, and must give the same greedy tokens.
 
-    python -m qwen35_lib.parallel.multihost --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT \
+    python -m qwen35_lib.engine.multihost --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT \
         --layout dp8_ep8 --routing replicate &
-    python -m qwen35_lib.parallel.multihost --process-id 1 --num-processes 2 --coordinator 127.0.0.1:PORT \
+    python -m qwen35_lib.engine.multihost --process-id 1 --num-processes 2 --coordinator 127.0.0.1:PORT \
         --layout dp8_ep8 --routing replicate
 
 Every process prints one JSON line, the last on its stdout (gloo writes its connection notes there too):
@@ -125,7 +125,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int, local_devi
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwen35_lib.parallel.multihost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m qwen35_lib.engine.multihost", description=__doc__.splitlines()[0])
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default="127.0.0.1:12355", metavar="HOST:PORT")

@@ -1,0 +1,52 @@
+"""What the model asks of a layout, and the one-device answer.
+
+The model is written once, for one device. A layout (`qwen35_lib.parallel`) answers two questions for it, as
+an object passed down from `forward` / `ragged_forward` (the model never looks a layout up):
+
+- `moe(cfg, w, x)`: the whole MoE layer (router, routed experts, shared expert) on flat tokens x [N, D] -> [N, D];
+- `per_rank(cfg, slot, fn, *args)`: `jax.vmap(fn)(*args)` over the leading data-parallel rank axis R of every
+  array in `args`, which a layout may run inside a `shard_map` (a Pallas kernel cannot be partitioned by XLA).
+
+Implementations are frozen dataclasses: hashable, so a jitted function takes them as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+
+from qwen35_lib.config import Config
+from qwen35_lib.model.moe import local_moe
+
+
+class Parallelism(Protocol):
+    def moe(self, cfg: Config, w: dict, x: jax.Array) -> jax.Array: ...
+
+    def per_rank(self, cfg: Config, slot: str, fn: Callable, *args): ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """Everything on one device: the MoE dropless on its own, per-rank calls a plain `vmap`."""
+
+    def moe(self, cfg: Config, w: dict, x: jax.Array) -> jax.Array:
+        return local_moe(cfg, w, x)
+
+    def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
+        return jax.vmap(fn)(*args)
+
+
+LOCAL = Local()
+
+
+def check_parallelism(config: Config, parallelism: Parallelism | None) -> Parallelism:
+    """`parallelism`, or LOCAL for the one-device layout; a multi-device layout without one is refused."""
+    if parallelism is not None:
+        return parallelism
+    if config.layout != "single":
+        raise ValueError(f"layout {config.layout!r} needs its parallelism: call qwen35_lib.forward (it picks the "
+                         "layout's), or pass parallelism=qwen35_lib.parallel.parallelism(config)")
+    return LOCAL
