@@ -9,9 +9,9 @@ import pytest
 
 from qwen35_lib import config as config_lib
 from qwen35_lib import get_config
+from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel import stages as cm_stages
 from qwen35_lib.costmodel import step as cm_step
-from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.kernels import registry
 from qwen35_lib.parallel import layouts, stages
 
