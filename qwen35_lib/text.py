@@ -30,8 +30,8 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ValueError("text prompts need the `tokenizers` package: pip install 'qwen35-playbook[serve]' "
-                         "(or pip install tokenizers); or pass token ids") from None
+        raise ValueError("text prompts need the `tokenizers` package (a dependency of qwen35-playbook): "
+                         "pip install tokenizers; or pass token ids") from None
     return tokenizers
 
 
