@@ -79,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--max-model-len", type=int, default=1024, metavar="N",
                      help="prompt + output tokens of one request (1024)")
     p.add_argument("--json", action="store_true", help="print one JSON document to stdout")
+    p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
+                                                    "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
     p.set_defaults(run=run)
 
 
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
     streams: dict = {}  # request id -> IncrementalDetokenizer
-    results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer, streams))
+    with _profiled(args.profile):
+        results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer, streams))
     wall = time.perf_counter() - t0
 
     # 3. Report.
@@ -239,6 +242,18 @@ def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict
 
     config = get_config(preset, **({"dtype": dtype} if dtype else {}))
     return config.replace(**split), init_weights(config, RANDOM_WEIGHTS_SEED)
+
+
+def _profiled(directory: str | None) -> Any:
+    """`jax.profiler.trace(directory)` around the generation, or nothing."""
+    import contextlib
+
+    import jax
+
+    if not directory:
+        return contextlib.nullcontext()
+    _progress(f"profiling into {directory}")
+    return jax.profiler.trace(directory)
 
 
 def _progress(message: str) -> None:

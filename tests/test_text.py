@@ -124,7 +124,8 @@ def test_streaming_skips_special_tokens_and_flushes_invalid_bytes(text):
 
 
 def test_generate_chat_applies_the_template_and_streams_text(tmp_path, capsys):
-    """`generate --chat --prompt TEXT`: the prompt ids are the template's; the streamed pieces join to the text."""
+    """`generate --chat --prompt TEXT`: the prompt ids are the template's; the streamed pieces join to the text.
+    (`--profile DIR` on the same run: a jax.profiler trace is written.)"""
     pytest.importorskip("transformers")
     from qwen35_lib.__main__ import main
     from qwen35_lib.testing import make_hf_model, save_hf_checkpoint
@@ -132,12 +133,14 @@ def test_generate_chat_applies_the_template_and_streams_text(tmp_path, capsys):
     path = save_hf_checkpoint(make_hf_model("qwen3_5_moe", seed=1), tmp_path / "ckpt", "fused")
     text = load_text(make_tokenizer_dir(path))
     argv = ["generate", "--checkpoint", str(path), "--chat", "--prompt", "héllo", "--max-new-tokens", "6",
-            "--ignore-eos", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--json"]
+            "--ignore-eos", "--max-model-len", "64", "--max-num-batched-tokens", "64", "--json",
+            "--profile", str(tmp_path / "prof")]
     assert main(argv) == 0
     out = capsys.readouterr()
     req = json.loads(out.out)["requests"][0]
     assert req["prompt_ids"] == text.encode_chat([{"role": "user", "content": "héllo"}])
     pieces = [ast.literal_eval(m) for m in re.findall(r"^\[req 0\] \d+ ('.*'|\".*\")$", out.err, flags=re.M)]
     assert len(pieces) == 6 and req["text"].startswith("".join(pieces))  # the held-back tail is only in "text"
+    assert list((tmp_path / "prof").glob("plugins/profile/*/*.xplane.pb"))
     assert main(["generate", "--chat", "--prompt-ids", "1 2"]) == 2
     assert "--chat applies the checkpoint's chat template" in capsys.readouterr().err

@@ -116,11 +116,11 @@ class EngineLoop:
                 self._sinks.clear()
                 return
             for rid, token in events:
+                result = self.engine.results.pop(rid, None)  # popped even when aborted meanwhile: nothing is kept
                 sink = self._sinks.get(rid)
                 if sink is None:
                     continue
                 sink.put("token", token)
-                result = self.engine.results.pop(rid, None)
                 if result is not None:
                     sink.put("done", result)
                     del self._sinks[rid]
