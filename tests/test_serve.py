@@ -165,6 +165,11 @@ def test_chat_plain_and_streamed(server):
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == server.text.decode(expected)
     assert chunks[-1].choices[0].finish_reason == "length"
 
+    # content as a list of text parts (as vllm bench serve's openai-chat backend may send it)
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=5, **GREEDY)
+    assert r.choices[0].token_ids == expected
+
 
 def test_32_concurrent_streams_equal_each_prompt_alone(server):
     batch = prompts(32, seed=4)
