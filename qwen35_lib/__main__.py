@@ -71,11 +71,25 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     cli_generate.add_parser(sub)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from qwen35_lib.serve import cli as serve_cli  # fastapi and uvicorn are imported only when it runs
+
+    serve_cli.add_parser(sub)
+
+
+def _add_recipe(sub: argparse._SubParsersAction) -> None:
+    from qwen35_lib import recipe
+
+    recipe.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qwen35_lib", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_info(sub)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_recipe(sub)
     return parser
 
 

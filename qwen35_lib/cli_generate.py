@@ -51,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="token ids, separated by spaces or commas")
     req.add_argument("--prompt", dest="prompts", action="append", type=lambda s: ("text", s), metavar="TEXT",
                      help="text, encoded with the checkpoint's tokenizer.json (needs the `tokenizers` package)")
+    req.add_argument("--chat", action="store_true",
+                     help="--prompt TEXT is a user message: the checkpoint's chat template is applied "
+                          "(add_generation_prompt=True)")
     smp = p.add_argument_group("sampling (greedy unless --temperature, --top-k or --top-p is given)")
     smp.add_argument("--max-new-tokens", type=int, default=16, metavar="N", help="default 16")
     smp.add_argument("--temperature", type=float, metavar="T",
@@ -76,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--max-model-len", type=int, default=1024, metavar="N",
                      help="prompt + output tokens of one request (1024)")
     p.add_argument("--json", action="store_true", help="print one JSON document to stdout")
+    p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
+                                                    "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
     p.set_defaults(run=run)
 
 
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"checkpoint directory {root} does not exist; pass an HF checkpoint directory, "
                                 "or leave --checkpoint out for a random preset")
     tokenizer = _tokenizer(root, needed=any(kind == "text" for kind, _ in args.prompts))
-    prompts = [_parse_ids(s) if kind == "ids" else tokenizer.encode(s).ids for kind, s in args.prompts]
+    encode = _chat_encoder(root, args.prompts) if args.chat else (lambda s: tokenizer.encode(s).ids)
+    prompts = [_parse_ids(s) if kind == "ids" else encode(s) for kind, s in args.prompts]
 
     from qwen35_lib.config import from_hf_config, get_config
     from qwen35_lib.engine.engine import validate_request
@@ -122,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     _progress(f"{config.name}: {len(prompts)} request(s), {'greedy' if temperature == 0 else 'sampling'}, "
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer))
+    streams: dict = {}  # request id -> IncrementalDetokenizer
+    with _profiled(args.profile):
+        results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer, streams))
     wall = time.perf_counter() - t0
 
     # 3. Report.
@@ -236,14 +244,42 @@ def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict
     return config.replace(**split), init_weights(config, RANDOM_WEIGHTS_SEED)
 
 
+def _profiled(directory: str | None) -> Any:
+    """`jax.profiler.trace(directory)` around the generation, or nothing."""
+    import contextlib
+
+    import jax
+
+    if not directory:
+        return contextlib.nullcontext()
+    _progress(f"profiling into {directory}")
+    return jax.profiler.trace(directory)
+
+
 def _progress(message: str) -> None:
     print(f"# {message}", file=sys.stderr, flush=True)
 
 
-def _stream(rid: int, token: int, tokenizer: Any) -> None:
-    """One line per token on stderr: `[req 0] 17`, with the decoded piece when there is a tokenizer.
-    (The CLI's engine is fresh, so request ids are the input indices.)"""
-    piece = f" {tokenizer.decode([token])!r}" if tokenizer is not None else ""
+def _chat_encoder(root: pathlib.Path | None, prompts: list) -> Any:
+    """--chat: each --prompt TEXT as one user message through the checkpoint's chat template."""
+    from qwen35_lib.text import load_text
+
+    if root is None or not any(kind == "text" for kind, _ in prompts):
+        raise ValueError("--chat applies the checkpoint's chat template to --prompt TEXT: give a --checkpoint "
+                         "directory with tokenizer.json and at least one --prompt")
+    text = load_text(root)
+    return lambda s: text.encode_chat([{"role": "user", "content": s}])
+
+
+def _stream(rid: int, token: int, tokenizer: Any, streams: dict) -> None:
+    """One line per token on stderr: `[req 0] 17`, with the new text when there is a tokenizer (decoded
+    incrementally: '' while a multi-byte character is still partial). (The CLI's engine is fresh, so request
+    ids are the input indices.)"""
+    from qwen35_lib.text import IncrementalDetokenizer
+
+    if tokenizer is not None:
+        streams.setdefault(rid, IncrementalDetokenizer(tokenizer))
+    piece = f" {streams[rid].push(token)!r}" if tokenizer is not None else ""
     print(f"[req {rid}] {token}{piece}", file=sys.stderr, flush=True)
 
 

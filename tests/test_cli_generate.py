@@ -149,7 +149,7 @@ def test_checkpoint_eos_and_text_prompts(cache_env, checkpoints):
     assert [r["prompt_ids"] for r in doc["requests"]] == prompts
     assert [(r["output_ids"], r["finish_reason"]) for r in doc["requests"]] == expected
     assert [r["text"] for r in doc["requests"]] == [" ".join(f"w{t}" for t in ids) for ids, _ in expected]
-    assert f"[req 0] {eos} 'w{eos}'" in out.stderr  # streamed with the decoded piece
+    assert f"[req 0] {eos} ' w{eos}'" in out.stderr  # streamed with its new text (incremental decode)
 
 
 def test_qwen3_next_sampled_text_summary(cache_env, checkpoints):
