@@ -3,9 +3,10 @@
 `info --model NAME [--hardware NAME] [--json]`: parameters, active parameters, bytes, cache sizes, and whether
 the model fits. `generate [--checkpoint DIR] --prompt-ids "1 2 3" ... [--layout NAME --routing NAME] [--json]`:
 tokens from the serving engine, on one device or split over the 8-device mesh (`qwen35_lib.cli_generate`).
-Each subcommand is an argparse subparser registered by `_add_<name>(subparsers)`, whose `run` default is called
-with the parsed arguments; a `ValueError` or `FileNotFoundError` (a bad layout combination included) is printed
-to stderr as `error: ...` with exit status 2.
+Each subcommand is an argparse subparser registered by one `_add_<name>(subparsers)` of `SUBCOMMANDS` (add a
+new one there), whose `run` default is called with the parsed arguments. An expected failure (bad input: see
+`qwen35_lib.cli_errors`) ends with one `error: ...` line on stderr and exit status 2; `--debug`, before or after
+the subcommand, shows its traceback instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pathlib
 import sys
 
 from qwen35_lib import budget as budget_lib
-from qwen35_lib import cli_generate
+from qwen35_lib import cli_errors, cli_generate
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import DTYPES, EXPERT_DTYPES, PRESETS, Config, from_hf_config, get_config
 
@@ -83,24 +84,21 @@ def _add_recipe(sub: argparse._SubParsersAction) -> None:
     recipe.add_parser(sub)
 
 
+SUBCOMMANDS = (_add_info, _add_generate, _add_serve, _add_recipe)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m qwen35_lib", description=__doc__.splitlines()[0])
+    parser = cli_errors.ArgumentParser(prog="python -m qwen35_lib", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_info(sub)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_recipe(sub)
+    for add in SUBCOMMANDS:
+        add(sub)
+    cli_errors.add_debug_flag(parser)  # after the subcommands: each gets it too
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(argv)
+    return cli_errors.guard(lambda: args.run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

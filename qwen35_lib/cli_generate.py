@@ -2,7 +2,9 @@
 
 The CLI only wires: it parses prompts, builds `SamplingParams` and `EngineConfig`, loads a checkpoint (or makes
 seeded random weights for a preset), and calls `Engine.generate`, streaming each token to stderr. Every check of
-the input lives in the engine, whose `ValueError`s `__main__` prints as one line with exit status 2.
+the input lives in the engine and the loader, whose errors `__main__` prints as one line with exit status 2
+(`qwen35_lib.cli_errors`). `--no-check-weights` turns off the loader's check that every weight is finite, where
+the loader has one (its `check_finite` keyword).
 
 `--layout` (with `--routing`, `--fuse-allgather`, `--hierarchical-rs`) other than `single` runs the engine on the
 8-device `('chip', 'core')` mesh: the combination is checked first (`check_layout` on an abstract mesh, so a bad
@@ -46,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                        f"presets: {', '.join(PRESETS)}")
     src.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and activations (default: the "
                                                                       "checkpoint's or the preset's)")
+    src.add_argument("--no-check-weights", dest="check_weights", action="store_false",
+                     help="skip the loader's check that every weight is finite (NaN / Inf), done per shard on its "
+                          "device")
     req = p.add_argument_group("requests (repeatable, in any mix: one request each, in the order given)")
     req.add_argument("--prompt-ids", dest="prompts", action="append", type=lambda s: ("ids", s), metavar='"1 2 3"',
                      help="token ids, separated by spaces or commas")
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
-    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh)
+    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh, args.check_weights)
     engine = Engine(config, weights, ec, mesh=mesh)
     if mesh is not None:
         _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
@@ -230,13 +235,15 @@ def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
     return tokenizers.Tokenizer.from_file(str(path))
 
 
-def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict, mesh: Any) -> tuple[Any, dict]:
-    """(config with the layout options, weights): a checkpoint loads straight into its shards on `mesh`; random
-    weights are drawn for the unsplit preset (the same values under every layout) and the engine places them."""
+def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict, mesh: Any,
+          check_weights: bool = True) -> tuple[Any, dict]:
+    """(config with the layout options, weights): a checkpoint loads straight into its shards on `mesh` (its
+    weights checked finite unless `check_weights` is False, where the loader checks them); random weights are
+    drawn for the unsplit preset (the same values under every layout) and the engine places them."""
     if root is not None:
         from qwen35_lib.checkpoint import load_hf_checkpoint
 
-        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split)
+        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split, check_weights=check_weights)
     from qwen35_lib.config import get_config
     from qwen35_lib.weights import init_weights
 

@@ -222,3 +222,23 @@ def test_bad_model_names_the_problem(capsys, args, message):
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("error: ") and message in err[-1], err
+
+
+# --- --no-check-weights -----------------------------------------------------------------------------------------
+@pytest.fixture()
+def config_only(tmp_path) -> pathlib.Path:
+    """A checkpoint folder whose config.json is all the CLI reads before the loader is called."""
+    from tests.test_cli_errors import TINY_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
+
+
+@pytest.mark.parametrize("flags, passed", [([], True), (["--no-check-weights"], False)])
+def test_no_check_weights_reaches_a_loader_that_checks(config_only, monkeypatch, capsys, flags, passed):
+    def loader(path, *, dtype=None, mesh=None, check_weights=True, **split):
+        raise ValueError(f"stub loader: check_weights={check_weights}")
+
+    monkeypatch.setattr("qwen35_lib.checkpoint.load_hf_checkpoint", loader)
+    assert main(["generate", "--checkpoint", str(config_only), "--prompt-ids", "1 2", *flags]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: stub loader: check_weights={passed}"

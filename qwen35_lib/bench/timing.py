@@ -113,7 +113,7 @@ def cpu_model() -> str:
 def environment(**extra: Any) -> dict:
     """What a result was measured on: date, jax and its backend, CPU, cores, load now; `extra` adds fields."""
     env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
         "jaxlib": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
         "backend": jax.default_backend(),

@@ -4,7 +4,7 @@
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the mean step-time breakdown by
 component, and the roofline bound; a model that does not fit is reported so (exit status 0, `fits: false`).
-Errors in the arguments print `error: ...` and exit with status 2.
+Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import argparse
 import json
 import sys
 
+from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
-from qwen35_lib.costmodel.predict import ladder, predict, serving_model
+from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
 from qwen35_lib.costmodel.stages import KERNELS, LADDER, LAYOUTS, ROUTINGS, custom_stage, get_stage
 
 
@@ -51,18 +52,19 @@ def _format(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwen35_lib.costmodel", description=__doc__.split("\n\n")[1])
+def build_parser() -> argparse.ArgumentParser:
+    p = cli_errors.ArgumentParser(prog="python -m qwen35_lib.costmodel", description=__doc__.split("\n\n")[1])
     sub = p.add_subparsers(dest="command", required=True)
     pr = sub.add_parser("predict", help="throughput of one stage for one workload")
     lad = sub.add_parser("ladder", help="every stage, prefill-heavy (8k/1k) and decode-heavy (1k/8k)")
     for q in (pr, lad):
         q.add_argument("--model", default="qwen3.5-397b-a17b", help=f"a preset ({', '.join(PRESETS)})")
         q.add_argument("--hardware", default="tpu7x-8", help="tpu7x-8, v6e-8, v5p-8, v5e-8, h200, h200-8, cpu")
-        q.add_argument("--concurrency", type=int, default=512)
+        q.add_argument("--concurrency", type=int, default=512, help="requests in flight (default: %(default)s)")
         q.add_argument("--expert-dtype", choices=["float8_e4m3fn", "none"],
                        help="routed experts (default: float8_e4m3fn, the serving configuration)")
-        q.add_argument("--kv-dtype", default="float8_e4m3fn", help="KV cache dtype (default: %(default)s)")
+        q.add_argument("--kv-dtype", default="float8_e4m3fn", choices=KV_DTYPES,
+                       help="KV cache dtype (default: %(default)s)")
         q.add_argument("--max-batched-tokens", type=int, help="token budget per step per DP rank")
         q.add_argument("--max-seqs", type=int, help="running sequences per DP rank")
         q.add_argument("--json", action="store_true", help="print one JSON document")
@@ -74,26 +76,31 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--fuse-allgather", action="store_true", help="with --layout")
     pr.add_argument("--hierarchical-rs", action="store_true", help="with --layout")
     pr.add_argument("--kernels", choices=KERNELS, default="xla", help="with --layout")
-    args = p.parse_args(argv)
-    try:
-        common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
-                      max_seqs=args.max_seqs, kv_dtype=args.kv_dtype)
-        if args.command == "predict":
-            r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common)
-            print(json.dumps(r, indent=2) if args.json else _format(r))
-        else:
-            rows = ladder(_model(args), args.hardware, **common)
-            if args.json:
-                print(json.dumps(rows, indent=2))
-            else:
-                for r in rows:
-                    tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s  x{r['vs_baseline']:.2f}" if r["fits"] else \
-                        "does not fit"
-                    print(f"{r['workload']:>6} {r['stage']:<10} {tail}")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cli_errors.add_debug_flag(p)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
+                  max_seqs=args.max_seqs, kv_dtype=args.kv_dtype)
+    if args.command == "predict":
+        r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common)
+        print(json.dumps(r, indent=2) if args.json else _format(r))
+        return 0
+    rows = ladder(_model(args), args.hardware, **common)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s  x{r['vs_baseline']:.2f}" if r["fits"] else \
+            "does not fit"
+        print(f"{r['workload']:>6} {r['stage']:<10} {tail}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return cli_errors.guard(lambda: _run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

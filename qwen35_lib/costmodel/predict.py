@@ -13,6 +13,7 @@ The prediction never reads published measurements.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from qwen35_lib.config import Config, get_config
@@ -23,6 +24,7 @@ from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
 
+KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
 USABLE_HBM = 94.75e9 / 103079215104
 USABLE_HBM_SOURCE = ("measured: XLA's RESOURCE_EXHAUSTED message for a program compiled for tpu7x:2x2x1 on this "
                      "machine names 'available HBM (94.75G)' of the 96 GiB per TensorCore; the same fraction is "
@@ -66,12 +68,14 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
     `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `fits`, the setup used."""
+    check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
+                    max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts)
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
     st = get_stage(stage) if isinstance(stage, str) else stage
     lay = resolve_layout(st, cfg, sp.devices)
-    budget = max_batched_tokens or min(max(isl // lay.dp, 1024), 2048)
-    seqs = max_seqs or max(1, 2 * concurrency // lay.dp)
+    budget = max_batched_tokens if max_batched_tokens is not None else min(max(isl // lay.dp, 1024), 2048)
+    seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
     usable = sp.hbm_bytes * USABLE_HBM
     w = weight_bytes_per_device(cfg, sp, st)
     per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype)
@@ -97,6 +101,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
 
     sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed)
     doc.update(
+        requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
         output_tokens_per_s_per_chip=sim.output_tokens_per_s / sp.chips,
         total_tokens_per_s_per_chip=sim.total_tokens_per_s / sp.chips,
@@ -110,6 +115,27 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
     return doc
+
+
+POSITIVE = {"isl": "input tokens per request", "osl": "output tokens per request",
+            "concurrency": "requests in flight", "max_batched_tokens": "token budget per step per DP rank",
+            "max_seqs": "running sequences per DP rank", "page_size": "tokens per KV-cache page",
+            "num_prompts": "requests in the benchmark"}
+
+
+def check_arguments(**values: Any) -> None:
+    """`predict`'s workload and serving arguments: counts are integers >= 1 (None: the default, where there is
+    one); `kv_dtype` one of `KV_DTYPES` or None (the model's dtype)."""
+    for name, value in values.items():
+        if name == "kv_dtype":
+            if value is not None and value not in KV_DTYPES:
+                raise ValueError(f"kv_dtype={value!r} is not a KV-cache dtype; use one of {', '.join(KV_DTYPES)}")
+            continue
+        if value is None and name in ("max_batched_tokens", "max_seqs", "num_prompts"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            flag = f" (--{name.replace('_', '-')})" if name not in ("page_size", "num_prompts") else ""
+            raise ValueError(f"{name}={value!r}{flag}: {POSITIVE[name]} must be an integer >= 1")
 
 
 def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
@@ -138,4 +164,4 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["ladder", "predict", "serving_model", "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "check_arguments", "ladder", "predict", "serving_model", "weight_bytes_per_device"]

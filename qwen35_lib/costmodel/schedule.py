@@ -10,6 +10,11 @@ Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's
 A request finishes after its output length; a new one arrives at once while prompts remain. The step's time is
 `step_fn(batch)` for the whole-slice `ops.Batch`. Runs of pure-decode steps (no prompt work anywhere) are
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
+
+The work is bounded whatever the concurrency: up to `EXACT_PROMPTS` requests per rank, every request is
+played; beyond, a short run from the start to the drain with one client more than can run at once (more only
+wait) plus the rest at the steady-state cost per request, measured on a run started in steady state
+(`_bounded`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Callable
 import numpy as np
 
 from qwen35_lib.costmodel.ops import Batch
+
+EXACT_PROMPTS = 2048  # requests per rank played one by one (concurrency 8192 at DP 8, 1024 at DP 1)
+STEADY_WINDOW = 512  # completions over which the bounded run measures the steady state, at least
 
 
 @dataclasses.dataclass
@@ -40,6 +48,8 @@ class SimResult:
     breakdown: dict[str, float]  # component -> seconds over the run
     mean_decode_batch: float  # decodes per step (whole slice), averaged over steps
     mean_running: float  # sequences per rank, averaged over steps
+    played: int = 0  # requests per rank played step by step
+    requests: int = 0  # requests per rank in the benchmark (more than `played`: the rest at the steady cost)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -53,8 +63,17 @@ class SimResult:
 def draw_lengths(n: int, isl: int, osl: int, seed: int = 0, range_ratio: float = 0.8) -> list[tuple[int, int]]:
     """(input, output) lengths uniform in [ceil(r L), L] (data/workloads.json's convention), seeded."""
     rng = np.random.default_rng(seed)
-    lo_i, lo_o = max(1, int(np.ceil(range_ratio * isl))), max(1, int(np.ceil(range_ratio * osl)))
+    lo_i, lo_o = _low(isl, range_ratio), _low(osl, range_ratio)
     return list(zip(rng.integers(lo_i, isl + 1, n).tolist(), rng.integers(lo_o, osl + 1, n).tolist()))
+
+
+def mean_lengths(isl: int, osl: int, range_ratio: float = 0.8) -> tuple[float, float]:
+    """The expected (input, output) length of `draw_lengths`."""
+    return (_low(isl, range_ratio) + isl) / 2, (_low(osl, range_ratio) + osl) / 2
+
+
+def _low(n: int, range_ratio: float) -> int:
+    return max(1, int(np.ceil(range_ratio * n)))
 
 
 def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, concurrency: int,
@@ -64,21 +83,118 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
     bound the running sequences per rank; `max_batched_tokens` is the rank's token budget per step.
+    Up to `EXACT_PROMPTS` requests per rank, every request is played; beyond, a bounded sample (`_bounded`).
     """
     clients = max(1, round(concurrency / dp))
     prompts = max(clients, round((num_prompts or 2 * concurrency) / dp))
-    lengths = draw_lengths(prompts, isl, osl, seed)
     limit = max(1, min(max_seqs, max_running))
-    waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients])
-    pending = deque(_Req(i, o) for i, o in lengths[clients:])
-    running: list[_Req] = []
-    t = 0.0
-    steps = 0
-    breakdown: dict[str, float] = {}
-    dec_sum = run_sum = 0.0
+    if prompts > EXACT_PROMPTS:
+        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed)
+        if bounded is not None:
+            return bounded
+    play = _play(step_fn, draw_lengths(prompts, isl, osl, seed), clients, dp, max_batched_tokens, limit)
+    return play.result(dp)
+
+
+def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, clients: int,
+             prompts: int, dp: int, max_batched_tokens: int, limit: int, seed: int) -> SimResult | None:
+    """The benchmark of `prompts` requests per rank from two short runs, in a time independent of `prompts` and
+    `clients` (None when the first run would be the whole benchmark).
+
+    1. At most `cap = min(limit, max_batched_tokens + 1)` requests run at once: decodes take a budget token
+       each and a prompt chunk at least one, so prompts complete only while fewer than `max_batched_tokens`
+       requests decode, and at most one prompt is left part-way after a step. More clients than `cap` only
+       wait, and the queue is never empty until every request has been admitted: the run is the same with
+       `c = cap + 1` clients as with any number above.
+    2. Played: `c` requests, one per client, from the start (every slot admitted at once) to the drain.
+    3. Steady state: `c` clients with every slot already running a request part-way through its output (a
+       uniform fraction of it), so completions are spread in time from the start, as in a long run; after
+       `skip` completions, the steps up to `STEADY_WINDOW` more give the cost of one computed token (seconds,
+       steps, breakdown). (Starting from the played run's state instead is biased: its requests finish in
+       waves that take hundreds of generations to spread, and a window of a few generations cuts the waves at
+       different phases; counting tokens computed rather than requests completed keeps the window's edges from
+       adding the noise of the requests part-way through.)
+    4. The benchmark = the played run + the other `prompts - c` requests' expected tokens at the steady cost.
+    Both runs also advance runs of steps whose decodes take the whole budget together (`_play`'s `collapse`).
+    Measured against playing every request (tests/test_costmodel.py): within 1 % from 8192 concurrent requests
+    to 131072 on tpu7x-8; its cost grows with `cap`, not with `clients` or `prompts`.
+    """
+    cap = min(limit, max_batched_tokens + 1)
+    c = min(clients, cap + 1)
+    if c >= prompts:
+        return None
+    played = _play(step_fn, draw_lengths(c, isl, osl, seed), c, dp, max_batched_tokens, limit, collapse=True)
+    warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
+    skip = min(warm, STEADY_WINDOW)
+    lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1)
+    rng = np.random.default_rng(seed + 2)
+    start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o))) for i, o in lengths[:warm]]
+    steady = _play(step_fn, lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + STEADY_WINDOW),
+                   start=start, collapse=True)
+    (_, a), (_, b) = steady.snapshots
+    extra = prompts - c
+    mean_in, mean_out = mean_lengths(isl, osl)
+    per = extra * (mean_in + mean_out - 1) / (b.work - a.work)  # the rest's tokens per window token
+    grow = lambda x0, x1, x: x + (x1 - x0) * per  # noqa: E731
+    t = played.totals
+    breakdown = {k: grow(a.breakdown.get(k, 0.0), b.breakdown.get(k, 0.0), v) for k, v in t.breakdown.items()}
+    full = _Totals(t=grow(a.t, b.t, t.t), steps=grow(a.steps, b.steps, t.steps),
+                   dec_sum=grow(a.dec_sum, b.dec_sum, t.dec_sum), run_sum=grow(a.run_sum, b.run_sum, t.run_sum),
+                   breakdown=breakdown, inp=t.inp + extra * mean_in, out=t.out + extra * mean_out)
+    return dataclasses.replace(full.result(dp), played=c + steady.completed, requests=prompts)
+
+
+@dataclasses.dataclass
+class _Totals:
+    """Sums over the run so far (per rank, except `dec_sum`: whole slice)."""
+
+    t: float = 0.0
+    steps: float = 0
+    dec_sum: float = 0.0
+    run_sum: float = 0.0
+    breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    inp: float = 0  # tokens of the finished requests
+    out: float = 0
+    work: float = 0  # tokens computed: prompt tokens and decodes (a request's first output token is its prefill's)
+
+    def snapshot(self) -> _Totals:
+        return dataclasses.replace(self, breakdown=dict(self.breakdown))
+
+    def result(self, dp: int) -> SimResult:
+        steps = round(self.steps)
+        return SimResult(self.t, steps, round(self.inp) * dp, round(self.out) * dp, self.breakdown,
+                         self.dec_sum / max(steps, 1), self.run_sum / max(steps, 1))
+
+
+@dataclasses.dataclass
+class _Play:
+    totals: _Totals
+    snapshots: list[tuple[int, _Totals]]  # (completions, totals) after the first step reaching each mark
+    completed: int  # requests finished
+
+    def result(self, dp: int) -> SimResult:
+        return dataclasses.replace(self.totals.result(dp), played=self.completed, requests=self.completed)
+
+
+def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: list[tuple[int, int]], clients: int,
+          dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
+          start: list[_Req] | None = None, collapse: bool = False) -> _Play:
+    """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
+    clients of `start` with their requests already running; with `marks`, it stops at the last one. With
+    `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
+    together, as a run of pure-decode steps is."""
+    running: list[_Req] = list(start or [])
+    waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients - len(running)])
+    pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
+    tot = _Totals()
+    done = 0
+    snapshots: list[tuple[int, _Totals]] = []
+    todo = list(marks)
     while waiting or running:
         prompt_work = bool(waiting) and len(running) < limit or any(r.done_prompt < r.prompt for r in running)
         decoders = [r for r in running if r.done_prompt == r.prompt]
+        if collapse and len(decoders) >= max_batched_tokens:  # the budget's first decoders run alone
+            prompt_work, decoders = False, decoders[:max_batched_tokens]
         if not prompt_work:  # 1'. a run of pure-decode steps until the first request ends
             k = min(r.output - r.done_output for r in decoders)
             ctx = [r.prompt + r.done_output + (k + 1) / 2 for r in decoders]  # middle of the run
@@ -88,7 +204,8 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
             for r in decoders:
                 r.done_output += k
             n_steps = k
-            dec_sum += k * len(decoders) * dp
+            tot.dec_sum += k * len(decoders) * dp
+            tot.work += k * len(decoders)
         else:  # 1-3. one mixed step
             budget = max_batched_tokens
             n_dec = min(len(decoders), budget)
@@ -120,16 +237,23 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
                           prefill_ctx=float(np.mean([c[1] for c in chunks])) if chunks else 0.0, max_ctx=max_ctx)
             sec, parts = step_fn(batch)
             n_steps = 1
-            dec_sum += n_dec * dp
-        t += sec * n_steps
-        steps += n_steps
-        run_sum += len(running) * n_steps
+            tot.dec_sum += n_dec * dp
+            tot.work += n_dec + pre
+        tot.t += sec * n_steps
+        tot.steps += n_steps
+        tot.run_sum += len(running) * n_steps
         for name, v in parts.items():
-            breakdown[name] = breakdown.get(name, 0.0) + v * n_steps
+            tot.breakdown[name] = tot.breakdown.get(name, 0.0) + v * n_steps
         for r in [r for r in running if r.done_output >= r.output]:  # finished: the client sends its next
             running.remove(r)
+            done += 1
+            tot.inp += r.prompt
+            tot.out += r.output
             if pending:
                 waiting.append(pending.popleft())
-    inp, out = sum(i for i, _ in lengths), sum(o for _, o in lengths)  # every request runs to its end
-    return SimResult(t, steps, inp * dp, out * dp, breakdown, dec_sum / max(steps, 1), run_sum / max(steps, 1))
-
+        while todo and done >= todo[0]:
+            snapshots.append((done, tot.snapshot()))
+            todo.pop(0)
+        if marks and not todo:
+            break
+    return _Play(tot, snapshots, done)
