@@ -138,8 +138,8 @@ def test_bad_input_ends_with_one_error_line(ckpt, capsys, cli, argv, piece):
 
 
 @pytest.mark.parametrize("cli, argv, raised", [
-    ("qwen35_lib", ["--debug", *GEN, "--checkpoint", "{config_list}"], AttributeError),
-    ("qwen35_lib", [*GEN, "--checkpoint", "{no_weight_map}", "--debug"], KeyError),
+    ("qwen35_lib", ["--debug", *GEN, "--checkpoint", "{config_list}"], ValueError),  # the loader's ConfigError
+    ("qwen35_lib", [*GEN, "--checkpoint", "{no_weight_map}", "--debug"], ValueError),  # its CheckpointError
     ("qwen35_lib", ["info", "--model", "nope", "--debug"], ValueError),
     ("qwen35_lib.costmodel", ["--debug", "predict", "--isl", "0"], ValueError),
     ("qwen35_lib.costmodel", ["ladder", "--concurrency", "0", "--debug"], ValueError),
