@@ -87,7 +87,7 @@ def simulate(ranks, requests, arrivals, rng, num_pages, num_slots, check=True) -
     return computed, again
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_scheduler_invariants(data):
     draw = data.draw
