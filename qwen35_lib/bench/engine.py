@@ -206,6 +206,8 @@ def metrics(engine, log: StepLog, wall: float) -> dict:
                    "device": device_time, "host_in_steps": step_time - device_time if device_time else None,
                    "outside_steps": wall - step_time},
         "preemptions": engine.preemptions,
+        "recomputed_tokens": sum(engine.stats.recomputed),  # computed again after a preemption
+        "waste": engine.stats.waste,  # recomputed over useful (computed once) tokens
         "cpu_share": log.cpu_share,
         "loadavg_1m_after": log.loadavg,
         "traces": engine.stats.traces,
@@ -488,10 +490,11 @@ def _print_runs(runs: list[dict]) -> None:
     ms = lambda d, k: f"{d[k]['p50']:,.0f} / {d[k]['p99']:,.0f}"
     rows = [[r["workload"], r["concurrency"], r["output_tokens_per_s"], r["total_tokens_per_s"], ms(r, "ttft_ms"),
              ms(r, "tpot_ms"), r["decode_tokens_per_s"] or "-", r["steps"], r["mean_tokens_per_step"],
-             r["preemptions"], f"{r['warmup']['traces']}/{r['traces']}", f"{r['wall_s']:.1f}"] for r in runs]
+             f"{r['preemptions']} ({r['waste']:.0%})", f"{r['warmup']['traces']}/{r['traces']}", f"{r['wall_s']:.1f}"]
+            for r in runs]
     print("\nmeasured runs (after warm-up; CPU, float32):")
     print(format_table(["workload", "N", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                        "decode tok/s", "steps", "tok/step", "preempt", "traces warm/meas", "wall s"], rows))
+                        "decode tok/s", "steps", "tok/step", "preempt (waste)", "traces warm/meas", "wall s"], rows))
     rows = []
     for r in runs:
         t = r["time_s"]

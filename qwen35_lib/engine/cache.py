@@ -20,6 +20,7 @@ each rank owns its own page and slot pools, so a data-parallel layout only shard
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +81,55 @@ def cache_bytes(config: Config, shape: CacheShape) -> int:
 def cache_shardings(config: Config, shape: CacheShape, mesh) -> dict:
     """NamedShardings for every cache array of `config` at `shape` under its layout (a tree like the caches)."""
     return shardings(declare_cache(config, shape), check_layout(config, mesh), mesh)
+
+
+def device_cache_bytes(config: Config, shape: CacheShape, mesh=None) -> dict:
+    """{device: bytes of the caches it holds}: one default device without a mesh, else each device of the mesh
+    its shards (replicated leaves in full), from the layout's shardings; nothing is allocated."""
+    decl = declare_cache(config, shape)
+    infos = jax.tree.leaves(decl, is_leaf=is_info)
+    if mesh is None:
+        return {jax.devices()[0]: sum(i.nbytes for i in infos)}
+    out: dict = {}
+    for info, sharding in zip(infos, jax.tree.leaves(cache_shardings(config, shape, mesh))):
+        n = math.prod(sharding.shard_shape(info.shape)) * jnp.dtype(info.dtype).itemsize
+        for d in sharding.device_set:
+            out[d] = out.get(d, 0) + n
+    return out
+
+
+def available_bytes(device) -> tuple[int, str] | None:
+    """(bytes `device` can still allocate, where the figure comes from), or None where it cannot be known.
+    CPU: the host's MemAvailable (/proc/meminfo), shared by every CPU device of the process; an accelerator:
+    `memory_stats()` bytes_limit - bytes_in_use."""
+    if device.platform == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+        return kib * 1024, "host RAM, MemAvailable"
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        return None
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} memory of {device}"
+
+
+def memory_shortfall(config: Config, shape: CacheShape, mesh=None) -> str | None:
+    """None when the caches fit the memory of the devices (and host) that would hold them, else what is short:
+    CPU devices of this process share host RAM and are checked together, each accelerator on its own."""
+    per_device = device_cache_bytes(config, shape, mesh)
+    pools: dict = {}  # (pool key) -> [bytes needed, a device of it]
+    for d, n in per_device.items():
+        if d.process_index != jax.process_index():
+            continue  # another process checks its own devices
+        key = "host" if d.platform == "cpu" else d
+        pools.setdefault(key, [0, d])[0] += n
+    for need, d in pools.values():
+        avail = available_bytes(d)
+        if avail is not None and need > avail[0]:
+            return f"the caches need {need / 2**30:.2f} GiB but {avail[0] / 2**30:.2f} GiB is free ({avail[1]})"
+    return None

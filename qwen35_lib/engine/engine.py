@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import bucket, pack, stack_ranks
-from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache
+from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache, memory_shortfall
 from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
@@ -79,9 +80,16 @@ class StepStats:
     steps: int = 0
     traces: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)  # real new tokens per step
+    recomputed: list[int] = dataclasses.field(default_factory=list)  # of those, tokens lost to a preemption before
     seqs: list[int] = dataclasses.field(default_factory=list)  # sequences per step
     mixed_steps: int = 0  # steps with decodes and prefill chunks together
     buckets: set = dataclasses.field(default_factory=set)
+
+    @property
+    def waste(self) -> float:
+        """Recomputed tokens over the useful ones (computed once): 0 without preemption."""
+        total, again = sum(self.tokens), sum(self.recomputed)
+        return again / (total - again) if total > again else 0.0
 
 
 class Engine:
@@ -114,6 +122,7 @@ class Engine:
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
                                       num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
+        check_cache_memory(config, ec, self.cache_shape, self.mesh)  # before a byte is allocated
         if self.mesh is None:
             self.cache = init_cache(config, self.cache_shape)
         else:  # each device allocates only its own shards
@@ -128,14 +137,16 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Bad input is refused here, before it can touch running requests."""
-        params = params or SamplingParams()
-        prompt = validate_request(self.config, self.ec, prompt_ids, params)
+        params = SamplingParams() if params is None else params
+        return self._queue(validate_request(self.config, self.ec, prompt_ids, params), params)
+
+    def _queue(self, prompt: list[int], params: SamplingParams) -> int:
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
                                              else self.config.eos_token_ids)
         rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
         r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter())
         self._next_id += 1
-        self.ranks[rank].waiting.append(r)
+        self.ranks[rank].add(r)
         return r.id
 
     @property
@@ -166,17 +177,15 @@ class Engine:
         self.stats.traces += TRACES[0] - traced
         next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         now = time.perf_counter()
+        self._record(plans)  # before commit: the recomputed count reads the requests' high-water marks
         events = []
-        for rank, plan in enumerate(plans):
-            for s, (r, w) in enumerate(plan.decodes + plan.prefills):
-                r.computed += len(w.tokens)
-                if r.computed == len(r.known):  # all known tokens are in: the sample is the next output
-                    token = int(next_tokens[rank, s])
-                    r.output.append(token)
-                    r.token_times.append(now)
-                    events.append((r.id, token))
-                    self._maybe_finish(rank, r, token)
-        self._record(plans)
+        for rank, (sched, plan) in enumerate(zip(self.ranks, plans)):
+            for r, token in sched.commit(plan, next_tokens[rank]):
+                r.token_times.append(now)
+                events.append((r.id, token))
+                if r.finish_reason:
+                    self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
+                                                r.token_times, r.preemptions)
         return events
 
     def _on_mesh(self):
@@ -197,7 +206,7 @@ class Engine:
                    top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
                    position=np.zeros((R, S), np.int32))
         for rank, plan in enumerate(plans):
-            for s, (r, w) in enumerate(plan.decodes + plan.prefills):
+            for s, (r, w) in enumerate(plan.items):
                 p = r.params
                 arr["temperature"][rank, s], arr["top_k"][rank, s], arr["top_p"][rank, s] = \
                     p.temperature, p.top_k, p.top_p
@@ -205,19 +214,13 @@ class Engine:
                 arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
         return arr
 
-    def _maybe_finish(self, rank: int, r: Request, token: int) -> None:
-        reason = "eos" if token in r.stop_ids else ("length" if len(r.output) >= r.params.max_new_tokens else None)
-        if reason:
-            self.ranks[rank].finish(r, reason)
-            self.results[r.id] = Result(r.id, r.prompt, list(r.output), reason, r.arrival, r.token_times,
-                                        r.preemptions)
-
     def _record(self, plans: list[Plan]) -> None:
         st = self.stats
         st.steps += 1
         st.tokens.append(sum(p.tokens for p in plans))
         st.seqs.append(sum(len(p.decodes) + len(p.prefills) for p in plans))
         st.mixed_steps += any(p.decodes and p.prefills for p in plans)
+        st.recomputed.append(sum(p.recomputed for p in plans))
 
     @property
     def preemptions(self) -> int:
@@ -227,9 +230,25 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[Result]:
-        """Run `prompts` to completion (with whatever else is queued); results in input order."""
-        many = isinstance(params, (list, tuple))
-        ids = [self.add_request(p, params[i] if many else params) for i, p in enumerate(prompts)]
+        """Run `prompts` to completion (with whatever else is queued); results in input order. Every request is
+        checked before any is queued: a call that raises leaves nothing behind."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+            raise ValueError(f"prompts is a sequence of prompts (each a sequence of token ids); got "
+                             f"{type(prompts).__name__}")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one per prompt, "
+                                 "or a single SamplingParams for all")
+            each = [SamplingParams() if p is None else p for p in params]
+        else:
+            each = [SamplingParams() if params is None else params] * len(prompts)
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, each)):
+            try:
+                checked.append(validate_request(self.config, self.ec, p, sp))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"request {i}: {e}") from None
+        ids = [self._queue(p, sp) for p, sp in zip(checked, each)]
         while not all(i in self.results for i in ids):
             for rid, token in self.step():
                 if on_token:
@@ -240,21 +259,61 @@ class Engine:
 def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
     """The prompt as a list of ints, or a ValueError naming what is wrong with the request and how to fix it.
     Needs no weights: a CLI can check requests before loading a checkpoint."""
-    arr = np.asarray(prompt_ids)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"a prompt is a list of integer token ids; got {arr.dtype} values")
-    prompt = [int(t) for t in arr.reshape(-1)]
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"a request's params must be a SamplingParams (or None), got {type(params).__name__}")
+    prompt = _prompt_ids(prompt_ids)
     if not prompt:
         raise ValueError("empty prompt: a request needs at least one token id")
     bad = [t for t in prompt if not 0 <= t < config.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    bad = [t for t in params.stop_token_ids or () if t >= config.vocab_size]
+    if bad:
+        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     total = len(prompt) + params.max_new_tokens
     if total > ec.max_model_len:
         raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
                          f"exceeds max_model_len={ec.max_model_len}: shorten the prompt, lower max_new_tokens, "
                          "or build the engine with a larger max_model_len")
     return prompt
+
+
+def _prompt_ids(prompt_ids) -> list[int]:
+    """A 1-D sequence of integer token ids (list, tuple, range, 1-D integer array) as a list of ints; anything
+    else (a string, a nested list, floats, bools) is refused, never flattened or rounded."""
+    if hasattr(prompt_ids, "ndim") and hasattr(prompt_ids, "dtype"):  # a numpy or JAX array
+        arr = np.asarray(prompt_ids)
+        if arr.ndim != 1:
+            raise ValueError(f"a prompt is a 1-D sequence of token ids; got an array of shape {arr.shape}: give "
+                             "each request its own prompt")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"a prompt is a sequence of integer token ids; got {arr.dtype} values")
+        return [int(t) for t in arr]
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise ValueError(f"a prompt is a 1-D sequence of integer token ids; got {type(prompt_ids).__name__} "
+                         f"{prompt_ids!r:.40}")
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            kind = "a nested sequence (give each request its own prompt)" if isinstance(t, (Sequence, np.ndarray)) \
+                else f"{type(t).__name__} {t!r:.20}"
+            raise ValueError(f"a prompt is a 1-D sequence of integer token ids; element {i} is {kind}")
+    return [int(t) for t in prompt_ids]
+
+
+def check_cache_memory(config: Config, ec: EngineConfig, shape: CacheShape, mesh=None) -> None:
+    """A ValueError naming the knobs to lower when the KV pages and GDN slots of `shape` cannot fit the memory of
+    the devices that would hold them (host RAM on CPU, HBM on an accelerator). Allocates nothing."""
+    short = memory_shortfall(config, shape, mesh)
+    if short is None:
+        return
+    what = (f"{shape.ranks} rank(s) x ({shape.num_pages} KV pages of {shape.page_size} tokens, {shape.num_slots} "
+            "GDN slots)")
+    fix = (f"lower num_pages ({ec.num_pages})" if ec.num_pages is not None else
+           f"lower max_num_seqs ({ec.max_num_seqs}) or max_model_len ({ec.max_model_len}), or set num_pages below "
+           f"{shape.num_pages}")
+    if config.attn_per_group and not shape.kv_dtype:
+        fix += ", or use kv_dtype='float8_e4m3fn'"
+    raise ValueError(f"{short} for {what}: {fix}")
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:

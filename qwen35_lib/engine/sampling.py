@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +25,49 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        """Types first (a TypeError naming every wrong one), then ranges (a ValueError); numbers are stored as
+        Python ints and floats (numpy scalars accepted), stop ids as a tuple."""
+        ints = ("max_new_tokens", "top_k", "seed")
+        wrong = [f"{f} must be an integer, got {getattr(self, f)!r}" for f in ints if not _is_int(getattr(self, f))]
+        wrong += [f"{f} must be a number, got {getattr(self, f)!r}" for f in ("temperature", "top_p")
+                  if not _is_real(getattr(self, f))]
+        stop = self.stop_token_ids
+        if stop is not None and (isinstance(stop, (str, bytes)) or not isinstance(stop, (tuple, list, range))
+                                 or not all(_is_int(t) for t in stop)):
+            wrong.append(f"stop_token_ids must be None or a sequence of integer token ids, got {stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            wrong.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if wrong:
+            raise TypeError("invalid sampling parameters: " + "; ".join(wrong))
+        for f in ints:
+            object.__setattr__(self, f, int(getattr(self, f)))
+        for f in ("temperature", "top_p"):
+            object.__setattr__(self, f, float(getattr(self, f)))
+        if stop is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         problems = []
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
         if not (0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
-            problems.append(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not 0 <= self.seed < 2**32:
+            problems.append(f"seed must be an integer in [0, 2**32), got {self.seed}")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+
+def _is_int(x) -> bool:  # bool is an int in Python, not a count or an id
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,

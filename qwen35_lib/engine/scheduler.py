@@ -1,33 +1,44 @@
 """Continuous batching: which tokens of which requests go into the next step, and the page/slot bookkeeping.
 
-Pure Python, no JAX. One `RankScheduler` per data-parallel rank owns that rank's free pages and slots.
-Each step (per rank):
-1. every running request whose known tokens are all in the cache decodes one token;
-2. requests part-way through their prompt continue with the next chunk (chunked prefill);
-3. waiting requests are admitted in arrival order while a slot, the token budget and the batch allow.
-Pages are allocated for exactly the tokens a step writes. When a running request needs a page and none is free,
-the most recently admitted other request is preempted: its pages and slot are freed and it goes back to the
-front of the queue with its outputs kept, to be recomputed (prompt + outputs) when it is admitted again.
+Pure Python, no JAX. One `RankScheduler` per data-parallel rank owns that rank's free pages and slots, its
+waiting queue and its running requests, both in arrival order (request id). Each step (per rank), `plan()`:
+1. decodes every running request whose known tokens are all in the cache but the last, oldest first; one whose
+   next token needs a page when none is free preempts the most recently arrived running request (itself, when it
+   is the newest: then it is not planned), as vLLM's recompute policy does;
+2. continues the prompts (prompt + kept outputs, after a preemption) of running requests part-way through
+   them, a chunk each (chunked prefill);
+3. admits waiting requests in arrival order while a slot, the token budget and the batch allow, unless a
+   request was preempted in this step. An admitted request gets the pages of all its known tokens at once, and
+   is admitted only while the free pages then left hold as many again, or all that it and the running requests
+   can still grow by: the guard against thrashing, where a request is readmitted, recomputed and preempted
+   again for every page an older one fills (a victim is recomputed only after the others have filled at least
+   as many pages as it holds).
+A request preempted in a plan is in no list of that plan and cannot be admitted again in it. Preemption frees
+its pages and slot and puts it back at the front of the queue with its outputs kept, to be recomputed (prompt +
+outputs) when it is admitted again; `commit()` then counts those tokens as recomputed.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import deque
+from collections.abc import Sequence
 
 from qwen35_lib.engine.batch import SeqWork
 from qwen35_lib.engine.sampling import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: two requests are never the same one
 class Request:
-    id: int
+    id: int  # arrival order
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
     rank: int = 0
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens of prompt + output already in the cache
+    high: int = 0  # the most tokens ever in the cache: tokens below it computed again are recomputed
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int = 0  # 0: none
     finish_reason: str | None = None
@@ -47,10 +58,19 @@ class Plan:
 
     decodes: list[tuple[Request, SeqWork]]
     prefills: list[tuple[Request, SeqWork]]
+    preempted: list[Request] = dataclasses.field(default_factory=list)  # by this plan, in none of its lists
+
+    @property
+    def items(self) -> list[tuple[Request, SeqWork]]:  # in the order of the step's sequence rows
+        return self.decodes + self.prefills
 
     @property
     def tokens(self) -> int:
         return len(self.decodes) + sum(len(w.tokens) for _, w in self.prefills)
+
+    @property
+    def recomputed(self) -> int:  # planned tokens that were in the cache before a preemption (valid until commit)
+        return sum(max(0, min(r.high, w.start_pos + len(w.tokens)) - w.start_pos) for r, w in self.items)
 
 
 class RankScheduler:
@@ -61,27 +81,83 @@ class RankScheduler:
         self.budget, self.prefill_region = max_num_batched_tokens, prefill_region
         self.free_pages = deque(range(1, num_pages))  # page 0 is the null page
         self.free_slots = deque(range(1, num_slots))  # slot 0 is the null slot
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.waiting: deque[Request] = deque()  # in arrival order
+        self.running: list[Request] = []  # in arrival order
         self.preemptions = 0
 
     @property
     def load(self) -> int:
         return sum(len(r.known) - r.computed for r in self.running) + sum(len(r.known) for r in self.waiting)
 
-    def _pages_needed(self, r: Request, new_tokens: int) -> int:
-        return -(-(r.computed + new_tokens) // self.page_size) - len(r.pages)
+    def add(self, r: Request) -> None:
+        if self.waiting and self.waiting[-1].id > r.id:
+            raise ValueError(f"request {r.id} arrives after request {self.waiting[-1].id}: ids are arrival order")
+        self.waiting.append(r)
 
-    def _grow(self, r: Request, new_tokens: int) -> bool:
-        """Give `r` pages for `new_tokens` more tokens, preempting newer requests if needed."""
-        need = self._pages_needed(r, new_tokens)
-        while need > len(self.free_pages):
-            victims = [v for v in self.running if v is not r]
-            if not victims:
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def plan(self) -> Plan:
+        plan = Plan([], [])
+        budget, region = self.budget, self.prefill_region
+        for r in list(self.running):  # 1. decodes, oldest first
+            if budget == 0:
+                break
+            if r.computed != len(r.known) - 1:
+                continue
+            if not self._room_for_decode(r, plan):
+                break  # r preempted itself: it was the newest, no one after it is running
+            plan.decodes.append((r, SeqWork(r.known[r.computed:], r.computed, list(r.pages), r.slot)))
+            budget -= 1
+        for r in self.running:  # 2. prompt chunks of running requests
+            if r.computed < len(r.known) - 1 and budget > 0 and region >= self.chunk:
+                budget, region = self._add_chunk(plan, r, budget, region)
+        while not plan.preempted and self.waiting and budget > 0 and region >= self.chunk and self.free_slots \
+                and len(self.running) < self.max_num_seqs:  # 3. admissions
+            r = self.waiting[0]
+            need = self._pages_for(len(r.known))
+            if not self._admissible(r, need):
+                break  # wait: no room now, or too little for it to grow before it is preempted again
+            self.waiting.popleft()
+            r.slot = self.free_slots.popleft()
+            r.pages = [self.free_pages.popleft() for _ in range(need)]
+            bisect.insort(self.running, r, key=lambda q: q.id)
+            budget, region = self._add_chunk(plan, r, budget, region)
+        return plan
+
+    def _admissible(self, r: Request, need: int) -> bool:
+        """Room for r's `need` pages, and after them either as many again or all that r and the running requests
+        can still grow by (then no preemption can follow; a pool sized for max_num_seqs full requests never
+        waits here)."""
+        free = len(self.free_pages)
+        if need > free or not self.running:
+            return need <= free
+        growth = sum(self._growth(q) for q in self.running) + self._growth(r) - need
+        return free - need >= min(need, growth)
+
+    def _growth(self, r: Request) -> int:  # pages r may still take: its last token is sampled, never written
+        return max(0, self._pages_for(len(r.prompt) + r.params.max_new_tokens - 1) - len(r.pages))
+
+    def _room_for_decode(self, r: Request, plan: Plan) -> bool:
+        """A page for r's next token if it needs one, preempting the newest running requests; False when r
+        itself was preempted."""
+        if self._pages_for(r.computed + 1) <= len(r.pages):
+            return True
+        while not self.free_pages:
+            victim = self.running[-1]
+            assert all(victim is not q for q, _ in plan.items), "a victim is newer than every planned request"
+            self.preempt(victim)
+            plan.preempted.append(victim)
+            if victim is r:
                 return False
-            self.preempt(victims[-1])
-        r.pages += [self.free_pages.popleft() for _ in range(max(need, 0))]
+        r.pages.append(self.free_pages.popleft())
         return True
+
+    def _add_chunk(self, plan: Plan, r: Request, budget: int, region: int) -> tuple[int, int]:
+        n = min(len(r.known) - r.computed, budget, region)
+        assert self._pages_for(r.computed + n) <= len(r.pages), "a prompt's pages are given at admission"
+        plan.prefills.append((r, SeqWork(r.known[r.computed : r.computed + n], r.computed, list(r.pages), r.slot)))
+        return budget - n, region - -(-n // self.chunk) * self.chunk
 
     def preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -89,7 +165,7 @@ class RankScheduler:
         r.computed = 0
         r.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(r)
+        self.waiting.appendleft(r)  # the newest running request is older than every waiting one
 
     def release(self, r: Request) -> None:
         self.free_pages.extend(r.pages)
@@ -98,36 +174,23 @@ class RankScheduler:
             self.free_slots.append(r.slot)
             r.slot = 0
 
-    def plan(self) -> Plan:
-        plan = Plan([], [])
-        budget, region = self.budget, self.prefill_region
-        for r in list(self.running):  # 1. decodes
-            if r not in self.running or r.computed < len(r.known) - 1 or budget == 0:
-                continue
-            if self._grow(r, 1):
-                plan.decodes.append((r, SeqWork(r.known[r.computed:], r.computed, list(r.pages), r.slot)))
-                budget -= 1
-        for r in list(self.running):  # 2. prompt chunks of running requests
-            if r in self.running and r.computed < len(r.known) - 1 and budget > 0 and region >= self.chunk:
-                budget, region = self._add_chunk(plan, r, budget, region)
-        while self.waiting and budget > 0 and region >= self.chunk and self.free_slots and \
-                len(self.running) < self.max_num_seqs:  # 3. admissions
-            r = self.waiting[0]
-            if self._pages_needed(r, min(len(r.known), budget, region)) > len(self.free_pages):
-                break  # no room without preempting a running request: wait
-            self.waiting.popleft()
-            r.slot = self.free_slots.popleft()
-            self.running.append(r)
-            budget, region = self._add_chunk(plan, r, budget, region)
-        keep = lambda items: [(r, w) for r, w in items if r in self.running]  # drop requests preempted meanwhile
-        return Plan(keep(plan.decodes), keep(plan.prefills))
-
-    def _add_chunk(self, plan: Plan, r: Request, budget: int, region: int) -> tuple[int, int]:
-        n = min(len(r.known) - r.computed, budget, region)
-        if not self._grow(r, n):
-            return budget, region
-        plan.prefills.append((r, SeqWork(r.known[r.computed : r.computed + n], r.computed, list(r.pages), r.slot)))
-        return budget - n, region - -(-n // self.chunk) * self.chunk
+    def commit(self, plan: Plan, sampled: Sequence[int]) -> list[tuple[Request, int]]:
+        """Apply a step: `sampled[s]` is the token sampled after row s of `plan.items`. Returns the (request,
+        token) pairs that became outputs; a request that then finished has its `finish_reason` set and is gone."""
+        events = []
+        for s, (r, w) in enumerate(plan.items):
+            assert r.computed == w.start_pos, "a plan is committed once, right after it is made"
+            r.computed += len(w.tokens)
+            r.high = max(r.high, r.computed)
+            if r.computed == len(r.known):  # all known tokens are in: the sample is the next output
+                token = int(sampled[s])
+                r.output.append(token)
+                events.append((r, token))
+                if token in r.stop_ids:
+                    self.finish(r, "eos")
+                elif len(r.output) >= r.params.max_new_tokens:
+                    self.finish(r, "length")
+        return events
 
     def finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

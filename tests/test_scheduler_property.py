@@ -1,0 +1,126 @@
+"""The scheduler's invariants under random traffic (pure Python: no model, sampled tokens drawn at random).
+
+Every step, on every rank: no request is planned twice (nor one preempted by the plan), every planned chunk is
+the next tokens of its request from `computed` on and fits its pages, no page or slot is held by two live
+requests and none is lost, the plan fits the budget and the batch; a commit advances `computed` by exactly the
+tokens planned; every request finishes with the outputs it asked for.
+"""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qwen35_lib.engine.sampling import SamplingParams
+from qwen35_lib.engine.scheduler import RankScheduler, Request
+
+STOP = 0  # the stop token of requests that have one; sampled tokens are drawn from range(VOCAB)
+VOCAB = 12
+
+
+def make_ranks(n: int, num_pages: int, page_size: int, max_num_seqs: int, budget: int, chunk: int):
+    region = chunk * -(-budget // chunk)  # as the engine sizes it: its largest prefill bucket
+    return [RankScheduler(num_pages, page_size, max_num_seqs + 1, max_num_seqs, budget, region, chunk)
+            for _ in range(n)]
+
+
+def check_rank(s: RankScheduler, plan, num_pages: int, num_slots: int) -> None:
+    items = plan.items
+    assert len({id(r) for r, _ in items}) == len(items), "a request planned twice"
+    assert not {id(r) for r in plan.preempted} & {id(r) for r, _ in items}, "a preempted request planned"
+    assert all(any(r is q for q in s.running) for r, _ in items), "a planned request is not running"
+    assert len(items) <= s.max_num_seqs and plan.tokens <= s.budget
+    assert sum(-(-len(w.tokens) // s.chunk) * s.chunk for _, w in plan.prefills) <= s.prefill_region
+    for i, (r, w) in enumerate(items):
+        n = len(w.tokens)
+        assert n >= 1 and w.start_pos == r.computed and w.tokens == r.known[r.computed : r.computed + n]
+        if i < len(plan.decodes):
+            assert n == 1 and r.computed == len(r.known) - 1
+        assert w.pages == r.pages and len(r.pages) * s.page_size >= w.start_pos + n
+        assert w.slot == r.slot != 0
+    held = [p for r in s.running for p in r.pages]
+    assert len(held) == len(set(held)), "a page held by two running requests"
+    assert sorted(held + list(s.free_pages)) == list(range(1, num_pages)), "pages lost or duplicated"
+    slots = [r.slot for r in s.running]
+    assert sorted(slots + list(s.free_slots)) == list(range(1, num_slots)), "slots lost or duplicated"
+    assert all(not r.pages and r.slot == 0 and r.computed == 0 for r in s.waiting)
+    assert [r.id for r in s.running] == sorted(r.id for r in s.running)
+    assert len(s.running) <= s.max_num_seqs
+
+
+def simulate(ranks, requests, arrivals, rng, num_pages, num_slots, check=True) -> tuple[int, int]:
+    """Run to completion; returns (tokens computed, of them recomputed)."""
+    order = sorted(range(len(requests)), key=lambda i: (arrivals[i], i))
+    useful = sum(len(r.prompt) + r.params.max_new_tokens for r in requests)
+    computed = again = step = k = 0
+    while k < len(order) or any(s.waiting or s.running for s in ranks):
+        assert step <= max(arrivals) + 10 * useful + 10, "requests do not finish"
+        while k < len(order) and arrivals[order[k]] <= step:
+            r = requests[order[k]]
+            r.id = k  # ids are arrival order
+            s = min(ranks, key=lambda q: q.load)  # the engine's rank choice
+            s.add(r)
+            k += 1
+        plans = [s.plan() for s in ranks]
+        planned = [r for p in plans for r, _ in p.items]
+        assert len({id(r) for r in planned}) == len(planned), "a request planned on two ranks"
+        for s, plan in zip(ranks, plans):
+            if check:
+                check_rank(s, plan, num_pages, num_slots)
+            assert plan.items or not (s.waiting or s.running), "a rank with work planned nothing"
+            computed, again = computed + plan.tokens, again + plan.recomputed
+            before = {id(r): r.computed for r in s.running}
+            events = s.commit(plan, [rng.randrange(VOCAB) for _ in plan.items])
+            for r, w in plan.items:
+                assert r.computed == before.pop(id(r)) + len(w.tokens)
+            assert all(r.computed == before[id(r)] for r in s.running if id(r) in before), "unplanned moved"
+            for r, token in events:
+                assert r.output[-1] == token and r.computed == len(r.known) - 1
+        step += 1
+    for r in requests:
+        assert r.finish_reason == ("eos" if STOP in r.stop_ids and r.output[-1] == STOP else "length")
+        assert len(r.output) == r.params.max_new_tokens or r.finish_reason == "eos"
+        assert STOP not in r.output[:-1] or STOP not in r.stop_ids
+    for s in ranks:
+        assert sorted(s.free_pages) == list(range(1, num_pages)) and sorted(s.free_slots) == list(range(1, num_slots))
+    assert computed - again == sum(len(r.prompt) + len(r.output) - 1 for r in requests), "recompute miscounted"
+    return computed, again
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_scheduler_invariants(data):
+    draw = data.draw
+    page_size = draw(st.sampled_from([1, 2, 4, 8, 16]), label="page_size")
+    max_model_len = draw(st.integers(2, 80), label="max_model_len")
+    pages_per_seq = -(-max_model_len // page_size)
+    num_pages = 1 + pages_per_seq + draw(st.integers(0, 2 * pages_per_seq), label="spare pages")  # few
+    max_num_seqs = draw(st.integers(1, 6), label="max_num_seqs")
+    budget = draw(st.integers(1, 128), label="budget")
+    chunk = draw(st.sampled_from([1, 4, 8, 64]), label="chunk")
+    ranks = make_ranks(draw(st.integers(1, 3), label="ranks"), num_pages, page_size, max_num_seqs, budget, chunk)
+    n = draw(st.integers(1, 24), label="requests")
+    requests, arrivals = [], []
+    for _ in range(n):
+        p = draw(st.integers(1, max_model_len - 1))
+        sp = SamplingParams(max_new_tokens=draw(st.integers(1, max_model_len - p)))
+        requests.append(Request(0, [random.Random(p).randrange(VOCAB) for _ in range(p)], sp,
+                                frozenset({STOP}) if draw(st.booleans()) else frozenset()))
+        arrivals.append(draw(st.integers(0, 40)))
+    simulate(ranks, requests, arrivals, random.Random(draw(st.integers(0, 2**32 - 1))), num_pages, max_num_seqs + 1)
+
+
+def test_no_thrashing_at_200_requests_20_pages_budget_8():
+    """Computed tokens stay within 2x the useful ones (computed once) under heavy pressure: 20 pages of 16 tokens
+    (one request of at most 304), a budget of 8, 8 sequences; long prompts, then long outputs."""
+    for seed, (pmax, omax) in enumerate([(150, 100), (5, 300), (30, 200)]):
+        rng = random.Random(seed)
+        requests = []
+        for _ in range(200):
+            p = rng.randint(1, pmax)
+            requests.append(Request(0, [1] * p, SamplingParams(max_new_tokens=rng.randint(1, min(omax, 304 - p))),
+                                    frozenset()))
+        ranks = make_ranks(1, 20, 16, 8, 8, 64)
+        computed, again = simulate(ranks, requests, [0] * 200, rng, 20, 9, check=False)
+        assert ranks[0].preemptions > 10  # the pressure is real
+        assert computed <= 2 * (computed - again), (pmax, omax, computed, again)
