@@ -80,7 +80,7 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
-    from qwen35_lib.engine.engine import _engine_step
+    from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.parallel.layouts import batch_sharding, check_layout, weight_shardings
     from qwen35_lib.weights import is_info
 
@@ -102,7 +102,7 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
     backend = mesh.devices.flat[0].platform
     with jax.set_mesh(mesh), compile_target(backend):
-        return _engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()
+        return engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()
 
 
 def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):

@@ -14,7 +14,6 @@ import pytest
 
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
-from qwen35_lib.engine import engine as engine_module
 
 TIGHT = EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, page_size=8, max_model_len=48, num_pages=7)
 GAP = 1e-6
@@ -94,14 +93,13 @@ def test_preempted_requests_equal_the_request_alone(tiny, alone_cache, ranks, sa
     assert sum(engine.stats.tokens) - sum(engine.stats.recomputed) == useful and sum(engine.stats.recomputed) > 0
 
 
-def test_waste_within_2x_at_200_requests_20_pages_budget_8(tiny, monkeypatch):
+def test_waste_within_2x_at_200_requests_20_pages_budget_8(tiny):
     """The engine's own bookkeeping (scheduler, packing, StepStats) with the model replaced by a step that samples
     token 7 everywhere: 200 requests at once, 20 pages of 16, a budget of 8. Computed tokens <= 2x useful."""
     cfg, w = tiny
-    monkeypatch.setattr(engine_module, "_engine_step",
-                        lambda cfg, w, cache, tokens, meta, samp: (jnp.full(meta.q_len.shape, 7, jnp.int32), cache))
     engine = Engine(cfg, w, EngineConfig(max_num_seqs=8, max_num_batched_tokens=8, page_size=16, max_model_len=304,
                                          num_pages=20))
+    engine.step_fn = lambda cfg, w, cache, tokens, meta, samp: (jnp.full(meta.q_len.shape, 7, jnp.int32), cache)
     rng = np.random.default_rng(7)
     lengths = [(int(p), int(rng.integers(1, 305 - p))) for p in rng.integers(1, 150, 200)]
     results = engine.generate([[3] * p for p, _ in lengths], [SamplingParams(max_new_tokens=o) for _, o in lengths])

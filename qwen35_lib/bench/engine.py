@@ -22,7 +22,6 @@ cache), timed interleaved; the greedy tokens compared request by request. Each t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -95,36 +94,6 @@ def _loadavg() -> float | None:
         return None
 
 
-@contextlib.contextmanager
-def _device_timer(times: list[float]):
-    """Time the engine's jitted step call (blocking on its tokens, which `Engine.step` reads right after anyway).
-
-    Instrumentation only: wraps `qwen35_lib.engine.engine._engine_step` for the duration and restores it. When
-    the engine has no such function (renamed), device times are not recorded.
-    """
-    import jax
-
-    from qwen35_lib.engine import engine as engine_module
-
-    original = getattr(engine_module, "_engine_step", None)
-    if original is None:
-        yield False
-        return
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = original(*args, **kwargs)
-        jax.block_until_ready(out[0])
-        times.append(time.perf_counter() - start)
-        return out
-
-    engine_module._engine_step = timed
-    try:
-        yield True
-    finally:
-        engine_module._engine_step = original
-
-
 def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[int], int]], desc: str):
     """Submit every request at once, step the engine until all are done; returns (engine, StepLog, wall seconds).
 
@@ -134,9 +103,8 @@ def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[in
 
     engine = Engine(config, weights, ec)
     log = StepLog()
-    device: list[float] = []
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
-    with progress(sum(o for _, o in requests), desc) as bar, _device_timer(device) as timing_device:
+    with progress(sum(o for _, o in requests), desc) as bar:
         for prompt, out in requests:
             engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
         while engine.has_work:
@@ -148,7 +116,7 @@ def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[in
             log.decode_only.append(fed == seqs == len(events))
             log.traced.append(engine.stats.traces - traces)
             bar.update(len(events))
-    log.device = device if timing_device and len(device) == len(log.wall) else []
+    log.device = list(engine.stats.step_seconds)
     log.cpu_share = (_cpu_seconds() - cpu_start) / ((time.perf_counter() - wall_start) * (os.cpu_count() or 1))
     log.loadavg = _loadavg()
     results = list(engine.results.values())

@@ -9,7 +9,7 @@ The stages of the playbook's ladder (`qwen35_lib.costmodel.stages`, XLA kernels)
    rank holding everything; dp8_ep8 has 8): decode-sized (`--seqs` sequences decoding one token each at
    `--context`) and prefill-sized (`--prefill-seqs` prompts of `--prefill-len` tokens), packed as the engine
    packs them, placed on the devices once.
-3. The jitted step (`engine.engine._engine_step`) of every (stage, batch) is compiled, then all are timed
+3. The jitted step (`engine.engine.engine_step`) of every (stage, batch) is compiled, then all are timed
    interleaved (`timing.measure`); medians and speedups over `baseline` measured in the same run.
 4. The greedy tokens of each batch's first (warm-up) step are compared across stages (same weights, same fresh
    cache, so they agree unless a near-tie rounds differently under another reduction order).
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from qwen35_lib.cli_generate import layout_mesh
     from qwen35_lib.config import get_config
-    from qwen35_lib.engine.engine import _engine_step
+    from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.weights import init_weights
 
     opts = _options(args)
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
 
         def call():
             with jax.set_mesh(eng.mesh):
-                out, eng.cache = _engine_step(eng.config, eng.weights, eng.cache, *inp["args"])
+                out, eng.cache = engine_step(eng.config, eng.weights, eng.cache, *inp["args"])
             return out
 
         return call

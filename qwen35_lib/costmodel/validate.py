@@ -1,6 +1,6 @@
 """The cost model's validations: (a) CPU engine steps, (b) TPU7x ahead-of-time compiles, (c) published figures.
 
-(a) `cpu_engine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine._engine_step`) on this CPU, for
+(a) `cpuengine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine.engine_step`) on this CPU, for
     hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
     packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
     interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by
@@ -54,13 +54,13 @@ def case_batch(case: StepCase, D: int, T: int, S: int) -> Batch:
                  max_ctx=max(ctxs), padded_tokens=T, logit_rows=S)
 
 
-def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = None, repeats: int = 5,
+def cpuengine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = None, repeats: int = 5,
                      page_size: int = 16, max_num_seqs: int = 8, cpu_specs: dict | None = None) -> list[dict]:
     """Measured vs predicted seconds of the engine's step for each case (see the module doc)."""
     import jax
 
     from qwen35_lib.engine.batch import SeqWork, bucket, pack, stack_ranks
-    from qwen35_lib.engine.engine import Engine, EngineConfig, _engine_step
+    from qwen35_lib.engine.engine import Engine, EngineConfig, engine_step
 
     cases = cases or default_cases()
     longest = max(max(c.decode_ctx, default=0) for c in cases) + max(sum(n for n, _ in c.chunks) for c in cases)
@@ -91,7 +91,7 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
     def run(i: int) -> float:
         _, _, _, tokens, meta, samp = inputs[i]
         t = time.perf_counter()
-        out, eng.cache = _engine_step(cfg, eng.weights, eng.cache, tokens, meta, samp)
+        out, eng.cache = engine_step(cfg, eng.weights, eng.cache, tokens, meta, samp)
         jax.block_until_ready(out)
         return time.perf_counter() - t
 

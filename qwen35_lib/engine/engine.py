@@ -84,6 +84,8 @@ class StepStats:
     seqs: list[int] = dataclasses.field(default_factory=list)  # sequences per step
     mixed_steps: int = 0  # steps with decodes and prefill chunks together
     buckets: set = dataclasses.field(default_factory=set)
+    # per step, seconds in the jitted step: dispatch (and a compile, when `traces` grew), device, its tokens read
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def waste(self) -> float:
@@ -131,6 +133,7 @@ class Engine:
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
         self.stats = StepStats()
+        self.step_fn = engine_step  # the jitted step this engine calls (a stand-in may replace it in tests)
         self.results: dict[int, Result] = {}
         self._next_id = 0
 
@@ -173,9 +176,11 @@ class Engine:
         traced = TRACES[0]
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
-            next_tokens, self.cache = _engine_step(self.config, self.weights, self.cache, tokens, meta, samp)
+            start = time.perf_counter()
+            next_tokens, self.cache = self.step_fn(self.config, self.weights, self.cache, tokens, meta, samp)
+            next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
+        self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
-        next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         now = time.perf_counter()
         self._record(plans)  # before commit: the recomputed count reads the requests' high-water marks
         events = []
@@ -328,8 +333,11 @@ TRACES = [0]  # how many times the step has been traced (compiled), process-wide
 
 
 @partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
-    """The jitted step, shared by all engines (one compilation per config and bucket)."""
+def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
+    """The engine's jitted step, shared by all engines (one compilation per config and bucket): the ragged forward
+    of every rank's packed tokens [R, T] (`engine.batch`) under the config's layout, then sampling.
+    Returns (next tokens [R, S], the updated cache, donated). `engine_step.lower(cfg, weights, cache, tokens, meta,
+    samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
     TRACES[0] += 1  # runs only while tracing
     logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(cfg))  # [R, S, V]
     R, S, V = logits.shape
