@@ -173,3 +173,20 @@ def test_a_data_parallel_cache_counts_each_devices_shards():
     per_device = device_cache_bytes(cfg, shape, make_mesh())
     (total,) = device_cache_bytes(cfg, shape).values()
     assert len(per_device) == 8 and set(per_device.values()) == {total // 8}  # each device one rank's pools
+
+
+# --- abort ------------------------------------------------------------------------------------------------------
+
+
+def test_abort_request_frees_its_pages_and_slot(engine):
+    """A queued request is dropped; a running one gives back its pages and slot (the server's disconnect)."""
+    sched = engine.ranks[0]
+    pages, slots = len(sched.free_pages), len(sched.free_slots)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
+    b = engine.add_request([4, 5], SamplingParams(max_new_tokens=4))
+    plan = sched.plan()  # a admitted (the thrash guard may hold b back): pages and a slot taken
+    sched.commit(plan, [0] * len(plan.items))
+    assert sched.running[0].id == a and len(sched.free_pages) < pages and len(sched.free_slots) < slots
+    assert engine.abort_request(b) and engine.abort_request(a) and not engine.has_work  # queued or running
+    assert (len(sched.free_pages), len(sched.free_slots)) == (pages, slots)
+    assert not engine.abort_request(a) and a not in engine.results  # gone, with no result

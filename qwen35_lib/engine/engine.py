@@ -152,6 +152,11 @@ class Engine:
         self.ranks[rank].add(r)
         return r.id
 
+    def abort_request(self, request_id: int) -> bool:
+        """Drop a queued or running request (between steps): its pages and slot are free for the next step and it
+        gives no result. True if it was found."""
+        return any(sched.abort(request_id) for sched in self.ranks)
+
     @property
     def has_work(self) -> bool:
         return any(s.waiting or s.running for s in self.ranks)

@@ -167,6 +167,19 @@ class RankScheduler:
         self.preemptions += 1
         self.waiting.appendleft(r)  # the newest running request is older than every waiting one
 
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or running request between steps, freeing its pages and slot; True if it was here."""
+        for r in self.waiting:
+            if r.id == request_id:
+                self.waiting.remove(r)
+                r.finish_reason = "abort"
+                return True
+        for r in self.running:
+            if r.id == request_id:
+                self.finish(r, "abort")
+                return True
+        return False
+
     def release(self, r: Request) -> None:
         self.free_pages.extend(r.pages)
         r.pages = []

@@ -37,24 +37,6 @@ class Sink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, kind, value))
 
 
-def abort_request(engine: Engine, request_id: int) -> bool:
-    """Drop a queued or running request and free its pages and slot (True if it was found).
-
-    The engine has no abort of its own; this does what `RankScheduler.finish` does, without a result."""
-    for sched in engine.ranks:
-        for r in list(sched.waiting):
-            if r.id == request_id:
-                sched.waiting.remove(r)
-                return True
-        for r in list(sched.running):
-            if r.id == request_id:
-                r.finish_reason = "abort"
-                sched.running.remove(r)
-                sched.release(r)
-                return True
-    return False
-
-
 class EngineLoop:
     """`EngineLoop(engine).start()`; `submit(prompt_ids, params, sink)`, `abort(sink)`; `stop()`."""
 
@@ -143,4 +125,4 @@ class EngineLoop:
                 sink = cmd[1]
                 rid = sink.request_id
                 if rid is not None and self._sinks.pop(rid, None) is not None:
-                    self.aborted += abort_request(self.engine, rid)
+                    self.aborted += self.engine.abort_request(rid)
