@@ -196,7 +196,7 @@ def test_bad_token_id_exits_2_with_one_line(cache_env, checkpoints):
     (["--prompt-ids", " ".join(["5"] * 150), "--max-new-tokens", "20"], "exceeds max_model_len=160"),
     (["--prompt-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
     (["--prompt-ids", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     (["--prompt", "w1 w2"], "has no tokenizer.json"),
     ([], "no prompts"),
     (["--prompt-ids", "1", "--layout", "tp8"], "2 KV heads cannot be split over 8 devices"),
