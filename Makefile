@@ -27,21 +27,18 @@ venv: $(STAMP)
 playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
-# Two workers; worksteal hands each a contiguous half of the tests (a file mostly stays on one: its compiled
-# fixtures shared) and, unlike loadfile, carries on after a worker crash (loadfile waited forever: the CI
-# timeout). jaxlib 0.10.2's XLA:CPU compiler now and
-# then segfaults (3 of 8 full runs here, all in tests/test_ragged_step.py): when a worker crashed, the
-# failed tests run once more and decide the result; any other failure stands as it is.
-test: $(STAMP)
-	@mkdir -p build
-	$(PY) -m pytest -q -n 2 --dist worksteal 2>&1 | tee build/test.log; status=$${PIPESTATUS[0]}; \
-	if [ $$status -ne 0 ] && grep -q "crashed while running" build/test.log; then \
-	  echo "a test worker crashed (see build/test.log): running the failed tests once more"; \
-	  $(PY) -m pytest -q -n 2 --dist worksteal --last-failed; \
-	else exit $$status; fi
+# Two workers over tests/ and the notebooks (testpaths; nbmake runs each .ipynb once). A crashed worker fails the
+# run: nothing is rerun. worksteal hands each worker a contiguous half of the items (a file mostly stays on one,
+# its compiled fixtures shared), moves the tail to whichever finishes first, and after a crash reports it and
+# goes on to the end (loadfile waited forever for the crashed worker's file: the CI timeout).
+test: $(STAMP) lint
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
+# ruff, and the import layers of pyproject.toml's import-linter contract (config, weights -> kernels -> model ->
+# parallel -> engine -> analysis -> apps: nothing imports a layer above its own).
 lint: $(STAMP)
-	$(PY) -m pip install --quiet ruff && $(VENV)/bin/ruff check qwen35_lib tests playbook notebooks
+	$(VENV)/bin/ruff check qwen35_lib tests playbook notebooks
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf build .pytest_cache

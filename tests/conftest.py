@@ -2,10 +2,13 @@
 
 import os
 
-from qwen35_lib.devices import patient_collectives
-
+# Before anything imports jax: it reads JAX_PLATFORMS once, and without "cpu" its first backend also starts the TPU
+# plugin, loading libtpu into this process (see _libtpu_stays_out).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+from qwen35_lib.devices import patient_collectives  # noqa: E402
+
 patient_collectives()  # a simulated device that lags behind on a busy machine must not abort the test process
 # With JAX_COMPILATION_CACHE_DIR set (the Makefile no longer sets it: writing CPU executables into it segfaulted
 # now and then), one persistent cache per pytest-xdist worker: two processes writing one entry at once crashed.
@@ -15,3 +18,19 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CAC
 import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+MAPS = pathlib.Path("/proc/self/maps")  # Linux: the shared libraries this process has loaded
+
+
+@pytest.fixture(autouse=True)
+def _libtpu_stays_out():
+    """libtpu (a second XLA and LLVM) must never load into a pytest process: XLA:CPU compiles next to it segfaulted
+    (issue 16). Ahead-of-time TPU7x compiles go through tests/aot_subprocess.py."""
+    yield
+    if MAPS.exists() and "/libtpu.so" in MAPS.read_text():
+        pytest.fail("this test loaded libtpu into the pytest process: run its TPU compiles through "
+                    "aot_subprocess.run (tests/aot_subprocess.py)", pytrace=False)

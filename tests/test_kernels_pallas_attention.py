@@ -14,8 +14,8 @@ representable products and round the output once to bfloat16; a rounding-boundar
 (2^-8 relative), so atol = rtol = 1e-2.
 """
 
-import os
 
+import aot_subprocess
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,25 +214,15 @@ def test_registered():
     assert get("attention", "xla").paged_write is None  # the XLA twin keeps write, then paged
 
 
-@pytest.fixture(scope="module")
-def tpu_device():
-    from qwen35_lib.aot import topology_devices
-
-    try:
-        return topology_devices()[0]
-    except RuntimeError as e:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"{e}")
-
-
-def _abstract_397b(tpu_device, kv_dtype: str, ps: int):
-    """Abstract inputs on one TPU7x core at Qwen3.5-397B: Hq 32, Hkv 2, d 256, one rank of dp8 at 512 concurrent
-    requests of ~9k tokens: S 64 sequences, 576k cached tokens, T 512 new tokens. Returns (q, k, kv, scales
-    [P, 2*Hkv, ps] (FP8 only, else None), page_table, ints [T], pool bytes)."""
+def _abstract_397b(kv_dtype: str, ps: int):
+    """Abstract inputs on one TPU7x core (libtpu: only in aot_subprocess's child) at Qwen3.5-397B: Hq 32, Hkv 2,
+    d 256, one rank of dp8 at 512 concurrent requests of ~9k tokens: S 64 sequences, 576k cached tokens, T 512 new
+    tokens. Returns (q, k, kv, scales [P, 2*Hkv, ps] (FP8 only, else None), page_table, ints [T], pool bytes)."""
     from jax.sharding import SingleDeviceSharding
 
-    sh = SingleDeviceSharding(tpu_device)
+    from qwen35_lib.aot import topology_devices
+
+    sh = SingleDeviceSharding(topology_devices()[0])
     Hq, Hkv, d, T, S, ctx = 32, 2, 256, 512, 64, 9216
     n = ctx // ps
     P = S * n + 1
@@ -245,35 +235,56 @@ def _abstract_397b(tpu_device, kv_dtype: str, ps: int):
             sds((T,), jnp.int32), pool)
 
 
-@pytest.mark.tpu_compile
-@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
-def test_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
-    """Mosaic lowering (interpret off) for one TPU7x core at the 397B shapes (`_abstract_397b`)."""
-    q, k, kv, scales, page_table, ints, pool = _abstract_397b(tpu_device, kv_dtype, ps)
+CACHES_397B = [("bfloat16", 16), ("float8_e4m3fn", 256)]  # (kv_dtype, page size)
+
+
+def _compile_separate_for_tpu7x(kv_dtype: str, ps: int) -> dict:  # in aot_subprocess's child: libtpu stays there
+    q, k, kv, scales, page_table, ints, pool = _abstract_397b(kv_dtype, ps)
     attn = jax.jit(lambda *a: paged_attention_pallas(*a, block_q=16, interpret=False))
     attn_c = attn.lower(q, kv, scales, page_table, ints, ints).compile()
     write = jax.jit(lambda *a: write_kv_pages_pallas(*a, interpret=False), donate_argnums=(0, 1))
     compiled = write.lower(kv, scales, k, k, ints, ints).compile()
-    # the kernels read and write the pool in place: no relayout copy of it among the temporaries (a reshape of
-    # its two minor dims would copy all of it), nor of kv_scale [P, 2*Hkv, ps] f32 (token-minor: lane-dense at
-    # ps 256; stored [P, ps, 2*Hkv] it was relaid out on every call, a 302 MB temporary)
-    assert attn_c.memory_analysis().temp_size_in_bytes < pool / 8
-    assert compiled.memory_analysis().temp_size_in_bytes < pool / 8
-    assert "kv_cache_write" in compiled.as_text()
+    return dict(pool=pool, attn_temp=attn_c.memory_analysis().temp_size_in_bytes,
+                write_temp=compiled.memory_analysis().temp_size_in_bytes, write_text=compiled.as_text())
+
+
+def _compile_fused_for_tpu7x(kv_dtype: str, ps: int) -> dict:  # in aot_subprocess's child
+    q, k, kv, scales, page_table, ints, pool = _abstract_397b(kv_dtype, ps)
+    fused = jax.jit(lambda *a: paged_attention_write_pallas(*a, block_q=16, interpret=False), donate_argnums=(3, 4))
+    compiled = fused.lower(q, k, k, kv, scales, ints, ints, page_table, ints, ints).compile()
+    return dict(pool=pool, temp=compiled.memory_analysis().temp_size_in_bytes, text=compiled.as_text())
+
+
+@pytest.fixture(scope="module")
+def tpu7x():
+    jobs = {f"{kind} {dt} {ps}": (fn, dt, ps) for dt, ps in CACHES_397B
+            for kind, fn in (("separate", _compile_separate_for_tpu7x), ("fused", _compile_fused_for_tpu7x))}
+    return aot_subprocess.run(jobs)
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("kv_dtype,ps", [("bfloat16", 16), ("float8_e4m3fn", 256)])
-def test_fused_compiles_for_tpu7x_at_397b_shapes(tpu_device, kv_dtype, ps):
+@pytest.mark.parametrize("kv_dtype,ps", CACHES_397B)
+def test_compiles_for_tpu7x_at_397b_shapes(tpu7x, kv_dtype, ps):
+    """Mosaic lowering (interpret off) for one TPU7x core at the 397B shapes (`_abstract_397b`)."""
+    c = tpu7x[f"separate {kv_dtype} {ps}"]
+    # the kernels read and write the pool in place: no relayout copy of it among the temporaries (a reshape of
+    # its two minor dims would copy all of it), nor of kv_scale [P, 2*Hkv, ps] f32 (token-minor: lane-dense at
+    # ps 256; stored [P, ps, 2*Hkv] it was relaid out on every call, a 302 MB temporary)
+    assert c["attn_temp"] < c["pool"] / 8
+    assert c["write_temp"] < c["pool"] / 8
+    assert "kv_cache_write" in c["write_text"]
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("kv_dtype,ps", CACHES_397B)
+def test_fused_compiles_for_tpu7x_at_397b_shapes(tpu7x, kv_dtype, ps):
     """The fused write + attention call lowered by Mosaic at the 397B shapes, the pool donated: one kernel, and
     no pool-sized temporary (the pool is aliased in place, the FP8 scales read and scattered in their layout)."""
-    q, k, kv, scales, page_table, ints, pool = _abstract_397b(tpu_device, kv_dtype, ps)
-    fused = jax.jit(lambda *a: paged_attention_write_pallas(*a, block_q=16, interpret=False), donate_argnums=(3, 4))
-    compiled = fused.lower(q, k, k, kv, scales, ints, ints, page_table, ints, ints).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    c = tpu7x[f"fused {kv_dtype} {ps}"]
+    temp, pool = c["temp"], c["pool"]
     print(f"fused {kv_dtype} ps {ps}: temp {temp} bytes, pool {pool} bytes")
     assert temp < pool / 8
-    text = compiled.as_text()
+    text = c["text"]
     assert "ragged_paged_attention_kv_write" in text and "kv_cache_write" not in text
 
 

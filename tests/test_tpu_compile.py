@@ -1,51 +1,56 @@
-"""Ahead-of-time compiles for TPU7x (`tpu7x:2x2x1`), with abstract weights: nothing is allocated."""
+"""Ahead-of-time compiles for TPU7x (`tpu7x:2x2x1`), with abstract weights: nothing is allocated. Each compile
+runs in a child process (`aot_subprocess`): libtpu stays out of the pytest process."""
 
-import os
-
+import aot_subprocess
 import pytest
 
 from qwen35_lib import get_config, model_stats
 
 pytestmark = pytest.mark.tpu_compile
+XLA_KERNELS = dict(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
+
+
+def _topology() -> dict:
+    from qwen35_lib.aot import chip_core_mesh, topology_devices
+
+    topology = topology_devices()
+    mesh = chip_core_mesh(topology)
+    return dict(devices=len(topology), cores=sorted({d.core_on_chip for d in topology}), mesh=dict(mesh.shape),
+                chip_rows=[len({tuple(d.coords) for d in row}) for row in mesh.devices])
+
+
+def _forward(kernels: dict) -> dict:
+    from qwen35_lib.aot import compile_forward
+
+    compiled = compile_forward(get_config("qwen3.5-mini", **kernels), batch=2, seq=256)
+    return dict(argument_bytes=compiled.memory_analysis().argument_size_in_bytes,
+                flops=compiled.cost_analysis()["flops"], tpu_custom_calls=compiled.as_text().count("tpu_custom_call"))
 
 
 @pytest.fixture(scope="module")
-def topology():
-    from qwen35_lib.aot import topology_devices
-
-    try:
-        return topology_devices()
-    except RuntimeError as e:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip(f"{e}")
+def tpu7x():
+    return aot_subprocess.run({"topology": (_topology,), "xla": (_forward, XLA_KERNELS), "auto": (_forward, {})})
 
 
-def test_topology_is_tpu7x_8(topology):
-    from qwen35_lib.aot import chip_core_mesh
-
-    assert len(topology) == 8 and {d.core_on_chip for d in topology} == {0, 1}
-    mesh = chip_core_mesh(topology)
-    assert dict(mesh.shape) == {"chip": 4, "core": 2}
-    assert all(len({tuple(d.coords) for d in row}) == 1 for row in mesh.devices)  # a row of the mesh = one chip
+def test_topology_is_tpu7x_8(tpu7x):
+    t = tpu7x["topology"]
+    assert t["devices"] == 8 and t["cores"] == [0, 1]
+    assert t["mesh"] == {"chip": 4, "core": 2}
+    assert all(n == 1 for n in t["chip_rows"])  # a row of the mesh = one chip
 
 
-def test_mini_forward_compiles_for_tpu7x(topology):
-    from qwen35_lib.aot import compile_forward
-
-    cfg = get_config("qwen3.5-mini", attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
+def test_mini_forward_compiles_for_tpu7x(tpu7x):
+    cfg = get_config("qwen3.5-mini", **XLA_KERNELS)
     stats = model_stats(cfg)
-    compiled = compile_forward(cfg, batch=2, seq=256)
-    assert compiled.memory_analysis().argument_size_in_bytes >= stats.weight_bytes
+    compiled = tpu7x["xla"]
+    assert compiled["argument_bytes"] >= stats.weight_bytes
     # XLA counts 2 FLOPs per weight per token for every matmul except the routed experts: on TPU, ragged_dot is
     # a Mosaic kernel whose FLOPs cost_analysis() does not see (the cost model must add them itself).
     p = stats.params_by_part
     dense = stats.active_params - p["embed"] - p["routed_experts"] * cfg.num_experts_per_tok // cfg.num_experts
-    assert compiled.cost_analysis()["flops"] >= 2 * (2 * 256) * dense
+    assert compiled["flops"] >= 2 * (2 * 256) * dense
 
 
-def test_mini_forward_with_the_pallas_defaults_compiles_for_tpu7x(topology):
-    from qwen35_lib.aot import compile_forward
-
-    text = compile_forward(get_config("qwen3.5-mini"), batch=2, seq=256).as_text()  # "auto" = Pallas on TPU
-    assert text.count("tpu_custom_call") >= 2, "the Pallas GDN and MoE kernels should be Mosaic custom calls"
+def test_mini_forward_with_the_pallas_defaults_compiles_for_tpu7x(tpu7x):
+    # "auto" = Pallas on TPU
+    assert tpu7x["auto"]["tpu_custom_calls"] >= 2, "the Pallas GDN and MoE kernels should be Mosaic custom calls"

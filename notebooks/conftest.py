@@ -1,0 +1,33 @@
+"""`pytest` runs every paired notebook (`notebooks/NN_*.ipynb`, in testpaths; `--nbmake` in addopts), each once in
+a fresh `python3` kernel. The kernel inherits this environment, set around each notebook: the checkout importable,
+8 simulated CPU devices with patient collectives, matplotlib inline, nothing recorded, libtpu shareable."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from playbook import RESULTS_ENV
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEVICES = "--xla_force_host_platform_device_count=8"
+SAVED = pytest.StashKey[pytest.MonkeyPatch]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from qwen35_lib.devices import with_patient_collectives  # not at import: tests/conftest.py sets jax up first
+
+    env = item.stash[SAVED] = pytest.MonkeyPatch()
+    env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    flags = os.environ.get("XLA_FLAGS", "")
+    env.setenv("XLA_FLAGS", with_patient_collectives(flags if DEVICES in flags else f"{flags} {DEVICES}".strip()))
+    env.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    env.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # kernels compiling for TPU7x ahead of time share libtpu
+    env.delenv(RESULTS_ENV, raising=False)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    item.stash[SAVED].undo()
