@@ -1,6 +1,6 @@
 """The cost model's validations: (a) CPU engine steps, (b) TPU7x ahead-of-time compiles, (c) published figures.
 
-(a) `cpuengine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine.engine_step`) on this CPU, for
+(a) `cpu_engine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine.engine_step`) on this CPU, for
     hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
     packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
     interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by
@@ -54,7 +54,7 @@ def case_batch(case: StepCase, D: int, T: int, S: int) -> Batch:
                  max_ctx=max(ctxs), padded_tokens=T, logit_rows=S)
 
 
-def cpuengine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = None, repeats: int = 5,
+def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = None, repeats: int = 5,
                      page_size: int = 16, max_num_seqs: int = 8, cpu_specs: dict | None = None) -> list[dict]:
     """Measured vs predicted seconds of the engine's step for each case (see the module doc)."""
     import jax
