@@ -40,17 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "greedy unless sampling options are given. Tokens stream to stderr.",
                        epilog="Each new batch shape compiles the engine step once (seconds on CPU); set "
                               "JAX_COMPILATION_CACHE_DIR to reuse compilations across runs.")
-    src = p.add_argument_group("model")
-    src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + *.safetensors; "
-                                                         "EOS ids from generation_config.json)")
-    src.add_argument("--model", metavar="PRESET", help=f"without --checkpoint: a preset with random weights (seeded "
-                                                       f"{RANDOM_WEIGHTS_SEED}); default qwen3.5-tiny; "
-                                                       f"presets: {', '.join(PRESETS)}")
-    src.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and activations (default: the "
-                                                                      "checkpoint's or the preset's)")
-    src.add_argument("--no-check-weights", dest="check_weights", action="store_false",
-                     help="skip the loader's check that every weight is finite (NaN / Inf), done per shard on its "
-                          "device")
+    add_model_options(p)
     req = p.add_argument_group("requests (repeatable, in any mix: one request each, in the order given)")
     req.add_argument("--prompt-ids", dest="prompts", action="append", type=lambda s: ("ids", s), metavar='"1 2 3"',
                      help="token ids, separated by spaces or commas")
@@ -87,6 +77,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
                                                     "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
     p.set_defaults(run=run)
+
+
+def add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The "model" options that `generate` and `serve` share: --checkpoint, --model, --dtype, --no-check-weights."""
+    src = p.add_argument_group("model")
+    src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + *.safetensors; "
+                                                         "EOS ids from generation_config.json)")
+    src.add_argument("--model", metavar="PRESET", help=f"without --checkpoint: a preset with random weights (seeded "
+                                                       f"{RANDOM_WEIGHTS_SEED}); default qwen3.5-tiny; "
+                                                       f"presets: {', '.join(PRESETS)}")
+    src.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and activations (default: the "
+                                                                      "checkpoint's or the preset's)")
+    src.add_argument("--no-check-weights", dest="check_weights", action="store_false",
+                     help="skip the loader's check that every weight is finite (NaN / Inf), done per shard on its "
+                          "device")
+    return src
 
 
 def run(args: argparse.Namespace) -> int:

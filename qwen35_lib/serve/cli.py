@@ -14,7 +14,7 @@ import pathlib
 import socket
 
 from qwen35_lib import cli_generate
-from qwen35_lib.config import LAYOUTS, PRESETS, ROUTINGS
+from qwen35_lib.config import LAYOUTS, ROUTINGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,11 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/health; one engine loop batches all open requests continuously.",
                        epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. Each new batch shape "
                               "compiles the engine step once (seconds on CPU).")
-    src = p.add_argument_group("model")
-    src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--model", metavar="PRESET", help=f"without --checkpoint: a preset with random weights "
-                                                       f"(default qwen3.5-tiny); presets: {', '.join(PRESETS)}")
-    src.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights and activations")
+    src = cli_generate.add_model_options(p)
     src.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json "
                                                         "for chat); default: the checkpoint's")
     src.add_argument("--served-model-name", metavar="NAME", help="the `model` clients send (default: the "
@@ -86,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")
-    config, weights = cli_generate._load(root, preset, args.dtype, split, mesh)
+    config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights)
     engine = Engine(config, weights, ec, mesh=mesh)
     loop = EngineLoop(engine).start()
     host, port = sock.getsockname()[:2]
