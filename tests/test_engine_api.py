@@ -1,6 +1,7 @@
 """The engine's API refuses bad arguments at the door, and a cache that cannot fit before allocating it.
 
-No step runs here (nothing compiles): every case is decided when a request is queued or an engine is built.
+Every case is decided when a request is queued or an engine is built, except the step's own working memory: a
+bucket's step is compiled and checked before it first runs.
 """
 
 import dataclasses
@@ -139,6 +140,27 @@ def test_the_real_memory_check_refuses_what_no_machine_has(tiny):
     cfg, w = tiny
     with pytest.raises(ValueError, match=r"the caches need \d+\.\d\d GiB but .* is free \(host RAM, MemAvailable\)"):
         Engine(cfg, w, EngineConfig(max_model_len=10_000_000, max_num_seqs=4096))  # 19 TiB in float32
+
+
+def test_a_step_that_cannot_fit_is_refused_before_it_runs_and_leaves_the_engine_whole(tiny, monkeypatch):
+    """The caches fit, the first step's temporaries do not: the step is refused (compiled, never run) with the
+    knobs to lower; with the memory back, the same engine gives what a fresh one gives."""
+    prompts, params = [[5, 6, 7, 8, 9], [3, 1, 4]], SamplingParams(max_new_tokens=4)
+    engine = Engine(*tiny, EC)
+    for p in prompts:
+        engine.add_request(p, params)
+    monkeypatch.setattr(cache_module, "available_bytes", lambda d: (1024, "host RAM, MemAvailable"))
+    with pytest.raises(ValueError, match=r"^the step needs \d+\.\d MiB of working memory beyond the caches but "
+                                         r"0\.0 MiB is free \(host RAM, MemAvailable\) at 1 decode rows \+ 64 prefill "
+                                         r"tokens per rank: lower max_model_len \(64\), max_num_seqs \(2\) or "
+                                         r"max_num_batched_tokens \(16\)$"):
+        engine.step()
+    assert engine.stats.steps == 0
+    monkeypatch.undo()
+    while engine.has_work:
+        engine.step()
+    fresh = Engine(*tiny, EC).generate(prompts, params)
+    assert [engine.results[i].output_ids for i in range(2)] == [r.output_ids for r in fresh]
 
 
 class FakeAccelerator:

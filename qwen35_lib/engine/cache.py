@@ -133,3 +133,27 @@ def memory_shortfall(config: Config, shape: CacheShape, mesh=None) -> str | None
         if avail is not None and need > avail[0]:
             return f"the caches need {need / 2**30:.2f} GiB but {avail[0] / 2**30:.2f} GiB is free ({avail[1]})"
     return None
+
+
+def step_memory_shortfall(compiled, devices) -> str | None:
+    """None when the working memory of a compiled step (temporaries, and outputs not aliased to a donated input)
+    fits what `devices` can still allocate, else what is short. `memory_analysis()` reports one device's share of
+    an SPMD program: CPU devices of this process share host RAM and are charged together."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    per_device = ma.temp_size_in_bytes + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+    pools: dict = {}  # (pool key) -> [bytes needed, a device of it]
+    for d in devices:
+        if d.process_index == jax.process_index():
+            pools.setdefault("host" if d.platform == "cpu" else d, [0, d])[0] += per_device
+    for need, d in pools.values():
+        avail = available_bytes(d)
+        if avail is not None and need > avail[0]:
+            return (f"the step needs {_size(need)} of working memory beyond the caches but {_size(avail[0])} is "
+                    f"free ({avail[1]})")
+    return None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import bucket, pack, stack_ranks
-from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache, memory_shortfall
+from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache, memory_shortfall, step_memory_shortfall
 from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
@@ -177,10 +177,13 @@ class Engine:
                       self.chunk) for p in plans]
         tokens, meta = stack_ranks(packs)
         samp = self._sampling_arrays(plans, S)
+        first = (D, T) not in self.stats.buckets
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
+            if first:  # compiled here (jit reuses it) and checked before it runs
+                self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
             next_tokens, self.cache = self.step_fn(self.config, self.weights, self.cache, tokens, meta, samp)
             next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
@@ -197,6 +200,22 @@ class Engine:
                     self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
                                                 r.token_times, r.preemptions)
         return events
+
+    def _check_step_memory(self, D: int, T: int, tokens, meta, samp) -> None:
+        """A ValueError naming the knobs to lower when the step of bucket (D, T) needs more working memory than
+        the devices have left once the caches are placed (on XLA:CPU the step's temporaries grow with the pools:
+        the XLA paged attention gathers every sequence's pages). A stand-in step without `lower` is not checked."""
+        lower = getattr(self.step_fn, "lower", None)
+        if lower is None:
+            return
+        compiled = lower(self.config, self.weights, self.cache, tokens, meta, samp).compile()
+        devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
+        short = step_memory_shortfall(compiled, devices)
+        if short is not None:
+            ec = self.ec
+            raise ValueError(f"{short} at {D} decode rows + {T - D} prefill tokens per rank: lower max_model_len "
+                             f"({ec.max_model_len}), max_num_seqs ({ec.max_num_seqs}) or max_num_batched_tokens "
+                             f"({ec.max_num_batched_tokens})")
 
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
