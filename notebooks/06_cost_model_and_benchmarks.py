@@ -72,7 +72,7 @@ import numpy as np
 from IPython.display import display
 
 import qwen35_lib
-from qwen35_lib import costmodel, hardware
+from qwen35_lib import costmodel, data
 from qwen35_lib.costmodel import collectives, cpu_bench, ops, sensitivity, specs, validate  # noqa: F401 (exercises)
 from qwen35_lib.costmodel.stages import STAGES
 from qwen35_lib.viz import costmodel as viz
@@ -201,7 +201,7 @@ for r in cpu_rows:
           f"ratio {r['ratio']:.2f}")
 
 # %%
-bench_file = hardware.data_path().parent / "costmodel_validation.json"
+bench_file = data.path("costmodel_validation.json")
 bench = json.loads(bench_file.read_text()) if bench_file.exists() else None
 if cpu_rows or bench:
     display(viz.plot_cpu_validation(cpu_rows + (bench["cpu_steps"] if bench else [])))

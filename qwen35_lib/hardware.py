@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import pathlib
 from typing import Any
 
-DATA_ENV = "QWEN35_DATA_DIR"  # a folder holding hardware.json, for installs without the repo's data/
+from qwen35_lib import data
+
 _FIELDS = ("devices_per_chip", "hbm_bytes", "hbm_bytes_per_s", "peak_bf16_flops", "peak_fp8_flops")
 
 
@@ -54,20 +54,13 @@ class Hardware:
 
 
 def data_path() -> pathlib.Path:
-    """`hardware.json`: from `$QWEN35_DATA_DIR` if set, else the repository's `data/` folder."""
-    folder = os.environ.get(DATA_ENV)
-    path = pathlib.Path(folder) if folder else pathlib.Path(__file__).resolve().parents[1] / "data"
-    path = path / "hardware.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"no hardware table at {path}; run from a checkout of the repository (pip install -e .) "
-            f"or point ${DATA_ENV} at a folder holding hardware.json")
-    return path
+    """`hardware.json`: the package's (`qwen35_lib.data`), or `$QWEN35_DATA_DIR`'s when it holds one."""
+    return data.path("hardware.json")
 
 
 @functools.cache
 def _table() -> dict:
-    return json.loads(data_path().read_text())
+    return data.read_json("hardware.json")
 
 
 def names() -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from qwen35_lib import hardware as hw
+from qwen35_lib import data
 from qwen35_lib.bench.timing import environment, format_table, warn_if_busy, write_json
 from qwen35_lib.config import get_config
 
@@ -61,5 +61,5 @@ def run(args: argparse.Namespace) -> dict:
                cpu_ratio_spread=[min(ratios), max(ratios)], cpu_ratio_median=statistics.median(ratios),
                aot=aot, published=pub, environment=environment(loadavg_1m_before=load))
     if args.write_data:
-        write_json(hw.data_path().parent / "costmodel_validation.json", doc)
+        write_json(data.path("costmodel_validation.json"), doc)
     return doc

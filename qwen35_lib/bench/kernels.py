@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen35_lib import data
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy, write_json
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.kernels import registry
@@ -42,7 +42,7 @@ from qwen35_lib.kernels.permute_pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.model.moe import route
 
 DESCRIPTION = "moe_matmul implementations (ragged_dot, tiled, ...) vs dense matmuls, decode and prefill sizes"
-CHOICE_PATH = pathlib.Path(__file__).resolve().parents[2] / "data" / "kernel_choice_cpu.json"
+CHOICE_PATH = data.path("kernel_choice_cpu.json")
 REFERENCE = "ragged_dot"  # the slot's reference twin: every other implementation's output is compared to it
 DENSE = "dense (all experts)"
 DENSE_EQ = "dense matmul (equal FLOPs)"

@@ -19,7 +19,9 @@ from fractions import Fraction
 
 import numpy as np
 
-DATA = pathlib.Path(__file__).resolve().parents[2] / "data" / "workloads.json"
+from qwen35_lib import data
+
+DATA = data.path("workloads.json")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from typing import Any
 
+from qwen35_lib import data
 from qwen35_lib import hardware as hw
 
 FILE = "costmodel_hardware.json"
@@ -65,7 +65,7 @@ class Specs:
 
 @functools.cache
 def _table() -> dict:
-    return json.loads((hw.data_path().parent / FILE).read_text())
+    return data.read_json(FILE)
 
 
 def _value(entry: dict, sources: dict, key: str) -> Any:

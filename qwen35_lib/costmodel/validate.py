@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from qwen35_lib import hardware as hw
+from qwen35_lib import data
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.ops import Batch
@@ -162,7 +162,7 @@ def aot_forward_isolated(model: str, layers: int, batch: int, seq: int, timeout:
 
 def published() -> dict:
     """data/published.json (cited measurements; read only for comparison)."""
-    return json.loads((hw.data_path().parent / "published.json").read_text())
+    return data.read_json("published.json")
 
 
 def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> list[dict]:
