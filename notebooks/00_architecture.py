@@ -31,11 +31,13 @@
 # the libtpu that matches the pinned jax.
 import glob
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
 
 REPO = "qwen35-playbook/qwen35-playbook"
+REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
 if importlib.util.find_spec("qwen35_lib") is None:
     checkout = pathlib.Path.cwd().parent
     if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
@@ -46,28 +48,17 @@ if importlib.util.find_spec("qwen35_lib") is None:
     sys.path.insert(0, str(checkout))
 
 # %%
-# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
-import glob
-import os
+# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
+# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
+from qwen35_lib import notebook
 
-import jax
-
-from qwen35_lib.devices import simulate_cpu_devices
-
-ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
-if not ACCELERATOR:
-    simulate_cpu_devices(8)  # collectives wait for a slow simulated device instead of aborting
-devices = jax.devices()
-if devices[0].platform == "cpu":
-    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
-SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
-print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+devices, SIZE = notebook.setup()
 
 # %%
 # %matplotlib inline
-import json
 import tempfile
 
+import jax
 import numpy as np
 
 import qwen35_lib
@@ -286,12 +277,11 @@ if HAVE_HF:
 
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
-if os.environ.get("QWEN35_RESULTS_DIR"):
-    record = dict(total_params=stats.total_params, active_params=stats.active_params,
-                  kv_bytes_per_token=serve_stats.kv_bytes_per_token,
-                  gdn_state_bytes_per_seq=serve_stats.gdn_state_bytes_per_seq,
-                  budgets=[b.as_dict() for b in budgets])
-    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "architecture.json").write_text(json.dumps(record, indent=2))
+record = dict(total_params=stats.total_params, active_params=stats.active_params,
+              kv_bytes_per_token=serve_stats.kv_bytes_per_token,
+              gdn_state_bytes_per_seq=serve_stats.gdn_state_bytes_per_seq,
+              budgets=[b.as_dict() for b in budgets])
+notebook.save_results("architecture", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">

@@ -31,11 +31,13 @@
 # the libtpu that matches the pinned jax.
 import glob
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
 
 REPO = "qwen35-playbook/qwen35-playbook"
+REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
 if importlib.util.find_spec("qwen35_lib") is None:
     checkout = pathlib.Path.cwd().parent
     if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
@@ -46,27 +48,16 @@ if importlib.util.find_spec("qwen35_lib") is None:
     sys.path.insert(0, str(checkout))
 
 # %%
-# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
-import glob
-import os
+# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
+# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
+from qwen35_lib import notebook
 
-import jax
-
-from qwen35_lib.devices import simulate_cpu_devices
-
-ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
-if not ACCELERATOR:
-    simulate_cpu_devices(8)  # collectives wait for a slow simulated device instead of aborting
-devices = jax.devices()
-if devices[0].platform == "cpu":
-    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
-SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
-print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+devices, SIZE = notebook.setup()
 
 # %%
 # %matplotlib inline
-import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -246,13 +237,12 @@ for n, tokens in first.items():
 
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
-if os.environ.get("QWEN35_RESULTS_DIR"):
-    record = dict(placement_397b=dict(weight_bytes=p.weight_bytes_per_device, kv_bytes=p.kv_bytes_per_device,
-                                      gdn_state_bytes=p.gdn_state_bytes_per_device,
-                                      total_bytes=p.total_bytes_per_device, fits=p.fits),
-                  logits_max_abs_err=float(err), collectives_per_group=per_group,
-                  first_tokens={str(k): v for k, v in first.items()})
-    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "dp_ep.json").write_text(json.dumps(record, indent=2))
+record = dict(placement_397b=dict(weight_bytes=p.weight_bytes_per_device, kv_bytes=p.kv_bytes_per_device,
+                                  gdn_state_bytes=p.gdn_state_bytes_per_device,
+                                  total_bytes=p.total_bytes_per_device, fits=p.fits),
+              logits_max_abs_err=float(err), collectives_per_group=per_group,
+              first_tokens={str(k): v for k, v in first.items()})
+notebook.save_results("dp_ep", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">

@@ -32,11 +32,13 @@
 # the libtpu that matches the pinned jax.
 import glob
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
 
 REPO = "qwen35-playbook/qwen35-playbook"
+REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
 if importlib.util.find_spec("qwen35_lib") is None:
     checkout = pathlib.Path.cwd().parent
     if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
@@ -47,27 +49,16 @@ if importlib.util.find_spec("qwen35_lib") is None:
     sys.path.insert(0, str(checkout))
 
 # %%
-# Devices: an accelerator's own, else 8 simulated CPU devices (set before JAX starts its first backend).
-import glob
-import os
+# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
+# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
+from qwen35_lib import notebook
 
-import jax
-
-from qwen35_lib.devices import simulate_cpu_devices
-
-ACCELERATOR = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") or glob.glob("/dev/nvidia[0-9]*"))
-if not ACCELERATOR:
-    simulate_cpu_devices(8)  # collectives wait for a slow simulated device instead of aborting
-devices = jax.devices()
-if devices[0].platform == "cpu":
-    assert len(devices) == 8, f"{devices}: restart the kernel so this cell runs before JAX starts a backend"
-SIZE = os.environ.get("QWEN35_SIZE") or ("tpu" if devices[0].platform == "tpu" else "cpu")
-print(f"{len(devices)} x {devices[0].device_kind}; size: {SIZE}")
+devices, SIZE = notebook.setup()
 
 # %%
 # %matplotlib inline
-import json
 
+import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
@@ -234,11 +225,10 @@ print({k or ("plain",): float(np.abs(v - plain).max()) for k, v in outs.items()}
 
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
-if os.environ.get("QWEN35_RESULTS_DIR"):
-    record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fused), v in all_gathers.items()},
-                  reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
-                  bytes_per_phase_397b_n512=per_phase)
-    pathlib.Path(os.environ["QWEN35_RESULTS_DIR"], "collective_fusion.json").write_text(json.dumps(record, indent=2))
+record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fused), v in all_gathers.items()},
+              reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
+              bytes_per_phase_397b_n512=per_phase)
+notebook.save_results("collective_fusion", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">

@@ -4,6 +4,7 @@
 install-if-missing cell must use it (tests/test_notebooks.py checks).
 """
 
+from qwen35_lib.notebook import RESULTS_ENV  # noqa: F401 (where notebooks write results: the builder sets it)
+
 GITHUB_REPO = "qwen35-playbook/qwen35-playbook"
 COLAB_URL = "https://colab.research.google.com/github/{repo}/blob/main/notebooks/{name}.ipynb"
-RESULTS_ENV = "QWEN35_RESULTS_DIR"
