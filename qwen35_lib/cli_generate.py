@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
     streams: dict = {}  # request id -> IncrementalDetokenizer
-    with _profiled(args.profile):
+    with profiled(args.profile):
         results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer, streams))
     wall = time.perf_counter() - t0
 
@@ -338,8 +338,8 @@ def check_fp8(fp8: str, root: pathlib.Path | None) -> None:
                          "leave --fp8 out, or use the FP8 checkpoint")
 
 
-def _profiled(directory: str | None) -> Any:
-    """`jax.profiler.trace(directory)` around the generation, or nothing."""
+def profiled(directory: str | None) -> Any:
+    """`jax.profiler.trace(directory)` around a run (the generation; a benchmark), or nothing."""
     import contextlib
 
     import jax
