@@ -97,7 +97,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh, sliced: each
       device's shard of every leaf is read from the memory-mapped files, piece by piece (`_load_sliced`), so the
       host never holds a whole leaf: beyond the weights on the devices, one op's piece for one device (e.g. one
-      expert's tensors) and a bounded number of small shards.
+      expert's tensors), or small shards of at most that many bytes together. A tqdm bar shows the reads.
     check_weights: refuse NaN / Inf weights (a jitted `isfinite` reduction per placed leaf, on its devices: no
       host scan); False skips it.
     progress: a tqdm bar on stderr over the tensors read and their bytes; None (default): only on a terminal.
@@ -669,7 +669,8 @@ def _load_sliced(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: di
        ([E, ...], `op.experts`) are read for the box's experts' rows only (FP8 dequantized on those rows).
     4. `make_array_from_single_device_arrays` makes each leaf from its device shards.
     Cost: a source is read (from the page cache after the first time) once per distinct box that needs it: once
-    under EP for expert tensors, once per device under TP.
+    under EP for expert tensors, once per device under TP. The host's transient per op is its sources as read
+    (dequantized to float32 if FP8) and transformed, before the cut to the box: under TP a whole tensor, not 1/8.
     """
     chunk = max(_piece_bytes(g, infos, shardings) for g in groups)
     plans = [(g, _boxes(g, infos, shardings)) for g in groups]
