@@ -147,11 +147,14 @@ def is_hub_id(value: str) -> bool:
         and ".." not in value
 
 
+def hub_name(value: str | None) -> str | None:
+    """The hub id a --checkpoint was resolved from (the model's name then), or None for a folder or no checkpoint."""
+    return value if value is not None and not pathlib.Path(value).is_dir() else None
+
+
 def checkpoint_name(value: str | None, root: pathlib.Path | None) -> str | None:
-    """What the model is called: the hub id it was given as, else its folder's name."""
-    if root is None:
-        return None
-    return value if value is not None and not pathlib.Path(value).is_dir() else root.resolve().name
+    """What the model is served as: the hub id it was given as, else its folder's name."""
+    return None if root is None else hub_name(value) or root.resolve().name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
     config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh, args.check_weights,
-                            fp8=args.fp8, name=checkpoint_name(args.checkpoint, root))
+                            fp8=args.fp8, name=hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
     if mesh is not None:
         _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")
     config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights, fp8=args.fp8,
-                                         name=cli_generate.checkpoint_name(args.checkpoint, root))
+                                         name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
     loop = EngineLoop(engine).start()
     host, port = sock.getsockname()[:2]
