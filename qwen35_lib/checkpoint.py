@@ -14,8 +14,10 @@ On-disk forms read (HF name -> our leaf; HF `nn.Linear` weights are [out, in], o
 - block-scaled FP8: `X.weight` (float8_e4m3fn) with `X.weight_scale_inv [cdiv(out, b), cdiv(in, b)]` (fused:
   `X_scale_inv`), `w = q * scale_inv` blockwise. Dequantized, or experts kept as `BlockFP8` (`fp8="keep"`).
 
-Every HF tensor is fetched once (`safetensors_io.SafeTensorsFile.get`, a memmap view) and its bytes copied once:
-leaves that share a source (e.g. `w_q`, `w_k`, `w_v` from `in_proj_qkv`) are assembled together as one group.
+Without a mesh, every HF tensor is fetched once (`safetensors_io.SafeTensorsFile.get`, a memmap view) and its bytes
+copied once: leaves that share a source (e.g. `w_q`, `w_k`, `w_v` from `in_proj_qkv`) are assembled together as one
+group. With a mesh, each device's shard is read straight from the files, slice by slice (`_load_sliced`): a tensor
+is fetched once per distinct shard that needs it, and the host never holds a whole leaf.
 
 What is refused (one-line errors: `CheckpointError`, `ConfigError`, `SafeTensorsError`, all `ValueError`s):
 files outside the folder (an index entry that is not a plain file name), files that are not regular (a FIFO),
@@ -29,10 +31,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
+import math
 import os
 import pathlib
 import stat
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +68,9 @@ def default_place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
 
 
 def sharded_place(config: Config, mesh) -> Place:
-    """A `place` that puts each leaf straight into its shards under `config.layout` on `mesh`: every device
-    receives only its slice (`make_array_from_callback`), so no device ever holds a whole leaf."""
+    """A `place` that cuts each whole host leaf into its shards under `config.layout` on `mesh`
+    (`make_array_from_callback`): no device holds a whole leaf, but the host does, one at a time. The reference
+    twin of the sliced load (`load_hf_checkpoint(..., mesh=)`), which never builds a whole leaf."""
     from jax.sharding import NamedSharding
 
     from qwen35_lib.parallel.layouts import check_layout, spec
@@ -80,19 +86,21 @@ def sharded_place(config: Config, mesh) -> Place:
 
 def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize",
                        place: Place | None = None, mesh=None, layout: str | None = None, check_weights: bool = True,
-                       **config_changes: Any) -> tuple[Config, dict]:
+                       progress: bool | None = None, **config_changes: Any) -> tuple[Config, dict]:
     """Read an HF checkpoint directory (`config.json` + `*.safetensors`) into `(config, weights)`.
 
     dtype: the weights' dtype ("float32" / "bfloat16"); default: the checkpoint's (config.json `dtype`).
     fp8: "dequantize" (FP8 tensors become plain weights in `dtype`) or "keep" (FP8 expert weights stay
       `BlockFP8(value, scale)` and the config gets `expert_dtype="float8_e4m3fn"`; the rest is dequantized).
-    place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per leaf as soon as it is assembled;
-      default: the default device, or with `mesh`, straight into the leaf's shards (`sharded_place`).
-    mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh: each device
-      gets only its shards. The host still assembles one whole leaf at a time (the stacked experts are the
-      largest); reading each shard's slice from disk directly is not done yet.
+    place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per whole leaf as soon as it is assembled on
+      the host; default: the default device.
+    mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh, sliced: each
+      device's shard of every leaf is read from the memory-mapped files, piece by piece (`_load_sliced`), so the
+      host never holds a whole leaf: beyond the weights on the devices, one op's piece for one device (e.g. one
+      expert's tensors), or small shards of at most that many bytes together. A tqdm bar shows the reads.
     check_weights: refuse NaN / Inf weights (a jitted `isfinite` reduction per placed leaf, on its devices: no
       host scan); False skips it.
+    progress: a tqdm bar on stderr over the tensors read and their bytes; None (default): only on a terminal.
     config_changes: fields of `Config` to override (e.g. `attention_kernel="xla"`).
 
     1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
@@ -100,9 +108,10 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     2. Plan: for every group of leaves, the HF tensors it needs, their expected shapes, and how they split.
     3. Check before reading: missing tensors, shapes that disagree with config.json, stored dtypes of the wrong
        kind, leftover tensors.
-    4. Per group: allocate the numpy leaves, copy every source in (each read once), check against
-       `declare(config)`, `place` each leaf, start its finiteness check.
-    5. Wait for the finiteness checks; name the HF tensors of any leaf that failed.
+    4. With a mesh, every device's shards read slice by slice (`_load_sliced`); else per group: allocate the numpy
+       leaves, copy every source in (each read once) and `place` each leaf (`_load_whole`).
+    5. Check every leaf against `declare(config)`; start its finiteness check.
+    6. Wait for the finiteness checks; name the HF tensors of any leaf that failed.
     """
     if fp8 not in ("dequantize", "keep"):
         raise ValueError(f"fp8={fp8!r}; use 'dequantize' (plain weights) or 'keep' (BlockFP8 experts)")
@@ -123,7 +132,6 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     config = from_hf_config(hf, source=str(config_path), **changes)
     if place is not None and mesh is not None:
         raise ValueError("pass either place or mesh (mesh places each leaf into its shards for the layout)")
-    place = sharded_place(config, mesh) if mesh is not None else (place or default_place)
     if config.expert_dtype is not None and config.fp8_block_size != quant:
         raise ValueError(f"{root}: expert_dtype={config.expert_dtype!r} keeps the checkpoint's FP8 experts, but the "
                          f"checkpoint has {'no FP8 weights' if not quant else f'FP8 blocks of {quant}'}; "
@@ -137,23 +145,21 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     infos = dict(_leaves(decl))
     groups = _plan(config, prefix, tensors, tied)
     _check(root, config, tensors, groups, quant, infos)
-    out: dict[Path, Any] = {}
+    bar = _Progress(progress, root.name)
+    try:
+        if mesh is not None:
+            out = _load_sliced(groups, infos, tensors, quant, _shardings(config, mesh, infos), bar)
+        else:
+            out = _load_whole(groups, infos, tensors, quant, place or default_place, bar)
+    finally:
+        bar.close()
     finite: list[tuple[Path, Any]] = []  # (leaf, its on-device all-finite flag), resolved after the last leaf
-    for group in groups:
-        arrays = {key: np.empty(infos[p].shape, infos[p].dtype) for key, p in group.leaves.items()}
-        for op in group.ops:
-            sources = [_read(tensors, n, quant, op.raw) for n in op.sources]
-            for key, piece in op.split(*sources).items():
-                target = arrays[key][op.index]
-                assert piece.shape == target.shape, (group.leaves[key], op.index, piece.shape, target.shape)
-                target[...] = piece  # casts to the declared dtype
-        for key, p in group.leaves.items():
-            out[p] = place(p, arrays.pop(key), infos[p])
-            if (out[p].shape, out[p].dtype) != (infos[p].shape, infos[p].dtype):
-                raise ValueError(f"place returned {out[p].shape} {out[p].dtype} for {'/'.join(p)}, declared "
-                                 f"{infos[p].shape} {infos[p].dtype}; place must keep the shape and dtype")
-            if check_weights and jnp.issubdtype(out[p].dtype, jnp.inexact):
-                finite.append((p, _all_finite(out[p])))  # dispatched, not awaited
+    for p, leaf in out.items():
+        if (leaf.shape, leaf.dtype) != (infos[p].shape, infos[p].dtype):
+            raise ValueError(f"place returned {leaf.shape} {leaf.dtype} for {'/'.join(p)}, declared "
+                             f"{infos[p].shape} {infos[p].dtype}; place must keep the shape and dtype")
+        if check_weights and jnp.issubdtype(leaf.dtype, jnp.inexact):
+            finite.append((p, _all_finite(leaf)))  # dispatched, not awaited
     assert out.keys() == infos.keys(), f"internal error: no plan for {sorted(set(infos) - set(out))}"
     bad = [p for (p, _), ok in zip(finite, jax.device_get([f for _, f in finite]), strict=True) if not ok]
     if bad:
@@ -162,6 +168,34 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
                               f"{', '.join('/'.join(p) for p in bad[:5])}); the checkpoint is corrupt: download it "
                               "again, or pass check_weights=False (CLI: --no-check-weights) to load it anyway")
     return config, jax.tree.structure(decl, is_leaf=is_info).unflatten([out[p] for p in infos])
+
+
+def _load_whole(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: dict, block: int | None, place: Place,
+                bar: _Progress) -> dict[Path, Any]:
+    """Per group: allocate the whole numpy leaves, copy every source in (each read once), `place` each leaf."""
+    bar.start(sum(len(g.ops) for g in groups), sum(_op_bytes(op, None, tensors) for g in groups for op in g.ops))
+    out: dict[Path, Any] = {}
+    for group in groups:
+        arrays = {key: np.empty(infos[p].shape, infos[p].dtype) for key, p in group.leaves.items()}
+        for op in group.ops:
+            sources = [_read(tensors, n, block, op.raw) for n in op.sources]
+            for key, piece in op.split(*sources).items():
+                target = arrays[key][op.index]
+                assert piece.shape == target.shape, (group.leaves[key], op.index, piece.shape, target.shape)
+                target[...] = piece  # casts to the declared dtype
+            bar.update(1, _op_bytes(op, None, tensors))
+        for key, p in group.leaves.items():
+            out[p] = place(p, arrays.pop(key), infos[p])
+    return out
+
+
+def _shardings(config: Config, mesh, infos: dict[Path, ArrayInfo]) -> dict[Path, Any]:
+    from jax.sharding import NamedSharding
+
+    from qwen35_lib.parallel.layouts import check_layout, spec
+
+    layout = check_layout(config, mesh)
+    return {p: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)) for p, i in infos.items()}
 
 
 @jax.jit
@@ -295,13 +329,15 @@ def _experts_are_fp8(tensors: dict, prefix: str) -> bool:
                for n, f in tensors.items())
 
 
-def _read(tensors: dict, name: str, block: int | None, raw: bool) -> np.ndarray:
-    """A tensor as stored (`raw`, or not FP8), or dequantized to float32 with its `scale_inv`."""
+def _read(tensors: dict, name: str, block: int | None, raw: bool, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """A tensor as stored (`raw`, or not FP8), or dequantized to float32 with its `scale_inv`; with `rows`
+    (start, stop), only those rows of dim 0 (and of the scale's dim 0: fused experts, one scale row per expert)."""
     value = tensors[name].get(name)
+    cut = slice(None) if rows is None else slice(*rows)
     if raw or value.dtype != FP8:
-        return value
+        return value[cut]
     scale_name = _scale_name(name)
-    return dequantize_fp8_np(value, tensors[scale_name].get(scale_name), block)
+    return dequantize_fp8_np(value[cut], tensors[scale_name].get(scale_name)[cut], block)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -315,6 +351,7 @@ class _Op:
     index: tuple[int, ...]  # where the pieces go in each leaf of the group (leading dims)
     split: Callable[..., dict[str, np.ndarray]]  # source arrays -> {leaf key: piece}
     raw: bool = False  # True: FP8 sources as stored (values and scales), not dequantized
+    experts: bool = False  # True: every source's dim 0 is the leaves' dim len(index) (fused experts [E, ...])
 
 
 @dataclasses.dataclass
@@ -330,9 +367,9 @@ class _Planner:
         self.groups: dict[tuple[Path, ...], _Group] = {}
 
     def add(self, leaves: dict[str, Path], sources: list[tuple[str, tuple[int, ...]]], index: tuple[int, ...],
-            split: Callable[..., dict[str, np.ndarray]], raw: bool = False) -> None:
+            split: Callable[..., dict[str, np.ndarray]], raw: bool = False, experts: bool = False) -> None:
         group = self.groups.setdefault(tuple(leaves.values()), _Group(leaves))
-        group.ops.append(_Op(tuple(n for n, _ in sources), tuple(s for _, s in sources), index, split, raw))
+        group.ops.append(_Op(tuple(n for n, _ in sources), tuple(s for _, s in sources), index, split, raw, experts))
 
     def one(self, path: Path, name: str, shape: tuple[int, ...], index: tuple[int, ...] = (),
             fn: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> None:
@@ -459,23 +496,25 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
     cd, cf = -(-D // b), -(-F // b)
     gu = {"v": (*moe, "w_gate_up", "value"), "s": (*moe, "w_gate_up", "scale")} if fp8 else {"v": (*moe, "w_gate_up")}
     dn = {"v": (*moe, "w_down", "value"), "s": (*moe, "w_down", "scale")} if fp8 else {"v": (*moe, "w_down")}
-    if fused:
+    if fused:  # the splits take the expert count from their sources: a sliced load reads only its experts' rows
         gate_up, down = x + "gate_up_proj", x + "down_proj"  # [E, 2F, D] rows [gate | up]; [E, D, F]
         if not fp8:
-            pl.add(gu, [(gate_up, (E, 2 * F, D))], gp, lambda a: {"v": a.reshape(E, 2, F, D).transpose(0, 3, 1, 2)})
-            pl.add(dn, [(down, (E, D, F))], gp, lambda a: {"v": a.transpose(0, 2, 1)})
+            pl.add(gu, [(gate_up, (E, 2 * F, D))], gp,
+                   lambda a: {"v": a.reshape(-1, 2, F, D).transpose(0, 3, 1, 2)}, experts=True)
+            pl.add(dn, [(down, (E, D, F))], gp, lambda a: {"v": a.transpose(0, 2, 1)}, experts=True)
             return
         if F % b:
             raise ValueError(f"fused FP8 experts with moe_intermediate_size {F}, not a multiple of the FP8 block {b}: "
                              "a scale block straddles gate and up; load with fp8='dequantize'")
 
         def split_gate_up(v: np.ndarray, sc: np.ndarray) -> dict[str, np.ndarray]:
-            return {"v": v.reshape(E, 2, F, D).transpose(0, 3, 1, 2),  # [E, D, 2, F]
-                    "s": sc.reshape(E, 2, cf, cd).transpose(0, 3, 1, 2)}  # [E, cdiv(D, b), 2, cdiv(F, b)]
+            return {"v": v.reshape(-1, 2, F, D).transpose(0, 3, 1, 2),  # [E, D, 2, F]
+                    "s": sc.reshape(-1, 2, cf, cd).transpose(0, 3, 1, 2)}  # [E, cdiv(D, b), 2, cdiv(F, b)]
 
-        pl.add(gu, [(gate_up, (E, 2 * F, D)), (_scale_name(gate_up), (E, 2 * cf, cd))], gp, split_gate_up, raw=True)
+        pl.add(gu, [(gate_up, (E, 2 * F, D)), (_scale_name(gate_up), (E, 2 * cf, cd))], gp, split_gate_up, raw=True,
+               experts=True)
         pl.add(dn, [(down, (E, D, F)), (_scale_name(down), (E, cd, cf))], gp,
-               lambda v, sc: {"v": v.transpose(0, 2, 1), "s": sc.transpose(0, 2, 1)}, raw=True)
+               lambda v, sc: {"v": v.transpose(0, 2, 1), "s": sc.transpose(0, 2, 1)}, raw=True, experts=True)
         return
     for e in range(E):
         gate, up, down = (f"{x}{e}.{n}_proj.weight" for n in ("gate", "up", "down"))  # [F, D], [F, D], [D, F]
@@ -606,3 +645,171 @@ def _key(k: Any) -> str:
             v = getattr(k, attr)
             return BlockFP8._fields[v] if attr == "idx" else str(v)
     raise TypeError(k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sliced load: each device's shard read from the files, slice by slice
+
+Box = tuple[tuple[int, int], ...]  # one device's part of a leaf: (start, stop) per dim
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _load_sliced(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: dict, block: int | None,
+                 shardings: dict[Path, Any], bar: _Progress) -> dict[Path, jax.Array]:
+    """Every leaf straight into its shards, the host holding one slice of one source tensor at a time.
+
+    `chunk` = the largest piece one op writes into one device's shard of one leaf (e.g. one expert's
+    [D, 2, F] under dp8_ep8, its [D, 2, F / 8] under tp8): the host-memory unit. Per group of leaves:
+    1. Each addressable device's box of every leaf (`addressable_devices_indices_map`); devices with the same
+       boxes (replicas) are built once.
+    2. Per box: if the group's shards there fit in `chunk`, they are assembled on the host and put on the box's
+       devices. Otherwise every shard starts as zeros on its devices and each op's piece is written into it in
+       place (`_write`: a donated dynamic-update-slice), so the host holds one piece at a time.
+    3. An op is read only for the boxes that contain its index, and only its sources' slice: fused expert tensors
+       ([E, ...], `op.experts`) are read for the box's experts' rows only (FP8 dequantized on those rows).
+    4. `make_array_from_single_device_arrays` makes each leaf from its device shards.
+    Cost: a source is read (from the page cache after the first time) once per distinct box that needs it: once
+    under EP for expert tensors, once per device under TP. The host's transient per op is its sources as read
+    (dequantized to float32 if FP8) and transformed, before the cut to the box: under TP a whole tensor, not 1/8.
+    """
+    chunk = max(_piece_bytes(g, infos, shardings) for g in groups)
+    plans = [(g, _boxes(g, infos, shardings)) for g in groups]
+    bar.start(sum(len(ops) for _, boxes in plans for ops, _, _ in boxes),
+              sum(_op_bytes(op, rows, tensors) for _, boxes in plans for ops, rows, _ in boxes for op in ops))
+    out: dict[Path, jax.Array] = {}
+    for group, boxes in plans:
+        shards: dict[str, dict[Any, jax.Array]] = {key: {} for key in group.leaves}
+        for ops, rows, (box, devices) in boxes:
+            for key, arrays in _build_box(group, ops, rows, box, devices, infos, tensors, block, chunk, bar).items():
+                shards[key].update(zip(devices, arrays, strict=True))
+        for key, p in group.leaves.items():
+            sharding = shardings[p]
+            order = list(sharding.addressable_devices_indices_map(infos[p].shape))
+            out[p] = jax.make_array_from_single_device_arrays(infos[p].shape, sharding,
+                                                              [shards[key][d] for d in order])
+    return out
+
+
+def _boxes(group: _Group, infos: dict[Path, ArrayInfo], shardings: dict[Path, Any]
+           ) -> list[tuple[list[_Op], tuple[int, int] | None, tuple[dict[str, Box], list]]]:
+    """The distinct boxes of `group` over the addressable devices: (ops inside the box, the expert rows its fused
+    expert ops read or None, (box of each leaf, the devices holding it))."""
+    k = len(group.ops[0].index)
+    assert all(len(op.index) == k for op in group.ops), group.leaves
+    maps = {key: shardings[p].addressable_devices_indices_map(infos[p].shape) for key, p in group.leaves.items()}
+    by_box: dict[tuple, list] = {}
+    for d in next(iter(maps.values())):
+        box = tuple(tuple(s.indices(n)[:2] for s, n in zip(maps[key][d], infos[p].shape, strict=True))
+                    for key, p in group.leaves.items())
+        by_box.setdefault(box, []).append(d)
+    out = []
+    for box, devices in by_box.items():
+        boxes = dict(zip(group.leaves, box, strict=True))
+        ops = [op for op in group.ops if any(_inside(op.index, b) for b in boxes.values())]
+        rows = None
+        if any(op.experts for op in ops):  # fused experts: the leaves' dim k is the sources' dim 0
+            spans = {b[k] for b in boxes.values()}
+            rows = (min(a for a, _ in spans), max(z for _, z in spans))
+        out.append((ops, rows, (boxes, devices)))
+    return out
+
+
+def _inside(index: tuple[int, ...], box: Box) -> bool:
+    return all(a <= i < z for i, (a, z) in zip(index, box))
+
+
+def _piece_bytes(group: _Group, infos: dict[Path, ArrayInfo], shardings: dict[Path, Any]) -> int:
+    """The largest piece one op of `group` writes into one device's shard of one of its leaves."""
+    k = len(group.ops[0].index)
+    return max(math.prod(shardings[p].shard_shape(infos[p].shape)[k:]) * np.dtype(infos[p].dtype).itemsize
+               for p in group.leaves.values())
+
+
+def _op_bytes(op: _Op, rows: tuple[int, int] | None, tensors: dict) -> int:
+    """The stored bytes an op reads (its sources' rows only for fused experts)."""
+    total = 0
+    for n in op.sources:
+        info = tensors[n].tensors[n]
+        nbytes = info.end - info.begin
+        total += nbytes * (rows[1] - rows[0]) // info.shape[0] if op.experts and rows and info.shape[0] else nbytes
+    return total
+
+
+def _build_box(group: _Group, ops: list[_Op], rows: tuple[int, int] | None, boxes: dict[str, Box], devices: list,
+               infos: dict[Path, ArrayInfo], tensors: dict, block: int | None, chunk: int, bar: _Progress
+               ) -> dict[str, list[jax.Array]]:
+    """The shards of `group`'s leaves in `boxes`, one per device of `devices` (see `_load_sliced`, step 2)."""
+    k = len(group.ops[0].index)
+    leaves = {key: infos[p] for key, p in group.leaves.items()}
+    shapes = {key: tuple(z - a for a, z in boxes[key]) for key in leaves}
+    on_host = sum(math.prod(shapes[key]) * np.dtype(i.dtype).itemsize for key, i in leaves.items()) <= chunk
+    host = {key: np.empty(shapes[key], i.dtype) for key, i in leaves.items()} if on_host else {}
+    dev = {} if on_host else {key: [_zeros(shapes[key], i.dtype, d) for d in devices] for key, i in leaves.items()}
+    for op in ops:
+        cut = rows if op.experts else None
+        pieces = op.split(*(_read(tensors, n, block, op.raw, cut) for n in op.sources))
+        bar.update(1, _op_bytes(op, cut, tensors))
+        for key, piece in pieces.items():
+            b = boxes[key]
+            if not _inside(op.index, b):
+                continue
+            lead = tuple(i - a for i, (a, _) in zip(op.index, b))  # the op's place in this shard
+            off = (cut[0] if cut else 0,) + (0,) * (len(b) - k - 1)  # the piece's origin in the leaf's dims >= k
+            piece = piece[tuple(slice(a - o, z - o) for (a, z), o in zip(b[k:], off))]
+            assert piece.shape == shapes[key][k:], (group.leaves[key], op.index, piece.shape, shapes[key])
+            if on_host:
+                host[key][lead] = piece  # casts to the declared dtype
+                continue
+            part = np.empty((1,) * k + piece.shape, leaves[key].dtype)
+            part[...] = piece
+            start = np.asarray(lead, np.int32)
+            dev[key] = [_write(buf, jax.device_put(part, d), start) for buf, d in zip(dev[key], devices)]
+        jax.block_until_ready(list(dev.values()))  # one op's pieces in flight at a time
+    if on_host:
+        return {key: [jax.device_put(a, d) for d in devices] for key, a in host.items()}
+    return dev
+
+
+@functools.cache
+def _zeros_on(shape: tuple[int, ...], dtype: str, device: Any) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
+    """Zeros made on `device` itself (`jnp.zeros(..., device=)` makes them elsewhere first, then copies)."""
+    return _zeros_on(shape, np.dtype(dtype).name, device)()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(shard: jax.Array, piece: jax.Array, start: jax.Array) -> jax.Array:
+    """`shard` with `piece` written at `start` (its leading dims), in place (donated). Bits are moved as
+    unsigned integers of the same width: XLA:CPU widens bfloat16 / float8 to float32 for a dynamic-update-slice,
+    which rewrites the whole shard per piece."""
+    u = _UINT[shard.dtype.itemsize]
+    at = [start[i] for i in range(start.shape[0])] + [0] * (shard.ndim - start.shape[0])
+    out = jax.lax.dynamic_update_slice(jax.lax.bitcast_convert_type(shard, u), jax.lax.bitcast_convert_type(piece, u),
+                                       at)
+    return jax.lax.bitcast_convert_type(out, shard.dtype)
+
+
+class _Progress:
+    """A tqdm bar on stderr over the tensors read and their bytes (`enabled` None: only on a terminal)."""
+
+    def __init__(self, enabled: bool | None, what: str):
+        self.enabled, self.what, self.bar, self.tensors, self.done = enabled, what, None, 0, 0
+
+    def start(self, tensors: int, nbytes: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.tensors = tensors
+        self.bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {self.what}",
+                        disable=None if self.enabled is None else not self.enabled, file=sys.stderr)
+
+    def update(self, tensors: int, nbytes: int) -> None:
+        self.done += tensors
+        self.bar.set_postfix_str(f"{self.done}/{self.tensors} reads", refresh=False)
+        self.bar.update(nbytes)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

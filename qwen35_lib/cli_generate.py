@@ -32,6 +32,8 @@ from qwen35_lib.config import LAYOUTS, PRESETS, ROUTINGS
 
 RANDOM_WEIGHTS_SEED = 0
 MESH_DEVICES = 8  # the layouts' ('chip': 4, 'core': 2) mesh
+HUB_EXAMPLE = "Qwen/Qwen3.5-397B-A17B-FP8"
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float8_e4m3fn", "fp8")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,8 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The "model" options that `generate` and `serve` share: --checkpoint, --model, --dtype, --no-check-weights."""
     src = p.add_argument_group("model")
-    src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + *.safetensors; "
-                                                         "EOS ids from generation_config.json)")
+    src.add_argument("--checkpoint", metavar="DIR|REPO", help="an HF checkpoint directory (config.json + "
+                     "*.safetensors; EOS ids from generation_config.json), or a hub id such as "
+                     f"{HUB_EXAMPLE} read from the local Hugging Face cache only (fetch it first: hf download REPO)")
     src.add_argument("--model", metavar="PRESET", help=f"without --checkpoint: a preset with random weights (seeded "
                                                        f"{RANDOM_WEIGHTS_SEED}); default qwen3.5-tiny; "
                                                        f"presets: {', '.join(PRESETS)}")
@@ -92,7 +95,66 @@ def add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     src.add_argument("--no-check-weights", dest="check_weights", action="store_false",
                      help="skip the loader's check that every weight is finite (NaN / Inf), done per shard on its "
                           "device")
+    src.add_argument("--fp8", choices=("dequantize", "keep"), default="dequantize",
+                     help="an FP8 (block-scaled e4m3) checkpoint's expert weights: dequantized to --dtype on load "
+                          "(default), or kept in FP8 with their block scales (half the bytes; needs an FP8 checkpoint)")
+    src.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                     help="the attention KV cache: auto = the model dtype (default); float8_e4m3fn (alias fp8) = FP8 "
+                          "with per-token scales, half the bytes of bfloat16")
     return src
+
+
+def kv_dtype(args: argparse.Namespace) -> str | None:
+    """--kv-cache-dtype as `EngineConfig.kv_dtype` (None: the model dtype)."""
+    return {"auto": None, "fp8": "float8_e4m3fn"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
+
+
+def resolve_checkpoint(value: str | None) -> pathlib.Path | None:
+    """--checkpoint as a folder: an existing directory as it is, else a hub id (`org/name`) looked up in the local
+    Hugging Face cache (`HF_HUB_CACHE`, default ~/.cache/huggingface/hub) with `snapshot_download(...,
+    local_files_only=True)`: its snapshot folder of `refs/main`; nothing is ever downloaded here."""
+    if value is None:
+        return None
+    path = pathlib.Path(value)
+    if path.is_dir():
+        return path
+    if not is_hub_id(value):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist; pass an HF checkpoint directory, a hub "
+                                f"id such as {HUB_EXAMPLE} (from the local cache), or leave --checkpoint out for a "
+                                "random preset")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise ValueError(f"--checkpoint {value} is a hub id, and reading the Hugging Face cache needs "
+                         "huggingface_hub (pip install huggingface_hub); or pass the checkpoint's folder") from None
+    import os
+
+    cache = os.environ.get("HF_HUB_CACHE") or None  # None: huggingface_hub's default (HF_HOME/hub)
+    try:
+        return pathlib.Path(snapshot_download(value, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(f"{value} is neither a directory nor in the local Hugging Face cache "
+                                f"({cache or constants.HF_HUB_CACHE}); fetch it with `hf download {value}` (nothing "
+                                "is downloaded at run time), or pass the checkpoint's folder") from None
+
+
+def is_hub_id(value: str) -> bool:
+    """`org/name` as the hub spells repositories: two parts of letters, digits, '-', '_', '.'."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}", value) is not None \
+        and ".." not in value
+
+
+def hub_name(value: str | None) -> str | None:
+    """The hub id a --checkpoint was resolved from (the model's name then), or None for a folder or no checkpoint."""
+    return value if value is not None and not pathlib.Path(value).is_dir() else None
+
+
+def checkpoint_name(value: str | None, root: pathlib.Path | None) -> str | None:
+    """What the model is served as: the hub id it was given as, else its folder's name."""
+    return None if root is None else hub_name(value) or root.resolve().name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,12 +171,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      page_size=args.page_size, max_model_len=args.max_model_len)
+                      page_size=args.page_size, max_model_len=args.max_model_len, kv_dtype=kv_dtype(args))
     _ = ec.pages  # checks that the page pool holds one request
-    root = pathlib.Path(args.checkpoint) if args.checkpoint else None
-    if root is not None and not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {root} does not exist; pass an HF checkpoint directory, "
-                                "or leave --checkpoint out for a random preset")
+    root = resolve_checkpoint(args.checkpoint)
+    check_fp8(args.fp8, root)
     tokenizer = _tokenizer(root, needed=any(kind == "text" for kind, _ in args.prompts))
     encode = _chat_encoder(root, args.prompts) if args.chat else (lambda s: tokenizer.encode(s).ids)
     prompts = [_parse_ids(s) if kind == "ids" else encode(s) for kind, s in args.prompts]
@@ -131,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
-    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh, args.check_weights)
+    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh, args.check_weights,
+                            fp8=args.fp8, name=hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
     if mesh is not None:
         _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
@@ -140,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
     streams: dict = {}  # request id -> IncrementalDetokenizer
-    with _profiled(args.profile):
+    with profiled(args.profile):
         results = engine.generate(prompts, params, on_token=lambda rid, tok: _stream(rid, tok, tokenizer, streams))
     wall = time.perf_counter() - t0
 
@@ -154,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     out_tokens = sum(len(r.output_ids) for r in results)
     doc = dict(
         requests=requests, model=config.name, checkpoint=str(root) if root else None, dtype=config.dtype,
+        expert_dtype=config.expert_dtype or config.dtype, kv_cache_dtype=str(engine.cache["kv"].dtype)
+        if "kv" in engine.cache else None,
         layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
         hierarchical_rs=args.hierarchical_rs, eos_token_ids=list(config.eos_token_ids),
         sampling=dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
@@ -242,14 +305,18 @@ def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
 
 
 def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict, mesh: Any,
-          check_weights: bool = True) -> tuple[Any, dict]:
+          check_weights: bool = True, fp8: str = "dequantize", name: str | None = None) -> tuple[Any, dict]:
     """(config with the layout options, weights): a checkpoint loads straight into its shards on `mesh` (its
-    weights checked finite unless `check_weights` is False, where the loader checks them); random weights are
-    drawn for the unsplit preset (the same values under every layout) and the engine places them."""
+    weights checked finite unless `check_weights` is False, where the loader checks them; FP8 experts kept with
+    `fp8="keep"`; `name` the model's, when given); random weights are drawn for the unsplit preset (the same
+    values under every layout) and the engine places them."""
     if root is not None:
         from qwen35_lib.checkpoint import load_hf_checkpoint
 
-        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split, check_weights=check_weights)
+        extra = {"fp8": fp8} if fp8 != "dequantize" else {}
+        if name is not None:
+            extra["name"] = name
+        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split, **extra, check_weights=check_weights)
     from qwen35_lib.config import get_config
     from qwen35_lib.weights import init_weights
 
@@ -257,8 +324,25 @@ def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict
     return config.replace(**split), init_weights(config, RANDOM_WEIGHTS_SEED)
 
 
-def _profiled(directory: str | None) -> Any:
-    """`jax.profiler.trace(directory)` around the generation, or nothing."""
+def check_fp8(fp8: str, root: pathlib.Path | None) -> None:
+    """--fp8 keep needs a block-scaled FP8 checkpoint (config.json's quantization_config), checked before loading."""
+    if fp8 != "keep":
+        return
+    if root is None:
+        raise ValueError("--fp8 keep keeps an FP8 checkpoint's experts in FP8: give an FP8 --checkpoint (e.g. "
+                         f"{HUB_EXAMPLE}); random presets are not quantized")
+    from qwen35_lib.config import read_json
+
+    if not (root / "config.json").is_file():
+        return  # the loader says what is missing
+    hf = read_json(root / "config.json", "config.json")
+    if not (hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")):
+        raise ValueError(f"--fp8 keep: {root} is not an FP8 checkpoint (its config.json has no quantization_config); "
+                         "leave --fp8 out, or use the FP8 checkpoint")
+
+
+def profiled(directory: str | None) -> Any:
+    """`jax.profiler.trace(directory)` around a run (the generation; a benchmark), or nothing."""
     import contextlib
 
     import jax

@@ -2,7 +2,8 @@
 
 1. Build one argparse subcommand per benchmark from its module's `add_arguments`.
 2. Run the chosen benchmark (it prints its table), then write its JSON document to `--json`
-   (default `build/bench/NAME.json`) and say where on stderr.
+   (default `build/bench/NAME.json`) and say where on stderr. `--profile DIR` writes a `jax.profiler` trace of the
+   whole run to DIR (the helper `generate --profile` uses).
 An expected failure (bad arguments, an unwritable --json path) ends with one `error: ...` line on stderr and exit
 status 2 (`qwen35_lib.cli_errors`); `--debug`, before or after NAME, shows its traceback.
 """
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where to write the results (default: %(default)s)")
         p.add_argument("--repeats", type=int, default=3, help="timed calls per candidate; the median is reported")
         p.add_argument("--settle", type=int, default=1, help="untimed calls before each timed one (default: 1)")
+        p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the benchmark to DIR "
+                                                        "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf)")
         module.add_arguments(p)
     cli_errors.add_debug_flag(parser)
     return parser
@@ -52,7 +55,10 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise OSError(f"--json {out}: cannot create its folder {out.parent} ({e.strerror or e}); give a writable "
                       "path") from e
-    doc = load(args.benchmark).run(args)
+    from qwen35_lib.cli_generate import profiled
+
+    with profiled(args.profile):
+        doc = load(args.benchmark).run(args)
     path = write_json(args.json, {**doc, "command": args.command_line})
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -62,12 +62,11 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint and args.model:
         raise ValueError("--checkpoint and --model are exclusive: --model picks a preset with random weights")
     ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      page_size=args.page_size, max_model_len=args.max_model_len)
+                      page_size=args.page_size, max_model_len=args.max_model_len,
+                      kv_dtype=cli_generate.kv_dtype(args))
     _ = ec.pages  # the page pool holds one request
-    root = pathlib.Path(args.checkpoint) if args.checkpoint else None
-    if root is not None and not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {root} does not exist; pass an HF checkpoint directory, "
-                                "or leave --checkpoint out for a random preset")
+    root = cli_generate.resolve_checkpoint(args.checkpoint)
+    cli_generate.check_fp8(args.fp8, root)
     preset = args.model or "qwen3.5-tiny"
     shape = from_hf_config(root) if root else get_config(preset)
     split = cli_generate._split_options(args)
@@ -76,13 +75,14 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
     text = load_text(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
-    name = args.served_model_name or (root.resolve().name if root else preset)
+    name = args.served_model_name or cli_generate.checkpoint_name(args.checkpoint, root) or preset
     sock = _bind(args.host, args.port)
     mesh = cli_generate.layout_mesh() if args.layout != "single" else None
 
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")
-    config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights)
+    config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights, fp8=args.fp8,
+                                         name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
     loop = EngineLoop(engine).start()
     host, port = sock.getsockname()[:2]
