@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
-from qwen35_lib.engine.engine import TRACES
 
 # One engine shape for the whole module: the jitted step is compiled once per bucket and shared.
 EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=160)
@@ -45,12 +44,10 @@ def test_steps_are_traced_at_most_once_per_bucket(tiny):
     cfg, w = tiny
     rng = np.random.default_rng(1)
     engine = Engine(cfg, w, EC)
-    before = TRACES[0]
     engine.generate([rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(1, 90, 12)],
                     SamplingParams(max_new_tokens=5))
     assert engine.stats.steps > 2 * len(engine.stats.buckets)
-    assert TRACES[0] - before <= len(engine.stats.buckets)
-    assert engine.stats.traces == TRACES[0] - before
+    assert engine.stats.traces <= len(engine.stats.buckets)  # this engine's own count (earlier engines may have traced)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
