@@ -12,7 +12,7 @@ export JAX_PLATFORMS ?= cpu
 # JAX_COMPILATION_CACHE_DIR yourself to trade that risk for faster reruns.
 export PYTHONHASHSEED := 0
 
-.PHONY: playbook test venv lint clean
+.PHONY: playbook test venv lint sweep clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test: $(STAMP) lint
 	  echo "a test worker crashed (see build/test.log): running the failed tests once more"; \
 	  $(PY) -m pytest -q -n 2 --dist worksteal --last-failed; \
 	else exit $$status; fi
+
+# The ahead-of-time sweep: every stage's engine steps compiled for TPU7x-8 at the serving shape (512 requests,
+# whole-context FP8 KV pools), from this CPU; resumable, and long at full depth (see qwen35_lib/aot/sweep.py).
+sweep: $(STAMP)
+	$(PY) -m qwen35_lib.aot sweep --json data/aot/tpu7x-8.json $(SWEEP_ARGS)
 
 # ruff, and the import layers of pyproject.toml's import-linter contract (config, weights -> kernels -> model ->
 # parallel -> engine -> analysis -> apps: nothing imports a layer above its own).

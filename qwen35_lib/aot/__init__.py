@@ -70,13 +70,14 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
 
 
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
-                 page_size: int = 16, kv_dtype: str | None = None):
+                 page_size: int = 16, kv_dtype: str | None = None, compiler_options: dict | None = None):
     """The engine's jitted step under `config.layout`, lowered with abstract weights, caches and inputs on
     `mesh` (e.g. `chip_core_mesh()` for TPU7x-8) and compiled; nothing is allocated.
 
     requests: concurrent sequences (pools sized for `requests` of `context_len` tokens, spread over the
     layout's data-parallel ranks); decode / prefill: tokens per rank in this step (decode region, then a
-    prefill region rounded up to whole GDN chunks). Returns the compiled executable.
+    prefill region rounded up to whole GDN chunks); compiler_options: XLA options for this compile (e.g.
+    {"xla_tpu_enable_async_collective_merger": "false"}). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
@@ -102,7 +103,8 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
     backend = mesh.devices.flat[0].platform
     with jax.set_mesh(mesh), compile_target(backend):
-        return engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp).compile()
+        lowered = engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp)
+        return lowered.compile(compiler_options)
 
 
 def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):

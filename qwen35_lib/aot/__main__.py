@@ -1,0 +1,22 @@
+"""`python -m qwen35_lib.aot sweep [--model NAME] [--stages S,...] [--groups N] [--json PATH] [--xla-option K=V]`:
+the ahead-of-time sweep of every stage's engine steps for TPU7x-8 (`qwen35_lib.aot.sweep`). Errors in the
+arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback)."""
+
+from __future__ import annotations
+
+import sys
+
+from qwen35_lib.aot import sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "sweep":
+        print(f"error: usage: python -m qwen35_lib.aot sweep [options] (got {' '.join(argv) or 'nothing'})",
+              file=sys.stderr)
+        return 2
+    return sweep.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

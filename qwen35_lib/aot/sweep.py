@@ -1,0 +1,259 @@
+"""The ahead-of-time sweep: every stage's engine steps compiled for TPU7x-8 at the serving shape, from this CPU.
+
+    python -m qwen35_lib.aot sweep [--model NAME] [--stages S,...] [--groups N] [--json PATH]
+
+The shape is fixed so that a small pool cannot buy a fit: 512 concurrent requests (64 sequences per rank under
+DP8, all 512 in the one rank of a TP stage), pools for every request's whole context (9,216 tokens: 8k + 1k and
+1k + 8k alike) in an FP8 KV cache of 256-token pages, FP8 experts and a bf16 GDN state. Two steps per workload:
+`decode` (every sequence decoding) and `mixed` (all but one decoding, plus 1,024 prefill tokens per rank: the
+token budget of tpu-inference's recipe). The two workloads have the same pools and step shapes, so each stage
+compiles two programs and both workloads' entries read them.
+
+Weights and caches are abstract (`aot.compile_step`: nothing is allocated). Each entry records XLA's
+`memory_analysis()` (total = argument + output - alias + temp + code), its FLOPs and bytes, the compiled
+collectives of the whole step and of one layer group, and the compile time. A step that does not fit is refused
+by the TPU compiler (RESOURCE_EXHAUSTED); the entry keeps its message. The usable HBM is the compiler's own
+figure, read from its refusal of a program that cannot fit (`usable_bytes`), never typed in.
+
+The sweep is resumable: `--json` is rewritten after every entry and entries already there (same model,
+topology, groups and flags) are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+
+STEP_NAMES = ("8k/1k decode", "8k/1k mixed", "1k/8k decode", "1k/8k mixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingShape:
+    requests: int = 512  # concurrent requests over the whole slice
+    context_len: int = 9216  # 8192 + 1024 and 1024 + 8192: a pool for every request's whole context
+    page_size: int = 256
+    kv_dtype: str = "float8_e4m3fn"
+    prefill: int = 1024  # prefill tokens per rank in a mixed step (tpu-inference's max-num-batched-tokens)
+
+    def tokens(self, step: str, ranks: int) -> tuple[int, int]:
+        """(decode tokens, prefill tokens) per rank of `step` ("... decode" or "... mixed")."""
+        seqs = -(-self.requests // ranks)
+        return (seqs, 0) if step.endswith("decode") else (seqs - 1, self.prefill)
+
+
+SERVING = ServingShape()
+
+
+def serving_config(model: str, groups: int | None = None, **overrides):
+    """`model` as it is served on TPU7x: FP8 experts, bf16 GDN state (`overrides` replace fields); `groups` layer
+    groups if given."""
+    from qwen35_lib.config import get_config
+
+    cfg = get_config(model, **{"expert_dtype": "float8_e4m3fn", "gdn_state_dtype": "bfloat16", **overrides})
+    return cfg.replace(num_layers=groups * len(cfg.layer_pattern)) if groups else cfg
+
+
+@functools.cache
+def usable_bytes(topology: str | None = None) -> int:
+    """Bytes one device of `topology` (default tpu7x:2x2x1) can hold, as the TPU compiler states it when it refuses
+    a program too large for any device ("exceeds available HBM (94.75G)"; XLA's G is GiB, two decimals)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_lib import aot
+
+    device = aot.topology_devices(topology or aot.TPU7X_8)[0]
+    huge = jax.ShapeDtypeStruct((2**40 // 4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    try:
+        jax.jit(lambda a: a.sum(), keep_unused=True).lower(huge).compile()
+    except jax.errors.JaxRuntimeError as e:
+        m = re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e))
+        if m:
+            return round(float(m[1]) * 2**30)
+        raise RuntimeError(f"the TPU compiler refused a 1 TiB program without stating its HBM: {e}") from e
+    raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
+
+
+def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
+    """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
+    from qwen35_lib.parallel.layouts import check_layout, weight_shardings
+    from qwen35_lib.weights import abstract_weights, is_info
+
+    def per_device(arrays) -> int:  # ShapeDtypeStructs with shardings -> the fullest device's bytes
+        out: dict = {}
+        for a in jax.tree.leaves(arrays):
+            n = math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+            for d in a.sharding.device_set:
+                out[d] = out.get(d, 0) + n
+        return max(out.values(), default=0)
+
+    R = check_layout(cfg, mesh).dp_size(mesh)
+    S = -(-shape.requests // R)
+    cs = CacheShape(ranks=R, num_pages=S * -(-shape.context_len // shape.page_size) + 1, page_size=shape.page_size,
+                    num_slots=S + 1, kv_dtype=shape.kv_dtype)
+    cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh), declare_cache(cfg, cs),
+                         cache_shardings(cfg, cs, mesh), is_leaf=is_info)
+    kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
+    return {"weight_bytes": per_device(abstract_weights(cfg, weight_shardings(cfg, mesh))),
+            "kv_bytes": per_device(kv), "gdn_state_bytes": per_device({k: v for k, v in cache.items() if k not in kv})}
+
+
+def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVING,
+                  compiler_options: dict | None = None, usable: int | None = None) -> dict:
+    """One sweep entry: `stage`'s engine step `step` compiled for `mesh` at `shape` (see the module doc)."""
+    import jax
+
+    from qwen35_lib import aot
+    from qwen35_lib.parallel import hlo
+    from qwen35_lib.parallel.layouts import check_layout
+    from qwen35_lib.parallel.stages import get_stage, stage_config
+
+    scfg = stage_config(cfg, stage, mesh.devices.flat[0].platform)
+    R = check_layout(scfg, mesh).dp_size(mesh)
+    decode, prefill = shape.tokens(step, R)
+    entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
+                   **_resident(scfg, shape, mesh)}
+    start = time.perf_counter()
+    try:
+        compiled = aot.compile_step(scfg, mesh, requests=shape.requests, context_len=shape.context_len,
+                                    decode=decode, prefill=prefill, page_size=shape.page_size,
+                                    kv_dtype=shape.kv_dtype, compiler_options=compiler_options)
+    except jax.errors.JaxRuntimeError as e:
+        entry.update(compile_s=time.perf_counter() - start, fits=False, error=str(e).splitlines()[0])
+        return entry
+    entry["compile_s"] = time.perf_counter() - start
+    ma = compiled.memory_analysis()
+    mem = dict(argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
+               alias_bytes=ma.alias_size_in_bytes, temp_bytes=ma.temp_size_in_bytes,
+               code_bytes=ma.generated_code_size_in_bytes)
+    mem["total_bytes"] = (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"] +
+                          mem["code_bytes"])
+    mem["peak_bytes"] = getattr(ma, "peak_memory_in_bytes", None)
+    entry.update(mem)
+    if usable is not None:
+        entry["headroom_bytes"] = usable - mem["total_bytes"]
+        entry["fits"] = entry["headroom_bytes"] >= 0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    entry["flops"], entry["bytes_accessed"] = cost.get("flops"), cost.get("bytes accessed")
+    text = compiled.as_text()
+    entry["collectives"] = hlo.count(text)
+    body = hlo.layer_body(text)
+    entry["collectives_per_group"] = hlo.count(text, body) if body else None
+    s = get_stage(stage)
+    if s.routing == "replicate" and not s.fuse_allgather and body:
+        moe_layers = len(cfg.layer_pattern)  # every layer of a group has an MoE
+        ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)
+        entry["allgathers_combined"] = ags < 3 * moe_layers  # the unfused stage issues 3 per MoE layer
+    return entry
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    import jax
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"jax": jax.__version__, "libtpu": version("libtpu") or version("libtpu-nightly")}
+
+
+def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = None, json_path=None,
+          compiler_options: dict | None = None, shape: ServingShape = SERVING, progress: bool = True,
+          overrides: dict | None = None, steps=STEP_NAMES) -> dict:
+    """The sweep document (see the module doc); `json_path` is rewritten after each entry and resumed from.
+    `overrides`: config fields replaced after the serving ones (tests: a tiny model without FP8 experts)."""
+    from tqdm.auto import tqdm
+
+    from qwen35_lib import aot
+    from qwen35_lib.parallel.stages import LADDER, get_stage
+
+    stages = list(stages or LADDER)
+    for s in stages:
+        get_stage(s)  # an unknown name fails before any compile
+    for st in steps:
+        if st not in STEP_NAMES:
+            raise ValueError(f"unknown step {st!r}; steps: {', '.join(STEP_NAMES)}")
+    cfg = serving_config(model, groups, **(overrides or {}))
+    usable = usable_bytes()
+    head = {"model": model, "groups": cfg.num_groups, "overrides": dict(overrides or {}), "topology": aot.TPU7X_8,
+            **_versions(),
+            "xla_flags": {"LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
+                          "compiler_options": dict(compiler_options or {})},
+            "shape": dataclasses.asdict(shape), "usable_bytes": usable}
+    doc = dict(head, stages={})
+    path = pathlib.Path(json_path) if json_path else None
+    if path is not None and path.exists():
+        old = json.loads(path.read_text())
+        if {k: old.get(k) for k in head} == head:
+            doc["stages"] = old.get("stages", {})
+    mesh = aot.chip_core_mesh()
+    todo = [(s, st) for s in stages for st in steps if st not in doc["stages"].get(s, {}).get("steps", {})]
+    bar = tqdm(todo, desc="aot sweep", unit="step", disable=not progress, file=sys.stderr)
+    for stage, step in bar:
+        bar.set_postfix_str(f"{stage} {step}")
+        steps = doc["stages"].setdefault(stage, {"steps": {}})["steps"]
+        twin = next((steps[o] for o in steps if o.split()[1] == step.split()[1]), None)  # same shapes, other workload
+        t0 = time.perf_counter()
+        steps[step] = dict(twin, same_program_as=next(o for o in steps if steps[o] is twin)) if twin else \
+            compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable)
+        doc["stages"][stage]["wall_s"] = doc["stages"][stage].get("wall_s", 0) + time.perf_counter() - t0
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def table(doc: dict) -> str:
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
+    rows = [f"{doc['model']} on {doc['topology']}, {doc['groups']} layer groups; usable "
+            f"{doc['usable_bytes'] / 2**30:.2f} GiB per device",
+            f"{'stage':<10} {'step':<14} {'total':>7} {'weights':>7} {'KV':>6} {'GDN':>5} {'temp':>6} "
+            f"{'headroom':>8} {'fits':>5} {'compile s':>9}"]
+    for stage, s in doc["stages"].items():
+        for step, e in s["steps"].items():
+            rows.append(f"{stage:<10} {step:<14} {gib(e.get('total_bytes')):>7} {gib(e['weight_bytes']):>7} "
+                        f"{gib(e['kv_bytes']):>6} {gib(e['gdn_state_bytes']):>5} {gib(e.get('temp_bytes')):>6} "
+                        f"{gib(e.get('headroom_bytes')):>8} {str(e.get('fits')):>5} {e['compile_s']:>9.1f}"
+                        + (f"  {e['error'][:60]}" if "error" in e else ""))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwen35_lib.aot sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3.5-397b-a17b")
+    p.add_argument("--stages", help="comma-separated stage names (default: the whole ladder)")
+    p.add_argument("--steps", help=f"comma-separated steps (default: all of {', '.join(STEP_NAMES)})")
+    p.add_argument("--groups", type=int, help="layer groups to compile (default: the model's own depth)")
+    p.add_argument("--json", help="write (and resume) the sweep document here")
+    p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a TPU compiler option, e.g. xla_tpu_enable_async_collective_merger=false (repeatable)")
+    a = p.parse_args(argv)
+    if a.groups is not None and a.groups < 1:
+        p.error(f"--groups must be >= 1, got {a.groups}")
+    options = {}
+    for kv in a.xla_option:
+        if "=" not in kv:
+            p.error(f"--xla-option takes KEY=VALUE, got {kv!r}")
+        k, v = kv.split("=", 1)
+        options[k] = v
+    steps = a.steps.split(",") if a.steps else STEP_NAMES
+    doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps)
+    print(table(doc))
+    return 0
