@@ -19,6 +19,7 @@ from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache, mem
 from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
+from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, check_layout, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
@@ -182,7 +183,8 @@ class Engine:
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
             start = time.perf_counter()
-            next_tokens, self.cache = self.step_fn(self.config, self.weights, self.cache, tokens, meta, samp)
+            next_tokens, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+                                                   tokens, meta, samp)
             next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
