@@ -170,9 +170,7 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress: " + repr([(len(s.waiting), len(s.running))
                                                                               for s in self.ranks]))
             return []
-        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
-        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
-        T = D + bucket(pre, self.prefill_buckets)
+        D, T = self._step_shape(plans)
         S = self.ec.max_num_seqs
         packs = [pack([w for _, w in p.decodes], [w for _, w in p.prefills], D, T, S, self.ec.pages_per_seq,
                       self.chunk) for p in plans]
@@ -199,6 +197,73 @@ class Engine:
                     self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
                                                 r.token_times, r.preemptions)
         return events
+
+    def _step_shape(self, plans: list[Plan]) -> tuple[int, int]:
+        """The (D, T) bucket of a step: decode rows, and all tokens (decode rows + the prefill region)."""
+        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
+        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
+        return D, D + bucket(pre, self.prefill_buckets)
+
+    # --- compiling ahead of a workload ------------------------------------------------------------------------
+    def workload_buckets(self, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int]
+                         ) -> list[tuple[int, int]]:
+        """The (D, T) buckets the step takes when requests of these prompt lengths are submitted together (to an
+        idle engine) and each generates max_new_tokens (EOS ignored): the scheduler run dry, on its own copies
+        (this engine's state is untouched, nothing is computed)."""
+        outs = [max_new_tokens] * len(prompt_lengths) if isinstance(max_new_tokens, numbers.Integral) \
+            else list(max_new_tokens)
+        if len(outs) != len(prompt_lengths):
+            raise ValueError(f"{len(prompt_lengths)} prompt lengths but {len(outs)} max_new_tokens: give one per "
+                             "prompt, or a single int for all")
+        ec, C = self.ec, self.chunk
+        ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
+                               ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
+        for i, (n, o) in enumerate(zip(prompt_lengths, outs)):
+            validate_request(self.config, ec, [0] * n, SamplingParams(max_new_tokens=o))
+            rank = min(range(len(ranks)), key=lambda j: (ranks[j].load, j))
+            ranks[rank].add(Request(i, [0] * n, SamplingParams(max_new_tokens=o, ignore_eos=True), frozenset(),
+                                    rank=rank))
+        seen = []
+        while any(s.waiting or s.running for s in ranks):
+            plans = [s.plan() for s in ranks]
+            if not any(p.decodes or p.prefills for p in plans):
+                raise RuntimeError("the scheduler made no progress in the dry run of the workload")
+            shape = self._step_shape(plans)
+            if shape not in seen:
+                seen.append(shape)
+            for sched, plan in zip(ranks, plans):
+                sched.commit(plan, [0] * len(plan.items))
+        return seen
+
+    def precompile(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int | Sequence[int] = 1,
+                   *, buckets: Sequence[tuple[int, int]] | None = None) -> dict:
+        """Compile the step for every bucket a workload will use (`workload_buckets`), or for `buckets` (D, T),
+        so that running it compiles nothing. Each bucket is compiled by one step of padding only (it writes the
+        null page and slot, which no request reads); the engine's stats are untouched.
+
+            engine.precompile([len(p) for p in prompts], 64)   # then engine.generate(prompts, ...)
+
+        Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
+        if buckets is None:
+            if prompt_lengths is None:
+                raise ValueError("precompile needs the workload (prompt_lengths, max_new_tokens) or buckets=[(D, T)]")
+            buckets = self.workload_buckets(prompt_lengths, max_new_tokens)
+        R, S = self.ec.ranks, self.ec.max_num_seqs
+        start, traced = time.perf_counter(), TRACES[0]
+        for D, T in buckets:
+            if D not in self.decode_buckets or T - D not in self.prefill_buckets:
+                raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: D in {self.decode_buckets}, "
+                                 f"T - D in {self.prefill_buckets}")
+            empty = Plan([], [])
+            tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
+            samp = self._sampling_arrays([empty] * R, S)
+            with self._on_mesh():
+                tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
+                out, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+                                               tokens, meta, samp)
+                jax.block_until_ready(out)
+        return {"buckets": [tuple(b) for b in buckets], "compiled": TRACES[0] - traced,
+                "seconds": time.perf_counter() - start}
 
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
