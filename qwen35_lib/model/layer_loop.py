@@ -72,7 +72,7 @@ def _split(cfg: Config, layers: dict) -> tuple:
     return tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
 
 
-_CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, config, per-layer groups)
+_CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, layer_pattern, per-layer groups)
 
 
 def prepare_weights(cfg: Config, weights: dict) -> dict:
@@ -86,8 +86,8 @@ def prepare_weights(cfg: Config, weights: dict) -> dict:
         return weights
     key = tuple(map(id, leaves))
     hit = _CACHE.get(key)
-    if hit is None or hit[1] != cfg or any(r() is not a for r, a in zip(hit[0], leaves)):
+    if hit is None or hit[1] != cfg.layer_pattern or any(r() is not a for r, a in zip(hit[0], leaves)):
         drop = lambda _: _CACHE.pop(key, None)
-        hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg, _split(cfg, layers))
+        hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg.layer_pattern, _split(cfg, layers))
         _CACHE[key] = hit
     return dict(weights, layers=hit[2])
