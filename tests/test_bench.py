@@ -84,3 +84,5 @@ def test_vs_transformers_smoke(tmp_path):
     assert (shape["batch"], shape["seq"], shape["tokens"]) == (1, 16, 16)
     assert set(shape["tokens_per_s"]) == {"ours", "transformers"} and shape["speedup"] > 0
     assert shape["max_abs_logit_diff"] < 1e-4  # the same weights give the same logits
+    assert doc["matmul_gflop_s"] > 0 and shape["matmul_roofline"]["flops"] > 0
+    assert shape["matmul_roofline"]["ours"] > 0 and shape["matmul_roofline"]["transformers"] > 0

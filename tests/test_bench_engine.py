@@ -6,16 +6,14 @@ No timing assertions (benchmarks measure, they do not judge): structure, exact l
 import json
 import math
 
-import numpy as np
 import pytest
 
 from qwen35_lib.bench import workloads as wl
 from qwen35_lib.bench.__main__ import main
-from qwen35_lib.bench.engine import warmup_requests
 
 RUN_KEYS = {"workload", "concurrency", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "tpot_ms", "steps",
-            "mean_tokens_per_step", "preemptions", "traces", "buckets", "decode_tokens_per_s", "time_s", "warmup",
-            "input_tokens", "output_tokens", "wall_s"}
+            "mean_tokens_per_step", "preemptions", "traces", "buckets", "decode_tokens_per_s", "time_s", "compile",
+            "input_tokens", "output_tokens", "wall_s", "per_step", "decode_roofline"}
 
 
 def test_workloads_file_has_the_three_workloads_and_the_convention():
@@ -49,16 +47,6 @@ def test_drawn_lengths_lie_in_the_range_and_are_seeded(name):
     assert w.bounds(64) == (math.ceil(0.8 * 64), 64) == (52, 64)
 
 
-def test_warmup_keeps_the_finishing_order_and_offsets():
-    rng = np.random.default_rng(0)
-    requests = [(list(range(int(n))), int(o)) for n, o in zip(rng.integers(52, 65, 16), rng.integers(410, 513, 16))]
-    warm = warmup_requests(requests, chunk=64, budget=512)
-    shift = {o - w for (_, o), (_, w) in zip(requests, warm)}
-    assert len(shift) == 1 and shift.pop() > 0  # one constant: same batches, fewer steps
-    assert [p for p, _ in warm] == [p for p, _ in requests]
-    assert min(o for _, o in warm) >= 2 * 2 + 2  # outlives the prefill steps (16 x 64 tokens, 512 per step)
-
-
 def _check_doc(doc, concurrency, plot):
     assert doc["benchmark"] == "engine" and doc["model"] == "qwen3.5-tiny" and doc["scale"] == "1/64"
     assert {"workloads", "engine_configs", "runs", "decode_scaling", "vs_transformers", "environment",
@@ -66,12 +54,20 @@ def _check_doc(doc, concurrency, plot):
     assert [(r["workload"], r["concurrency"]) for r in doc["runs"]] == [("1k/1k", n) for n in concurrency]
     for r in doc["runs"]:
         assert RUN_KEYS <= set(r)
-        assert r["traces"] == 0  # the warm-up compiled every bucket the measured run used
+        assert r["traces"] == 0 and not r["remeasured"]  # precompile compiled every bucket the measured run used
+        assert sorted(r["buckets"]) == sorted(r["compile"]["buckets"])
+        split = r["per_step"]["decode"]
+        assert split["steps"] == r["decode_steps"] and 0 <= split["host_fraction"] < 1
+        assert split["jitted_ms"]["p50"] <= split["wall_ms"]["p50"]
+        roof = r["decode_roofline"]
+        assert roof["mean_bytes_per_step"] > roof["mean_bytes_by_part"]["dense_weights"] > 0
+        assert roof["fraction_of_jitted"] >= roof["fraction_of_step"] > 0
         assert r["preemptions"] == 0 and r["steps"] >= 13
         assert r["input_tokens"] == r["concurrency"] * 16 or 13 * r["concurrency"] <= r["input_tokens"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert doc["engine_configs"][str(r["concurrency"])]["max_num_seqs"] >= r["concurrency"]
     assert {"date", "jax", "backend", "cpu"} <= set(doc["environment"])
+    assert doc["machine"]["copy_bandwidth_gb_s"] > 0 and doc["machine"]["matmul_gflop_s"] > 0
     assert plot.stat().st_size > 0 and doc["plot"] == str(plot)
 
 
@@ -96,3 +92,4 @@ def test_engine_bench_vs_transformers_smoke(tmp_path):
     vs = doc["vs_transformers"]
     assert vs["requests"] == 2 and vs["dtype"] == "float32" and vs["speedup"] > 0
     assert vs["greedy_match"]["requests_identical"] == 2  # same weights, float32 both: the same greedy tokens
+    assert vs["greedy_match"]["first_32_identical"] == 2 and vs["ours"]["precompile"]["buckets"] > 0

@@ -6,11 +6,14 @@ run to completion. One `EngineConfig` per N, shared by every workload (so they s
 the N requests fit without preemption: max_num_seqs = N, pages for N requests of the longest workload, a token
 budget scaled like the lengths (InferenceMAX's 8192 -> 512 at 1/16).
 
-Compilation is kept out of the measurement: before each measured run, a warm-up run submits the same prompts
-with every output shortened by the same number of tokens. The scheduler then makes exactly the same batches
-(same prefill chunks, same decode counts as requests finish in the same order), only fewer pure-decode steps in
-the middle, so every bucket the measured run needs is compiled. The measured run's trace count says whether this
-held (0); if not, the run is measured again, warm.
+Compilation is kept out of the measurement: before each measured run, `Engine.precompile` compiles every bucket
+the run will use (the scheduler run dry on the same requests), timed on its own ("compile"). The measured run's
+trace count says whether this held (0); if not, the run is measured again, warm.
+
+Where the time goes, per run: each step split into the jitted step (dispatch, device, tokens read back) and the
+host (scheduling, packing, transfers in, bookkeeping), for decode and prefill steps; and the decode steps'
+fraction of this machine's memory roofline: the bytes each must read (`bench.roofline.decode_bytes`) over the
+copy bandwidth measured in the same run (a numpy copy), against their measured time.
 
 `--vs-transformers` (on when transformers is installed): the same random weights in both (the HF twin of the
 preset, saved and loaded with `load_hf_checkpoint`, float32 on both sides), 8 requests of the scaled 1k/1k
@@ -78,6 +81,7 @@ class StepLog:
     tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens fed (decodes + prefill chunks)
     decode_only: list[bool] = dataclasses.field(default_factory=list)  # every sequence fed one token and sampled
     traced: list[int] = dataclasses.field(default_factory=list)  # compilations during the step
+    contexts: list[list[int]] = dataclasses.field(default_factory=list)  # per step, each sequence's context after it
     cpu_share: float | None = None  # this process's CPU seconds / (wall seconds x cores): low = others competed
     loadavg: float | None = None  # 1-minute load average at the end
 
@@ -108,8 +112,10 @@ def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[in
         for prompt, out in requests:
             engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
         while engine.has_work:
+            contexts = [r.computed + 1 for sched in engine.ranks for r in sched.running]  # if it decodes them all
             traces, start = engine.stats.traces, time.perf_counter()
             events = engine.step()
+            log.contexts.append(contexts)
             log.wall.append(time.perf_counter() - start)
             fed, seqs = engine.stats.tokens[-1], engine.stats.seqs[-1]
             log.tokens.append(fed)
@@ -124,26 +130,41 @@ def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[in
     return engine, log, wall
 
 
-def warmup_requests(requests: list[tuple[list[int], int]], chunk: int, budget: int) -> list[tuple[list[int], int]]:
-    """The same prompts with every output shortened by one constant c: the same batches, fewer decode steps.
-
-    Requests finish in the same order at the same offsets (less c steps), so every (decodes, prefill) bucket of
-    the full run recurs, provided no request finishes while prompts are still being prefilled: each keeps at
-    least `margin` output tokens, twice a bound on the number of steps that carry prefill chunks.
-    """
-    n = len(requests)
-    chunks = sum(-(-len(p) // chunk) * chunk for p, _ in requests)  # prefill tokens, chunk-aligned
-    per_step = max(chunk, (budget - n) // chunk * chunk)
-    margin = 2 * -(-chunks // per_step) + 2
-    c = max(0, min(o for _, o in requests) - margin)
-    return [(p, o - c) for p, o in requests]
-
-
 def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     return {"p50": float(np.percentile(values, 50)) * scale, "p99": float(np.percentile(values, 99)) * scale}
 
 
-def metrics(engine, log: StepLog, wall: float) -> dict:
+def step_split(log: StepLog, steps: list[int]) -> dict | None:
+    """Per step (p50 and mean, ms): the whole `engine.step()`, the jitted step in it (dispatch, the device,
+    its tokens read back: `Engine.stats.step_seconds`), and the host rest (scheduling, packing, transfers in,
+    sampling bookkeeping)."""
+    if not steps or not log.device:
+        return None
+    wall = np.array([log.wall[i] for i in steps]) * 1e3
+    jitted = np.array([log.device[i] for i in steps]) * 1e3
+    host = wall - jitted
+    stat = lambda a: {"p50": float(np.median(a)), "mean": float(np.mean(a))}
+    return {"steps": len(steps), "wall_ms": stat(wall), "jitted_ms": stat(jitted), "host_ms": stat(host),
+            "host_fraction": float(host.sum() / wall.sum())}
+
+
+def decode_roofline(config: Config, log: StepLog, steps: list[int], bandwidth: float | None) -> dict | None:
+    """The decode steps' fraction of the memory roofline: Σ (bytes each must read / `bandwidth`) over Σ their
+    measured time (the jitted step, and the whole step), with the mean bytes per step and their parts."""
+    from qwen35_lib.bench.roofline import decode_bytes
+
+    if not steps or not bandwidth or not log.device:
+        return None
+    parts = [decode_bytes(config, log.contexts[i]) for i in steps]
+    need = sum(p["total"] for p in parts) / bandwidth
+    return {"bandwidth_gb_s": bandwidth / 1e9, "mean_bytes_per_step": float(np.mean([p["total"] for p in parts])),
+            "mean_bytes_by_part": {k: float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "total"},
+            "roofline_ms_per_step": 1e3 * need / len(steps),
+            "fraction_of_jitted": need / sum(log.device[i] for i in steps),
+            "fraction_of_step": need / sum(log.wall[i] for i in steps)}
+
+
+def metrics(engine, log: StepLog, wall: float, bandwidth: float | None = None) -> dict:
     """Throughput, latency percentiles and where the time went, for one finished closed-loop run."""
     results = list(engine.results.values())
     out_tokens = sum(len(r.output_ids) for r in results)
@@ -173,6 +194,8 @@ def metrics(engine, log: StepLog, wall: float) -> dict:
         "time_s": {"prefill_steps": sum(log.wall[i] for i in pre), "decode_steps": dec_time,
                    "device": device_time, "host_in_steps": step_time - device_time if device_time else None,
                    "outside_steps": wall - step_time},
+        "per_step": {"decode": step_split(log, dec), "prefill": step_split(log, pre)},
+        "decode_roofline": decode_roofline(engine.config, log, dec, bandwidth),
         "preemptions": engine.preemptions,
         "recomputed_tokens": sum(engine.stats.recomputed),  # computed again after a preemption
         "waste": engine.stats.waste,  # recomputed over useful (computed once) tokens
@@ -200,21 +223,22 @@ def knobs(config: Config, ec) -> dict:
             "cache_mib": cache_bytes(config, shape) / 2**20}
 
 
-def measure_run(config: Config, weights: dict, ec, requests, label: str) -> dict:
-    """Warm up (shortened outputs), then the measured run (again if it still compiled something)."""
-    warm = warmup_requests(requests, config.gdn_chunk_size, ec.max_num_batched_tokens)
+def measure_run(config: Config, weights: dict, ec, requests, label: str, bandwidth: float | None = None) -> dict:
+    """Compile every bucket the run will use (`Engine.precompile`, timed on its own), then the measured run
+    (again if it still compiled something)."""
+    from qwen35_lib.engine import Engine
+
     start = time.perf_counter()
-    engine, log, _ = run_requests(config, weights, ec, warm, f"{label} warm-up")
-    warmup = {"wall_s": time.perf_counter() - start, "steps": engine.stats.steps, "traces": engine.stats.traces,
-              "output_tokens": sum(o for _, o in warm),
-              "compile_steps_s": sum(w for w, t in zip(log.wall, log.traced) if t)}
+    info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
+    compile_info = {"wall_s": time.perf_counter() - start, "buckets": [list(b) for b in info["buckets"]],
+                    "traces": info["compiled"], "compile_steps_s": info["seconds"]}
     engine, log, wall = run_requests(config, weights, ec, requests, label)
     remeasured = engine.stats.traces > 0
     if remeasured:
-        print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) the warm-up did not; "
+        print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
               "measuring again", file=sys.stderr)
         engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
-    return metrics(engine, log, wall) | {"warmup": warmup, "remeasured": remeasured}
+    return metrics(engine, log, wall, bandwidth) | {"compile": compile_info, "remeasured": remeasured}
 
 
 # --- vs transformers -------------------------------------------------------------------------------------------
@@ -276,6 +300,10 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
     n_out = sum(o for _, o in requests)
     hf_new = max(o for _, o in requests)
 
+    start = time.perf_counter()
+    info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
+    compile_s = time.perf_counter() - start
+
     def ours():
         results = Engine(config, weights, ec).generate(
             [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
@@ -301,13 +329,15 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
                          f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
                          "attention": hf.config._attn_implementation,
                          "experts": getattr(hf.config, "_experts_implementation", None)},
-        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config)},
+        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config),
+                 "precompile": {"seconds": compile_s, "buckets": len(info["buckets"]), "traces": info["compiled"]}},
         "timings": {n: t.to_json() for n, t in timings.items()},
         "output_tokens_per_s": tps,
         "speedup": tps["ours"] / tps["transformers"],
         "speedup_useful": tps["ours"] / tps["transformers_useful"],
         "target": VS_TARGET,
         "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
+                         "first_32_identical": sum(k >= min(32, o) for k, (_, o) in zip(same_prefix, requests)),
                          "tokens_before_first_difference": same_prefix,
                          "tokens_compared": n_out},
     }
@@ -355,6 +385,7 @@ def run(args: argparse.Namespace) -> dict:
                          "pip install -e '.[reference]'")
     load_before = warn_if_busy()
     preset = get_config(opts["model"], dtype=args.dtype)
+    machine = measure_machine()
     hf = None
     if vs:
         import torch
@@ -389,7 +420,7 @@ def run(args: argparse.Namespace) -> dict:
     for n, ec in configs.items():
         for name, w in loads.items():
             requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
-            m = measure_run(config, weights, ec, requests, f"{name} N={n}")
+            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine["copy_bandwidth_gb_s"] * 1e9)
             runs.append({"workload": name, "concurrency": n} | m)
     _print_runs(runs)
     scaling = decode_scaling(runs)
@@ -416,7 +447,8 @@ def run(args: argparse.Namespace) -> dict:
         "concurrency": opts["concurrency"],
         "engine_configs": {str(n): knobs(config, ec) for n, ec in configs.items()},
         "loop": "closed: all N requests submitted at t=0, run to completion, ignore_eos",
-        "warmup": "same prompts, every output shortened by one constant (same batches), before each measured run",
+        "compile": "Engine.precompile of the buckets the run uses (the scheduler run dry), before each measured run",
+        "machine": machine,
         "runs": runs,
         "decode_scaling": scaling,
         "vs_transformers": comparison,
@@ -428,6 +460,18 @@ def run(args: argparse.Namespace) -> dict:
     doc["plot"] = str(plot_path)
     print(f"wrote {plot_path}", file=sys.stderr)
     return doc
+
+
+def measure_machine() -> dict:
+    """This machine's rooflines, measured now (`bench.roofline`): copy bandwidth and XLA:CPU matmul FLOP/s."""
+    from qwen35_lib.bench.roofline import copy_bandwidth, matmul_flops
+
+    bw, flops = copy_bandwidth(), matmul_flops()
+    print(f"this machine now: numpy copy {bw / 1e9:.1f} GB/s (read + write), XLA:CPU float32 matmul "
+          f"{flops / 1e9:.1f} GFLOP/s")
+    return {"copy_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": flops / 1e9,
+            "copy": "numpy copy of 256 MiB float32, best of 5, bytes read + written per second",
+            "matmul": "jitted float32 1024x1024x1024, best of 5"}
 
 
 def decode_scaling(runs: list[dict]) -> dict | None:
@@ -458,27 +502,34 @@ def _print_runs(runs: list[dict]) -> None:
     ms = lambda d, k: f"{d[k]['p50']:,.0f} / {d[k]['p99']:,.0f}"
     rows = [[r["workload"], r["concurrency"], r["output_tokens_per_s"], r["total_tokens_per_s"], ms(r, "ttft_ms"),
              ms(r, "tpot_ms"), r["decode_tokens_per_s"] or "-", r["steps"], r["mean_tokens_per_step"],
-             f"{r['preemptions']} ({r['waste']:.0%})", f"{r['warmup']['traces']}/{r['traces']}", f"{r['wall_s']:.1f}"]
+             f"{r['preemptions']} ({r['waste']:.0%})", f"{r['compile']['traces']}/{r['traces']}", f"{r['wall_s']:.1f}"]
             for r in runs]
-    print("\nmeasured runs (after warm-up; CPU, float32):")
+    print("\nmeasured runs (after precompile; CPU, float32):")
     print(format_table(["workload", "N", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                        "decode tok/s", "steps", "tok/step", "preempt (waste)", "traces warm/meas", "wall s"], rows))
+                        "decode tok/s", "steps", "tok/step", "preempt (waste)", "traces pre/meas", "wall s"], rows))
     rows = []
     for r in runs:
         t = r["time_s"]
-        step = t["prefill_steps"] + t["decode_steps"]
-        host = t["host_in_steps"]
+        roof = r["decode_roofline"]
         rows.append([r["workload"], r["concurrency"], f"{t['prefill_steps']:.2f}", f"{t['decode_steps']:.2f}",
-                     f"{100 * host / step:.1f}%" if host is not None and step else "-",
-                     r["decode_step_ms"]["p50"] if r["decode_step_ms"] else "-",
-                     r["prefill_tokens_per_s"] or "-", len(r["buckets"]), f"{r['warmup']['wall_s']:.1f}",
-                     f"{r['warmup']['compile_steps_s']:.1f}", f"{100 * r['cpu_share']:.0f}%", r["loadavg_1m_after"]])
-    print("\nwhere the time went (measured run; host = scheduling, packing, sampling bookkeeping outside the "
-          "jitted step; CPU = this process's share of all cores, well under ~90% or a load above the core count "
-          "means other processes competed and that row is slowed):")
-    print(format_table(["workload", "N", "prefill steps s", "decode steps s", "host %", "decode step ms p50",
-                        "prefill tok/s", "buckets", "warm-up s", "compiling steps s", "CPU", "load"], rows))
+                     _split_ms(r["per_step"]["decode"]), _split_ms(r["per_step"]["prefill"]),
+                     f"{roof['roofline_ms_per_step']:.1f} ({100 * roof['fraction_of_jitted']:.0f}%)" if roof else "-",
+                     r["prefill_tokens_per_s"] or "-", len(r["buckets"]), f"{r['compile']['wall_s']:.1f}",
+                     f"{100 * r['cpu_share']:.0f}%", r["loadavg_1m_after"]])
+    print("\nwhere the time went (measured run; step ms p50 = jitted step + host (scheduling, packing, transfers in, "
+          "bookkeeping); roofline = the bytes a decode step must read over the measured copy bandwidth, and its "
+          "share of the jitted step; CPU = this process's share of all cores, well under ~90% or a load above the "
+          "core count means other processes competed and that row is slowed):")
+    print(format_table(["workload", "N", "prefill steps s", "decode steps s", "decode step ms", "prefill step ms",
+                        "decode roofline ms (%)", "prefill tok/s", "buckets", "compile s", "CPU", "load"], rows))
     sys.stdout.flush()
+
+
+def _split_ms(split: dict | None) -> str:
+    """"wall = jitted + host" (p50 ms) of a `step_split`."""
+    if not split:
+        return "-"
+    return f"{split['wall_ms']['p50']:,.1f} = {split['jitted_ms']['p50']:,.1f} + {split['host_ms']['p50']:,.1f}"
 
 
 def _print_comparison(c: dict) -> None:
@@ -495,7 +546,8 @@ def _print_comparison(c: dict) -> None:
                          t["transformers_useful"]]]))
     print(f"ours / transformers: {c['speedup']:.2f}x output tokens/s (target >= {c['target']:g}x); "
           f"{c['speedup_useful']:.2f}x counting only the requested tokens")
-    print(f"greedy tokens: {g['requests_identical']}/{c['requests']} requests identical; tokens before the first "
+    print(f"greedy tokens: {g['requests_identical']}/{c['requests']} requests identical ({g['first_32_identical']}/"
+          f"{c['requests']} in their first 32); tokens before the first "
           f"difference: {g['tokens_before_first_difference']} (float32 both; a difference is a near-tie that "
           "rounding resolved the other way)")
     sys.stdout.flush()

@@ -3,7 +3,9 @@
 Both sides run the same random weights in float32 on the CPU: the HF model (`Qwen3_5MoeForCausalLM`, eager
 PyTorch under `torch.no_grad`, its default attention and experts implementations, torch threads = cores) is
 saved with `save_pretrained` and loaded into ours with `load_hf_checkpoint`, so the converter is exercised too.
-Per (batch, seq) shape: the logits' max |Δ|, and tokens/s of each side, timed interleaved, and their ratio.
+Per (batch, seq) shape: the logits' max |Δ|, and tokens/s of each side, timed interleaved, and their ratio; and
+each side's fraction of this machine's matmul roofline: the prefill's FLOPs (`bench.roofline.prefill_flops`) over
+its measured time, over XLA:CPU's float32 matmul FLOP/s measured in the same run.
 Needs the `reference` extra (torch, transformers).
 """
 
@@ -39,6 +41,7 @@ def run(args: argparse.Namespace) -> dict:
     3. Check the logits agree (max |Δ| from the warm-up outputs, and how many positions are off by more than
        `OFF`); print the table; return the JSON document.
     """
+    from qwen35_lib.bench.roofline import matmul_flops
     from qwen35_lib.checkpoint import load_hf_checkpoint
     from qwen35_lib.kernels.registry import resolve_name
     from qwen35_lib.model import forward
@@ -60,11 +63,17 @@ def run(args: argparse.Namespace) -> dict:
           f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); "
           f"median of {args.repeats}, interleaved, {args.settle} untimed call(s) before each")
 
+    peak = matmul_flops()
+    print(f"this machine now: XLA:CPU float32 matmul {peak / 1e9:.1f} GFLOP/s (1024^3, best of 5): the roofline")
     rng = np.random.default_rng(args.seed)
     results = []
     for B, T in shapes:
         ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
-        results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args))
+        results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args)
+                       | _roofline(config, B, T, peak))
+    for r in results:
+        r["matmul_roofline"] |= {n: r["matmul_roofline"]["flops"] / r["timings"][n]["median_s"] / peak
+                                 for n in ("ours", "transformers")}
     _print_table(results)
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in results])))
     print(f"geometric-mean speedup of ours over transformers: {geo:.2f}x (float32, CPU)")
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> dict:
                          "mode": "eager, torch.no_grad, use_cache=False", **hf_impl},
         "shapes": results,
         "geomean_speedup": geo,
+        "matmul_gflop_s": peak / 1e9,
         "environment": environment(loadavg_1m_before=load_before),
     }
 
@@ -104,13 +114,23 @@ def _measure_shape(ours_forward, hf, ids: np.ndarray, args: argparse.Namespace) 
             "max_abs_logit": float(np.max(np.abs(ref))), "timings": {n: t.to_json() for n, t in timings.items()}}
 
 
+def _roofline(config: Config, B: int, T: int, peak: float) -> dict:
+    """The FLOPs of a B x T prefill and their time at `peak` FLOP/s."""
+    from qwen35_lib.bench.roofline import prefill_flops
+
+    flops = prefill_flops(config, B, T)
+    return {"matmul_roofline": {"flops": flops, "roofline_ms": 1e3 * flops / peak}}
+
+
 def _print_table(results: list[dict]) -> None:
     rows = [[f"{r['batch']}x{r['seq']}", r["tokens"], r["timings"]["ours"]["median_s"] * 1e3,
              r["timings"]["transformers"]["median_s"] * 1e3, r["tokens_per_s"]["ours"],
-             r["tokens_per_s"]["transformers"], f"{r['speedup']:.2f}x", f"{r['max_abs_logit_diff']:.1e}",
-             r[f"positions_over_{OFF:g}"]] for r in results]
-    print(format_table(["BxT", "tokens", "ours ms", "HF ms", "ours tok/s", "HF tok/s", "ours/HF", "max|Δ| logits",
-                        f"positions |Δ|>{OFF:g}"], rows))
+             r["tokens_per_s"]["transformers"], f"{r['speedup']:.2f}x",
+             f"{r['matmul_roofline']['roofline_ms']:.1f}",
+             f"{100 * r['matmul_roofline']['ours']:.0f}% / {100 * r['matmul_roofline']['transformers']:.0f}%",
+             f"{r['max_abs_logit_diff']:.1e}", r[f"positions_over_{OFF:g}"]] for r in results]
+    print(format_table(["BxT", "tokens", "ours ms", "HF ms", "ours tok/s", "HF tok/s", "ours/HF", "roofline ms",
+                        "of roofline ours/HF", "max|Δ| logits", f"positions |Δ|>{OFF:g}"], rows))
     print(f"(a few positions off by more than {OFF:g} are usually top-k routing near-ties that rounding resolved "
           "the other way; many mean a real mismatch)")
 

@@ -19,6 +19,7 @@ from qwen35_lib.engine.cache import CacheShape, cache_shardings, init_cache, mem
 from qwen35_lib.engine.sampling import SamplingParams, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
+from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, check_layout, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
@@ -134,6 +135,7 @@ class Engine:
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
         self.stats = StepStats()
         self.step_fn = engine_step  # the jitted step this engine calls (a stand-in may replace it in tests)
+        self._memory_checked: set[tuple[int, int]] = set()  # buckets whose step's working memory was checked
         self.results: dict[int, Result] = {}
         self._next_id = 0
 
@@ -169,23 +171,20 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress: " + repr([(len(s.waiting), len(s.running))
                                                                               for s in self.ranks]))
             return []
-        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
-        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
-        T = D + bucket(pre, self.prefill_buckets)
+        D, T = self._step_shape(plans)
         S = self.ec.max_num_seqs
         packs = [pack([w for _, w in p.decodes], [w for _, w in p.prefills], D, T, S, self.ec.pages_per_seq,
                       self.chunk) for p in plans]
         tokens, meta = stack_ranks(packs)
         samp = self._sampling_arrays(plans, S)
-        first = (D, T) not in self.stats.buckets
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
-            if first:  # compiled here (jit reuses it) and checked before it runs
-                self._check_step_memory(D, T, tokens, meta, samp)
+            self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
-            next_tokens, self.cache = self.step_fn(self.config, self.weights, self.cache, tokens, meta, samp)
+            next_tokens, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+                                                   tokens, meta, samp)
             next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
@@ -204,11 +203,14 @@ class Engine:
     def _check_step_memory(self, D: int, T: int, tokens, meta, samp) -> None:
         """A ValueError naming the knobs to lower when the step of bucket (D, T) needs more working memory than
         the devices have left once the caches are placed (on XLA:CPU the step's temporaries grow with the pools:
-        the XLA paged attention gathers every sequence's pages). A stand-in step without `lower` is not checked."""
+        the XLA paged attention gathers every sequence's pages). Once per bucket; a stand-in step without `lower`
+        is not checked."""
         lower = getattr(self.step_fn, "lower", None)
-        if lower is None:
+        if lower is None or (D, T) in self._memory_checked:
             return
-        compiled = lower(self.config, self.weights, self.cache, tokens, meta, samp).compile()
+        weights = prepare_weights(self.config, self.weights)  # what the step is called with
+        compiled = lower(self.config, weights, self.cache, tokens, meta, samp).compile()
+        self._memory_checked.add((D, T))
         devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
         short = step_memory_shortfall(compiled, devices)
         if short is not None:
@@ -216,6 +218,74 @@ class Engine:
             raise ValueError(f"{short} at {D} decode rows + {T - D} prefill tokens per rank: lower max_model_len "
                              f"({ec.max_model_len}), max_num_seqs ({ec.max_num_seqs}) or max_num_batched_tokens "
                              f"({ec.max_num_batched_tokens})")
+
+    def _step_shape(self, plans: list[Plan]) -> tuple[int, int]:
+        """The (D, T) bucket of a step: decode rows, and all tokens (decode rows + the prefill region)."""
+        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
+        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
+        return D, D + bucket(pre, self.prefill_buckets)
+
+    # --- compiling ahead of a workload ------------------------------------------------------------------------
+    def workload_buckets(self, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int]
+                         ) -> list[tuple[int, int]]:
+        """The (D, T) buckets the step takes when requests of these prompt lengths are submitted together (to an
+        idle engine) and each generates max_new_tokens (EOS ignored): the scheduler run dry, on its own copies
+        (this engine's state is untouched, nothing is computed)."""
+        outs = [max_new_tokens] * len(prompt_lengths) if isinstance(max_new_tokens, numbers.Integral) \
+            else list(max_new_tokens)
+        if len(outs) != len(prompt_lengths):
+            raise ValueError(f"{len(prompt_lengths)} prompt lengths but {len(outs)} max_new_tokens: give one per "
+                             "prompt, or a single int for all")
+        ec, C = self.ec, self.chunk
+        ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
+                               ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
+        for i, (n, o) in enumerate(zip(prompt_lengths, outs)):
+            validate_request(self.config, ec, [0] * n, SamplingParams(max_new_tokens=o))
+            rank = min(range(len(ranks)), key=lambda j: (ranks[j].load, j))
+            ranks[rank].add(Request(i, [0] * n, SamplingParams(max_new_tokens=o, ignore_eos=True), frozenset(),
+                                    rank=rank))
+        seen = []
+        while any(s.waiting or s.running for s in ranks):
+            plans = [s.plan() for s in ranks]
+            if not any(p.decodes or p.prefills for p in plans):
+                raise RuntimeError("the scheduler made no progress in the dry run of the workload")
+            shape = self._step_shape(plans)
+            if shape not in seen:
+                seen.append(shape)
+            for sched, plan in zip(ranks, plans):
+                sched.commit(plan, [0] * len(plan.items))
+        return seen
+
+    def precompile(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int | Sequence[int] = 1,
+                   *, buckets: Sequence[tuple[int, int]] | None = None) -> dict:
+        """Compile the step for every bucket a workload will use (`workload_buckets`), or for `buckets` (D, T),
+        so that running it compiles nothing. Each bucket is compiled by one step of padding only (it writes the
+        null page and slot, which no request reads); the engine's stats are untouched.
+
+            engine.precompile([len(p) for p in prompts], 64)   # then engine.generate(prompts, ...)
+
+        Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
+        if buckets is None:
+            if prompt_lengths is None:
+                raise ValueError("precompile needs the workload (prompt_lengths, max_new_tokens) or buckets=[(D, T)]")
+            buckets = self.workload_buckets(prompt_lengths, max_new_tokens)
+        R, S = self.ec.ranks, self.ec.max_num_seqs
+        start, traced = time.perf_counter(), TRACES[0]
+        for D, T in buckets:
+            if D not in self.decode_buckets or T - D not in self.prefill_buckets:
+                raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: D in {self.decode_buckets}, "
+                                 f"T - D in {self.prefill_buckets}")
+            empty = Plan([], [])
+            tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
+            samp = self._sampling_arrays([empty] * R, S)
+            with self._on_mesh():
+                tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
+                self._check_step_memory(D, T, tokens, meta, samp)
+                out, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+                                               tokens, meta, samp)
+                jax.block_until_ready(out)
+        return {"buckets": [tuple(b) for b in buckets], "compiled": TRACES[0] - traced,
+                "seconds": time.perf_counter() - start}
 
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

@@ -74,10 +74,19 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
            position: jax.Array) -> jax.Array:
     """Next tokens [N] from float32 logits [N, V] with per-row parameters [N].
 
-    1. greedy rows (temperature 0) take the argmax;
+    1. greedy rows (temperature 0) take the argmax; when every row is greedy that is all the step does
+       (`lax.cond`: the sort over the vocabulary runs only for a batch with a sampled row);
     2. others scale by 1 / temperature, keep the top_k largest (if > 0), then the smallest set of tokens whose
        probability reaches top_p (the token that crosses it included), and draw with key fold_in(seed, position).
     """
+    greedy = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    mixed = lambda logits: sample_sorted(logits, temperature, top_k, top_p, seed, position)
+    return jax.lax.cond(jnp.all(temperature <= 0), greedy, mixed, logits)
+
+
+def sample_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array,
+                  position: jax.Array) -> jax.Array:
+    """`sample` for a batch with sampled rows: every row through the sort, greedy rows then take the argmax."""
     V = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]

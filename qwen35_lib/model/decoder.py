@@ -9,41 +9,35 @@ import numpy as np
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_block
 from qwen35_lib.model.deltanet import gdn_block
+from qwen35_lib.model.layer_loop import LayerWeights, group_layers, is_per_layer, per_layer_weights, prepare_weights
 from qwen35_lib.model.layers import rms_norm
 from qwen35_lib.model.moe import moe_block
 from qwen35_lib.model.parallelism import check_parallelism
 from qwen35_lib.weights import abstract_weights
 
 
-def _take(tree: dict, i: int) -> dict:
-    """Layer i of a stacked weight tree: [n, ...] -> [...]."""
-    return jax.tree.map(lambda a: a[i], tree)
+def residual_layer(cfg: Config, parallelism, w: LayerWeights, h: jax.Array, mixer, valid: jax.Array) -> jax.Array:
+    """One layer, the one layer body of `forward` and the engine's ragged step. h: [B, T, D], valid: [B, T].
 
-
-def residual_layer(cfg: Config, parallelism, w: dict, p: int, h: jax.Array, mixer) -> jax.Array:
-    """Layer p of a group, the one layer body of `forward` and the engine's ragged step. h: [B, T, D].
-
-    1. x = mixer(rms_norm(h)) (GDN or attention; `mixer` closes over its weights and caches); h += x;
-    2. h += MoE(rms_norm(h)) on the flat tokens [B*T, D].
+    1. x = mixer(rms_norm(h)) (GDN or attention; `mixer` closes over its caches); h += x;
+    2. h += MoE(rms_norm(h)) on the flat tokens [B*T, D] (tokens not `valid` are routed to no expert).
     """
     B, T, D = h.shape
-    h = h + mixer(rms_norm(h, w["input_norm"][p], cfg.rms_norm_eps))
-    x = rms_norm(h, w["post_norm"][p], cfg.rms_norm_eps)
-    return h + moe_block(cfg, _take(w["moe"], p), x.reshape(B * T, D), parallelism).reshape(B, T, D)
+    h = h + mixer(w.mixer, rms_norm(h, w.input_norm, cfg.rms_norm_eps))
+    x = rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+    return h + moe_block(cfg, w.moe, x.reshape(B * T, D), parallelism, valid.reshape(B * T)).reshape(B, T, D)
 
 
-def _group(cfg: Config, parallelism, h: jax.Array, w: dict, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+def _group(cfg: Config, parallelism, h: jax.Array, layers: list[LayerWeights], positions: jax.Array,
+           lengths: jax.Array) -> jax.Array:
     """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
     valid = jnp.arange(h.shape[1])[None, :] < lengths[:, None]  # [B, T]
-    i_gdn = i_attn = 0
-    for p, kind in enumerate(cfg.layer_pattern):
+    for kind, w in zip(cfg.layer_pattern, layers):
         if kind == LINEAR:
-            mixer = lambda x, i=i_gdn: gdn_block(cfg, _take(w["gdn"], i), x, valid)[0]
-            i_gdn += 1
+            mixer = lambda w, x: gdn_block(cfg, w, x, valid)[0]
         else:
-            mixer = lambda x, i=i_attn: attention_block(cfg, _take(w["attn"], i), x, positions, lengths)
-            i_attn += 1
-        h = residual_layer(cfg, parallelism, w, p, h, mixer)
+            mixer = lambda w, x: attention_block(cfg, w, x, positions, lengths)
+        h = residual_layer(cfg, parallelism, w, h, mixer, valid)
     return h
 
 
@@ -52,12 +46,16 @@ def _forward(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, leng
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h = weights["embed"][token_ids]  # [B, T, D]
+    if is_per_layer(weights["layers"]):  # unrolled over per-layer leaves (`model.layer_loop`)
+        for g, layers in enumerate(weights["layers"]):
+            with jax.named_scope(f"layer_group_{g}"):
+                h = _group(cfg, parallelism, h, list(layers), positions, lengths)
+    else:
+        def body(h, w):
+            with jax.named_scope("layer_group"):
+                return _group(cfg, parallelism, h, group_layers(cfg, w), positions, lengths), None
 
-    def body(h, w):
-        with jax.named_scope("layer_group"):
-            return _group(cfg, parallelism, h, w, positions, lengths), None
-
-    h, _ = jax.lax.scan(body, h, weights["layers"])
+        h, _ = jax.lax.scan(body, h, weights["layers"])
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
 
@@ -76,6 +74,7 @@ def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=
         lengths = np.full((B,), T, np.int32)
     lengths = _check_lengths(lengths, B, T)
     check_weights(config, weights)
+    weights = prepare_weights(config, weights)
     return _forward(config, parallelism, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
@@ -86,7 +85,8 @@ def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism
     if not isinstance(token_ids, jax.ShapeDtypeStruct):
         token_ids = jnp.asarray(_check_tokens(config, token_ids), jnp.int32)
         lengths = jnp.asarray(_check_lengths(lengths, *token_ids.shape), jnp.int32)
-    return _forward.lower(config, check_parallelism(config, parallelism), weights, token_ids, lengths)
+    return _forward.lower(config, check_parallelism(config, parallelism), prepare_weights(config, weights), token_ids,
+                          lengths)
 
 
 def _check_tokens(config: Config, token_ids):
@@ -120,8 +120,12 @@ def _check_lengths(lengths, B: int, T: int) -> np.ndarray:
 
 
 def check_weights(config: Config, weights: dict) -> None:
-    """Raise a clear error when `weights` does not have the tree, shapes and dtypes `config` declares."""
+    """Raise a clear error when `weights` does not have the tree, shapes and dtypes `config` declares (stacked,
+    or split into per-layer leaves by `model.layer_loop.per_layer_weights`)."""
     expected = abstract_weights(config)
+    if is_per_layer(weights.get("layers") if isinstance(weights, dict) else None):
+        expected = dict(expected, layers=jax.eval_shape(lambda l: per_layer_weights(config, {"layers": l})["layers"],
+                                                        expected["layers"]))
     exp_leaves, exp_tree = jax.tree_util.tree_flatten_with_path(expected)
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(weights)
     if exp_tree != got_tree:

@@ -29,24 +29,38 @@ def shared_expert(w: dict, x: jax.Array) -> jax.Array:
     return (gate * linear(a, w["shared_down"]).astype(jnp.float32)).astype(x.dtype)
 
 
-def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-    """Σ_j weights_j * expert_{ids_j}(x), dropless: dispatch (sort copies by expert), grouped matmul, combine."""
+def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: jax.Array,
+                   valid: jax.Array | None = None) -> jax.Array:
+    """Σ_j weights_j * expert_{ids_j}(x), dropless: dispatch (sort copies by expert), grouped matmul, combine.
+
+    Tokens not `valid` [N] (padding) are routed to no expert: their copies go to a trailing group E that the
+    grouped matmul never computes (rows past the sum of the group sizes), so they take no expert's capacity;
+    their routed output is 0.
+    """
+    E = cfg.num_experts
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, E)  # [N, k]
+        weights = jnp.where(valid[:, None], weights, 0)
     permute = for_config("permute", cfg)
-    x_sorted, group_sizes, order = permute.dispatch(x, ids, cfg.num_experts)  # [N*k, D], [E]
-    y_sorted = for_config("moe_matmul", cfg)(x_sorted, group_sizes, w["w_gate_up"], w["w_down"],
+    x_sorted, group_sizes, order = permute.dispatch(x, ids, E + (valid is not None))  # [N*k, D], [E (+1)]
+    y_sorted = for_config("moe_matmul", cfg)(x_sorted, group_sizes[:E], w["w_gate_up"], w["w_down"],
                                              cfg.fp8_block_size)
     return permute.combine(y_sorted, order, weights).astype(x.dtype)  # [N, D]
 
 
-def local_moe(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
-    """The MoE layer on one device, flat tokens x: [N, D] -> [N, D]: routed experts (dropless) + shared expert."""
+def local_moe(cfg: Config, w: dict, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """The MoE layer on one device, flat tokens x: [N, D] -> [N, D]: routed experts (dropless) + shared expert.
+    `valid` [N] (optional): False for padding tokens, which are routed to no expert (see `routed_experts`)."""
     weights, ids = route(cfg, w["router"], x)
-    return routed_experts(cfg, w, x, weights, ids) + shared_expert(w, x)
+    return routed_experts(cfg, w, x, weights, ids, valid) + shared_expert(w, x)
 
 
-def moe_block(cfg: Config, w: dict, x: jax.Array, parallelism) -> jax.Array:
-    """The MoE layer on flat tokens, as the layout runs it (`model.parallelism`). x: [N, D] -> [N, D]."""
+def moe_block(cfg: Config, w: dict, x: jax.Array, parallelism, valid: jax.Array | None = None) -> jax.Array:
+    """The MoE layer on flat tokens, as the layout runs it (`model.parallelism`). x: [N, D] -> [N, D].
+    `valid` [N]: False marks padding tokens; a layout that takes it (`Local`) routes them to no expert."""
     with jax.named_scope("moe"):
+        if valid is not None and getattr(parallelism, "takes_valid", False):
+            return parallelism.moe(cfg, w, x, valid=valid)
         return parallelism.moe(cfg, w, x)
 
 

@@ -4,6 +4,7 @@ The model is written once, for one device. A layout (`qwen35_lib.parallel`) answ
 an object passed down from `forward` / `ragged_forward` (the model never looks a layout up):
 
 - `moe(cfg, w, x)`: the whole MoE layer (router, routed experts, shared expert) on flat tokens x [N, D] -> [N, D];
+  a layout with `takes_valid = True` also takes `valid=` [N] (False: a padding token, routed to no expert);
 - `per_rank(cfg, slot, fn, *args)`: `jax.vmap(fn)(*args)` over the leading data-parallel rank axis R of every
   array in `args`, which a layout may run inside a `shard_map` (a Pallas kernel cannot be partitioned by XLA).
 
@@ -30,10 +31,13 @@ class Parallelism(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Local:
-    """Everything on one device: the MoE dropless on its own, per-rank calls a plain `vmap`."""
+    """Everything on one device: the MoE dropless on its own (padding tokens routed nowhere), per-rank calls a
+    plain `vmap`."""
 
-    def moe(self, cfg: Config, w: dict, x: jax.Array) -> jax.Array:
-        return local_moe(cfg, w, x)
+    takes_valid = True
+
+    def moe(self, cfg: Config, w: dict, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        return local_moe(cfg, w, x, valid)
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
         return jax.vmap(fn)(*args)

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_ragged_block
-from qwen35_lib.model.decoder import _take, residual_layer
+from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.deltanet import gdn_ragged_block
+from qwen35_lib.model.layer_loop import group_layers, is_per_layer
 from qwen35_lib.model.layers import rms_norm
 from qwen35_lib.model.parallelism import check_parallelism
 
@@ -19,43 +20,50 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
 
     tokens: [R, T]; meta: RaggedMeta with leading R; cache: see `qwen35_lib.engine.cache`; `parallelism` as in
     `forward` (static under jit: `jax.jit(ragged_forward, static_argnums=0, static_argnames="parallelism")`).
-    Returns (logits [R, S, V], cache). The decoder is a scan over layer groups; the caches ride in the carry
-    and each group's slice is updated in place (no second copy of the cache).
+    Returns (logits [R, S, V], cache). The decoder is a scan over stacked layer groups (the caches ride in the
+    carry, each group's slice updated in place), or an unrolled loop when `weights["layers"]` holds per-layer
+    leaves (`model.layer_loop`: XLA:CPU; the engine passes `prepare_weights(cfg, weights)`).
     """
     parallelism = check_parallelism(cfg, parallelism)
     h = weights["embed"][tokens]  # [R, T, D]
+    valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
 
-    def body(carry, xs):
-        h, cache = carry
-        w, gi = xs
-        c = jax.tree.map(lambda a: a[gi], cache)  # this group's caches: [n, R, ...]
+    def group(h, cache, layers, gi):
+        """Group gi's layers; each reads and writes its own cache entry [gi, i] in place."""
         i_gdn = i_attn = 0
-        for p, kind in enumerate(cfg.layer_pattern):
+        for kind, lw in zip(cfg.layer_pattern, layers):
             if kind == LINEAR:
-                def mixer(x, i=i_gdn):
-                    nonlocal c
-                    layer = {n: c[n][i] for n in ("conv_q", "conv_k", "conv_v", "state")}
-                    x, layer = gdn_ragged_block(cfg, _take(w["gdn"], i), x, meta, layer, parallelism)
-                    c = dict(c, **{n: c[n].at[i].set(layer[n]) for n in layer})
+                def mixer(w, x, i=i_gdn):
+                    nonlocal cache
+                    layer = {n: cache[n][gi, i] for n in ("conv_q", "conv_k", "conv_v", "state")}
+                    x, layer = gdn_ragged_block(cfg, w, x, meta, layer, parallelism)
+                    cache = dict(cache, **{n: cache[n].at[gi, i].set(layer[n]) for n in layer})
                     return x
                 i_gdn += 1
             else:
-                def mixer(x, i=i_attn):
-                    nonlocal c
-                    scales = c["kv_scale"][i] if "kv_scale" in c else None
-                    x, kv, scales = attention_ragged_block(cfg, _take(w["attn"], i), x, meta, c["kv"][i], scales,
-                                                           parallelism)
-                    c = dict(c, kv=c["kv"].at[i].set(kv))
+                def mixer(w, x, i=i_attn):
+                    nonlocal cache
+                    scales = cache["kv_scale"][gi, i] if "kv_scale" in cache else None
+                    x, kv, scales = attention_ragged_block(cfg, w, x, meta, cache["kv"][gi, i], scales, parallelism)
+                    cache = dict(cache, kv=cache["kv"].at[gi, i].set(kv))
                     if scales is not None:
-                        c["kv_scale"] = c["kv_scale"].at[i].set(scales)
+                        cache["kv_scale"] = cache["kv_scale"].at[gi, i].set(scales)
                     return x
                 i_attn += 1
-            h = residual_layer(cfg, parallelism, w, p, h, mixer)
-        cache = jax.tree.map(lambda a, n: a.at[gi].set(n), cache, c)
-        return (h, cache), None
+            h = residual_layer(cfg, parallelism, lw, h, mixer, valid)
+        return h, cache
 
-    with jax.named_scope("layer_group"):
-        (h, cache), _ = jax.lax.scan(body, (h, cache), (weights["layers"], jnp.arange(cfg.num_groups)))
+    if is_per_layer(weights["layers"]):  # unrolled over per-layer leaves (`model.layer_loop`)
+        for gi, layers in enumerate(weights["layers"]):
+            with jax.named_scope(f"layer_group_{gi}"):
+                h, cache = group(h, cache, layers, gi)
+    else:
+        def body(carry, xs):
+            w, gi = xs
+            return group(*carry, group_layers(cfg, w), gi), None
+
+        with jax.named_scope("layer_group"):
+            (h, cache), _ = jax.lax.scan(body, (h, cache), (weights["layers"], jnp.arange(cfg.num_groups)))
     h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("rsd,dv->rsv", h, weights["lm_head"], preferred_element_type=jnp.float32)

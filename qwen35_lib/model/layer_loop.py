@@ -1,0 +1,93 @@
+"""How the decoder walks its layers: a `lax.scan` over the stacked layer groups, or an unrolled Python loop over
+per-layer weight leaves. Decided here, once, per backend (`unrolled`).
+
+Why two: XLA:CPU copies every slice of a stacked weight it reads (scan or static index alike), so on the CPU a
+decode step of qwen3.5-mini spends most of its time copying weights (an MoE layer at 8 tokens: 8 ms with its
+weights as their own arguments, 47 ms sliced inside jit, 62 ms in a scan; `bench engine`). Per-layer leaves,
+sliced once outside jit, are read in place. On a TPU the scan's slices are free and it keeps the HLO one group
+long (the 60-layer 397B compiles once per group body), so TPU programs and ahead-of-time compiles keep the scan.
+
+Weight forms (`weights["layers"]`):
+- stacked (the checkpoint's tree, `weights.abstract_weights`): leaves [G, n, ...] (n layers of a kind per group);
+- per-layer (`per_layer_weights`): a tuple of G groups, each a tuple of `len(layer_pattern)` `LayerWeights`.
+The model takes either; `prepare_weights` gives the form `unrolled` picks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import jax
+
+from qwen35_lib.config import LINEAR, Config
+from qwen35_lib.kernels.registry import target_backend
+
+MAX_UNROLLED_LAYERS = 16  # deeper models scan on every backend: an unrolled HLO grows (and compiles) per layer
+
+
+class LayerWeights(NamedTuple):
+    """One layer's weights, each its own array: the mixer's (GDN or attention), the two norms [D], the MoE's."""
+
+    mixer: dict
+    input_norm: jax.Array
+    post_norm: jax.Array
+    moe: dict
+
+
+def unrolled(cfg: Config, backend: str | None = None) -> bool:
+    """True where the layers run as an unrolled loop over per-layer leaves: XLA:CPU, one device (a layout's
+    sharded weights keep their stacked shardings), up to MAX_UNROLLED_LAYERS layers."""
+    return ((backend or target_backend()) == "cpu" and cfg.layout == "single"
+            and cfg.num_layers <= MAX_UNROLLED_LAYERS)
+
+
+def is_per_layer(layers) -> bool:
+    return isinstance(layers, tuple)
+
+
+def group_layers(cfg: Config, w: dict) -> list[LayerWeights]:
+    """The layers of one stacked group (leaves [n, ...]), in `layer_pattern` order (slices: used inside a scan)."""
+    take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+    out, i_gdn, i_attn = [], 0, 0
+    for p, kind in enumerate(cfg.layer_pattern):
+        if kind == LINEAR:
+            mixer, i_gdn = take(w["gdn"], i_gdn), i_gdn + 1
+        else:
+            mixer, i_attn = take(w["attn"], i_attn), i_attn + 1
+        out.append(LayerWeights(mixer, w["input_norm"][p], w["post_norm"][p], take(w["moe"], p)))
+    return out
+
+
+def per_layer_weights(cfg: Config, weights: dict) -> dict:
+    """`weights` with its stacked layers split into per-layer leaves (a copy of the layer weights, made once)."""
+    layers = weights["layers"]
+    if is_per_layer(layers):
+        return weights
+    return dict(weights, layers=_split(cfg, layers))
+
+
+def _split(cfg: Config, layers: dict) -> tuple:
+    """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer)."""
+    return tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
+
+
+_CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, layer_pattern, per-layer groups)
+
+
+def prepare_weights(cfg: Config, weights: dict) -> dict:
+    """The weight form `unrolled(cfg)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
+    and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through."""
+    layers = weights["layers"]
+    if is_per_layer(layers) or not unrolled(cfg):
+        return weights
+    leaves = jax.tree.leaves(layers)
+    if any(isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) for a in leaves):
+        return weights
+    key = tuple(map(id, leaves))
+    hit = _CACHE.get(key)
+    if hit is None or hit[1] != cfg.layer_pattern or any(r() is not a for r, a in zip(hit[0], leaves)):
+        drop = lambda _: _CACHE.pop(key, None)
+        hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg.layer_pattern, _split(cfg, layers))
+        _CACHE[key] = hit
+    return dict(weights, layers=hit[2])
