@@ -25,6 +25,7 @@ import numpy as np
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.parallel import plan
 from qwen35_lib.stats import model_stats
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -134,8 +135,9 @@ def kv_item(cfg: Config, pl: Placement) -> float:
 
 
 def kv_heads_per_device(cfg: Config, tp: int) -> int:
-    """KV heads a device stores: Hkv / tp when it divides, else 1 (replicated: tp8_kvrep)."""
-    return cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
+    """KV heads a device stores with heads split tp ways: Hkv / tp when it divides, else the code's `tp_kvrep`
+    duplication (`parallel.plan.kv_heads_per_device`: max(1, Hkv / tp), one head per device for 2 on 8)."""
+    return plan.kv_heads_per_device(cfg, tp, replicated=True)
 
 
 def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:

@@ -82,7 +82,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
     max_running = int((usable - w) // per_req) if usable > w else 0
     doc: dict[str, Any] = dict(
-        model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.name, routing=st.routing,
+        model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.layout, routing=st.routing,
         fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,
         isl=isl, osl=osl, concurrency=concurrency, dp=lay.dp, tp=lay.tp, chips=sp.chips, devices=sp.devices,
         max_batched_tokens_per_rank=budget, max_seqs_per_rank=seqs, kv_dtype=kv_dtype or cfg.dtype,
