@@ -46,7 +46,7 @@ def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = No
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
-                             kv_dtype=kv_dtype, page_size=page_size)
+                             kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
     lay = resolve_layout(stage, cfg, specs.devices)
     facts = kernel_facts()
     kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
@@ -80,7 +80,7 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
 
     if ideal:  # every byte of dense weights once over the slice, not once per data-parallel rank
         dense = ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices, attention="pallas",
-                              moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size)
+                              moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
         attn = ops.attention_block(cfg, batch, pl)
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
         gdn = ops.gdn_block(cfg, batch, pl)

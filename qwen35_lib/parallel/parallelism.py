@@ -47,11 +47,19 @@ def parallelism(config: Config) -> Parallelism:
     return LOCAL if plan.name == "single" else MeshParallelism(plan)
 
 
+def _placed(config: Config) -> Config:
+    """The config as placed on the context mesh (`tp_kvrep`: the duplicated KV heads `shard_weights` made)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    plan = plan_of(config)
+    return config if mesh.empty or plan.name == "single" else plan.placed_config(config, mesh)
+
+
 def forward(config: Config, weights: dict, token_ids, lengths=None) -> jax.Array:
-    """`model.forward` under the config's layout: float32 logits [B, T, V] for right-padded rows [B, T]."""
-    return decoder.forward(config, weights, token_ids, lengths, parallelism(config))
+    """`model.forward` under the config's layout: float32 logits [B, T, V] for right-padded rows [B, T] (weights
+    placed by `shard_weights`)."""
+    return decoder.forward(_placed(config), weights, token_ids, lengths, parallelism(config))
 
 
 def lower_forward(config: Config, weights: dict, token_ids, lengths) -> jax.stages.Lowered:
     """`model.decoder.lower_forward` under the config's layout (for ahead-of-time compiles)."""
-    return decoder.lower_forward(config, weights, token_ids, lengths, parallelism(config))
+    return decoder.lower_forward(_placed(config), weights, token_ids, lengths, parallelism(config))
