@@ -132,3 +132,15 @@ def test_budget_placement_aot_and_bench_read_the_same_plan_objects():
         assert (p.layout, p.routing, p.fuse_allgather, p.hierarchical_rs) == \
                (s.layout, s.routing, s.fuse_allgather, s.hierarchical_rs)
         assert p.rules is layouts.get_layout(s.layout).rules
+
+
+def test_a_plans_cache_dtypes_reach_the_cost_model():
+    from qwen35_lib import costmodel
+
+    base = stages.get_stage("kernels")
+    bf16 = dataclasses.replace(base, name="kernels/bf16", kv_dtype="bfloat16", gdn_state_dtype="bfloat16")
+    a = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8)
+    b = costmodel.predict(stage=bf16, isl=1024, osl=1024, concurrency=8)
+    c = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8, kv_dtype="bfloat16")
+    assert (a["kv_dtype"], b["kv_dtype"], c["kv_dtype"]) == ("float8_e4m3fn", "bfloat16", "bfloat16")
+    assert stages.stage_config(get_config("qwen3.5-mini"), bf16).gdn_state_dtype == "bfloat16"
