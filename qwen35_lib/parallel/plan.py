@@ -61,9 +61,8 @@ class ServingPlan:
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over core, then chip
     kernels: str | None = "xla"  # kernel family (`kernels.registry.FAMILIES`); None: as the config says
-    rs_micro_batches: int | None = None  # hierarchical_rs: row slices; None: `micro_batches(tokens)`
-    kv_dtype: str | None = None  # paged KV cache; None: the engine's default (the model dtype)
-    gdn_state_dtype: str | None = None  # recurrent GDN state; None: the config's
+    kv_dtype: str | None = None  # paged KV cache, read by the cost model (an Engine takes EngineConfig.kv_dtype)
+    gdn_state_dtype: str | None = None  # recurrent GDN state (`apply` sets it in the config); None: the config's
     mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
     kv_whole: bool = False  # set by `check_layout`: tp_kvrep's KV heads neither divide nor duplicate evenly here,
     #                         so they stay whole on every device (the cache's flat [.., 2·Hkv·d] is never cut)
@@ -165,7 +164,7 @@ class ServingPlan:
 
     def rs_slices(self, tokens: int) -> int:
         """Micro-batches of the hierarchical reduce-scatter of a step of `tokens` tokens (code and cost model)."""
-        return micro_batches(tokens) if self.rs_micro_batches is None else self.rs_micro_batches
+        return micro_batches(tokens)
 
     # --- stages ---
     def kernel_fields(self, backend: str | None = None) -> dict[str, str]:
