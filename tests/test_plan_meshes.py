@@ -74,7 +74,7 @@ def test_eight_device_names_refuse_another_mesh_with_the_general_name():
         check_layout(M2.replace(layout="dp_ep", num_experts=12), _mesh(8))
 
 
-@pytest.mark.parametrize("devices", [4, 8])
+@pytest.mark.parametrize("devices", [1, 4, 8])
 @pytest.mark.parametrize("routing", ["replicate", "all_to_all"])
 def test_ep_moves_only_the_rows_routed_to_each_device(routing, devices, models):
     """Seeded routings of 40 tokens (16 experts, top-3): each device runs only its local copies (replicate) or

@@ -38,7 +38,7 @@ from qwen35_lib.weights import BlockFP8
 
 
 def local_experts(cfg: Config, w_gate_up, w_down, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                  first: jax.Array | int, count: int) -> jax.Array:
+                  first: jax.Array | int, count: int, all_local: bool = False) -> jax.Array:
     """Σ_j weights_j * expert_{ids_j}(x) over the copies whose expert is in [first, first + count).
 
     x [N, D], ids/weights [N, k] (global expert ids); w_* hold the `count` local experts.
@@ -47,11 +47,11 @@ def local_experts(cfg: Config, w_gate_up, w_down, x: jax.Array, ids: jax.Array, 
        grouped matmul never computes; only local copies' rows of x are read;
     2. the permute slot sorts the M rows by expert, the grouped matmul runs them;
     3. each row is weighed (padding: 0) and a token's local copies are summed (scatter-add into [N, D]).
-    When every expert is local (count = all experts: the TP MoE) step 1 is skipped.
+    `all_local` (the TP MoE: every expert here, every id in range) skips step 1.
     """
     N, k = ids.shape
     permute, matmul = for_config("permute", cfg), for_config("moe_matmul", cfg)
-    if count == cfg.num_experts and isinstance(first, int) and first == 0:
+    if all_local:
         x_sorted, sizes, order = permute.dispatch(x, ids, count)  # [N*k, D], [count]
         y = matmul(x_sorted, sizes, w_gate_up, w_down, cfg.fp8_block_size)
         return permute.combine(y, order, weights).astype(x.dtype)  # [N, D]
@@ -93,7 +93,7 @@ def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Arra
     f = P(None, None, None, tp)  # [E, D, 2, F_x]
 
     def body(x, ids, weights, w_gate_up, w_down, shared):
-        y = local_experts(cfg, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts)
+        y = local_experts(cfg, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts, all_local=True)
         y = y + shared_fn(shared, x)  # the shared expert's partial sum over its F/tp slice
         return jax.lax.psum(y, tp)
 
