@@ -3,8 +3,8 @@
 `hbm_budget(config, hardware, concurrency, context_len)`:
 1. weight bytes per device, from the weight declarations (`qwen35_lib.stats`), for a weight placement:
    `even` spreads every weight over all devices (the floor any layout can reach); `experts_sharded` splits the
-   routed experts over the devices and replicates everything else (data-parallel attention + expert
-   parallelism, the `dp8_ep8` layout);
+   routed experts over the devices and replicates everything else: the weights of the `dp_ep` layout plan
+   (data-parallel attention + expert parallelism; `dp8_ep8` on 8 devices), `LAYOUT_OF["experts_sharded"]`;
 2. free bytes = devices x (HBM per device - weights per device - reserve per device);
 3. caches of `concurrency` requests holding `context_len` tokens each: KV bytes per token x tokens, plus one
    GDN state (recurrent + conv) per request, which does not grow with the context;
@@ -28,10 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
+from qwen35_lib.parallel.plan import get_layout
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import abstract_weights, declare, is_info
 
 PLACEMENTS = ("even", "experts_sharded")
+LAYOUT_OF = {"experts_sharded": get_layout("dp_ep")}  # the plan a placement is; `even` is a floor, not a layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,18 +175,20 @@ class CompiledWeights:
 def weight_shardings(config: Config, mesh: Mesh, placement: str = "even") -> Any:
     """`NamedSharding`s over all axes of `mesh` for every weight, as `placement` says.
 
-    `experts_sharded`: the `experts` logical axis over the whole mesh, the rest replicated. `even`: each weight split
-    on its first dim the mesh size divides (replicated when none does: a few norm-sized arrays at most).
+    `experts_sharded`: the `dp_ep` layout's own shardings (`parallel.layouts.weight_shardings`: the `experts`
+    logical axis over the whole mesh, the rest replicated). `even`: each weight split on its first dim the mesh
+    size divides (replicated when none does: a few norm-sized arrays at most).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown weight placement {placement!r}; use one of {PLACEMENTS}")
+    if placement in LAYOUT_OF:
+        from qwen35_lib.parallel.layouts import weight_shardings as layout_shardings
+
+        return layout_shardings(config.replace(layout=LAYOUT_OF[placement].layout), mesh)
     axes, size = tuple(mesh.axis_names), mesh.devices.size
 
     def spec(info) -> PartitionSpec:
-        if placement == "experts_sharded":
-            dims = [d for d, a in enumerate(info.logical_axes) if a == "experts"]
-        else:
-            dims = [d for d, n in enumerate(info.shape) if n % size == 0][:1]
+        dims = [d for d, n in enumerate(info.shape) if n % size == 0][:1]
         return PartitionSpec(*[axes if d in dims else None for d in range(len(info.shape))])
 
     return jax.tree.map(lambda i: NamedSharding(mesh, spec(i)), declare(config), is_leaf=is_info)

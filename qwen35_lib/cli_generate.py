@@ -7,9 +7,11 @@ the input lives in the engine and the loader, whose errors `__main__` prints as 
 the loader has one (its `check_finite` keyword).
 
 `--layout` (with `--routing`, `--fuse-allgather`, `--hierarchical-rs`) other than `single` runs the engine on the
-8-device `('chip', 'core')` mesh: the combination is checked first (`check_layout` on an abstract mesh, so a bad
-one fails before any device or weight is touched); on CPU, 8 simulated devices are made when the user set no
-device count and no backend runs yet; a checkpoint loads straight into its shards.
+`('chip', 'core')` mesh of `--devices N` devices (default `$QWEN35_DEVICES`, else 8; the 8-device names `tp8`,
+`tp8_kvrep`, `dp4_tp2_ep8`, `dp8_ep8` need 8, the general `tp`, `tp_kvrep`, `dp_tp2_ep`, `dp_ep` take any count):
+the combination is checked first (`check_layout` on an abstract mesh, so a bad one fails before any device or
+weight is touched); on CPU, that many simulated devices are made when the user set no device count and no backend
+runs yet; a checkpoint loads straight into its shards.
 
 With `--json`, stdout holds exactly one JSON document:
     {"requests": [{"prompt_ids": [...], "output_ids": [...], "finish_reason": "length" | "eos", "text"?}, ...],
@@ -31,7 +33,7 @@ from typing import Any
 from qwen35_lib.config import LAYOUTS, PRESETS, ROUTINGS
 
 RANDOM_WEIGHTS_SEED = 0
-MESH_DEVICES = 8  # the layouts' ('chip': 4, 'core': 2) mesh
+MESH_DEVICES = 8  # the 8-device layouts' ('chip': 4, 'core': 2) mesh (`--devices` / $QWEN35_DEVICES change it)
 HUB_EXAMPLE = "Qwen/Qwen3.5-397B-A17B-FP8"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float8_e4m3fn", "fp8")
 
@@ -61,15 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="sampling seed (each token: fold_in(seed, position))")
     smp.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--layout", choices=LAYOUTS, default="single",
-                     help="how the model is split over the 8-device ('chip': 4, 'core': 2) mesh (default: single, "
-                          "one device); on CPU, 8 simulated devices are made when needed")
-    eng.add_argument("--routing", choices=ROUTINGS, default="replicate",
-                     help="MoE token routing of the EP layouts (dp4_tp2_ep8, dp8_ep8; default: replicate)")
-    eng.add_argument("--fuse-allgather", action="store_true",
-                     help="replicate routing: top-k ids and weights in one all-gather")
-    eng.add_argument("--hierarchical-rs", action="store_true",
-                     help="replicate routing: reduce-scatter within each chip, then across chips")
+    add_layout_options(eng)
     eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once (8)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N", help="new tokens per step (128)")
     eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
@@ -79,6 +73,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
                                                     "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
     p.set_defaults(run=run)
+
+
+def add_layout_options(eng: argparse._ArgumentGroup, what: str = "") -> None:
+    """--layout, --devices, --routing, --fuse-allgather, --hierarchical-rs (generate and serve)."""
+    eng.add_argument("--layout", choices=LAYOUTS, default="single",
+                     help=f"{what}how the model is split over the ('chip', 'core') mesh (default: single, one device): "
+                          "tp8, tp8_kvrep, dp4_tp2_ep8, dp8_ep8 on 8 devices, or the general tp, tp_kvrep, dp_tp2_ep, "
+                          "dp_ep on --devices; on CPU, simulated devices are made when needed")
+    eng.add_argument("--devices", type=int, metavar="N",
+                     help="devices of the mesh for a multi-device layout: 1 or an even count (default "
+                          "$QWEN35_DEVICES, else 8)")
+    eng.add_argument("--routing", choices=ROUTINGS, default="replicate",
+                     help="MoE token routing of the EP layouts (dp_tp2_ep, dp_ep and their 8-device names; "
+                          "default: replicate)")
+    eng.add_argument("--fuse-allgather", action="store_true",
+                     help="replicate routing: top-k ids and weights in one all-gather")
+    eng.add_argument("--hierarchical-rs", action="store_true",
+                     help="replicate routing: reduce-scatter within each chip, then across chips")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -186,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
     for p in prompts:
         validate_request(shape, ec, p, params)
     split = _split_options(args)
-    check_split(shape.replace(**split))
-    mesh = layout_mesh() if args.layout != "single" else None
+    check_split(shape.replace(**split), args.devices)
+    mesh = layout_mesh(args.devices) if args.layout != "single" else None
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
@@ -217,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         requests=requests, model=config.name, checkpoint=str(root) if root else None, dtype=config.dtype,
         expert_dtype=config.expert_dtype or config.dtype, kv_cache_dtype=str(engine.cache["kv"].dtype)
         if "kv" in engine.cache else None,
-        layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
+        layout=args.layout, devices=1 if mesh is None else int(mesh.devices.size), routing=args.routing,
+        fuse_allgather=args.fuse_allgather,
         hierarchical_rs=args.hierarchical_rs, eos_token_ids=list(config.eos_token_ids),
         sampling=dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_k=params.top_k,
                       top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos),
@@ -237,40 +250,46 @@ def _split_options(args: argparse.Namespace) -> dict:
                 hierarchical_rs=args.hierarchical_rs)
 
 
-def check_split(config: Any) -> None:
-    """`check_layout`'s error for the config's layout, routing and flags on the 8-device mesh, checked on an
-    abstract mesh (no devices needed), before any weights are loaded."""
+def check_split(config: Any, devices: int | None = None) -> None:
+    """`check_layout`'s error for the config's layout, routing and flags on the mesh of `devices` (default
+    `mesh_device_count()`), checked on an abstract mesh (no devices needed), before any weights are loaded."""
     from jax.sharding import AbstractMesh
 
+    from qwen35_lib.devices import mesh_device_count
     from qwen35_lib.parallel.layouts import check_layout
     from qwen35_lib.parallel.mesh import AXES
 
     if config.layout == "single" and (config.fuse_allgather or config.hierarchical_rs):
         raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
                          "--routing replicate; layout 'single' has no collectives")
-    check_layout(config, AbstractMesh((MESH_DEVICES // 2, 2), AXES))
+    if config.layout == "single":
+        return
+    n = mesh_device_count(devices)
+    check_layout(config, AbstractMesh((max(1, n // 2), min(2, n)), AXES))
 
 
-def layout_mesh() -> Any:
-    """The ('chip', 'core') mesh over the first 8 devices. On CPU, when no device count was asked for and no
-    backend is running yet, 8 simulated CPU devices are made (`jax_num_cpu_devices`)."""
+def layout_mesh(devices: int | None = None) -> Any:
+    """The ('chip', 'core') mesh over the first `devices` devices (default `mesh_device_count()`: 8 unless
+    $QWEN35_DEVICES says otherwise). On CPU, when no device count was asked for and no backend is running yet,
+    that many simulated CPU devices are made (`jax_num_cpu_devices`)."""
     import os
 
     import jax
 
-    from qwen35_lib.devices import simulate_cpu_devices
+    from qwen35_lib.devices import mesh_device_count, simulate_cpu_devices
     from qwen35_lib.parallel.mesh import make_mesh
 
+    n = mesh_device_count(devices)
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if not forced and jax.config.jax_num_cpu_devices < 0:
-        simulate_cpu_devices(MESH_DEVICES)  # only the CPU backend reads it; no-op once a backend runs
-    devices = jax.devices()
-    if len(devices) < MESH_DEVICES:
-        raise ValueError(f"the parallel layouts need {MESH_DEVICES} devices as ('chip': 4, 'core': 2); this "
-                         f"{devices[0].platform} backend has {len(devices)}. On CPU, run with "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={MESH_DEVICES} (or JAX_NUM_CPU_DEVICES="
-                         f"{MESH_DEVICES}), or use --layout single")
-    return make_mesh(devices[:MESH_DEVICES])
+        simulate_cpu_devices(n)  # only the CPU backend reads it; no-op once a backend runs
+    present = jax.devices()
+    if len(present) < n:
+        raise ValueError(f"the layout needs {n} devices as ('chip', 'core'); this {present[0].platform} backend has "
+                         f"{len(present)}. On CPU, run with XLA_FLAGS=--xla_force_host_platform_device_count={n} (or "
+                         f"JAX_NUM_CPU_DEVICES={n}), or pass --devices {len(present)} with a general layout, or "
+                         "use --layout single")
+    return make_mesh(present[:n])
 
 
 def _parse_ids(s: str) -> list[int]:

@@ -22,7 +22,8 @@ FULL = "full_attention"  # a gated GQA attention layer
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = ("float32", "bfloat16")
 EXPERT_DTYPES = (None, "float8_e4m3fn")
-LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")  # see qwen35_lib.parallel.layouts
+# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.parallel.plan
+LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp", "tp_kvrep", "dp_tp2_ep", "dp_ep")
 ROUTINGS = ("replicate", "all_to_all")
 
 
@@ -75,7 +76,7 @@ class Config:
     gdn_kernel: str = "auto"
     permute_kernel: str = "auto"
     # how to run it on many devices (qwen35_lib.parallel); the mesh itself is passed where it is used
-    layout: str = "single"  # single | tp8 | tp8_kvrep | dp4_tp2_ep8 | dp8_ep8
+    layout: str = "single"  # single | tp8 | tp8_kvrep | dp4_tp2_ep8 | dp8_ep8 | tp | tp_kvrep | dp_tp2_ep | dp_ep
     routing: str = "replicate"  # EP layouts: replicate (all-gather tokens) | all_to_all (send tokens to experts)
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 all-gathers -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over `core`, then over `chip`, micro-batched

@@ -131,7 +131,8 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
        always uses one device);
     2. problem: `check_layout` on that mesh; its message (and the reason behind the rule) when it refuses. The
        rest is still computed with `spec`'s fallback (dims that do not divide are replicated);
-    3. caches: R = the layout's data-parallel size; requests go round-robin to the R ranks (the engine sends each
+    3. caches: R = the layout's data-parallel size (KV heads as `tp_kvrep` duplicates them: the config the
+       program runs, `ServingPlan.placed_config`); requests go round-robin to the R ranks (the engine sends each
        new request to the least-loaded rank); each rank holds pages for ceil(requests / R) contexts of
        `context_len` tokens plus the null page, and as many GDN slots plus the null slot (`EngineConfig`'s rule);
     4. bytes per device: every weight and cache leaf's bytes / the number of shards its spec makes;
@@ -151,6 +152,8 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
         problem = str(e)
         why = next((w for key, w in _WHY if key in problem), "")
     lay = get_layout(layout)
+    r = lay.kv_replication(config, mesh)  # tp_kvrep: KV heads duplicated in the weights, r copies each
+    config, unplaced = lay.placed_config(config, mesh), config
     ranks = lay.dp_size(mesh)
     per_rank = -(-requests // ranks)
     kv_dtype = kv_dtype or config.dtype
@@ -169,17 +172,21 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
         first.setdefault(path, info)
     specs = {label: (logical, first.get(path)) for label, logical, path in HELD}
     sizes = {label: info.shape[info.logical_axes.index(logical)] for label, (logical, info) in specs.items() if info}
+    sizes["kv_heads"] = sizes["kv_heads"] // r
     sizes["requests"] = requests
     batch_axes = _names(lay.batch_axes)
     per_device = []
     for d in range(devices):
         coords = dict(zip(AXES, divmod(d, mesh.shape["core"])))  # chip-major, core-minor, as make_mesh
         holds = {label: _block(lay, mesh, info, logical, coords) for label, (logical, info) in specs.items() if info}
+        if r > 1:  # copies h*r .. h*r + r - 1 are of KV head h
+            kvh = holds["kv_heads"]
+            holds["kv_heads"] = range(kvh.start // r, (kvh.stop - 1) // r + 1)
         rank = _index(batch_axes, mesh, coords)
         holds["requests"] = range(rank, requests, ranks)
         per_device.append(DevicePlacement(d, coords["chip"], coords["core"], holds, sum(w_bytes.values()),
                                           dict(w_bytes), kv, gdn))
-    once = {"weights": _total(weights), "kv": _total(cache, ("kv", "kv_scale")),
+    once = {"weights": _total(_leaves(declare(unplaced))), "kv": _total(cache, ("kv", "kv_scale")) // r,
             "gdn_state": _total(cache) - _total(cache, ("kv", "kv_scale"))}
     on_devices = {"weights": sum(w_bytes.values()) * devices, "kv": kv * devices, "gdn_state": gdn * devices}
     return Placement(

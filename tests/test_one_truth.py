@@ -1,6 +1,7 @@
 """One truth: the stage ladder, the layouts, the routings and the kernel families exist once, and every reader
 (the engine's configs, the cost model, the benchmarks) holds the very same objects; the import layers hold."""
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from qwen35_lib.costmodel import stages as cm_stages
 from qwen35_lib.costmodel import step as cm_step
 from qwen35_lib.kernels import registry
 from qwen35_lib.parallel import layouts, stages
+from qwen35_lib.parallel import plan as plan_lib
 
 
 def test_the_cost_model_reads_the_one_stage_table():
@@ -39,7 +41,8 @@ def test_each_stage_is_the_same_layout_and_kernels_in_code_and_cost_model(name):
     s = stages.get_stage(name)
     run = stages.stage_config(cfg, name, backend="tpu")
     lay = cm_stages.resolve_layout(s, cfg, 8)
-    assert lay.name == run.layout == s.layout
+    assert lay.layout == run.layout == s.layout
+    assert dataclasses.replace(lay, mesh_shape=None) == s  # the stage itself, bound to the 8-device mesh
     assert lay.moe == layouts.get_layout(run.layout).moe
     pl = cm_step.placement(cfg, specs_lib.get("tpu7x-8"), s)
     assert pl.attention == run.attention_kernel
@@ -58,7 +61,29 @@ def test_the_cost_model_refuses_what_the_engine_refuses_with_the_same_error():
 
 def test_dp4_tp2_ep8_is_a_cost_model_layout_too():
     lay = cm_stages.resolve_layout(stages.custom_stage("dp4_tp2_ep8"), get_config("qwen3.5-397b-a17b"), 8)
-    assert (lay.dp, lay.tp, lay.moe) == (4, 2, "ep")
+    assert (lay.dp, lay.tp, lay.ep, lay.moe) == (4, 2, 8, "ep")
+
+
+def test_one_plan_class_for_layouts_stages_and_the_cost_model():
+    assert layouts.Layout is stages.Stage is cm_stages.Layout is plan_lib.ServingPlan
+    assert all(layouts.get_layout(n) is plan_lib.LAYOUT_PLANS[n] for n in config_lib.LAYOUTS)
+    assert all(type(s) is plan_lib.ServingPlan for s in stages.STAGES.values())
+    import inspect
+
+    from qwen35_lib.costmodel import stages as cms
+
+    assert not [v for v in vars(cms).values() if inspect.isclass(v) and v.__module__ == cms.__name__]  # no own class
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_general_and_8_device_names_are_one_placement(devices):
+    cfg = get_config("qwen3.5-397b-a17b")
+    for name, general in plan_lib.INSTANCES.items():
+        assert layouts.get_layout(name).rules is layouts.get_layout(general).rules
+    for s in stages.STAGES.values():  # on other device counts the cost model runs the stage's general form
+        lay = cm_stages.resolve_layout(s, cfg, devices)
+        assert lay.layout == (s.layout if devices == 8 else "single" if devices == 1 else s.general)
+        assert lay.dp * (lay.tp if lay.moe == "tp" else 1) <= devices and lay.name == s.name
 
 
 def test_kernel_families_per_backend():
@@ -88,3 +113,34 @@ def test_import_layers_contract():
     out = subprocess.run([pathlib.Path(sys.executable).parent / "lint-imports"], capture_output=True, text=True,
                          cwd=root)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_budget_placement_aot_and_bench_read_the_same_plan_objects():
+    from qwen35_lib import budget, placement
+    from qwen35_lib.bench import layouts as bench_layouts
+    from qwen35_lib.parallel import parallelism, plan_of
+
+    assert budget.LAYOUT_OF["experts_sharded"] is plan_lib.LAYOUT_PLANS["dp_ep"]
+    assert placement.get_layout is layouts.get_layout is plan_lib.get_layout
+    assert bench_layouts.STAGES is stages.STAGES
+    assert set(bench_layouts.STAGE_NAMES) == {n for n, s in stages.STAGES.items() if s.kernels == "xla"}
+    cfg = get_config("qwen3.5-mini")
+    for s in stages.STAGES.values():  # the plan a stage's config runs is one object, whoever derives it
+        run = stages.stage_config(cfg, s)
+        p = plan_of(run)
+        assert p is plan_of(stages.stage_config(cfg, s.name)) is parallelism.parallelism(run).layout
+        assert (p.layout, p.routing, p.fuse_allgather, p.hierarchical_rs) == \
+               (s.layout, s.routing, s.fuse_allgather, s.hierarchical_rs)
+        assert p.rules is layouts.get_layout(s.layout).rules
+
+
+def test_a_plans_cache_dtypes_reach_the_cost_model():
+    from qwen35_lib import costmodel
+
+    base = stages.get_stage("kernels")
+    bf16 = dataclasses.replace(base, name="kernels/bf16", kv_dtype="bfloat16", gdn_state_dtype="bfloat16")
+    a = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8)
+    b = costmodel.predict(stage=bf16, isl=1024, osl=1024, concurrency=8)
+    c = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8, kv_dtype="bfloat16")
+    assert (a["kv_dtype"], b["kv_dtype"], c["kv_dtype"]) == ("float8_e4m3fn", "bfloat16", "bfloat16")
+    assert stages.stage_config(get_config("qwen3.5-mini"), bf16).gdn_state_dtype == "bfloat16"

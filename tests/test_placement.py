@@ -47,7 +47,8 @@ def test_weight_and_cache_bytes_equal_real_shards(expert_dtype):
         cache = jax.device_put(init_cache(cfg, p.cache_shape), cache_shardings(cfg, p.cache_shape, mesh))
         assert _bytes_on(cache, dev0) == p.kv_bytes_per_device + p.gdn_state_bytes_per_device, layout
         assert shard_bytes_per_device(cache["kv"], mesh) == [p.kv_bytes_per_device] * 8, layout  # every device
-    assert valid == ["single", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8"]  # tp8: 2 KV heads do not divide 8
+    # tp8 and tp: 2 KV heads do not divide 8
+    assert valid == ["single", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp_kvrep", "dp_tp2_ep", "dp_ep"]
 
 
 def test_dp8_ep8_397b():
@@ -70,19 +71,40 @@ def test_tp8_refused_with_the_fix():
     assert any(r.startswith("kv_heads: 2/4 do not divide 8") for r in p.replicated)
 
 
-def test_tp8_kvrep_kv_bytes_are_8x_dp8_ep8():
-    # tp8_kvrep splits neither the KV heads (replicated) nor the requests (TP has one data-parallel rank), so each
-    # device holds the whole KV cache of all 512 requests. dp8_ep8 keeps both KV heads too, but each device has
-    # only its own 64 requests. Per device: 512 / 64 = 8x, not 4x. (check_layout's "4x" is vLLM-style replication,
-    # where each device keeps only the one KV head its 4 query heads use; tp8_kvrep keeps both.) Not exactly 8x:
-    # each rank has one null page, 1 in tp8_kvrep's pool vs 1 per 64 requests in dp8_ep8's.
+def test_tp8_kvrep_keeps_one_kv_head_per_device_4x():
+    # tp8_kvrep duplicates each of the 2 KV heads 4x in the weights (vLLM's convention): device d keeps copy d, a
+    # copy of head d // 4, the one its 4 query heads read. The requests are not split (one data-parallel rank),
+    # so each device holds 1 KV head of all 512 requests; dp8_ep8 holds both heads of its own 64. Per device:
+    # 512 / 64 / 2 = 4x. Not exactly 4x: each rank has one null page, 1 in tp8_kvrep's pool vs 1 per 64 requests.
     rep, dp = placement(BIG, "tp8_kvrep"), placement(BIG, "dp8_ep8")
     assert rep.problem is None and rep.ranks == 1
+    assert [d.holds["kv_heads"] for d in rep.per_device] == [range(h, h + 1) for h in (0, 0, 0, 0, 1, 1, 1, 1)]
     pages = -(-8192 // 16)
-    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx((512 * pages + 1) / (64 * pages + 1))
-    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx(8, rel=1e-4)
-    assert rep.copies["kv"] == 8 and dp.copies["kv"] == 1
-    assert dp.fits and not rep.fits  # 120 GiB of KV per device under tp8_kvrep alone exceeds 96 GiB
+    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx((512 * pages + 1) / (64 * pages + 1) / 2)
+    assert rep.kv_bytes_per_device / dp.kv_bytes_per_device == pytest.approx(4, rel=1e-4)
+    assert rep.copies["kv"] == 4 and dp.copies["kv"] == 1
+    assert rep.sizes["kv_heads"] == 2
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_tp_kvrep_kv_shard_holds_max_1_hkv_over_tp_heads(devices):
+    """16 query / 2 KV heads split over 2, 4, 8 devices: max(1, 2 / tp) KV heads per device, in the placed cache
+    shard, the arithmetic and the cost model alike."""
+    from qwen35_lib.costmodel import ops
+    from qwen35_lib.parallel import check_layout, placed_config
+
+    cfg = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2, layout="tp_kvrep")
+    mesh = make_mesh(jax.devices()[:devices])
+    placed = placed_config(cfg, mesh)
+    want = max(1, 2 // devices)
+    p = placement(cfg, "tp_kvrep", devices=devices, requests=3, context_len=32, page_size=8)
+    shape = p.cache_shape
+    abstract = jax.eval_shape(lambda: init_cache(placed, shape))
+    kv = abstract["kv"]
+    shard = cache_shardings(placed, shape, mesh)["kv"].shard_shape(kv.shape)
+    assert shard[-1] == want * 2 * cfg.head_dim  # K and V of `want` heads
+    assert p.kv_bytes_per_device == kv.dtype.itemsize * np.prod(shard)
+    assert check_layout(cfg, mesh).kv_heads_per_device(cfg) == ops.kv_heads_per_device(cfg, devices) == want
 
 
 def test_dp4_tp2_ep8_heads_over_core_requests_over_chip():

@@ -82,10 +82,11 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
     from qwen35_lib.engine.engine import engine_step
-    from qwen35_lib.parallel.layouts import batch_sharding, check_layout, weight_shardings
+    from qwen35_lib.parallel.layouts import batch_sharding, check_layout, placed_config, weight_shardings
     from qwen35_lib.weights import is_info
 
     layout = check_layout(config, mesh)
+    config = placed_config(config, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
     R = layout.dp_size(mesh)
     S = -(-requests // R)  # sequences per rank
     pages = -(-context_len // page_size)
@@ -109,19 +110,19 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
 
 def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):
     """One EP MoE layer (`parallel.routing.moe_ep`, layer 0 of group 0, the XLA grouped matmul) on `mesh` with
-    x [tokens, D] split over the 8 devices, compiled with abstract weights: its collectives as XLA emits them."""
+    x [tokens, D] split over the mesh's devices, compiled with abstract weights: its collectives as XLA emits them."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from qwen35_lib.model.moe import route
     from qwen35_lib.parallel.layouts import weight_shardings
-    from qwen35_lib.parallel.mesh import EIGHT
+    from qwen35_lib.parallel.mesh import ALL
     from qwen35_lib.parallel.routing import moe_ep
 
     backend = mesh.devices.flat[0].platform
     config = for_backend(config.replace(moe_kernel="ragged_dot"), backend)
     w = abstract_weights(config, weight_shardings(config, mesh))["layers"]["moe"]
     x = jax.ShapeDtypeStruct((tokens, config.hidden_size), jnp.dtype(config.dtype),
-                             sharding=NamedSharding(mesh, PartitionSpec(EIGHT)))
+                             sharding=NamedSharding(mesh, PartitionSpec(ALL)))
     layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)
     with jax.set_mesh(mesh), compile_target(backend):
         return jax.jit(layer).lower(w, x).compile()
@@ -132,9 +133,10 @@ def resident_bytes(config: Config, cache_shape, mesh: Mesh) -> tuple[int | None,
     under `config.layout` on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from `memory_analysis()` of
     a program that keeps every input, or (None, the compiler's refusal, e.g. RESOURCE_EXHAUSTED)."""
     from qwen35_lib.engine.cache import cache_shardings, declare_cache
-    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.parallel.layouts import placed_config, weight_shardings
     from qwen35_lib.weights import is_info
 
+    config = placed_config(config, mesh)
     weights = abstract_weights(config, weight_shardings(config, mesh))
     abstract = lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh)
     cache = jax.tree.map(abstract, declare_cache(config, cache_shape), cache_shardings(config, cache_shape, mesh),

@@ -117,14 +117,14 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
 
     from qwen35_lib import aot
     from qwen35_lib.parallel import hlo
-    from qwen35_lib.parallel.layouts import check_layout
+    from qwen35_lib.parallel.layouts import check_layout, placed_config
     from qwen35_lib.parallel.stages import get_stage, stage_config
 
     scfg = stage_config(cfg, stage, mesh.devices.flat[0].platform)
     R = check_layout(scfg, mesh).dp_size(mesh)
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **_resident(scfg, shape, mesh)}
+                   **_resident(placed_config(scfg, mesh), shape, mesh)}  # tp_kvrep: its duplicated KV heads
     start = time.perf_counter()
     try:
         compiled = aot.compile_step(scfg, mesh, requests=shape.requests, context_len=shape.context_len,

@@ -27,11 +27,11 @@ import sys
 import numpy as np
 
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
-from qwen35_lib.parallel.stages import stage_config
+from qwen35_lib.parallel.stages import STAGES, stage_config
 
 DESCRIPTION = ("one engine step (decode- and prefill-sized) per stage's layout and routing (tp8_kvrep, dp8_ep8 + "
                "all_to_all / replicate / fused all-gather / hierarchical reduce-scatter) on 8 CPU devices")
-STAGE_NAMES = ("baseline", "dp_ep", "replicate", "fused_ag", "hier_rs")
+STAGE_NAMES = tuple(n for n, s in STAGES.items() if s.kernels == "xla")  # the ladder's XLA-kernel stages
 DEFAULTS = dict(model="qwen3.5-mini", seqs=64, context=128, prefill_seqs=8, prefill_len=128)
 QUICK = dict(model="qwen3.5-tiny", seqs=16, context=32, prefill_seqs=8, prefill_len=64)
 CAVEAT = ("collectives between simulated CPU devices are memory copies inside one process, and the 8 devices share "

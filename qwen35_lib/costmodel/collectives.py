@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.parallel.plan import micro_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +116,7 @@ def hierarchical_reduce_scatter(s: Specs, input_bytes: float, micro_batches: int
     return Comm(s.collective_launch_s + t, wire)
 
 
-def hierrs_micro_batches(tokens: int) -> int:
-    """tpu-inference's hierrs micro-batch count: 1/2/4/8 for T < 256 / >= 256 / >= 2048 / >= 4096
-    (tpu_serving_anchors.md 1.4)."""
-    return 8 if tokens >= 4096 else 4 if tokens >= 2048 else 2 if tokens >= 256 else 1
+hierrs_micro_batches = micro_batches  # the rule the code runs (`parallel.plan.micro_batches`), not a copy
 
 
 def steps_latency(s: Specs, n: int) -> float:

@@ -25,6 +25,7 @@ import numpy as np
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.parallel import plan
 from qwen35_lib.stats import model_stats
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -77,6 +78,7 @@ class Placement:
     page_size: int = 256
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
     weight_passes: float = 1.0  # HBM passes over each weight byte (3 for XLA's sliced scan inputs: read, copy, read)
+    static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +136,9 @@ def kv_item(cfg: Config, pl: Placement) -> float:
 
 
 def kv_heads_per_device(cfg: Config, tp: int) -> int:
-    """KV heads a device stores: Hkv / tp when it divides, else 1 (replicated: tp8_kvrep)."""
-    return cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
+    """KV heads a device stores with heads split tp ways: Hkv / tp when it divides, else the code's `tp_kvrep`
+    duplication (`parallel.plan.kv_heads_per_device`: max(1, Hkv / tp), one head per device for 2 on 8)."""
+    return plan.kv_heads_per_device(cfg, tp, replicated=True)
 
 
 def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
@@ -224,7 +227,10 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         if pl.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
             mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
     routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small)
-    permute = Cost(0, 0, rows * D * z["act"] * 4, 6)
+    # the permute moves the static buffer the code sorts (`parallel.routing.local_experts`): under EP every
+    # device's N·min(k, E/ep) rows (dropless worst case, the gathered or received tokens), not just its copies
+    buffer = b.computed * min(k, E // pl.ep) if pl.moe == "ep" and pl.static_buffers else rows
+    permute = Cost(0, 0, buffer * D * z["act"] * 4, 6)
     return {"router": router, "shared_expert": shared, "routed_experts": routed, "permute": permute}
 
 

@@ -67,12 +67,16 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             num_prompts: int | None = None, seed: int = 0, roofline: bool = True, overlap: bool = True) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
-    `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `fits`, the setup used."""
+    `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `fits`, the setup used.
+    A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts)
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
     st = get_stage(stage) if isinstance(stage, str) else stage
+    if st.gdn_state_dtype is not None:  # a plan that names its cache dtypes decides them
+        cfg = cfg.replace(gdn_state_dtype=st.gdn_state_dtype)
+    kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
     lay = resolve_layout(st, cfg, sp.devices)
     budget = max_batched_tokens if max_batched_tokens is not None else min(max(isl // lay.dp, 1024), 2048)
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
@@ -82,7 +86,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
     max_running = int((usable - w) // per_req) if usable > w else 0
     doc: dict[str, Any] = dict(
-        model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.name, routing=st.routing,
+        model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.layout, routing=st.routing,
         fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,
         isl=isl, osl=osl, concurrency=concurrency, dp=lay.dp, tp=lay.tp, chips=sp.chips, devices=sp.devices,
         max_batched_tokens_per_rank=budget, max_seqs_per_rank=seqs, kv_dtype=kv_dtype or cfg.dtype,

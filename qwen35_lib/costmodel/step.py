@@ -15,6 +15,7 @@ weight read once, only the experts hit read, efficiencies 1, no collectives, no 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
@@ -45,14 +46,14 @@ def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = No
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
-                             kv_dtype=kv_dtype, page_size=page_size)
+                             kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
     lay = resolve_layout(stage, cfg, specs.devices)
     facts = kernel_facts()
     kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
     attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
     passes = facts[f"{stage.kernels}_weight_passes"]["value"]
-    return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=specs.devices if lay.moe == "ep" else 1,
+    return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes)
 
@@ -79,7 +80,7 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
 
     if ideal:  # every byte of dense weights once over the slice, not once per data-parallel rank
         dense = ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices, attention="pallas",
-                              moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size)
+                              moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
         attn = ops.attention_block(cfg, batch, pl)
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
         gdn = ops.gdn_block(cfg, batch, pl)
@@ -105,12 +106,25 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
+def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
+    """Rows `tokens` tokens need under deduplicated all-to-all over ep devices (E/ep experts each), uniform
+    routing: tokens · ep · (1 - C(E - E/ep, k) / C(E, k)), the expected distinct devices of a token's k experts."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    miss = math.comb(E - E // ep, k) / math.comb(E, k)
+    return tokens * ep * (1 - miss)
+
+
 def layer_collectives(cfg: Config, specs: Specs, stage: Stage, pl: ops.Placement, batch: ops.Batch,
                       overlap: bool = True) -> dict[str, cc.Comm]:
     """The collectives of one layer (mixer + MoE) per device, by kind (several of a kind are summed).
 
     - TP (`tp8_kvrep`): all-reduce of [T, D] after the mixer and after the MoE;
-    - EP + all_to_all: dispatch and combine, each T_dev k rows of D;
+    - EP + all_to_all, as `parallel.routing` sends it (dropless, deduplicated): each token at most once per
+      destination device, in a static buffer of T_dev rows per destination (`routing.a2a_cap`: any destination
+      may get every token) that XLA's dense all-to-all moves whole: dispatch n·T_dev rows of D plus the packed
+      local ids and weights (2k int32 per row), combine n·T_dev rows of D. The rows a token really needs
+      (`expected_a2a_rows`: its distinct destination devices) are fewer; only a ragged all-to-all would move
+      just those (XLA:CPU has none);
     - EP + replicate: all-gather of the hidden states [T_dev, D], of the top-k ids [T_dev, k] int32 and of the
       weights [T_dev, k] (float32, as tpu-inference bitcasts them) -- or one packed all-gather of both with
       `fuse_allgather` -- then a reduce-scatter of the [T, D] partial sums (hierarchical with micro-batches when
@@ -129,14 +143,15 @@ def layer_collectives(cfg: Config, specs: Specs, stage: Stage, pl: ops.Placement
         return out
     T_dev = T / pl.dp
     if stage.routing == "all_to_all":
-        a2a = cc.all_to_all(specs, T_dev * k * D * act, n)
-        out["all_to_all"] = cc.Comm(2 * a2a.seconds, 2 * a2a.wire_bytes)
+        rows = n * T_dev  # the static buffer: T_dev rows for each of the n destinations
+        parts = [cc.all_to_all(specs, rows * (D * act + 2 * k * 4), n), cc.all_to_all(specs, rows * D * act, n)]
+        out["all_to_all"] = cc.Comm(sum(p.seconds for p in parts), sum(p.wire_bytes for p in parts))
         return out
     parts = [cc.all_gather(specs, T_dev * D * act, n)]
     parts += [cc.all_gather(specs, T_dev * k * 8, n)] if stage.fuse_allgather else \
         [cc.all_gather(specs, T_dev * k * 4, n), cc.all_gather(specs, T_dev * k * 4, n)]
     out["all_gather"] = cc.Comm(sum(p.seconds for p in parts), sum(p.wire_bytes for p in parts))
     rs_bytes = T * D * act
-    out["reduce_scatter"] = cc.hierarchical_reduce_scatter(specs, rs_bytes, cc.hierrs_micro_batches(T), overlap) \
+    out["reduce_scatter"] = cc.hierarchical_reduce_scatter(specs, rs_bytes, stage.rs_slices(T), overlap) \
         if stage.hierarchical_rs else cc.reduce_scatter(specs, rs_bytes, n)
     return out

@@ -21,7 +21,7 @@ from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, check_layout, shard_weights
+from qwen35_lib.parallel.layouts import batch_sharding, check_layout, placed_config, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
 
 
@@ -109,6 +109,7 @@ class Engine:
                  **knobs):
         check_weights(config, weights)
         layout = check_layout(config, mesh)
+        config = config if mesh is None else placed_config(config, mesh)  # tp_kvrep: the duplicated KV heads
         ec = engine_config or EngineConfig(**knobs)
         self.mesh = None if layout.name == "single" else mesh
         if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the layout

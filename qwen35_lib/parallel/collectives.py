@@ -17,15 +17,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qwen35_lib.parallel.mesh import EIGHT
+from qwen35_lib.parallel.mesh import ALL
 
 
-def all_gather(x: jax.Array, axes=EIGHT) -> jax.Array:
+def all_gather(x: jax.Array, axes=ALL) -> jax.Array:
     """[n, ...] per device -> [N = n * devices, ...], device-major (device i's rows at [i*n, (i+1)*n))."""
     return jax.lax.all_gather(x, axes, axis=0, tiled=True)
 
 
-def gather_routing(ids: jax.Array, weights: jax.Array, fused: bool, axes=EIGHT) -> tuple[jax.Array, jax.Array]:
+def gather_routing(ids: jax.Array, weights: jax.Array, fused: bool, axes=ALL) -> tuple[jax.Array, jax.Array]:
     """All-gather the routing: ids [n, k] int32, weights [n, k] -> ids [N, k], weights [N, k] (same dtype).
 
     fused: 1. the weights are bitcast to int32 (as float32) and packed beside the ids: [n, 2k] int32;
@@ -41,9 +41,10 @@ def gather_routing(ids: jax.Array, weights: jax.Array, fused: bool, axes=EIGHT) 
 
 
 def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> jax.Array:
-    """Sum `x` [N, ...] over all devices of ('chip', 'core') and keep this device's block of N / 8 rows.
+    """Sum `x` [N, ...] over all devices of ('chip', 'core') and keep this device's block of N / devices rows.
 
-    Flat: one `psum_scatter` over ('chip', 'core'): device (c, j) (chip c, core j) gets block 2c + j.
+    Flat: one `psum_scatter` over ('chip', 'core'): device (c, j) (chip c, core j) gets block 2c + j (with 2
+    cores a chip; the 8-device figures below are that mesh's).
     Hierarchical:
     1. rows reordered so that a scatter over `core` first, then over `chip`, leaves device (c, j) with block
        2c + j too: view the 8 blocks as [chip 4, core 2] and transpose to [core, chip] (a scatter over `core`
@@ -54,7 +55,7 @@ def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> 
        run one's inter-chip phase while the next one's intra-chip phase is in flight.
     """
     if not hierarchical:
-        return jax.lax.psum_scatter(x, EIGHT, scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(x, ALL, scatter_dimension=0, tiled=True)
     n_chip, n_core = jax.lax.axis_size("chip"), jax.lax.axis_size("core")
     N = x.shape[0]
     n = N // (n_chip * n_core)  # rows each device keeps
@@ -72,7 +73,7 @@ def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> 
 def on_each_device(fn, x, mesh) -> np.ndarray:
     """fn on each device of the ('chip', 'core') `mesh`: x [8, ...] (device i's slab at [i]) -> [8, ...] of
     fn(x[i]) stacked in device order. For trying a collective by hand: fn runs inside `shard_map`."""
-    run = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(EIGHT), out_specs=P(EIGHT))
+    run = jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(ALL), out_specs=P(ALL))
     return np.asarray(jax.jit(run)(jnp.asarray(x)))
 
 
@@ -83,6 +84,6 @@ def reduce_scatter_ops(mesh, micro_batches: int, rows: int = 512, cols: int = 40
     from qwen35_lib.parallel import hlo
 
     run = jax.shard_map(lambda v: reduce_scatter(v[0], True, micro_batches)[None], mesh=mesh,
-                        in_specs=P(EIGHT), out_specs=P(EIGHT))
-    spec = jax.ShapeDtypeStruct((8, rows, cols), dtype, sharding=NamedSharding(mesh, P(EIGHT)))
+                        in_specs=P(ALL), out_specs=P(ALL))
+    spec = jax.ShapeDtypeStruct((mesh.devices.size, rows, cols), dtype, sharding=NamedSharding(mesh, P(ALL)))
     return [op for op in hlo.collectives(jax.jit(run).lower(spec).compile().as_text()) if op.kind == "reduce-scatter"]

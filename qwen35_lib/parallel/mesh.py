@@ -1,6 +1,7 @@
 """The playbook's mesh: a TPU7x-8 is 4 chips x 2 TensorCores, so 8 JAX devices on axes `('chip', 'core')`.
 
-8-way axes are the product `('chip', 'core')`; a collective over `core` stays inside a chip, one over `chip`
+Any device count forms the same axes (1 device: `chip` 1 x `core` 1; 2: 1 x 2; 4: 2 x 2; 16: 8 x 2). An axis
+over every device is the product `ALL = ('chip', 'core')`; a collective over `core` stays inside a chip, one over `chip`
 crosses the inter-chip links. The same mesh shape is built from 8 simulated CPU devices, from a real TPU's
 devices (ordered by physical coordinates), or from the `tpu7x:2x2x1` topology description (ahead-of-time).
 """
@@ -14,7 +15,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 AXES = ("chip", "core")
-EIGHT = ("chip", "core")  # an 8-way axis: both mesh axes, chip-major
+ALL = ("chip", "core")  # an axis over every device: both mesh axes, chip-major
+EIGHT = ALL  # its old name, from when every mesh had 8 devices
 
 
 def make_mesh(devices: Sequence | None = None, cores_per_chip: int = 2) -> Mesh:
@@ -22,7 +24,8 @@ def make_mesh(devices: Sequence | None = None, cores_per_chip: int = 2) -> Mesh:
 
     1. TPU devices (real or from a topology description) are sorted by chip coordinates, then `core_on_chip`,
        so that mesh row i holds the two TensorCores of one chip;
-    2. other devices (CPU, GPU) are taken in id order, `cores_per_chip` consecutive ones forming a "chip";
+    2. other devices (CPU, GPU) are taken in id order, `cores_per_chip` consecutive ones forming a "chip"
+       (one device: a chip of one core);
     3. axes are `Auto` (GSPMD propagates shardings; `shard_map` names them explicitly).
     """
     devices = list(jax.devices() if devices is None else devices)
@@ -31,6 +34,7 @@ def make_mesh(devices: Sequence | None = None, cores_per_chip: int = 2) -> Mesh:
         cores_per_chip = max(d.core_on_chip for d in devices) + 1
     else:
         devices.sort(key=lambda d: d.id)
+        cores_per_chip = min(cores_per_chip, len(devices))
     if len(devices) % cores_per_chip:
         raise ValueError(f"{len(devices)} devices do not form whole chips of {cores_per_chip} cores; pass "
                          "cores_per_chip=1 or a device count that is a multiple of it")

@@ -11,24 +11,24 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels.registry import CONFIG_FIELDS, resolve_name
-from qwen35_lib.parallel.layouts import get_layout
-from qwen35_lib.parallel.mesh import EIGHT
+from qwen35_lib.parallel.mesh import ALL
+from qwen35_lib.parallel.plan import ServingPlan, plan_of
 
 
-def per_rank(cfg: Config, slot: str, fn: Callable, *args):
+def per_rank(cfg: Config, slot: str, fn: Callable, *args, plan: ServingPlan | None = None):
     """`jax.vmap(fn)(*args)` over the leading R of every array in `args` (None entries pass through).
 
     With a Pallas kernel in `slot` under a multi-device layout, the vmap runs in a `shard_map` that gives each
-    device its own ranks: this needs every mesh axis to split ranks (`dp8_ep8`); other layouts split heads
-    too, which these kernels do not take yet, and are refused with the fix.
+    device its own ranks: this needs every mesh axis to split ranks (`dp_ep`, `dp8_ep8`; any mesh size); other
+    layouts split heads too, which these kernels do not take yet, and are refused with the fix.
     """
     f = jax.vmap(fn)
-    layout = get_layout(cfg.layout)
+    layout = plan if plan is not None else plan_of(cfg)
     field = CONFIG_FIELDS[slot]
     if layout.name == "single" or resolve_name(slot, getattr(cfg, field)) != "pallas":
         return f(*args)
-    if layout.batch_axes != EIGHT:
+    if layout.batch_axes != ALL:
         raise ValueError(f"the Pallas {slot} kernel runs per data-parallel rank; layout {layout.name!r} also splits "
-                         f"heads across devices: use layout 'dp8_ep8' (the 'kernels' stage) or {field}='xla'")
-    specs = jax.tree.map(lambda _: P(EIGHT), args)
-    return jax.shard_map(f, in_specs=specs, out_specs=P(EIGHT), check_vma=False)(*args)
+                         f"heads across devices: use layout 'dp_ep' ('dp8_ep8', the 'kernels' stage) or {field}='xla'")
+    specs = jax.tree.map(lambda _: P(ALL), args)
+    return jax.shard_map(f, in_specs=specs, out_specs=P(ALL), check_vma=False)(*args)

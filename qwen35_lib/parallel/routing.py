@@ -1,20 +1,24 @@
 """The MoE across devices: tensor-parallel experts, or expert parallelism with two token-routing strategies.
 
 All take the flat tokens `x [N, D]` and return the MoE output [N, D] (under `ep` without the shared expert,
-which the model adds, data-parallel).
-Each runs as a `shard_map` over the context mesh (`jax.set_mesh`), so every collective is written out
+which the model adds, data-parallel). Sizes come from the context mesh (`jax.set_mesh`): `ep` devices (every
+device of the ('chip', 'core') mesh), E/ep experts each.
+Each runs as a `shard_map` over the context mesh, so every collective is written out
 (check_vma off: Pallas kernels inside then run in the plain HLO interpreter off a TPU; the TPU interpreter's
 cross-device shared memory deadlocks 8 simulated devices on 2 cores):
 
-- `tp`  (layouts tp8, tp8_kvrep): tokens replicated, `W[E, D, F_x]`: every device runs every expert on its
-  F/8 slice, partial sums all-reduced (`psum`). The shared expert is split the same way and joins the sum.
+- `tp`  (layouts tp, tp_kvrep): tokens replicated, `W[E, D, F_x]`: every device runs every expert on its
+  F/tp slice, partial sums all-reduced (`psum`). The shared expert is split the same way and joins the sum.
 - `ep` + `replicate`: tokens split over devices `x[N_x, D]`, `W[E_x, D, F]`:
   1. all-gather the hidden states, the top-k ids and the weights (3 all-gathers; 2 with `fuse_allgather`);
-  2. each device runs its E/8 local experts on the token copies routed to them (others weigh 0);
+  2. each device runs its E/ep local experts on the token copies routed to them, and only those
+     (`local_experts`: a buffer of N·min(k, E/ep) rows, the worst case; the rows used are the local copies);
   3. reduce-scatter the partial outputs back to the token shards (flat, or `hierarchical_rs`).
-- `ep` + `all_to_all`: each device sends each token copy to the device owning its expert, in a buffer of
-  `cap` rows per destination (dropless: cap = all local copies; with `capacity_factor` copies past cap are
-  dropped and counted), the owner runs its experts, a second all-to-all brings the outputs home.
+- `ep` + `all_to_all`: each device sends each of its tokens once to every device owning one of its experts
+  (deduplicated: a token with 3 experts on one device is one row there), with that device's expert ids and
+  weights, in a buffer of `cap` rows per destination (dropless: cap = n, every token could go to one device;
+  with `capacity_factor` tokens past cap are dropped and their copies counted); the owner runs its experts and
+  weighs them, a second all-to-all brings one partial sum per (token, destination) home, summed there.
 """
 
 from __future__ import annotations
@@ -28,25 +32,53 @@ from jax.sharding import PartitionSpec as P
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
-from qwen35_lib.parallel.layouts import get_layout
-from qwen35_lib.parallel.mesh import EIGHT
+from qwen35_lib.parallel.mesh import ALL
+from qwen35_lib.parallel.plan import ServingPlan, plan_of
 from qwen35_lib.weights import BlockFP8
 
 
 def local_experts(cfg: Config, w_gate_up, w_down, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                  first: jax.Array | int, count: int) -> jax.Array:
+                  first: jax.Array | int, count: int, all_local: bool = False) -> jax.Array:
     """Σ_j weights_j * expert_{ids_j}(x) over the copies whose expert is in [first, first + count).
 
-    x [N, D], ids/weights [N, k] (global expert ids); w_* hold the `count` local experts. Copies routed
-    elsewhere go to a trailing group `count` that the grouped matmul never computes (rows past the sum).
+    x [N, D], ids/weights [N, k] (global expert ids); w_* hold the `count` local experts.
+    1. the local copies are compacted, in copy order, into M = N·min(k, count) rows (the most there can be: a
+       token's k experts are distinct); the rest is padding with expert id `count`, a trailing group the
+       grouped matmul never computes; only local copies' rows of x are read;
+    2. the permute slot sorts the M rows by expert, the grouped matmul runs them;
+    3. each row is weighed (padding: 0) and a token's local copies are summed (scatter-add into [N, D]).
+    `all_local` (the TP MoE: every expert here, every id in range) skips step 1.
     """
-    lid = ids - first
-    mine = (lid >= 0) & (lid < count)  # [N, k]
-    lid = jnp.where(mine, lid, count)
-    permute = for_config("permute", cfg)
-    x_sorted, sizes, order = permute.dispatch(x, lid, count + 1)  # [N*k, D], [count + 1]
-    y = for_config("moe_matmul", cfg)(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)
-    return permute.combine(y, order, jnp.where(mine, weights, 0)).astype(x.dtype)  # [N, D]
+    N, k = ids.shape
+    permute, matmul = for_config("permute", cfg), for_config("moe_matmul", cfg)
+    if all_local:
+        x_sorted, sizes, order = permute.dispatch(x, ids, count)  # [N*k, D], [count]
+        y = matmul(x_sorted, sizes, w_gate_up, w_down, cfg.fp8_block_size)
+        return permute.combine(y, order, weights).astype(x.dtype)  # [N, D]
+    M = N * min(k, count)
+    copy, lid, w = local_copies(ids, weights, first, count, M)  # [M] each
+    real = copy < N * k
+    tok = jnp.where(real, copy // k, 0)  # [M]
+    x_sorted, sizes, order = permute.dispatch(x[tok], lid[:, None], count + 1)  # [M, D], [count + 1]
+    y = matmul(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)  # [M, D]
+    y = permute.combine(y, order, w[:, None])  # [M, D] float32: row i = w_i * expert(x[tok_i])
+    return jnp.zeros((N, x.shape[1]), jnp.float32).at[tok].add(y).astype(x.dtype)  # [N, D]
+
+
+def local_copies(ids: jax.Array, weights: jax.Array, first, count: int, M: int):
+    """The copies (token t = copy // k, its j-th expert) whose expert is in [first, first + count), compacted in
+    copy order into M slots: (copy index [M] (N·k: an empty slot), local expert id [M] (`count`: empty),
+    weight [M] (0: empty))."""
+    N, k = ids.shape
+    lid = (ids - first).reshape(N * k)
+    mine = (lid >= 0) & (lid < count)  # [N*k]
+    pos = jnp.cumsum(mine, dtype=jnp.int32) - 1  # [N*k]: slot of each local copy
+    copy = jnp.full((M,), N * k, jnp.int32).at[jnp.where(mine, pos, M)].set(
+        jnp.arange(N * k, dtype=jnp.int32), mode="drop")  # [M]
+    real = copy < N * k
+    safe = jnp.minimum(copy, N * k - 1)
+    return (copy, jnp.where(real, lid[safe], count).astype(jnp.int32),
+            jnp.where(real, weights.reshape(N * k)[safe], 0).astype(weights.dtype))
 
 
 def _spec_like(w, spec: P):
@@ -54,14 +86,15 @@ def _spec_like(w, spec: P):
     return BlockFP8(spec, spec) if isinstance(w, BlockFP8) else spec
 
 
-def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, shared_fn) -> jax.Array:
+def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, shared_fn,
+           plan: ServingPlan | None = None) -> jax.Array:
     """Routed + shared experts, tensor-parallel over the FFN dim; returns the full MoE output [N, D]."""
-    tp = get_layout(cfg.layout).tp_axes
+    tp = (plan or plan_of(cfg)).tp_axes
     f = P(None, None, None, tp)  # [E, D, 2, F_x]
 
     def body(x, ids, weights, w_gate_up, w_down, shared):
-        y = local_experts(cfg, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts)
-        y = y + shared_fn(shared, x)  # the shared expert's partial sum over its F/8 slice
+        y = local_experts(cfg, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts, all_local=True)
+        y = y + shared_fn(shared, x)  # the shared expert's partial sum over its F/tp slice
         return jax.lax.psum(y, tp)
 
     shared = {n: w[n] for n in ("shared_gate_up", "shared_down", "shared_gate")}
@@ -71,99 +104,152 @@ def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Arra
                          out_specs=P(), check_vma=False)(x, ids, weights, w["w_gate_up"], w["w_down"], shared)
 
 
-def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn) -> tuple[jax.Array, jax.Array]:
-    """Routed experts under expert parallelism over ('chip', 'core'): (out [N, D], dropped copies []).
+def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan | None = None, *,
+           with_rows: bool = False):
+    """Routed experts under expert parallelism over every device: (out [N, D], dropped copies []), and with
+    `with_rows` the rows each device moved [ep] (replicate: local copies run; all_to_all: token rows sent).
 
-    Tokens are split evenly over the 8 devices (padded to a multiple of 8); each device routes its own tokens
+    Tokens are split evenly over the ep devices (padded to a multiple of ep); each device routes its own tokens
     (`route_fn(cfg, router, x) -> (weights, ids)`, the router replicated), so routing needs no collective.
     """
+    plan = plan or plan_of(cfg)
     mesh = jax.sharding.get_abstract_mesh()
-    ep = math.prod(mesh.shape[a] for a in EIGHT)
+    ep = math.prod(mesh.shape[a] for a in ALL)
+    if cfg.num_experts % ep:
+        raise ValueError(f"{cfg.num_experts} experts cannot be split evenly over {ep} devices: use an expert count "
+                         f"that is a multiple of {ep}")
     count = cfg.num_experts // ep
     N = x.shape[0]
     pad = -N % ep
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
-    rows = P(EIGHT)
+    rows = P(ALL)
 
     def body(x, router, w_gate_up, w_down):
         weights, ids = route_fn(cfg, router, x)  # [n, k] each, this device's tokens
-        if cfg.routing == "all_to_all":
-            y, dropped = _all_to_all(cfg, w_gate_up, w_down, x, ids, weights, ep, count)
-            return y, dropped[None]
+        if pad:  # padding tokens route nowhere: no rows moved for them
+            real = jax.lax.axis_index(ALL) * x.shape[0] + jnp.arange(x.shape[0]) < N
+            ids = jnp.where(real[:, None], ids, cfg.num_experts)
+        if plan.routing == "all_to_all":
+            y, dropped, moved = _all_to_all(cfg, w_gate_up, w_down, x, ids, weights, ep, count)
+            return y, dropped[None], moved[None]
         xa = all_gather(x)  # [N, D]
-        ida, wa = gather_routing(ids, weights, cfg.fuse_allgather)  # [N, k]
-        first = jax.lax.axis_index(EIGHT) * count
+        ida, wa = gather_routing(ids, weights, plan.fuse_allgather)  # [N, k]
+        first = jax.lax.axis_index(ALL) * count
         y = local_experts(cfg, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
-        return reduce_scatter(y, cfg.hierarchical_rs), jnp.zeros((1,), jnp.int32)
+        moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
+        rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad))
+        return rs, jnp.zeros((1,), jnp.int32), moved[None]
 
-    out, dropped = jax.shard_map(body, in_specs=(rows, P(), _spec_like(w["w_gate_up"], P(EIGHT)),
-                                                 _spec_like(w["w_down"], P(EIGHT))),
-                                 out_specs=(rows, P(EIGHT)), check_vma=False)(x, w["router"], w["w_gate_up"],
-                                                                              w["w_down"])
-    return out[:N], jnp.sum(dropped)
+    out, dropped, moved = jax.shard_map(body, in_specs=(rows, P(), _spec_like(w["w_gate_up"], P(ALL)),
+                                                        _spec_like(w["w_down"], P(ALL))),
+                                        out_specs=(rows, P(ALL), P(ALL)), check_vma=False)(
+        x, w["router"], w["w_gate_up"], w["w_down"])
+    return (out[:N], jnp.sum(dropped), moved) if with_rows else (out[:N], jnp.sum(dropped))
+
+
+def a2a_cap(cfg: Config, n: int, ep: int) -> int:
+    """Rows per destination of the all-to-all buffer, for n tokens a device: n dropless (each token at most once
+    per destination), else ceil(capacity_factor · n·k / ep) (the mean copies per destination), at most n."""
+    k = cfg.num_experts_per_tok
+    return n if cfg.capacity_factor is None else min(n, max(1, math.ceil(cfg.capacity_factor * n * k / ep)))
 
 
 def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count: int):
-    """One device's side of all-to-all routing. x [n, D], ids/weights [n, k] -> (out [n, D], dropped []).
+    """One device's side of all-to-all routing. x [n, D], ids/weights [n, k] ->
+    (out [n, D], dropped copies [], token rows sent []).
 
-    1. copy c = (token c // k, its j-th expert) goes to device dest = id // count, into row pos of that
-       device's buffer, pos = how many earlier copies go there; copies with pos >= cap are dropped;
-    2. all-to-all the buffers [ep, cap, D] (and the local expert ids, `count` marking empty rows);
-    3. run the local experts on the received rows (weight 1);
-    4. all-to-all back; each copy reads its row, and a token sums its k copies, weighted.
+    1. token t goes to each device e owning one of its experts (hit [n, ep]), into row pos of that device's
+       buffer, pos = how many earlier tokens go there; tokens with pos >= cap are dropped there;
+    2. all-to-all the buffers [ep, cap, D], with each row's local expert ids and weights packed as int32
+       [ep, cap, 2k] (ids `count`, weight 0 for experts elsewhere and for empty rows);
+    3. run the local experts on the received rows, weighted (`local_experts`): one partial sum per row;
+    4. all-to-all back; each token sums its rows.
     """
     n, D = x.shape
     k = ids.shape[1]
-    c = n * k
-    cap = c if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * c / ep))
-    dest = (ids // count).reshape(c)  # [c]
-    pos = jnp.take_along_axis(jnp.cumsum(jax.nn.one_hot(dest, ep, dtype=jnp.int32), axis=0) - 1,
-                              dest[:, None], axis=1)[:, 0]  # [c]
-    keep = pos < cap
-    slot = jnp.where(keep, dest * cap + pos, ep * cap)  # [c]; ep * cap = dropped
-    send_x = jnp.zeros((ep * cap, D), x.dtype).at[slot].set(x[jnp.arange(c) // k], mode="drop")
-    send_e = jnp.full((ep * cap,), count, jnp.int32).at[slot].set((ids % count).reshape(c), mode="drop")
-    a2a = lambda a: jax.lax.all_to_all(a.reshape(ep, cap, *a.shape[1:]), EIGHT, 0, 0, tiled=True)
-    recv_x, recv_e = a2a(send_x).reshape(ep * cap, D), a2a(send_e).reshape(ep * cap, 1)
-    y = local_experts(cfg, w_gate_up, w_down, recv_x, recv_e, jnp.ones_like(recv_e, x.dtype), 0, count)
-    back = a2a(y).reshape(ep * cap, D).at[slot].get(mode="fill", fill_value=0)  # [c, D]
-    out = jnp.einsum("nkd,nk->nd", back.reshape(n, k, D), weights.astype(back.dtype),
-                     preferred_element_type=jnp.float32)
-    return out.astype(x.dtype), c - jnp.sum(keep, dtype=jnp.int32)
+    cap = a2a_cap(cfg, n, ep)
+    dest = ids // count  # [n, k]
+    hit = jnp.any(dest[:, :, None] == jnp.arange(ep)[None, None, :], axis=1)  # [n, ep]
+    pos = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1  # [n, ep]
+    keep = hit & (pos < cap)
+    slot = jnp.where(keep, jnp.arange(ep)[None, :] * cap + pos, ep * cap)  # [n, ep]; ep * cap = not sent
+    src = jnp.full((ep * cap,), n, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.repeat(jnp.arange(n, dtype=jnp.int32), ep), mode="drop")  # [ep*cap]: token of each row (n: empty)
+    real = src < n
+    safe = jnp.minimum(src, n - 1)
+    row_dest = jnp.arange(ep * cap) // cap  # [ep*cap]
+    here = real[:, None] & (dest[safe] == row_dest[:, None])  # [ep*cap, k]: the row's copies on its device
+    send_x = jnp.where(real[:, None], x[safe], 0)  # [ep*cap, D]
+    send_ids = jnp.where(here, ids[safe] % count, count).astype(jnp.int32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(here, weights[safe], 0).astype(jnp.float32), jnp.int32)
+    a2a = lambda a: jax.lax.all_to_all(a.reshape(ep, cap, *a.shape[1:]), ALL, 0, 0, tiled=True).reshape(
+        ep * cap, *a.shape[1:])
+    recv_x, recv = a2a(send_x), a2a(jnp.concatenate([send_ids, bits], axis=1))  # [ep*cap, D], [ep*cap, 2k]
+    recv_w = jax.lax.bitcast_convert_type(recv[:, k:], jnp.float32).astype(weights.dtype)
+    y = local_experts(cfg, w_gate_up, w_down, recv_x, recv[:, :k], recv_w, 0, count)  # [ep*cap, D]
+    back = a2a(y)  # [ep*cap, D]: row (e, pos) = device e's partial sum for token src
+    out = jnp.zeros((n, D), jnp.float32).at[src].add(back.astype(jnp.float32), mode="drop")
+    copies = jnp.sum(dest[:, :, None] == jnp.arange(ep)[None, None, :], axis=1)  # [n, ep]
+    dropped = jnp.sum(jnp.where(hit & ~keep, copies, 0), dtype=jnp.int32)
+    return out.astype(x.dtype), dropped, jnp.sum(keep, dtype=jnp.int32)
 
 
-def collective_bytes(cfg: Config, N: int) -> dict[str, int]:
+def collective_bytes(cfg: Config, N: int, ep: int = 8) -> dict[str, int]:
     """Predicted result bytes per device of each collective kind in one EP MoE layer with N tokens in the step
-    (split over 8 devices, n = N / 8 each; b = bytes of cfg.dtype):
+    (split over ep devices, n = N / ep each; b = bytes of cfg.dtype): the static buffers XLA moves.
 
     replicate:  all-gathers N·D·b (hidden) + N·k·4 (ids) + N·k·b (weights); reduce-scatter n·D·b
-    all_to_all: 2 · 8·cap·D·b (dispatch and return) + 8·cap·4 (expert ids), cap = n·k dropless,
-                else ceil(capacity_factor · n·k / 8) rows per destination.
+    all_to_all: 2 · ep·cap·D·b (dispatch and return) + ep·cap·2k·4 (packed local ids and weights), cap = n
+                dropless (`a2a_cap`), else ceil(capacity_factor · n·k / ep) rows per destination, at most n.
     """
-    D, k, b, n = cfg.hidden_size, cfg.num_experts_per_tok, jnp.dtype(cfg.dtype).itemsize, N // 8
+    D, k, b, n = cfg.hidden_size, cfg.num_experts_per_tok, jnp.dtype(cfg.dtype).itemsize, N // ep
     if cfg.routing == "replicate":
         return {"all-gather": N * D * b + N * k * 4 + N * k * b, "reduce-scatter": n * D * b}
-    cap = n * k if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * n * k / 8))
-    return {"all-to-all": 2 * 8 * cap * D * b + 8 * cap * 4}
+    cap = a2a_cap(cfg, n, ep)
+    return {"all-to-all": 2 * ep * cap * D * b + ep * cap * 2 * k * 4}
 
 
-def wire_bytes(cfg: Config, N: int) -> float:
-    """Bytes one device receives (all-gather, all-to-all: 7/8 of the result) or sends (reduce-scatter: 7/8 of its
-    N·D·b input) in one EP MoE layer."""
-    return sum(v * 7 / 8 * (8 if kind == "reduce-scatter" else 1) for kind, v in collective_bytes(cfg, N).items())
+def wire_bytes(cfg: Config, N: int, ep: int = 8) -> float:
+    """Bytes one device receives (all-gather, all-to-all: (ep-1)/ep of the result) or sends (reduce-scatter:
+    (ep-1)/ep of its N·D·b input) in one EP MoE layer."""
+    return sum(v * (ep - 1) / ep * (ep if kind == "reduce-scatter" else 1)
+               for kind, v in collective_bytes(cfg, N, ep).items())
 
 
-def predicted_drops(cfg: Config, ids) -> int:
-    """Copies all_to_all drops for routing `ids` [N, k] (N split over 8 devices): for every source device and
-    destination, max(0, copies - cap)."""
+def _dest_hits(cfg: Config, ids, ep: int):
+    """ids [N, k] split over ep source devices -> copies [ep source, n, ep dest] per token and destination."""
     import numpy as np
 
     ids = np.asarray(ids)
-    n, k = ids.shape[0] // 8, ids.shape[1]
-    cap = n * k if cfg.capacity_factor is None else max(1, math.ceil(cfg.capacity_factor * n * k / 8))
-    dest = ids.reshape(8, n * k) // (cfg.num_experts // 8)  # [source device, copies]
-    return int(sum(max(0, int((d == j).sum()) - cap) for d in dest for j in range(8)))
+    n, k = ids.shape[0] // ep, ids.shape[1]
+    dest = ids.reshape(ep, n, k) // (cfg.num_experts // ep)
+    return (dest[..., None] == np.arange(ep)).sum(axis=2)  # [ep, n, ep]
+
+
+def predicted_drops(cfg: Config, ids, ep: int = 8) -> int:
+    """Copies all_to_all drops for routing `ids` [N, k] (N split over ep devices): for every source device and
+    destination, the copies of the tokens past the first `a2a_cap` tokens that go there."""
+    import numpy as np
+
+    copies = _dest_hits(cfg, ids, ep)
+    cap = a2a_cap(cfg, copies.shape[1], ep)
+    order = np.cumsum(copies > 0, axis=1)  # [ep, n, ep]: 1-based rank of each token going there
+    return int(copies[order > cap].sum())
+
+
+def predicted_rows(cfg: Config, ids, ep: int = 8):
+    """Rows each device moves for routing `ids` [N, k] (N split over ep devices), numpy [ep]: replicate, the
+    local copies its experts run (of the N·k gathered); all_to_all, the token rows it sends (one per token and
+    destination device, at most `a2a_cap` per destination)."""
+    import numpy as np
+
+    ids = np.asarray(ids)
+    count = cfg.num_experts // ep
+    if cfg.routing == "replicate":
+        return np.bincount((ids // count).reshape(-1), minlength=ep)[:ep]
+    hit = _dest_hits(cfg, ids, ep) > 0  # [ep, n, ep]
+    return np.minimum(hit.sum(axis=1), a2a_cap(cfg, hit.shape[1], ep)).sum(axis=1)
 
 
 def run_layer(cfg: Config, weights: dict, x, mesh, group: int = 0, position: int = 0):

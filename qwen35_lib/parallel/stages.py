@@ -1,5 +1,6 @@
 """The optimization ladder: one table of stages, read by the engine, the cost model, the benchmarks and the
-ahead-of-time compiles. A `Stage` is a layout + MoE routing + collective flags + kernel family:
+ahead-of-time compiles, budget and placement. A stage is a named `ServingPlan` (`Stage` is that class): a layout +
+MoE routing + collective flags + kernel family; its sizes come from the mesh it is bound to (`plan.bind(mesh)`):
 
 | stage       | layout     | routing     | collectives per MoE layer                              | kernels |
 |-------------|------------|-------------|--------------------------------------------------------|---------|
@@ -15,22 +16,11 @@ ahead-of-time compiles. A `Stage` is a layout + MoE routing + collective flags +
 
 from __future__ import annotations
 
-import dataclasses
-
 from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
-from qwen35_lib.kernels.registry import FAMILIES, family_kernels
-from qwen35_lib.parallel.layouts import get_layout
+from qwen35_lib.kernels.registry import FAMILIES
+from qwen35_lib.parallel.plan import ServingPlan, get_layout
 
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    name: str
-    layout: str
-    routing: str | None = None  # EP layouts only
-    fuse_allgather: bool = False
-    hierarchical_rs: bool = False
-    kernels: str = "xla"  # a kernel family of `kernels.registry.FAMILIES`
-
+Stage = ServingPlan  # a stage is a named plan: one record, not a second class
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("baseline", "tp8_kvrep"),
@@ -61,16 +51,14 @@ def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather:
     ep = get_layout(layout).moe == "ep"
     if hierarchical_rs and not (ep and routing == "replicate"):
         raise ValueError("hierarchical_rs applies to an EP layout with routing 'replicate' only")
-    return Stage(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None, fuse_allgather and ep,
-                 hierarchical_rs, kernels)
+    return ServingPlan(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None,
+                       fuse_allgather and ep, hierarchical_rs, kernels)
 
 
 def stage_config(config: Config, stage: str | Stage, backend: str | None = None) -> Config:
     """`config` set up as `stage`: layout, routing, collective flags and the kernel of every slot for `backend`
     (`kernels.registry.family_kernels`: "xla" the XLA twins, "pallas" every slot's Pallas kernel)."""
-    s = get_stage(stage) if isinstance(stage, str) else stage
-    return config.replace(layout=s.layout, routing=s.routing or "replicate", fuse_allgather=s.fuse_allgather,
-                          hierarchical_rs=s.hierarchical_rs, **family_kernels(s.kernels, backend))
+    return (get_stage(stage) if isinstance(stage, str) else stage).apply(config, backend)
 
 
-__all__ = ["LADDER", "STAGES", "Stage", "custom_stage", "get_stage", "stage_config"]
+__all__ = ["LADDER", "STAGES", "ServingPlan", "Stage", "custom_stage", "get_stage", "stage_config"]

@@ -14,7 +14,6 @@ import pathlib
 import socket
 
 from qwen35_lib import cli_generate
-from qwen35_lib.config import LAYOUTS, ROUTINGS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,10 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--served-model-name", metavar="NAME", help="the `model` clients send (default: the "
                                                                  "checkpoint folder's name or the preset)")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--layout", choices=LAYOUTS, default="single", help="as for generate (default: single)")
-    eng.add_argument("--routing", choices=ROUTINGS, default="replicate", help="MoE routing of the EP layouts")
-    eng.add_argument("--fuse-allgather", action="store_true", help="replicate routing: one packed all-gather")
-    eng.add_argument("--hierarchical-rs", action="store_true", help="replicate routing: hierarchical reduce-scatter")
+    cli_generate.add_layout_options(eng)
     eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once per rank (8)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N",
                      help="new tokens per step per rank (128)")
@@ -70,14 +66,14 @@ def run(args: argparse.Namespace) -> int:
     preset = args.model or "qwen3.5-tiny"
     shape = from_hf_config(root) if root else get_config(preset)
     split = cli_generate._split_options(args)
-    cli_generate.check_split(shape.replace(**split))
+    cli_generate.check_split(shape.replace(**split), args.devices)
     tok_dir = pathlib.Path(args.tokenizer) if args.tokenizer else root
     if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
     text = load_text(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
     name = args.served_model_name or cli_generate.checkpoint_name(args.checkpoint, root) or preset
     sock = _bind(args.host, args.port)
-    mesh = cli_generate.layout_mesh() if args.layout != "single" else None
+    mesh = cli_generate.layout_mesh(args.devices) if args.layout != "single" else None
 
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")

@@ -1,0 +1,236 @@
+"""The serving plan: one frozen, hashable record of how a model is served on a mesh.
+
+A `ServingPlan` names a layout (how attention, GDN and the MoE are placed: the logical-axis rules of
+`PLACEMENTS`), the MoE routing of an EP layout, the collective options, the kernel family (resolved per
+backend by `kernels.registry.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they
+come from the mesh it is bound to (`plan.bind(mesh)`), so the general layouts run on any `('chip', 'core')`
+mesh whose sizes divide (1, 2, 4, 8, 16 devices):
+
+| layout       | attention / GDN                           | MoE                         | requests (batch) |
+|--------------|-------------------------------------------|-----------------------------|------------------|
+| `single`     | one device                                | one device                  | one rank         |
+| `tp`         | `W_q[D, Hq_x]`, `W_k[D, Hkv_x]`            | `W[E, D, F_x]` + all-reduce  | replicated       |
+| `tp_kvrep`   | as `tp`, KV heads duplicated in the weights to max(1, Hkv/tp) per device | as `tp` | replicated |
+| `dp_tp2_ep`  | heads over `core`                         | `W[E_x, D, F]`              | ranks over `chip`|
+| `dp_ep`      | replicated weights, own requests          | `W[E_x, D, F]`              | ranks over all   |
+
+(x = every mesh axis, `ALL = ('chip', 'core')`.) `tp8`, `tp8_kvrep`, `dp4_tp2_ep8` and `dp8_ep8` are the
+same layouts as 8-device instances: they refuse a mesh of another size, naming the general form.
+A plan's name is its layout's for a layout plan (`get_layout`), or a stage's (`parallel.stages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
+from qwen35_lib.parallel.mesh import ALL, axis_size
+
+Axes = tuple[str, ...] | str | None
+
+_TP_HEADS = (("q_heads", ALL), ("gdn_k_heads", ALL), ("gdn_v_heads", ALL), ("ffn", ALL), ("moe_ffn", ALL),
+             ("vocab", ALL), ("kv_heads", ALL))
+# general layout -> (rules: (logical axis, mesh axes), axes not named are replicated; MoE mode; KV heads
+# duplicated to max(1, Hkv / tp) per device; summary)
+PLACEMENTS: dict[str, tuple[tuple[tuple[str, Axes], ...], str, bool, str]] = {
+    "single": ((), "local", False, "everything on one device"),
+    "tp": (_TP_HEADS, "tp", False, "tensor parallelism over every device: every head axis and the expert FFN split"),
+    "tp_kvrep": (_TP_HEADS, "tp", True, "tensor parallelism with the KV heads duplicated in the weights so each "
+                 "device keeps the max(1, Hkv/tp) KV heads its query heads read"),
+    "dp_tp2_ep": ((("batch", "chip"), ("q_heads", "core"), ("kv_heads", "core"), ("gdn_k_heads", "core"),
+                   ("gdn_v_heads", "core"), ("ffn", "core"), ("experts", ALL)), "ep", False,
+                  "data-parallel ranks over the chips, heads split over the 2 cores of a chip, experts over all"),
+    "dp_ep": ((("batch", ALL), ("experts", ALL)), "ep", False,
+              "data-parallel ranks over every device (attention and GDN whole per device), experts over all"),
+}
+INSTANCES = {"tp8": "tp", "tp8_kvrep": "tp_kvrep", "dp4_tp2_ep8": "dp_tp2_ep", "dp8_ep8": "dp_ep"}  # 8 devices
+GENERAL = {name: INSTANCES.get(name, name) for name in LAYOUTS}  # every layout name -> its general form
+assert set(GENERAL.values()) == set(PLACEMENTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingPlan:
+    """How a model is served: placement (by layout), routing, collectives, kernels, cache dtypes; bound to a
+    mesh (`bind`), its sizes. Field order keeps `ServingPlan("baseline", "tp8_kvrep")` a complete stage."""
+
+    name: str
+    layout: str  # one of config.LAYOUTS
+    routing: str | None = None  # EP layouts: "replicate" | "all_to_all"; None: the TP / local MoE
+    fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 -> 2)
+    hierarchical_rs: bool = False  # replicate: reduce-scatter over core, then chip
+    kernels: str | None = "xla"  # kernel family (`kernels.registry.FAMILIES`); None: as the config says
+    kv_dtype: str | None = None  # paged KV cache, read by the cost model (an Engine takes EngineConfig.kv_dtype)
+    gdn_state_dtype: str | None = None  # recurrent GDN state (`apply` sets it in the config); None: the config's
+    mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
+    kv_whole: bool = False  # set by `check_layout`: tp_kvrep's KV heads neither divide nor duplicate evenly here,
+    #                         so they stay whole on every device (the cache's flat [.., 2·Hkv·d] is never cut)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
+        if self.routing is not None and self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+
+    # --- placement (from the layout) ---
+    @property
+    def general(self) -> str:
+        """The layout's general form (`tp8_kvrep` -> `tp_kvrep`)."""
+        return GENERAL[self.layout]
+
+    @property
+    def rules(self) -> tuple[tuple[str, Axes], ...]:
+        rules = PLACEMENTS[self.general][0]
+        return tuple(r for r in rules if r[0] != "kv_heads") if self.kv_whole else rules
+
+    @property
+    def moe(self) -> str:  # "local" | "tp" (expert FFN split, all-reduce) | "ep" (experts split, routed)
+        return PLACEMENTS[self.general][1]
+
+    @property
+    def kv_replicated(self) -> bool:
+        return PLACEMENTS[self.general][2]
+
+    @property
+    def summary(self) -> str:
+        return PLACEMENTS[self.general][3]
+
+    @property
+    def devices(self) -> int | None:
+        """Devices of a named instance (8 for `dp8_ep8`, 1 for `single`); None: any mesh."""
+        return 8 if self.layout in INSTANCES else 1 if self.layout == "single" else None
+
+    def axes(self, logical: str | None) -> Axes:
+        return dict(self.rules).get(logical) if logical else None
+
+    @property
+    def batch_axes(self) -> Axes:  # data-parallel ranks (the engine's R axis)
+        return self.axes("batch")
+
+    @property
+    def ep_axes(self) -> Axes:
+        return self.axes("experts")
+
+    @property
+    def tp_axes(self) -> Axes:  # the axes the expert FFN is split over under "tp"
+        return self.axes("moe_ffn")
+
+    # --- sizes (from a mesh) ---
+    def bind(self, mesh) -> ServingPlan:
+        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh)."""
+        return dataclasses.replace(self, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
+
+    def _size(self, axes: Axes, mesh=None) -> int:
+        if mesh is None:
+            if self.mesh_shape is None:
+                return 1 if axes is None or self.layout == "single" else _unbound(self)
+            return math.prod(dict(self.mesh_shape)[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        return axis_size(mesh, axes)
+
+    def dp_size(self, mesh=None) -> int:
+        """Data-parallel ranks on `mesh` (default: the bound mesh)."""
+        return 1 if self.layout == "single" else self._size(self.batch_axes, mesh)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_size()
+
+    @property
+    def tp(self) -> int:  # ways attention / GDN query heads are split
+        return 1 if self.layout == "single" else self._size(self.axes("q_heads"))
+
+    @property
+    def ep(self) -> int:  # expert-parallel ways
+        return 1 if self.moe != "ep" else self._size(self.ep_axes)
+
+    def kv_replication(self, config: Config, mesh=None) -> int:
+        """Copies of each KV head in the weights: `kv_copies` under `tp_kvrep`, else 1."""
+        if not self.kv_replicated or self.layout == "single":
+            return 1
+        return kv_copies(config, self._size(self.axes("kv_heads"), mesh))
+
+    def kv_heads_per_device(self, config: Config, mesh=None) -> int:
+        """KV heads a device stores: Hkv / kv ways when they divide, max(1, Hkv/tp) under `tp_kvrep`, all of them
+        when the layout does not split KV heads."""
+        kv = 1 if self.layout == "single" else self._size(self.axes("kv_heads"), mesh)
+        return kv_heads_per_device(config, kv, self.kv_replicated)
+
+    def placed_config(self, config: Config, mesh=None) -> Config:
+        """The config the program runs: under `tp_kvrep`, Hkv duplicated heads x the replication factor (the
+        weights `shard_weights` places carry them), so the cache and projections split evenly."""
+        r = self.kv_replication(config, mesh)
+        return config if r == 1 else config.replace(num_kv_heads=config.num_kv_heads * r)
+
+    def rs_slices(self, tokens: int) -> int:
+        """Micro-batches of the hierarchical reduce-scatter of a step of `tokens` tokens (code and cost model)."""
+        return micro_batches(tokens)
+
+    # --- stages ---
+    def kernel_fields(self, backend: str | None = None) -> dict[str, str]:
+        """The kernel of every Config slot field for `backend` (the family's table); {} when kernels is None."""
+        from qwen35_lib.kernels.registry import family_kernels
+
+        return {} if self.kernels is None else family_kernels(self.kernels, backend)
+
+    def apply(self, config: Config, backend: str | None = None) -> Config:
+        """`config` set up as this plan: layout, routing, collective flags, kernels for `backend`, GDN dtype."""
+        extra = {} if self.gdn_state_dtype is None else {"gdn_state_dtype": self.gdn_state_dtype}
+        return config.replace(layout=self.layout, routing=self.routing or "replicate",
+                              fuse_allgather=self.fuse_allgather, hierarchical_rs=self.hierarchical_rs,
+                              **self.kernel_fields(backend), **extra)
+
+
+def micro_batches(tokens: int) -> int:
+    """tpu-inference's hierarchical reduce-scatter micro-batch count: 1/2/4/8 for T < 256 / >= 256 / >= 2048 /
+    >= 4096 tokens in the step (tpu_serving_anchors.md 1.4)."""
+    return 8 if tokens >= 4096 else 4 if tokens >= 2048 else 2 if tokens >= 256 else 1
+
+
+def kv_copies(config: Config, ways: int) -> int:
+    """Copies of each KV head `tp_kvrep` puts in the weights for KV heads split `ways` ways: r = ways / Hkv when
+    that is a whole number > 1 (each device then keeps the one head its query heads read), else 1. r must divide
+    the query heads per KV head (query head q reads copy q // (Hq / (Hkv r)), a copy of its head q // (Hq / Hkv));
+    where it does not, r = 1 and KV heads that do not divide stay whole on every device."""
+    h = config.num_kv_heads
+    r = ways // h if ways > h and ways % h == 0 else 1
+    return r if (config.num_q_heads // h) % r == 0 else 1
+
+
+def kv_heads_per_device(config: Config, ways: int, replicated: bool) -> int:
+    """KV heads one device stores when they are split `ways` ways (duplicated first if `replicated`): an even
+    share, or all of them when they do not divide (kept whole)."""
+    heads = config.num_kv_heads * (kv_copies(config, ways) if replicated else 1)
+    return heads // ways if heads % ways == 0 else heads
+
+
+def _unbound(plan: ServingPlan) -> int:
+    raise ValueError(f"plan {plan.name!r} has no mesh: bind it first (plan.bind(mesh)) or pass mesh=")
+
+
+LAYOUT_PLANS: dict[str, ServingPlan] = {name: ServingPlan(name, name, kernels=None) for name in LAYOUTS}
+
+
+def get_layout(name: str) -> ServingPlan:
+    """The layout plan `name` (any of config.LAYOUTS: an 8-device instance or a general form)."""
+    if name not in LAYOUT_PLANS:
+        raise ValueError(f"unknown layout {name!r}; use one of {LAYOUTS}")
+    return LAYOUT_PLANS[name]
+
+
+def plan_of(config: Config) -> ServingPlan:
+    """The plan `config` runs: its layout, routing (EP layouts) and collective flags; kernels as the config says.
+    One object per combination (the layout plan itself when there is no routing to add)."""
+    lay = get_layout(config.layout)
+    if lay.moe != "ep":
+        return lay
+    return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs)
+
+
+@functools.cache
+def _routed(lay: ServingPlan, routing: str, fuse_allgather: bool, hierarchical_rs: bool) -> ServingPlan:
+    return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs)
+
+
+__all__ = ["GENERAL", "INSTANCES", "LAYOUT_PLANS", "PLACEMENTS", "ServingPlan", "get_layout", "kv_copies",
+           "kv_heads_per_device", "micro_batches", "plan_of"]
