@@ -83,12 +83,13 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # | strategy | collectives per MoE layer | result bytes per device |
 # |---|---|---|
 # | `replicate` | all-gather `x`, ids, weights; reduce-scatter `y` | `N·D·b + N·k·4 + N·k·b`; `n·D·b` |
-# | `all_to_all` | all-to-all `x` there, ids there, `y` back | `2 · 8·cap·D·b + 8·cap·4` |
+# | `all_to_all` | all-to-all `x` there, packed ids/weights there, `y` back | `2 · 8·cap·D·b + 8·cap·2k·4` |
 #
-# where `cap` is the buffer rows per destination device: `n·k` when nothing may be dropped (all of a device's
-# copies could go to one device), `ceil(f · n·k / 8)` with a capacity factor `f`. On the wire a device receives
-# 7/8 of an all-gather's or all-to-all's result (its own block stays), and sends 7/8 of a reduce-scatter's *input*
-# (`N·D·b`).
+# where `cap` is the buffer rows per destination device. A token is sent to a device **once**, however many of
+# its `k` experts live there (the packed ids and weights say which), so dropless needs `cap = n` rows (all of a
+# device's tokens could go to one device), and a capacity factor `f` allows `ceil(f · n·k / 8)` of them, at most
+# `n`. On the wire a device receives 7/8 of an all-gather's or all-to-all's result (its own block stays), and
+# sends 7/8 of a reduce-scatter's *input* (`N·D·b`).
 
 # %%
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
@@ -149,9 +150,10 @@ plt.show()
 # %% [markdown]
 # ## 2. Dropping, counted
 #
-# **Predict.** With a capacity factor `f`, each device may send at most `cap = ceil(f·n·k/8)` copies to each
-# other device; the rest are dropped (their expert output is missing from the token's sum). The count needs
-# only the routing: for every source device and destination, `max(0, copies - cap)`. A skewed routing (most
+# **Predict.** With a capacity factor `f`, each device may send at most `cap = ceil(f·n·k/8)` tokens to each
+# other device; the copies of the tokens past the first `cap` are dropped (their expert output is missing from
+# the token's sum). The count needs only the routing: for every source device and destination, the copies of
+# the tokens that rank past `cap` among those going there. A skewed routing (most
 # tokens preferring expert 0, on device 0) drops far more than a balanced one.
 #
 # At CPU size: `qwen3.5-tiny` (8 experts, top-3: one expert per device), 64 tokens, float32. The skewed tokens
@@ -265,7 +267,7 @@ notebook.save_results("token_routing", record)
 # 3. **[Dropless all-to-all on TPU]** Why is `ragged_all_to_all` the better primitive for a dropless dispatch?
 #    <details><summary>Answer</summary>
 #
-#    It sends each destination exactly the rows routed to it (sizes exchanged first), instead of `cap = n·k`
-#    padded rows per destination: the bytes become `k·n·D·b` there and back, no worst-case padding. XLA:CPU does
+#    It sends each destination exactly the tokens routed to it (sizes exchanged first), instead of `cap = n`
+#    padded rows per destination: the bytes become what the routing needs, no worst-case padding. XLA:CPU does
 #    not implement it, which is why the library pads here.
 #    </details>
