@@ -240,7 +240,10 @@ def test_predict_returns_at_a_billion_concurrent_requests():
     assert r["fits"] and r["requests_per_rank"] == 2 * 10**9 // 8
     assert r["played_requests_per_rank"] < 2000 and r["mean_running_per_rank"] <= r["max_running_per_rank"]
     assert 0 < r["total_tokens_per_s"] and 0 < r["fraction_of_roofline"] <= 1
-    assert r["steps"] > 10**9  # every request's tokens are counted
+    # every request's tokens are counted (lengths drawn in [r·L, L]): at most max_running_per_rank per rank a step
+    out_per_rank = r["output_tokens_per_s"] * r["seconds"] / r["dp"]
+    assert out_per_rank > 0.75 * r["requests_per_rank"] * 1024
+    assert r["steps"] >= out_per_rank / r["max_running_per_rank"]
 
 
 def test_bounded_simulation_agrees_with_playing_every_request(monkeypatch):
