@@ -19,11 +19,27 @@ import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-MAPS = pathlib.Path("/proc/self/maps")  # Linux: the shared libraries this process has loaded
+MAPS = pathlib.Path("/proc/self/maps")  # Linux: one line per memory mapping of this process
+MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")  # Linux: the most mappings a process may hold (65530)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_leave_mappings():
+    """Before each module: when this process holds over half of vm.max_map_count mappings, drop jax's caches of
+    compiled programs. XLA:CPU maps code, constants and data (3 mappings) per kernel of every executable jax caches,
+    and a test worker compiles thousands of programs: at the limit the next compile's mmap fails and LLVM aborts
+    the process ("LLVM ERROR: Unable to allocate section memory!", issue 16). A module re-compiles what it needs."""
+    if MAPS.exists() and MAX_MAP_COUNT.exists():
+        with MAPS.open() as f:
+            if sum(1 for _ in f) > int(MAX_MAP_COUNT.read_text()) // 2:
+                jax.clear_caches()
+                gc.collect()  # the executables go (and their mappings with them) once nothing refers to them
+    yield
 
 
 @pytest.fixture(autouse=True)
