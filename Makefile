@@ -43,7 +43,7 @@ sweep: $(STAMP)
 # ruff, and the import layers of pyproject.toml's import-linter contract (config, weights -> kernels -> model ->
 # parallel -> engine -> analysis -> apps: nothing imports a layer above its own).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check qwen35_lib tests playbook notebooks
+	$(VENV)/bin/ruff check conftest.py qwen35_lib tests playbook notebooks
 	$(VENV)/bin/lint-imports
 
 clean:

@@ -1,5 +1,5 @@
 """Every notebook's .ipynb twin is in sync and output-free, `pytest` executes each twin (nbmake), and its Colab
-links name the repository. The execution itself is nbmake's item `notebooks/NN_*.ipynb` (notebooks/conftest.py
+links name the repository. The execution itself is nbmake's item `notebooks/NN_*.ipynb` (the root conftest.py
 sets its kernel's environment)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`pytest` runs every paired notebook (`notebooks/NN_*.ipynb`, in testpaths; `--nbmake` in addopts), each once in
-a fresh `python3` kernel. The kernel inherits this environment, set around each notebook: the checkout importable,
-8 simulated CPU devices with patient collectives, matplotlib inline, nothing recorded, libtpu shareable."""
+a fresh `python3` kernel. The kernel inherits this environment, set around each notebook item only: the checkout
+importable, 8 simulated CPU devices with patient collectives, matplotlib inline, nothing recorded, libtpu
+shareable."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pathlib
 
 import pytest
 
-from playbook import RESULTS_ENV
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parent
 DEVICES = "--xla_force_host_platform_device_count=8"
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    from qwen35_lib.devices import with_patient_collectives  # not at import: tests/conftest.py sets jax up first
+    if item.path.suffix != ".ipynb":
+        return
+    from playbook import RESULTS_ENV  # not at import: tests/conftest.py sets jax up first
+    from qwen35_lib.devices import with_patient_collectives
 
     env = item.stash[SAVED] = pytest.MonkeyPatch()
     env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -30,4 +32,5 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    item.stash[SAVED].undo()
+    if SAVED in item.stash:
+        item.stash[SAVED].undo()
