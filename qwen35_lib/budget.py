@@ -45,6 +45,7 @@ class HbmBudget:
     placement: str
     devices: int
     hbm_bytes_per_device: int
+    usable_hbm_bytes_per_device: int  # what a program may use: where fits are judged
     reserve_bytes_per_device: int
     weight_bytes: int  # the model once
     weight_bytes_per_device: int  # under `placement`
@@ -62,7 +63,7 @@ class HbmBudget:
 
     @property
     def weights_fit(self) -> bool:
-        return self.weight_bytes_per_device + self.reserve_bytes_per_device <= self.hbm_bytes_per_device
+        return self.weight_bytes_per_device + self.reserve_bytes_per_device <= self.usable_hbm_bytes_per_device
 
     @property
     def weight_bytes_on_devices(self) -> int:
@@ -72,7 +73,8 @@ class HbmBudget:
     @property
     def free_bytes(self) -> int:
         """Bytes left for caches on the whole system (negative when the weights do not fit)."""
-        return self.devices * (self.hbm_bytes_per_device - self.weight_bytes_per_device - self.reserve_bytes_per_device)
+        return self.devices * (self.usable_hbm_bytes_per_device - self.weight_bytes_per_device -
+                                self.reserve_bytes_per_device)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -150,7 +152,9 @@ def hbm_budget(config: Config, hardware: hw.Hardware | str, concurrency: int = 0
     experts = f" + {config.expert_dtype} experts" if config.expert_dtype else ""
     return HbmBudget(
         model=config.name, hardware=hardware.name, placement=placement, devices=hardware.devices,
-        hbm_bytes_per_device=hardware.hbm_bytes_per_device, reserve_bytes_per_device=reserve_bytes_per_device,
+        hbm_bytes_per_device=hardware.hbm_bytes_per_device,
+        usable_hbm_bytes_per_device=hardware.usable_hbm_bytes_per_device,
+        reserve_bytes_per_device=reserve_bytes_per_device,
         weight_bytes=stats.weight_bytes,
         weight_bytes_per_device=weight_bytes_per_device(config, hardware.devices, placement),
         weight_dtypes=config.dtype + experts, kv_dtype=kv_dtype or config.dtype,

@@ -33,6 +33,12 @@ class Hardware:
     peak_bf16_flops_per_chip: float | None
     peak_fp8_flops_per_chip: float | None
     sources: dict[str, str]  # field -> "source: ...", "assumption: ..." or "measured: ..."
+    usable_hbm_bytes_per_chip: int = 0  # what programs may use (the runtime keeps the rest); 0: all of it
+
+    @property
+    def usable_hbm_bytes_per_device(self) -> int:
+        """The HBM a program on one device may use: where every fit is judged."""
+        return (self.usable_hbm_bytes_per_chip or self.hbm_bytes_per_chip) // self.devices_per_chip
 
     @property
     def devices(self) -> int:
@@ -49,7 +55,8 @@ class Hardware:
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.update(devices=self.devices, hbm_bytes_per_device=self.hbm_bytes_per_device, hbm_bytes=self.hbm_bytes)
+        d.update(devices=self.devices, hbm_bytes_per_device=self.hbm_bytes_per_device, hbm_bytes=self.hbm_bytes,
+                 usable_hbm_bytes_per_device=self.usable_hbm_bytes_per_device)
         return d
 
 
@@ -98,12 +105,23 @@ def get(name: str) -> Hardware:
         values[field] = value
     if values["hbm_bytes"] is None:
         raise ValueError(f"hardware {name!r} has no memory size in {data_path()}")
+    usable, sources["usable_hbm_bytes"] = _usable(table, chip, values["hbm_bytes"])
     return Hardware(
         name=name, description=system["description"], kind=chip["kind"], chip=system["chip"],
         chips=int(system["chips"]["value"]), devices_per_chip=int(values["devices_per_chip"]),
         hbm_bytes_per_chip=int(values["hbm_bytes"]), hbm_bytes_per_s_per_chip=values["hbm_bytes_per_s"],
         peak_bf16_flops_per_chip=values["peak_bf16_flops"], peak_fp8_flops_per_chip=values["peak_fp8_flops"],
-        sources=sources)
+        sources=sources, usable_hbm_bytes_per_chip=usable)
+
+
+def _usable(table: dict, chip: dict, hbm_bytes: int) -> tuple[int, str]:
+    """(usable bytes per chip, provenance): the chip's own figure, else tpu7x's usable fraction of its HBM."""
+    if "usable_hbm_bytes" in chip:
+        return int(chip["usable_hbm_bytes"]["value"]), _provenance(chip["usable_hbm_bytes"])
+    ref = table["chips"]["tpu7x"]
+    fraction = ref["usable_hbm_bytes"]["value"] / ref["hbm_bytes"]["value"]
+    return int(hbm_bytes * fraction), (f"assumption: not known for this chip; tpu7x's usable fraction "
+                                       f"({fraction:.4f} of its HBM, the compiler's figure) is assumed")
 
 
 def _provenance(entry: dict) -> str:

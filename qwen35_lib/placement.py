@@ -72,6 +72,7 @@ class Placement:
     mesh_shape: dict[str, int]
     hardware: str
     hbm_bytes_per_device: int
+    usable_hbm_bytes_per_device: int  # what a program may use: where the fit is judged
     requests: int
     context_len: int
     kv_dtype: str
@@ -103,7 +104,7 @@ class Placement:
 
     @property
     def fits(self) -> bool:
-        return self.problem is None and self.total_bytes_per_device <= self.hbm_bytes_per_device
+        return self.problem is None and self.total_bytes_per_device <= self.usable_hbm_bytes_per_device
 
     def summary(self) -> str:
         """A few lines: the verdict, bytes per device vs HBM, what is replicated."""
@@ -117,7 +118,7 @@ class Placement:
             verdict = "fits" if self.fits else "does NOT fit"
             lines = [head, f"per device: weights {_gib(d.weight_bytes_per_device)} + KV {_gib(d.kv_bytes_per_device)}"
                      f" + GDN state {_gib(d.gdn_state_bytes_per_device)} = {_gib(d.total_bytes_per_device)} of "
-                     f"{_gib(d.hbm_bytes_per_device)} HBM ({self.hardware}): {verdict}"]
+                     f"{_gib(d.usable_hbm_bytes_per_device)} usable HBM ({self.hardware}): {verdict}"]
         lines += [f"replicated: {r}" for r in self.replicated]
         lines.append("copies over the devices: " + ", ".join(f"{k} {v:.2f}x" for k, v in self.copies.items()))
         return "\n".join(lines)
@@ -191,7 +192,8 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     on_devices = {"weights": sum(w_bytes.values()) * devices, "kv": kv * devices, "gdn_state": gdn * devices}
     return Placement(
         model=config.name, layout=layout, layout_summary=lay.summary, devices=devices, mesh_shape=dict(mesh.shape),
-        hardware=hardware, hbm_bytes_per_device=hw.get(hardware).hbm_bytes_per_device, requests=requests,
+        hardware=hardware, hbm_bytes_per_device=hw.get(hardware).hbm_bytes_per_device,
+        usable_hbm_bytes_per_device=hw.get(hardware).usable_hbm_bytes_per_device, requests=requests,
         context_len=context_len, kv_dtype=jnp.dtype(kv_dtype).name, ranks=ranks, cache_shape=cache_shape,
         sizes=sizes, per_device=tuple(per_device),
         axes={label: _how(lay, mesh, info, logical) for label, (logical, info) in specs.items() if info}

@@ -39,7 +39,10 @@ def tpu7x(tmp_path_factory):
 
 @pytest.mark.tpu_compile
 def test_the_usable_hbm_is_the_compilers_94_75_gib(tpu7x):
+    from qwen35_lib import hardware
+
     assert tpu7x["usable"] == 101_737_037_824  # 94.75 * 2**30: XLA's "G" is GiB
+    assert hardware.get("tpu7x-8").usable_hbm_bytes_per_device == tpu7x["usable"]  # where every fit is judged
 
 
 @pytest.mark.tpu_compile

@@ -25,10 +25,6 @@ from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
-USABLE_HBM = 94.75e9 / 103079215104
-USABLE_HBM_SOURCE = ("measured: XLA's RESOURCE_EXHAUSTED message for a program compiled for tpu7x:2x2x1 on this "
-                     "machine names 'available HBM (94.75G)' of the 96 GiB per TensorCore; the same fraction is "
-                     "assumed for the other systems")
 
 
 def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
@@ -80,7 +76,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     lay = resolve_layout(st, cfg, sp.devices)
     budget = max_batched_tokens if max_batched_tokens is not None else min(max(isl // lay.dp, 1024), 2048)
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
-    usable = sp.hbm_bytes * USABLE_HBM
+    usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
     per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request

@@ -12,9 +12,9 @@ A request finishes after its output length; a new one arrives at once while prom
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
 
 The work is bounded whatever the concurrency: up to `EXACT_PROMPTS` requests per rank, every request is
-played; beyond, a short run from the start to the drain with one client more than can run at once (more only
-wait) plus the rest at the steady-state cost per request, measured on a run started in steady state
-(`_bounded`).
+played; beyond, every request's tokens at the steady-state cost per token (measured on a run started in
+steady state, with one client more than can run at once: more only wait) plus what filling the rank and
+draining it cost beyond that (`_bounded`).
 """
 
 from __future__ import annotations
@@ -98,32 +98,35 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
 
 def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, clients: int,
              prompts: int, dp: int, max_batched_tokens: int, limit: int, seed: int) -> SimResult | None:
-    """The benchmark of `prompts` requests per rank from two short runs, in a time independent of `prompts` and
-    `clients` (None when the first run would be the whole benchmark).
+    """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
+    `clients` (None when the three runs would be about the whole benchmark).
 
     1. At most `cap = min(limit, max_batched_tokens + 1)` requests run at once: decodes take a budget token
        each and a prompt chunk at least one, so prompts complete only while fewer than `max_batched_tokens`
        requests decode, and at most one prompt is left part-way after a step. More clients than `cap` only
        wait, and the queue is never empty until every request has been admitted: the run is the same with
        `c = cap + 1` clients as with any number above.
-    2. Played: `c` requests, one per client, from the start (every slot admitted at once) to the drain.
-    3. Steady state: `c` clients with every slot already running a request part-way through its output (a
-       uniform fraction of it), so completions are spread in time from the start, as in a long run; after
-       `skip` completions, the steps up to `STEADY_WINDOW` more give the cost of one computed token (seconds,
-       steps, breakdown). (Starting from the played run's state instead is biased: its requests finish in
-       waves that take hundreds of generations to spread, and a window of a few generations cuts the waves at
-       different phases; counting tokens computed rather than requests completed keeps the window's edges from
-       adding the noise of the requests part-way through.)
-    4. The benchmark = the played run + the other `prompts - c` requests' expected tokens at the steady cost.
-    Both runs also advance runs of steps whose decodes take the whole budget together (`_play`'s `collapse`).
-    Measured against playing every request (tests/test_costmodel.py): within 1 % from 8192 concurrent requests
-    to 131072 on tpu7x-8; its cost grows with `cap`, not with `clients` or `prompts`.
+    2. Steady state: `c` clients with every slot already running a request part-way through its output (a
+       uniform fraction of it), so completions are spread in time, as in a long run; after `skip`
+       completions, the steps up to `STEADY_WINDOW` more give the cost of one computed token (seconds, steps,
+       decodes, running sequences, breakdown). (Counting tokens computed rather than requests completed keeps
+       the window's edges from adding the noise of the requests part-way through.)
+    3. Ramp: `c` clients from an empty rank up to the first `cap` completions, each client sending its next
+       request as one ends; its excess over the steady cost of the tokens it computed is the cost of filling
+       the rank.
+    4. Drain: the steady run's running requests played to the end with nothing more arriving; its excess over
+       the steady cost is the cost of the last requests finishing one by one (in a long run they finish spread
+       over up to an output length, not together: a run of only `c` requests from the start would end with
+       its stragglers, which a long run does not have).
+    5. The benchmark = the steady cost of every request's expected tokens + the two excesses.
+    All runs also advance runs of steps whose decodes take the whole budget together (`_play`'s `collapse`).
+    Measured against playing every request (tests/test_costmodel.py). Its cost grows with `cap`, not with
+    `clients` or `prompts`.
     """
     cap = min(limit, max_batched_tokens + 1)
     c = min(clients, cap + 1)
-    if c >= prompts:
+    if c + 2 * cap >= prompts:
         return None
-    played = _play(step_fn, draw_lengths(c, isl, osl, seed), c, dp, max_batched_tokens, limit, collapse=True)
     warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
     skip = min(warm, STEADY_WINDOW)
     lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1)
@@ -132,16 +135,26 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     steady = _play(step_fn, lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + STEADY_WINDOW),
                    start=start, collapse=True)
     (_, a), (_, b) = steady.snapshots
-    extra = prompts - c
+    ramp = _play(step_fn, draw_lengths(c + cap, isl, osl, seed), c, dp, max_batched_tokens, limit, marks=(cap,),
+                 collapse=True)
+    drain = _play(step_fn, [], len(steady.running), dp, max_batched_tokens, limit, start=steady.running,
+                  collapse=True)
     mean_in, mean_out = mean_lengths(isl, osl)
-    per = extra * (mean_in + mean_out - 1) / (b.work - a.work)  # the rest's tokens per window token
-    grow = lambda x0, x1, x: x + (x1 - x0) * per  # noqa: E731
-    t = played.totals
-    breakdown = {k: grow(a.breakdown.get(k, 0.0), b.breakdown.get(k, 0.0), v) for k, v in t.breakdown.items()}
-    full = _Totals(t=grow(a.t, b.t, t.t), steps=grow(a.steps, b.steps, t.steps),
-                   dec_sum=grow(a.dec_sum, b.dec_sum, t.dec_sum), run_sum=grow(a.run_sum, b.run_sum, t.run_sum),
-                   breakdown=breakdown, inp=t.inp + extra * mean_in, out=t.out + extra * mean_out)
-    return dataclasses.replace(full.result(dp), played=c + steady.completed, requests=prompts)
+    work = prompts * (mean_in + mean_out - 1)  # tokens computed: the first output token is the prefill's
+    unit = b.work - a.work
+
+    def total(x0: float, x1: float, *parts: float) -> float:  # steady cost of `work` + each part's excess
+        rate = (x1 - x0) / unit
+        return rate * work + sum(p - rate * w for p, w in zip(parts, (ramp.totals.work, drain.totals.work)))
+
+    fields = ("t", "steps", "dec_sum", "run_sum")
+    full = _Totals(**{f: total(getattr(a, f), getattr(b, f), getattr(ramp.totals, f), getattr(drain.totals, f))
+                      for f in fields},
+                   breakdown={k: total(a.breakdown.get(k, 0.0), v, ramp.totals.breakdown.get(k, 0.0),
+                                       drain.totals.breakdown.get(k, 0.0)) for k, v in b.breakdown.items()},
+                   inp=prompts * mean_in, out=prompts * mean_out)
+    return dataclasses.replace(full.result(dp), played=ramp.completed + steady.completed + drain.completed,
+                               requests=prompts)
 
 
 @dataclasses.dataclass
@@ -171,6 +184,7 @@ class _Play:
     totals: _Totals
     snapshots: list[tuple[int, _Totals]]  # (completions, totals) after the first step reaching each mark
     completed: int  # requests finished
+    running: list[_Req] = dataclasses.field(default_factory=list)  # requests still running when it stopped
 
     def result(self, dp: int) -> SimResult:
         return dataclasses.replace(self.totals.result(dp), played=self.completed, requests=self.completed)
@@ -256,4 +270,4 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             todo.pop(0)
         if marks and not todo:
             break
-    return _Play(tot, snapshots, done)
+    return _Play(tot, snapshots, done, running)

@@ -30,6 +30,7 @@ class Specs:
     peak_flops: float  # bf16 MXU FLOP/s per device (our matmuls run in bf16: FP8 weights are upcast)
     hbm_bytes_per_s: float  # per device
     hbm_bytes: int  # per device
+    usable_hbm_bytes: int  # per device: what a program may use (hardware.json's usable_hbm_bytes)
     ici_link_bytes_per_s: float  # one ICI link, one direction
     links_per_neighbour: int
     core_link_bytes_per_s: float | None  # between the cores of one chip (None: one device per chip)
@@ -124,6 +125,7 @@ def get(name: str, cpu_measured: dict | None = None) -> Specs:
     return Specs(
         name=name, kind=base.kind, chip=base.chip, chips=base.chips, devices_per_chip=n,
         peak_flops=peak / n, hbm_bytes_per_s=bw / n, hbm_bytes=base.hbm_bytes_per_chip // n,
+        usable_hbm_bytes=base.usable_hbm_bytes_per_device,
         ici_link_bytes_per_s=values["ici_link_bytes_per_s"], links_per_neighbour=values["links_per_neighbour"],
         core_link_bytes_per_s=values.get("core_link_bytes_per_s") if n > 1 else None, ring=values["ring"],
         hop_latency_s=values["hop_latency_s"], collective_launch_s=values["collective_launch_s"],
