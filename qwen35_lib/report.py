@@ -100,7 +100,8 @@ def format_report(report: dict[str, Any]) -> str:
         h, b = r["hardware"], r["budget"]
         lines += [
             f"hardware {h['name']}: {h['chips']} chips x {h['devices_per_chip']} devices, "
-            f"{human_bytes(h['hbm_bytes_per_device'])} per device, {human_bytes(h['hbm_bytes'])} in all",
+            f"{human_bytes(h['hbm_bytes_per_device'])} per device ({human_bytes(h['usable_hbm_bytes_per_device'])} "
+            f"usable), {human_bytes(h['hbm_bytes'])} in all",
             f"weights per device {human_bytes(b['weight_bytes_per_device'])} ({b['placement']} placement): "
             + ("fit" if b["weights_fit"] else "DO NOT FIT"),
         ]

@@ -82,14 +82,15 @@ def plot_hbm_budget(budgets: Sequence[HbmBudget], labels: Sequence[str] | None =
                            ("gdn_state", b.gdn_state_bytes)):
             ax.bar(x, value / GiB, bottom=bottom, color=COLORS[key], width=0.6)
             bottom += value / GiB
-        ax.hlines(b.hbm_bytes / GiB, x - 0.4, x + 0.4, color=COLORS["capacity"], lw=2)
+        usable = b.devices * b.usable_hbm_bytes_per_device / GiB
+        ax.hlines(usable, x - 0.4, x + 0.4, color=COLORS["capacity"], lw=2)
         if not b.weights_fit:
             verdict = "weights do not fit"
         elif b.fits:
             verdict = f"fits: {b.left_bytes / GiB:,.0f} GiB left"
         else:
             verdict = f"short by {-b.left_bytes / GiB:,.0f} GiB"
-        ax.text(x, max(bottom, b.hbm_bytes / GiB) * 1.02, verdict, ha="center", va="bottom", fontsize=8,
+        ax.text(x, max(bottom, usable) * 1.02, verdict, ha="center", va="bottom", fontsize=8,
                 color="black" if b.fits else COLORS["kv"])
     ax.set_xticks(range(len(budgets)), labels, fontsize=8)
     ax.set_ylabel("GiB (all devices)")
@@ -97,10 +98,10 @@ def plot_hbm_budget(budgets: Sequence[HbmBudget], labels: Sequence[str] | None =
     ax.set_ylim(0, top * 1.12)
     fig.legend(handles=[Patch(color=COLORS["weights"], label="weights"), Patch(color=COLORS["kv"], label="KV cache"),
                         Patch(color=COLORS["gdn_state"], label="GDN state"),
-                        Patch(color=COLORS["capacity"], label="HBM")], loc="outside right upper", fontsize=8)
+                        Patch(color=COLORS["capacity"], label="usable HBM")], loc="outside right upper", fontsize=8)
     ax.set_xlabel(f"weights; requests x tokens held (placement: {', '.join(sorted({b.placement for b in budgets}))})")
-    hws = sorted({(b.hardware, b.devices, b.hbm_bytes_per_device) for b in budgets})
-    ax.set_title("; ".join(f"{h}: {d} x {m / GiB:,.0f} GiB" for h, d, m in hws))
+    hws = sorted({(b.hardware, b.devices, b.usable_hbm_bytes_per_device) for b in budgets})
+    ax.set_title("; ".join(f"{h}: {d} x {m / GiB:,.2f} GiB usable" for h, d, m in hws))
     return fig
 
 

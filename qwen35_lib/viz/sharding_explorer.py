@@ -73,9 +73,9 @@ def placement_figure(p: Placement) -> Figure:
             bottom.bar(d + 0.5, value, bottom=base, width=0.7, color=color)
             base += value
         bottom.text(d + 0.5, base, f"{base:,.1f}", ha="center", va="bottom", fontsize=7)
-    hbm = p.hbm_bytes_per_device / GiB
+    hbm = p.usable_hbm_bytes_per_device / GiB
     bottom.axhline(hbm, color=COLORS["capacity"], lw=1.5)
-    bottom.text(n, hbm, f" HBM {hbm:,.0f} GiB", va="bottom", ha="right", fontsize=8)
+    bottom.text(n, hbm, f" usable HBM {hbm:,.2f} GiB", va="bottom", ha="right", fontsize=8)
     bottom.set_xlim(0, n)
     bottom.set_ylim(0, max(hbm, p.total_bytes_per_device / GiB) * 1.15)
     bottom.set_xticks([d + 0.5 for d in range(n)], [f"dev {d}" for d in range(n)], fontsize=7)
@@ -95,8 +95,8 @@ def _title(p: Placement) -> str:
     if p.problem:
         return f"{head}\nREFUSED: {p.problem.split(';')[0]}"
     verdict = "fits" if p.fits else "does NOT fit"
-    return f"{head}\n{p.total_bytes_per_device / GiB:,.1f} of {p.hbm_bytes_per_device / GiB:,.0f} GiB per device: " \
-           f"{verdict}"
+    return f"{head}\n{p.total_bytes_per_device / GiB:,.1f} of {p.usable_hbm_bytes_per_device / GiB:,.2f} GiB usable " \
+           f"per device: {verdict}"
 
 
 def summary_html(p: Placement | str) -> str:
