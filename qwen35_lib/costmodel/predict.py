@@ -45,15 +45,33 @@ def weight_bytes_per_device(cfg: Config, sp: Specs, stage: Stage) -> float:
     return experts / sp.devices + dense / lay.tp
 
 
-def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None) -> float:
-    """Cache one request of `tokens` tokens puts on each device holding it (KV of its heads + GDN state)."""
+def cache_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, kv_dtype: str | None, pages: int,
+                           slots: int) -> dict[str, float]:
+    """KV cache (`pages` pages of `page_size` tokens, FP8 with its scales) and GDN state (`slots` sequences) one
+    device holds: the KV of its heads, its share of the GDN heads."""
     lay = resolve_layout(stage, cfg, sp.devices)
     z = ops.sizes(cfg)
     pl = ops.Placement(kv_dtype=kv_dtype)
-    kv = z["n_attn"] * 2 * ops.kv_heads_per_device(cfg, lay.tp) * cfg.head_dim * ops.kv_item(cfg, pl) * tokens
+    kv = z["n_attn"] * 2 * ops.kv_heads_per_device(cfg, lay.tp) * cfg.head_dim * ops.kv_item(cfg, pl) * pages
     state = z["n_gdn"] * (cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim *
                           ops.ITEMSIZE[cfg.gdn_state_dtype] + cfg.gdn_conv_dim * (cfg.gdn_conv_kernel - 1) * z["act"])
-    return kv + state / lay.tp
+    return {"kv_bytes": kv, "gdn_state_bytes": state * slots / lay.tp}
+
+
+def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None,
+                             page_size: int = 1) -> float:
+    """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot."""
+    return sum(cache_bytes_per_device(cfg, sp, stage, kv_dtype, -(-tokens // page_size) * page_size, 1).values())
+
+
+def resident_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, requests_per_rank: int, tokens: int,
+                              kv_dtype: str | None, page_size: int) -> dict[str, float]:
+    """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
+    the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
+    slot), as `engine.cache.declare_cache` lays them out."""
+    pages = requests_per_rank * -(-tokens // page_size) + 1
+    cache = cache_bytes_per_device(cfg, sp, stage, kv_dtype, pages * page_size, requests_per_rank + 1)
+    return {"weight_bytes": weight_bytes_per_device(cfg, sp, stage), **cache}
 
 
 def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
@@ -78,9 +96,10 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
-    per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype)
+    fixed = sum(resident_bytes_per_device(cfg, sp, st, 0, isl + osl, kv_dtype, page_size).values())  # + null page, slot
+    per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype, page_size)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
-    max_running = int((usable - w) // per_req) if usable > w else 0
+    max_running = int((usable - fixed) // per_req) if usable > fixed else 0
     doc: dict[str, Any] = dict(
         model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.layout, routing=st.routing,
         fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,
@@ -164,4 +183,5 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["KV_DTYPES", "check_arguments", "ladder", "predict", "serving_model", "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "cache_bytes_per_device", "check_arguments", "ladder", "predict", "request_bytes_per_device",
+           "resident_bytes_per_device", "serving_model", "weight_bytes_per_device"]
