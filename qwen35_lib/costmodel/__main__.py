@@ -41,7 +41,9 @@ def _format(r: dict) -> str:
              f"  output tokens/s  {r['output_tokens_per_s']:12,.0f}  "
              f"({r['output_tokens_per_s_per_chip']:,.0f} per chip)",
              f"  total tokens/s   {r['total_tokens_per_s']:12,.0f}  ({r['total_tokens_per_s_per_chip']:,.0f} per chip)",
-             f"  mean step        {r['mean_step_s'] * 1e3:12.2f} ms over {r['steps']:,} steps"]
+             f"  mean step        {r['mean_step_s'] * 1e3:12.2f} ms over {r['steps']:,} steps",
+             f"  median TTFT      {r['median_ttft_s'] * 1e3:12.1f} ms",
+             f"  median TPOT      {r['median_tpot_s'] * 1e3:12.2f} ms"]
     if "roofline_total_tokens_per_s" in r:
         lines.append(f"  roofline bound   {r['roofline_total_tokens_per_s']:12,.0f} total tokens/s "
                      f"({r['fraction_of_roofline']:.0%} of it reached)")

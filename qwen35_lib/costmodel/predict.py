@@ -81,7 +81,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             num_prompts: int | None = None, seed: int = 0, roofline: bool = True, overlap: bool = True) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
-    `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `fits`, the setup used.
+    `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `median_ttft_s`,
+    `median_tpot_s` (time to first token; per output token after the first), `fits`, the setup used.
     A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts)
@@ -126,6 +127,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         total_tokens_per_s_per_chip=sim.total_tokens_per_s / sp.chips,
         seconds=sim.seconds, steps=sim.steps, mean_step_s=sim.seconds / sim.steps,
         mean_decode_batch=sim.mean_decode_batch, mean_running_per_rank=sim.mean_running,
+        median_ttft_s=sim.median_ttft_s, median_tpot_s=sim.median_tpot_s,
         breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:

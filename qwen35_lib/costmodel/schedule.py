@@ -37,6 +37,16 @@ class _Req:
     output: int
     done_prompt: int = 0
     done_output: int = 0
+    arrived: float | None = 0.0  # seconds into the run the client sent it (None: running before the run began)
+    first: float = 0.0  # its first output token (the end of the step that completed its prompt)
+
+
+def _latencies(done: list[tuple[float | None, float, float, int]]) -> tuple[float, float]:
+    """(median time to first token, median time per output token after the first) over finished requests
+    (arrived, first, finished, output), as `vllm bench serve` reports them; NaN when none qualifies."""
+    ttft = [f - a for a, f, _, _ in done if a is not None]
+    tpot = [(e - f) / (o - 1) for a, f, e, o in done if a is not None and o > 1]
+    return (float(np.median(ttft)) if ttft else float("nan"), float(np.median(tpot)) if tpot else float("nan"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,8 @@ class SimResult:
     mean_running: float  # sequences per rank, averaged over steps
     played: int = 0  # requests per rank played step by step
     requests: int = 0  # requests per rank in the benchmark (more than `played`: the rest at the steady cost)
+    median_ttft_s: float = float("nan")  # time to first token, median over the requests played
+    median_tpot_s: float = float("nan")  # time per output token after the first, median
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -131,7 +143,7 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     skip = min(warm, STEADY_WINDOW)
     lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1)
     rng = np.random.default_rng(seed + 2)
-    start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o))) for i, o in lengths[:warm]]
+    start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
     steady = _play(step_fn, lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + STEADY_WINDOW),
                    start=start, collapse=True)
     (_, a), (_, b) = steady.snapshots
@@ -153,8 +165,20 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
                    breakdown={k: total(a.breakdown.get(k, 0.0), v, ramp.totals.breakdown.get(k, 0.0),
                                        drain.totals.breakdown.get(k, 0.0)) for k, v in b.breakdown.items()},
                    inp=prompts * mean_in, out=prompts * mean_out)
+    ttft, tpot = _latencies(steady.finished[skip:skip + STEADY_WINDOW])  # the steady state's requests
+    ttft += _median_queue_wait(clients, cap, prompts, STEADY_WINDOW / (b.t - a.t))
     return dataclasses.replace(full.result(dp), played=ramp.completed + steady.completed + drain.completed,
-                               requests=prompts)
+                               requests=prompts, median_ttft_s=ttft, median_tpot_s=tpot)
+
+
+def _median_queue_wait(clients: int, cap: int, prompts: int, rate: float) -> float:
+    """Median wait in the queue before admission, beyond the steady run's (whose queue holds at most one), of a
+    benchmark of `prompts` requests from `clients` clients at most `cap` of which run, completing `rate` requests
+    per second: the first `clients` arrive together and the i-th waits for i - cap completions; each later one
+    arrives as one finishes, behind the `clients - cap - 1` already queued."""
+    first = np.maximum(np.arange(min(clients, prompts)) - cap, 0)
+    later = np.full(prompts - first.size, max(clients - cap - 1, 0))
+    return float(np.median(np.concatenate([first, later]))) / rate
 
 
 @dataclasses.dataclass
@@ -185,9 +209,13 @@ class _Play:
     snapshots: list[tuple[int, _Totals]]  # (completions, totals) after the first step reaching each mark
     completed: int  # requests finished
     running: list[_Req] = dataclasses.field(default_factory=list)  # requests still running when it stopped
+    finished: list[tuple[float | None, float, float, int]] = dataclasses.field(default_factory=list)
+    # (arrived, first token, finished, output tokens) per finished request, in completion order
 
     def result(self, dp: int) -> SimResult:
-        return dataclasses.replace(self.totals.result(dp), played=self.completed, requests=self.completed)
+        ttft, tpot = _latencies(self.finished)
+        return dataclasses.replace(self.totals.result(dp), played=self.completed, requests=self.completed,
+                                   median_ttft_s=ttft, median_tpot_s=tpot)
 
 
 def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: list[tuple[int, int]], clients: int,
@@ -202,9 +230,11 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
     pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
     tot = _Totals()
     done = 0
+    finished: list[tuple[float | None, float, float, int]] = []
     snapshots: list[tuple[int, _Totals]] = []
     todo = list(marks)
     while waiting or running:
+        firsts = []
         prompt_work = bool(waiting) and len(running) < limit or any(r.done_prompt < r.prompt for r in running)
         decoders = [r for r in running if r.done_prompt == r.prompt]
         if collapse and len(decoders) >= max_batched_tokens:  # the budget's first decoders run alone
@@ -227,6 +257,7 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             for r in decoders[:n_dec]:
                 r.done_output += 1
             budget -= n_dec
+            firsts: list[_Req] = []  # requests whose first output token this step samples
             chunks: list[tuple[int, int]] = []  # (tokens, cached before)
             for r in running:
                 if r.done_prompt < r.prompt and budget > 0:
@@ -244,6 +275,7 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             for r in running:  # the step that completes a prompt samples the first output token
                 if r.done_prompt == r.prompt and r.done_output == 0 and any(c[1] + c[0] == r.prompt for c in chunks):
                     r.done_output = 1
+                    firsts.append(r)
             pre = sum(c[0] for c in chunks)
             max_ctx = max([c[0] + c[1] for c in chunks] + ctx + [0])
             batch = Batch(decodes=n_dec * dp, decode_ctx=float(np.mean(ctx)) if ctx else 0.0,
@@ -254,6 +286,8 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             tot.dec_sum += n_dec * dp
             tot.work += n_dec + pre
         tot.t += sec * n_steps
+        for r in firsts:
+            r.first = tot.t
         tot.steps += n_steps
         tot.run_sum += len(running) * n_steps
         for name, v in parts.items():
@@ -263,11 +297,12 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             done += 1
             tot.inp += r.prompt
             tot.out += r.output
+            finished.append((r.arrived, r.first, tot.t, r.output))
             if pending:
-                waiting.append(pending.popleft())
+                waiting.append(dataclasses.replace(pending.popleft(), arrived=tot.t))
         while todo and done >= todo[0]:
             snapshots.append((done, tot.snapshot()))
             todo.pop(0)
         if marks and not todo:
             break
-    return _Play(tot, snapshots, done, running)
+    return _Play(tot, snapshots, done, running, finished)

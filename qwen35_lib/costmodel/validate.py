@@ -175,12 +175,16 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> l
             continue
         row = dict(source=m["source"], setup=m["setup_label"], isl=m["isl"], osl=m["osl"],
                    concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
-                   measured_output_tokens_per_s=m.get("output_tokens_per_s"))
+                   measured_output_tokens_per_s=m.get("output_tokens_per_s"),
+                   measured_median_tpot_ms=m.get("median_tpot_ms"))
         for st in stages:
             p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
                         max_batched_tokens=m.get("max_batched_tokens_per_rank"),
                         max_seqs=m.get("max_seqs_per_rank"), num_prompts=m.get("num_prompts"))
             row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
             row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
+            if m.get("median_tpot_ms"):
+                row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
+                row[f"tpot_ratio_{st}"] = p["median_tpot_s"] * 1e3 / m["median_tpot_ms"]
         rows.append(row)
     return rows
