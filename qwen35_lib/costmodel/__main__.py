@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache dtype (default: %(default)s)")
         q.add_argument("--max-batched-tokens", type=int, help="token budget per step per DP rank")
         q.add_argument("--max-seqs", type=int, help="running sequences per DP rank")
+        q.add_argument("--num-prompts", type=int, help="requests in the benchmark (default: 2 x concurrency)")
+        q.add_argument("--range-ratio", type=float, default=0.8,
+                       help="each length uniform in [r L, L] (default: %(default)s, InferenceX's)")
         q.add_argument("--json", action="store_true", help="print one JSON document")
     pr.add_argument("--stage", default="kernels", choices=LADDER)
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
-                  max_seqs=args.max_seqs, kv_dtype=args.kv_dtype)
+                  max_seqs=args.max_seqs, kv_dtype=args.kv_dtype, num_prompts=args.num_prompts,
+                  range_ratio=args.range_ratio)
     if args.command == "predict":
         r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common)
         print(json.dumps(r, indent=2) if args.json else _format(r))

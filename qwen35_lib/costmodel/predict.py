@@ -78,14 +78,16 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             stage: str | Stage = "kernels", isl: int = 8192, osl: int = 1024, concurrency: int = 512, *,
             max_batched_tokens: int | None = None, max_seqs: int | None = None,
             kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
-            num_prompts: int | None = None, seed: int = 0, roofline: bool = True, overlap: bool = True) -> dict:
+            num_prompts: int | None = None, range_ratio: float = 0.8, seed: int = 0, roofline: bool = True,
+            overlap: bool = True) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
     `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `median_ttft_s`,
     `median_tpot_s` (time to first token; per output token after the first), `fits`, the setup used.
     A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
-                    max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts)
+                    max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
+                    range_ratio=range_ratio)
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
     st = get_stage(stage) if isinstance(stage, str) else stage
@@ -104,7 +106,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     doc: dict[str, Any] = dict(
         model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.layout, routing=st.routing,
         fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,
-        isl=isl, osl=osl, concurrency=concurrency, dp=lay.dp, tp=lay.tp, chips=sp.chips, devices=sp.devices,
+        isl=isl, osl=osl, range_ratio=range_ratio, concurrency=concurrency, dp=lay.dp, tp=lay.tp, chips=sp.chips,
+        devices=sp.devices,
         max_batched_tokens_per_rank=budget, max_seqs_per_rank=seqs, kv_dtype=kv_dtype or cfg.dtype,
         weight_bytes_per_device=w, usable_hbm_bytes_per_device=usable, request_bytes_per_device=per_req,
         max_running_per_rank=max_running, fits=max_running >= 1)
@@ -119,7 +122,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             return r.seconds, r.breakdown
         return run
 
-    sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed)
+    sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                   range_ratio)
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -131,7 +135,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:
-        ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed)
+        ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                   range_ratio)
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
@@ -148,6 +153,11 @@ def check_arguments(**values: Any) -> None:
     """`predict`'s workload and serving arguments: counts are integers >= 1 (None: the default, where there is
     one); `kv_dtype` one of `KV_DTYPES` or None (the model's dtype)."""
     for name, value in values.items():
+        if name == "range_ratio":
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+                raise ValueError(f"range_ratio={value!r} (--range-ratio): lengths are drawn from [r L, L]; "
+                                 "r must be in (0, 1]")
+            continue
         if name == "kv_dtype":
             if value is not None and value not in KV_DTYPES:
                 raise ValueError(f"kv_dtype={value!r} is not a KV-cache dtype; use one of {', '.join(KV_DTYPES)}")

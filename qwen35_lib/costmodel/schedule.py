@@ -1,8 +1,9 @@
 """Throughput from a simulation of the scheduler, not from one step.
 
 `simulate(step_fn, ...)` plays a closed-loop benchmark (the InferenceX protocol: `concurrency` clients, each
-sending its next request when the last one ends, `num_prompts` in all, lengths uniform in [0.8 L, L], seeded)
-against one data-parallel rank; ranks are balanced, so the slice does `dp` times the rank's work per step.
+sending its next request when the last one ends, `num_prompts` in all, lengths uniform in [r L, L], r = 0.8 by
+default, seeded) against one data-parallel rank; ranks are balanced, so the slice does `dp` times the rank's work
+per step.
 Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's do:
 1. every running request past its prompt decodes one token;
 2. requests part-way through their prompt continue with the next chunk, within the token budget;
@@ -90,7 +91,7 @@ def _low(n: int, range_ratio: float) -> int:
 
 def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, concurrency: int,
              dp: int, max_batched_tokens: int, max_seqs: int, max_running: int, num_prompts: int | None = None,
-             seed: int = 0) -> SimResult:
+             seed: int = 0, range_ratio: float = 0.8) -> SimResult:
     """Play the benchmark on one rank (see the module doc). `step_fn(batch) -> (seconds, breakdown)`.
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
@@ -101,15 +102,16 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     prompts = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
     if prompts > EXACT_PROMPTS:
-        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed)
+        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio)
         if bounded is not None:
             return bounded
-    play = _play(step_fn, draw_lengths(prompts, isl, osl, seed), clients, dp, max_batched_tokens, limit)
+    play = _play(step_fn, draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit)
     return play.result(dp)
 
 
 def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, clients: int,
-             prompts: int, dp: int, max_batched_tokens: int, limit: int, seed: int) -> SimResult | None:
+             prompts: int, dp: int, max_batched_tokens: int, limit: int, seed: int,
+             range_ratio: float) -> SimResult | None:
     """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
     `clients` (None when the three runs would be about the whole benchmark).
 
@@ -141,17 +143,17 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
         return None
     warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
     skip = min(warm, STEADY_WINDOW)
-    lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1)
+    lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1, range_ratio)
     rng = np.random.default_rng(seed + 2)
     start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
     steady = _play(step_fn, lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + STEADY_WINDOW),
                    start=start, collapse=True)
     (_, a), (_, b) = steady.snapshots
-    ramp = _play(step_fn, draw_lengths(c + cap, isl, osl, seed), c, dp, max_batched_tokens, limit, marks=(cap,),
-                 collapse=True)
+    ramp = _play(step_fn, draw_lengths(c + cap, isl, osl, seed, range_ratio), c, dp, max_batched_tokens, limit,
+                 marks=(cap,), collapse=True)
     drain = _play(step_fn, [], len(steady.running), dp, max_batched_tokens, limit, start=steady.running,
                   collapse=True)
-    mean_in, mean_out = mean_lengths(isl, osl)
+    mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
     work = prompts * (mean_in + mean_out - 1)  # tokens computed: the first output token is the prefill's
     unit = b.work - a.work
 

@@ -173,14 +173,18 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> l
     for m in published()["measurements"]:
         if not m.get("compare"):
             continue
-        row = dict(source=m["source"], setup=m["setup_label"], isl=m["isl"], osl=m["osl"],
+        row = dict(source=m["source"], setup=m["setup_label"], acceptance=bool(m.get("acceptance")),
+                   isl=m["isl"], osl=m["osl"],
                    concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
                    measured_output_tokens_per_s=m.get("output_tokens_per_s"),
                    measured_median_tpot_ms=m.get("median_tpot_ms"))
+        setup = m.get("setup", {})
         for st in stages:
             p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
-                        max_batched_tokens=m.get("max_batched_tokens_per_rank"),
-                        max_seqs=m.get("max_seqs_per_rank"), num_prompts=m.get("num_prompts"))
+                        max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
+                        max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
+                        range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
+                        page_size=setup.get("page_size", 256))
             row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
             row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
             if m.get("median_tpot_ms"):
