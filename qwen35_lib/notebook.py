@@ -3,8 +3,9 @@
     devices, SIZE = notebook.setup()          # after the install cell, before anything starts JAX's backend
     notebook.save_results("dp_ep", record)    # last cell: the figures the chapter quotes
 
-`setup` gives the accelerator's own devices, or else 8 simulated CPU devices with patient collectives, and the
-size the notebook runs at: "tpu" on a TPU, "cpu" otherwise, `$QWEN35_SIZE` overriding. `save_results` writes
+`setup` gives the accelerator's own devices when it has the 8 the chapters' layouts need, or else 8 simulated CPU
+devices with patient collectives (a one-device Colab TPU or GPU runtime says so and runs the chapter at CPU size),
+and the size the notebook runs at: "tpu" on a TPU, "cpu" otherwise, `$QWEN35_SIZE` overriding. `save_results` writes
 `record` as `<name>.json` under `$QWEN35_RESULTS_DIR` when the playbook builder set it, and does nothing otherwise.
 """
 
@@ -14,6 +15,8 @@ import glob
 import json
 import os
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 RESULTS_ENV = "QWEN35_RESULTS_DIR"
@@ -26,14 +29,35 @@ def has_accelerator() -> bool:
     return any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
 
 
+def accelerator_device_count() -> int:
+    """Devices JAX finds on this machine's accelerator (0: none), counted in a child process so that this one can
+    still choose its backend."""
+    if not has_accelerator():
+        return 0
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], capture_output=True,
+                           text=True, timeout=600)
+    lines = probe.stdout.split()
+    if probe.returncode or not lines or not lines[-1].isdigit():
+        print(f"the accelerator did not start JAX ({(probe.stderr.strip().splitlines() or ['no message'])[-1]}); "
+              "running on the CPU")
+        return 0
+    return int(lines[-1])
+
+
 def setup(cpu_devices: int = 8) -> tuple[list, str]:
-    """(jax.devices(), size). Without an accelerator, `cpu_devices` simulated CPU devices; a RuntimeError when
-    JAX already started a CPU backend with another count (the kernel must be restarted)."""
+    """(jax.devices(), size). An accelerator with at least `cpu_devices` devices runs the chapter; with fewer (a
+    one-device Colab runtime) or none, `cpu_devices` simulated CPU devices do. A RuntimeError when JAX already
+    started a CPU backend with another count (the kernel must be restarted)."""
     import jax
 
     from qwen35_lib.devices import simulate_cpu_devices
 
-    if not has_accelerator():
+    found = accelerator_device_count()
+    if 0 < found < cpu_devices:
+        print(f"{found} accelerator device(s), fewer than the {cpu_devices} this chapter's layouts place work on: "
+              f"it runs on {cpu_devices} simulated CPU devices at CPU size instead")
+        jax.config.update("jax_platforms", "cpu")
+    if found < cpu_devices:
         simulate_cpu_devices(cpu_devices)  # collectives wait for a slow simulated device instead of aborting
     devices = jax.devices()
     if devices[0].platform == "cpu" and len(devices) != cpu_devices:

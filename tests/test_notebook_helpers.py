@@ -33,3 +33,21 @@ def test_results_are_written_only_for_the_builder(tmp_path, monkeypatch):
     monkeypatch.setenv(notebook.RESULTS_ENV, str(tmp_path))
     path = notebook.save_results("demo", {"x": 1})
     assert path == tmp_path / "demo.json" and json.loads(path.read_text()) == {"x": 1}
+
+
+def test_setup_runs_a_one_device_accelerator_runtime_on_simulated_cpu_devices(monkeypatch, capsys):
+    """A Colab TPU v5e-1 / GPU runtime has 1 device: the 8-device layouts run on 8 simulated CPU devices, said so."""
+    import jax
+
+    platforms = []
+    monkeypatch.setattr(notebook, "accelerator_device_count", lambda: 1)
+    monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append((name, value)))
+    monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
+    devices, size = notebook.setup()
+    assert ("jax_platforms", "cpu") in platforms and size == "cpu" and len(devices) == 8
+    assert "1 accelerator device(s), fewer than the 8" in capsys.readouterr().out
+
+
+def test_the_accelerator_count_is_probed_only_where_there_is_one(monkeypatch):
+    monkeypatch.setattr(notebook, "has_accelerator", lambda: False)
+    assert notebook.accelerator_device_count() == 0
