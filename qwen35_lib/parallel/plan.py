@@ -73,6 +73,9 @@ class ServingPlan:
             raise ValueError(f"unknown layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
         if self.routing is not None and self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+        if self.rs_micro_batches is not None and self.rs_micro_batches < 1:
+            raise ValueError(f"rs_micro_batches must be None (tpu-inference's rule) or >= 1; got "
+                             f"{self.rs_micro_batches}")
 
     # --- placement (from the layout) ---
     @property
