@@ -80,6 +80,7 @@ class Config:
     routing: str = "replicate"  # EP layouts: replicate (all-gather tokens) | all_to_all (send tokens to experts)
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 all-gathers -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over `core`, then over `chip`, micro-batched
+    rs_micro_batches: int | None = None  # hierarchical_rs micro-batches; None: tpu-inference's rule by step tokens
     capacity_factor: float | None = None  # all_to_all: None = dropless; else slots per device = f * mean (drops)
 
     def __post_init__(self):
@@ -102,6 +103,8 @@ class Config:
                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
         _check(self.layout in LAYOUTS, f"unknown layout {self.layout!r}; use one of {LAYOUTS}")
         _check(self.routing in ROUTINGS, f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+        _check(self.rs_micro_batches is None or self.rs_micro_batches >= 1,
+               f"rs_micro_batches must be None (tpu-inference's rule) or >= 1; got {self.rs_micro_batches}")
         _check(self.capacity_factor is None or self.capacity_factor > 0,
                f"capacity_factor must be None (dropless) or > 0; got {self.capacity_factor}")
         _check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,

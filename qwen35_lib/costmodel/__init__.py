@@ -11,5 +11,7 @@ from qwen35_lib.costmodel.ops import Batch
 from qwen35_lib.costmodel.predict import ladder, predict, serving_model
 from qwen35_lib.costmodel.stages import LADDER, STAGES
 from qwen35_lib.costmodel.step import step_time
+from qwen35_lib.costmodel.traffic import StepShape, collective_counts, resident_bytes
 
-__all__ = ["LADDER", "STAGES", "Batch", "ladder", "predict", "serving_model", "step_time"]
+__all__ = ["LADDER", "STAGES", "Batch", "StepShape", "collective_counts", "ladder", "predict", "resident_bytes",
+           "serving_model", "step_time"]

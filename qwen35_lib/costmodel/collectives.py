@@ -116,7 +116,7 @@ def hierarchical_reduce_scatter(s: Specs, input_bytes: float, micro_batches: int
     return Comm(s.collective_launch_s + t, wire)
 
 
-hierrs_micro_batches = micro_batches  # the rule the code runs (`parallel.plan.micro_batches`), not a copy
+hierrs_micro_batches = micro_batches  # tpu-inference's rule (`parallel.plan.micro_batches`); a plan's count: rs_slices
 
 
 def steps_latency(s: Specs, n: int) -> float:

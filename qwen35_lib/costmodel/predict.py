@@ -17,7 +17,7 @@ import numbers
 from typing import Any
 
 from qwen35_lib.config import Config, get_config
-from qwen35_lib.costmodel import ops
+from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.schedule import simulate
 from qwen35_lib.costmodel.specs import Specs
@@ -35,14 +35,9 @@ def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
 
 
 def weight_bytes_per_device(cfg: Config, sp: Specs, stage: Stage) -> float:
-    """Weights one device holds: routed experts split over all devices; the rest split over `tp` (replicated
-    on each data-parallel rank)."""
-    z = ops.sizes(cfg)
-    lay = resolve_layout(stage, cfg, sp.devices)
-    experts = cfg.num_experts * z["expert"] * cfg.num_layers * z["exp_item"]
-    dense = (z["attn"] * z["n_attn"] + z["gdn"] * z["n_gdn"] + (z["router"] + z["shared"]) * cfg.num_layers +
-             z["embed"] + z["lm_head"] + z["norms"]) * z["act"]
-    return experts / sp.devices + dense / lay.tp
+    """Weights one device holds under the stage's plan on the system's devices (`traffic.resident_bytes`: each
+    declared weight over the ways the plan splits it; replicated ones, such as the router and norms, whole)."""
+    return float(traffic.weight_bytes(resolve_layout(stage, cfg, sp.devices), cfg))
 
 
 def cache_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, kv_dtype: str | None, pages: int,

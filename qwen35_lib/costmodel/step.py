@@ -4,7 +4,8 @@
 1. resolve the stage's layout on the system's devices (`stages.resolve_layout`) into a `Placement`;
 2. per layer type, the op costs of `ops` (attention or GDN mixer, norms, MoE), each turned into seconds by its
    roofline on one device, times the number of layers of that type;
-3. the collectives the layout and routing need, per layer (`collectives`), on the system's topology;
+3. the collectives of the whole step (`traffic.step_collectives`: per layer, embedding, logits, sampling), each
+   priced on the system's topology (`collectives`);
 4. embedding and LM head once per step;
 5. step seconds = the sum (no overlap of compute and collectives, except inside the hierarchical
    reduce-scatter): the slowest device is any device, since ranks are balanced.
@@ -19,7 +20,7 @@ import math
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import ops
+from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.stages import Stage, resolve_layout
 from qwen35_lib.kernels.registry import family_kernels
@@ -100,9 +101,9 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
 
     wire = 0.0
     if not ideal:
-        for name, comm in layer_collectives(cfg, specs, stage, pl, batch, overlap).items():
-            out[name] += comm.seconds * cfg.num_layers
-            wire += comm.wire_bytes * cfg.num_layers
+        for name, comm in step_comms(cfg, specs, stage, batch, overlap).items():
+            out[name] += comm.seconds
+            wire += comm.wire_bytes
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
@@ -114,44 +115,37 @@ def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
     return tokens * ep * (1 - miss)
 
 
-def layer_collectives(cfg: Config, specs: Specs, stage: Stage, pl: ops.Placement, batch: ops.Batch,
-                      overlap: bool = True) -> dict[str, cc.Comm]:
-    """The collectives of one layer (mixer + MoE) per device, by kind (several of a kind are summed).
-
-    - TP (`tp8_kvrep`): all-reduce of [T, D] after the mixer and after the MoE;
-    - EP + all_to_all, as `parallel.routing` sends it (dropless, deduplicated): each token at most once per
-      destination device, in a static buffer of T_dev rows per destination (`routing.a2a_cap`: any destination
-      may get every token) that XLA's dense all-to-all moves whole: dispatch n·T_dev rows of D plus the packed
-      local ids and weights (2k int32 per row), combine n·T_dev rows of D. The rows a token really needs
-      (`expected_a2a_rows`: its distinct destination devices) are fewer; only a ragged all-to-all would move
-      just those (XLA:CPU has none);
-    - EP + replicate: all-gather of the hidden states [T_dev, D], of the top-k ids [T_dev, k] int32 and of the
-      weights [T_dev, k] (float32, as tpu-inference bitcasts them) -- or one packed all-gather of both with
-      `fuse_allgather` -- then a reduce-scatter of the [T, D] partial sums (hierarchical with micro-batches when
-      `hierarchical_rs`).
+def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overlap: bool = True
+               ) -> dict[str, cc.Comm]:
+    """The collectives of one step per device, by component, priced on the system's topology: the ops of
+    `traffic.step_collectives` (the bytes `traffic.collective_counts` states and the HLO test checks), each by its
+    formula in `collectives`: an all-gather of `bytes` output as `bytes / group` shards, a reduce-scatter of
+    `bytes` input, an all-reduce and an all-to-all of `bytes`; the hierarchical reduce-scatter's phases together,
+    `hierarchical_reduce_scatter` of their N·D·b input with the micro-batch count the code runs.
     """
-    n, act = specs.devices, ops.sizes(cfg)["act"]
-    D, k = cfg.hidden_size, cfg.num_experts_per_tok
-    T = batch.computed
-    zero = cc.Comm(0.0, 0.0)
-    out = {name: zero for name in COMM}
-    if n == 1:
+    out = {name: cc.Comm(0.0, 0.0) for name in COMM}
+    if specs.devices == 1:
         return out
-    if pl.moe == "tp":
-        ar = cc.all_reduce(specs, T * D * act, n)
-        out["all_reduce"] = cc.Comm(2 * ar.seconds, 2 * ar.wire_bytes)
-        return out
-    T_dev = T / pl.dp
-    if stage.routing == "all_to_all":
-        rows = n * T_dev  # the static buffer: T_dev rows for each of the n destinations
-        parts = [cc.all_to_all(specs, rows * (D * act + 2 * k * 4), n), cc.all_to_all(specs, rows * D * act, n)]
-        out["all_to_all"] = cc.Comm(sum(p.seconds for p in parts), sum(p.wire_bytes for p in parts))
-        return out
-    parts = [cc.all_gather(specs, T_dev * D * act, n)]
-    parts += [cc.all_gather(specs, T_dev * k * 8, n)] if stage.fuse_allgather else \
-        [cc.all_gather(specs, T_dev * k * 4, n), cc.all_gather(specs, T_dev * k * 4, n)]
-    out["all_gather"] = cc.Comm(sum(p.seconds for p in parts), sum(p.wire_bytes for p in parts))
-    rs_bytes = T * D * act
-    out["reduce_scatter"] = cc.hierarchical_reduce_scatter(specs, rs_bytes, stage.rs_slices(T), overlap) \
-        if stage.hierarchical_rs else cc.reduce_scatter(specs, rs_bytes, n)
+    plan = resolve_layout(stage, cfg, specs.devices)
+    dp = plan.dp
+    shape = traffic.StepShape(tokens=batch.computed / dp, seqs=(batch.logit_rows or max(batch.seqs, 1)) / dp)
+    ops_ = traffic.step_collectives(plan, cfg, shape, specs.kind)
+
+    def add(name: str, comm: cc.Comm, runs: float) -> None:
+        out[name] = cc.Comm(out[name].seconds + comm.seconds * runs, out[name].wire_bytes + comm.wire_bytes * runs)
+
+    for op in ops_:
+        if op.part == "moe_rs_chip":  # priced with its core phase
+            continue
+        if op.part == "moe_rs_core":
+            m = op.runs // cfg.num_layers
+            add("reduce_scatter", cc.hierarchical_reduce_scatter(specs, op.bytes * m, m, overlap), cfg.num_layers)
+        elif op.kind == "all-gather":
+            add("all_gather", cc.all_gather(specs, op.bytes / op.group, op.group), op.runs)
+        elif op.kind == "reduce-scatter":
+            add("reduce_scatter", cc.reduce_scatter(specs, op.bytes, op.group), op.runs)
+        elif op.kind == "all-reduce":
+            add("all_reduce", cc.all_reduce(specs, op.bytes, op.group), op.runs)
+        else:
+            add("all_to_all", cc.all_to_all(specs, op.bytes, op.group), op.runs)
     return out

@@ -22,7 +22,9 @@ from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, check_layout, placed_config, shard_weights
+from qwen35_lib.parallel.mesh import axis_size
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.parallel.plan import plan_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +437,12 @@ def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
     samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
     TRACES[0] += 1  # runs only while tracing
     logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(cfg))  # [R, S, V]
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # vocab-parallel logits computed split, then gathered once (vLLM's logits gather)
+        plan, vocab = plan_of(cfg), plan_of(cfg).axes("vocab")
+        if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
+            logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, None, vocab))
+        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, S, V]
     R, S, V = logits.shape
     flat = lambda x: x.reshape(R * S)
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),

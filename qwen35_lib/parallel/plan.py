@@ -66,12 +66,16 @@ class ServingPlan:
     mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
     kv_whole: bool = False  # set by `check_layout`: tp_kvrep's KV heads neither divide nor duplicate evenly here,
     #                         so they stay whole on every device (the cache's flat [.., 2·Hkv·d] is never cut)
+    rs_micro_batches: int | None = None  # hierarchical_rs: micro-batches; None: tpu-inference's rule by tokens
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; layouts: {', '.join(LAYOUTS)}")
         if self.routing is not None and self.routing not in ROUTINGS:
             raise ValueError(f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
+        if self.rs_micro_batches is not None and self.rs_micro_batches < 1:
+            raise ValueError(f"rs_micro_batches must be None (tpu-inference's rule) or >= 1; got "
+                             f"{self.rs_micro_batches}")
 
     # --- placement (from the layout) ---
     @property
@@ -162,9 +166,12 @@ class ServingPlan:
         r = self.kv_replication(config, mesh)
         return config if r == 1 else config.replace(num_kv_heads=config.num_kv_heads * r)
 
-    def rs_slices(self, tokens: int) -> int:
-        """Micro-batches of the hierarchical reduce-scatter of a step of `tokens` tokens (code and cost model)."""
-        return micro_batches(tokens)
+    def rs_slices(self, tokens: int, devices: int) -> int:
+        """Micro-batches the hierarchical reduce-scatter of a step of `tokens` tokens over `devices` devices runs
+        (the code and the cost model both read this): `rs_micro_batches`, or tpu-inference's rule by `tokens`
+        when None; 1 when the tokens each device keeps (tokens / devices) do not split into that many."""
+        m = self.rs_micro_batches or micro_batches(tokens)
+        return m if (tokens // devices) % m == 0 else 1
 
     # --- stages ---
     def kernel_fields(self, backend: str | None = None) -> dict[str, str]:
@@ -178,7 +185,7 @@ class ServingPlan:
         extra = {} if self.gdn_state_dtype is None else {"gdn_state_dtype": self.gdn_state_dtype}
         return config.replace(layout=self.layout, routing=self.routing or "replicate",
                               fuse_allgather=self.fuse_allgather, hierarchical_rs=self.hierarchical_rs,
-                              **self.kernel_fields(backend), **extra)
+                              rs_micro_batches=self.rs_micro_batches, **self.kernel_fields(backend), **extra)
 
 
 def micro_batches(tokens: int) -> int:
@@ -224,12 +231,14 @@ def plan_of(config: Config) -> ServingPlan:
     lay = get_layout(config.layout)
     if lay.moe != "ep":
         return lay
-    return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs)
+    return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
 
 
 @functools.cache
-def _routed(lay: ServingPlan, routing: str, fuse_allgather: bool, hierarchical_rs: bool) -> ServingPlan:
-    return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs)
+def _routed(lay: ServingPlan, routing: str, fuse_allgather: bool, hierarchical_rs: bool,
+            rs_micro_batches: int | None) -> ServingPlan:
+    return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs,
+                               rs_micro_batches=rs_micro_batches)
 
 
 __all__ = ["GENERAL", "INSTANCES", "LAYOUT_PLANS", "PLACEMENTS", "ServingPlan", "get_layout", "kv_copies",

@@ -20,12 +20,17 @@ def per_rank(cfg: Config, slot: str, fn: Callable, *args, plan: ServingPlan | No
 
     With a Pallas kernel in `slot` under a multi-device layout, the vmap runs in a `shard_map` that gives each
     device its own ranks: this needs every mesh axis to split ranks (`dp_ep`, `dp8_ep8`; any mesh size); other
-    layouts split heads too, which these kernels do not take yet, and are refused with the fix.
+    layouts split heads too, which these kernels do not take yet, and are refused with the fix. The XLA
+    attention under a layout whose every axis splits ranks runs in that `shard_map` too: each device runs its own
+    ranks, as a DP rank does in production (partitioned by XLA instead, its loop over pages all-reduces the loop
+    condition across devices every iteration: a collective whose count depends on the data). The XLA GDN stays
+    partitioned by XLA (no collective; inside the `shard_map` libtpu's TPU7x compile crashes on it).
     """
     f = jax.vmap(fn)
     layout = plan if plan is not None else plan_of(cfg)
     field = CONFIG_FIELDS[slot]
-    if layout.name == "single" or resolve_name(slot, getattr(cfg, field)) != "pallas":
+    pallas = resolve_name(slot, getattr(cfg, field)) == "pallas"
+    if layout.name == "single" or (not pallas and (slot != "attention" or layout.batch_axes != ALL)):
         return f(*args)
     if layout.batch_axes != ALL:
         raise ValueError(f"the Pallas {slot} kernel runs per data-parallel rank; layout {layout.name!r} also splits "

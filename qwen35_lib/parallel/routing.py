@@ -138,7 +138,7 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan | Non
         first = jax.lax.axis_index(ALL) * count
         y = local_experts(cfg, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
-        rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad))
+        rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep))
         return rs, jnp.zeros((1,), jnp.int32), moved[None]
 
     out, dropped, moved = jax.shard_map(body, in_specs=(rows, P(), _spec_like(w["w_gate_up"], P(ALL)),

@@ -1,0 +1,171 @@
+"""The collectives and resident bytes of one engine step under a serving plan, in closed form (never read from HLO).
+
+`step_collectives(plan, config, shape, backend)` lists the collectives one device runs in the engine's step
+(`engine.engine_step`: embedding, the scan over layer groups, LM head, sampling) as `Op`s; `collective_counts` sums
+them per kind, `{kind: (count, bytes)}` per device per step; the time model (`step.step_time`) prices these same
+ops. Bytes follow the convention of each kind (`parallel.hlo.MOVED`, what `hlo.step_counts` reads from a compile):
+all-gather the output, reduce-scatter the input, all-reduce, all-to-all and collective-permute the operand.
+
+Per device: n devices (`chips` x `cores`), R data-parallel ranks (`plan.dp`) of T tokens and S sequence rows each,
+N = R·T tokens in the step (N_p: padded to a multiple of n for the EP MoE), L layers, D hidden, k experts a token,
+V vocab, b the wire item size of the model dtype (XLA:CPU widens 16-bit float collectives to float32: b = 4 on
+backend "cpu"):
+
+| plan               | where      | op (runs)                                           | bytes each           |
+|--------------------|------------|-----------------------------------------------------|----------------------|
+| TP (`tp*`)         | embedding  | all-reduce of the vocab-split lookup (1)            | N·D·b                |
+|                    | each layer | all-reduce after the mixer (L) and the MoE (L)      | N·D·b                |
+|                    | logits     | all-gather of the vocab-split logits (1)            | R·S·V·4              |
+| EP + replicate     | each layer | all-gather hidden (L)                               | N_p·D·b              |
+|                    |            | ids (L) + weights (L); fused: one packed (L)        | N_p·k·4, N_p·k·b; N_p·2k·4 |
+|                    |            | reduce-scatter (L)                                  | N_p·D·b              |
+|                    |            | hierarchical, m micro-batches: over core (m·L)      | N_p·D·b / m          |
+|                    |            | then over chip (m·L)                                | N_p·D·b / (m·cores)  |
+| EP + all_to_all    | each layer | dispatch, packed ids+weights, return (3L)           | n·c·D·b, n·c·2k·4, n·c·D·b |
+| ranks over devices | sampling   | all-reduce "every row greedy" (1), pred             | 1                    |
+|                    |            | all-gather of the next tokens (1)                   | R·S·4                |
+
+(c = `routing.a2a_cap` rows per destination: N_p / n dropless; m = `plan.rs_slices`, the count the code runs.)
+`resident_bytes` gives the weights and caches one device holds: every declared array's bytes over the ways the
+plan's rules split it (`parallel.layouts.spec` on the plan's mesh sizes; `tp_kvrep`'s duplicated KV heads
+included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh
+
+from qwen35_lib.config import Config
+from qwen35_lib.engine.cache import CacheShape, declare_cache
+from qwen35_lib.parallel.layouts import spec
+from qwen35_lib.parallel.mesh import ALL, AXES
+from qwen35_lib.parallel.plan import ServingPlan
+from qwen35_lib.parallel.routing import a2a_cap
+from qwen35_lib.weights import declare, is_info
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """A compiled engine step, per data-parallel rank: T packed tokens (decode region + prefill region, as
+    `aot.compile_step` lays them out) and S sequence rows (the logits and sampling rows)."""
+
+    tokens: float
+    seqs: float
+
+    @classmethod
+    def of_compile(cls, config: Config, ranks: int, requests: int, decode: int, prefill: int = 0) -> StepShape:
+        """The shape `aot.compile_step(requests=, decode=, prefill=)` compiles on `ranks` ranks."""
+        C = config.gdn_chunk_size
+        return cls(tokens=decode + -(-prefill // C) * C, seqs=-(-requests // ranks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # one of KINDS
+    bytes: float  # per device, by the kind's convention (module doc)
+    runs: int  # times it runs per step
+    group: int  # devices in its group
+    part: str  # "embed" | "mixer" | "moe" | "moe_rs_core" | "moe_rs_chip" | "logits" | "sample"
+
+
+def wire_itemsize(dtype: str, backend: str) -> int:
+    """Bytes a collective moves per element of `dtype` on `backend` (XLA:CPU runs 16-bit floats as float32)."""
+    size = jnp.dtype(dtype).itemsize
+    return 4 if backend == "cpu" and size == 2 and jnp.issubdtype(jnp.dtype(dtype), jnp.floating) else size
+
+
+def _sizes(plan: ServingPlan) -> tuple[int, int, int]:
+    if plan.mesh_shape is None:
+        raise ValueError(f"plan {plan.name!r} has no mesh: bind it first (plan.bind(mesh))")
+    shape = dict(plan.mesh_shape)
+    return math.prod(shape.values()), shape.get("chip", 1), shape.get("core", 1)
+
+
+def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backend: str = "tpu") -> list[Op]:
+    """The collectives of one engine step on one device (the module doc's table)."""
+    n, chips, cores = _sizes(plan)
+    if plan.layout == "single" or n == 1:
+        return []
+    D, k, L = config.hidden_size, config.num_experts_per_tok, config.num_layers
+    b = wire_itemsize(config.dtype, backend)
+    R = plan.dp
+    N = R * shape.tokens
+    out: list[Op] = []
+    if plan.moe == "tp":
+        out += [Op("all-reduce", N * D * b, 1, n, "embed"), Op("all-reduce", N * D * b, L, n, "mixer"),
+                Op("all-reduce", N * D * b, L, n, "moe"), Op("all-gather", R * shape.seqs * config.vocab_size * 4, 1,
+                                                             n, "logits")]
+        return out
+    if plan.moe != "ep" or plan.batch_axes != ALL:
+        raise ValueError(f"no closed form for the collectives of layout {plan.layout!r}: the cost model covers the "
+                         "TP layouts and dp_ep (the stage ladder's)")
+    Np = N + (-N % n)
+    if plan.routing == "all_to_all":
+        cap = a2a_cap(config, Np // n, n)
+        out += [Op("all-to-all", n * cap * D * b, L, n, "moe"), Op("all-to-all", n * cap * 2 * k * 4, L, n, "moe"),
+                Op("all-to-all", n * cap * D * b, L, n, "moe")]
+    else:
+        out.append(Op("all-gather", Np * D * b, L, n, "moe"))
+        out += [Op("all-gather", Np * 2 * k * 4, L, n, "moe")] if plan.fuse_allgather else \
+            [Op("all-gather", Np * k * 4, L, n, "moe"), Op("all-gather", Np * k * b, L, n, "moe")]
+        if plan.hierarchical_rs:
+            m = plan.rs_slices(int(Np), n)
+            out += [Op("reduce-scatter", Np * D * b / m, m * L, cores, "moe_rs_core"),
+                    Op("reduce-scatter", Np * D * b / (m * cores), m * L, chips, "moe_rs_chip")]
+        else:
+            out.append(Op("reduce-scatter", Np * D * b, L, n, "moe"))
+    if R > 1:
+        out += [Op("all-reduce", 1, 1, n, "sample"), Op("all-gather", R * shape.seqs * 4, 1, n, "sample")]
+    return out
+
+
+def collective_counts(plan: ServingPlan, config: Config, shape: StepShape, backend: str = "tpu"
+                      ) -> dict[str, tuple[int, float]]:
+    """{kind: (ops run, bytes)} per device for one engine step, every kind of KINDS (zeros included)."""
+    out = dict.fromkeys(KINDS, (0, 0.0))
+    for op in step_collectives(plan, config, shape, backend):
+        c, nbytes = out[op.kind]
+        out[op.kind] = (c + op.runs, nbytes + op.runs * op.bytes)
+    return out
+
+
+def _per_device(plan: ServingPlan, tree) -> dict[str, int]:
+    """{top-level name: bytes one device holds} of a tree of declared arrays under the bound `plan`."""
+    _, chips, cores = _sizes(plan)
+    mesh = AbstractMesh((chips, cores), AXES)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
+    out: dict[str, int] = {}
+    for path, info in flat:
+        split = spec(plan, mesh, info.logical_axes, info.shape)
+        ways = math.prod(dict(plan.mesh_shape)[a] for e in split if e is not None
+                         for a in ((e,) if isinstance(e, str) else e))
+        out[path[0].key] = out.get(path[0].key, 0) + info.nbytes // ways
+    return out
+
+
+def _placed(plan: ServingPlan, config: Config) -> Config:
+    _, chips, cores = _sizes(plan)
+    return plan.placed_config(config, AbstractMesh((chips, cores), AXES))
+
+
+def weight_bytes(plan: ServingPlan, config: Config) -> int:
+    """Weight bytes one device holds under the bound `plan` (`tp_kvrep`: with its duplicated KV heads)."""
+    return sum(_per_device(plan, declare(_placed(plan, config))).values())
+
+
+def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict[str, int]:
+    """{"weights", "kv", "gdn_state"}: bytes one device holds under the bound `plan` with caches of `cache`."""
+    caches = _per_device(plan, declare_cache(_placed(plan, config), cache))
+    kv = caches.pop("kv", 0) + caches.pop("kv_scale", 0)
+    return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}
+
+
+__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "resident_bytes", "step_collectives", "weight_bytes",
+           "wire_itemsize"]
