@@ -23,6 +23,7 @@ from qwen35_lib.costmodel.schedule import simulate
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
+from qwen35_lib.engine.cache import CacheShape
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
 
@@ -40,33 +41,24 @@ def weight_bytes_per_device(cfg: Config, sp: Specs, stage: Stage) -> float:
     return float(traffic.weight_bytes(resolve_layout(stage, cfg, sp.devices), cfg))
 
 
-def cache_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, kv_dtype: str | None, pages: int,
-                           slots: int) -> dict[str, float]:
-    """KV cache (`pages` pages of `page_size` tokens, FP8 with its scales) and GDN state (`slots` sequences) one
-    device holds: the KV of its heads, its share of the GDN heads."""
-    lay = resolve_layout(stage, cfg, sp.devices)
-    z = ops.sizes(cfg)
-    pl = ops.Placement(kv_dtype=kv_dtype)
-    kv = z["n_attn"] * 2 * ops.kv_heads_per_device(cfg, lay.tp) * cfg.head_dim * ops.kv_item(cfg, pl) * pages
-    state = z["n_gdn"] * (cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim *
-                          ops.ITEMSIZE[cfg.gdn_state_dtype] + cfg.gdn_conv_dim * (cfg.gdn_conv_kernel - 1) * z["act"])
-    return {"kv_bytes": kv, "gdn_state_bytes": state * slots / lay.tp}
-
-
-def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None,
-                             page_size: int = 1) -> float:
-    """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot."""
-    return sum(cache_bytes_per_device(cfg, sp, stage, kv_dtype, -(-tokens // page_size) * page_size, 1).values())
-
-
 def resident_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, requests_per_rank: int, tokens: int,
                               kv_dtype: str | None, page_size: int) -> dict[str, float]:
     """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
     the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
-    slot), as `engine.cache.declare_cache` lays them out."""
-    pages = requests_per_rank * -(-tokens // page_size) + 1
-    cache = cache_bytes_per_device(cfg, sp, stage, kv_dtype, pages * page_size, requests_per_rank + 1)
-    return {"weight_bytes": weight_bytes_per_device(cfg, sp, stage), **cache}
+    slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`)."""
+    plan = resolve_layout(stage, cfg, sp.devices)
+    cache = CacheShape(ranks=plan.dp, num_pages=requests_per_rank * -(-tokens // page_size) + 1,
+                       page_size=page_size, num_slots=requests_per_rank + 1, kv_dtype=kv_dtype)
+    r = traffic.resident_bytes(plan, cfg, cache)
+    return {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
+
+
+def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None,
+                             page_size: int = 1) -> float:
+    """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot
+    (the pools for two requests less those for one)."""
+    one, two = (resident_bytes_per_device(cfg, sp, stage, n, tokens, kv_dtype, page_size) for n in (1, 2))
+    return float(sum(two.values()) - sum(one.values()))
 
 
 def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
@@ -94,8 +86,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
-    fixed = sum(resident_bytes_per_device(cfg, sp, st, 0, isl + osl, kv_dtype, page_size).values())  # + null page, slot
     per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype, page_size)
+    fixed = sum(resident_bytes_per_device(cfg, sp, st, 1, isl + osl, kv_dtype, page_size).values()) - per_req
+    # (weights, the null page and the null slot)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
     max_running = int((usable - fixed) // per_req) if usable > fixed else 0
     doc: dict[str, Any] = dict(
@@ -190,5 +183,5 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["KV_DTYPES", "cache_bytes_per_device", "check_arguments", "ladder", "predict", "request_bytes_per_device",
+__all__ = ["KV_DTYPES", "check_arguments", "ladder", "predict", "request_bytes_per_device",
            "resident_bytes_per_device", "serving_model", "weight_bytes_per_device"]
