@@ -1,7 +1,7 @@
 """`pytest` runs every paired notebook (`notebooks/NN_*.ipynb`, in testpaths; `--nbmake` in addopts), each once in
 a fresh `python3` kernel. The kernel inherits this environment, set around each notebook item only: the checkout
-importable, 8 simulated CPU devices with patient collectives, matplotlib inline, nothing recorded, libtpu
-shareable."""
+importable, 8 simulated CPU devices with patient collectives, XLA:CPU at -O0 (FAST_COMPILE), matplotlib inline,
+nothing recorded, libtpu shareable."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
 DEVICES = "--xla_force_host_platform_device_count=8"
+# XLA:CPU at LLVM -O0, as in tests/conftest.py: compiles about a third shorter. The chapters' timings (06's CPU
+# validation) then measure slower code than a reader's run: nothing is recorded here ($QWEN35_RESULTS_DIR is unset),
+# and `make playbook` executes the chapters at the default level.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 
 
@@ -25,7 +29,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     flags = os.environ.get("XLA_FLAGS", "")
-    env.setenv("XLA_FLAGS", with_patient_collectives(flags if DEVICES in flags else f"{flags} {DEVICES}".strip()))
+    flags = flags if DEVICES in flags else f"{flags} {DEVICES}".strip()
+    if "--xla_backend_optimization_level=" not in flags:  # tests/conftest.py's FAST_COMPILE when tests/ is not run
+        flags = f"{FAST_COMPILE} {flags}"
+    env.setenv("XLA_FLAGS", with_patient_collectives(flags))
     env.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     env.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # kernels compiling for TPU7x ahead of time share libtpu
     env.delenv(RESULTS_ENV, raising=False)

@@ -2,6 +2,8 @@
 
 Two runs are subprocesses that make their own simulated devices (`--devices 2`, and `$QWEN35_DEVICES=4`); the
 other two run `main` in this process on the first devices of the test's 8 (no second process start).
+Every run takes two step buckets (a compile each): all prompts prefill in the first step (4 x one 64-token GDN chunk
+fit --max-num-batched-tokens 256), then decode steps, where 64 would have prefilled one prompt per step through six.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 4, 5], [7, 8], [200, 9, 31, 77, 2, 6], [11]]
 FLAGS = [a for p in PROMPTS for a in ("--prompt-ids", " ".join(map(str, p)))] + [
     "--max-new-tokens", "4", "--dtype", "float32", "--json", "--ignore-eos", "--max-num-seqs", "4",
-    "--max-num-batched-tokens", "64", "--page-size", "8", "--max-model-len", "64"]
+    "--max-num-batched-tokens", "256", "--page-size", "8", "--max-model-len", "64"]
 
 
 @pytest.fixture(scope="module")
 def single_tokens() -> list[list[int]]:
     cfg = get_config("qwen3.5-tiny", dtype="float32")
-    ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=64)
+    ec = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, page_size=8, max_model_len=64)
     results = Engine(cfg, init_weights(cfg, RANDOM_WEIGHTS_SEED), ec).generate(
         PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
     return [r.output_ids for r in results]
