@@ -8,6 +8,7 @@ expert-parallel ways, and how the MoE runs: `tp` (every device holds a 1/tp slic
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jax.sharding import AbstractMesh
 
@@ -26,6 +27,7 @@ def _mesh(devices: int) -> AbstractMesh:
     return AbstractMesh((max(1, devices // 2), min(2, devices)), AXES)
 
 
+@functools.lru_cache(maxsize=1024)  # called for every simulated step; plans, configs are frozen
 def resolve_layout(stage: Stage, config: Config, devices: int) -> ServingPlan:
     """The stage bound to the mesh of `devices` devices, checked against the model by `parallel.layouts.
     check_layout` (the engine's own check: KV heads that do not divide, experts that do not divide the EP size).
@@ -43,7 +45,8 @@ def resolve_layout(stage: Stage, config: Config, devices: int) -> ServingPlan:
     plan = stage
     if stage.devices is not None and stage.devices != devices:
         plan = dataclasses.replace(stage, layout=stage.general)
-    layouts.check_layout(plan.apply(config), mesh)
+    layouts.check_layout(plan.apply(config, "tpu"), mesh)  # kernels do not change the check; naming a backend
+    # keeps the cost model from starting one (libtpu's, where it is installed)
     return plan.bind(mesh)
 
 

@@ -16,6 +16,7 @@ weight read once, only the experts hit read, efficiencies 1, no collectives, no 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from qwen35_lib.config import Config
@@ -42,6 +43,7 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
+@functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False) -> ops.Placement:
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
