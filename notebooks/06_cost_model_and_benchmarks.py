@@ -259,8 +259,11 @@ for r in aot_rows:
 # ## 6. Validation (c): published measurements
 #
 # `data/published.json` holds the Qwen3.5-397B-on-TPU7x figures we could find and cite (tpu-inference pull
-# requests), with their setups; the blog post with the ladder itself could not be found, so none of its numbers are
-# quoted. The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent 8k/1k requests.
+# requests), each with its own setup read from the benchmark scripts at the commit it was measured with (range
+# ratio, prompts, token budget and sequences per rank); the blog post with the ladder itself could not be found, so
+# none of its numbers are quoted. The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent
+# 8k/1k requests: #3050's (the acceptance set) and #3079's, after its benchmark and budget changes. Each row is
+# predicted under its own setup.
 
 # %%
 pub = validate.published_comparison()
@@ -269,7 +272,7 @@ for r in pub:
           f"{r['measured_total_tokens_per_s']:>7,} tok/s; predicted fused_ag {r['predicted_total_fused_ag']:>8,.0f} "
           f"(x{r['ratio_fused_ag']:.2f}), kernels {r['predicted_total_kernels']:>8,.0f} (x{r['ratio_kernels']:.2f})")
 for r in pub:
-    r["label"] = f"8k/1k x{r['concurrency']}"
+    r["label"] = f"#{r['source'].rsplit('/', 1)[-1]} 8k/1k x{r['concurrency']}"
 viz.plot_ratios(pub, ["ratio_fused_ag", "ratio_kernels"], "label", "(c) predicted / published total tokens/s")
 
 # %% [markdown]
