@@ -209,8 +209,11 @@ class Engine:
         lower = getattr(self.step_fn, "lower", None)
         if lower is None or (D, T) in self._memory_checked:
             return
-        weights = prepare_weights(self.config, self.weights)  # what the step is called with
-        compiled = lower(self.config, weights, self.cache, tokens, meta, samp).compile()
+        key = (self.step_fn, self.config, self.cache_shape, D, T, self.mesh)  # what the compiled step depends on
+        compiled = _CHECKED_STEPS.get(key)
+        if compiled is None:  # lowering a step costs ~0.1 s even when its compile is cached: once per process
+            weights = prepare_weights(self.config, self.weights)  # what the step is called with
+            compiled = _CHECKED_STEPS[key] = lower(self.config, weights, self.cache, tokens, meta, samp).compile()
         self._memory_checked.add((D, T))
         devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
         short = step_memory_shortfall(compiled, devices)
@@ -424,6 +427,7 @@ def _powers_of_two(n: int) -> tuple[int, ...]:
     return tuple(out) + (n,)
 
 
+_CHECKED_STEPS: dict[tuple, object] = {}  # (step fn, config, cache shape, D, T, mesh) -> its compiled step
 TRACES = [0]  # how many times the step has been traced (compiled), process-wide
 
 
