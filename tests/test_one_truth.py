@@ -87,7 +87,7 @@ def test_general_and_8_device_names_are_one_placement(devices):
 
 
 def test_kernel_families_per_backend():
-    assert registry.family_kernels("xla", "cpu")["moe_kernel"] == "capacity"
+    assert registry.family_kernels("xla", "cpu")["moe_kernel"] == "loop"
     assert registry.family_kernels("xla", "tpu")["moe_kernel"] == "ragged_dot"
     assert set(registry.family_kernels("pallas", "cpu").values()) == {"pallas"}
     assert set(registry.family_kernels("xla", "tpu")) == set(registry.CONFIG_FIELDS.values())

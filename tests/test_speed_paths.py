@@ -1,6 +1,7 @@
 """The CPU fast paths against the paths they replace: the unrolled layer loop (per-layer weight leaves) vs the
-scan, the all-greedy sampling branch vs the sorted one, padding tokens routed to no expert, and
-`Engine.precompile` (a run after it compiles nothing)."""
+scan, the all-greedy sampling branch vs the sorted one, padding tokens routed to no expert,
+`Engine.precompile` (a run after it compiles nothing), and the expert-loop MoE (`moe_loop`, the CPU default)
+against the per-row math, the dense reference and `capacity`."""
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,12 @@ import pytest
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine.sampling import sample, sample_sorted
-from qwen35_lib.kernels import registry
+from qwen35_lib.kernels import moe_xla, registry
 from qwen35_lib.kernels.registry import get
 from qwen35_lib.model import decoder, layer_loop
-from qwen35_lib.model.moe import local_moe, shared_expert
+from qwen35_lib.model.moe import local_moe, moe_dense_reference, shared_expert
 from qwen35_lib.model.parallelism import LOCAL
+from qwen35_lib.weights import dequantize_fp8, quantize_fp8
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,46 @@ def test_precompile_leaves_nothing_to_compile(tiny):
     assert results[1].output_ids == alone.output_ids  # the padding steps left no trace in the cache
     with pytest.raises(ValueError, match="not one this engine forms"):
         engine.precompile(buckets=[(3, 5)])
+
+
+@pytest.mark.parametrize("tile", [None, 1, 4])
+@pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5], [0, 17, 0, 0, 1, 0], [0] * 6])
+def test_moe_loop_rows_equal_each_rows_expert(tile, sizes):
+    """The expert loop: each real row is its own expert's SwiGLU FFN (groups longer than a tile, empty groups),
+    padding rows (past the sum of the sizes) are 0."""
+    E, D, F = 6, 16, 8
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    sizes = jnp.array(sizes, jnp.int32)
+    x = jax.random.normal(kx, (20, D))
+    wgu, wd = jax.random.normal(kw, (E, D, 2, F)), jax.random.normal(kd, (E, F, D))
+    y = np.asarray(jax.jit(lambda *a: moe_xla.moe_loop(*a, tile=tile))(x, sizes, wgu, wd))
+    expert = np.repeat(np.arange(E), np.asarray(sizes))
+    n = int(sizes.sum())
+    for r in range(n):
+        h = x[r] @ wgu[expert[r]].reshape(D, 2 * F)
+        np.testing.assert_allclose(y[r], (jax.nn.silu(h[:F]) * h[F:]) @ wd[expert[r]], atol=1e-4, rtol=1e-5)
+    assert not y[n:].any()
+
+
+@pytest.mark.parametrize("n", [1, 8, 333])
+def test_moe_loop_layer_matches_dense_and_capacity(tiny, n):
+    cfg, w = tiny
+    moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
+    moe["router"] = moe["router"] * 50  # sharper routing: some experts get no tokens
+    x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
+    run = jax.jit(lambda c, w, x: local_moe(c, w, x), static_argnums=0)
+    got = run(cfg.replace(moe_kernel="loop"), moe, x)
+    np.testing.assert_allclose(got, moe_dense_reference(cfg, moe, x), atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(got, run(cfg.replace(moe_kernel="capacity"), moe, x), atol=1e-6, rtol=1e-5)
+    assert registry.resolve_name("moe_matmul", "auto") == "loop"  # the CPU default
+
+
+def test_moe_loop_fp8_experts_match_dequantized(tiny):
+    cfg, w = tiny
+    moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
+    cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16, moe_kernel="loop")
+    w8 = dict(moe, w_gate_up=quantize_fp8(moe["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(moe["w_down"], 16, (1, 2)))
+    wdq = dict(moe, **{k: dequantize_fp8(w8[k], 16, jnp.float32) for k in ("w_gate_up", "w_down")})
+    x = jax.random.normal(jax.random.key(9), (40, cfg.hidden_size))
+    np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="loop"), wdq, x),
+                               atol=1e-6, rtol=1e-5)

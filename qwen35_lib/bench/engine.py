@@ -329,7 +329,7 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
                          f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
                          "attention": hf.config._attn_implementation,
                          "experts": getattr(hf.config, "_experts_implementation", None)},
-        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config),
+        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config), "threads": xla_cpu_threads(),
                  "precompile": {"seconds": compile_s, "buckets": len(info["buckets"]), "traces": info["compiled"]}},
         "timings": {n: t.to_json() for n, t in timings.items()},
         "output_tokens_per_s": tps,
@@ -341,6 +341,11 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
                          "tokens_before_first_difference": same_prefix,
                          "tokens_compared": n_out},
     }
+
+
+def xla_cpu_threads() -> int:
+    """Threads XLA:CPU runs a step's ops on: its intra-op pool spans every core of the process's CPU set."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _moe_kernel(config: Config) -> str:
@@ -537,7 +542,8 @@ def _print_comparison(c: dict) -> None:
     g = c["greedy_match"]
     print(f"\nvs transformers: {c['requests']} requests of {c['workload']} (prompts {min(c['prompt_lengths'])}-"
           f"{max(c['prompt_lengths'])}, outputs {min(c['output_lengths'])}-{max(c['output_lengths'])} tokens), "
-          f"float32 both, same weights; median of {len(c['timings']['ours']['times_s'])}, interleaved")
+          f"float32 both, same weights; median of {len(c['timings']['ours']['times_s'])}, interleaved; threads: "
+          f"ours {c['ours']['threads']} (XLA:CPU), transformers {c['transformers']['threads']} (torch)")
     print(format_table(["", "seconds", "output tok/s"],
                        [["ours (engine, greedy)", c["timings"]["ours"]["median_s"], t["ours"]],
                         ["transformers generate (all rows to the longest)", c["timings"]["transformers"]["median_s"],

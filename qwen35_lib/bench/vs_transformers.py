@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> dict:
     3. Check the logits agree (max |Δ| from the warm-up outputs, and how many positions are off by more than
        `OFF`); print the table; return the JSON document.
     """
+    from qwen35_lib.bench.engine import xla_cpu_threads
     from qwen35_lib.bench.roofline import matmul_flops
     from qwen35_lib.checkpoint import load_hf_checkpoint
     from qwen35_lib.kernels.registry import resolve_name
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> dict:
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
     print(f"prefill, float32 on both sides, {config.name} random weights (seed {args.seed}); ours: jitted forward, "
           f"moe_matmul={moe_kernel}; transformers {_version('transformers')} eager (torch {torch.__version__}, "
-          f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); "
+          f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); ours on "
+          f"{xla_cpu_threads()} XLA:CPU threads; "
           f"median of {args.repeats}, interleaved, {args.settle} untimed call(s) before each")
 
     peak = matmul_flops()
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": "float32",
         "repeats": args.repeats,
         "settle": args.settle,
-        "ours": {"moe_kernel": moe_kernel, "jit": True},
+        "ours": {"moe_kernel": moe_kernel, "jit": True, "threads": xla_cpu_threads()},
         "transformers": {"version": _version("transformers"), "torch": torch.__version__, "threads": args.threads,
                          "mode": "eager, torch.no_grad, use_cache=False", **hf_impl},
         "shapes": results,

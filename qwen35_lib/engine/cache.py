@@ -135,14 +135,20 @@ def memory_shortfall(config: Config, shape: CacheShape, mesh=None) -> str | None
     return None
 
 
-def step_memory_shortfall(compiled, devices) -> str | None:
-    """None when the working memory of a compiled step (temporaries, and outputs not aliased to a donated input)
-    fits what `devices` can still allocate, else what is short. `memory_analysis()` reports one device's share of
-    an SPMD program: CPU devices of this process share host RAM and are charged together."""
+def step_working_bytes(compiled) -> int | None:
+    """One device's working memory of a compiled step: temporaries, and outputs not aliased to a donated input
+    (`memory_analysis()` reports one device's share of an SPMD program); None where the backend does not say."""
     ma = compiled.memory_analysis()
     if ma is None:
         return None
-    per_device = ma.temp_size_in_bytes + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+    return ma.temp_size_in_bytes + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)
+
+
+def step_memory_shortfall(per_device: int | None, devices) -> str | None:
+    """None when a step's working memory (`step_working_bytes`, per device) fits what `devices` can still
+    allocate, else what is short. CPU devices of this process share host RAM and are charged together."""
+    if per_device is None:
+        return None
     pools: dict = {}  # (pool key) -> [bytes needed, a device of it]
     for d in devices:
         if d.process_index == jax.process_index():

@@ -82,6 +82,59 @@ def moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | Non
     return y.reshape(num_tiles * m, D).at[dest].get(mode="fill", fill_value=0)  # [N, D]
 
 
+def loop_tile(n_rows: int, num_experts: int) -> int:
+    """Rows per step of `moe_loop`: the mean group size rounded up to a power of two, in [4, 32] (at decode sizes
+    4 rows per tile beat 1: fewer loop steps for the same dots, 3.4 vs 8.2 ms a layer of qwen3.5-mini at 8 tokens)."""
+    mean = -(-n_rows // num_experts)
+    return int(min(32, max(4, 1 << max(0, mean - 1).bit_length())))
+
+
+@register("moe_matmul", "loop")
+def moe_loop(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None = None):
+    """A loop over the experts that have rows, and inside it over tiles of m of the expert's rows: only the
+    weights of experts with rows are touched, once each, and only real rows are computed.
+
+    1. active experts (size > 0), in order; an outer `fori_loop` over them (data dependent count) takes W[e];
+    2. an inner `fori_loop` over the ceil(size_e / m) tiles: m rows from the group's start (x padded by m zero
+       rows, so a slice never clamps), both matmuls with W[e], rows past the group zeroed, written at the same
+       rows of y. Groups run in row order, so a tile's rows past its group are overwritten by the groups that own
+       them; padding rows end 0.
+    Wasted work: under m rows per active expert (m ~ the mean group). On XLA:CPU this beats the batched
+    `capacity` path at every size measured (qwen3.5-mini layer: 3.0 vs 8.0 ms at 8 tokens, 33 vs 98 ms at 512):
+    that path computes C slots of every expert (8x the rows at 8 tokens) and reads every expert's weights.
+    Where its time goes at decode sizes: XLA:CPU copies the dynamic slice W[e] (0.75 MB a mini expert) before
+    the dots, ~2/3 of the loop (`jax.profiler`, qwen3.5-mini at 8 tokens); the dots then read it from cache.
+    """
+    N, D = x.shape
+    E = group_sizes.shape[0]
+    m = tile or loop_tile(N, E)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    active = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]  # [E] experts with rows first
+    xp = jnp.concatenate([x, jnp.zeros((m, D), x.dtype)])  # [N + m, D]
+
+    def weight(w, e):  # W[e], FP8 ones dequantized after the index
+        if isinstance(w, BlockFP8):
+            return dequantize_fp8(BlockFP8(w.value[e][None], w.scale[e][None]), fp8_block, x.dtype)[0]
+        return w[e]
+
+    def expert(i, y):
+        e = active[i]
+        wgu, wd = weight(w_gate_up, e), weight(w_down, e)
+
+        def tile_rows(j, y):
+            r0 = starts[e] + j * m
+            rows = jax.lax.dynamic_slice_in_dim(xp, r0, m)  # [m, D]
+            h = jnp.einsum("md,dkf->mkf", rows, wgu, preferred_element_type=jnp.float32)
+            o = jnp.einsum("mf,fd->md", _swiglu(h, x.dtype), wd, preferred_element_type=jnp.float32).astype(x.dtype)
+            o = jnp.where((jnp.arange(m) < group_sizes[e] - j * m)[:, None], o, 0)
+            return jax.lax.dynamic_update_slice_in_dim(y, o, r0, 0)
+
+        return jax.lax.fori_loop(0, (group_sizes[e] + m - 1) // m, tile_rows, y)
+
+    y = jax.lax.fori_loop(0, jnp.sum(group_sizes > 0), expert, jnp.zeros((N + m, D), x.dtype))
+    return y[:N]
+
+
 @register("moe_matmul", "capacity")
 def moe_capacity(x, group_sizes, w_gate_up, w_down, fp8_block=None, sigmas: float = 4.0):
     """Expert-major slots: each expert's rows in C slots, so both matmuls use the expert weights in place, as one

@@ -42,7 +42,7 @@ class GdnKernels(NamedTuple):
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
 _DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "capacity", "permute": "xla"},
+    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "loop", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
     "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
@@ -51,7 +51,7 @@ _DEFAULTS: dict[str, dict[str, str]] = {
 
 
 # A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul as XLA:CPU runs it fastest,
-# `capacity`, and `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
+# `loop`, and `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
 FAMILIES = ("xla", "pallas")
 CONFIG_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
            "permute": "permute_kernel"}  # slot -> Config field
@@ -63,7 +63,7 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
         raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
     if family == "pallas":
         return dict.fromkeys(CONFIG_FIELDS.values(), "pallas")
-    moe = "capacity" if (backend or target_backend()) == "cpu" else "ragged_dot"
+    moe = "loop" if (backend or target_backend()) == "cpu" else "ragged_dot"
     return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in CONFIG_FIELDS.items()}
 
 
