@@ -9,9 +9,11 @@ moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
   batch and scores against it; `pallas` (ragged paged attention): each sequence's context is read once;
 - MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
-  dequantized to a bf16 copy first (+2 B written +2 B read per parameter); `capacity` (the CPU default): every
-  expert computes C slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `gmm` (Pallas
-  grouped matmul): ideal FLOPs, only the experts hit are read, FP8 read as FP8.
+  dequantized to a bf16 copy first (+2 B written +2 B read per parameter); `capacity`: every expert computes C
+  slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `loop` (the CPU default,
+  `moe_xla.moe_loop`): only the experts hit, each copied once (XLA:CPU copies an expert's weights before its
+  matmuls), real rows only in tiles of at most 32 rows (the small-matmul regime); `gmm` (Pallas grouped matmul):
+  ideal FLOPs, only the experts hit are read, FP8 read as FP8.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class Placement:
     moe: str = "local"  # "tp", "ep", "local"
     ep: int = 1
     attention: str = "xla"  # "xla" or "pallas"
-    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "gmm"
+    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "loop", "gmm"
     kv_dtype: str | None = None  # None: the model dtype
     page_size: int = 256
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
@@ -219,6 +221,11 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     if pl.moe_impl == "gmm":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
+    elif pl.moe_impl == "loop":
+        touched = expected_distinct(b.tokens, E, k) * experts_dev / E
+        dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0
+        mxu, small = 0.0, ideal
+        wbytes, copy = touched * w_expert * z["exp_item"], touched * w_expert * (z["exp_item"] * (2 + copies) + dequant)
     else:
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0  # bf16 copy written and read
         wbytes = experts_dev * w_expert * z["exp_item"]

@@ -4,7 +4,7 @@
     hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
     packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
     interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by
-    `cpu_bench`) with the CPU kernels (`capacity` MoE, XLA attention and GDN), one device.
+    `cpu_bench`) with the CPU kernels (`loop` MoE, XLA attention and GDN), one device.
 (b) `aot_forward(cfg, batch, seq)`: `forward` compiled for one TensorCore of `tpu7x:2x2x1` (`qwen35_lib.aot`);
     XLA's `cost_analysis()` FLOPs and bytes and `memory_analysis()` argument bytes against the model's
     prediction for the same work (a prefill of batch x seq tokens with every token's logits, XLA kernels).
