@@ -11,6 +11,9 @@ previous phase's output) and must fail the same check.
 Small width: qwen3.5-mini (hidden 512) at 256 requests, so the step's 256 gathered tokens give the 2 micro-batches
 the code uses (`parallel.plan.micro_batches`: 2 from 256 tokens). At qwen3.5-tiny's hidden 64 XLA turns each phase
 2 into one synchronous all-reduce of both micro-batches (too small to be worth a reduce-scatter): no evidence.
+
+`xla_tpu_enable_sparse_core_collective_offload_reduce_scatter`: TPU7x (libtpu 0.0.42.1) offloads the reduce-
+scatters to the SparseCore without it; set to false they become synchronous TensorCore ops in program order.
 """
 
 import aot_subprocess
@@ -18,6 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.tpu_compile
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-mini", 256, 512, 256
+SC_RS = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
 
 
 def _serialised_reduce_scatter(fn):
@@ -73,7 +77,11 @@ def _schedule(serialised: bool, options: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def tpu7x():
-    return aot_subprocess.run({"hier_rs": (_schedule, False), "serialised": (_schedule, True)}, timeout=1200)
+    from qwen35_lib import aot
+
+    no_offload = dict(aot.RECIPE_OPTIONS, **{SC_RS: "false"})
+    return aot_subprocess.run({"hier_rs": (_schedule, False), "serialised": (_schedule, True),
+                               "no sparsecore": (_schedule, False, no_offload)}, timeout=1800)
 
 
 def test_the_recipe_flags_are_the_public_ironwood_ones():
@@ -98,3 +106,13 @@ def test_the_serialised_control_does_not_overlap(tpu7x):
     s = tpu7x["serialised"]
     assert len(s["chains"]) == s["moe_layers"] * s["micro_batches"]
     assert not any(s["overlapped"]), s["chains"]
+
+
+def test_without_sparsecore_offload_the_reduce_scatters_run_in_order_on_the_tensorcore(tpu7x):
+    # TPU7x offloads the reduce-scatters to the SparseCore by default (the schedule above); with the offload flag
+    # off each phase is a synchronous TensorCore reduce-scatter, issued core 0, chip 0, core 1, chip 1: the
+    # micro-batches no longer overlap (recorded in aot.sweep.FLAG_NOTES)
+    s = tpu7x["no sparsecore"]
+    assert ["reduce-scatter", "sync", 2] in s["how"] and ["reduce-scatter", "sync", 4] in s["how"]
+    assert not any(h[:2] == ["reduce-scatter", "sparsecore"] for h in s["how"])
+    assert len(s["chains"]) == s["moe_layers"] * s["micro_batches"] and not any(s["overlapped"])

@@ -77,7 +77,8 @@ def mxu_format(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     """`a` (a sharded abstract weight) in bf16's native TPU tiling, 16 x 128 (two rows packed per 32-bit word),
     when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. The default layout
     (8 x 128) makes XLA relayout whole stacked output projections (GDN w_out, attention w_o, the shared
-    expert's down) before the layer loop, a temporary that grows with depth."""
+    expert's down) before the layer loop, a temporary that grows with depth. (The caches cannot be placed so: XLA
+    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.)"""
     if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
         return a
     from jax.experimental.layout import Format, Layout
@@ -120,8 +121,6 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
         raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
                          declare_cache(config, shape), cache_shardings(config, shape, mesh), is_leaf=is_info)
-    if weight_layouts == "mxu":  # the bf16 caches too: a carried cache in another tiling is copied by the loop
-        cache = jax.tree.map(mxu_format, cache)
     arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(config, mesh, len(shp)))
     meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
                       kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),

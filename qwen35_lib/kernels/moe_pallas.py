@@ -4,9 +4,12 @@ Same protocol as `moe_xla` (x_sorted [N, D] sorted by expert, group_sizes, w_gat
 [E, F, D], dense or `BlockFP8`; y_sorted [N, D] in x's dtype, 0 for rows of no local expert), plus `group_offset`
 for expert parallelism: `group_sizes` [G] counts the rows of G groups in sorted order, the weights hold the
 E <= G local experts `group_offset .. group_offset + E - 1`, and rows of every other group give 0 (so can a
-trailing group of non-local rows). `w_gate_up` may also come pre-fused as [E, D, 2F] (gate | up columns), the
-layout a TPU wants: the kernel views [E, D, 2, F] as [E, D, 2F], which on TPU is a relayout copy of every expert
-weight on every call (the TPU7x compile at 397B bf16 shows a 1 GiB temporary), while [E, D, 2F] needs none.
+trailing group of non-local rows). `w_gate_up` may also come pre-fused as [E, D, 2F] (gate | up columns). The
+kernel reads [E, D, 2, F] as its [E, 2, D, F] view: the TPU's default layout of an FP8 [.., D, 2, F] puts the 2
+outermost (minor-to-major F, D, 2), so the view is a bitcast (the TPU7x compile of the kernels stage shows no
+copy); bf16 [.., D, 2, F] is tiled 2 x 128 over (2, F) (seen for the shared expert), where the view is a
+relayout. The weights may also be a `LayerOf` (kernels.stacked): the layer scan's whole stacks [G, P, ...] and
+the layer's (group, position), read in place.
 
 The kernel fuses gate, up, SiLU and down: the [rows, F] intermediate never leaves VMEM. Grid (visit v, F tile f):
 a visit is one (row tile, group) pair, megablox style, so a row tile that straddles groups is visited once per
