@@ -21,7 +21,7 @@ qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in VMEM, a regi
 import aot_subprocess
 import pytest
 
-pytestmark = pytest.mark.tpu_compile
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(2400)]  # the fixture compiles several steps
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-397b-a17b", 64, 512, 256
 REDUCED = {"vocab_size": 4096, "num_experts": 64}
 DEPTHS = (2, 3, 15)

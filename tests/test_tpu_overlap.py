@@ -19,7 +19,7 @@ scatters to the SparseCore without it; set to false they become synchronous Tens
 import aot_subprocess
 import pytest
 
-pytestmark = pytest.mark.tpu_compile
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(2400)]  # the fixture compiles several steps
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-mini", 256, 512, 256
 SC_RS = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
 
