@@ -24,6 +24,7 @@ from qwen35_lib.kernels.moe_pallas import moe_megablox, moe_pallas, visit_plan
 from qwen35_lib.kernels.moe_xla import moe_ragged_dot
 from qwen35_lib.kernels.permute_pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
+from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.weights import BlockFP8, quantize_fp8
@@ -101,6 +102,29 @@ def test_pallas_moe_fp8_weights():
     got = pallas(x, sizes, BlockFP8(q_gu.value[2:], q_gu.scale[2:]), BlockFP8(q_d.value[2:], q_d.scale[2:]), 128,
                  group_offset=2)
     np.testing.assert_allclose(got, want_local, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pallas_moe_reads_a_layer_of_stacked_weights_in_place(fp8):
+    # The layer scan hands the kernel the whole stacks [G, P, E, ...] and a (group, position) index (traced, as in
+    # the scan); the kernel must compute exactly what it computes on that layer's slice (same tiles, same order).
+    G, Pn = 2, 3
+    k1, k2 = jax.random.split(jax.random.key(7))
+    wgu = 0.05 * jax.random.normal(k1, (G, Pn, 4, D, 2, F))  # [G, P, E, D, 2, F]
+    wd = 0.05 * jax.random.normal(k2, (G, Pn, 4, F, D))
+    if fp8:
+        wgu, wd = quantize_fp8(wgu, 128, (3, 5)), quantize_fp8(wd, 128, (3, 4))
+    sizes = jnp.array([11, 0, 7, 13, 0, 30, 2, 9, 14], jnp.int32)
+    x = jax.random.normal(jax.random.key(8), (N, D))
+    block = 128 if fp8 else None
+    run = jax.jit(lambda x, s, a, b, off: moe_pallas(x, s, a, b, block, off, tm=16))
+    for g, p in [(1, 2), (0, 1)]:
+        layer = jax.tree.map(lambda a, g=g, p=p: a[g, p], (wgu, wd))
+        want = run(x, sizes, *layer, jnp.int32(3))
+        idx = jnp.array([g, p], jnp.int32)
+        got = run(x, sizes, LayerOf(wgu, idx), LayerOf(wd, idx), jnp.int32(3))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(want, _reference(x, sizes, *layer, block, group_offset=3), atol=2e-5, rtol=2e-5)
 
 
 def test_visit_plan_covers_every_row_once_per_group():

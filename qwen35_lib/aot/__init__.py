@@ -22,6 +22,10 @@ from qwen35_lib.kernels.registry import CONFIG_FIELDS, compile_target, resolve_n
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
+# The XLA flags the public Ironwood (TPU7x) Qwen3.5 serving recipe sets: no merging of async collectives (the
+# hierarchical reduce-scatter's micro-batches stay separate, so their phases can overlap) and no all-reduce-
+# scatter combining. Pass as `compile_step(..., compiler_options=RECIPE_OPTIONS)` (or `sweep --recipe`).
+RECIPE_OPTIONS = {"xla_tpu_enable_async_collective_merger": "false", "xla_tpu_ars_combiner_threshold_in_bytes": "0"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,15 +73,32 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
         return lower_forward(for_backend(config, "tpu"), weights, ids, lengths).compile()
 
 
+def mxu_format(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """`a` (a sharded abstract weight) in bf16's native TPU tiling, 16 x 128 (two rows packed per 32-bit word),
+    when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. The default layout
+    (8 x 128) makes XLA relayout whole stacked output projections (GDN w_out, attention w_o, the shared
+    expert's down) before the layer loop, a temporary that grows with depth. (The caches cannot be placed so: XLA
+    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.)"""
+    if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
+        return a
+    from jax.experimental.layout import Format, Layout
+
+    layout = Layout(major_to_minor=tuple(range(a.ndim)), tiling=((16, 128), (2, 1)))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(layout, a.sharding))
+
+
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
-                 page_size: int = 16, kv_dtype: str | None = None, compiler_options: dict | None = None):
+                 page_size: int = 16, kv_dtype: str | None = None, compiler_options: dict | None = None,
+                 weight_layouts: str = "default"):
     """The engine's jitted step under `config.layout`, lowered with abstract weights, caches and inputs on
     `mesh` (e.g. `chip_core_mesh()` for TPU7x-8) and compiled; nothing is allocated.
 
     requests: concurrent sequences (pools sized for `requests` of `context_len` tokens, spread over the
     layout's data-parallel ranks); decode / prefill: tokens per rank in this step (decode region, then a
     prefill region rounded up to whole GDN chunks); compiler_options: XLA options for this compile (e.g.
-    {"xla_tpu_enable_async_collective_merger": "false"}). Returns the compiled executable.
+    {"xla_tpu_enable_async_collective_merger": "false"}); weight_layouts: "default" (each weight in the
+    device's default layout, as `jax.device_put` leaves it) or "mxu" (`mxu_format`: bf16 weights tiled as the
+    TPU's matrix unit reads them). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
@@ -94,6 +115,10 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     T = decode + -(-prefill // C) * C
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
     weights = abstract_weights(config, weight_shardings(config, mesh))
+    if weight_layouts == "mxu":
+        weights = jax.tree.map(mxu_format, weights)
+    elif weight_layouts != "default":
+        raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
                          declare_cache(config, shape), cache_shardings(config, shape, mesh), is_leaf=is_info)
     arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(config, mesh, len(shp)))

@@ -50,6 +50,15 @@ class ServingShape:
 
 
 SERVING = ServingShape()
+# What a TPU compiler flag was seen to change in the compiled step (libtpu 0.0.42.1, jax 0.10.2; recorded in the
+# sweep document's xla_flags.notes when the flag is set; tests/test_tpu_overlap.py checks it).
+FLAG_NOTES = {
+    "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter":
+        "without the flag TPU7x already runs every reduce-scatter (and all-gather) of the step on the SparseCore, "
+        "async (call-start/call-done, async_execution_thread=sparsecore), and the hierarchical RS's micro-batches "
+        "overlap; 'false' makes each phase a synchronous TensorCore reduce-scatter in program order (core 0, "
+        "chip 0, core 1, chip 1): no overlap",
+}
 
 
 def serving_config(model: str, groups: int | None = None, **overrides):
@@ -111,7 +120,8 @@ def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
 
 
 def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVING,
-                  compiler_options: dict | None = None, usable: int | None = None) -> dict:
+                  compiler_options: dict | None = None, usable: int | None = None,
+                  weight_layouts: str = "default") -> dict:
     """One sweep entry: `stage`'s engine step `step` compiled for `mesh` at `shape` (see the module doc)."""
     import jax
 
@@ -129,7 +139,8 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     try:
         compiled = aot.compile_step(scfg, mesh, requests=shape.requests, context_len=shape.context_len,
                                     decode=decode, prefill=prefill, page_size=shape.page_size,
-                                    kv_dtype=shape.kv_dtype, compiler_options=compiler_options)
+                                    kv_dtype=shape.kv_dtype, compiler_options=compiler_options,
+                                    weight_layouts=weight_layouts)
     except jax.errors.JaxRuntimeError as e:
         entry.update(compile_s=time.perf_counter() - start, fits=False, error=str(e).splitlines()[0])
         return entry
@@ -176,9 +187,12 @@ def _versions() -> dict:
 
 def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = None, json_path=None,
           compiler_options: dict | None = None, shape: ServingShape = SERVING, progress: bool = True,
-          overrides: dict | None = None, steps=STEP_NAMES) -> dict:
+          overrides: dict | None = None, steps=STEP_NAMES, weight_layouts: str = "default") -> dict:
     """The sweep document (see the module doc); `json_path` is rewritten after each entry and resumed from.
-    `overrides`: config fields replaced after the serving ones (tests: a tiny model without FP8 experts)."""
+    `overrides`: config fields replaced after the serving ones (tests: a tiny model without FP8 experts);
+    `weight_layouts`: `aot.compile_step`'s ("default": as `jax.device_put` leaves them, which costs a relayout
+    of the stacked output projections every step, growing with depth; "mxu": bf16 weights in their 16 x 128
+    tiling, as a server would have to place them; recorded in the document when not "default")."""
     from tqdm.auto import tqdm
 
     from qwen35_lib import aot
@@ -195,7 +209,10 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
     head = {"model": model, "groups": cfg.num_groups, "overrides": dict(overrides or {}), "topology": aot.TPU7X_8,
             **_versions(),
             "xla_flags": {"LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
-                          "compiler_options": dict(compiler_options or {})},
+                          "compiler_options": dict(compiler_options or {}),
+                          **({"notes": {k: FLAG_NOTES[k] for k in compiler_options if k in FLAG_NOTES}}
+                             if set(compiler_options or {}) & set(FLAG_NOTES) else {})},
+            **({"weight_layouts": weight_layouts} if weight_layouts != "default" else {}),
             "shape": dataclasses.asdict(shape), "usable_bytes": usable}
     doc = dict(head, stages={})
     path = pathlib.Path(json_path) if json_path else None
@@ -212,7 +229,7 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
         twin = next((steps[o] for o in steps if o.split()[1] == step.split()[1]), None)  # same shapes, other workload
         t0 = time.perf_counter()
         steps[step] = dict(twin, same_program_as=next(o for o in steps if steps[o] is twin)) if twin else \
-            compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable)
+            compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable, weight_layouts)
         doc["stages"][stage]["wall_s"] = doc["stages"][stage].get("wall_s", 0) + time.perf_counter() - t0
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -244,16 +261,23 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write (and resume) the sweep document here")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a TPU compiler option, e.g. xla_tpu_enable_async_collective_merger=false (repeatable)")
+    p.add_argument("--recipe", action="store_true",
+                   help="add the public Ironwood Qwen3.5 recipe's XLA flags (aot.RECIPE_OPTIONS)")
+    p.add_argument("--weight-layouts", choices=("default", "mxu"), default="default",
+                   help="bf16 weights as device_put leaves them (default), or in their 16 x 128 MXU tiling")
     a = p.parse_args(argv)
     if a.groups is not None and a.groups < 1:
         p.error(f"--groups must be >= 1, got {a.groups}")
-    options = {}
+    from qwen35_lib.aot import RECIPE_OPTIONS
+
+    options = dict(RECIPE_OPTIONS) if a.recipe else {}
     for kv in a.xla_option:
         if "=" not in kv:
             p.error(f"--xla-option takes KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         options[k] = v
     steps = a.steps.split(",") if a.steps else STEP_NAMES
-    doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps)
+    doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps,
+                weight_layouts=a.weight_layouts)
     print(table(doc))
     return 0

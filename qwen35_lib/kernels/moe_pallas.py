@@ -4,9 +4,12 @@ Same protocol as `moe_xla` (x_sorted [N, D] sorted by expert, group_sizes, w_gat
 [E, F, D], dense or `BlockFP8`; y_sorted [N, D] in x's dtype, 0 for rows of no local expert), plus `group_offset`
 for expert parallelism: `group_sizes` [G] counts the rows of G groups in sorted order, the weights hold the
 E <= G local experts `group_offset .. group_offset + E - 1`, and rows of every other group give 0 (so can a
-trailing group of non-local rows). `w_gate_up` may also come pre-fused as [E, D, 2F] (gate | up columns), the
-layout a TPU wants: the kernel views [E, D, 2, F] as [E, D, 2F], which on TPU is a relayout copy of every expert
-weight on every call (the TPU7x compile at 397B bf16 shows a 1 GiB temporary), while [E, D, 2F] needs none.
+trailing group of non-local rows). `w_gate_up` may also come pre-fused as [E, D, 2F] (gate | up columns). The
+kernel reads [E, D, 2, F] as its [E, 2, D, F] view: the TPU's default layout of an FP8 [.., D, 2, F] puts the 2
+outermost (minor-to-major F, D, 2), so the view is a bitcast (the TPU7x compile of the kernels stage shows no
+copy); bf16 [.., D, 2, F] is tiled 2 x 128 over (2, F) (seen for the shared expert), where the view is a
+relayout. The weights may also be a `LayerOf` (kernels.stacked): the layer scan's whole stacks [G, P, ...] and
+the layer's (group, position), read in place.
 
 The kernel fuses gate, up, SiLU and down: the [rows, F] intermediate never leaves VMEM. Grid (visit v, F tile f):
 a visit is one (row tile, group) pair, megablox style, so a row tile that straddles groups is visited once per
@@ -23,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35_lib.kernels.registry import pallas_interpret, register
+from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.weights import BlockFP8
 
 REAL, DUMMY, NOOP = 0, 1, 2  # visit kinds: a local group's rows; rows of no local expert (zeros); grid padding
@@ -148,11 +152,11 @@ def _dequantize_into(w_ref, s_ref, out_ref, block: int, s_row0) -> None:
     jax.lax.fori_loop(0, w_ref.shape[0] // block, body, 0)
 
 
-def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, fixed_ref,  # scalar prefetch [V]
+def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, fixed_ref, layer_ref,  # prefetch
                 x_ref, wg_ref, wu_ref, wd_ref, *rest, tm: int, fp8_block: int | None):
     """One (visit v, F tile f) step: acc[tile] += mask * (silu(x wg) * (x wu)) wd over this F tile; the tile's
     last step rounds acc (float32, VMEM) into y (x's dtype)."""
-    del expert_ref, fixed_ref  # used by the index maps only
+    del expert_ref, fixed_ref, layer_ref  # used by the index maps only
     if fp8_block:
         sg_ref, su_ref, sd_ref, y_ref, wg_s, wu_s, wd_s, acc_ref = rest
     else:
@@ -192,63 +196,84 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
                tm: int | None = None, tf: int | None = None):
     """Grouped SwiGLU over expert-sorted rows in one fused Pallas TPU kernel.
 
+    The weights may be one layer (`w_gate_up` [E, D, 2, F] or [E, D, 2F], `w_down` [E, F, D]) or a `LayerOf`
+    the layer scan passes: the whole stack [G, P, ...] and the layer's (group, position), read in place.
     1. Tiles from shapes: tm = `row_tile` (about the mean group), tf = `ffn_tile` (VMEM budget).
-    2. `visit_plan` turns group sizes (and `group_offset`) into visits, scalar-prefetched to SMEM.
+    2. `visit_plan` turns group sizes (and `group_offset`) into visits, scalar-prefetched to SMEM with the
+       layer index; every weight BlockSpec indexes [group, position, expert, ...] of the stack (a single layer
+       is a stack of one), so no layer slice is copied out of the stack.
     3. x is padded to whole row tiles (interpret mode clamps out-of-bounds blocks instead of masking them);
-       w_gate_up is viewed as [E, D, 2F] so gate and up are two blocks of one array; FP8 scales are repeated
-       along their lane dim (1/block of the weight's size) so the kernel scales whole rows of a block at once.
+       w_gate_up [.., D, 2, F] is viewed as [.., 2, D, F] (the TPU's own layout of it: a bitcast), so gate and
+       up are two blocks of one array; FP8 scales (1/block^2 of the weight) are taken for the layer and
+       repeated along their lane dim so the kernel scales whole rows of a block at once.
     4. The kernel (grid V x F/tf): zero a tile's float32 accumulator on its first visit; for a REAL visit add
        mask * (silu(x wg) * (x wu)) wd for the F tile, FP8 tiles dequantized in VMEM first; round the
        accumulator into the output tile (x's dtype) at the tile's last step.
     """
     interpret = interpret_default() if interpret is None else interpret
     N, D = x.shape
-    fp8 = isinstance(w_gate_up, BlockFP8)
-    wgu = w_gate_up.value if fp8 else w_gate_up
-    E = wgu.shape[0]
-    F = w_down.value.shape[1] if fp8 else w_down.shape[1]
+    if isinstance(w_gate_up, LayerOf) != isinstance(w_down, LayerOf):
+        raise TypeError("pallas moe_matmul takes w_gate_up and w_down both as LayerOf views or both as arrays")
+    if isinstance(w_gate_up, LayerOf):  # the scan's stacks [G, P, ...] and (group, position)
+        layer, gu_stack, d_stack = w_gate_up.index.astype(jnp.int32), w_gate_up.stack, w_down.stack
+    else:  # one layer: a stack of one
+        layer = jnp.zeros((2,), jnp.int32)
+        gu_stack, d_stack = (jax.tree.map(lambda a: a[None, None], w) for w in (w_gate_up, w_down))
+    fp8 = isinstance(gu_stack, BlockFP8)
+    wgu = gu_stack.value if fp8 else gu_stack  # [G, P, E, D, 2, F] or [G, P, E, D, 2F]
+    wd = d_stack.value if fp8 else d_stack  # [G, P, E, F, D]
+    E, F = wgu.shape[2], wd.shape[3]
     if N == 0:
         return jnp.zeros((0, D), x.dtype)
     if fp8 and (D % fp8_block or F % fp8_block):
         raise ValueError(f"pallas moe_matmul needs D={D} and F={F} to be multiples of the FP8 block {fp8_block}")
-    wgu = wgu.reshape(E, D, 2 * F)  # [E, D, 2F]: columns [0, F) gate, [F, 2F) up (on TPU a relayout if 4D)
-    wd = w_down.value if fp8 else w_down  # [E, F, D]
+    split = wgu.ndim == 6
+    if split:
+        wgu = jnp.swapaxes(wgu, -3, -2)  # [G, P, E, 2, D, F]: gate = [.., 0, :, :], up = [.., 1, :, :]
     x_bytes, w_bytes = x.dtype.itemsize, wgu.dtype.itemsize
     tm = tm or min(row_tile(N, group_sizes.shape[0]), -(-N // 16) * 16)
     tf = tf or ffn_tile(tm, D, F, x_bytes, w_bytes, fp8_block if fp8 else None)
     assert F % tf == 0 and (not fp8 or tf % fp8_block == 0), (F, tf, fp8_block)
     nf = F // tf
     T = pl.cdiv(N, tm)
-    plan = visit_plan(group_sizes, group_offset, E, N, tm)
+    plan = (*visit_plan(group_sizes, group_offset, E, N, tm), layer)
     xp = jnp.pad(x, ((0, T * tm - N), (0, 0)))  # [T*tm, D]
 
     def f_of(v, f, fixed):  # the F tile a visit's weight blocks point at (see visit_plan)
         fx = fixed[v]
         return jnp.where(fx == -1, f, jnp.where(fx == -2, nf - 1, 0))
 
-    def gate_map(v, f, tile, expert, kind, first, start, end, fixed):
-        return expert[v], 0, f_of(v, f, fixed)
+    def gate_map(v, f, tile, expert, kind, first, start, end, fixed, layer):
+        g, p, e, ft = layer[0], layer[1], expert[v], f_of(v, f, fixed)
+        return (g, p, e, 0, 0, ft) if split else (g, p, e, 0, ft)
 
-    def up_map(v, f, tile, expert, kind, first, start, end, fixed):
-        return expert[v], 0, nf + f_of(v, f, fixed)
+    def up_map(v, f, tile, expert, kind, first, start, end, fixed, layer):
+        g, p, e, ft = layer[0], layer[1], expert[v], f_of(v, f, fixed)
+        return (g, p, e, 1, 0, ft) if split else (g, p, e, 0, nf + ft)
 
-    def down_map(v, f, tile, expert, kind, first, start, end, fixed):
-        return expert[v], f_of(v, f, fixed), 0
+    def down_map(v, f, tile, expert, kind, first, start, end, fixed, layer):
+        return layer[0], layer[1], expert[v], f_of(v, f, fixed), 0
 
     def rows_map(v, f, tile, *_):
         return tile[v], 0
 
+    gu_block = (None, None, None, None, D, tf) if split else (None, None, None, D, tf)
     in_specs = [pl.BlockSpec((tm, D), rows_map),
-                pl.BlockSpec((None, D, tf), gate_map),
-                pl.BlockSpec((None, D, tf), up_map),
-                pl.BlockSpec((None, tf, D), down_map)]
+                pl.BlockSpec(gu_block, gate_map),
+                pl.BlockSpec(gu_block, up_map),
+                pl.BlockSpec((None, None, None, tf, D), down_map)]
     args = [xp, wgu, wgu, wd]
     scratch = [pltpu.VMEM((tm, D), jnp.float32)]  # the accumulator, last
     if fp8:
         b = fp8_block
-        sgu = jnp.repeat(w_gate_up.scale.reshape(E, D // b, 2, F // b), b, axis=-1).reshape(E, D // b, 2 * F)
-        sd = jnp.repeat(w_down.scale, b, axis=-1)  # [E, F/b, D]
-        in_specs += [pl.BlockSpec((None, D // b, tf), gate_map), pl.BlockSpec((None, D // b, tf), up_map),
+        g, p = layer[0], layer[1]
+        s_gu, s_d = gu_stack.scale[g, p], d_stack.scale[g, p]  # this layer's scales, [E, D/b, 2, F/b], [E, F/b, D/b]
+        sgu = jnp.repeat(s_gu.reshape(E, D // b, 2, F // b), b, axis=-1).reshape(E, D // b, 2 * F)
+        sd = jnp.repeat(s_d, b, axis=-1)  # [E, F/b, D]
+        s_gate = lambda v, f, tile, expert, kind, first, start, end, fixed, layer: (expert[v], 0, f_of(v, f, fixed))
+        s_up = lambda v, f, tile, expert, kind, first, start, end, fixed, layer: (expert[v], 0,
+                                                                                  nf + f_of(v, f, fixed))
+        in_specs += [pl.BlockSpec((None, D // b, tf), s_gate), pl.BlockSpec((None, D // b, tf), s_up),
                      pl.BlockSpec((None, F // b, D), lambda v, f, tile, expert, *_: (expert[v], 0, 0))]
         args += [sgu, sgu, sd]
         scratch = [pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((tf, D), x.dtype), *scratch]
@@ -271,6 +296,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     return y[:N]
 
 
+moe_pallas.reads_stacked = True  # takes `LayerOf` views: the layer scan hands it the stacks (model.moe)
 register("moe_matmul", "pallas")(moe_pallas)
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels.stacked import LayerOf, layer_index
 from qwen35_lib.model.layers import linear
 from qwen35_lib.weights import BlockFP8, dequantize_fp8
 
@@ -75,3 +76,28 @@ def moe_dense_reference(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
         weights.astype(jnp.float32))  # [N, E]
     routed = jnp.einsum("ned,ne->nd", y.astype(x.dtype).astype(jnp.float32), gate)
     return routed.astype(x.dtype) + shared_expert(w, x)
+
+
+EXPERT_WEIGHTS = ("w_gate_up", "w_down")
+
+
+def stacked_experts(cfg: Config, layers: dict) -> tuple[dict, dict]:
+    """Split the stacked layer tree for the layer scan: (the scan's xs, the expert stacks it must not slice).
+
+    Where the MoE kernel reads stacked weights in place (`reads_stacked`: the Pallas grouped matmul), the routed
+    expert weights leave the scanned tree and stay whole; `with_experts` hands each layer a `LayerOf` view of
+    them. Elsewhere the tree is scanned as it is ({} kept whole)."""
+    if not getattr(for_config("moe_matmul", cfg), "reads_stacked", False):
+        return layers, {}
+    moe = layers["moe"]
+    return (dict(layers, moe={n: v for n, v in moe.items() if n not in EXPERT_WEIGHTS}),
+            {n: moe[n] for n in EXPERT_WEIGHTS})
+
+
+def with_experts(layers: list, stacks: dict, group) -> list:
+    """The layers of group `group` (a traced index in the scan) with their expert weights as `LayerOf` views of
+    `stacks` (position p in the group: stack[group, p]); unchanged when `stacks` is empty."""
+    if not stacks:
+        return layers
+    return [lw._replace(moe=dict(lw.moe, **{n: LayerOf(s, layer_index(group, p)) for n, s in stacks.items()}))
+            for p, lw in enumerate(layers)]

@@ -11,6 +11,7 @@ from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.deltanet import gdn_ragged_block
 from qwen35_lib.model.layer_loop import group_layers, is_per_layer
 from qwen35_lib.model.layers import rms_norm
+from qwen35_lib.model.moe import stacked_experts, with_experts
 from qwen35_lib.model.parallelism import check_parallelism
 
 
@@ -58,12 +59,14 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
             with jax.named_scope(f"layer_group_{gi}"):
                 h, cache = group(h, cache, layers, gi)
     else:
+        scanned, experts = stacked_experts(cfg, weights["layers"])  # experts read in place: not scanned
+
         def body(carry, xs):
             w, gi = xs
-            return group(*carry, group_layers(cfg, w), gi), None
+            return group(*carry, with_experts(group_layers(cfg, w), experts, gi), gi), None
 
         with jax.named_scope("layer_group"):
-            (h, cache), _ = jax.lax.scan(body, (h, cache), (weights["layers"], jnp.arange(cfg.num_groups)))
+            (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))
     h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("rsd,dv->rsv", h, weights["lm_head"], preferred_element_type=jnp.float32)

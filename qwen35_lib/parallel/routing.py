@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
 from qwen35_lib.parallel.mesh import ALL
 from qwen35_lib.parallel.plan import ServingPlan, plan_of
@@ -82,7 +83,9 @@ def local_copies(ids: jax.Array, weights: jax.Array, first, count: int, M: int):
 
 
 def _spec_like(w, spec: P):
-    """The same PartitionSpec for a dense weight or both halves of a BlockFP8 pair."""
+    """The same PartitionSpec for a dense weight or both halves of a BlockFP8 pair (of a `LayerOf`'s stack)."""
+    if isinstance(w, LayerOf):
+        return w.in_specs(spec)
     return BlockFP8(spec, spec) if isinstance(w, BlockFP8) else spec
 
 

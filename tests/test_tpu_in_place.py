@@ -1,0 +1,85 @@
+"""The kernels stage's engine step compiled for TPU7x-8 reads its weights and caches in place (issue 12, items 3
+and 4), at reduced size: Qwen3.5-397B's widths (hidden 4096, expert FFN 1024, its attention and GDN heads) with
+FP8 experts and a bf16 GDN state (the serving config), but 64 experts (8 a device) and a 4,096-token vocabulary,
+64 requests of 512 tokens in pages of 256, a decode step; each compile in `aot_subprocess`'s child. (At
+qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in VMEM, a regime the 397B step never sees.)
+
+- No weight copies: the layer loop holds no copy or fusion whose result is an expert weight (FP8 or bf16, with
+  the local experts, hidden and expert FFN dims): the Pallas grouped matmul reads the stacked FP8 weights whole,
+  the layer's (group, position) scalar-prefetched. The control, the same step with the expert weights scanned
+  (the scan's slice handed to the kernel, as before), must show such copies: the check can fail.
+- Depth: temporaries at 2, 3 and 15 layer groups should agree within 1%, with the bf16 weights in the tiling
+  the step reads (`aot.mxu_format`). In the device's default bf16 tiling (8 x 128) XLA relayouts the whole
+  stacked output projections (GDN w_out, attention w_o, shared expert down) before the loop (SparseCore
+  data-format calls): 1.754 GB at 2 groups, 2.367 GB at 3. With the weights in 16 x 128 those are gone, but the
+  check still fails (xfail, strict): 1.134 GB at 2 groups, 1.439 GB at 3, 1.457 GB at 15 (3 -> 15: +1.3%; the
+  2-group program is planned differently, by 0.30 GB; the cause is not found yet).
+  A scan of 1 group is unrolled, so 2 is the least depth that counts.
+- Donation: every cache byte is aliased from the step's input to its output.
+"""
+
+import aot_subprocess
+import pytest
+
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(2400)]  # the fixture compiles several steps
+MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-397b-a17b", 64, 512, 256
+REDUCED = {"vocab_size": 4096, "num_experts": 64}
+DEPTHS = (2, 3, 15)
+
+
+def _step(groups: int, in_place: bool = True, layouts: str = "mxu") -> dict:
+    """The kernels stage's decode step at `groups` layer groups: memory, the loop's expert-weight copies."""
+    import dataclasses
+
+    import jax
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks, sweep
+    from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.parallel.stages import stage_config
+
+    moe_pallas.moe_pallas.reads_stacked = in_place  # the control: expert weights scanned (sliced) as before
+    jax.clear_caches()  # the same config traced again: not from the trace cache
+    cfg = sweep.serving_config(MODEL, groups, **REDUCED)
+    mesh = aot.chip_core_mesh()
+    shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
+    scfg = stage_config(cfg, "kernels", "tpu")
+    c = aot.compile_step(scfg, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8, page_size=PAGE,
+                         kv_dtype=shape.kv_dtype, weight_layouts=layouts)
+    ma = c.memory_analysis()
+    resident = sweep._resident(scfg, shape, mesh)
+    copies = hlo_checks.expert_weight_copies(c.as_text(), cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
+    return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
+                cache=resident["kv_bytes"] + resident["gdn_state_bytes"], weights=resident["weight_bytes"],
+                copies=[(i.op, i.name, i.arrays) for i in copies])
+
+
+@pytest.fixture(scope="module")
+def tpu7x():
+    jobs = {f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_step, 2, False)}
+    return aot_subprocess.run(jobs, timeout=2400)
+
+
+def test_the_control_with_scanned_expert_weights_copies_them(tpu7x):
+    # the scan's slice of each FP8 stack goes to the custom call: XLA copies it every layer (and relays out the
+    # whole stack); the check below finds them, so it can fail
+    assert len(tpu7x["sliced"]["copies"]) >= 2 * 4, tpu7x["sliced"]["copies"]  # >= gate_up + down per layer
+
+
+def test_no_expert_weight_copies_in_the_layer_loop(tpu7x):
+    assert tpu7x["2 groups"]["copies"] == []
+
+
+@pytest.mark.xfail(strict=True, reason="temporaries 1.134 GB at 2 groups, 1.439 GB at 3, 1.457 GB at 15: the 2-group "
+                   "program differs by 0.30 GB, cause not found (see the module doc)")
+def test_temporaries_do_not_grow_with_depth(tpu7x):
+    temp = {g: tpu7x[f"{g} groups"]["temp"] for g in DEPTHS}
+    for g in DEPTHS[1:]:
+        assert abs(temp[g] - temp[2]) <= 0.01 * temp[2], temp
+
+
+def test_the_caches_are_donated_and_updated_in_place(tpu7x):
+    for g in DEPTHS:
+        s = tpu7x[f"{g} groups"]
+        assert s["alias"] >= s["cache"] > 0, s  # every cache buffer is the output's buffer too
+        assert s["argument"] >= s["weights"] + s["cache"]
