@@ -1,7 +1,7 @@
 """`pytest` runs every paired notebook (`notebooks/NN_*.ipynb`, in testpaths; `--nbmake` in addopts), each once in
 a fresh `python3` kernel. The kernel inherits this environment, set around each notebook item only: the checkout
 importable, 8 simulated CPU devices with patient collectives, XLA:CPU at -O0 (FAST_COMPILE), matplotlib inline,
-nothing recorded, libtpu shareable."""
+nothing recorded, libtpu shareable. The longest items run first (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ DEVICES = "--xla_force_host_platform_device_count=8"
 # and `make playbook` executes the chapters at the default level.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
+# Modules whose one module fixture compiles for TPU7x for 130-190 s. xdist's worksteal deals each worker a
+# contiguous share and steals from the end of a queue: at the end of the list such a module finished the run alone
+# on one worker, or was split over both and its fixture compiled twice.
+FIRST = ("tests/test_tpu_in_place.py", "tests/test_tpu_overlap.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The TPU7x compile modules of FIRST, then everything in collection order (the notebooks next: testpaths)."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest keep their order
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
