@@ -191,7 +191,8 @@ for op in body_ops.get("TPU7x", [])[:4] + [o for o in body_ops.get("TPU7x", []) 
 # bf16 collectives in float32, so its bytes are doubled); XLA's TPU compiler, at this tiny size, turns each
 # reduce-scatter into an all-reduce of the whole `[N, D]` partial sums (each device then keeps its slice): the
 # same data dependency, with a result 8x the size of the reduce-scatter's, a choice it makes for small arrays. A
-# scalar all-reduce (1 or 4 bytes) is the scan's bookkeeping, not the model's. On the TPU the bytes are the table's.
+# scalar all-reduce (1 or 4 bytes), where one appears, carries a loop condition the devices agree on, not the
+# model's data. On the TPU the bytes are the table's.
 
 # %%
 N, D, k = 64, step_cfg.hidden_size, step_cfg.num_experts_per_tok
