@@ -449,7 +449,8 @@ def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
     logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(cfg))  # [R, S, V]
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:  # vocab-parallel logits computed split, then gathered once (vLLM's logits gather)
-        plan, vocab = plan_of(cfg), plan_of(cfg).axes("vocab")
+        plan = plan_of(cfg)
+        vocab = plan.axes("vocab")
         if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
             logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, None, vocab))
         logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, S, V]
