@@ -40,7 +40,9 @@ class GdnKernels(NamedTuple):
     dense: Callable  # (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv], state [B,Hv,dk,dv], chunk_size) -> (o, S)
     ragged: Callable  # (q, k, v, g, beta over flat tokens, state slots, conv..., batch metadata): see gdn_xla
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
-# "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (see data/kernel_choice_cpu.json).
+# "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
+# except the MoE's `loop`, chosen from `bench engine` side by side with `capacity` (decode step 70.6 -> 45.7 ms):
+# the stored file predates `loop` and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
 _DEFAULTS: dict[str, dict[str, str]] = {
     "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "loop", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
