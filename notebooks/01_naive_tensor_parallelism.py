@@ -19,8 +19,9 @@
 # The textbook way to put one model on 8 devices is tensor parallelism: split every weight matrix along its
 # heads (or its FFN columns) 8 ways, and all-reduce the partial sums. Qwen3.5-397B-A17B has 32 query heads, which
 # split fine, but only **2 KV heads**: 2/8 = 0.25 of a head per device. This notebook asks what that breaks, what
-# the usual patch (replicate the KV heads on every device) costs in KV-cache memory, and whether the patched
-# layout still fits 512 concurrent requests on a TPU7x-8.
+# the usual patch (give every device a copy of the KV head its query heads read) costs in KV-cache memory and in
+# the bytes every decode step reads, and what the patched layout, the **baseline** of the ladder, serves on a
+# TPU7x-8 at 512 concurrent requests, with the FP8 KV cache the serving configuration uses.
 
 # %% [markdown]
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/01_naive_tensor_parallelism.ipynb)
@@ -65,15 +66,43 @@ import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel import check_layout, make_mesh
+from qwen35_lib.parallel import check_layout, get_layout, make_mesh
 from qwen35_lib.placement import placement, shard_bytes_per_device
 from qwen35_lib.report import human_bytes
+from qwen35_lib.stage_gain import gain_table, stage_gain
 from qwen35_lib.viz.sharding_explorer import placement_figure, sharding_explorer
 
 mesh = make_mesh()  # the 8 devices as ('chip': 4, 'core': 2)
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")  # numeric checks: float32, seconds on a CPU
+FP8_KV = "float8_e4m3fn"  # the serving KV cache: one byte per value + a float32 scale per token and head
+# numeric checks: float32, seconds on a CPU; 8 query heads on 2 KV heads, so a KV head serves 4 query heads and
+# tp8_kvrep can give each device a copy of its own one, as at the 397B size (32 on 2)
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", num_q_heads=8)
 print(mesh)
+
+# %% [markdown]
+# ## 0. What the baseline serves (the cost model, TPU7x-8)
+#
+# **Compute.** `tp8_kvrep` with XLA's kernels is the `baseline` stage of the ladder, the first rung every later
+# chapter improves on. The cost model (`qwen35_lib.costmodel.predict`, through `stage_gain`) plays the two
+# workloads at 512 concurrent requests on a TPU7x-8 and splits the time of the slice by component, in
+# milliseconds per 1,000 tokens served (input + output): the components sum to one over the throughput.
+
+# %%
+stages = {"baseline": stage_gain("baseline")}
+print(gain_table(stages["baseline"]))
+
+# %% [markdown]
+# **Check.** The routed experts dominate both workloads: under TP every device reads a slice of *every* expert's
+# weights for every step, whichever experts its tokens chose; and the decode-heavy workload spends more per token
+# than the prefill-heavy one, since each decode step reads those weights for one token per request.
+
+# %%
+for wl in ("8k/1k", "1k/8k"):
+    ms = stages["baseline"][wl]["ms_per_1k_tokens"]
+    assert max(ms, key=ms.get) == "moe", (wl, ms)
+assert sum(stages["baseline"]["1k/8k"]["ms_per_1k_tokens"].values()) > \
+    sum(stages["baseline"]["8k/1k"]["ms_per_1k_tokens"].values())
 
 # %% [markdown]
 # ## 1. Heads per device
@@ -111,16 +140,25 @@ assert refusal is not None and "2 KV heads cannot be split over 8 devices" in re
 assert "'dp8_ep8'" in refusal and "'tp8_kvrep'" in refusal
 
 # %% [markdown]
-# ## 2. The patch: replicate the KV heads (`tp8_kvrep`)
+# ## 2. The patch: a copy of the KV head per device (`tp8_kvrep`)
 #
-# `tp8_kvrep` splits everything `tp8` splits except the KV heads: `W_k[D, Hkv]` and `W_v[D, Hkv]` are whole on
-# every device, and so is the KV cache `kv[.., P, ps, 2·Hkv·d]`. Every device computes K and V for both heads
-# (a little redundant matmul work) and keeps them for **every request**: the batch is not split either, because
-# every device works on every token.
+# `tp8_kvrep` splits everything `tp8` splits and duplicates each KV head `r = 8 / Hkv` times in the weights
+# (`plan.kv_replication`), so that the `Hkv · r` heads split evenly over the 8 devices: each device keeps
+# `max(1, Hkv / 8)` KV head, the one its query heads read, in `W_k[D, Hkv_x]` and the KV cache
+# `kv[.., P, ps, 2·Hkv_x·d]`. It keeps that head for **every request**: the batch is not split, because every
+# device works on every token. Each KV head is stored `r` times over the slice: the KV factor of the baseline,
+# read from the plan.
 #
 # **Predict.** The model computes the same function under any layout, so greedy tokens through the engine must
-# equal the single-device engine's (float32: the all-reduces only change the order of summation). Run three
+# equal the single-device engine's (float32: the all-reduces only change the order of summation). Run a few
 # requests through both.
+
+# %%
+kvrep_plan = get_layout("tp8_kvrep")
+KV_FACTOR = kvrep_plan.kv_replication(tiny, mesh)  # copies of each KV head
+print(f"tp8_kvrep: {KV_FACTOR} copies of each of {tiny.num_kv_heads} KV heads; "
+      f"{kvrep_plan.kv_heads_per_device(tiny, mesh)} KV head(s) per device")
+assert KV_FACTOR == 8 // tiny.num_kv_heads and kvrep_plan.kv_heads_per_device(tiny, mesh) == 1
 
 # %%
 weights = qwen35_lib.init_weights(tiny, 0)
@@ -144,25 +182,31 @@ assert replicated == single
 # ### What each device holds
 #
 # `jax.debug.visualize_array_sharding` draws a 2-D array's shards. The embedding `embed[V, D]` is split over the
-# vocabulary under `tp8_kvrep` (`embed[V_x, D]`); the KV projection of the attention layer is not split at all.
+# vocabulary under `tp8_kvrep` (`embed[V_x, D]`); the KV projection of the attention layer carries the duplicated
+# heads, one per device.
 
 # %%
 jax.debug.visualize_array_sharding(kvrep.weights["embed"])
 w_k = kvrep.weights["layers"]["attn"]["w_k"]  # [G, Na, D, Hkv, d]
-print(f"attn w_k {w_k.shape}: {w_k.sharding.spec} (all {tiny.num_kv_heads} KV heads on every device)")
+print(f"attn w_k {w_k.shape}: {w_k.sharding.spec} ({tiny.num_kv_heads} KV heads x {KV_FACTOR} copies, split 8 ways)")
 
 # %% [markdown]
 # ### The KV cache, measured from the shards
 #
-# **Predict.** Hold the total capacity fixed: 8 sequences of up to 256 tokens (pages of 16 tokens, plus one null
-# page per rank that padding writes to). `tp8_kvrep` has one rank that holds all 8 sequences, and every device
-# keeps a full copy: `8 · 16 + 1 = 129` pages per device. `dp8_ep8` gives each of its 8 ranks one sequence, each
-# rank on its own device: `16 + 1 = 17` pages per device. A page holds `G · Na · 16 · 2·Hkv · d` values.
+# **Predict.** Hold the total capacity fixed: `S = 8` sequences of up to `max_model_len` tokens each, in pages of
+# `ps` tokens (`n = max_model_len / ps` pages a sequence), plus one null page per rank that padding writes to.
+# `tp8_kvrep` has one rank that holds all `S` sequences, and every device keeps its one KV head of each:
+# `S · n + 1` pages of one head per device. `dp8_ep8` gives each of its 8 ranks one sequence, each rank on its own
+# device, with both KV heads: `n + 1` pages of `Hkv` heads. A page of `h` heads holds `G · Na · ps · 2·h · d` values;
+# the ratio tends to `S / Hkv`, the KV factor, as the null page becomes negligible.
 
 # %%
-page_bytes = tiny.num_groups * tiny.attn_per_group * 16 * 2 * tiny.num_kv_heads * tiny.head_dim * 4  # float32
-pages_per_seq = 256 // 16
-predicted = {"tp8_kvrep": (8 * pages_per_seq + 1) * page_bytes, "dp8_ep8": (1 * pages_per_seq + 1) * page_bytes}
+ps, max_len = 16, ec.max_model_len
+pages_per_seq = max_len // ps
+head_page_bytes = tiny.num_groups * tiny.attn_per_group * ps * 2 * tiny.head_dim * 4  # one KV head, float32
+heads = {name: get_layout(name).kv_heads_per_device(tiny, mesh) for name in ("tp8_kvrep", "dp8_ep8")}
+predicted = {"tp8_kvrep": (8 * pages_per_seq + 1) * head_page_bytes * heads["tp8_kvrep"],
+             "dp8_ep8": (1 * pages_per_seq + 1) * head_page_bytes * heads["dp8_ep8"]}
 print({k: human_bytes(v) for k, v in predicted.items()}, f"ratio {predicted['tp8_kvrep'] / predicted['dp8_ep8']:.3f}")
 
 # %% [markdown]
@@ -178,38 +222,57 @@ for name, per_device in measured.items():
     print(f"{name:<10} KV cache per device: {[human_bytes(b) for b in per_device]}")
 
 # %% [markdown]
-# **Check.** Every device holds exactly the predicted bytes; the ratio tends to 8 as the null page becomes
-# negligible (at 8k-token contexts it is 8.00).
+# **Check.** Every device holds exactly the predicted bytes; the ratio is below the KV factor by the null pages
+# only.
 
 # %%
 for name, per_device in measured.items():
     assert per_device == [predicted[name]] * 8, (name, per_device, predicted[name])
 ratio_cpu = measured["tp8_kvrep"][0] / measured["dp8_ep8"][0]
-assert ratio_cpu == (8 * pages_per_seq + 1) / (pages_per_seq + 1)
-print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device")
+assert ratio_cpu == (8 * pages_per_seq + 1) / (pages_per_seq + 1) / tiny.num_kv_heads
+assert ratio_cpu < KV_FACTOR and (8 * pages_per_seq) / pages_per_seq / tiny.num_kv_heads == KV_FACTOR
+print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device (KV factor {KV_FACTOR})")
 
 # %% [markdown]
 # ## 3. At TPU size: Qwen3.5-397B, FP8 experts, 512 requests of 8k tokens
 #
 # **Predict.** `qwen35_lib.placement` works out, by arithmetic over the same weight and cache
-# declarations and the same layout rules, what each device holds. The KV cache of 512 requests x 8192 tokens
-# is 120 GiB in all (bf16); `tp8_kvrep` puts all of it on every device.
+# declarations and the same layout rules, what each device holds. `tp8_kvrep` puts `r / 8` of the whole KV cache
+# on every device (one head of every request), the EP layouts `1 / 8` (both heads of their own requests): with a
+# bf16 KV cache, and with the FP8 cache the serving configuration uses.
 
 # %%
 LAYOUTS = ("tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")
-plans = {name: placement(big, name, requests=512, context_len=8192) for name in LAYOUTS}
-for name, p in plans.items():
-    print(f"{name:<12} weights {human_bytes(p.weight_bytes_per_device):>10} + "
-          f"KV {human_bytes(p.kv_bytes_per_device):>10} + "
-          f"GDN state {human_bytes(p.gdn_state_bytes_per_device):>9} = "
-          f"{human_bytes(p.total_bytes_per_device):>10} per device of {human_bytes(p.hbm_bytes_per_device)}: "
-          f"{'fits' if p.fits else 'does NOT fit'}")
+bf16_plans = {name: placement(big, name, requests=512, context_len=8192) for name in LAYOUTS}
+plans = {name: placement(big, name, requests=512, context_len=8192, kv_dtype=FP8_KV) for name in LAYOUTS}
+for kv, ps_ in (("bf16 KV", bf16_plans), ("FP8 KV", plans)):
+    print(kv)
+    for name, p in ps_.items():
+        print(f"  {name:<12} weights {human_bytes(p.weight_bytes_per_device):>10} + "
+              f"KV {human_bytes(p.kv_bytes_per_device):>10} + "
+              f"GDN state {human_bytes(p.gdn_state_bytes_per_device):>9} = "
+              f"{human_bytes(p.total_bytes_per_device):>10} per device of {human_bytes(p.hbm_bytes_per_device)}: "
+              f"{'fits' if p.fits else 'does NOT fit'}")
+kv_factor_tpu = plans["tp8_kvrep"].copies["kv"]
+print(f"KV factor at the 397B size: {kv_factor_tpu:g} copies of each KV head "
+      f"({get_layout('tp8_kvrep').kv_heads_per_device(big, mesh)} head per device)")
+
+# %% [markdown]
+# **Check.** The 397B model's KV factor is the same as the tiny one's, read from the same plan. With a bf16 KV cache
+# the baseline does not fit 512 requests of 8k tokens; with the FP8 cache it does: the baseline is a layout that
+# runs, and what it loses is elsewhere (section 4).
+
+# %%
+assert kv_factor_tpu == get_layout("tp8_kvrep").kv_replication(big, mesh) == KV_FACTOR
+assert not bf16_plans["tp8_kvrep"].fits and plans["tp8_kvrep"].fits and plans["dp8_ep8"].fits
+kv_ratio_tpu = plans["tp8_kvrep"].kv_bytes_per_device / plans["dp8_ep8"].kv_bytes_per_device
+assert abs(kv_ratio_tpu - KV_FACTOR) < 1e-3 * KV_FACTOR, kv_ratio_tpu
 
 # %% [markdown]
 # **Measure, as a TPU7x-8 would.** With libtpu installed, XLA compiles for the `tpu7x:2x2x1` topology on this
 # machine (`aot.chip_core_mesh()`: its 8 TensorCores as `('chip', 'core')`). We compile a program that takes the
-# full 60-layer model's weights (abstract: nothing is allocated) and the caches for 512 requests, placed by each
-# layout, and read `memory_analysis()`: the bytes per device XLA assigned, or its refusal.
+# full 60-layer model's weights (abstract: nothing is allocated) and the FP8 caches for 512 requests, placed by
+# each layout, and read `memory_analysis()`: the bytes per device XLA assigned, or its refusal.
 
 # %%
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
@@ -221,25 +284,22 @@ if not HAVE_LIBTPU:
     print("libtpu not installed (pip install 'jax[tpu]'): skipped the ahead-of-time compiles")
 
 # %% [markdown]
-# **Check.** Where XLA accepts the program, its per-device bytes agree with the arithmetic to within 0.1% (XLA
-# pads small arrays to its tile layout); where it refuses, the prediction said it would not fit. `tp8_kvrep`
-# needs its 120 GiB of replicated KV cache on each device: no TPU7x-8 holds that, whatever else we do. The EP
-# layouts hold 1/8 of it each and fit, with about 10 GiB left per device for the step's activations.
+# **Check.** Where XLA accepts the program, its per-device bytes agree with the arithmetic to within a thousandth
+# (XLA pads small arrays to its tile layout); where it refuses, the prediction said it would not fit.
 
 # %%
+XLA_TOLERANCE = 1e-3  # relative: XLA's tile padding of small arrays
 for name, (nbytes, error) in xla.items():
     p = plans[name]
     if error is None:
-        assert abs(nbytes - p.total_bytes_per_device) <= 1e-3 * p.total_bytes_per_device, (name, nbytes)
+        assert abs(nbytes - p.total_bytes_per_device) <= XLA_TOLERANCE * p.total_bytes_per_device, (name, nbytes)
         assert p.fits
     else:
         assert "RESOURCE_EXHAUSTED" in error and not p.fits, (name, error)
-assert not plans["tp8_kvrep"].fits and plans["dp8_ep8"].fits
-kv_ratio_tpu = plans["tp8_kvrep"].kv_bytes_per_device / plans["dp8_ep8"].kv_bytes_per_device
 print(f"KV cache per device, tp8_kvrep / dp8_ep8 at TPU size: {kv_ratio_tpu:.2f}x")
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
+fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")  # FP8 KV
 parts = (("weights", "weight_bytes_per_device", "#4C72B0"), ("KV cache", "kv_bytes_per_device", "#C44E52"),
          ("GDN state", "gdn_state_bytes_per_device", "#55A868"))
 for i, (name, p) in enumerate(plans.items()):
@@ -255,7 +315,7 @@ ax.set_yticks(range(len(plans)), list(plans))
 ax.set_xlabel("GiB per device (TPU7x-8: 96 GiB HBM per TensorCore; prediction, checked by an XLA compile)")
 ax.set_xlim(0, 250)
 ax.legend(loc="lower right", fontsize=8)
-ax.set_title("Qwen3.5-397B-A17B (FP8 experts), 512 requests x 8k tokens", fontsize=10)
+ax.set_title("Qwen3.5-397B-A17B (FP8 experts, FP8 KV cache), 512 requests x 8k tokens", fontsize=10)
 plt.show()
 
 # %% [markdown]
@@ -287,11 +347,42 @@ if HAVE_LIBTPU and os.environ.get("QWEN35_AOT_STEP"):
         assert abs(ma.argument_size_in_bytes - expected) <= 2e-3 * expected  # + the step's small int inputs
 
 # %% [markdown]
-# ## 4. Explore
+# ## 4. What the KV factor costs, with the FP8 cache: capacity and bandwidth
+#
+# **Compute.** The baseline fits, so its price is not a refusal. *Capacity*: each device's KV pool holds one head of
+# every request, so the HBM left after the weights holds `1 / r` of the requests the same bytes would hold split
+# by request. *Bandwidth*: a decode step reads the KV cache of every running request once; under `tp8_kvrep` each
+# device reads one head of all of them, `r` times the bytes a `dp8_ep8` device reads for its own requests' heads,
+# at the same HBM bandwidth (`costmodel.specs`, from `data/hardware.json`).
+
+# %%
+from qwen35_lib.costmodel import specs as hw_specs
+
+tpu = hw_specs.get("tpu7x-8")
+per_request = {name: (p.kv_bytes_per_device + p.gdn_state_bytes_per_device) / p.requests * p.ranks
+               for name, p in plans.items()}  # cache bytes of one request on each device holding it
+slice_requests = {name: int((p.usable_hbm_bytes_per_device - p.weight_bytes_per_device) // per_request[name])
+                  * p.ranks for name, p in plans.items()}
+kv_read_ms = {name: 1e3 * p.kv_bytes_per_device / tpu.hbm_bytes_per_s for name, p in plans.items()}
+for name in LAYOUTS:
+    print(f"{name:<12} requests of 8k tokens the slice holds: {slice_requests[name]:>5}; one decode step over 512 "
+          f"requests of 8k reads {human_bytes(plans[name].kv_bytes_per_device)} of KV per device: "
+          f"{kv_read_ms[name]:.2f} ms at {tpu.hbm_bytes_per_s / 1e12:.1f} TB/s")
+
+# %% [markdown]
+# **Check.** The baseline holds fewer requests than the EP layouts and reads `r` times their KV bytes per decode
+# step: the reads the cost model of section 0 charges to attention.
+
+# %%
+assert slice_requests["tp8_kvrep"] < slice_requests["dp8_ep8"]
+assert abs(kv_read_ms["tp8_kvrep"] / kv_read_ms["dp8_ep8"] - KV_FACTOR) < 1e-3 * KV_FACTOR
+
+# %% [markdown]
+# ## 5. Explore
 #
 # The sharding explorer shows what each device holds under any preset, layout and device count, and the rule that
-# breaks. Try `tp8` (the KV-head row turns red), then `tp8_kvrep` with the KV dtype at FP8 and 256 requests:
-# does it fit then? (The widget needs a live kernel; the figure below it is the same view, static.)
+# breaks. Try `tp8` (the KV-head row turns red), then `tp8_kvrep` with the KV dtype at bf16 and at FP8: which fits
+# 512 requests? (The widget needs a live kernel; the figure below it is the same view, static.)
 
 # %%
 sharding_explorer(layout="tp8")
@@ -304,31 +395,36 @@ placement_figure(plans["tp8_kvrep"])
 record = dict(
     tp8_refusal=refusal, tokens_equal=replicated == single,
     cpu_kv_bytes_per_device={k: v[0] for k, v in measured.items()}, cpu_kv_ratio=ratio_cpu,
-    tpu_kv_ratio=kv_ratio_tpu,
+    kv_factor=KV_FACTOR, tpu_kv_ratio=kv_ratio_tpu, kv_dtype=FP8_KV,
     tpu={name: dict(weight_bytes=p.weight_bytes_per_device, kv_bytes=p.kv_bytes_per_device,
                     gdn_state_bytes=p.gdn_state_bytes_per_device, total_bytes=p.total_bytes_per_device,
                     fits=p.fits, xla_argument_bytes=xla.get(name, (None, None))[0],
-                    xla_error=xla.get(name, (None, None))[1]) for name, p in plans.items()},
-    step_8_layers=step)
+                    xla_error=xla.get(name, (None, None))[1], slice_requests=slice_requests[name],
+                    kv_read_ms=kv_read_ms[name]) for name, p in plans.items()},
+    tpu_bf16_kv={name: dict(kv_bytes=p.kv_bytes_per_device, total_bytes=p.total_bytes_per_device, fits=p.fits)
+                 for name, p in bf16_plans.items()},
+    hbm_bytes_per_device=plans["tp8_kvrep"].hbm_bytes_per_device,
+    stages=stages, step_8_layers=step)
 notebook.save_results("naive_tp", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
-# <b>Takeaway.</b> With 2 KV heads, 8-way tensor parallelism can only run by replicating the KV cache on every
-# device, 8x the memory of splitting requests instead: 120 GiB per device for 512 requests of 8k tokens, more than
-# a TPU7x TensorCore has, so attention must be split by request (data parallelism), not by head.
+# <b>Takeaway.</b> With 2 KV heads, 8-way tensor parallelism runs only by storing each KV head on the 4 devices
+# whose query heads read it: with an FP8 cache the baseline fits, but every device keeps and reads a head of every
+# request, the KV factor times what splitting requests costs, so attention should be split by request (data
+# parallelism), not by head.
 # </div>
 
 # %% [markdown]
 # ## Exercises
 #
-# 1. **[FP8 KV cache]** An FP8 (e4m3) KV cache halves the bytes per token. Does `tp8_kvrep` fit 512 requests of 8k
-#    tokens then? How many requests does it fit?
+# 1. **[bf16 KV cache]** Section 3 printed the bf16 cache beside the FP8 one. How many requests of 8k tokens does
+#    `tp8_kvrep` fit with a bf16 KV cache?
 #    <details><summary>Answer</summary>
 #
-#    `placement(big, "tp8_kvrep", kv_dtype="float8_e4m3fn", requests=512).fits` is False: 60 GiB of KV cache
-#    (plus per-token scales) on top of the weights and GDN state. Halve `requests` until it fits (about 256 to
-#    300): still far below what `dp8_ep8` holds at the same memory.
+#    Lower `requests` in `placement(big, "tp8_kvrep", requests=..., context_len=8192).fits` until it is True (a
+#    bisection over `requests` finds the largest): the bf16 cache is twice the FP8 one's bytes per token, so the
+#    baseline with a bf16 cache holds well under 512, while `dp8_ep8` still fits them all.
 #    </details>
 #
 # 2. **[Four KV heads]** A model with 4 KV heads on the same 8 devices: what would `check_layout` say for `tp8`,
@@ -344,13 +440,14 @@ notebook.save_results("naive_tp", record)
 #    cache and GDN state the 8 devices hold together. Explain each number.
 #    <details><summary>Answer</summary>
 #
-#    Weights about 1x (everything is split 8 ways except the small KV projections, norms and the router); KV
-#    cache 8x (every device a full copy); GDN state 1x (GDN heads split 8 ways, every device holds 1/8 of every
-#    request's state).
+#    Weights about one copy (everything is split 8 ways except the norms and the router; the KV projections carry
+#    the duplicated heads); KV cache `r = 8 / Hkv` copies (each head on the 4 devices whose query heads read it);
+#    GDN state one copy (GDN heads split 8 ways, every device holds an eighth of every request's state).
 #    </details>
 #
-# 4. **[Null page]** In section 2 the CPU ratio was below 8. What context length makes it 7.99?
+# 4. **[Null page]** In section 2 the CPU ratio was below the KV factor. What context length makes it 3.99?
 #    <details><summary>Answer</summary>
 #
-#    The ratio is `(8n + 1) / (n + 1)` for `n` pages per sequence: `n = 699` pages (about 11k tokens) gives 7.99.
+#    The ratio is `(8n + 1) / (2 (n + 1))` for `n` pages per sequence (8 sequences on one head against one
+#    sequence on both heads): `n = 349` pages, `349 * 16` tokens, gives 3.99.
 #    </details>
