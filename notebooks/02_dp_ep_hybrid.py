@@ -19,8 +19,10 @@
 # Notebook 01 ended with the fix the error message named: stop splitting attention by head, and split it by
 # request. Each of the 8 devices runs attention and Gated DeltaNet for its own requests with whole heads, and the
 # 512 experts are split 64 per device. Attention then needs no communication at all; the MoE does, because a
-# token's 10 experts live on other devices. This notebook asks: what lives where, which collectives does one layer
-# run, and does the model still compute the same thing?
+# token's 10 experts live on other devices: here each token is sent, by an **all-to-all**, to the devices that own
+# its experts and its results come back the same way (the `dp_ep` stage of the ladder; chapter 3 asks whether
+# that is the best way). This notebook asks: what lives where, which collectives does one layer run, what does
+# the step buy over the baseline, and does the model still compute the same thing?
 
 # %% [markdown]
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/02_dp_ep_hybrid.ipynb)
@@ -63,17 +65,45 @@ import numpy as np
 
 import qwen35_lib
 from qwen35_lib import aot
+from qwen35_lib.costmodel import StepShape, collective_counts
+from qwen35_lib.costmodel.traffic import step_collectives
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.parallel import get_layout, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
+from qwen35_lib.parallel.stages import get_stage
 from qwen35_lib.placement import fmt_range, placement
+from qwen35_lib.stage_gain import gain_table, stage_gain
 from qwen35_lib.viz.sharding_explorer import placement_figure
 
 mesh = make_mesh()
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+FP8_KV = "float8_e4m3fn"  # the serving KV cache
 tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")  # numeric checks: float32, seconds on a CPU
-print(get_layout("dp8_ep8").summary)
+STAGE = get_stage("dp_ep")  # dp8_ep8 + all_to_all routing, XLA kernels
+print(STAGE.layout, STAGE.routing, "|", get_layout(STAGE.layout).summary)
+
+# %% [markdown]
+# ## 0. What the step buys (the cost model, TPU7x-8)
+#
+# **Compute.** The `dp_ep` stage against the `baseline` (notebook 01), both workloads at 512 concurrent requests,
+# milliseconds per 1,000 tokens served by component (`stage_gain`, over `costmodel.predict`).
+
+# %%
+stages = {"dp_ep": stage_gain("dp_ep")}
+print(gain_table(stages["dp_ep"]))
+
+# %% [markdown]
+# **Check.** Splitting requests pays on both workloads, and more on the prefill-heavy one: attention reads each
+# request's KV head once instead of once per copy, and the MoE reads only the experts a device's tokens hit.
+# Decode-heavy steps carry a single new token per request, so the dense weights that every data-parallel device
+# now reads whole (attention, GDN, the shared expert) weigh on them, and GDN costs more per token than under TP.
+
+# %%
+g = {wl: stages["dp_ep"][wl] for wl in ("8k/1k", "1k/8k")}
+assert g["8k/1k"]["gain"] > g["1k/8k"]["gain"] > 1, g
+assert all(g[wl]["component_change"]["attention"] < 0 and g[wl]["component_change"]["moe"] < 0 for wl in g)
+assert g["1k/8k"]["component_change"]["gdn"] > 0
 
 # %% [markdown]
 # ## 1. What lives where
@@ -88,12 +118,12 @@ print(get_layout("dp8_ep8").summary)
 # | KV cache `kv[.., R_x, P, ps, 2·Hkv·d]`, GDN state `S[.., R_x, NS, Hv, dk, dv]` | by rank | own requests |
 #
 # **Predict.** Replicating the dense weights costs memory (7 extra copies of everything that is not a routed
-# expert), but attention and GDN become purely local: no collective in the mixer. The MoE needs, per layer: the
-# tokens of all devices (all-gather `x`), their top-k expert ids and weights (two more all-gathers), and the
-# partial outputs summed back to their owners (one reduce-scatter).
+# expert), but attention and GDN become purely local: no collective in the mixer. The MoE needs, per layer: each
+# token sent once to every device that owns one of its experts (all-to-all), with those experts' ids and weights
+# packed beside it (a second all-to-all), and the partial outputs sent home (a third).
 
 # %%
-p = placement(big, "dp8_ep8", requests=512, context_len=8192)
+p = placement(big, "dp8_ep8", requests=512, context_len=8192, kv_dtype=FP8_KV)
 for d in (0, 1, 7):
     dev = p.per_device[d]
     print(f"device {d} (chip {dev.chip}, core {dev.core}): experts {fmt_range(dev.holds['experts'])}, "
@@ -112,11 +142,35 @@ assert sorted(r for d in p.per_device for r in d.holds["requests"]) == list(rang
 assert p.fits
 
 # %% [markdown]
+# ### The middle ground: `dp4_tp2_ep8`
+#
+# Chapter 1's other way out keeps a little tensor parallelism: split attention's heads over the 2 cores of a chip
+# (a KV head per core) and requests over the 4 chips, experts still over all 8 devices. **Predict.** The dense
+# weights are then stored once per chip instead of once per core; each core holds one KV head of a quarter of the
+# requests, the same KV bytes per device as `dp8_ep8`; but attention and GDN need an all-reduce over `core` again
+# in every layer.
+
+# %%
+mid = placement(big, "dp4_tp2_ep8", requests=512, context_len=8192, kv_dtype=FP8_KV)
+print(mid.summary())
+d0 = mid.per_device[0]
+print(f"device 0: experts {fmt_range(d0.holds['experts'])}, KV heads {fmt_range(d0.holds['kv_heads'])}, "
+      f"requests {fmt_range(d0.holds['requests'])}")
+
+# %% [markdown]
+# **Check.** Fewer weight bytes per device than `dp8_ep8`, the same KV bytes, the same experts.
+
+# %%
+assert mid.weight_bytes_per_device < p.weight_bytes_per_device and mid.fits
+assert abs(mid.kv_bytes_per_device - p.kv_bytes_per_device) <= 1e-3 * p.kv_bytes_per_device
+assert all(len(d.holds["experts"]) == 64 and len(d.holds["kv_heads"]) == 1 for d in mid.per_device)
+
+# %% [markdown]
 # ## 2. Same model, same logits
 #
 # **Predict.** Sharding changes where the work happens, not what is computed: the logits under `dp8_ep8` equal the
-# single-device model's, in float32, up to summation order (the reduce-scatter adds the 8 devices' partial sums in
-# its own order: differences of order 1e-6 relative at most).
+# single-device model's, in float32, up to summation order (each token adds the partial sums its experts'
+# devices send back in its own order: differences of order 1e-6 relative at most).
 #
 # **Measure.** Nine prompts of different lengths, right-padded into one batch. The sharded forward is compiled
 # once with `.lower(...).compile()` so that the same executable also gives us its HLO in section 3.
@@ -128,7 +182,7 @@ ids = np.zeros((9, 16), np.int32)
 for i, n in enumerate(lengths):
     ids[i, :n] = rng.integers(2, tiny.vocab_size, size=n)
 weights = qwen35_lib.init_weights(tiny, 0)
-dp_cfg = tiny.replace(layout="dp8_ep8")
+dp_cfg = tiny.replace(layout=STAGE.layout, routing=STAGE.routing)  # the dp_ep stage: all-to-all routing
 with jax.default_matmul_precision("highest"):
     reference = np.asarray(qwen35_lib.forward(tiny, weights, ids, lengths))  # one device
     with jax.set_mesh(mesh):
@@ -149,71 +203,90 @@ np.testing.assert_allclose(logits[mask], reference[mask], rtol=1e-5, atol=1e-5)
 # ## 3. The collectives of one layer group, read from the compiled step
 #
 # **Predict.** The decoder scans over layer groups (3 GDN layers + 1 attention layer, each followed by the MoE);
-# the scan's loop body is one computation in the optimized HLO. Under `dp8_ep8` with `replicate` routing, one
-# group should move, per MoE layer, with `N` tokens in the step (all ranks together), `k` experts per token:
+# the scan's loop body is one computation in the optimized HLO. Under `dp8_ep8` with `all_to_all` routing
+# (dropless), one group should move, per MoE layer, with `n` tokens on each of the 8 devices, `c` rows per
+# destination device (`routing.a2a_cap`: `n`, since a token goes at most once to each device), `k` experts per
+# token and `b` bytes per activation:
 #
-# | collective | array | bytes (of the result, per device) |
+# | collective | array | bytes (operand, per device) |
 # |---|---|---|
-# | all-gather | hidden states `x[N_x, D] -> x[N, D]` | `N · D · 2` (bf16) |
-# | all-gather | top-k ids `[N_x, k] -> [N, k]` | `N · k · 4` (int32) |
-# | all-gather | top-k weights `[N_x, k] -> [N, k]` | `N · k · 2` (bf16) |
-# | reduce-scatter | partial outputs `{y[N, D]}_U -> y[N_x, D]` | `N / 8 · D · 2` |
+# | all-to-all | token rows out `x[8, c, D]` | `8 · c · D · b` |
+# | all-to-all | their local expert ids and weights, packed `[8, c, 2k]` int32 | `8 · c · 2k · 4` |
+# | all-to-all | partial outputs home `{y[8, c, D]}_U` | `8 · c · D · b` |
 #
-# and nothing for attention or GDN: `4 x 3 = 12` all-gathers and `4` reduce-scatters per group. We compile the
-# engine's step (`aot.compile_step`: abstract weights and caches, 8 decode tokens per rank, so `N = 64`; 8 layers,
-# i.e. 2 groups, since XLA unrolls a scan of length 1) for this
-# machine's 8 CPU devices and, with libtpu, for a TPU7x-8 (`tpu7x:2x2x1`). Both in bf16, the serving dtype, with
-# the XLA kernels of the `dp_ep` stages (Pallas kernels are notebook 05's subject).
+# (`{y}_U`: each device's partial sum of a token's output over its own experts, *unreduced*: the token's home device
+# adds the parts.) Nothing for attention or GDN: `4 x 3 = 12` all-to-alls per group. The same formulas are the cost
+# model's (`costmodel.traffic.step_collectives`), which the next cell reads instead of retyping them. We compile the
+# engine's step (`aot.compile_step`: abstract weights and caches, `DECODE` tokens per rank; 8 layers, i.e. 2
+# groups, since XLA unrolls a scan of length 1) for this machine's 8 CPU devices and, with libtpu, for a TPU7x-8
+# (`tpu7x:2x2x1`). Both in bf16, the serving dtype, with the XLA kernels of the `dp_ep` stage (Pallas kernels are
+# notebook 05's subject).
 
 # %%
-step_cfg = qwen35_lib.get_config("qwen3.5-tiny", num_layers=8, layout="dp8_ep8", attention_kernel="xla",
-                                 gdn_kernel="xla", moe_kernel="ragged_dot")
+step_cfg = qwen35_lib.get_config("qwen3.5-tiny", num_layers=8, layout=STAGE.layout, routing=STAGE.routing,
+                                 attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
 targets = {"CPU": (make_mesh(), step_cfg.replace(moe_kernel="auto"))}
 if HAVE_LIBTPU:
     targets["TPU7x"] = (aot.chip_core_mesh(), step_cfg)
 else:
     print("libtpu not installed (pip install 'jax[tpu]'): skipped the TPU7x compile")
-per_group, body_ops = {}, {}
+REQUESTS, DECODE = 16, 8
+per_group, body_ops, step_ops = {}, {}, {}
 for name, (m, c) in targets.items():
-    text = aot.compile_step(c, m, requests=16, context_len=256, decode=8).as_text()
+    text = aot.compile_step(c, m, requests=REQUESTS, context_len=256, decode=DECODE).as_text()
     body = hlo.layer_body(text)
     per_group[name] = hlo.count(text, body)
     body_ops[name] = [op for op in hlo.collectives(text) if op.computation in hlo.called(text, body)]
+    step_ops[name] = hlo.collectives(text)
     print(f"{name}, one layer group: {per_group[name]}")
-for op in body_ops["CPU"][:5]:
-    print(f"  CPU  {op.kind:<15} {op.bytes:>6} B  {op.shape}")
-for op in body_ops.get("TPU7x", [])[:4] + [o for o in body_ops.get("TPU7x", []) if o.bytes > 4][-1:]:
-    print(f"  TPU7x {op.kind:<14} {op.bytes:>6} B  {op.shape}")
+for name, ops in body_ops.items():
+    for op in ops[:3]:
+        print(f"  {name:<5} {op.kind:<12} {op.bytes:>6} B  {op.shape}")
+
+# the cost model's closed form for the same step, per device, and the MoE ops of one group (4 layers of 8 run)
+plan = STAGE.bind(make_mesh())
+shape = StepShape.of_compile(step_cfg, plan.dp, REQUESTS, DECODE)
+groups = step_cfg.num_layers // len(step_cfg.layer_pattern)
+BACKEND = {"CPU": "cpu", "TPU7x": "tpu"}  # XLA:CPU widens 16-bit float collectives to float32
+formula = {name: sorted(op.bytes for op in step_collectives(plan, step_cfg, shape, backend)
+                        if op.part == "moe" for _ in range(op.runs // groups))
+           for name, backend in BACKEND.items()}
+print("cost model, one group's all-to-all bytes:", formula["TPU7x"])
+print("cost model, the whole step per device {kind: (ops, bytes)}:",
+      {k: v for k, v in collective_counts(plan, step_cfg, shape, "tpu").items() if v[0]})
 
 # %% [markdown]
-# **Check.** Both compilers keep the 12 all-gathers per group. The CPU keeps the 4 reduce-scatters (and carries
-# bf16 collectives in float32, so its bytes are doubled); XLA's TPU compiler, at this tiny size, turns each
-# reduce-scatter into an all-reduce of the whole `[N, D]` partial sums (each device then keeps its slice): the
-# same data dependency, with a result 8x the size of the reduce-scatter's, a choice it makes for small arrays. A
-# scalar all-reduce (1 or 4 bytes), where one appears, carries a loop condition the devices agree on, not the
-# model's data. On the TPU the bytes are the table's.
+# **Check.** Both compilers keep the 12 all-to-alls per group, with the cost model's bytes (XLA:CPU carries bf16
+# collectives in float32, so its token rows are doubled: the `cpu` backend of the formula says so). The layer body
+# holds nothing else: the mixers are local. Outside it, the step's only collectives are the sampler's, as the cost
+# model lists them: a 1-byte all-reduce of "is every row greedy" and the all-gather of the next tokens (XLA's TPU
+# compiler widens the flag to 4 bytes and, for so small an array, runs the gather as an all-reduce of the
+# assembled result). No scalar all-reduce is left in the layers: the attention's page loop runs per device.
 
 # %%
-N, D, k = 64, step_cfg.hidden_size, step_cfg.num_experts_per_tok
-big_ones = lambda ops, kind: [o.bytes for o in ops if o.kind == kind and o.bytes > 4]
-assert per_group["CPU"]["all-gather"]["count"] == 12 and per_group["CPU"]["reduce-scatter"]["count"] == 4
-assert sorted(big_ones(body_ops["CPU"], "all-gather")) == sorted([N * D * 4, N * k * 4, N * k * 4] * 4)
-if "TPU7x" in per_group:
-    ops = body_ops["TPU7x"]
-    assert sorted(big_ones(ops, "all-gather")) == sorted([N * D * 2, N * k * 4, N * k * 2] * 4)
-    summed = big_ones(ops, "reduce-scatter") + big_ones(ops, "all-reduce")
-    assert summed in ([N // 8 * D * 2] * 4, [N * D * 2] * 4), summed  # reduce-scatter, or all-reduce + slice
-print("predicted per MoE layer (bf16):",
-      dict(x=N * D * 2, ids=N * k * 4, weights=N * k * 2, reduce_scatter=N // 8 * D * 2))
+for name, ops in body_ops.items():
+    assert per_group[name]["all-to-all"]["count"] == 12, (name, per_group[name])
+    assert {op.kind for op in ops} == {"all-to-all"}, (name, {op.kind for op in ops})
+    assert sorted(op.moved for op in ops) == formula[name], (name, sorted(op.moved for op in ops), formula[name])
+    outside = sorted((op.kind, op.moved) for op in step_ops[name] if op not in ops)
+    sampler = sorted((op.kind, op.bytes) for op in step_collectives(plan, step_cfg, shape, BACKEND[name])
+                     if op.part == "sample")
+    if name == "CPU":
+        assert outside == sampler, (name, outside, sampler)
+    else:  # XLA's TPU compiler: the flag widened to 4 bytes, the small gather run as an all-reduce of its result
+        assert [kind for kind, _ in outside] == ["all-reduce"] * len(sampler), (name, outside, sampler)
+        assert sorted(nbytes for _, nbytes in outside) == sorted(max(nbytes, 4) for _, nbytes in sampler), outside
+    print(f"{name} outside the layer body: {outside}")
 
 # %% [markdown]
 # ## 4. Any number of requests
 #
 # The engine sends each new request to the least-loaded of the 8 data-parallel ranks; each rank has its own page
-# and slot pools, on its own device. 1 request leaves 7 ranks idle (they run padding), 9 requests put 2 on
-# one rank (one prefill chunk of 64 tokens per rank per step: its second request waits a step). **Predict:** the
-# first generated token of each request is the argmax of the single-device logits at its last prompt position.
+# and slot pools, on its own device. A single request leaves 7 ranks idle (they run padding); one request more
+# than there are ranks puts two on one rank (one prefill chunk of `max_num_batched_tokens` per rank per step: its
+# second request waits a step). **Predict:** the first generated token of each request is the argmax of the
+# single-device logits at its last prompt position.
 
 # %%
 engine = Engine(dp_cfg, weights, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
@@ -241,15 +314,19 @@ for n, tokens in first.items():
 record = dict(placement_397b=dict(weight_bytes=p.weight_bytes_per_device, kv_bytes=p.kv_bytes_per_device,
                                   gdn_state_bytes=p.gdn_state_bytes_per_device,
                                   total_bytes=p.total_bytes_per_device, fits=p.fits),
+              placement_dp4_tp2_ep8=dict(weight_bytes=mid.weight_bytes_per_device, kv_bytes=mid.kv_bytes_per_device,
+                                         total_bytes=mid.total_bytes_per_device, fits=mid.fits),
+              kv_dtype=FP8_KV, stage=STAGE.name, routing=STAGE.routing,
               logits_max_abs_err=float(err), collectives_per_group=per_group,
-              first_tokens={str(k): v for k, v in first.items()})
+              first_tokens={str(k): v for k, v in first.items()}, stages=stages)
 notebook.save_results("dp_ep", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
 # <b>Takeaway.</b> Splitting requests for attention and experts for the MoE makes the mixers communication-free
-# and leaves exactly 3 all-gathers and 1 reduce-scatter per layer, at the price of replicating the dense weights:
-# 84 GiB per device for 512 requests of 8k tokens, which fits.
+# and leaves three all-to-alls per MoE layer (tokens out, their ids and weights, results home), at the price of
+# replicating the dense weights on every device, which with FP8 experts and an FP8 KV cache still fits 512
+# requests of 8k tokens.
 # </div>
 
 # %% [markdown]
@@ -264,25 +341,26 @@ notebook.save_results("dp_ep", record)
 #    heads are split over `core`), the embeddings and shared expert stay replicated.
 #    </details>
 #
-# 2. **[Where the bytes go]** In section 3, which all-gather is the largest, and why is it so much larger than the
-#    other two?
+# 2. **[Where the bytes go]** In section 3, which all-to-all is the smallest, and why is it so much smaller than
+#    the other two?
 #    <details><summary>Answer</summary>
 #
-#    `body_ops["CPU"]` lists them with their shapes: the hidden states `[N, D]` carry `D` values per token, the
-#    ids and weights `[N, k]` only `k` each.
+#    `body_ops["CPU"]` lists them with their shapes: the token rows and the partial outputs `[8, c, D]` carry `D`
+#    values per row, the packed ids and weights `[8, c, 2k]` only `2k` each.
 #    </details>
 #
-# 3. **[Uneven ranks]** With 9 requests, one rank holds two. What does that cost the other 7 ranks in a step?
+# 3. **[Uneven ranks]** With one request more than ranks, one rank holds two. What does that cost the other 7
+#    ranks in a step?
 #    <details><summary>Answer</summary>
 #
 #    Every rank runs the same compiled step shape (`engine.stats.buckets`): the ranks with one request compute
 #    padding for the second slot. Balanced admission (the least-loaded rank first) keeps that to one slot.
 #    </details>
 #
-# 4. **[Routing all-to-all]** Rebuild `dp_cfg` with `routing="all_to_all"` and count the collectives of one
-#    layer group again. What replaces the all-gathers and the reduce-scatter?
+# 4. **[Routing by replication]** Rebuild `step_cfg` with `routing="replicate"` and count the collectives of one
+#    layer group again. What replaces the all-to-alls?
 #    <details><summary>Answer</summary>
 #
-#    Two all-to-alls per MoE layer for the tokens (there and back) and one for the expert ids; notebook 03
-#    compares the two strategies.
+#    Per MoE layer, three all-gathers (hidden states, top-k ids, top-k weights: every device sees every token) and
+#    one reduce-scatter of the partial outputs; notebook 03 compares the two strategies.
 #    </details>

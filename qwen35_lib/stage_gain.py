@@ -52,12 +52,12 @@ def stage_gain(stage: str, previous: str | None = "ladder", concurrency: int = 5
                model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8",
                predictions: dict[tuple[str, str], dict] | None = None, **kwargs: Any) -> dict:
     """The module doc's record for `stage` over `previous` ("ladder": the stage before it; None: none).
-    `predictions` maps (stage, workload) to `predict` documents already made (reused, not recomputed); `kwargs`
-    go to `predict`."""
+    `predictions` maps (stage, workload) to `predict` documents already made (reused, not recomputed; the ones made
+    here are added to it, so that stages sharing one dict predict each stage once); `kwargs` go to `predict`."""
     from qwen35_lib.costmodel import predict
 
     previous = previous_stage(stage) if previous == "ladder" else previous
-    made = dict(predictions or {})
+    made = predictions if predictions is not None else {}
 
     def get(st: str, wl: str) -> dict:
         if (st, wl) not in made:
