@@ -17,12 +17,14 @@
 # # 03 · Token routing: all-to-all dispatch or token replication?
 #
 # Under expert parallelism a token's `k` experts live on other devices, so either the token goes to them or the
-# experts' devices get every token. **All-to-all dispatch** sends each of a token's `k` copies to the device that
-# owns its expert and brings the outputs back; it has to reserve buffer room for an uneven routing, or drop what
-# does not fit. **Token replication** all-gathers every token (and its top-k ids and weights) to every device,
-# runs the local experts on the copies routed to them, and reduce-scatters the summed outputs back. This notebook
-# asks which moves fewer bytes for Qwen3.5-397B (top-10 of 512 experts on 8 devices), what dropping costs, and
-# which gives a request an answer that does not depend on who else is in the batch.
+# experts' devices get every token. **All-to-all dispatch** (the `dp_ep` stage, notebook 02) sends each token
+# once to every device that owns one of its `k` experts and brings one partial output per device back; it has to
+# reserve buffer room for an uneven routing, or drop what does not fit. **Token replication** (the `replicate`
+# stage) all-gathers every token (and its top-k ids and weights) to every device, runs the local experts on the
+# copies routed to them, and reduce-scatters the summed outputs back. This notebook asks, for Qwen3.5-397B (top-10
+# of 512 experts on 8 devices): which moves fewer bytes, which loads the ring's links less and waits less, what
+# static shapes and dropping cost, and which gives a request an answer that does not depend on who else is in
+# the batch.
 
 # %% [markdown]
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/03_token_routing.ipynb)
@@ -59,6 +61,8 @@ devices, SIZE = notebook.setup()
 # %%
 # %matplotlib inline
 
+import re
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
@@ -66,13 +70,37 @@ import numpy as np
 
 import qwen35_lib
 from qwen35_lib import aot
+from qwen35_lib.costmodel import collectives as cc
+from qwen35_lib.costmodel import specs as hw_specs
+from qwen35_lib.costmodel.step import expected_a2a_rows
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
 from qwen35_lib.parallel import hlo, make_mesh, routing
 from qwen35_lib.report import human_bytes
+from qwen35_lib.stage_gain import gain_table, stage_gain
 
 mesh = make_mesh()
 tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
+# %% [markdown]
+# ## 0. What replication buys (the cost model, TPU7x-8)
+#
+# **Compute.** The `replicate` stage against `dp_ep` (notebook 02): the same layout, the same experts, only the
+# routing changes. Milliseconds per 1,000 tokens served by component, both workloads at 512 concurrent requests.
+
+# %%
+stages = {"replicate": stage_gain("replicate")}
+print(gain_table(stages["replicate"]))
+
+# %% [markdown]
+# **Check.** The whole gain is in the collectives: attention, GDN and the experts' work are the same under both
+# routings. Sections 1 and 2 say where it comes from.
+
+# %%
+for wl in ("8k/1k", "1k/8k"):
+    change = stages["replicate"][wl]["component_change"]
+    assert all(abs(change[g]) < 1e-9 for g in ("attention", "gdn", "moe")), (wl, change)
+    assert change["collectives"] < 0 and stages["replicate"][wl]["gain"] > 1, (wl, change)
 
 # %% [markdown]
 # ## 1. Bytes per MoE layer
@@ -84,25 +112,89 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # |---|---|---|
 # | `replicate` | all-gather `x`, ids, weights; reduce-scatter `y` | `N·D·b + N·k·4 + N·k·b`; `n·D·b` |
 # | `all_to_all` | all-to-all `x` there, packed ids/weights there, `y` back | `2 · 8·cap·D·b + 8·cap·2k·4` |
+# | ideal ragged `all_to_all` | the same, only the rows the routing needs | `rows · (2·D·b + 2k·4)` |
 #
 # where `cap` is the buffer rows per destination device. A token is sent to a device **once**, however many of
-# its `k` experts live there (the packed ids and weights say which), so dropless needs `cap = n` rows (all of a
-# device's tokens could go to one device), and a capacity factor `f` allows `ceil(f · n·k / 8)` of them, at most
-# `n`. On the wire a device receives 7/8 of an all-gather's or all-to-all's result (its own block stays), and
-# sends 7/8 of a reduce-scatter's *input* (`N·D·b`).
+# its `k` experts live there (the packed ids and weights say which: the all-to-all is *deduplicated*), so dropless
+# needs `cap = n` rows (all of a device's tokens could go to one device), and a capacity factor `f` allows
+# `ceil(f · n·k / 8)` of them, at most `n`. A static buffer (what a TPU compiles: the shapes cannot depend on the
+# routing) of `cap = n` is as large as the all-gather's result. The ideal, a ragged all-to-all that sends the
+# rows the routing needs, sends `rows = n · 8 · (1 - C(E - E/8, k) / C(E, k))` (the expected distinct devices of a
+# token's `k` experts: `costmodel.step.expected_a2a_rows`). On the wire a device receives 7/8 of an all-gather's or
+# all-to-all's result (its own block stays), and sends 7/8 of a reduce-scatter's *input* (`N·D·b`).
 
 # %%
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
+D, k, b = big.hidden_size, big.num_experts_per_tok, 2  # bf16 activations
+ragged_rows = lambda N: expected_a2a_rows(big, N // 8, 8)  # rows one device sends, deduplicated, no padding
+ragged_wire = lambda N: 7 / 8 * ragged_rows(N) * (2 * D * b + 2 * k * 4)
 for N in (512, 8 * 2048):
     row = {s: human_bytes(routing.wire_bytes(big.replace(**kw), N)) for s, kw in STRATEGIES.items()}
+    row["all_to_all (ideal ragged)"] = human_bytes(ragged_wire(N))
     print(f"397B, N = {N:>5} tokens per step: {row}")
+print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(512) / (512 // 8):.2f} of 8")
 
 # %% [markdown]
-# Replication moves each token to all 8 devices once; dispatch moves `k = 10` copies there and `k` back. With
-# more experts per token than devices, a token's copies reach almost every device anyway (on average
-# `8·(1 - (7/8)^10) = 5.9` distinct devices), so dispatch has nothing to save, and its dropless buffers are sized
-# for the worst case: `k = 10` times the tokens, per destination.
+# **Check.** With top-10 over 8 devices a token reaches most devices anyway, so the ideal ragged all-to-all saves
+# only the devices it misses: fewer bytes than replication, but not many fewer. The static dropless buffer, and at
+# `k = 10` also the capped one (`ceil(f·n·k/8)` exceeds `n`), moves as much as replication.
+
+# %%
+for N in (512, 8 * 2048):
+    rep_b = routing.wire_bytes(big.replace(routing="replicate"), N)
+    static_b = routing.wire_bytes(big.replace(routing="all_to_all"), N)
+    assert ragged_wire(N) < rep_b <= static_b, (N, ragged_wire(N), rep_b, static_b)
+    assert routing.wire_bytes(big.replace(routing="all_to_all", capacity_factor=1.25), N) == static_b
+
+# %% [markdown]
+# ### Per-link load on the ring, and latency
+#
+# **Compute.** Bytes are not time. The 8 TensorCores of a TPU7x-8 sit on a ring of 4 chips (2 cores a chip): an
+# all-gather or reduce-scatter runs *around* the ring, each byte crossing each link it needs once, while an
+# all-to-all message to a device `d` hops away loads `d` links on its way. Per byte delivered, an all-to-all on a
+# ring of 8 loads each link `sum_d min(d, 8 - d) / 7` times what an all-gather does
+# (`costmodel.collectives.ring_hops_sum`). Against that, every collective pays a launch and a latency per hop, and
+# replication runs four of them per layer to the all-to-all's three. The cost model's collective formulas
+# (`costmodel.collectives`, TPU7x-8 specs from `data/hardware.json`) price one MoE layer of each strategy from a
+# decode-sized step to a prefill-sized one.
+
+# %%
+tpu = hw_specs.get("tpu7x-8")
+link_load = cc.ring_hops_sum(8) / 7  # all-to-all's per-link bytes per byte delivered, over the all-gather's
+
+
+def layer_seconds(strategy: str, N: int) -> float:
+    n = N // 8
+    if strategy == "replicate":
+        ops = [cc.all_gather(tpu, n * D * b), cc.all_gather(tpu, n * k * 4), cc.all_gather(tpu, n * k * b),
+               cc.reduce_scatter(tpu, N * D * b)]
+    else:
+        rows = ragged_rows(N) if strategy == "ragged" else 8 * routing.a2a_cap(big.replace(routing="all_to_all"), n, 8)
+        ops = [cc.all_to_all(tpu, rows * D * b), cc.all_to_all(tpu, rows * 2 * k * 4), cc.all_to_all(tpu, rows * D * b)]
+    return sum(op.seconds for op in ops)
+
+
+STEP_TOKENS = (64, 512, 8 * 2048)
+seconds = {N: {s: layer_seconds(s, N) for s in ("replicate", "static", "ragged")} for N in STEP_TOKENS}
+print(f"per-link load of an all-to-all per byte delivered: {link_load:.2f}x an all-gather's")
+for N, row in seconds.items():
+    print(f"N = {N:>5}: " + ", ".join(f"{s} {t * 1e6:7.1f} us" for s, t in row.items()))
+
+# %% [markdown]
+# **Check.** At a prefill-sized step the ideal ragged all-to-all, with fewer bytes, still takes longer than
+# replication: its messages load the ring's links more. At a small decode step, latency rules and fewer
+# collectives win. The padded static all-to-all is never faster than the ragged one.
+
+# %%
+big_step = STEP_TOKENS[-1]
+assert ragged_wire(big_step) < routing.wire_bytes(big.replace(routing="replicate"), big_step)
+assert seconds[big_step]["ragged"] > seconds[big_step]["replicate"]
+assert seconds[STEP_TOKENS[0]]["ragged"] < seconds[STEP_TOKENS[0]]["replicate"]
+assert all(row["static"] >= row["ragged"] for row in seconds.values())
+
+# %% [markdown]
+# ### The compiled layer
 #
 # **Measure, as a TPU7x-8 would.** One MoE layer (`routing.moe_ep`, the same function the model calls),
 # compiled for `tpu7x:2x2x1` with abstract weights, at the `qwen3.5-mini` width (`D = 512`, `k = 8`): the 397B
@@ -156,8 +248,8 @@ plt.show()
 # the tokens that rank past `cap` among those going there. A skewed routing (most
 # tokens preferring expert 0, on device 0) drops far more than a balanced one.
 #
-# At CPU size: `qwen3.5-tiny` (8 experts, top-3: one expert per device), 64 tokens, float32. The skewed tokens
-# are random tokens pushed along the router's column for expert 0.
+# At CPU size: `qwen3.5-tiny` (8 experts, top-3: one expert per device), a batch of random hidden states, float32.
+# The skewed ones are the same pushed along the router's column for expert 0.
 
 # %%
 weights = qwen35_lib.init_weights(tiny, 0)
@@ -226,19 +318,25 @@ assert changed["replicate"] == 0 and changed["all_to_all f=1"] > 0
 
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+key = lambda name: re.sub(r"\W+", "_", name).strip("_")  # "all_to_all (f = 1.25)" -> "all_to_all_f_1_25"
 record = dict(
-    wire_bytes_397b={str(N): {s: routing.wire_bytes(big.replace(**kw), N)
+    wire_bytes_397b={str(N): {key(s): routing.wire_bytes(big.replace(**kw), N)
                               for s, kw in STRATEGIES.items()} for N in Ns},
-    tpu7x_mini_collectives=tpu_counts,
-    dropped={name: {s: d for s, (_, d) in r.items()} for name, r in results.items()},
-    outputs_changed_by_neighbours=changed)
+    tpu7x_mini_collectives={key(s): v for s, v in tpu_counts.items()},
+    dropped={name: {key(s): d for s, (_, d) in r.items()} for name, r in results.items()},
+    outputs_changed_by_neighbours={key(s): v for s, v in changed.items()},
+    ragged_wire_bytes_397b={str(N): ragged_wire(N) for N in Ns}, distinct_devices=ragged_rows(512) / (512 // 8),
+    link_load_ratio=link_load, step_tokens=list(STEP_TOKENS),
+    layer_us={str(N): {s: t * 1e6 for s, t in row.items()} for N, row in seconds.items()},
+    stages=stages)
 notebook.save_results("token_routing", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
-# <b>Takeaway.</b> With top-10 routing over 8 devices, replicating tokens moves fewer bytes than dispatching
-# their 10 copies, needs no capacity to tune, drops nothing, and gives every request the same answer whatever
-# else is in the batch.
+# <b>Takeaway.</b> With top-10 routing over 8 devices a token reaches most devices anyway, so even an ideal,
+# deduplicated ragged all-to-all saves only a fraction of replication's bytes, and on a ring it loads each link
+# more per byte; replication's collectives have static shapes, need no capacity to tune, drop nothing, and give
+# every request the same answer whatever else is in the batch. That is why production replicates.
 # </div>
 
 # %% [markdown]
@@ -260,8 +358,9 @@ notebook.save_results("token_routing", record)
 #    <details><summary>Answer</summary>
 #
 #    Raise `f` in `routing.predicted_drops` for the skewed routing until it returns 0, then confirm with
-#    `routing.run_layer` (all_to_all, skewed, f): `f = 2.5` here (the balanced batch still drops 1 copy at
-#    `f = 2`). Twice the average buffer, and the bytes of the all-to-all grow with it.
+#    `routing.run_layer` (all_to_all, skewed, f). The answer is well above `f = 1`: a buffer sized for the average
+#    is not enough for a skewed batch, and the bytes of the all-to-all grow with it (until `cap` reaches `n`, the
+#    dropless buffer).
 #    </details>
 #
 # 3. **[Dropless all-to-all on TPU]** Why is `ragged_all_to_all` the better primitive for a dropless dispatch?
