@@ -296,8 +296,7 @@ notebook.save_results("architecture", record)
 #    <details><summary>Answer</summary>
 #
 #    When `context_len * kv_bytes_per_token > gdn_state_bytes_per_seq`: compute
-#    `serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token` (printed in section 3: a few
-#    thousand tokens). Below that length the 45 GDN layers cost more than the 15 attention layers, although
+#    `serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token` (printed in section 3). Below that length the 45 GDN layers cost more than the 15 attention layers, although
 #    attention is the part that grows.
 #    </details>
 #
@@ -323,8 +322,8 @@ notebook.save_results("architecture", record)
 #    <details><summary>Answer</summary>
 #
 #    `python -m qwen35_lib info --model qwen3.5-397b-a17b --hardware h200-8 --expert-dtype float8_e4m3fn
-#    --gdn-state-dtype bfloat16 --concurrency 512 --context-len 8192`, then `--hardware v5p-8` (4 chips of
-#    95 GiB: the FP8 weights alone nearly fill it).
+#    --gdn-state-dtype bfloat16 --concurrency 512 --context-len 8192`, then `--hardware v5p-8` (4 chips: the FP8
+#    weights alone nearly fill their HBM).
 #    </details>
 #
 # 5. **[Workload lengths]** In the prefill-heavy workload `8k/1k` a request ends holding its 8k input plus 1k
