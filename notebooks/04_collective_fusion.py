@@ -70,10 +70,34 @@ from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep
 from qwen35_lib.report import human_bytes
+from qwen35_lib.stage_gain import gain_table, stage_gain
 
 mesh = make_mesh()
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
+# %% [markdown]
+# ## 0. What the two flags buy (the cost model, TPU7x-8)
+#
+# **Compute.** Two rungs of the ladder: `fused_ag` is `replicate` (notebook 03) with `fuse_allgather`, `hier_rs`
+# is `fused_ag` with `hierarchical_rs`. Milliseconds per 1,000 tokens served by component, both workloads at 512
+# concurrent requests (one prediction per stage and workload, shared by the two comparisons).
+
+# %%
+predictions = {}
+stages = {name: stage_gain(name, predictions=predictions) for name in ("fused_ag", "hier_rs")}
+for name in stages:
+    print(gain_table(stages[name]))
+
+# %% [markdown]
+# **Check.** Both flags change only the collectives, and both help on both workloads.
+
+# %%
+for name, rec in stages.items():
+    for wl in ("8k/1k", "1k/8k"):
+        change = rec[wl]["component_change"]
+        assert all(abs(change[g]) < 1e-9 for g in ("attention", "gdn", "moe")), (name, wl, change)
+        assert change["collectives"] < 0 and rec[wl]["gain"] > 1, (name, wl, change)
 
 # %% [markdown]
 # ## 1. Three all-gathers become two
@@ -84,7 +108,7 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # **Predict.** Per MoE layer: 3 all-gathers → 2 (per layer group of 4 MoE layers, 12 → 8). The bytes barely move:
 # the weights travel as 4-byte words instead of bf16, `N·k·2` bytes more per layer, for one collective less.
 #
-# **Measure.** One MoE layer (`routing.moe_ep`, the function the model calls; `qwen3.5-tiny`, bf16, 512 tokens),
+# **Measure.** One MoE layer (`routing.moe_ep`, the function the model calls; `qwen3.5-tiny`, bf16, `N = 512`),
 # compiled for the 8 CPU devices and for a TPU7x-8 (`tpu7x:2x2x1`). Notebook 02 read the same collectives out
 # of a whole layer group of the engine's step.
 
@@ -226,8 +250,10 @@ print({k or ("plain",): float(np.abs(v - plain).max()) for k, v in outs.items()}
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fused), v in all_gathers.items()},
+              all_gather_count={f"{where}_{'fused' if fused else 'unfused'}": v["count"]
+                                for (where, fused), v in all_gathers.items()},
               reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
-              bytes_per_phase_397b_n512=per_phase)
+              bytes_per_phase_397b_n512=per_phase, stages=stages)
 notebook.save_results("collective_fusion", record)
 
 # %% [markdown]
@@ -258,8 +284,11 @@ notebook.save_results("collective_fusion", record)
 #    </details>
 #
 # 3. **[Bytes for one collective less]** At what `N` does the fused all-gather's extra `N·k·2` bytes cost more
-#    than the latency of the collective it saves (say 10 µs at 100 GB/s)?
+#    than the latency of the collective it saves? Take the TPU7x-8 figures the cost model uses,
+#    `costmodel.specs.get("tpu7x-8")`: `collective_launch_s + 7 * hop_latency_s` for the latency, the slowest
+#    ring link (`ring_link_bytes_per_s * eff_ici`, both directions) for the bytes.
 #    <details><summary>Answer</summary>
 #
-#    `N·10·2 B / 100 GB/s = 10 µs` at `N = 50,000` tokens: far beyond any step here, so fusing always pays.
+#    Solve `N·k·2 · 7/8 / (2 · bw) = latency` for `N` with those figures: the answer is far beyond any step here
+#    (compare the token budget of a step), so fusing always pays.
 #    </details>
