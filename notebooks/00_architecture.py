@@ -296,8 +296,8 @@ notebook.save_results("architecture", record)
 #    <details><summary>Answer</summary>
 #
 #    When `context_len * kv_bytes_per_token > gdn_state_bytes_per_seq`: compute
-#    `serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token` (printed in section 3). Below that length the 45 GDN layers cost more than the 15 attention layers, although
-#    attention is the part that grows.
+#    `serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token` (printed in section 3). Below that
+#    length the 45 GDN layers cost more than the 15 attention layers, although attention is the part that grows.
 #    </details>
 #
 # 2. **[Replication]** Data-parallel attention replicates every weight that is not a routed expert on each of

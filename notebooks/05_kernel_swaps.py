@@ -68,6 +68,7 @@ from qwen35_lib.bench.kernels_attention import attention_rows
 from qwen35_lib.bench.kernels_gdn import gdn_rows
 from qwen35_lib.bench.timing import dict_table
 from qwen35_lib.costmodel.predict import predict
+from qwen35_lib.stage_gain import gain_table, stage_gain
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
 # Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
@@ -78,11 +79,13 @@ compiled = lambda kernel: kb.compile_summary(aot.result() if aot else None, kern
 # %% [markdown]
 # ## 1. Predict: the four kernels on one TensorCore's roofline
 #
-# A TensorCore of TPU7x does ~1.15 PFLOP/s of bf16 matmul and streams ~3.7 TB/s from HBM, so an op needs about
-# 313 FLOPs per byte it moves (the **ridge point**) before compute, not memory, bounds it. The cost model
+# A TensorCore of TPU7x does its peak bf16 matmul FLOP/s and streams its HBM bandwidth (`data/hardware.json`; the
+# cell prints both), so an op needs their ratio in FLOPs per byte it moves (the **ridge point**) before compute,
+# not memory, bounds it. The cost model
 # (`qwen35_lib.costmodel.ops`) counts each kernel's FLOPs and HBM bytes for one layer on one device, for the
 # serving model (FP8 experts, FP8 KV cache) at 512 concurrent requests: a **decode** step (512 decodes, mean
-# context 4.6k) and a **prefill** step (one 2k-token chunk per data-parallel rank), under the `hier_rs` stage
+# context over half the longest) and a **prefill** step (one chunk of the token budget per data-parallel rank),
+# under the `hier_rs` stage
 # (XLA kernels) and the `kernels` stage (Pallas). What each kernel changes, in the model's terms:
 # - attention: XLA's paged attention scores every token against the batch's *longest* context; the ragged kernel
 #   reads each sequence's own pages once, and the whole query group of a KV head together;
@@ -96,7 +99,8 @@ roof = kb.roofline_rows()
 for r in roof:
     r.update(gflop=r["flops"] / 1e9, mib=r["hbm_bytes"] / 2**20, flop_per_byte=r["intensity"], us=r["seconds"] * 1e6)
 print(dict_table(roof, ("kernel", "case", "implementation", "gflop", "mib", "flop_per_byte", "bound", "us")))
-print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']}, one TensorCore)")
+print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']}, one TensorCore: "
+      f"{roof[0]['peak_flops'] / 1e15:.2f} PFLOP/s, {roof[0]['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
 
 # %%
 fig = Figure(figsize=(7, 4), layout="constrained")
@@ -118,12 +122,13 @@ ax.legend(fontsize=7, ncol=2)
 display(fig)
 
 # %% [markdown]
-# Decode is memory-bound for all four kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and ~10 token
+# Decode is memory-bound for all four kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and about `k` token
 # copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they
-# do, for attention (half: no longest-context padding) and for the grouped GEMM (7x: only experts hit, read as FP8).
+# do (the table's `mib` column), for attention (no longest-context padding) and for the grouped GEMM (only the
+# experts hit, read as FP8).
 # In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
 # them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
-# FLOPs alike, so it wins by doing half the work at the same intensity, not by moving along the roofline. GDN and
+# FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN and
 # the permutes (no FLOPs at all: drawn at the left edge) stay where they were, in the model's accounting.
 #
 # ## 2. Measure and check at CPU size
@@ -135,8 +140,8 @@ display(fig)
 #
 # ### 2a. Ragged paged attention
 #
-# Two decodes (contexts 100 and 300 tokens) next to a 40-token prefill chunk that continues a sequence, over a
-# shuffled page pool: one kernel call for the whole ragged batch.
+# Two decodes of different contexts next to a prefill chunk that continues a sequence (the case's name gives the
+# lengths), over a shuffled page pool: one kernel call for the whole ragged batch.
 
 # %%
 attn = attention_rows(cases={"2 decodes + a 40-token chunk": ([100, 300], [(20, 40)])}, repeats=1)
@@ -157,10 +162,11 @@ assert attn[1]["max_abs_diff_vs_xla"] <= 2**-7, attn[1]
 # tiles that span its two minor dims, so a reshape of those dims is a copy. The pool is therefore stored as
 # `kv [P, ps, 2 Hkv d]`, K and V of every head merged into one minor dim (`engine/cache.py`): the kernel DMAs its
 # pages straight from it, and the KV write merges new rows into the pool's tiles in place. (Stored as
-# `[P, ps, 2 Hkv, d]` and viewed as `[P, ps, 2 Hkv d]` by the kernel, the pool was relaid out on every call: an
-# 865 MiB temporary in this compile.) The FP8 scales follow the same rule: stored `[P, ps, 2 Hkv]` float32, with
-# a 4-wide minor dim, they were relaid out for the kernel on every call (a 288 MiB temporary). They are now
-# stored token-minor, `kv_scale [P, 2 Hkv, ps]`: with pages of 256 tokens a page's scales of one head are a
+# `[P, ps, 2 Hkv, d]` and viewed as `[P, ps, 2 Hkv d]` by the kernel, the pool was relaid out on every call: a
+# temporary the size of the pool in this compile.) The FP8 scales follow the same rule: stored `[P, ps, 2 Hkv]`
+# float32, with a 4-wide minor dim, they were relaid out for the kernel on every call (a temporary the size of the
+# scales). They are now stored token-minor, `kv_scale [P, 2 Hkv, ps]`: with pages of `ps = 256` a page's scales
+# of one head are a
 # lane-dense row, which the kernel DMAs as is and multiplies into the score (and probability) columns of those
 # keys. The compile's temporaries are now small working buffers, no copy of either pool. Interpret mode cannot
 # see such copies; the ahead-of-time compile does.
@@ -175,8 +181,8 @@ if aot is not None:
 # %% [markdown]
 # ### 2b. Grouped GEMM (the MoE's experts)
 #
-# 16 tokens routed top-8 over 64 experts by a random router: 128 token copies sorted by expert, most groups
-# empty or of one row. The backend's XLA `moe_matmul` (on a CPU the default, `capacity`, chosen by `python -m
+# A few tokens (`tokens=16`) routed top-8 over 64 experts by a random router: their copies sorted by expert, most
+# groups empty or of one row. The backend's XLA `moe_matmul` (on a CPU the default, `capacity`, chosen by `python -m
 # qwen35_lib.bench kernels`; on a TPU `ragged_dot`) against the Pallas grouped GEMM, float32.
 
 # %%
@@ -204,7 +210,8 @@ assert gdn[1]["implementation"] == "pallas" and gdn[1]["max_abs_diff_vs_xla"] < 
 # %% [markdown]
 # ### 2d. Gather/scatter permutes
 #
-# Dispatch (sort 32 tokens' 8 copies by expert) then the weighted combine back, with an identity expert in
+# Dispatch (sort the copies of `tokens=32` tokens by expert) then the weighted combine back, with an identity
+# expert in
 # between, so the result is each token times the sum of its routing weights. On TPU7x this is the SparseCores'
 # job; our kernel is the TensorCore form, one DMA per row.
 
@@ -232,10 +239,11 @@ if aot is not None:
 # %%
 buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False)
         for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
+stages = {"kernels": stage_gain("kernels", predictions=buys)}  # the same predictions, by component group
+print(gain_table(stages["kernels"]))
 for wl in ("8k/1k", "1k/8k"):
     before, after = buys["hier_rs", wl], buys["kernels", wl]
-    print(f"{wl}: {before['total_tokens_per_s']:,.0f} -> {after['total_tokens_per_s']:,.0f} tokens/s "
-          f"({after['total_tokens_per_s'] / before['total_tokens_per_s']:.2f}x, predicted); ms per step by component:")
+    print(f"{wl}: ms per step by component:")
     for comp in ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "routed_experts", "permute"):
         print(f"  {comp:<15} {before['breakdown_s'][comp] * 1e3:7.2f} -> {after['breakdown_s'][comp] * 1e3:7.2f}")
 
@@ -257,7 +265,7 @@ record = dict(
     roofline=roof, cpu=attn + moe + gdn + perm, tpu7x_compile=aot.result() if aot is not None else [],
     gain={wl: buys["kernels", wl]["total_tokens_per_s"] / buys["hier_rs", wl]["total_tokens_per_s"]
           for wl in ("8k/1k", "1k/8k")},
-    total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()})
+    total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()}, stages=stages)
 notebook.save_results("kernel_swaps", record)
 
 # %% [markdown]
@@ -275,8 +283,9 @@ notebook.save_results("kernel_swaps", record)
 #    <details><summary>Answer</summary>
 #
 #    Each weight byte does `2 * rows` FLOPs per FP8 byte (`rows` per expert), so it crosses the ridge at
-#    `rows ~ ridge / 2 ~ 160` copies per expert with FP8 and ~310 with bf16 (2 bytes per weight). A decode step of
-#    512 tokens gives 512 * 10 / 512 = 10 copies per expert: memory-bound by a factor of ~16, whatever the kernel.
+#    `rows ~ ridge / 2` copies per expert with FP8 and `~ ridge` with bf16 (2 bytes per weight). A decode step at
+#    512 concurrent requests (a token each) gives `512 * 10 / 512 = 10` copies per expert: memory-bound by a
+#    factor of `ridge / 20`, whatever the kernel.
 #    `kb.roofline_rows(concurrency=...)` moves the decode point.
 #    </details>
 #
@@ -285,7 +294,7 @@ notebook.save_results("kernel_swaps", record)
 #    <details><summary>Answer</summary>
 #
 #    XLA's do not move: every token reads the longest context (`ops.attention_block` with `attention="xla"`
-#    charges `max_ctx`). The kernel's fall 5x, with the contexts it really reads. Check with
+#    charges `max_ctx`). The kernel's fall with the mean, the contexts it really reads. Check with
 #    `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pl)["attn_core"]` for the
 #    placements `costmodel.step.placement(cfg, specs.get("tpu7x-8"), get_stage(stage), kv_dtype="float8_e4m3fn")`
 #    of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).

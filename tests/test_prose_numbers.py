@@ -1,0 +1,111 @@
+"""No measured or predicted figure is typed into the prose: chapters and notebook markdown quote them from the run
+(`{{ result: }}` in a chapter, a printed value in a notebook). `playbook.prose` finds numbers and number words next to
+a unit outside the placeholders; a short reviewed allowlist (`prose.ALLOWED`) keeps definitional constants.
+
+Covered now: chapters 00-05 and the introduction, notebooks 00-05. NOT_YET_COVERED lists, explicitly, what is not:
+a new chapter or notebook must be added to one of the two."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from playbook import prose
+from playbook.results import PLACEHOLDER
+
+ROOT = prose.ROOT
+COVERED_STEPS = ("00", "01", "02", "03", "04", "05", "introduction")
+NOT_YET_COVERED = ("06", "07", "08", "conclusion")  # the lead's chapters; their figures are still typed
+# the stage(s) each chapter's headline gain names (its step of the ladder)
+STAGE_OF = {"01": ("baseline",), "02": ("dp_ep",), "03": ("replicate",), "04": ("fused_ag", "hier_rs"),
+            "05": ("kernels",)}
+
+
+def _key(path: pathlib.Path) -> str:
+    return path.stem if not path.stem[:2].isdigit() else path.stem[:2]
+
+
+COVERED = [p for p in prose.prose_files() if _key(p) in COVERED_STEPS]
+
+
+def test_every_prose_file_is_covered_or_listed_as_not_yet() -> None:
+    unclassified = [p.name for p in prose.prose_files() if _key(p) not in COVERED_STEPS + NOT_YET_COVERED]
+    assert not unclassified, f"classify {unclassified} in tests/test_prose_numbers.py: COVERED_STEPS or NOT_YET_COVERED"
+    assert len(COVERED) == 13, [p.name for p in COVERED]  # chapters 00-05 + introduction, notebooks 00-05
+
+
+@pytest.mark.parametrize("path", COVERED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_typed_figures(path: pathlib.Path) -> None:
+    bad, _ = prose.scan(path)
+    assert not bad, ("figures typed into prose (quote them with {{ result: NN.file.key }} in a chapter, print them in "
+                     "a notebook, or, for a definition, add a reviewed entry to playbook.prose.ALLOWED):\n"
+                     + "\n".join(map(str, bad)))
+
+
+def test_every_allowlist_entry_is_used() -> None:
+    used = {u for p in COVERED for u in prose.scan(p)[1]}
+    unused = [pattern for pattern, _ in prose.ALLOWED if pattern not in used]
+    assert not unused, f"playbook.prose.ALLOWED entries no covered prose uses: {unused}; remove them"
+
+
+@pytest.mark.parametrize("text", [
+    "needs its 120 GiB of replicated KV cache", "with about 10 GiB left", "84 GiB per device", "a 7x gain",
+    "grows by 3.1x", "moves seven times the bytes", "takes 34 s on 2 cores", "a 2k-token chunk", "45% of the step",
+    "streams ~3.7 TB/s", "1.15 PFLOP/s of bf16", "about 300 requests", "costs 0.7 ms", "moves 64 MB",
+    "three requests through both", "Twice the tokens"])
+def test_the_scan_flags_typed_figures(text: str) -> None:
+    bad, _ = prose.typed_figures(text, "x.md")
+    assert bad, f"not flagged: {text!r}"
+
+
+@pytest.mark.parametrize("text", [
+    "serves {{ result: 02.dp_ep.stages.dp_ep.8k/1k.gain | x }} the baseline", "512 concurrent requests",
+    "requests of 8k tokens", "8 x 96 GiB of HBM", "`tpu7x:2x2x1`", "qwen3.5-397b-a17b", "the 8k/1k workload",
+    "`W[E_x, D, F]` on 8 devices", "one request", "a 2x2x1 slice", "{{ result: 01.naive_tp.kv_factor }} copies",
+    "<div style=\"border: 2px solid\">", "{{ source: qwen35_lib/costmodel }}"])
+def test_the_scan_passes_definitions_and_results(text: str) -> None:
+    bad, _ = prose.typed_figures(text, "x.md")
+    assert not bad, bad
+
+
+def test_a_covered_chapter_with_a_typed_figure_fails(tmp_path: pathlib.Path) -> None:
+    chapter = next((ROOT / "playbook" / "chapters").glob("02_*.md"))
+    typed = tmp_path / chapter.name
+    typed.write_text(chapter.read_text() + "\nThe step is 1.9x faster.\n")
+    bad, _ = prose.typed_figures(typed.read_text(), typed.name)
+    assert [f.text for f in bad] == ["1.9x"]
+    assert bad[0].where == f"{typed.name}:{typed.read_text().count(chr(10))}"
+
+
+def _chapter(step: str) -> pathlib.Path:
+    return next((ROOT / "playbook" / "chapters").glob(f"{step}_*.md"))
+
+
+def _notebook(step: str) -> pathlib.Path:
+    return next(prose.NOTEBOOKS.glob(f"{step}_*.py"))
+
+
+@pytest.mark.parametrize("step", sorted(STAGE_OF))
+def test_each_chapter_opens_with_its_stage_from_its_own_notebook(step: str) -> None:
+    """Chapters 01-05: the block after the title quotes, from its own notebook's record, each of its stages for
+    both workloads under `stages.<stage>.<workload>` (the headline: `gain`, or the baseline's throughput); every
+    placeholder of the chapter names a file its notebook writes and a key it records."""
+    text = _chapter(step).read_text()
+    opening = text.split("\n\n", 2)[1]
+    assert opening.startswith("> **What th"), f"chapter {step} must open with what its step buys"
+    paths = [m.group(1) for m in PLACEHOLDER.finditer(opening)]
+    for stage in STAGE_OF[step]:
+        for workload in ("8k/1k", "1k/8k"):
+            quoted = [p for p in paths if re.fullmatch(rf"{step}\.\w+\.stages\.{stage}\.{workload}\..+", p)]
+            headline = "total_tokens_per_s" if stage == "baseline" else "gain"
+            assert any(p.endswith(f".{headline}") for p in quoted), \
+                f"chapter {step} does not open with stages.{stage}.{workload}.{headline}"
+    source = _notebook(step).read_text()
+    files = set(re.findall(r'save_results\("(\w+)"', source))
+    for path in (m.group(1) for m in PLACEHOLDER.finditer(text) if m.group(1).startswith(f"{step}.")):
+        stem, first = path.split(".")[1:3]
+        assert stem in files, f"{path}: notebook {step} writes {sorted(files)}, not {stem!r}"
+        assert re.search(rf"\b{re.escape(first)}\s*=|[\"']{re.escape(first)}[\"']", source), \
+            f"{path}: notebook {step} records no {first!r}"
