@@ -13,13 +13,15 @@ The prediction never reads published measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any
 
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
-from qwen35_lib.costmodel.schedule import simulate
+from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
@@ -66,12 +68,17 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             max_batched_tokens: int | None = None, max_seqs: int | None = None,
             kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
             num_prompts: int | None = None, range_ratio: float = 0.8, seed: int = 0, roofline: bool = True,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, mechanisms: str | Mechanisms = "nominal", band: bool = False,
+            explain: bool = False) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
     `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `median_ttft_s`,
     `median_tpot_s` (time to first token; per output token after the first), `fits`, the setup used.
-    A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's."""
+    A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's.
+    `mechanisms`: "nominal" (every labelled assumption of data/costmodel_assumptions.json at its value: ranks in
+    lockstep, padding, overlap, host time, ...), "off" (the model without them: balanced ranks, serial
+    collectives), or a `Mechanisms`. `band`: also `band` (the one-at-a-time extremes of the 'range' assumptions,
+    `band_of`); `explain`: also `explain` (`explain_of`)."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
                     range_ratio=range_ratio)
@@ -104,14 +111,23 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                          f"room for one request of {isl + osl} tokens ({per_req / 2**30:.2f} GiB)")
         return doc
 
-    def fn(ideal: bool):
+    mech = _mechanisms(mechanisms)
+    doc["mechanisms"] = "off" if mech == Mechanisms.off() else dataclasses.asdict(mech)
+
+    def fn(ideal: bool, m: Mechanisms | None = mech):
         def run(b: ops.Batch):
-            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap)
+            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m)
             return r.seconds, r.breakdown
         return run
 
-    sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                   range_ratio)
+    ls = None
+    if mech.dp_lockstep and lay.dp > 1:
+        ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
+                      padding=mech.token_padding)
+        sim = price(ls, fn(False))
+    else:
+        sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                       range_ratio)
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -128,7 +144,68 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
+
+    def rerun(m: Mechanisms):  # the same schedule (step times do not change it), re-timed
+        if ls is not None and m.dp_lockstep and m.token_padding == mech.token_padding:
+            return price(ls, fn(False, m))
+        return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
+                        seed, range_ratio)
+
+    if band:
+        doc["band"] = band_of(sim, mech, rerun)
+    if explain:
+        doc["explain"] = explain_of(sim, mech, rerun)
     return doc
+
+
+def _mechanisms(m: str | Mechanisms) -> Mechanisms:
+    if isinstance(m, Mechanisms):
+        return m
+    if m == "nominal":
+        return Mechanisms.nominal()
+    if m == "off":
+        return Mechanisms.off()
+    raise ValueError(f"mechanisms={m!r}: use 'nominal', 'off' or an assumptions.Mechanisms")
+
+
+def band_of(sim, mech: Mechanisms, rerun) -> dict:
+    """The prediction at each 'range' assumption's low and high end, the others nominal: per end the total
+    tokens/s and median TPOT, and the band = [min, max] over them (the nominal included)."""
+    from qwen35_lib.costmodel.assumptions import extremes
+
+    rows = []
+    for name, end, m in extremes(mech):
+        r = rerun(m)
+        rows.append(dict(assumption=name, end=end, value=getattr(m, name), total_tokens_per_s=r.total_tokens_per_s,
+                         median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
+    tot = [r["total_tokens_per_s"] for r in rows] + [sim.total_tokens_per_s]
+    tpot = [r["median_tpot_s"] for r in rows] + [sim.median_tpot_s]
+    return dict(total_tokens_per_s=[min(tot), max(tot)], median_tpot_s=[min(tpot), max(tpot)],
+                high_over_low=max(tot) / min(tot), extremes=rows)
+
+
+def explain_of(sim, mech: Mechanisms, rerun) -> dict:
+    """The mean step per component (each with the assumptions it rests on) and per mechanism: what switching
+    that one mechanism off changes (mean step, total tokens/s), with its assumption record."""
+    from qwen35_lib.costmodel.assumptions import component_assumptions, records
+
+    comps = {k: dict(seconds=v / sim.steps, fraction=v / sim.seconds, assumptions=list(component_assumptions(k)))
+             for k, v in sorted(sim.breakdown.items(), key=lambda kv: -kv[1]) if v > 0}
+    recs = records()
+    mechs = {}
+    for name in [f.name for f in dataclasses.fields(Mechanisms)]:
+        off = mech.neutral(name)
+        if off == mech:
+            mechs[name] = dict(applied=False, assumption=recs[name])
+            continue
+        r = rerun(off)
+        mechs[name] = dict(applied=True, value=getattr(mech, name), off_value=getattr(off, name),
+                           mean_step_s_delta=sim.seconds / sim.steps - r.seconds / r.steps,
+                           total_tokens_per_s_without=r.total_tokens_per_s,
+                           total_tokens_per_s_ratio=sim.total_tokens_per_s / r.total_tokens_per_s,
+                           assumption=recs[name])
+    return dict(mean_step_s=sim.seconds / sim.steps, components=comps, mechanisms=mechs,
+                other_assumptions={k: v for k, v in recs.items() if k not in mechs})
 
 
 POSITIVE = {"isl": "input tokens per request", "osl": "output tokens per request",

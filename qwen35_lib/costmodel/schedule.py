@@ -21,6 +21,7 @@ draining it cost beyond that (`_bounded`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from typing import Callable
 
@@ -222,11 +223,11 @@ class _Play:
 
 def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: list[tuple[int, int]], clients: int,
           dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
-          start: list[_Req] | None = None, collapse: bool = False) -> _Play:
+          start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None) -> _Play:
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
     clients of `start` with their requests already running; with `marks`, it stops at the last one. With
     `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
-    together, as a run of pure-decode steps is."""
+    together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it."""
     running: list[_Req] = list(start or [])
     waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients - len(running)])
     pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
@@ -287,6 +288,8 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             n_steps = 1
             tot.dec_sum += n_dec * dp
             tot.work += n_dec + pre
+        if trace is not None:
+            trace.append((batch, n_steps))
         tot.t += sec * n_steps
         for r in firsts:
             r.first = tot.t
@@ -308,3 +311,101 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
         if marks and not todo:
             break
     return _Play(tot, snapshots, done, running, finished)
+
+
+# --- data-parallel ranks in lockstep -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Lockstep:
+    """The schedule of `dp` ranks run together, as segments of identical slice steps (independent of step times:
+    a rank's scheduler decides by tokens, not seconds). `batches[i]` runs `counts[i]` times; events are per
+    request (arrived, first token, finished) in steps, `outputs` its output tokens."""
+
+    batches: tuple[Batch, ...]
+    counts: np.ndarray
+    events: np.ndarray  # [requests, 3] step counts
+    outputs: np.ndarray
+    input_tokens: int
+    output_tokens: int
+    decodes: float  # decodes over all steps, whole slice
+    running: float  # running sequences per rank, summed over steps (mean over ranks)
+    played: int  # requests per rank played
+    requests: int  # requests per rank in the benchmark
+
+
+def _pad(n: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Per-rank token slots: the next power of two >= n, at least lo, at most the bucket covering hi."""
+    top = 1 << max(0, int(np.ceil(np.log2(max(hi, 1)))))
+    p = np.maximum(n, lo).astype(np.int64)
+    p = 1 << np.ceil(np.log2(np.maximum(p, 1))).astype(np.int64)
+    return np.minimum(p, top)
+
+
+@functools.lru_cache(maxsize=64)
+def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
+             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
+             min_slot: int = 4, padding: bool = True) -> Lockstep:
+    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
+    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
+    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
+    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
+    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
+    state is reached long before)."""
+    clients = max(1, round(concurrency / dp))
+    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
+    prompts = min(requests, max(EXACT_PROMPTS, clients))
+    limit = max(1, min(max_seqs, max_running))
+    unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
+    cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
+    for r in range(dp):
+        tr: list = []
+        p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), clients, 1,
+                  max_batched_tokens, limit, trace=tr)
+        n = np.array([c for _, c in tr], dtype=np.int64)
+        f = np.array([(b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx, b.max_ctx)
+                      for b, _ in tr], dtype=np.float64).reshape(-1, 6)
+        cols.append(np.repeat(f, n, axis=0))
+        events += [(a if a is not None else 0.0, fi, e) for a, fi, e, _ in p.finished]
+        outputs += [o for *_, o in p.finished]
+        inp, out, run = inp + p.totals.inp, out + p.totals.out, run + p.totals.run_sum
+    S = max(len(c) for c in cols)
+    F = np.zeros((dp, S, 6))
+    for r, c in enumerate(cols):
+        F[r, :len(c)] = c
+    tokens = F[..., 0] + F[..., 2]
+    work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])
+    crit = np.lexsort((work, tokens), axis=0)[-1]  # per step: the rank with most tokens, then most work
+    C = F[crit, np.arange(S)]  # [S, 6]
+    seqs = (F[..., 0] + F[..., 3]).max(axis=0)
+    slot = _pad(tokens.max(axis=0), min_slot, max_batched_tokens) if padding else tokens.max(axis=0)
+    key = np.column_stack([C, slot, seqs])
+    change = np.ones(S, dtype=bool)
+    change[1:] = np.any(key[1:] != key[:-1], axis=1)
+    starts = np.flatnonzero(change)
+    counts = np.diff(np.append(starts, S))
+    batches = tuple(Batch(decodes=int(c[0]) * dp, decode_ctx=float(c[1]), prefill_tokens=int(c[2]) * dp,
+                          prefill_seqs=int(c[3]) * dp, prefill_ctx=float(c[4]), max_ctx=int(c[5]),
+                          padded_tokens=int(sl) * dp if padding else 0, logit_rows=max(int(q), 1) * dp)
+                    for c, sl, q in zip(C[starts], slot[starts], seqs[starts]))
+    return Lockstep(batches, counts, np.array(events, dtype=np.float64).reshape(-1, 3),
+                    np.array(outputs, dtype=np.int64), int(round(inp)), int(round(out)),
+                    float(F[..., 0].sum()), run / dp, prompts, requests)
+
+
+def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> SimResult:
+    """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request."""
+    secs = np.empty(len(ls.batches))
+    breakdown: dict[str, float] = {}
+    for i, (b, n) in enumerate(zip(ls.batches, ls.counts)):
+        sec, parts = step_fn(b)
+        secs[i] = sec
+        for k, v in parts.items():
+            breakdown[k] = breakdown.get(k, 0.0) + v * n
+    per_step = np.repeat(secs, ls.counts)
+    cum = np.concatenate([[0.0], np.cumsum(per_step)])
+    steps = int(ls.counts.sum())
+    at = cum[np.clip(np.rint(ls.events).astype(np.int64), 0, steps)]
+    done = [(a, f, e, o) for (a, f, e), o in zip(at, ls.outputs)]
+    ttft, tpot = _latencies(done)
+    return SimResult(float(cum[-1]), steps, ls.input_tokens, ls.output_tokens, breakdown,
+                     ls.decodes / max(steps, 1), ls.running / max(steps, 1), played=ls.played,
+                     requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)
