@@ -95,10 +95,13 @@ class Cost:
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
 
     def __add__(self, o: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+        return Cost(self.mxu_flops + o.mxu_flops, self.vector_flops + o.vector_flops, self.bytes + o.bytes,
+                    self.launches + o.launches, self.copy_bytes + o.copy_bytes,
+                    self.small_mxu_flops + o.small_mxu_flops)
 
     def __mul__(self, k: float) -> Cost:
-        return Cost(*(a * k for a in dataclasses.astuple(self)))
+        return Cost(self.mxu_flops * k, self.vector_flops * k, self.bytes * k, self.launches * k, self.copy_bytes * k,
+                    self.small_mxu_flops * k)
 
     @property
     def flops(self) -> float:

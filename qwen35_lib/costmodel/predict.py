@@ -1,8 +1,9 @@
 """`predict()`: throughput of a model on a system under a stage, for a workload at a concurrency.
 
-1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: per-rank
-   token budget and max sequences default to tpu-inference's Qwen3.5 recipe (`max-num-batched-tokens =
-   min(max(ISL / DP, 1024), 2048)`, `max-num-seqs = 2 CONC / DP`; tpu_serving_anchors.md 1.3);
+1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: the token budget
+   is one rule for every stage (`token_budget`): the slice's budget of tpu-inference's Qwen3.5 recipe at its
+   DP 8 (`max-num-batched-tokens = max(ISL / DP_SIZE, 1024)` per rank, server.sh at b85a5eb05), split over the
+   stage's ranks, so a stage's gain is never a scheduling difference; max sequences `2 CONC / DP` per rank;
 2. memory: weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
    (KV + GDN state); a model whose weights do not fit is reported so (`fits: False`) with no throughput;
 3. the scheduler simulation (`schedule.simulate`) with the step-time model (`step.step_time`), and the same
@@ -23,11 +24,22 @@ from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
+from qwen35_lib.costmodel.stages import Stage, any_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
 from qwen35_lib.engine.cache import CacheShape
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
+
+
+RECIPE_DP = 8  # the data-parallel size of tpu-inference's Qwen3.5 DP8_EP recipe, whose budget rule every stage uses
+RECIPE_SOURCE = ("https://github.com/vllm-project/tpu-inference/blob/b85a5eb05bffa13f772d3916b8d54cac60bd7953/tests/e2e/"
+                 "benchmarking/inferencex/qwen3.5/server.sh (MAX_NUM_BATCHED_TOKENS = max(ISL / DP_SIZE, 1024))")
+
+
+def token_budget(isl: int, dp: int) -> int:
+    """Tokens per step per rank: the recipe's slice budget RECIPE_DP x max(ISL / RECIPE_DP, 1024) over `dp` ranks
+    (8k/1k and 1k/8k: 8,192 tokens a step for the slice under every stage)."""
+    return max(1, RECIPE_DP * max(isl // RECIPE_DP, 1024) // dp)
 
 
 def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
@@ -84,12 +96,12 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                     range_ratio=range_ratio)
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
-    st = get_stage(stage) if isinstance(stage, str) else stage
+    st = any_stage(stage)
     if st.gdn_state_dtype is not None:  # a plan that names its cache dtypes decides them
         cfg = cfg.replace(gdn_state_dtype=st.gdn_state_dtype)
     kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
     lay = resolve_layout(st, cfg, sp.devices)
-    budget = max_batched_tokens if max_batched_tokens is not None else min(max(isl // lay.dp, 1024), 2048)
+    budget = max_batched_tokens if max_batched_tokens is not None else token_budget(isl, lay.dp)
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
@@ -120,7 +132,6 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             return r.seconds, r.breakdown
         return run
 
-    ls = None
     if mech.dp_lockstep and lay.dp > 1:
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
                       padding=mech.token_padding)
@@ -146,8 +157,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
 
     def rerun(m: Mechanisms):  # the same schedule (step times do not change it), re-timed
-        if ls is not None and m.dp_lockstep and m.token_padding == mech.token_padding:
-            return price(ls, fn(False, m))
+        if m.dp_lockstep and lay.dp > 1:
+            return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                                  range_ratio, padding=m.token_padding), fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
                         seed, range_ratio)
 
@@ -236,14 +248,22 @@ def check_arguments(**values: Any) -> None:
 
 def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
            workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)), concurrency: int = 512,
-           stages: tuple[str, ...] | None = None, **kwargs: Any) -> list[dict]:
-    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage)
-    and `vs_baseline`."""
+           stages: tuple[str, ...] | None = None, google_baseline: bool = True, **kwargs: Any) -> list[dict]:
+    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage),
+    `vs_baseline` and, with `google_baseline`, `vs_google_baseline` (over the `google_baseline` plan, whose own
+    row comes first in each workload, `gain` 1, not part of the ladder's chain)."""
     from qwen35_lib.costmodel.stages import LADDER
 
     rows = []
     for isl, osl in workloads:
         prev = base = None
+        g = predict(model, hardware, "google_baseline", isl, osl, concurrency, **kwargs) if google_baseline else None
+        gt = g["total_tokens_per_s"] if g and g.get("fits") else None
+        if g is not None:
+            g["workload"] = f"{_k(isl)}/{_k(osl)}"
+            if gt:
+                g.update(gain=1.0, vs_google_baseline=1.0)
+            rows.append(g)
         for name in stages or LADDER:
             r = predict(model, hardware, name, isl, osl, concurrency, **kwargs)
             r["workload"] = f"{_k(isl)}/{_k(osl)}"
@@ -251,14 +271,68 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
                 base = base or r["total_tokens_per_s"]
                 r["gain"] = r["total_tokens_per_s"] / prev if prev else 1.0
                 r["vs_baseline"] = r["total_tokens_per_s"] / base
+                if gt:
+                    r["vs_google_baseline"] = r["total_tokens_per_s"] / gt
                 prev = r["total_tokens_per_s"]
             rows.append(r)
     return rows
+
+
+def ladder_explained(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
+                     concurrency: int = 512, workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)),
+                     **kwargs: Any) -> dict:
+    """The ladder explained, as data (issue 13, item 7; notebook 06 quotes it): per workload, each stage's total
+    tokens/s, gain and ratios (`ladder`), and what it buys per component: the mean step's seconds per token
+    computed, per component, before and after it (a stage changes the per-token cost; `delta_s_per_token`
+    < 0 is a saving). Also the published 3.1x / 4.7x beside the model's end-to-end ratios over `baseline` and
+    over `google_baseline`, and the per-token cost of `kernels` against `google_baseline` by component."""
+    from qwen35_lib import data
+
+    rows = ladder(model, hardware, workloads, concurrency, **kwargs)
+    pub = data.read_json("published.json")["reported_ladder"]
+    reported = {"8k/1k": pub["prefill_heavy_gain"], "1k/8k": pub["decode_heavy_gain"]}
+    out: dict[str, Any] = dict(concurrency=concurrency, reported_source=pub["source"], workloads={})
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == wl and r.get("fits")]
+        per_tok = {r["stage"]: _per_token(r) for r in rs}
+        stages, prev = [], None
+        for r in rs:
+            row = dict(stage=r["stage"], total_tokens_per_s=r["total_tokens_per_s"],
+                       median_tpot_s=r["median_tpot_s"], median_ttft_s=r["median_ttft_s"],
+                       gain=r.get("gain"), vs_baseline=r.get("vs_baseline"),
+                       vs_google_baseline=r.get("vs_google_baseline"), s_per_token=per_tok[r["stage"]])
+            if prev is not None and r["stage"] != "google_baseline":
+                row["delta_s_per_token"] = _delta(per_tok[prev], per_tok[r["stage"]])
+            if r["stage"] != "google_baseline":
+                prev = r["stage"]
+            stages.append(row)
+        end = {r["stage"]: r for r in rs}
+        k = end.get("kernels")
+        summary = dict(reported_gain=reported.get(wl),
+                       model_vs_baseline=k and k.get("vs_baseline"),
+                       model_vs_google_baseline=k and k.get("vs_google_baseline"))
+        if k and "google_baseline" in per_tok:
+            summary["kernels_vs_google_baseline_delta_s_per_token"] = _delta(per_tok["google_baseline"],
+                                                                           per_tok["kernels"])
+        out["workloads"][wl] = dict(stages=stages, summary=summary)
+    return out
+
+
+def _per_token(r: dict) -> dict[str, float]:
+    """Seconds per token (input + output) of the slice, by component."""
+    tokens = r["total_tokens_per_s"] * r["seconds"]
+    return {k: v * r["steps"] / tokens for k, v in r["breakdown_s"].items()}
+
+
+def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in sorted(set(a) | set(b), key=lambda k: b.get(k, 0.0) -
+                                                              a.get(k, 0.0)) if b.get(k, 0.0) != a.get(k, 0.0)}
 
 
 def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["KV_DTYPES", "check_arguments", "ladder", "predict", "request_bytes_per_device",
-           "resident_bytes_per_device", "serving_model", "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "RECIPE_DP", "band_of", "check_arguments", "explain_of", "ladder", "ladder_explained",
+           "predict", "request_bytes_per_device", "resident_bytes_per_device", "serving_model", "token_budget",
+           "weight_bytes_per_device"]

@@ -71,6 +71,7 @@ def _ideal_specs(s: Specs) -> Specs:
     return s.replace(eff_matmul=1.0, eff_hbm=1.0, op_overhead_s=0.0)
 
 
+@functools.lru_cache(maxsize=256)
 def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
     """The specs with the efficiencies `mech` sets (None: unchanged)."""
     if mech is None:
@@ -155,12 +156,19 @@ def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overla
     `hierarchical_reduce_scatter` of their N·D·b input with the micro-batch count the code runs.
     `fp8_allgather`: the MoE's hidden all-gather (its first) moves (1 + 4 / D) bytes per element instead of b.
     """
+    return dict(_comms(cfg, specs, stage, batch.computed, batch.logit_rows or max(batch.seqs, 1), overlap,
+                       fp8_allgather))
+
+
+@functools.lru_cache(maxsize=4096)  # a step's collectives depend on its token and row counts only
+def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, overlap: bool, fp8_allgather: bool
+           ) -> dict[str, cc.Comm]:
     out = {name: cc.Comm(0.0, 0.0) for name in COMM}
     if specs.devices == 1:
         return out
     plan = resolve_layout(stage, cfg, specs.devices)
     dp = plan.dp
-    shape = traffic.StepShape(tokens=batch.computed / dp, seqs=(batch.logit_rows or max(batch.seqs, 1)) / dp)
+    shape = traffic.StepShape(tokens=computed / dp, seqs=rows / dp)
     ops_ = traffic.step_collectives(plan, cfg, shape, specs.kind)
 
     def add(name: str, comm: cc.Comm, runs: float) -> None:
