@@ -127,9 +127,9 @@ def _run(args: argparse.Namespace) -> int:
             tail = "does not fit"
         else:
             tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s"
-            tail += f"  x{r['vs_baseline']:.2f}" if "vs_baseline" in r else "       "
+            tail += f"  x{r['vs_baseline']:.2f}"
             tail += f"  (x{r['vs_google_baseline']:.2f} vs google_baseline)" if "vs_google_baseline" in r else ""
-        print(f"{r['workload']:>6} {r['stage']:<15} {tail}")
+        print(f"{r['workload']:>6} {r['stage']:<10} {tail}")
     return 0
 
 

@@ -31,6 +31,8 @@ from qwen35_lib.engine.cache import CacheShape
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
 
 
+LOCKSTEP_RUNNING = 256  # ranks played in lockstep up to this many running requests each (the play grows with it);
+# beyond, every rank's step is about its whole token budget, so the ranks are balanced and one rank stands for all
 RECIPE_DP = 8  # the data-parallel size of tpu-inference's Qwen3.5 DP8_EP recipe, whose budget rule every stage uses
 RECIPE_SOURCE = ("https://github.com/vllm-project/tpu-inference/blob/b85a5eb05bffa13f772d3916b8d54cac60bd7953/tests/e2e/"
                  "benchmarking/inferencex/qwen3.5/server.sh (MAX_NUM_BATCHED_TOKENS = max(ISL / DP_SIZE, 1024))")
@@ -132,7 +134,11 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             return r.seconds, r.breakdown
         return run
 
-    if mech.dp_lockstep and lay.dp > 1:
+    def use_lockstep(m: Mechanisms) -> bool:  # beyond LOCKSTEP_RUNNING running a rank fills its budget every step
+        return m.dp_lockstep and lay.dp > 1 and min(seqs, max_running, budget + 1) <= LOCKSTEP_RUNNING
+
+    doc["dp_lockstep_applied"] = use_lockstep(mech)
+    if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
                       padding=mech.token_padding)
         sim = price(ls, fn(False))
@@ -157,7 +163,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
 
     def rerun(m: Mechanisms):  # the same schedule (step times do not change it), re-timed
-        if m.dp_lockstep and lay.dp > 1:
+        if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding), fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
@@ -250,8 +256,8 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
            workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)), concurrency: int = 512,
            stages: tuple[str, ...] | None = None, google_baseline: bool = True, **kwargs: Any) -> list[dict]:
     """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage),
-    `vs_baseline` and, with `google_baseline`, `vs_google_baseline` (over the `google_baseline` plan, whose own
-    row comes first in each workload, `gain` 1, not part of the ladder's chain)."""
+    `vs_baseline` and, with `google_baseline`, `google_baseline_total_tokens_per_s` and `vs_google_baseline` (over
+    the `google_baseline` plan, predicted for the same workload; not a ladder stage)."""
     from qwen35_lib.costmodel.stages import LADDER
 
     rows = []
@@ -259,11 +265,6 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
         prev = base = None
         g = predict(model, hardware, "google_baseline", isl, osl, concurrency, **kwargs) if google_baseline else None
         gt = g["total_tokens_per_s"] if g and g.get("fits") else None
-        if g is not None:
-            g["workload"] = f"{_k(isl)}/{_k(osl)}"
-            if gt:
-                g.update(gain=1.0, vs_google_baseline=1.0)
-            rows.append(g)
         for name in stages or LADDER:
             r = predict(model, hardware, name, isl, osl, concurrency, **kwargs)
             r["workload"] = f"{_k(isl)}/{_k(osl)}"
@@ -272,6 +273,7 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
                 r["gain"] = r["total_tokens_per_s"] / prev if prev else 1.0
                 r["vs_baseline"] = r["total_tokens_per_s"] / base
                 if gt:
+                    r["google_baseline_total_tokens_per_s"] = gt
                     r["vs_google_baseline"] = r["total_tokens_per_s"] / gt
                 prev = r["total_tokens_per_s"]
             rows.append(r)
@@ -289,32 +291,36 @@ def ladder_explained(model: str | Config = "qwen3.5-397b-a17b", hardware: str | 
     from qwen35_lib import data
 
     rows = ladder(model, hardware, workloads, concurrency, **kwargs)
+    google = {f"{_k(i)}/{_k(o)}": predict(model, hardware, "google_baseline", i, o, concurrency, **kwargs)
+              for i, o in workloads}
     pub = data.read_json("published.json")["reported_ladder"]
     reported = {"8k/1k": pub["prefill_heavy_gain"], "1k/8k": pub["decode_heavy_gain"]}
     out: dict[str, Any] = dict(concurrency=concurrency, reported_source=pub["source"], workloads={})
     for wl in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == wl and r.get("fits")]
         per_tok = {r["stage"]: _per_token(r) for r in rs}
+        g = google[wl]
         stages, prev = [], None
         for r in rs:
             row = dict(stage=r["stage"], total_tokens_per_s=r["total_tokens_per_s"],
                        median_tpot_s=r["median_tpot_s"], median_ttft_s=r["median_ttft_s"],
                        gain=r.get("gain"), vs_baseline=r.get("vs_baseline"),
                        vs_google_baseline=r.get("vs_google_baseline"), s_per_token=per_tok[r["stage"]])
-            if prev is not None and r["stage"] != "google_baseline":
+            if prev is not None:
                 row["delta_s_per_token"] = _delta(per_tok[prev], per_tok[r["stage"]])
-            if r["stage"] != "google_baseline":
-                prev = r["stage"]
+            prev = r["stage"]
             stages.append(row)
-        end = {r["stage"]: r for r in rs}
-        k = end.get("kernels")
-        summary = dict(reported_gain=reported.get(wl),
-                       model_vs_baseline=k and k.get("vs_baseline"),
+        k = next((r for r in rs if r["stage"] == "kernels"), None)
+        summary = dict(reported_gain=reported.get(wl), model_vs_baseline=k and k.get("vs_baseline"),
                        model_vs_google_baseline=k and k.get("vs_google_baseline"))
-        if k and "google_baseline" in per_tok:
-            summary["kernels_vs_google_baseline_delta_s_per_token"] = _delta(per_tok["google_baseline"],
-                                                                           per_tok["kernels"])
-        out["workloads"][wl] = dict(stages=stages, summary=summary)
+        gb = None
+        if g.get("fits"):
+            gb = dict(total_tokens_per_s=g["total_tokens_per_s"], median_tpot_s=g["median_tpot_s"],
+                      s_per_token=_per_token(g))
+            if k:
+                summary["kernels_vs_google_baseline_delta_s_per_token"] = _delta(gb["s_per_token"],
+                                                                               per_tok["kernels"])
+        out["workloads"][wl] = dict(stages=stages, google_baseline=gb, summary=summary)
     return out
 
 

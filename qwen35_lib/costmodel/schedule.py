@@ -330,8 +330,11 @@ class Lockstep:
     running: float  # running sequences per rank, summed over steps (mean over ranks)
     played: int  # requests per rank played
     requests: int  # requests per rank in the benchmark
+    clients: int = 0  # clients per rank in the benchmark (more than played: the rest only wait in the queue)
+    cap: int = 0  # requests a rank runs at once, at most
 
 
+LOCKSTEP_PROMPTS = 1024  # requests per rank the lockstep plays at most (8,192 on 8 ranks); beyond, scaled
 CTX_GRAIN = 64  # lockstep contexts are rounded to this many tokens (fewer distinct steps to time; < 1 % at 8k)
 
 
@@ -355,14 +358,16 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     state is reached long before)."""
     clients = max(1, round(concurrency / dp))
     requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
-    prompts = min(requests, max(EXACT_PROMPTS, clients))
     limit = max(1, min(max_seqs, max_running))
+    cap = min(limit, max_batched_tokens + 1)
+    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
+    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
     for r in range(dp):
         tr: list = []
-        p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), clients, 1,
-                  max_batched_tokens, limit, trace=tr)
+        p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), played_clients, 1,
+                  max_batched_tokens, limit, collapse=True, trace=tr)
         n = np.array([c for _, c in tr], dtype=np.int64)
         f = np.array([(b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx, b.max_ctx)
                       for b, _ in tr], dtype=np.float64).reshape(-1, 6)
@@ -392,11 +397,13 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
                     for c, sl, q in zip(C[starts], slot[starts], seqs[starts]))
     return Lockstep(batches, counts, np.array(events, dtype=np.float64).reshape(-1, 3),
                     np.array(outputs, dtype=np.int64), int(round(inp)), int(round(out)),
-                    float(F[..., 0].sum()), run / dp, prompts, requests)
+                    float(F[..., 0].sum()), run / dp, prompts, requests, clients, cap)
 
 
 def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> SimResult:
-    """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request."""
+    """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request. A
+    benchmark longer than the played run is the played run's cost per request times its requests; clients who
+    could not run wait in the queue (`_median_queue_wait`, added to the TTFT)."""
     seen: dict[Batch, tuple[float, dict[str, float]]] = {}
     timed = [seen.setdefault(b, step_fn(b)) if b not in seen else seen[b] for b in ls.batches]
     secs = np.array([t for t, _ in timed])
@@ -409,6 +416,9 @@ def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]
     at = cum[np.clip(np.rint(ls.events).astype(np.int64), 0, steps)]
     done = [(a, f, e, o) for (a, f, e), o in zip(at, ls.outputs)]
     ttft, tpot = _latencies(done)
-    return SimResult(float(cum[-1]), steps, ls.input_tokens, ls.output_tokens, breakdown,
-                     ls.decodes / max(steps, 1), ls.running / max(steps, 1), played=ls.played,
-                     requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)
+    k = ls.requests / ls.played
+    if ls.clients > ls.cap + 1:
+        ttft += _median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
+    return SimResult(float(cum[-1]) * k, round(steps * k), round(ls.input_tokens * k), round(ls.output_tokens * k),
+                     {n: v * k for n, v in breakdown.items()}, ls.decodes / max(steps, 1), ls.running / max(steps, 1),
+                     played=ls.played, requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)
