@@ -48,6 +48,7 @@ class Mechanisms:
     """The mechanism values one prediction uses (names as the records')."""
 
     dp_lockstep: bool = False
+    dp_batch_prefill: bool = False  # the DP scheduler holds new requests until dp of them wait (with dp_lockstep)
     token_padding: bool = False
     gmm_tile_rows: int = 0  # 0: ideal rows
     fp8_allgather: bool = False
@@ -105,8 +106,9 @@ COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (bes
     "all_reduce": ("ici_efficiency", "collective_overlap"),
     "all_to_all": ("ici_efficiency", "collective_overlap"),
     "host": ("host_step_overhead_s",),
+    "dp": ("dp_lockstep", "dp_batch_prefill", "token_padding"),
 }
-DEFAULT_COMPONENT = ("matmul_efficiency", "hbm_efficiency", "dp_lockstep", "token_padding")
+DEFAULT_COMPONENT = ("matmul_efficiency", "hbm_efficiency", "dp_lockstep", "dp_batch_prefill", "token_padding")
 
 
 def component_assumptions(component: str) -> tuple[str, ...]:

@@ -140,7 +140,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     doc["dp_lockstep_applied"] = use_lockstep(mech)
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
-                      padding=mech.token_padding)
+                      padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each")
         sim = price(ls, fn(False))
     else:
         sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
@@ -165,7 +165,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     def rerun(m: Mechanisms):  # the same schedule (step times do not change it), re-timed
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                                  range_ratio, padding=m.token_padding), fn(False, m))
+                                  range_ratio, padding=m.token_padding,
+                                  dispatch="batch" if m.dp_batch_prefill else "each"), fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
                         seed, range_ratio)
 

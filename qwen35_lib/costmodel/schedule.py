@@ -346,16 +346,125 @@ def _pad(n: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.minimum(p, top)
 
 
+def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> tuple[tuple, list[_Req]]:
+    """One step of one rank's scheduler (the module doc's 1-3): its batch fields (decodes, decode ctx, prompt
+    tokens, prompt chunks, prompt ctx, longest ctx) and the requests whose first token it samples."""
+    decoders = [r for r in running if r.done_prompt == r.prompt]
+    n_dec = min(len(decoders), budget)
+    ctx = [r.prompt + r.done_output + 1 for r in decoders[:n_dec]]
+    for r in decoders[:n_dec]:
+        r.done_output += 1
+    budget -= n_dec
+    chunks: list[tuple[int, int]] = []
+    for r in running:
+        if r.done_prompt < r.prompt and budget > 0:
+            n = min(r.prompt - r.done_prompt, budget)
+            chunks.append((n, r.done_prompt))
+            r.done_prompt += n
+            budget -= n
+    while waiting and budget > 0 and len(running) < limit:
+        r = waiting.popleft()
+        running.append(r)
+        n = min(r.prompt, budget)
+        chunks.append((n, 0))
+        r.done_prompt += n
+        budget -= n
+    firsts = [r for r in running if r.done_prompt == r.prompt and r.done_output == 0]
+    for r in firsts:
+        r.done_output = 1
+    pre = sum(c[0] for c in chunks)
+    fields = (n_dec, float(np.mean(ctx)) if ctx else 0.0, pre, len(chunks),
+              float(np.mean([c[1] for c in chunks])) if chunks else 0.0,
+              max([c[0] + c[1] for c in chunks] + ctx + [0]))
+    return fields, firsts
+
+
+def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
+             batch_prefills: bool) -> tuple[np.ndarray, list, list, float, float, float]:
+    """`clients` clients over the slice, the DP scheduler of tpu-inference in front of `dp` rank schedulers: a new
+    request goes to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
+    soonest to free a slot; with `batch_prefills`, new requests are held until `dp` of them wait (or as many
+    ranks were idle the step before), then routed together. Returns per-rank step fields [dp, steps, 6], the
+    finished requests' (arrived, first, finished) in steps, their outputs, input and output tokens, and the
+    running requests summed over steps and ranks."""
+    running: list[list[_Req]] = [[] for _ in range(dp)]
+    waiting: list[deque] = [deque() for _ in range(dp)]
+    queue = deque(_Req(i, o) for i, o in lengths)
+    held: list[_Req] = []
+    rows: list[list[tuple]] = [[] for _ in range(dp)]
+    events, outputs = [], []
+    t, inp, out, run, idle = 0, 0.0, 0.0, 0.0, dp
+
+    def route(r: _Req) -> None:
+        def key(k: int):
+            pend = sum(q.prompt - q.done_prompt for q in running[k]) + sum(q.prompt for q in waiting[k])
+            rem = min((q.output - q.done_output for q in running[k]), default=0)
+            return pend, len(running[k]) + len(waiting[k]), rem
+        waiting[min(range(dp), key=key)].append(r)
+
+    def arrive(r: _Req) -> None:
+        (held.append if batch_prefills else route)(r)
+
+    for _ in range(min(clients, len(queue))):
+        arrive(queue.popleft())
+    while held or any(running) or any(waiting):
+        if held and (not batch_prefills or len(held) >= dp or idle >= len(held)):
+            for r in held:
+                route(r)
+            held = []
+        work = [bool(waiting[k]) and len(running[k]) < limit or any(q.done_prompt < q.prompt for q in running[k])
+                for k in range(dp)]
+        if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
+            k_steps = min(q.output - q.done_output for rr in running for q in rr)
+            for k in range(dp):
+                dec = [q for q in running[k] if q.done_prompt == q.prompt][:budget]
+                ctx = [q.prompt + q.done_output + (k_steps + 1) / 2 for q in dec]
+                rows[k].append(((len(dec), float(np.mean(ctx)) if ctx else 0.0, 0, 0, 0.0,
+                                 int(max(ctx) + k_steps / 2) if ctx else 0), k_steps))
+                for q in dec:
+                    q.done_output += k_steps
+            n_steps, idle = k_steps, sum(1 for k in range(dp) if not running[k])
+        else:
+            n_steps, idle = 1, 0
+            for k in range(dp):
+                f, firsts = _rank_step(running[k], waiting[k], budget, limit)
+                rows[k].append((f, 1))
+                idle += f[0] + f[2] == 0
+                for q in firsts:
+                    q.first = t + 1
+        t += n_steps
+        for k in range(dp):
+            run += len(running[k]) * n_steps
+            for q in [q for q in running[k] if q.done_output >= q.output]:
+                running[k].remove(q)
+                events.append((q.arrived, q.first, t))
+                outputs.append(q.output)
+                inp, out = inp + q.prompt, out + q.output
+                if queue:
+                    arrive(dataclasses.replace(queue.popleft(), arrived=t))
+    F = []
+    for k in range(dp):
+        f = np.array([x for x, _ in rows[k]], dtype=np.float64).reshape(-1, 6)
+        F.append(np.repeat(f, np.array([n for _, n in rows[k]], dtype=np.int64), axis=0))
+    S = max(len(x) for x in F)
+    FF = np.zeros((dp, S, 6))
+    for k, x in enumerate(F):
+        FF[k, :len(x)] = x
+    return FF, events, outputs, inp, out, run
+
+
 @functools.lru_cache(maxsize=64)
 def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
              max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
-             min_slot: int = 4, padding: bool = True) -> Lockstep:
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
     """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
     step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
     tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
     `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
     (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
-    state is reached long before)."""
+    state is reached long before).
+    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
+    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
     clients = max(1, round(concurrency / dp))
     requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
@@ -364,7 +473,12 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
-    for r in range(dp):
+    if dispatch != "rank":
+        F, events, outputs, inp, out, run = _play_dp(
+            draw_lengths(prompts * dp, isl, osl, seed, range_ratio), played_clients * dp, dp, max_batched_tokens,
+            limit, dispatch == "batch")
+        cols = [F[k] for k in range(dp)]
+    for r in range(dp if dispatch == "rank" else 0):
         tr: list = []
         p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), played_clients, 1,
                   max_batched_tokens, limit, collapse=True, trace=tr)
