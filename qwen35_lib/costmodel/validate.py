@@ -9,7 +9,9 @@
     XLA's `cost_analysis()` FLOPs and bytes and `memory_analysis()` argument bytes against the model's
     prediction for the same work (a prefill of batch x seq tokens with every token's logits, XLA kernels).
 (c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this
-    function reads that file; `predict` never does.
+    function (and `acceptance`, `notebook_data`, which call it) reads that file; `predict` never does.
+`notebook_data()` is everything notebook 06 quotes from issue 13 as one dict: the comparison, the acceptance
+figures, the explained prediction with its band for both workloads at 512, and the ladder explained.
 """
 
 from __future__ import annotations
@@ -225,3 +227,17 @@ def acceptance(rows: list[dict] | None = None, stage: str = "kernels") -> dict:
     trend = abs(by_c[hi][f"ratio_{stage}"] / by_c[lo][f"ratio_{stage}"] - 1)
     return dict(points=pts, trend=trend, trend_ok=trend <= 0.15,
                 all_within_25pct=all(p["within_25pct"] and p["tpot_within_25pct"] for p in pts))
+
+
+def notebook_data(concurrency: int = 512) -> dict:
+    """Issue 13's results as one JSON-able dict: `comparison` (`published_comparison(band=True)`), `acceptance`,
+    `explain` ({"8k/1k" | "1k/8k": `predict(explain=True, band=True)` of `kernels` at `concurrency`}) and `ladder`
+    (`predict.ladder_explained`); a few minutes on 2 CPU cores."""
+    from qwen35_lib.costmodel.predict import ladder_explained, predict
+
+    rows = published_comparison(("kernels",), band=True)
+    explain = {f"{i // 1024}k/{o // 1024}k": predict(stage="kernels", isl=i, osl=o, concurrency=concurrency,
+                                                     roofline=False, explain=True, band=True)
+               for i, o in ((8192, 1024), (1024, 8192))}
+    return dict(comparison=rows, acceptance=acceptance(rows), explain=explain,
+                ladder=ladder_explained(concurrency=concurrency, roofline=False))
