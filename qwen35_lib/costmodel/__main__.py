@@ -18,6 +18,7 @@ import sys
 
 from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
+from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
 from qwen35_lib.costmodel.stages import EXTRA, KERNELS, LADDER, LAYOUTS, ROUTINGS, any_stage, custom_stage
 
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--stage", default="kernels", choices=(*LADDER, *EXTRA))
     pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
                     help="the labelled serving mechanisms at their nominal values, or the model without them")
+    pr.add_argument("--no-dp-batch-prefill", action="store_true",
+                    help="tpu-inference's DP_SCHED_BATCH_PREFILL=false (new requests routed one by one)")
     pr.add_argument("--explain", action="store_true", help="the mean step per component and per mechanism")
     pr.add_argument("--no-band", action="store_true", help="skip the uncertainty band")
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
@@ -113,8 +116,11 @@ def _run(args: argparse.Namespace) -> int:
                   max_seqs=args.max_seqs, kv_dtype=args.kv_dtype, num_prompts=args.num_prompts,
                   range_ratio=args.range_ratio)
     if args.command == "predict":
+        mech = args.mechanisms
+        if args.no_dp_batch_prefill and mech == "nominal":
+            mech = Mechanisms.nominal(dp_batch_prefill=False)
         r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common,
-                    mechanisms=args.mechanisms, band=not args.no_band and args.mechanisms == "nominal",
+                    mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal",
                     explain=args.explain)
         print(json.dumps(r, indent=2) if args.json else _format(r))
         return 0
