@@ -131,3 +131,14 @@ def test_ladder_reports_ratios_against_google_baseline():
     assert g["layout"] == "tp8_kvrep" and g["kernels"] == "pallas"
     for r in rows:
         assert r["vs_google_baseline"] == pytest.approx(r["total_tokens_per_s"] / g["total_tokens_per_s"])
+
+
+def test_acceptance_figures_from_comparison_rows():
+    from qwen35_lib.costmodel import validate
+
+    rows = [dict(acceptance=True, concurrency=c, ratio_kernels=r, tpot_ratio_kernels=t, inside_band=True)
+            for c, r, t in ((64, 1.1, 0.8), (128, 1.2, 0.9), (256, 1.3, 1.3))]
+    a = validate.acceptance(rows + [dict(acceptance=False, concurrency=64, ratio_kernels=9.0)])
+    assert a["trend"] == pytest.approx(1.3 / 1.1 - 1) and not a["trend_ok"]
+    assert [p["within_25pct"] for p in a["points"]] == [True, True, False]
+    assert [p["tpot_within_25pct"] for p in a["points"]] == [True, True, False] and not a["all_within_25pct"]
