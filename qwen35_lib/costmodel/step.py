@@ -157,19 +157,21 @@ def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overla
     `fp8_allgather`: the MoE's hidden all-gather (its first) moves (1 + 4 / D) bytes per element instead of b.
     """
     return dict(_comms(cfg, specs, stage, batch.computed, batch.logit_rows or max(batch.seqs, 1), overlap,
-                       fp8_allgather))
+                       fp8_allgather, traffic.step_collectives))
 
 
 @functools.lru_cache(maxsize=4096)  # a step's collectives depend on its token and row counts only
-def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, overlap: bool, fp8_allgather: bool
-           ) -> dict[str, cc.Comm]:
+def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, overlap: bool, fp8_allgather: bool,
+           listed=traffic.step_collectives) -> dict[str, cc.Comm]:
+    """`step_comms` by counts; `listed` (the function listing the ops) is part of the key: a patched
+    `traffic.step_collectives` is read, not a cached result."""
     out = {name: cc.Comm(0.0, 0.0) for name in COMM}
     if specs.devices == 1:
         return out
     plan = resolve_layout(stage, cfg, specs.devices)
     dp = plan.dp
     shape = traffic.StepShape(tokens=computed / dp, seqs=rows / dp)
-    ops_ = traffic.step_collectives(plan, cfg, shape, specs.kind)
+    ops_ = listed(plan, cfg, shape, specs.kind)
 
     def add(name: str, comm: cc.Comm, runs: float) -> None:
         out[name] = cc.Comm(out[name].seconds + comm.seconds * runs, out[name].wire_bytes + comm.wire_bytes * runs)
