@@ -210,10 +210,14 @@ BEFORE = {
 }
 
 
+# Since issue 13 the default prediction adds the labelled mechanisms and one token-budget rule for every stage;
+# with `mechanisms="off"` and the budget of the rule before (min(max(ISL / DP, 1024), 2048) per rank) it is unchanged.
 @pytest.mark.parametrize("case", list(BEFORE), ids=lambda c: "-".join(map(str, c)))
 def test_predictions_at_normal_concurrency_are_unchanged(case):
     stage, isl, osl, conc = case
-    r = costmodel.predict("qwen3.5-397b-a17b", "tpu7x-8", stage, isl, osl, conc)
+    dp = 1 if stage == "baseline" else 8
+    r = costmodel.predict("qwen3.5-397b-a17b", "tpu7x-8", stage, isl, osl, conc, mechanisms="off",
+                          max_batched_tokens=min(max(isl // dp, 1024), 2048))
     total, roofline, steps = BEFORE[case]
     assert r["played_requests_per_rank"] == r["requests_per_rank"]  # every request played
     assert r["total_tokens_per_s"] == pytest.approx(total, rel=1e-9)
@@ -261,10 +265,10 @@ def test_bounded_simulation_agrees_with_playing_every_request(monkeypatch):
     from qwen35_lib.costmodel import schedule
 
     args = ("qwen3.5-397b-a17b", "tpu7x-8", "kernels", 1024, 8192, 8192)
-    full = costmodel.predict(*args, roofline=False)
+    full = costmodel.predict(*args, roofline=False, mechanisms="off")  # one rank for all (the lockstep: below)
     assert full["played_requests_per_rank"] == 2048
     monkeypatch.setattr(schedule, "EXACT_PROMPTS", 512)
-    bounded = costmodel.predict(*args, roofline=False)
+    bounded = costmodel.predict(*args, roofline=False, mechanisms="off")
     assert bounded["played_requests_per_rank"] < 1000
     for key in ("total_tokens_per_s", "output_tokens_per_s", "mean_step_s", "mean_running_per_rank", "median_tpot_s"):
         assert bounded[key] == pytest.approx(full[key], rel=0.015), key

@@ -1,9 +1,12 @@
 """`python -m qwen35_lib.costmodel predict --model NAME --hardware NAME --stage NAME --isl N --osl N --concurrency N
 [--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
-[--max-seqs N] [--kv-dtype D] [--json]` and `python -m qwen35_lib.costmodel ladder [--json]`.
+[--max-seqs N] [--kv-dtype D] [--mechanisms nominal|off] [--explain] [--no-band] [--json]` and
+`python -m qwen35_lib.costmodel ladder [--json]`.
 
-`predict` prints whole-slice output and total (input + output) tokens/s, per chip, the mean step-time breakdown by
-component, and the roofline bound; a model that does not fit is reported so (exit status 0, `fits: false`).
+`predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
+one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json), the mean step-time
+breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each with its
+assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
 """
 
@@ -15,8 +18,9 @@ import sys
 
 from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
+from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
-from qwen35_lib.costmodel.stages import KERNELS, LADDER, LAYOUTS, ROUTINGS, custom_stage, get_stage
+from qwen35_lib.costmodel.stages import EXTRA, KERNELS, LADDER, LAYOUTS, ROUTINGS, any_stage, custom_stage
 
 
 def _model(args: argparse.Namespace):
@@ -29,7 +33,7 @@ def _model(args: argparse.Namespace):
 def _stage(args: argparse.Namespace):
     if args.layout:
         return custom_stage(args.layout, args.routing, args.fuse_allgather, args.hierarchical_rs, args.kernels)
-    return get_stage(args.stage)
+    return any_stage(args.stage)
 
 
 def _format(r: dict) -> str:
@@ -44,6 +48,12 @@ def _format(r: dict) -> str:
              f"  mean step        {r['mean_step_s'] * 1e3:12.2f} ms over {r['steps']:,} steps",
              f"  median TTFT      {r['median_ttft_s'] * 1e3:12.1f} ms",
              f"  median TPOT      {r['median_tpot_s'] * 1e3:12.2f} ms"]
+    if "band" in r:
+        b = r["band"]
+        lo, hi = b["total_tokens_per_s"]
+        lines.append(f"  band             {lo:12,.0f} - {hi:,.0f} total "
+                     f"tokens/s (x{b['high_over_low']:.2f}); TPOT {b['median_tpot_s'][0] * 1e3:.1f} - "
+                     f"{b['median_tpot_s'][1] * 1e3:.1f} ms  (each labelled assumption at its low / high end)")
     if "roofline_total_tokens_per_s" in r:
         lines.append(f"  roofline bound   {r['roofline_total_tokens_per_s']:12,.0f} total tokens/s "
                      f"({r['fraction_of_roofline']:.0%} of it reached)")
@@ -51,6 +61,16 @@ def _format(r: dict) -> str:
     for k, v in sorted(r["breakdown_s"].items(), key=lambda kv: -kv[1]):
         if v > 0:
             lines.append(f"    {k:<16} {v * 1e3:9.3f} ms  {r['breakdown_fraction'][k]:6.1%}")
+    if "explain" in r:
+        e = r["explain"]
+        lines.append("  per component, the assumptions it rests on:")
+        for k, c in e["components"].items():
+            lines.append(f"    {k:<16} {c['seconds'] * 1e3:9.3f} ms  {', '.join(c['assumptions'])}")
+        lines.append("  per mechanism (switched off alone: the mean step's change, total tokens/s ratio):")
+        for k, m in e["mechanisms"].items():
+            if m["applied"]:
+                lines.append(f"    {k:<28} {m['value']!s:>8}  {m['mean_step_s_delta'] * 1e3:+8.2f} ms  "
+                             f"x{m['total_tokens_per_s_ratio']:.3f}  {m['assumption']['source']}")
     return "\n".join(lines)
 
 
@@ -73,7 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--range-ratio", type=float, default=0.8,
                        help="each length uniform in [r L, L] (default: %(default)s, InferenceX's)")
         q.add_argument("--json", action="store_true", help="print one JSON document")
-    pr.add_argument("--stage", default="kernels", choices=LADDER)
+    pr.add_argument("--stage", default="kernels", choices=(*LADDER, *EXTRA))
+    pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
+                    help="the labelled serving mechanisms at their nominal values, or the model without them")
+    pr.add_argument("--no-dp-batch-prefill", action="store_true",
+                    help="tpu-inference's DP_SCHED_BATCH_PREFILL=false (new requests routed one by one)")
+    pr.add_argument("--explain", action="store_true", help="the mean step per component and per mechanism")
+    pr.add_argument("--no-band", action="store_true", help="skip the uncertainty band")
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
     pr.add_argument("--osl", type=int, default=1024, help="output tokens per request")
     pr.add_argument("--layout", choices=list(LAYOUTS), help="describe a setup instead of --stage")
@@ -90,7 +116,12 @@ def _run(args: argparse.Namespace) -> int:
                   max_seqs=args.max_seqs, kv_dtype=args.kv_dtype, num_prompts=args.num_prompts,
                   range_ratio=args.range_ratio)
     if args.command == "predict":
-        r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common)
+        mech = args.mechanisms
+        if args.no_dp_batch_prefill and mech == "nominal":
+            mech = Mechanisms.nominal(dp_batch_prefill=False)
+        r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common,
+                    mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal",
+                    explain=args.explain)
         print(json.dumps(r, indent=2) if args.json else _format(r))
         return 0
     rows = ladder(_model(args), args.hardware, **common)
@@ -98,8 +129,12 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
-        tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s  x{r['vs_baseline']:.2f}" if r["fits"] else \
-            "does not fit"
+        if not r["fits"]:
+            tail = "does not fit"
+        else:
+            tail = f"{r['total_tokens_per_s']:10,.0f} total tok/s"
+            tail += f"  x{r['vs_baseline']:.2f}"
+            tail += f"  (x{r['vs_google_baseline']:.2f} vs google_baseline)" if "vs_google_baseline" in r else ""
         print(f"{r['workload']:>6} {r['stage']:<10} {tail}")
     return 0
 

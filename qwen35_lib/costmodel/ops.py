@@ -81,6 +81,8 @@ class Placement:
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
     weight_passes: float = 1.0  # HBM passes over each weight byte (3 for XLA's sliced scan inputs: read, copy, read)
     static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
+    expert_imbalance: float = 1.0  # the busiest EP device's rows over the mean (its row work scales by it)
+    gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +95,13 @@ class Cost:
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
 
     def __add__(self, o: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+        return Cost(self.mxu_flops + o.mxu_flops, self.vector_flops + o.vector_flops, self.bytes + o.bytes,
+                    self.launches + o.launches, self.copy_bytes + o.copy_bytes,
+                    self.small_mxu_flops + o.small_mxu_flops)
 
     def __mul__(self, k: float) -> Cost:
-        return Cost(*(a * k for a in dataclasses.astuple(self)))
+        return Cost(self.mxu_flops * k, self.vector_flops * k, self.bytes * k, self.launches * k, self.copy_bytes * k,
+                    self.small_mxu_flops * k)
 
     @property
     def flops(self) -> float:
@@ -218,8 +223,14 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
     small = 0.0
+    if pl.moe == "ep":
+        rows *= pl.expert_imbalance  # the busiest device's
+        ideal *= pl.expert_imbalance
     if pl.moe_impl == "gmm":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
+        if pl.gmm_tile_rows and touched:  # whole tiles of tile_m rows per expert group hit
+            tm = pl.gmm_tile_rows
+            ideal *= touched * math.ceil(rows / touched / tm) * tm / rows
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
     elif pl.moe_impl == "loop":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E

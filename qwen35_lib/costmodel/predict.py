@@ -1,8 +1,9 @@
 """`predict()`: throughput of a model on a system under a stage, for a workload at a concurrency.
 
-1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: per-rank
-   token budget and max sequences default to tpu-inference's Qwen3.5 recipe (`max-num-batched-tokens =
-   min(max(ISL / DP, 1024), 2048)`, `max-num-seqs = 2 CONC / DP`; tpu_serving_anchors.md 1.3);
+1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: the token budget
+   is one rule for every stage (`token_budget`): the slice's budget of tpu-inference's Qwen3.5 recipe at its
+   DP 8 (`max-num-batched-tokens = max(ISL / DP_SIZE, 1024)` per rank, server.sh at b85a5eb05), split over the
+   stage's ranks, so a stage's gain is never a scheduling difference; max sequences `2 CONC / DP` per rank;
 2. memory: weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
    (KV + GDN state); a model whose weights do not fit is reported so (`fits: False`) with no throughput;
 3. the scheduler simulation (`schedule.simulate`) with the step-time model (`step.step_time`), and the same
@@ -13,19 +14,34 @@ The prediction never reads published measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any
 
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
-from qwen35_lib.costmodel.schedule import simulate
+from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.stages import Stage, get_stage, resolve_layout
+from qwen35_lib.costmodel.stages import Stage, any_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_time
 from qwen35_lib.engine.cache import CacheShape
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
+
+
+LOCKSTEP_RUNNING = 256  # ranks played in lockstep up to this many running requests each (the play grows with it);
+# beyond, every rank's step is about its whole token budget, so the ranks are balanced and one rank stands for all
+RECIPE_DP = 8  # the data-parallel size of tpu-inference's Qwen3.5 DP8_EP recipe, whose budget rule every stage uses
+RECIPE_SOURCE = ("https://github.com/vllm-project/tpu-inference/blob/b85a5eb05bffa13f772d3916b8d54cac60bd7953/tests/e2e/"
+                 "benchmarking/inferencex/qwen3.5/server.sh (MAX_NUM_BATCHED_TOKENS = max(ISL / DP_SIZE, 1024))")
+
+
+def token_budget(isl: int, dp: int) -> int:
+    """Tokens per step per rank: the recipe's slice budget RECIPE_DP x max(ISL / RECIPE_DP, 1024) over `dp` ranks
+    (8k/1k and 1k/8k: 8,192 tokens a step for the slice under every stage)."""
+    return max(1, RECIPE_DP * max(isl // RECIPE_DP, 1024) // dp)
 
 
 def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
@@ -66,23 +82,28 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             max_batched_tokens: int | None = None, max_seqs: int | None = None,
             kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
             num_prompts: int | None = None, range_ratio: float = 0.8, seed: int = 0, roofline: bool = True,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, mechanisms: str | Mechanisms = "nominal", band: bool = False,
+            explain: bool = False) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
     `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `median_ttft_s`,
     `median_tpot_s` (time to first token; per output token after the first), `fits`, the setup used.
-    A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's."""
+    A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's.
+    `mechanisms`: "nominal" (every labelled assumption of data/costmodel_assumptions.json at its value: ranks in
+    lockstep, padding, overlap, host time, ...), "off" (the model without them: balanced ranks, serial
+    collectives), or a `Mechanisms`. `band`: also `band` (the one-at-a-time extremes of the 'range' assumptions,
+    `band_of`); `explain`: also `explain` (`explain_of`)."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
                     range_ratio=range_ratio)
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
-    st = get_stage(stage) if isinstance(stage, str) else stage
+    st = any_stage(stage)
     if st.gdn_state_dtype is not None:  # a plan that names its cache dtypes decides them
         cfg = cfg.replace(gdn_state_dtype=st.gdn_state_dtype)
     kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
     lay = resolve_layout(st, cfg, sp.devices)
-    budget = max_batched_tokens if max_batched_tokens is not None else min(max(isl // lay.dp, 1024), 2048)
+    budget = max_batched_tokens if max_batched_tokens is not None else token_budget(isl, lay.dp)
     seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
@@ -104,14 +125,26 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                          f"room for one request of {isl + osl} tokens ({per_req / 2**30:.2f} GiB)")
         return doc
 
-    def fn(ideal: bool):
+    mech = _mechanisms(mechanisms)
+    doc["mechanisms"] = "off" if mech == Mechanisms.off() else dataclasses.asdict(mech)
+
+    def fn(ideal: bool, m: Mechanisms | None = mech):
         def run(b: ops.Batch):
-            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap)
+            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m)
             return r.seconds, r.breakdown
         return run
 
-    sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                   range_ratio)
+    def use_lockstep(m: Mechanisms) -> bool:  # beyond LOCKSTEP_RUNNING running a rank fills its budget every step
+        return m.dp_lockstep and lay.dp > 1 and min(seqs, max_running, budget + 1) <= LOCKSTEP_RUNNING
+
+    doc["dp_lockstep_applied"] = use_lockstep(mech)
+    if use_lockstep(mech):
+        ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
+                      padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each")
+        sim = price(ls, fn(False))
+    else:
+        sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                       range_ratio)
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -128,7 +161,70 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
+
+    def rerun(m: Mechanisms):  # the same schedule (step times do not change it), re-timed
+        if use_lockstep(m):
+            return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                                  range_ratio, padding=m.token_padding,
+                                  dispatch="batch" if m.dp_batch_prefill else "each"), fn(False, m))
+        return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
+                        seed, range_ratio)
+
+    if band:
+        doc["band"] = band_of(sim, mech, rerun)
+    if explain:
+        doc["explain"] = explain_of(sim, mech, rerun)
     return doc
+
+
+def _mechanisms(m: str | Mechanisms) -> Mechanisms:
+    if isinstance(m, Mechanisms):
+        return m
+    if m == "nominal":
+        return Mechanisms.nominal()
+    if m == "off":
+        return Mechanisms.off()
+    raise ValueError(f"mechanisms={m!r}: use 'nominal', 'off' or an assumptions.Mechanisms")
+
+
+def band_of(sim, mech: Mechanisms, rerun) -> dict:
+    """The prediction at each 'range' assumption's low and high end, the others nominal: per end the total
+    tokens/s and median TPOT, and the band = [min, max] over them (the nominal included)."""
+    from qwen35_lib.costmodel.assumptions import extremes
+
+    rows = []
+    for name, end, m in extremes(mech):
+        r = rerun(m)
+        rows.append(dict(assumption=name, end=end, value=getattr(m, name), total_tokens_per_s=r.total_tokens_per_s,
+                         median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
+    tot = [r["total_tokens_per_s"] for r in rows] + [sim.total_tokens_per_s]
+    tpot = [r["median_tpot_s"] for r in rows] + [sim.median_tpot_s]
+    return dict(total_tokens_per_s=[min(tot), max(tot)], median_tpot_s=[min(tpot), max(tpot)],
+                high_over_low=max(tot) / min(tot), extremes=rows)
+
+
+def explain_of(sim, mech: Mechanisms, rerun) -> dict:
+    """The mean step per component (each with the assumptions it rests on) and per mechanism: what switching
+    that one mechanism off changes (mean step, total tokens/s), with its assumption record."""
+    from qwen35_lib.costmodel.assumptions import component_assumptions, records
+
+    comps = {k: dict(seconds=v / sim.steps, fraction=v / sim.seconds, assumptions=list(component_assumptions(k)))
+             for k, v in sorted(sim.breakdown.items(), key=lambda kv: -kv[1]) if v > 0}
+    recs = records()
+    mechs = {}
+    for name in [f.name for f in dataclasses.fields(Mechanisms)]:
+        off = mech.neutral(name)
+        if off == mech:
+            mechs[name] = dict(applied=False, assumption=recs[name])
+            continue
+        r = rerun(off)
+        mechs[name] = dict(applied=True, value=getattr(mech, name), off_value=getattr(off, name),
+                           mean_step_s_delta=sim.seconds / sim.steps - r.seconds / r.steps,
+                           total_tokens_per_s_without=r.total_tokens_per_s,
+                           total_tokens_per_s_ratio=sim.total_tokens_per_s / r.total_tokens_per_s,
+                           assumption=recs[name])
+    return dict(mean_step_s=sim.seconds / sim.steps, components=comps, mechanisms=mechs,
+                other_assumptions={k: v for k, v in recs.items() if k not in mechs})
 
 
 POSITIVE = {"isl": "input tokens per request", "osl": "output tokens per request",
@@ -159,14 +255,17 @@ def check_arguments(**values: Any) -> None:
 
 def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
            workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)), concurrency: int = 512,
-           stages: tuple[str, ...] | None = None, **kwargs: Any) -> list[dict]:
-    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage)
-    and `vs_baseline`."""
+           stages: tuple[str, ...] | None = None, google_baseline: bool = True, **kwargs: Any) -> list[dict]:
+    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage),
+    `vs_baseline` and, with `google_baseline`, `google_baseline_total_tokens_per_s` and `vs_google_baseline` (over
+    the `google_baseline` plan, predicted for the same workload; not a ladder stage)."""
     from qwen35_lib.costmodel.stages import LADDER
 
     rows = []
     for isl, osl in workloads:
         prev = base = None
+        g = predict(model, hardware, "google_baseline", isl, osl, concurrency, **kwargs) if google_baseline else None
+        gt = g["total_tokens_per_s"] if g and g.get("fits") else None
         for name in stages or LADDER:
             r = predict(model, hardware, name, isl, osl, concurrency, **kwargs)
             r["workload"] = f"{_k(isl)}/{_k(osl)}"
@@ -174,14 +273,73 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
                 base = base or r["total_tokens_per_s"]
                 r["gain"] = r["total_tokens_per_s"] / prev if prev else 1.0
                 r["vs_baseline"] = r["total_tokens_per_s"] / base
+                if gt:
+                    r["google_baseline_total_tokens_per_s"] = gt
+                    r["vs_google_baseline"] = r["total_tokens_per_s"] / gt
                 prev = r["total_tokens_per_s"]
             rows.append(r)
     return rows
+
+
+def ladder_explained(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
+                     concurrency: int = 512, workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)),
+                     **kwargs: Any) -> dict:
+    """The ladder explained, as data (issue 13, item 7; notebook 06 quotes it): per workload, each stage's total
+    tokens/s, gain and ratios (`ladder`), and what it buys per component: the mean step's seconds per token
+    computed, per component, before and after it (a stage changes the per-token cost; `delta_s_per_token`
+    < 0 is a saving). Also the published 3.1x / 4.7x beside the model's end-to-end ratios over `baseline` and
+    over `google_baseline`, and the per-token cost of `kernels` against `google_baseline` by component."""
+    from qwen35_lib import data
+
+    rows = ladder(model, hardware, workloads, concurrency, **kwargs)
+    google = {f"{_k(i)}/{_k(o)}": predict(model, hardware, "google_baseline", i, o, concurrency, **kwargs)
+              for i, o in workloads}
+    pub = data.read_json("published.json")["reported_ladder"]
+    reported = {"8k/1k": pub["prefill_heavy_gain"], "1k/8k": pub["decode_heavy_gain"]}
+    out: dict[str, Any] = dict(concurrency=concurrency, reported_source=pub["source"], workloads={})
+    for wl in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == wl and r.get("fits")]
+        per_tok = {r["stage"]: _per_token(r) for r in rs}
+        g = google[wl]
+        stages, prev = [], None
+        for r in rs:
+            row = dict(stage=r["stage"], total_tokens_per_s=r["total_tokens_per_s"],
+                       median_tpot_s=r["median_tpot_s"], median_ttft_s=r["median_ttft_s"],
+                       gain=r.get("gain"), vs_baseline=r.get("vs_baseline"),
+                       vs_google_baseline=r.get("vs_google_baseline"), s_per_token=per_tok[r["stage"]])
+            if prev is not None:
+                row["delta_s_per_token"] = _delta(per_tok[prev], per_tok[r["stage"]])
+            prev = r["stage"]
+            stages.append(row)
+        k = next((r for r in rs if r["stage"] == "kernels"), None)
+        summary = dict(reported_gain=reported.get(wl), model_vs_baseline=k and k.get("vs_baseline"),
+                       model_vs_google_baseline=k and k.get("vs_google_baseline"))
+        gb = None
+        if g.get("fits"):
+            gb = dict(total_tokens_per_s=g["total_tokens_per_s"], median_tpot_s=g["median_tpot_s"],
+                      s_per_token=_per_token(g))
+            if k:
+                summary["kernels_vs_google_baseline_delta_s_per_token"] = _delta(gb["s_per_token"],
+                                                                               per_tok["kernels"])
+        out["workloads"][wl] = dict(stages=stages, google_baseline=gb, summary=summary)
+    return out
+
+
+def _per_token(r: dict) -> dict[str, float]:
+    """Seconds per token (input + output) of the slice, by component."""
+    tokens = r["total_tokens_per_s"] * r["seconds"]
+    return {k: v * r["steps"] / tokens for k, v in r["breakdown_s"].items()}
+
+
+def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in sorted(set(a) | set(b), key=lambda k: b.get(k, 0.0) -
+                                                              a.get(k, 0.0)) if b.get(k, 0.0) != a.get(k, 0.0)}
 
 
 def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["KV_DTYPES", "check_arguments", "ladder", "predict", "request_bytes_per_device",
-           "resident_bytes_per_device", "serving_model", "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "RECIPE_DP", "band_of", "check_arguments", "explain_of", "ladder", "ladder_explained",
+           "predict", "request_bytes_per_device", "resident_bytes_per_device", "serving_model", "token_budget",
+           "weight_bytes_per_device"]

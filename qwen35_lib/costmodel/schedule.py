@@ -21,6 +21,7 @@ draining it cost beyond that (`_bounded`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from typing import Callable
 
@@ -222,11 +223,11 @@ class _Play:
 
 def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: list[tuple[int, int]], clients: int,
           dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
-          start: list[_Req] | None = None, collapse: bool = False) -> _Play:
+          start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None) -> _Play:
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
     clients of `start` with their requests already running; with `marks`, it stops at the last one. With
     `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
-    together, as a run of pure-decode steps is."""
+    together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it."""
     running: list[_Req] = list(start or [])
     waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients - len(running)])
     pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
@@ -287,6 +288,8 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             n_steps = 1
             tot.dec_sum += n_dec * dp
             tot.work += n_dec + pre
+        if trace is not None:
+            trace.append((batch, n_steps))
         tot.t += sec * n_steps
         for r in firsts:
             r.first = tot.t
@@ -308,3 +311,228 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
         if marks and not todo:
             break
     return _Play(tot, snapshots, done, running, finished)
+
+
+# --- data-parallel ranks in lockstep -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Lockstep:
+    """The schedule of `dp` ranks run together, as segments of identical slice steps (independent of step times:
+    a rank's scheduler decides by tokens, not seconds). `batches[i]` runs `counts[i]` times; events are per
+    request (arrived, first token, finished) in steps, `outputs` its output tokens."""
+
+    batches: tuple[Batch, ...]
+    counts: np.ndarray
+    events: np.ndarray  # [requests, 3] step counts
+    outputs: np.ndarray
+    input_tokens: int
+    output_tokens: int
+    decodes: float  # decodes over all steps, whole slice
+    running: float  # running sequences per rank, summed over steps (mean over ranks)
+    played: int  # requests per rank played
+    requests: int  # requests per rank in the benchmark
+    clients: int = 0  # clients per rank in the benchmark (more than played: the rest only wait in the queue)
+    cap: int = 0  # requests a rank runs at once, at most
+
+
+LOCKSTEP_PROMPTS = 1024  # requests per rank the lockstep plays at most (8,192 on 8 ranks); beyond, scaled
+CTX_GRAIN = 64  # lockstep contexts are rounded to this many tokens (fewer distinct steps to time; < 1 % at 8k)
+
+
+def _pad(n: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Per-rank token slots: the next power of two >= n, at least lo, at most the bucket covering hi."""
+    top = 1 << max(0, int(np.ceil(np.log2(max(hi, 1)))))
+    p = np.maximum(n, lo).astype(np.int64)
+    p = 1 << np.ceil(np.log2(np.maximum(p, 1))).astype(np.int64)
+    return np.minimum(p, top)
+
+
+def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> tuple[tuple, list[_Req]]:
+    """One step of one rank's scheduler (the module doc's 1-3): its batch fields (decodes, decode ctx, prompt
+    tokens, prompt chunks, prompt ctx, longest ctx) and the requests whose first token it samples."""
+    decoders = [r for r in running if r.done_prompt == r.prompt]
+    n_dec = min(len(decoders), budget)
+    ctx = [r.prompt + r.done_output + 1 for r in decoders[:n_dec]]
+    for r in decoders[:n_dec]:
+        r.done_output += 1
+    budget -= n_dec
+    chunks: list[tuple[int, int]] = []
+    for r in running:
+        if r.done_prompt < r.prompt and budget > 0:
+            n = min(r.prompt - r.done_prompt, budget)
+            chunks.append((n, r.done_prompt))
+            r.done_prompt += n
+            budget -= n
+    while waiting and budget > 0 and len(running) < limit:
+        r = waiting.popleft()
+        running.append(r)
+        n = min(r.prompt, budget)
+        chunks.append((n, 0))
+        r.done_prompt += n
+        budget -= n
+    firsts = [r for r in running if r.done_prompt == r.prompt and r.done_output == 0]
+    for r in firsts:
+        r.done_output = 1
+    pre = sum(c[0] for c in chunks)
+    fields = (n_dec, float(np.mean(ctx)) if ctx else 0.0, pre, len(chunks),
+              float(np.mean([c[1] for c in chunks])) if chunks else 0.0,
+              max([c[0] + c[1] for c in chunks] + ctx + [0]))
+    return fields, firsts
+
+
+def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
+             batch_prefills: bool) -> tuple[np.ndarray, list, list, float, float, float]:
+    """`clients` clients over the slice, the DP scheduler of tpu-inference in front of `dp` rank schedulers: a new
+    request goes to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
+    soonest to free a slot; with `batch_prefills`, new requests are held until `dp` of them wait (or as many
+    ranks were idle the step before), then routed together. Returns per-rank step fields [dp, steps, 6], the
+    finished requests' (arrived, first, finished) in steps, their outputs, input and output tokens, and the
+    running requests summed over steps and ranks."""
+    running: list[list[_Req]] = [[] for _ in range(dp)]
+    waiting: list[deque] = [deque() for _ in range(dp)]
+    queue = deque(_Req(i, o) for i, o in lengths)
+    held: list[_Req] = []
+    rows: list[list[tuple]] = [[] for _ in range(dp)]
+    events, outputs = [], []
+    t, inp, out, run, idle = 0, 0.0, 0.0, 0.0, dp
+
+    def route(r: _Req) -> None:
+        def key(k: int):
+            pend = sum(q.prompt - q.done_prompt for q in running[k]) + sum(q.prompt for q in waiting[k])
+            rem = min((q.output - q.done_output for q in running[k]), default=0)
+            return pend, len(running[k]) + len(waiting[k]), rem
+        waiting[min(range(dp), key=key)].append(r)
+
+    def arrive(r: _Req) -> None:
+        (held.append if batch_prefills else route)(r)
+
+    for _ in range(min(clients, len(queue))):
+        arrive(queue.popleft())
+    while held or any(running) or any(waiting):
+        if held and (not batch_prefills or len(held) >= dp or idle >= len(held)):
+            for r in held:
+                route(r)
+            held = []
+        work = [bool(waiting[k]) and len(running[k]) < limit or any(q.done_prompt < q.prompt for q in running[k])
+                for k in range(dp)]
+        if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
+            k_steps = min(q.output - q.done_output for rr in running for q in rr)
+            for k in range(dp):
+                dec = [q for q in running[k] if q.done_prompt == q.prompt][:budget]
+                ctx = [q.prompt + q.done_output + (k_steps + 1) / 2 for q in dec]
+                rows[k].append(((len(dec), float(np.mean(ctx)) if ctx else 0.0, 0, 0, 0.0,
+                                 int(max(ctx) + k_steps / 2) if ctx else 0), k_steps))
+                for q in dec:
+                    q.done_output += k_steps
+            n_steps, idle = k_steps, sum(1 for k in range(dp) if not running[k])
+        else:
+            n_steps, idle = 1, 0
+            for k in range(dp):
+                f, firsts = _rank_step(running[k], waiting[k], budget, limit)
+                rows[k].append((f, 1))
+                idle += f[0] + f[2] == 0
+                for q in firsts:
+                    q.first = t + 1
+        t += n_steps
+        for k in range(dp):
+            run += len(running[k]) * n_steps
+            for q in [q for q in running[k] if q.done_output >= q.output]:
+                running[k].remove(q)
+                events.append((q.arrived, q.first, t))
+                outputs.append(q.output)
+                inp, out = inp + q.prompt, out + q.output
+                if queue:
+                    arrive(dataclasses.replace(queue.popleft(), arrived=t))
+    F = []
+    for k in range(dp):
+        f = np.array([x for x, _ in rows[k]], dtype=np.float64).reshape(-1, 6)
+        F.append(np.repeat(f, np.array([n for _, n in rows[k]], dtype=np.int64), axis=0))
+    S = max(len(x) for x in F)
+    FF = np.zeros((dp, S, 6))
+    for k, x in enumerate(F):
+        FF[k, :len(x)] = x
+    return FF, events, outputs, inp, out, run
+
+
+@functools.lru_cache(maxsize=64)
+def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
+             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
+    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
+    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
+    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
+    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
+    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
+    state is reached long before).
+    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
+    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
+    clients = max(1, round(concurrency / dp))
+    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
+    limit = max(1, min(max_seqs, max_running))
+    cap = min(limit, max_batched_tokens + 1)
+    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
+    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+    unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
+    cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
+    if dispatch != "rank":
+        F, events, outputs, inp, out, run = _play_dp(
+            draw_lengths(prompts * dp, isl, osl, seed, range_ratio), played_clients * dp, dp, max_batched_tokens,
+            limit, dispatch == "batch")
+        cols = [F[k] for k in range(dp)]
+    for r in range(dp if dispatch == "rank" else 0):
+        tr: list = []
+        p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), played_clients, 1,
+                  max_batched_tokens, limit, collapse=True, trace=tr)
+        n = np.array([c for _, c in tr], dtype=np.int64)
+        f = np.array([(b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx, b.max_ctx)
+                      for b, _ in tr], dtype=np.float64).reshape(-1, 6)
+        cols.append(np.repeat(f, n, axis=0))
+        events += [(a if a is not None else 0.0, fi, e) for a, fi, e, _ in p.finished]
+        outputs += [o for *_, o in p.finished]
+        inp, out, run = inp + p.totals.inp, out + p.totals.out, run + p.totals.run_sum
+    S = max(len(c) for c in cols)
+    F = np.zeros((dp, S, 6))
+    for r, c in enumerate(cols):
+        F[r, :len(c)] = c
+    tokens = F[..., 0] + F[..., 2]
+    work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])
+    crit = np.lexsort((work, tokens), axis=0)[-1]  # per step: the rank with most tokens, then most work
+    C = F[crit, np.arange(S)]  # [S, 6]
+    C[:, [1, 4, 5]] = np.rint(C[:, [1, 4, 5]] / CTX_GRAIN) * CTX_GRAIN  # contexts to CTX_GRAIN tokens
+    seqs = (F[..., 0] + F[..., 3]).max(axis=0)
+    slot = _pad(tokens.max(axis=0), min_slot, max_batched_tokens) if padding else tokens.max(axis=0)
+    key = np.column_stack([C, slot, seqs])
+    change = np.ones(S, dtype=bool)
+    change[1:] = np.any(key[1:] != key[:-1], axis=1)
+    starts = np.flatnonzero(change)
+    counts = np.diff(np.append(starts, S))
+    batches = tuple(Batch(decodes=int(c[0]) * dp, decode_ctx=float(c[1]), prefill_tokens=int(c[2]) * dp,
+                          prefill_seqs=int(c[3]) * dp, prefill_ctx=float(c[4]), max_ctx=int(c[5]),
+                          padded_tokens=int(sl) * dp if padding else 0, logit_rows=max(int(q), 1) * dp)
+                    for c, sl, q in zip(C[starts], slot[starts], seqs[starts]))
+    return Lockstep(batches, counts, np.array(events, dtype=np.float64).reshape(-1, 3),
+                    np.array(outputs, dtype=np.int64), int(round(inp)), int(round(out)),
+                    float(F[..., 0].sum()), run / dp, prompts, requests, clients, cap)
+
+
+def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> SimResult:
+    """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request. A
+    benchmark longer than the played run is the played run's cost per request times its requests; clients who
+    could not run wait in the queue (`_median_queue_wait`, added to the TTFT)."""
+    seen: dict[Batch, tuple[float, dict[str, float]]] = {}
+    timed = [seen.setdefault(b, step_fn(b)) if b not in seen else seen[b] for b in ls.batches]
+    secs = np.array([t for t, _ in timed])
+    names = sorted({k for _, parts in seen.values() for k in parts})
+    parts = np.array([[p.get(k, 0.0) for k in names] for _, p in timed]).reshape(len(timed), len(names))
+    breakdown = dict(zip(names, (ls.counts @ parts).tolist()))
+    per_step = np.repeat(secs, ls.counts)
+    cum = np.concatenate([[0.0], np.cumsum(per_step)])
+    steps = int(ls.counts.sum())
+    at = cum[np.clip(np.rint(ls.events).astype(np.int64), 0, steps)]
+    done = [(a, f, e, o) for (a, f, e), o in zip(at, ls.outputs)]
+    ttft, tpot = _latencies(done)
+    k = ls.requests / ls.played
+    if ls.clients > ls.cap + 1:
+        ttft += _median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
+    return SimResult(float(cum[-1]) * k, round(steps * k), round(ls.input_tokens * k), round(ls.output_tokens * k),
+                     {n: v * k for n, v in breakdown.items()}, ls.decodes / max(steps, 1), ls.running / max(steps, 1),
+                     played=ls.played, requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)

@@ -21,6 +21,22 @@ from qwen35_lib.parallel.stages import LADDER, STAGES, Stage, custom_stage, get_
 
 Layout = ServingPlan  # what the cost model reads of a stage is the bound plan itself, not a copy
 
+# The baseline Google started from, as we read it (issue 13, item 2): tpu-inference's TP8 before the DP/EP work:
+# heads split 8 ways with the 2 KV heads duplicated, the MoE split over its FFN dim, and already its own Pallas
+# kernels (ragged paged attention, the grouped matmul). Not a ladder stage: the ladder's `baseline` is this
+# project's XLA path. How sure: the layout is tpu-inference's default TP serving (--tensor-parallel-size=8 without
+# enable_dp_attention / --enable-expert-parallel, as server.sh reads); that the 3.1x / 4.7x were measured from it
+# is an inference, the post itself not found (data/published.json 'reported_ladder').
+GOOGLE_BASELINE = dataclasses.replace(custom_stage("tp8_kvrep", None, kernels="pallas"), name="google_baseline")
+EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE}
+
+
+def any_stage(name: str | Stage) -> Stage:
+    """A ladder stage or `google_baseline`."""
+    if isinstance(name, Stage):
+        return name
+    return EXTRA[name] if name in EXTRA else get_stage(name)
+
 
 def _mesh(devices: int) -> AbstractMesh:
     """The ('chip', 'core') mesh of `devices` devices, 2 cores a chip (1 device: one core)."""
@@ -50,5 +66,5 @@ def resolve_layout(stage: Stage, config: Config, devices: int) -> ServingPlan:
     return plan.bind(mesh)
 
 
-__all__ = ["KERNELS", "LADDER", "LAYOUTS", "ROUTINGS", "STAGES", "Layout", "Stage", "custom_stage", "get_stage",
-           "resolve_layout"]
+__all__ = ["EXTRA", "GOOGLE_BASELINE", "KERNELS", "LADDER", "LAYOUTS", "ROUTINGS", "STAGES", "Layout", "Stage",
+           "any_stage", "custom_stage", "get_stage", "resolve_layout"]

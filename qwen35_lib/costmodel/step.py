@@ -9,6 +9,10 @@
 4. embedding and LM head once per step;
 5. step seconds = the sum (no overlap of compute and collectives, except inside the hierarchical
    reduce-scatter): the slowest device is any device, since ranks are balanced.
+With `mech` (`assumptions.Mechanisms`), the serving mechanisms of data/costmodel_assumptions.json change it: the
+efficiencies, expert imbalance and grouped-matmul tiles in the op costs, the attention kernel's efficiency and its
+mixed-step slowdown, the permute's SparseCore share, the FP8 hidden all-gather, a fraction of the collectives hidden
+behind compute, and a host time per step (component `host`). `mech=None` is the model without them.
 `ideal=True` gives the roofline bound: the same work with every weight and token spread over all devices, every
 weight read once, only the experts hit read, efficiencies 1, no collectives, no launch overheads.
 """
@@ -22,12 +26,13 @@ import math
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, traffic
+from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.stages import Stage, resolve_layout
 from qwen35_lib.kernels.registry import family_kernels
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "router", "shared_expert", "routed_experts",
-              "permute", "norms", "embed_lm_head", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+              "permute", "norms", "embed_lm_head", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "host")
 COMM = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -45,7 +50,7 @@ class StepTime:
 
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = None, page_size: int = 256,
-              ideal: bool = False) -> ops.Placement:
+              ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0) -> ops.Placement:
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
@@ -58,17 +63,33 @@ def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = No
     passes = facts[f"{stage.kernels}_weight_passes"]["value"]
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
-                         weight_passes=passes)
+                         weight_passes=passes, expert_imbalance=expert_imbalance,
+                         gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0)
 
 
 def _ideal_specs(s: Specs) -> Specs:
     return s.replace(eff_matmul=1.0, eff_hbm=1.0, op_overhead_s=0.0)
 
 
+@functools.lru_cache(maxsize=256)
+def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
+    """The specs with the efficiencies `mech` sets (None: unchanged)."""
+    if mech is None:
+        return specs
+    ch = {k: v for k, v in (("eff_matmul", mech.matmul_efficiency), ("eff_hbm", mech.hbm_efficiency),
+                            ("eff_ici", mech.ici_efficiency)) if v is not None}
+    return specs.replace(**ch) if ch else specs
+
+
 def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
-              page_size: int = 256, ideal: bool = False, overlap: bool = True) -> StepTime:
+              page_size: int = 256, ideal: bool = False, overlap: bool = True,
+              mech: Mechanisms | None = None) -> StepTime:
     """Seconds of one step of `batch` under `stage` on `specs` (see the module doc)."""
-    pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal)
+    if ideal:
+        mech = None
+    specs = mech_specs(specs, mech)
+    pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
+        (mech.expert_imbalance, mech.gmm_tile_rows) if mech else ()))
     s = _ideal_specs(specs) if ideal else specs
     z = ops.sizes(cfg)
     out = dict.fromkeys(COMPONENTS, 0.0)
@@ -103,9 +124,18 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
 
     wire = 0.0
     if not ideal:
-        for name, comm in step_comms(cfg, specs, stage, batch, overlap).items():
-            out[name] += comm.seconds
+        hidden = 1.0 - (mech.collective_overlap if mech else 0.0)
+        fp8 = bool(mech and mech.fp8_allgather)
+        for name, comm in step_comms(cfg, specs, stage, batch, overlap, fp8_allgather=fp8).items():
+            out[name] += comm.seconds * hidden
             wire += comm.wire_bytes
+    if mech is not None:
+        if mech.attention_kernel_efficiency:
+            out["attn_core"] *= s.eff_hbm / mech.attention_kernel_efficiency
+        if batch.decodes and batch.prefill_tokens:
+            out["attn_core"] *= mech.mixed_step_attention
+        out["permute"] *= mech.sparsecore_permute
+        out["host"] += mech.host_step_overhead_s
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
@@ -117,26 +147,41 @@ def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
     return tokens * ep * (1 - miss)
 
 
-def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overlap: bool = True
-               ) -> dict[str, cc.Comm]:
+def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overlap: bool = True,
+               fp8_allgather: bool = False) -> dict[str, cc.Comm]:
     """The collectives of one step per device, by component, priced on the system's topology: the ops of
     `traffic.step_collectives` (the bytes `traffic.collective_counts` states and the HLO test checks), each by its
     formula in `collectives`: an all-gather of `bytes` output as `bytes / group` shards, a reduce-scatter of
     `bytes` input, an all-reduce and an all-to-all of `bytes`; the hierarchical reduce-scatter's phases together,
     `hierarchical_reduce_scatter` of their N·D·b input with the micro-batch count the code runs.
+    `fp8_allgather`: the MoE's hidden all-gather (its first) moves (1 + 4 / D) bytes per element instead of b.
     """
+    return dict(_comms(cfg, specs, stage, batch.computed, batch.logit_rows or max(batch.seqs, 1), overlap,
+                       fp8_allgather, traffic.step_collectives))
+
+
+@functools.lru_cache(maxsize=4096)  # a step's collectives depend on its token and row counts only
+def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, overlap: bool, fp8_allgather: bool,
+           listed=traffic.step_collectives) -> dict[str, cc.Comm]:
+    """`step_comms` by counts; `listed` (the function listing the ops) is part of the key: a patched
+    `traffic.step_collectives` is read, not a cached result."""
     out = {name: cc.Comm(0.0, 0.0) for name in COMM}
     if specs.devices == 1:
         return out
     plan = resolve_layout(stage, cfg, specs.devices)
     dp = plan.dp
-    shape = traffic.StepShape(tokens=batch.computed / dp, seqs=(batch.logit_rows or max(batch.seqs, 1)) / dp)
-    ops_ = traffic.step_collectives(plan, cfg, shape, specs.kind)
+    shape = traffic.StepShape(tokens=computed / dp, seqs=rows / dp)
+    ops_ = listed(plan, cfg, shape, specs.kind)
 
     def add(name: str, comm: cc.Comm, runs: float) -> None:
         out[name] = cc.Comm(out[name].seconds + comm.seconds * runs, out[name].wire_bytes + comm.wire_bytes * runs)
 
+    first_moe_ag = True
     for op in ops_:
+        if fp8_allgather and op.part == "moe" and op.kind == "all-gather" and first_moe_ag:
+            first_moe_ag = False
+            b = traffic.wire_itemsize(cfg.dtype, specs.kind)
+            op = dataclasses.replace(op, bytes=op.bytes * (1 + 4 / cfg.hidden_size) / b)
         if op.part == "moe_rs_chip":  # priced with its core phase
             continue
         if op.part == "moe_rs_core":

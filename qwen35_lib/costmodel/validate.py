@@ -9,7 +9,9 @@
     XLA's `cost_analysis()` FLOPs and bytes and `memory_analysis()` argument bytes against the model's
     prediction for the same work (a prefill of batch x seq tokens with every token's logits, XLA kernels).
 (c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this
-    function reads that file; `predict` never does.
+    function (and `acceptance`, `notebook_data`, which call it) reads that file; `predict` never does.
+`notebook_data()` is everything notebook 06 quotes from issue 13 as one dict: the comparison, the acceptance
+figures, the explained prediction with its band for both workloads at 512, and the ladder explained.
 """
 
 from __future__ import annotations
@@ -165,8 +167,12 @@ def published() -> dict:
     return data.read_json("published.json")
 
 
-def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> list[dict]:
-    """Each published row with a setup the model can describe, next to `predict` under `stages`."""
+def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels"), band: bool = False,
+                         mechanisms: str = "nominal") -> list[dict]:
+    """Each published row with a setup the model can describe, next to `predict` under `stages` (each row under
+    its own setup: range ratio, prompts, token budget, sequences, KV dtype, page size). With `band`, the
+    `kernels` prediction's band (`predict(band=True)`) and whether the measurement lies inside it."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
 
     rows = []
@@ -179,16 +185,59 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels")) -> l
                    measured_output_tokens_per_s=m.get("output_tokens_per_s"),
                    measured_median_tpot_ms=m.get("median_tpot_ms"))
         setup = m.get("setup", {})
+        mech = mechanisms
+        if mechanisms == "nominal" and "dp_sched_batch_prefill" in setup:
+            mech = Mechanisms.nominal(dp_batch_prefill=setup["dp_sched_batch_prefill"])
         for st in stages:
             p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
                         max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
                         max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
                         range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
-                        page_size=setup.get("page_size", 256))
+                        page_size=setup.get("page_size", 256), mechanisms=mech,
+                        band=band and st == "kernels" and mechanisms == "nominal")
             row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
             row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
+            row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
             if m.get("median_tpot_ms"):
-                row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
                 row[f"tpot_ratio_{st}"] = p["median_tpot_s"] * 1e3 / m["median_tpot_ms"]
+            if "band" in p:
+                lo, hi = p["band"]["total_tokens_per_s"]
+                row["band_total_tokens_per_s"] = [lo, hi]
+                row["inside_band"] = lo <= m["total_tokens_per_s"] <= hi
+                row["band_median_tpot_ms"] = [v * 1e3 for v in p["band"]["median_tpot_s"]]
+                if m.get("median_tpot_ms"):
+                    tlo, thi = row["band_median_tpot_ms"]
+                    row["tpot_inside_band"] = tlo <= m["median_tpot_ms"] <= thi
         rows.append(row)
     return rows
+
+
+def acceptance(rows: list[dict] | None = None, stage: str = "kernels") -> dict:
+    """Issue 13's acceptance figures on the fixed comparison set (tpu-inference #3050, 8k/1k, c64/128/256):
+    per point the total tokens/s and median TPOT ratios, whether each is within 25 %, and the trend
+    |ratio(c256) / ratio(c64) - 1| (at most 0.15)."""
+    rows = [r for r in (rows or published_comparison(("kernels",), band=True)) if r["acceptance"]]
+    by_c = {r["concurrency"]: r for r in rows}
+    pts = [dict(concurrency=c, ratio=r[f"ratio_{stage}"], tpot_ratio=r.get(f"tpot_ratio_{stage}"),
+                within_25pct=abs(r[f"ratio_{stage}"] - 1) <= 0.25,
+                tpot_within_25pct=abs(r.get(f"tpot_ratio_{stage}", float("inf")) - 1) <= 0.25,
+                inside_band=r.get("inside_band"), tpot_inside_band=r.get("tpot_inside_band"))
+           for c, r in sorted(by_c.items())]
+    lo, hi = min(by_c), max(by_c)
+    trend = abs(by_c[hi][f"ratio_{stage}"] / by_c[lo][f"ratio_{stage}"] - 1)
+    return dict(points=pts, trend=trend, trend_ok=trend <= 0.15,
+                all_within_25pct=all(p["within_25pct"] and p["tpot_within_25pct"] for p in pts))
+
+
+def notebook_data(concurrency: int = 512) -> dict:
+    """Issue 13's results as one JSON-able dict: `comparison` (`published_comparison(band=True)`), `acceptance`,
+    `explain` ({"8k/1k" | "1k/8k": `predict(explain=True, band=True)` of `kernels` at `concurrency`}) and `ladder`
+    (`predict.ladder_explained`); a few minutes on 2 CPU cores."""
+    from qwen35_lib.costmodel.predict import ladder_explained, predict
+
+    rows = published_comparison(("kernels",), band=True)
+    explain = {f"{i // 1024}k/{o // 1024}k": predict(stage="kernels", isl=i, osl=o, concurrency=concurrency,
+                                                     roofline=False, explain=True, band=True)
+               for i, o in ((8192, 1024), (1024, 8192))}
+    return dict(comparison=rows, acceptance=acceptance(rows), explain=explain,
+                ladder=ladder_explained(concurrency=concurrency, roofline=False))

@@ -1,0 +1,118 @@
+"""The labelled assumptions of the serving mechanisms (data/costmodel_assumptions.json) and the `Mechanisms` record
+the step-time model reads.
+
+Every record has a source URL, a quote or figure from it, a nominal value and a low-high range fixed before any
+comparison (`check`: a record missing one is an error). `Mechanisms.nominal()` is every value at its nominal;
+`Mechanisms.off()` is the old model (no mechanism: ranks balanced, collectives serial, no host time).
+`extremes()` lists the one-at-a-time variations of the band: (name, end, Mechanisms) for each 'range' record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from qwen35_lib import data
+
+FILE = "costmodel_assumptions.json"
+KINDS = ("range", "computed", "setup")
+REQUIRED = ("mechanism", "kind", "source", "quote", "value", "low", "high", "range_fixed")
+
+
+@functools.cache
+def records() -> dict[str, dict]:
+    """{name: record} of data/costmodel_assumptions.json, each checked (`check`)."""
+    table = data.read_json(FILE)["assumptions"]
+    for name, rec in table.items():
+        check(name, rec)
+    return dict(table)
+
+
+def check(name: str, rec: dict) -> None:
+    """A record names its source (a URL), a quote, a nominal value and a range holding it."""
+    missing = [k for k in REQUIRED if k not in rec or rec[k] in ("", None)]
+    if missing:
+        raise ValueError(f"{FILE} assumption {name!r} lacks {', '.join(missing)}: every mechanism needs a source URL, "
+                         "a quote, a value and a low-high range fixed before comparison")
+    if not str(rec["source"]).startswith("https://"):
+        raise ValueError(f"{FILE} assumption {name!r}: source {rec['source']!r} is not a URL; cite where it was read")
+    if rec["kind"] not in KINDS:
+        raise ValueError(f"{FILE} assumption {name!r}: kind {rec['kind']!r} is not one of {', '.join(KINDS)}")
+    if rec["kind"] == "range" and not rec["low"] <= rec["value"] <= rec["high"]:
+        raise ValueError(f"{FILE} assumption {name!r}: value {rec['value']} lies outside its range "
+                         f"[{rec['low']}, {rec['high']}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanisms:
+    """The mechanism values one prediction uses (names as the records')."""
+
+    dp_lockstep: bool = False
+    dp_batch_prefill: bool = False  # the DP scheduler holds new requests until dp of them wait (with dp_lockstep)
+    token_padding: bool = False
+    gmm_tile_rows: int = 0  # 0: ideal rows
+    fp8_allgather: bool = False
+    host_step_overhead_s: float = 0.0
+    expert_imbalance: float = 1.0
+    collective_overlap: float = 0.0
+    sparsecore_permute: float = 1.0
+    attention_kernel_efficiency: float | None = None  # None: the HBM efficiency of every read
+    mixed_step_attention: float = 1.0
+    matmul_efficiency: float | None = None  # None: the specs' own
+    hbm_efficiency: float | None = None
+    ici_efficiency: float | None = None
+
+    @classmethod
+    def off(cls) -> Mechanisms:
+        return cls()
+
+    @classmethod
+    def nominal(cls, **changes) -> Mechanisms:
+        recs = records()
+        vals = {f.name: _field_value(f.name, recs[f.name]["value"]) for f in dataclasses.fields(cls)}
+        vals.update(changes)
+        return cls(**vals)
+
+    def neutral(self, name: str) -> Mechanisms:
+        """This record with mechanism `name` switched to the old model's value (its contribution removed)."""
+        return dataclasses.replace(self, **{name: getattr(Mechanisms.off(), name)})
+
+
+def _field_value(name: str, v):
+    if name == "token_padding":
+        return v == "pow2"
+    return v
+
+
+def extremes(base: Mechanisms | None = None) -> list[tuple[str, str, Mechanisms]]:
+    """(name, "low" | "high", the nominal with that one value at its end) for every 'range' assumption."""
+    base = base or Mechanisms.nominal()
+    out = []
+    for name, rec in records().items():
+        if rec["kind"] != "range":
+            continue
+        for end in ("low", "high"):
+            out.append((name, end, dataclasses.replace(base, **{name: rec[end]})))
+    return out
+
+
+COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (besides the op's roofline)
+    "attn_core": ("attention_kernel_efficiency", "mixed_step_attention", "hbm_efficiency", "dp_lockstep"),
+    "routed_experts": ("expert_imbalance", "gmm_tile_rows", "moe_chunk", "matmul_efficiency", "hbm_efficiency",
+                       "dp_lockstep", "token_padding"),
+    "permute": ("sparsecore_permute", "hbm_efficiency", "token_padding"),
+    "all_gather": ("ici_efficiency", "collective_overlap", "fp8_allgather", "token_padding"),
+    "reduce_scatter": ("ici_efficiency", "collective_overlap", "moe_chunk", "token_padding"),
+    "all_reduce": ("ici_efficiency", "collective_overlap"),
+    "all_to_all": ("ici_efficiency", "collective_overlap"),
+    "host": ("host_step_overhead_s",),
+    "dp": ("dp_lockstep", "dp_batch_prefill", "token_padding"),
+}
+DEFAULT_COMPONENT = ("matmul_efficiency", "hbm_efficiency", "dp_lockstep", "dp_batch_prefill", "token_padding")
+
+
+def component_assumptions(component: str) -> tuple[str, ...]:
+    return COMPONENT_ASSUMPTIONS.get(component, DEFAULT_COMPONENT)
+
+
+__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "check", "component_assumptions", "extremes", "records"]

@@ -1,0 +1,144 @@
+"""The cost model's labelled serving mechanisms (issue 13): every assumption has a source, a quote and a range; the
+data-parallel ranks in lockstep; the band; `--explain`; one token budget for every stage; `google_baseline`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qwen35_lib import costmodel
+from qwen35_lib.costmodel import assumptions, schedule
+from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.ops import Batch
+
+SMALL = dict(isl=1024, osl=256, concurrency=16, roofline=False)
+
+
+def test_every_assumption_has_a_source_a_quote_and_a_range():
+    recs = assumptions.records()
+    assert {"dp_lockstep", "dp_batch_prefill", "moe_chunk", "host_step_overhead_s", "expert_imbalance",
+            "collective_overlap", "sparsecore_permute", "fp8_allgather", "mixed_step_attention",
+            "attention_kernel_efficiency", "gmm_tile_rows"} <= set(recs)
+    for name, rec in recs.items():
+        assert rec["source"].startswith("https://") and len(rec["quote"]) > 20, name
+        if rec["kind"] == "range":
+            assert rec["low"] <= rec["value"] <= rec["high"] and rec["low"] < rec["high"], name
+    # every field of Mechanisms is a record (no mechanism without its assumption)
+    assert {f for f in Mechanisms.__dataclass_fields__} <= set(recs)
+
+
+@pytest.mark.parametrize("field", assumptions.REQUIRED)
+def test_an_assumption_without_its_source_quote_or_range_is_refused(field):
+    rec = dict(assumptions.records()["expert_imbalance"])
+    del rec[field]
+    with pytest.raises(ValueError, match=f"lacks {field}"):
+        assumptions.check("x", rec)
+    with pytest.raises(ValueError, match="is not a URL"):
+        assumptions.check("x", dict(assumptions.records()["expert_imbalance"], source="my notes"))
+    with pytest.raises(ValueError, match="outside its range"):
+        assumptions.check("x", dict(assumptions.records()["expert_imbalance"], value=2.0))
+
+
+def test_the_model_without_mechanisms_is_the_old_model():
+    off = costmodel.predict(stage="kernels", mechanisms="off", **SMALL)
+    nominal = costmodel.predict(stage="kernels", **SMALL)
+    assert off["mechanisms"] == "off" and not off["dp_lockstep_applied"] and nominal["dp_lockstep_applied"]
+    assert off["breakdown_s"]["host"] == 0 and nominal["breakdown_s"]["host"] == pytest.approx(5e-4)
+    assert off["total_tokens_per_s"] != nominal["total_tokens_per_s"]
+
+
+def toy(batch: Batch) -> tuple[float, dict[str, float]]:
+    sec = 1e-3 + 1e-6 * batch.computed
+    return sec, {"all": sec}
+
+
+@pytest.mark.parametrize("dispatch", ["rank", "each", "batch"])
+def test_lockstep_counts_every_request_and_charges_the_busiest_rank(dispatch):
+    ls = schedule.lockstep(512, 64, 32, 4, 256, 16, 10**6, 64, 0, 0.8, dispatch=dispatch)
+    assert len(ls.events) == ls.played * 4 and ls.outputs.sum() == ls.output_tokens
+    steps = int(ls.counts.sum())
+    # each slice step computes 4 x the busiest rank's padded slot: a power of two, at least the min slot
+    slots = np.array([b.computed // 4 for b in ls.batches])
+    assert np.all(slots >= 4) and np.all(slots & (slots - 1) == 0)
+    r = schedule.price(ls, toy)
+    assert r.steps == steps and r.seconds == pytest.approx(sum(toy(b)[0] * n for b, n in zip(ls.batches, ls.counts)))
+    assert 0 < r.median_tpot_s and 0 < r.median_ttft_s
+    # the ranks run together: no faster than one rank's own schedule priced the same way
+    one = schedule.simulate(toy, 512, 64, 32, 4, 256, 16, 10**6, 64, 0, 0.8)
+    assert r.seconds >= 0.99 * one.seconds * ls.input_tokens / one.input_tokens
+
+
+def test_batched_prefill_dispatch_starts_the_ranks_prefills_together():
+    """With DP_SCHED_BATCH_PREFILL new requests wait until 8 of them can go together, so the ranks prefill in
+    the same steps: fewer steps carry any prompt work than when each request is routed as it comes."""
+    lengths = schedule.draw_lengths(256, 512, 64)
+    F, *_ = schedule._play_dp(lengths, 8, 8, 512, 4, True)
+    assert np.all(F[:, 0, 2] == [i for i, _ in lengths[:8]])  # step 0: one whole prompt on every rank
+
+    def prompt_steps(batch: bool) -> int:
+        F, events, outputs, *_ = schedule._play_dp(lengths, 64, 8, 256, 16, batch)
+        assert len(events) == len(lengths) and sum(outputs) == sum(o for _, o in lengths)
+        return int((F[..., 2].sum(axis=0) > 0).sum())
+
+    assert prompt_steps(True) < 0.8 * prompt_steps(False)
+
+
+def test_band_brackets_the_prediction_and_names_each_end():
+    r = costmodel.predict(stage="kernels", band=True, **SMALL)
+    b = r["band"]
+    lo, hi = b["total_tokens_per_s"]
+    assert lo <= r["total_tokens_per_s"] <= hi and b["high_over_low"] == pytest.approx(hi / lo)
+    ranges = [n for n, rec in assumptions.records().items() if rec["kind"] == "range"]
+    assert sorted((x["assumption"], x["end"]) for x in b["extremes"]) == sorted(
+        (n, e) for n in ranges for e in ("low", "high"))
+    tpot = {(x["assumption"], x["end"]): x["median_tpot_s"] for x in b["extremes"]}
+    assert tpot[("host_step_overhead_s", "high")] > r["median_tpot_s"] > tpot[("host_step_overhead_s", "low")]
+
+
+def test_cli_explain_json_gives_the_breakdown_the_band_and_every_assumption():
+    out = subprocess.run([sys.executable, "-m", "qwen35_lib.costmodel", "predict", "--isl", "1024", "--osl", "256",
+                          "--concurrency", "16", "--explain", "--json"], capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    e = doc["explain"]
+    assert sum(c["seconds"] for c in e["components"].values()) == pytest.approx(doc["mean_step_s"], rel=1e-6)
+    assert all(c["assumptions"] for c in e["components"].values())
+    applied = {k: m for k, m in e["mechanisms"].items() if m["applied"]}
+    assert {"dp_lockstep", "host_step_overhead_s", "collective_overlap"} <= set(applied)
+    assert all(m["assumption"]["source"].startswith("https://") for m in e["mechanisms"].values())
+    assert "moe_chunk" in e["other_assumptions"] and "band" in doc
+    text = subprocess.run([sys.executable, "-m", "qwen35_lib.costmodel", "predict", "--isl", "1024", "--osl",
+                           "256", "--concurrency", "16"], capture_output=True, text=True, check=True).stdout
+    assert "band" in text and "each labelled assumption at its low / high end" in text
+
+
+@pytest.mark.parametrize("isl", [8192, 1024])
+def test_one_token_budget_for_every_stage(isl):
+    """The slice's token budget is the recipe's (8 x max(ISL / 8, 1024)) under every stage, TP or DP."""
+    for stage in (*costmodel.LADDER, "google_baseline"):
+        r = costmodel.predict(stage=stage, isl=isl, osl=256, concurrency=8, roofline=False, mechanisms="off")
+        assert r["max_batched_tokens_per_rank"] * r["dp"] == 8 * max(isl // 8, 1024), stage
+
+
+def test_ladder_reports_ratios_against_google_baseline():
+    rows = costmodel.ladder(workloads=((1024, 256),), concurrency=16, stages=("baseline", "kernels"),
+                            mechanisms="off", roofline=False)
+    g = costmodel.predict(stage="google_baseline", isl=1024, osl=256, concurrency=16, mechanisms="off",
+                          roofline=False)
+    assert g["layout"] == "tp8_kvrep" and g["kernels"] == "pallas"
+    for r in rows:
+        assert r["vs_google_baseline"] == pytest.approx(r["total_tokens_per_s"] / g["total_tokens_per_s"])
+
+
+def test_acceptance_figures_from_comparison_rows():
+    from qwen35_lib.costmodel import validate
+
+    rows = [dict(acceptance=True, concurrency=c, ratio_kernels=r, tpot_ratio_kernels=t, inside_band=True)
+            for c, r, t in ((64, 1.1, 0.8), (128, 1.2, 0.9), (256, 1.3, 1.3))]
+    a = validate.acceptance(rows + [dict(acceptance=False, concurrency=64, ratio_kernels=9.0)])
+    assert a["trend"] == pytest.approx(1.3 / 1.1 - 1) and not a["trend_ok"]
+    assert [p["within_25pct"] for p in a["points"]] == [True, True, False]
+    assert [p["tpot_within_25pct"] for p in a["points"]] == [True, True, False] and not a["all_within_25pct"]
