@@ -144,3 +144,15 @@ def test_a_plans_cache_dtypes_reach_the_cost_model():
     c = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8, kv_dtype="bfloat16")
     assert (a["kv_dtype"], b["kv_dtype"], c["kv_dtype"]) == ("float8_e4m3fn", "bfloat16", "bfloat16")
     assert stages.stage_config(get_config("qwen3.5-mini"), bf16).gdn_state_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("where", ["stage_gain", "viz"])
+def test_every_grouping_of_the_cost_breakdown_covers_each_component_once(where):
+    from qwen35_lib.costmodel.step import COMPONENTS
+
+    if where == "stage_gain":
+        from qwen35_lib.stage_gain import GROUPS
+    else:
+        from qwen35_lib.viz.costmodel import GROUPS
+    grouped = [c for parts in GROUPS.values() for c in parts]
+    assert sorted(grouped) == sorted(COMPONENTS), f"{where}.GROUPS must list each costmodel.step component once"
