@@ -92,11 +92,12 @@ class Cost:
     copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
 
+    # field by field (dataclasses.astuple deep-copies: it was a seventh of a schedule simulation's time)
     def __add__(self, o: Cost) -> Cost:
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+        return Cost(*(getattr(self, f) + getattr(o, f) for f in _COST_FIELDS))
 
     def __mul__(self, k: float) -> Cost:
-        return Cost(*(a * k for a in dataclasses.astuple(self)))
+        return Cost(*(getattr(self, f) * k for f in _COST_FIELDS))
 
     @property
     def flops(self) -> float:
@@ -106,6 +107,8 @@ class Cost:
     def hbm_bytes(self) -> float:
         return self.bytes + self.copy_bytes
 
+
+_COST_FIELDS = tuple(f.name for f in dataclasses.fields(Cost))
 
 def seconds(c: Cost, s: Specs) -> float:
     """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads."""
