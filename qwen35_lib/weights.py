@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core  # trace_state_clean: is a jit being traced now
 
 from qwen35_lib.config import Config
 
@@ -170,22 +172,36 @@ def init_weights(config: Config, key: jax.Array | int = 0) -> dict:
     FP8 expert weights are drawn in float32 and then block-quantized, as a real FP8 checkpoint would be.
     """
     key = jax.random.key(key) if isinstance(key, int) else key
-    return _init_jit(config, key)
+    nodes, treedef = jax.tree.flatten(declare(config), is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
+    # compiled per declaration, not per config: configs differing only in fields the weights do not have (kernels,
+    # EOS ids, layouts, chunk sizes) share one program (~4 CPU-s to compile even at qwen3.5-tiny)
+    declared = (treedef, tuple(nodes), config.fp8_block_size)
+    # compiler options only on a top-level jit: traced (eval_shape, inside a jit) the draw is part of the caller's
+    return (_init_jit_top if jax_core.trace_state_clean() else _init_jit)(declared, key)
 
 
-@jax.jit(static_argnums=0)
-def _init_jit(config: Config, key: jax.Array) -> dict:
-    decl = declare(config)
-    nodes, treedef = jax.tree.flatten(decl, is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
+# Under XLA:CPU at -O0 ($XLA_FLAGS, the tests' and notebooks' FAST_COMPILE) the draw alone compiles at -O1: at -O0
+# qwen3.5-mini's 115M normals took ~14 CPU-s to draw instead of ~2, for the same compile time. -O1 draws the default
+# level's bits (-O0's differ in the last place), so the weights are those of a run without the flag.
+_INIT_OPTIONS = {"xla_backend_optimization_level": 1} if "--xla_backend_optimization_level=0" in \
+    os.environ.get("XLA_FLAGS", "") else None
+
+
+def _init_draw(declared: tuple, key: jax.Array) -> dict:
+    treedef, nodes, block = declared  # (tree structure, ArrayInfo | BlockFP8 leaves, fp8 block size)
     keys = jax.random.split(key, len(nodes))
 
     def init(node, k):
         if isinstance(node, BlockFP8):  # draw in float32, then quantize as an FP8 checkpoint would be
             dense = _init_leaf(dataclasses.replace(node.value, dtype=jnp.float32), k)
-            return quantize_fp8(dense, config.fp8_block_size, fp8_block_dims(node.value.shape, node.scale.shape))
+            return quantize_fp8(dense, block, fp8_block_dims(node.value.shape, node.scale.shape))
         return _init_leaf(node, k)
 
     return treedef.unflatten([init(n, k) for n, k in zip(nodes, keys)])
+
+
+_init_jit = jax.jit(_init_draw, static_argnums=0)
+_init_jit_top = jax.jit(_init_draw, static_argnums=0, compiler_options=_INIT_OPTIONS)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class Cost:
     copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
 
+    # field by field (dataclasses.astuple deep-copies: it was a seventh of a schedule simulation's time)
     def __add__(self, o: Cost) -> Cost:
         return Cost(self.mxu_flops + o.mxu_flops, self.vector_flops + o.vector_flops, self.bytes + o.bytes,
                     self.launches + o.launches, self.copy_bytes + o.copy_bytes,
@@ -110,6 +111,7 @@ class Cost:
     @property
     def hbm_bytes(self) -> float:
         return self.bytes + self.copy_bytes
+
 
 
 def seconds(c: Cost, s: Specs) -> float:
