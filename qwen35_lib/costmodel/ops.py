@@ -113,7 +113,6 @@ class Cost:
         return self.bytes + self.copy_bytes
 
 
-
 def seconds(c: Cost, s: Specs) -> float:
     """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads."""
     compute = c.mxu_flops / (s.peak_flops * s.eff_matmul) + c.vector_flops / (s.peak_flops * s.vector_fraction) + \
