@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from qwen35_lib import costmodel, get_config, model_stats
@@ -309,3 +310,14 @@ def test_more_clients_than_can_run_only_wait(budget, max_running):
     assert runs[0].median_ttft_s < runs[1].median_ttft_s < runs[2].median_ttft_s
     fewer = simulate(linear_step, 64, 32, cap // 2, 1, budget, 10**9, max_running, num_prompts=300)
     assert fewer.seconds != runs[0].seconds  # (well below the cap, clients matter)
+
+
+@pytest.mark.parametrize("clients, cap, prompts", [(1, 1, 1), (64, 64, 640), (640, 64, 6400), (100, 3, 7),
+                                                   (5, 200, 64)])
+def test_median_queue_wait_is_the_median_of_every_requests_wait(clients, cap, prompts):
+    """The closed form (bounded at any concurrency) against the median over every request's wait."""
+    from qwen35_lib.costmodel.schedule import _median_queue_wait
+
+    first = np.maximum(np.arange(min(clients, prompts)) - cap, 0)
+    later = np.full(prompts - first.size, max(clients - cap - 1, 0))
+    assert _median_queue_wait(clients, cap, prompts, 2.0) == float(np.median(np.concatenate([first, later]))) / 2.0

@@ -179,9 +179,12 @@ def _median_queue_wait(clients: int, cap: int, prompts: int, rate: float) -> flo
     benchmark of `prompts` requests from `clients` clients at most `cap` of which run, completing `rate` requests
     per second: the first `clients` arrive together and the i-th waits for i - cap completions; each later one
     arrives as one finishes, behind the `clients - cap - 1` already queued."""
-    first = np.maximum(np.arange(min(clients, prompts)) - cap, 0)
-    later = np.full(prompts - first.size, max(clients - cap - 1, 0))
-    return float(np.median(np.concatenate([first, later]))) / rate
+    arrived_first = min(clients, prompts)
+
+    def waits(i: int) -> int:  # the i-th smallest wait (completions waited for): the first arrivals' are ascending
+        return max(i - cap, 0) if i < arrived_first else max(clients - cap - 1, 0)  # and at most the later ones'
+
+    return (waits((prompts - 1) // 2) + waits(prompts // 2)) / 2 / rate  # the median, in closed form
 
 
 @dataclasses.dataclass
