@@ -140,7 +140,8 @@ for r in rows:
           f"{r['fraction_of_roofline']:.0%} of roofline")
 
 # %%
-reported = {"8k/1k": 4.7, "1k/8k": 3.1}
+ladder_claim = validate.published()["reported_ladder"]  # the published account's gains (only for judging)
+reported = {"8k/1k": ladder_claim["prefill_heavy_gain"], "1k/8k": ladder_claim["decode_heavy_gain"]}
 viz.plot_ladder(rows, reported)
 
 # %%
@@ -157,18 +158,21 @@ viz.plot_roofline(rows)
 assert all(r["fits"] for r in rows)
 final = {r["workload"]: r["vs_baseline"] for r in rows if r["stage"] == "kernels"}
 assert all(0 < r["fraction_of_roofline"] <= 1 for r in rows) and all(v > 1 for v in final.values())
-print("predicted end-to-end:", {w: f"x{v:.2f} (reported x{reported[w]})" for w, v in final.items()})
+google = {r["workload"]: r["vs_google_baseline"] for r in rows if r["stage"] == "kernels" and "vs_google_baseline" in r}
+print("predicted end-to-end:", {w: f"x{v:.2f} over our baseline, x{google.get(w, float('nan')):.2f} over "
+                                f"google_baseline (reported x{reported[w]})" for w, v in final.items()})
 
 # %% [markdown]
-# **Why the predictions differ from 3.1x and 4.7x.** Read the breakdown: the model's baseline is *our* XLA
-# path, and its largest cost is the routed experts: XLA's `ragged_dot` reads every local expert (measured from
-# its TPU cost analysis), the FP8 weights are dequantized into a bf16 copy, and the scanned weights are sliced
-# into copies. The Pallas stage reads only the experts hit, in FP8, in place. That one change carries most of
-# the predicted gain, so the ratio depends on how bad the baseline's MoE is, and the published baseline's may
-# well have been better. The collective stages (`replicate`, `fused_ag`, `hier_rs`) gain little in the model,
-# because at 512 requests a step is dominated by weight traffic; the published account credits them more.
-# The model also ignores what it cannot see: load imbalance between experts, host overheads, and idle time
-# between steps, all of which lower the measured throughput of the later, faster stages most.
+# **Why the predictions differ from the reported gains.** Read the breakdown: the model's `baseline` is *our*
+# TP8 XLA path, and its largest cost is the routed experts: the FP8 weights are dequantized into a bf16 copy and
+# the scanned weights are sliced into copies, which the Pallas stage's in-place grouped matmul removes. That one
+# change carries most of the predicted gain, so the ratio depends on how bad the baseline's MoE is. Against
+# `google_baseline` (tpu-inference's TP8 with its own Pallas kernels, what the published work most plausibly
+# started from) the same final stage gains far less: the printout above gives both. The collective stages
+# (`replicate`, `fused_ag`, `hier_rs`) gain little, because at 512 requests a step is dominated by weight and KV
+# traffic. The labelled serving mechanisms of `data/costmodel_assumptions.json` (ranks stepping in lockstep, expert
+# imbalance, host time per step, overlap, kernel efficiency at serving shapes; each with its source and range) are
+# in every prediction here; `python -m qwen35_lib.costmodel predict --explain` prints them per component.
 
 # %% [markdown]
 # ## 4. Validation (a): the real engine on this CPU
@@ -268,21 +272,26 @@ for r in aot_rows:
 # %%
 pub = validate.published_comparison()
 for r in pub:
+    tpot = (f"; median TPOT measured {r['measured_median_tpot_ms']} ms, kernels "
+            f"{r['predicted_median_tpot_ms_kernels']:.1f} (x{r['tpot_ratio_kernels']:.2f})" if "tpot_ratio_kernels" in r
+            else "")
     print(f"{r['source'].rsplit('/', 1)[-1]:>5} {r['isl']}/{r['osl']} x{r['concurrency']:<4} measured "
           f"{r['measured_total_tokens_per_s']:>7,} tok/s; predicted fused_ag {r['predicted_total_fused_ag']:>8,.0f} "
-          f"(x{r['ratio_fused_ag']:.2f}), kernels {r['predicted_total_kernels']:>8,.0f} (x{r['ratio_kernels']:.2f})")
+          f"(x{r['ratio_fused_ag']:.2f}), kernels {r['predicted_total_kernels']:>8,.0f} (x{r['ratio_kernels']:.2f})"
+          + tpot)
 for r in pub:
     r["label"] = f"#{r['source'].rsplit('/', 1)[-1]} 8k/1k x{r['concurrency']}"
 viz.plot_ratios(pub, ["ratio_fused_ag", "ratio_kernels"], "label", "(c) predicted / published total tokens/s")
 
 # %% [markdown]
-# **Check.** The published system sits between our `fused_ag` (XLA kernels) and `kernels` (Pallas) stages, which
-# is where it belongs: it ran Pallas attention and grouped matmuls, but not everything our `kernels` stage assumes.
-# The `kernels` stage over-predicts it by under 2x: the stated efficiencies (80% of the MXU, 85% of HBM) are
-# upper bounds a serving system with host overheads and expert imbalance does not reach.
+# **Check.** The published system sits between our `fused_ag` (XLA kernels) and `kernels` (Pallas) stages: it ran
+# Pallas attention and grouped matmuls, but not everything our `kernels` stage assumes. The `kernels` stage still
+# over-predicts it, in throughput and in time per output token, with every labelled mechanism charged: the
+# comparison above is the model's honest error, not a fitted one, and what is missing is not yet known.
 
 # %%
-assert all(r["ratio_fused_ag"] < 1 < r["ratio_kernels"] < 2 for r in pub)
+assert all(r["ratio_fused_ag"] < 1 < r["ratio_kernels"] < 2 and r.get("tpot_ratio_kernels", 0) < 1 for r in pub)
+assert any("tpot_ratio_kernels" in r for r in pub)
 
 # %% [markdown]
 # ## 7. Sensitivity to the labelled assumptions
@@ -322,10 +331,12 @@ except ImportError:
 keep = ("workload", "stage", "total_tokens_per_s", "output_tokens_per_s", "gain", "vs_baseline",
         "fraction_of_roofline", "mean_step_s", "breakdown_s")
 record = dict(ladder=[{k: r[k] for k in keep} for r in rows], reported=reported, predicted_end_to_end=final,
+              predicted_vs_google_baseline=google,
               validation_cpu=[{k: r[k] for k in ("case", "measured_s", "predicted_s", "ratio")} for r in cpu_rows],
               validation_aot=[{k: r[k] for k in ("model", "layers", "flops_ratio", "bytes_ratio", "memory_ratio")}
                               for r in aot_rows],
-              validation_published=[{k: r[k] for k in ("source", "concurrency", "ratio_fused_ag", "ratio_kernels")}
+              validation_published=[{k: r.get(k) for k in ("source", "concurrency", "ratio_fused_ag", "ratio_kernels",
+                                                           "tpot_ratio_kernels")}
                                     for r in pub],
               sensitivity=sweeps, cpu_specs=cpu)
 notebook.save_results("costmodel", record)
