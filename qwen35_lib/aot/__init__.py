@@ -84,8 +84,8 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
     layer loop, a temporary that grows with depth; in 16 x 128 alone the loop still copies each group's slice of
     the input projections into the D-second-minor order (2 x 192 MiB for w_v and w_z at 397B width) and the
     heap packs those copies differently at 2 groups than at 3 (temporaries 1.134 / 1.439 / 1.457 GB at 2 / 3 / 15
-    groups); stored D-second-minor, the copies go and temporaries no longer depend on depth (0.967 GB at 2 and at
-    3). (The caches cannot be placed so: XLA overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the
+    groups); stored D-second-minor, the copies go (0.967 GB at 2 and at 3 groups; with the FP8 scales placed by
+    `scale_format` too, 0.964 / 0.963 / 0.962 GB at 2 / 3 / 15 groups). (The caches cannot be placed so: XLA overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the
     step returns them in.)"""
     if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
         return a
@@ -96,6 +96,20 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
         order = (0, 1, 3, 2, 4)  # [G, L, D, a, b] stored [G, L, a, D, b]: D second-minor, as the dot reads it
     layout = Layout(major_to_minor=order, tiling=((16, 128), (2, 1)))
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(layout, a.sharding))
+
+
+def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
+    """A stacked FP8 expert weight's f32 block scales (`name`: "w_gate_up" [G, L, E, D/128, 2, F/128] or "w_down"
+    [G, L, E, F/128, D/128]) in the layout the Pallas grouped matmul reads each layer's slice in (gate_up: row-major
+    in 2 x 128 tiles; down: its last two dims swapped, 8 x 128 tiles). In the compiler's default parameter layout
+    XLA relayouts the whole stack before the layer loop every step, a temporary that grows with depth (22.5 MiB at
+    15 groups of the reduced 397B step in tests/test_tpu_in_place.py)."""
+    from jax.experimental.layout import Format, Layout
+
+    order, tile = (tuple(range(a.ndim)), (2, 128)) if name == "w_gate_up" else \
+        ((*range(a.ndim - 2), a.ndim - 1, a.ndim - 2), (8, 128))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(Layout(major_to_minor=order, tiling=(tile,)),
+                                                                  a.sharding))
 
 
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
@@ -128,6 +142,10 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     weights = abstract_weights(config, weight_shardings(config, mesh))
     if weight_layouts == "mxu":
         weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
+        moe = weights["layers"]["moe"]
+        for name in ("w_gate_up", "w_down"):
+            if hasattr(moe[name], "scale"):  # block-scaled FP8: the scales as the grouped matmul reads them
+                moe[name] = moe[name]._replace(scale=scale_format(moe[name].scale, name))
     elif weight_layouts != "default":
         raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
