@@ -76,8 +76,10 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
 def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeDtypeStruct:
     """`a` (a sharded abstract weight) in bf16's native TPU tiling, 16 x 128 (two rows packed per 32-bit word),
     when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. A stacked input
-    projection [G, L, D, a, b] (`hidden` = D: GDN w_v / w_z, attention q / k / v, the shared expert's gate_up) is
-    stored [G, L, a, D, b] (D second-minor), the order the layer loop's dot reads a group's slice in.
+    projection [G, L, D, a, b] (`hidden` = D: GDN w_q / w_k / w_v / w_z, attention q / gate / k / v) is stored
+    [G, L, a, D, b] (D second-minor), the order the layer loop's dot reads a group's slice in. (The shared
+    expert's gate_up [G, L, D, 2, F] is left as declared, its second-minor 2 failing the check: the loop still
+    relayouts each group's slice of it, 2 x 64 MiB at 397B width.)
 
     Measured (kernels stage, decode, TPU7x, tests/test_tpu_in_place.py): in the default layout (8 x 128) XLA
     relayouts whole stacked output projections (GDN w_out, attention w_o, the shared expert's down) before the
@@ -86,8 +88,7 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
     heap packs those copies differently at 2 groups than at 3 (temporaries 1.134 / 1.439 / 1.457 GB at 2 / 3 / 15
     groups); stored D-second-minor, the copies go (0.967 GB at 2 and at 3 groups; with the FP8 scales placed by
     `scale_format` too, 0.964 / 0.963 / 0.962 GB at 2 / 3 / 15 groups). (The caches cannot be placed so: XLA
-    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the
-    step returns them in.)"""
+    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.)"""
     if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
         return a
     from jax.experimental.layout import Format, Layout
