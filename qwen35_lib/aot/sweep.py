@@ -279,9 +279,10 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
 
     1. guess n from the decode entry at `shape`: its pages per sequence plus its headroom over the KV bytes one
        page per sequence adds (the pool is the only argument that grows with n);
-    2. compile the decode step at n and n + 1 pages per sequence; a fit raises the lower bound, a refusal (or a
-       total above `usable`) the upper one; bisect between them (doubling while no upper bound is known) until
-       they are one page apart or `max_compiles` compiles are spent ("exact": false then).
+    2. compile the decode step at n pages per sequence; a fit raises the lower bound, a refusal (or a total above
+       `usable`) the upper one; the next n is where that compile's total meets `usable` at the same bytes a page
+       (halfway between the bounds after a refusal), one page on if that is n, until the bounds are one page
+       apart or `max_compiles` compiles are spent ("exact": false then).
     Returns {"pages_per_seq", "tokens_per_seq", "exact", "tried": {pages: total bytes or the refusal}}."""
     page = shape.page_size
     now = -(-shape.context_len // page)
@@ -290,22 +291,24 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
     lo, hi = (now, None) if decode.get("fits") else (0, now)
     guess = now + int(decode.get("headroom_bytes", 0) // (per_page * seqs)) if decode.get("fits") else now // 2
     tried: dict = {}
-
-    def fits(n: int) -> bool:
+    n = guess
+    while len(tried) < max_compiles and (hi is None or hi - lo > 1):
         e = compile_entry(cfg, stage, "pool decode", mesh, dataclasses.replace(shape, context_len=n * page),
                           compiler_options, usable, weight_layouts)
-        tried[str(n)] = e.get("total_bytes", e.get("error"))
-        return bool(e.get("fits"))
-
-    todo = [guess, guess + 1]
-    while len(tried) < max_compiles and (hi is None or hi - lo > 1):
-        n = todo.pop(0) if todo else (lo + hi) // 2 if hi is not None else 2 * lo
-        if n <= lo or (hi is not None and n >= hi):
-            continue
-        if fits(n):
+        total = e.get("total_bytes")
+        tried[str(n)] = total if total is not None else e.get("error")
+        if e.get("fits"):
             lo = n
         else:
             hi = n
+        if hi is not None and hi - lo <= 1:
+            break
+        # next: where the measured total meets `usable` at the KV bytes a page per sequence adds (a refusal, whose
+        # total is unknown: halfway), kept strictly inside (lo, hi)
+        step = math.floor((usable - total) / (per_page * seqs)) if total is not None else None
+        nxt = n + step if step is not None else (lo + hi) // 2 if hi is not None else 2 * n
+        nxt = nxt if nxt != n else n + 1 if e.get("fits") else n - 1
+        n = min(max(nxt, lo + 1), hi - 1) if hi is not None else max(nxt, lo + 1)
     return {"pages_per_seq": lo, "tokens_per_seq": lo * page, "exact": hi is not None and hi - lo == 1,
             "tried": tried}
 
