@@ -25,7 +25,9 @@ def _usable() -> int:
 def _sweep_twice(path: str) -> list:
     run = lambda: sweep.sweep("qwen3.5-tiny", ["hier_rs"], groups=2, json_path=path, progress=False,
                               overrides={"expert_dtype": None},  # tiny widths are below the FP8 block
-                              steps=["8k/1k decode", "1k/8k decode"])  # one program: same shapes
+                              steps=["8k/1k decode", "1k/8k decode"],  # one program: same shapes
+                              weight_layouts="default",  # at tiny widths XLA overrides 16 x 128 bf16 tiles
+                              largest=False)  # the largest-pool search: test_largest_pool_* below, no compile
     first = run()
     again = run()  # resumed
     return [first, again, sweep.table(again)]
@@ -61,4 +63,32 @@ def test_a_stage_compiles_resumes_and_reports_its_memory(tpu7x):
     assert resident <= d["argument_bytes"] <= 1.01 * resident + 2**20
     assert steps["1k/8k decode"]["same_program_as"] == "8k/1k decode"  # same pools, same shapes
     assert d["collectives"]["all-gather"]["count"] >= 1 and d["collectives_per_group"]
+    # compiled (loop bodies times their trips) beside the closed form: bytes within 1%; the counts differ by the
+    # sampler's next-token all-gather, which the TPU step runs as an all-reduce (the cost model: an all-gather)
+    for kind in ("all-gather", "reduce-scatter"):
+        c = d["collectives"][kind]
+        assert c["bytes"] == pytest.approx(c["model_bytes"], rel=0.01), (kind, c)
+    rs = d["collectives"]["reduce-scatter"]
+    assert rs["count"] == rs["model_count"] == 2 * 2 * 4 * 2, rs  # 2 phases x 2 micro-batches x 4 layers x 2 groups
     assert "hier_rs    8k/1k decode" in table and "usable 94.75 GiB" in table
+
+
+def test_largest_pool_is_the_last_page_count_that_fits(monkeypatch):
+    """The search on a stand-in compile whose total grows by 1 MB a page per sequence (no TPU needed)."""
+    usable, fixed, per_seq_page = 10**9, 400 * 10**6, 10**6
+    seen = []
+
+    def fake(cfg, stage, step, mesh, shape, *a):
+        n = shape.context_len // shape.page_size
+        seen.append(n)
+        total = fixed + n * per_seq_page
+        return {"total_bytes": total, "fits": total <= usable}
+
+    monkeypatch.setattr(sweep, "compile_entry", fake)
+    shape = sweep.ServingShape(requests=16, context_len=100 * 256)  # 2 sequences a rank on 8 ranks
+    decode = {"ranks": 8, "fits": True, "kv_bytes": 2 * 100 * 10**6 // 2, "headroom_bytes": usable - 500 * 10**6}
+    lp = sweep.largest_pool(None, "kernels", None, shape, usable, decode)
+    assert lp["pages_per_seq"] == 600 and lp["exact"] and lp["tokens_per_seq"] == 600 * 256, (lp, seen)
+    assert len(seen) <= 4, seen  # the headroom's guess, its correction from the measured total, the two bounds
+    decode["headroom_bytes"] //= 3  # a wrong guess: found by bisection all the same
+    assert sweep.largest_pool(None, "kernels", None, shape, usable, decode)["pages_per_seq"] == 600

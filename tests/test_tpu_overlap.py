@@ -22,7 +22,7 @@ scatters to the SparseCore without it; set to false they become synchronous Tens
 import aot_subprocess
 import pytest
 
-pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(2400)]  # the fixture compiles several steps
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(600)]  # the fixture: 3 compiles, one child process
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-mini", 256, 512, 256
 NARROW = dict(num_experts=8, vocab_size=256)  # what the reduce-scatters do not depend on (module doc)
 SC_RS = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
@@ -85,7 +85,7 @@ def tpu7x():
 
     no_offload = dict(aot.RECIPE_OPTIONS, **{SC_RS: "false"})
     return aot_subprocess.run({"hier_rs": (_schedule, False), "serialised": (_schedule, True),
-                               "no sparsecore": (_schedule, False, no_offload)}, timeout=1800)
+                               "no sparsecore": (_schedule, False, no_offload)}, timeout=570)
 
 
 def test_the_recipe_flags_are_the_public_ironwood_ones():

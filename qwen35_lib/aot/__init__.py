@@ -73,18 +73,45 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
         return lower_forward(for_backend(config, "tpu"), weights, ids, lengths).compile()
 
 
-def mxu_format(a: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeDtypeStruct:
     """`a` (a sharded abstract weight) in bf16's native TPU tiling, 16 x 128 (two rows packed per 32-bit word),
-    when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. The default layout
-    (8 x 128) makes XLA relayout whole stacked output projections (GDN w_out, attention w_o, the shared
-    expert's down) before the layer loop, a temporary that grows with depth. (The caches cannot be placed so: XLA
+    when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. A stacked input
+    projection [G, L, D, a, b] (`hidden` = D: GDN w_q / w_k / w_v / w_z, attention q / gate / k / v) is stored
+    [G, L, a, D, b] (D second-minor), the order the layer loop's dot reads a group's slice in. (The shared
+    expert's gate_up [G, L, D, 2, F] is left as declared, its second-minor 2 failing the check: the loop still
+    relayouts each group's slice of it, 2 x 64 MiB at 397B width.)
+
+    Measured (kernels stage, decode, TPU7x, tests/test_tpu_in_place.py): in the default layout (8 x 128) XLA
+    relayouts whole stacked output projections (GDN w_out, attention w_o, the shared expert's down) before the
+    layer loop, a temporary that grows with depth; in 16 x 128 alone the loop still copies each group's slice of
+    the input projections into the D-second-minor order (2 x 192 MiB for w_v and w_z at 397B width) and the
+    heap packs those copies differently at 2 groups than at 3 (temporaries 1.134 / 1.439 / 1.457 GB at 2 / 3 / 15
+    groups); stored D-second-minor, the copies go (0.967 GB at 2 and at 3 groups; with the FP8 scales placed by
+    `scale_format` too, 0.964 / 0.963 / 0.962 GB at 2 / 3 / 15 groups). (The caches cannot be placed so: XLA
     overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.)"""
     if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
         return a
     from jax.experimental.layout import Format, Layout
 
-    layout = Layout(major_to_minor=tuple(range(a.ndim)), tiling=((16, 128), (2, 1)))
+    order = tuple(range(a.ndim))
+    if hidden and a.ndim == 5 and a.shape[2] == hidden:
+        order = (0, 1, 3, 2, 4)  # [G, L, D, a, b] stored [G, L, a, D, b]: D second-minor, as the dot reads it
+    layout = Layout(major_to_minor=order, tiling=((16, 128), (2, 1)))
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(layout, a.sharding))
+
+
+def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
+    """A stacked FP8 expert weight's f32 block scales (`name`: "w_gate_up" [G, L, E, D/128, 2, F/128] or "w_down"
+    [G, L, E, F/128, D/128]) in the layout the Pallas grouped matmul reads each layer's slice in (gate_up: row-major
+    in 2 x 128 tiles; down: its last two dims swapped, 8 x 128 tiles). In the compiler's default parameter layout
+    XLA relayouts the whole stack before the layer loop every step, a temporary that grows with depth (22.5 MiB at
+    15 groups of the reduced 397B step in tests/test_tpu_in_place.py)."""
+    from jax.experimental.layout import Format, Layout
+
+    order, tile = (tuple(range(a.ndim)), (2, 128)) if name == "w_gate_up" else \
+        ((*range(a.ndim - 2), a.ndim - 1, a.ndim - 2), (8, 128))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(Layout(major_to_minor=order, tiling=(tile,)),
+                                                                  a.sharding))
 
 
 def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
@@ -97,8 +124,8 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     layout's data-parallel ranks); decode / prefill: tokens per rank in this step (decode region, then a
     prefill region rounded up to whole GDN chunks); compiler_options: XLA options for this compile (e.g.
     {"xla_tpu_enable_async_collective_merger": "false"}); weight_layouts: "default" (each weight in the
-    device's default layout, as `jax.device_put` leaves it) or "mxu" (`mxu_format`: bf16 weights tiled as the
-    TPU's matrix unit reads them). Returns the compiled executable.
+    device's default layout, as `jax.device_put` leaves it) or "mxu" (`mxu_format`: bf16 weights tiled and
+    ordered as the step's dots read them). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
@@ -116,7 +143,11 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
     weights = abstract_weights(config, weight_shardings(config, mesh))
     if weight_layouts == "mxu":
-        weights = jax.tree.map(mxu_format, weights)
+        weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
+        moe = weights["layers"]["moe"]
+        for name in ("w_gate_up", "w_down"):
+            if hasattr(moe[name], "scale"):  # block-scaled FP8: the scales as the grouped matmul reads them
+                moe[name] = moe[name]._replace(scale=scale_format(moe[name].scale, name))
     elif weight_layouts != "default":
         raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),

@@ -15,6 +15,9 @@ collectives of the whole step and of one layer group, and the compile time. A st
 by the TPU compiler (RESOURCE_EXHAUSTED); the entry keeps its message. The usable HBM is the compiler's own
 figure, read from its refusal of a program that cannot fit (`usable_bytes`), never typed in.
 
+It also finds each stage's largest pool: the most pages per sequence, at the same concurrency, for which the
+decode step still fits (`largest_pool`: a guess from the headroom, checked by compiling it and one page more).
+
 The sweep is resumable: `--json` is rewritten after every entry and entries already there (same model,
 topology, groups and flags) are kept.
 """
@@ -160,7 +163,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     entry["flops"], entry["bytes_accessed"] = cost.get("flops"), cost.get("bytes accessed")
     text = compiled.as_text()
-    entry["collectives"] = hlo.count(text)
+    entry["collectives"] = collectives(text, get_stage(stage).bind(mesh), scfg, shape.requests, decode, prefill)
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
     s = get_stage(stage)
@@ -169,6 +172,24 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)
         entry["allgathers_combined"] = ags < 3 * moe_layers  # the unfused stage issues 3 per MoE layer
     return entry
+
+
+def collectives(hlo_text: str, plan, config, requests: int, decode: int, prefill: int) -> dict[str, dict]:
+    """{kind: {"count", "bytes", "model_count", "model_bytes"}} per device per step: what the compiled step runs
+    (`hlo.step_counts`: loop bodies times their trip count) beside the cost model's closed form
+    (`costmodel.traffic.collective_counts` of the bound `plan`), every kind either one has."""
+    from qwen35_lib.costmodel import traffic
+    from qwen35_lib.parallel import hlo
+
+    got = hlo.step_counts(hlo_text)
+    want = traffic.collective_counts(plan, config, traffic.StepShape.of_compile(config, plan.dp, requests, decode,
+                                                                                  prefill), backend="tpu")
+    out = {}
+    for kind in sorted(set(got) | {k for k, (c, _) in want.items() if c}):
+        seen = got.get(kind, {"count": 0, "bytes": 0})
+        out[kind] = dict(count=seen["count"], bytes=seen["bytes"], model_count=want.get(kind, (0, 0))[0],
+                         model_bytes=want.get(kind, (0, 0.0))[1])
+    return out
 
 
 def _versions() -> dict:
@@ -187,12 +208,13 @@ def _versions() -> dict:
 
 def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = None, json_path=None,
           compiler_options: dict | None = None, shape: ServingShape = SERVING, progress: bool = True,
-          overrides: dict | None = None, steps=STEP_NAMES, weight_layouts: str = "default") -> dict:
+          overrides: dict | None = None, steps=STEP_NAMES, weight_layouts: str = "mxu", largest: bool = True) -> dict:
     """The sweep document (see the module doc); `json_path` is rewritten after each entry and resumed from.
     `overrides`: config fields replaced after the serving ones (tests: a tiny model without FP8 experts);
-    `weight_layouts`: `aot.compile_step`'s ("default": as `jax.device_put` leaves them, which costs a relayout
-    of the stacked output projections every step, growing with depth; "mxu": bf16 weights in their 16 x 128
-    tiling, as a server would have to place them; recorded in the document when not "default")."""
+    `weight_layouts`: `aot.compile_step`'s ("mxu": bf16 weights tiled and ordered as the step's dots read them,
+    as a server places them once at load; "default": as `jax.device_put` leaves them, which costs relayouts of
+    stacked weights every step, growing with depth; recorded in the document when not "default"); `largest`:
+    also find each stage's largest pool (`largest_pool`, a few more decode compiles; cached as `largest_pool`)."""
     from tqdm.auto import tqdm
 
     from qwen35_lib import aot
@@ -231,10 +253,64 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
         steps[step] = dict(twin, same_program_as=next(o for o in steps if steps[o] is twin)) if twin else \
             compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable, weight_layouts)
         doc["stages"][stage]["wall_s"] = doc["stages"][stage].get("wall_s", 0) + time.perf_counter() - t0
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=1))
+        _save(path, doc)
+    for stage in stages if largest else ():
+        s = doc["stages"].get(stage, {})
+        decode = next((e for k, e in s.get("steps", {}).items() if k.endswith("decode") and "error" not in e), None)
+        if decode is None or "largest_pool" in s:
+            continue
+        t0 = time.perf_counter()
+        s["largest_pool"] = largest_pool(cfg, stage, mesh, shape, usable, decode, compiler_options, weight_layouts)
+        s["wall_s"] = s.get("wall_s", 0) + time.perf_counter() - t0
+        _save(path, doc)
     return doc
+
+
+def _save(path, doc: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+
+
+def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode: dict,
+                 compiler_options: dict | None = None, weight_layouts: str = "mxu", max_compiles: int = 6) -> dict:
+    """The most pages per sequence (every sequence's pool, at `shape`'s concurrency) for which `stage`'s decode
+    step still compiles within `usable` bytes a device.
+
+    1. guess n from the decode entry at `shape`: its pages per sequence plus its headroom over the KV bytes one
+       page per sequence adds (the pool is the only argument that grows with n);
+    2. compile the decode step at n pages per sequence; a fit raises the lower bound, a refusal (or a total above
+       `usable`) the upper one; the next n is where that compile's total meets `usable` at the same bytes a page
+       (halfway between the bounds after a refusal), one page on if that is n, until the bounds are one page
+       apart or `max_compiles` compiles are spent ("exact": false then).
+    Returns {"pages_per_seq", "tokens_per_seq", "exact", "tried": {pages: total bytes or the refusal}}."""
+    page = shape.page_size
+    now = -(-shape.context_len // page)
+    seqs = -(-shape.requests // decode["ranks"])
+    per_page = decode["kv_bytes"] / (seqs * now + 1)  # bytes a device holds per pool page
+    lo, hi = (now, None) if decode.get("fits") else (0, now)
+    guess = now + int(decode.get("headroom_bytes", 0) // (per_page * seqs)) if decode.get("fits") else now // 2
+    tried: dict = {}
+    n = guess
+    while len(tried) < max_compiles and (hi is None or hi - lo > 1):
+        e = compile_entry(cfg, stage, "pool decode", mesh, dataclasses.replace(shape, context_len=n * page),
+                          compiler_options, usable, weight_layouts)
+        total = e.get("total_bytes")
+        tried[str(n)] = total if total is not None else e.get("error")
+        if e.get("fits"):
+            lo = n
+        else:
+            hi = n
+        if hi is not None and hi - lo <= 1:
+            break
+        # next: where the measured total meets `usable` at the KV bytes a page per sequence adds (a refusal, whose
+        # total is unknown: halfway), kept strictly inside (lo, hi)
+        step = math.floor((usable - total) / (per_page * seqs)) if total is not None else None
+        nxt = n + step if step is not None else (lo + hi) // 2 if hi is not None else 2 * n
+        nxt = nxt if nxt != n else n + 1 if e.get("fits") else n - 1
+        n = min(max(nxt, lo + 1), hi - 1) if hi is not None else max(nxt, lo + 1)
+    return {"pages_per_seq": lo, "tokens_per_seq": lo * page, "exact": hi is not None and hi - lo == 1,
+            "tried": tried}
 
 
 def table(doc: dict) -> str:
@@ -249,6 +325,11 @@ def table(doc: dict) -> str:
                         f"{gib(e['kv_bytes']):>6} {gib(e['gdn_state_bytes']):>5} {gib(e.get('temp_bytes')):>6} "
                         f"{gib(e.get('headroom_bytes')):>8} {str(e.get('fits')):>5} {e['compile_s']:>9.1f}"
                         + (f"  {e['error'][:60]}" if "error" in e else ""))
+        if "largest_pool" in s:
+            lp = s["largest_pool"]
+            rows.append(f"{stage:<10} largest pool that fits: {lp['pages_per_seq']} pages of "
+                        f"{doc['shape']['page_size']} = {lp['tokens_per_seq']} tokens a sequence"
+                        + ("" if lp["exact"] else " (at least)"))
     return "\n".join(rows)
 
 
@@ -263,8 +344,11 @@ def main(argv=None) -> int:
                    help="a TPU compiler option, e.g. xla_tpu_enable_async_collective_merger=false (repeatable)")
     p.add_argument("--recipe", action="store_true",
                    help="add the public Ironwood Qwen3.5 recipe's XLA flags (aot.RECIPE_OPTIONS)")
-    p.add_argument("--weight-layouts", choices=("default", "mxu"), default="default",
-                   help="bf16 weights as device_put leaves them (default), or in their 16 x 128 MXU tiling")
+    p.add_argument("--weight-layouts", choices=("default", "mxu"), default="mxu",
+                   help="bf16 weights as the step's dots read them (mxu, the default: aot.mxu_format), or as "
+                        "device_put leaves them")
+    p.add_argument("--no-largest-pool", action="store_true",
+                   help="skip the search for each stage's largest pool that fits (a few decode compiles a stage)")
     a = p.parse_args(argv)
     if a.groups is not None and a.groups < 1:
         p.error(f"--groups must be >= 1, got {a.groups}")
@@ -278,6 +362,6 @@ def main(argv=None) -> int:
         options[k] = v
     steps = a.steps.split(",") if a.steps else STEP_NAMES
     doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps,
-                weight_layouts=a.weight_layouts)
+                weight_layouts=a.weight_layouts, largest=not a.no_largest_pool)
     print(table(doc))
     return 0

@@ -138,6 +138,58 @@ def called(hlo_text: str, root: str) -> set[str]:
     return seen
 
 
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?\s([\w\-]+)\((.*?)\)(?:, |$)")
+
+
+def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str, body: str) -> list[str] | None:
+    """[_, trips] of a `while` without XLA's known_trip_count (TPU's scheduled text leaves it out) when it is a
+    counted loop: an s32 tuple element k starts at constant 0, the body adds constant 1 to it, and the condition is
+    `k < constant N` (copies and bitcasts looked through); else None."""
+    def defs(comp: str) -> dict[str, tuple[str, str, str]]:
+        out = {}
+        for ln in comps.get(comp, ()):
+            m = _DEF.match(ln)
+            if m:
+                out[m[1]] = (m[2], m[3], ln)
+        return out
+
+    def resolve(d: dict, name: str) -> tuple[str, str, str] | None:
+        while name in d and d[name][0] in ("copy", "bitcast"):
+            name = d[name][1].split(",")[0].strip().lstrip("%")
+        return d.get(name)
+
+    def constant(d: dict, name: str) -> int | None:
+        r = resolve(d, name.strip().lstrip("%"))
+        return int(r[1]) if r and r[0] == "constant" and re.fullmatch(r"-?\d+", r[1]) else None
+
+    def element(d: dict, name: str) -> int | None:  # the tuple index a get-tuple-element of the parameter reads
+        r = resolve(d, name.strip().lstrip("%"))
+        m = re.search(r"index=(\d+)", r[2]) if r and r[0] == "get-tuple-element" else None
+        return int(m[1]) if m else None
+
+    c, b, w = defs(cond), defs(body), defs(where)
+    root = next((ln for ln in comps.get(cond, ()) if ln.lstrip().startswith("ROOT")), "")
+    m = _DEF.match(root)
+    if not m or m[2] != "compare" or "direction=LT" not in root:
+        return None
+    lhs, rhs = m[3].split(",")[:2]
+    k, n = element(c, lhs), constant(c, rhs)
+    init = re.search(r"while\(%([\w.\-]+)\)", line)
+    tup = resolve(w, init[1]) if init else None
+    broot = next((ln for ln in comps.get(body, ()) if ln.lstrip().startswith("ROOT")), "")
+    bm = _DEF.match(broot)
+    if k is None or n is None or tup is None or tup[0] != "tuple" or not bm or bm[2] != "tuple":
+        return None
+    start = constant(w, tup[1].split(",")[k])
+    step = resolve(b, bm[3].split(",")[k].strip().lstrip("%"))
+    if start != 0 or step is None or step[0] != "add":
+        return None
+    x, y = step[1].split(",")[:2]
+    if not ({element(b, x), element(b, y)} >= {k} and 1 in (constant(b, x), constant(b, y))):
+        return None
+    return [line, str(n)]
+
+
 def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
     """{kind: {"count": n, "bytes": b}}: the collectives one run of the module executes on each device, in bytes
     by the convention of each kind (`MOVED`).
@@ -174,7 +226,8 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
             if " while(" in line:
                 body = re.search(r"body=%?([\w.\-]+)", line)[1]
                 cond = re.search(r"condition=%?([\w.\-]+)", line)[1]
-                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) or _counted_loop(comps, name, line, cond,
+                                                                                            body)
                 if trips is None:
                     if has(body) or has(cond):
                         raise ValueError(f"collectives inside the loop {body!r}, whose trip count XLA does not know: "
