@@ -259,13 +259,48 @@ for wl in ("8k/1k", "1k/8k"):
     assert after["gdn_core"] == before["gdn_core"] and after["permute"] == before["permute"]
     assert buys["kernels", wl]["total_tokens_per_s"] > buys["hier_rs", wl]["total_tokens_per_s"]
 
+# %% [markdown]
+# ## 4. The whole 397B step fits a TPU7x-8: its compile
+#
+# **Measure** (a compile, not a run). `make sweep` compiles the `kernels` stage's engine step for `tpu7x:2x2x1` at
+# the serving shape: Qwen3.5-397B-A17B at full depth with abstract weights, 512 concurrent requests (64 sequences
+# per rank), every request's whole context in an FP8 KV pool (the `shape` printed below), FP8 experts read in place
+# by the grouped matmul; a decode step (every sequence decoding) and a mixed one (plus the recipe's prefill budget
+# a rank). The
+# compile takes minutes a step, so this notebook reads the stored result, `data/aot/tpu7x-8.json` (its command,
+# versions and flags are recorded in it), and `make test` checks the sweep's code on a tiny model. XLA's own
+# memory analysis gives each part per device; the usable HBM is the compiler's figure.
+
+# %%
+from qwen35_lib import data as data_files
+
+sweep = data_files.read_json("aot/tpu7x-8.json")
+fit = {name: {k: step[k] for k in ("weight_bytes", "kv_bytes", "gdn_state_bytes", "temp_bytes", "total_bytes",
+                                   "headroom_bytes", "fits")}
+       for name, step in sweep["stages"]["kernels"]["steps"].items()}
+print(f"{sweep['model']}, {sweep['groups']} layer groups, {sweep['topology']}, jax {sweep['jax']}, "
+      f"libtpu {sweep['libtpu']}; usable HBM {sweep['usable_bytes'] / 2**30:.2f} GiB per device")
+print("shape:", sweep["shape"])
+rows = [{"step": name, **{k: f"{v / 2**30:.2f} GiB" if k != "fits" else v for k, v in f.items()}}
+        for name, f in fit.items()]
+print(dict_table(rows, list(rows[0])))
+
+# %% [markdown]
+# **Check.** Every step fits with its temporaries counted: weights, caches and temporaries together stay under the
+# usable HBM, with the headroom above left for the runtime's own reservations (which a compile cannot see).
+
+# %%
+assert all(f["fits"] and f["total_bytes"] + f["headroom_bytes"] == sweep["usable_bytes"] for f in fit.values())
+assert all(f["total_bytes"] > f["weight_bytes"] + f["kv_bytes"] + f["gdn_state_bytes"] for f in fit.values())
+
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 record = dict(
     roofline=roof, cpu=attn + moe + gdn + perm, tpu7x_compile=aot.result() if aot is not None else [],
     gain={wl: buys["kernels", wl]["total_tokens_per_s"] / buys["hier_rs", wl]["total_tokens_per_s"]
           for wl in ("8k/1k", "1k/8k")},
-    total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()}, stages=stages)
+    total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()}, stages=stages,
+    fit_397b={name.replace(" ", "_"): f for name, f in fit.items()}, usable_bytes=sweep["usable_bytes"])
 notebook.save_results("kernel_swaps", record)
 
 # %% [markdown]
