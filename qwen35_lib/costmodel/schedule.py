@@ -257,36 +257,10 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             tot.dec_sum += k * len(decoders) * dp
             tot.work += k * len(decoders)
         else:  # 1-3. one mixed step
-            budget = max_batched_tokens
-            n_dec = min(len(decoders), budget)
-            ctx = [r.prompt + r.done_output + 1 for r in decoders[:n_dec]]
-            for r in decoders[:n_dec]:
-                r.done_output += 1
-            budget -= n_dec
-            firsts: list[_Req] = []  # requests whose first output token this step samples
-            chunks: list[tuple[int, int]] = []  # (tokens, cached before)
-            for r in running:
-                if r.done_prompt < r.prompt and budget > 0:
-                    n = min(r.prompt - r.done_prompt, budget)
-                    chunks.append((n, r.done_prompt))
-                    r.done_prompt += n
-                    budget -= n
-            while waiting and budget > 0 and len(running) < limit:
-                r = waiting.popleft()
-                running.append(r)
-                n = min(r.prompt, budget)
-                chunks.append((n, 0))
-                r.done_prompt += n
-                budget -= n
-            for r in running:  # the step that completes a prompt samples the first output token
-                if r.done_prompt == r.prompt and r.done_output == 0 and any(c[1] + c[0] == r.prompt for c in chunks):
-                    r.done_output = 1
-                    firsts.append(r)
-            pre = sum(c[0] for c in chunks)
-            max_ctx = max([c[0] + c[1] for c in chunks] + ctx + [0])
-            batch = Batch(decodes=n_dec * dp, decode_ctx=float(np.mean(ctx)) if ctx else 0.0,
-                          prefill_tokens=pre * dp, prefill_seqs=len(chunks) * dp,
-                          prefill_ctx=float(np.mean([c[1] for c in chunks])) if chunks else 0.0, max_ctx=max_ctx)
+            fields, firsts = _rank_step(running, waiting, max_batched_tokens, limit)
+            n_dec, decode_ctx, pre, seqs, prefill_ctx, max_ctx = fields
+            batch = Batch(decodes=n_dec * dp, decode_ctx=decode_ctx, prefill_tokens=pre * dp, prefill_seqs=seqs * dp,
+                          prefill_ctx=prefill_ctx, max_ctx=max_ctx)
             sec, parts = step_fn(batch)
             n_steps = 1
             tot.dec_sum += n_dec * dp
