@@ -1,6 +1,6 @@
 """`pytest` runs every paired notebook (`notebooks/NN_*.ipynb`, in testpaths; `--nbmake` in addopts), each once in
 a fresh `python3` kernel. The kernel inherits this environment, set around each notebook item only: the checkout
-importable, 8 simulated CPU devices with patient collectives, XLA:CPU at -O0 (FAST_COMPILE), matplotlib inline,
+importable, 8 simulated CPU devices with patient collectives, XLA:CPU compiling fast (FAST_COMPILE), matplotlib inline,
 nothing recorded, libtpu shareable. The longest items run first (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
 DEVICES = "--xla_force_host_platform_device_count=8"
-# XLA:CPU at LLVM -O0, as in tests/conftest.py: compiles about a third shorter. The chapters' timings (06's CPU
+# XLA:CPU compiling fast, as in tests/conftest.py (-O0, the legacy fusion emitters). The chapters' timings (06's CPU
 # validation) then measure slower code than a reader's run: nothing is recorded here ($QWEN35_RESULTS_DIR is unset),
-# and `make playbook` executes the chapters at the default level.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# and `make playbook` executes the chapters at the defaults.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 # Modules whose one module fixture compiles for TPU7x for 130-190 s. xdist's worksteal deals each worker a
 # contiguous share and steals from the end of a queue: at the end of the list such a module finished the run alone
@@ -39,8 +39,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     env.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     flags = os.environ.get("XLA_FLAGS", "")
     flags = flags if DEVICES in flags else f"{flags} {DEVICES}".strip()
-    if "--xla_backend_optimization_level=" not in flags:  # tests/conftest.py's FAST_COMPILE when tests/ is not run
-        flags = f"{FAST_COMPILE} {flags}"
+    # tests/conftest.py's FAST_COMPILE is in $XLA_FLAGS when tests/ is run too; a flag already set wins
+    flags = " ".join([f for f in FAST_COMPILE if f.split("=")[0] + "=" not in flags] + [flags]).strip()
     env.setenv("XLA_FLAGS", with_patient_collectives(flags))
     env.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     env.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # kernels compiling for TPU7x ahead of time share libtpu

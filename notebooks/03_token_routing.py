@@ -61,6 +61,7 @@ devices, SIZE = notebook.setup()
 # %%
 # %matplotlib inline
 
+import dataclasses
 import re
 
 import jax
@@ -72,9 +73,11 @@ import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import specs as hw_specs
-from qwen35_lib.costmodel.step import expected_a2a_rows
+from qwen35_lib.costmodel import traffic
+from qwen35_lib.costmodel.stages import resolve_layout
+from qwen35_lib.costmodel.step import expected_a2a_rows, op_comm
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel import hlo, make_mesh, routing
+from qwen35_lib.parallel import hlo, make_mesh, plan_of, routing
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 
@@ -106,11 +109,13 @@ for wl in ("8k/1k", "1k/8k"):
 # ## 1. Bytes per MoE layer
 #
 # **Predict.** A step holds `N` tokens, `n = N / 8` per device, hidden size `D`, `k` experts per token, `b`
-# bytes per activation (bf16: 2). Per device, the size of each collective's result:
+# bytes per activation (bf16: 2). Per device, the bytes of each collective (an all-gather's result, a
+# reduce-scatter's input, an all-to-all's buffer), as the cost model lists them (`costmodel.traffic.moe_layer_ops`,
+# the ops it prices for every step):
 #
-# | strategy | collectives per MoE layer | result bytes per device |
+# | strategy | collectives per MoE layer | bytes per device |
 # |---|---|---|
-# | `replicate` | all-gather `x`, ids, weights; reduce-scatter `y` | `N·D·b + N·k·4 + N·k·b`; `n·D·b` |
+# | `replicate` | all-gather `x`, ids, weights; reduce-scatter `y` | `N·D·b + N·k·4 + N·k·b`; `N·D·b` |
 # | `all_to_all` | all-to-all `x` there, packed ids/weights there, `y` back | `2 · 8·cap·D·b + 8·cap·2k·4` |
 # | ideal ragged `all_to_all` | the same, only the rows the routing needs | `rows · (2·D·b + 2k·4)` |
 #
@@ -127,10 +132,12 @@ for wl in ("8k/1k", "1k/8k"):
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
 D, k, b = big.hidden_size, big.num_experts_per_tok, 2  # bf16 activations
+layer_ops = lambda cfg, N: traffic.moe_layer_ops(resolve_layout(plan_of(cfg), cfg, 8), cfg, N)  # one MoE layer
+wire = lambda cfg, N: traffic.wire_bytes(layer_ops(cfg, N))  # bytes one device puts on its links
 ragged_rows = lambda N: expected_a2a_rows(big, N // 8, 8)  # rows one device sends, deduplicated, no padding
 ragged_wire = lambda N: 7 / 8 * ragged_rows(N) * (2 * D * b + 2 * k * 4)
 for N in (512, 8 * 2048):
-    row = {s: human_bytes(routing.wire_bytes(big.replace(**kw), N)) for s, kw in STRATEGIES.items()}
+    row = {s: human_bytes(wire(big.replace(**kw), N)) for s, kw in STRATEGIES.items()}
     row["all_to_all (ideal ragged)"] = human_bytes(ragged_wire(N))
     print(f"397B, N = {N:>5} tokens per step: {row}")
 print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(512) / (512 // 8):.2f} of 8")
@@ -142,10 +149,10 @@ print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(5
 
 # %%
 for N in (512, 8 * 2048):
-    rep_b = routing.wire_bytes(big.replace(routing="replicate"), N)
-    static_b = routing.wire_bytes(big.replace(routing="all_to_all"), N)
+    rep_b = wire(big.replace(routing="replicate"), N)
+    static_b = wire(big.replace(routing="all_to_all"), N)
     assert ragged_wire(N) < rep_b <= static_b, (N, ragged_wire(N), rep_b, static_b)
-    assert routing.wire_bytes(big.replace(routing="all_to_all", capacity_factor=1.25), N) == static_b
+    assert wire(big.replace(routing="all_to_all", capacity_factor=1.25), N) == static_b
 
 # %% [markdown]
 # ### Per-link load on the ring, and latency
@@ -165,14 +172,13 @@ link_load = cc.ring_hops_sum(8) / 7  # all-to-all's per-link bytes per byte deli
 
 
 def layer_seconds(strategy: str, N: int) -> float:
-    n = N // 8
-    if strategy == "replicate":
-        ops = [cc.all_gather(tpu, n * D * b), cc.all_gather(tpu, n * k * 4), cc.all_gather(tpu, n * k * b),
-               cc.reduce_scatter(tpu, N * D * b)]
-    else:
-        rows = ragged_rows(N) if strategy == "ragged" else 8 * routing.a2a_cap(big.replace(routing="all_to_all"), n, 8)
-        ops = [cc.all_to_all(tpu, rows * D * b), cc.all_to_all(tpu, rows * 2 * k * 4), cc.all_to_all(tpu, rows * D * b)]
-    return sum(op.seconds for op in ops)
+    """One MoE layer's collectives on a TPU7x-8, priced as the cost model prices a step's (`step.op_comm`)."""
+    cfg = big.replace(routing="replicate" if strategy == "replicate" else "all_to_all")
+    ops = layer_ops(cfg, N)
+    if strategy == "ragged":  # the static buffer's all-to-alls, carrying only the rows the routing needs
+        rows = 8 * routing.a2a_cap(cfg, N // 8, 8)
+        ops = [dataclasses.replace(op, bytes=op.bytes * ragged_rows(N) / rows) for op in ops]
+    return sum(op_comm(tpu, op).seconds * op.runs for op in ops)
 
 
 STEP_TOKENS = (64, 512, 8 * 2048)
@@ -188,7 +194,7 @@ for N, row in seconds.items():
 
 # %%
 big_step = STEP_TOKENS[-1]
-assert ragged_wire(big_step) < routing.wire_bytes(big.replace(routing="replicate"), big_step)
+assert ragged_wire(big_step) < wire(big.replace(routing="replicate"), big_step)
 assert seconds[big_step]["ragged"] > seconds[big_step]["replicate"]
 assert seconds[STEP_TOKENS[0]]["ragged"] < seconds[STEP_TOKENS[0]]["replicate"]
 assert all(row["static"] >= row["ragged"] for row in seconds.values())
@@ -207,7 +213,7 @@ tpu_counts = {}
 if HAVE_LIBTPU:
     tpu_mesh = aot.chip_core_mesh()
     for s, kw in STRATEGIES.items():
-        counts = hlo.count(aot.compile_moe_layer(mini.replace(**kw), tpu_mesh, 512).as_text())
+        counts = hlo.count(aot.compile_moe_layer(mini.replace(**kw), tpu_mesh, 512).as_text(), moved=True)
         tpu_counts[s] = {kind: v for kind, v in counts.items() if v["bytes"] > 4}  # drop the 4-byte drop counter
         print(f"TPU7x, qwen3.5-mini width, N = 512: {s:<22} {tpu_counts[s]}")
 else:
@@ -220,7 +226,7 @@ else:
 # %%
 for s, counts in tpu_counts.items():
     kw = STRATEGIES[s]
-    want = routing.collective_bytes(mini.replace(**kw), 512)
+    want = traffic.layer_bytes(layer_ops(mini.replace(**kw), 512))
     assert {kind: v["bytes"] for kind, v in counts.items()} == want, (s, counts, want)
     assert {kind: v["count"] for kind, v in counts.items()} == (
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
@@ -229,7 +235,7 @@ for s, counts in tpu_counts.items():
 Ns = [64, 256, 512, 2048, 8 * 2048]
 fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
 for s, kw in STRATEGIES.items():
-    ax.plot(Ns, [routing.wire_bytes(big.replace(**kw), N) / 2**20 for N in Ns], marker="o", label=s)
+    ax.plot(Ns, [wire(big.replace(**kw), N) / 2**20 for N in Ns], marker="o", label=s)
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("tokens per step N (all 8 devices)")
@@ -320,7 +326,7 @@ assert changed["replicate"] == 0 and changed["all_to_all f=1"] > 0
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 key = lambda name: re.sub(r"\W+", "_", name).strip("_")  # "all_to_all (f = 1.25)" -> "all_to_all_f_1_25"
 record = dict(
-    wire_bytes_397b={str(N): {key(s): routing.wire_bytes(big.replace(**kw), N)
+    wire_bytes_397b={str(N): {key(s): wire(big.replace(**kw), N)
                               for s, kw in STRATEGIES.items()} for N in Ns},
     tpu7x_mini_collectives={key(s): v for s, v in tpu_counts.items()},
     dropped={name: {key(s): d for s, (_, d) in r.items()} for name, r in results.items()},
@@ -349,9 +355,9 @@ notebook.save_results("token_routing", record)
 #    Per device and per token of the step, replication moves about `2 · 7/8 · D·b` on the wire (the all-gather,
 #    and the reduce-scatter's input), whatever `k`; the capped all-to-all only ships the device's own eighth of the
 #    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare
-#    `routing.wire_bytes(big.replace(routing=r, num_experts_per_tok=k),
-#    512, f)` for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer from `k = 7`. Qwen3.5's
-#    `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
+#    `wire(big.replace(routing=r, num_experts_per_tok=k, capacity_factor=f), 512)` (this notebook's `wire`, the
+#    cost model's ops of one layer) for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer
+#    from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
 #    </details>
 #
 # 2. **[How much capacity]** What capacity factor makes the skewed batch of section 2 drop nothing?

@@ -78,7 +78,7 @@ def run(jobs: dict[str, tuple], timeout: float = 540) -> Results:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # TPU executables stay out of the workers' CPU caches
     # the TPU compiler at its default optimization level (conftest's FAST_COMPILE is for XLA:CPU's compiles)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if not f.startswith("--xla_backend_optimization_level="))
+                                if not f.startswith(("--xla_backend_optimization_level=", "--xla_cpu_")))
     try:
         p = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(spec), capture_output=True, text=True,
                            timeout=timeout, env=env)

@@ -119,6 +119,9 @@ def test_micro_batches_are_one_plan_field_read_by_code_and_cost_model(mesh):
     assert len(rs) == 2 * 4 == sum(o.runs for o in ops) // cfg.num_layers
     assert sorted({c.group for c in rs}) == sorted({o.group for o in ops}) == [2, 4]
     assert sum(c.moved for c in rs) == sum(o.bytes * o.runs for o in ops) / cfg.num_layers
+    # one layer's ops (what notebook 03 prices) are the compiled layer's, every kind (the 4-byte drop count aside)
+    compiled = {kind: v["bytes"] for kind, v in hlo.count(text, moved=True).items() if v["bytes"] > 4}
+    assert compiled == traffic.layer_bytes(traffic.moe_layer_ops(plan, cfg, 512, "cpu"))
 
 
 def test_step_counts_multiplies_loops_and_refuses_data_dependent_counts(mesh):

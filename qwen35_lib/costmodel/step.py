@@ -187,12 +187,20 @@ def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, ov
         if op.part == "moe_rs_core":
             m = op.runs // cfg.num_layers
             add("reduce_scatter", cc.hierarchical_reduce_scatter(specs, op.bytes * m, m, overlap), cfg.num_layers)
-        elif op.kind == "all-gather":
-            add("all_gather", cc.all_gather(specs, op.bytes / op.group, op.group), op.runs)
-        elif op.kind == "reduce-scatter":
-            add("reduce_scatter", cc.reduce_scatter(specs, op.bytes, op.group), op.runs)
-        elif op.kind == "all-reduce":
-            add("all_reduce", cc.all_reduce(specs, op.bytes, op.group), op.runs)
         else:
-            add("all_to_all", cc.all_to_all(specs, op.bytes, op.group), op.runs)
+            add(op.kind.replace("-", "_"), op_comm(specs, op), op.runs)
     return out
+
+
+def op_comm(specs: Specs, op: traffic.Op) -> cc.Comm:
+    """One run of a flat collective `op` (a `traffic.Op`) by its kind's formula in `collectives`: an all-gather of
+    `bytes` output as `bytes / group` shards, a reduce-scatter of `bytes` input, an all-reduce, an all-to-all."""
+    if op.kind == "all-gather":
+        return cc.all_gather(specs, op.bytes / op.group, op.group)
+    if op.kind == "reduce-scatter":
+        return cc.reduce_scatter(specs, op.bytes, op.group)
+    if op.kind == "all-reduce":
+        return cc.all_reduce(specs, op.bytes, op.group)
+    if op.kind == "all-to-all":
+        return cc.all_to_all(specs, op.bytes, op.group)
+    raise ValueError(f"no formula for a {op.kind!r} in costmodel.collectives")

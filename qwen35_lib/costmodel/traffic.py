@@ -93,7 +93,7 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
     n, chips, cores = _sizes(plan)
     if plan.layout == "single" or n == 1:
         return []
-    D, k, L = config.hidden_size, config.num_experts_per_tok, config.num_layers
+    D, L = config.hidden_size, config.num_layers
     b = wire_itemsize(config.dtype, backend)
     R = plan.dp
     N = R * shape.tokens
@@ -106,24 +106,47 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
     if plan.moe != "ep" or plan.batch_axes != ALL:
         raise ValueError(f"no closed form for the collectives of layout {plan.layout!r}: the cost model covers the "
                          "TP layouts and dp_ep (the stage ladder's)")
-    Np = N + (-N % n)
-    if plan.routing == "all_to_all":
-        cap = a2a_cap(config, Np // n, n)
-        out += [Op("all-to-all", n * cap * D * b, L, n, "moe"), Op("all-to-all", n * cap * 2 * k * 4, L, n, "moe"),
-                Op("all-to-all", n * cap * D * b, L, n, "moe")]
-    else:
-        out.append(Op("all-gather", Np * D * b, L, n, "moe"))
-        out += [Op("all-gather", Np * 2 * k * 4, L, n, "moe")] if plan.fuse_allgather else \
-            [Op("all-gather", Np * k * 4, L, n, "moe"), Op("all-gather", Np * k * b, L, n, "moe")]
-        if plan.hierarchical_rs:
-            m = plan.rs_slices(int(Np), n)
-            out += [Op("reduce-scatter", Np * D * b / m, m * L, cores, "moe_rs_core"),
-                    Op("reduce-scatter", Np * D * b / (m * cores), m * L, chips, "moe_rs_chip")]
-        else:
-            out.append(Op("reduce-scatter", Np * D * b, L, n, "moe"))
+    out += [dataclasses.replace(op, runs=op.runs * L) for op in moe_layer_ops(plan, config, N, backend)]
     if R > 1:
         out += [Op("all-reduce", 1, 1, n, "sample"), Op("all-gather", R * shape.seqs * 4, 1, n, "sample")]
     return out
+
+
+def moe_layer_ops(plan: ServingPlan, config: Config, tokens: float, backend: str = "tpu") -> list[Op]:
+    """The collectives of one EP MoE layer on one device (the module doc's EP rows, `runs` per layer), with
+    `tokens` in the step over all ranks (N; padded to N_p, a multiple of the devices)."""
+    n, chips, cores = _sizes(plan)
+    if plan.moe != "ep":
+        raise ValueError(f"layout {plan.layout!r} has no expert-parallel MoE layer: use an EP layout (dp8_ep8)")
+    D, k = config.hidden_size, config.num_experts_per_tok
+    b = wire_itemsize(config.dtype, backend)
+    Np = tokens + (-tokens % n)
+    if plan.routing == "all_to_all":
+        cap = a2a_cap(config, Np // n, n)
+        return [Op("all-to-all", n * cap * D * b, 1, n, "moe"), Op("all-to-all", n * cap * 2 * k * 4, 1, n, "moe"),
+                Op("all-to-all", n * cap * D * b, 1, n, "moe")]
+    out = [Op("all-gather", Np * D * b, 1, n, "moe")]
+    out += [Op("all-gather", Np * 2 * k * 4, 1, n, "moe")] if plan.fuse_allgather else \
+        [Op("all-gather", Np * k * 4, 1, n, "moe"), Op("all-gather", Np * k * b, 1, n, "moe")]
+    if plan.hierarchical_rs:
+        m = plan.rs_slices(int(Np), n)
+        return out + [Op("reduce-scatter", Np * D * b / m, m, cores, "moe_rs_core"),
+                      Op("reduce-scatter", Np * D * b / (m * cores), m, chips, "moe_rs_chip")]
+    return out + [Op("reduce-scatter", Np * D * b, 1, n, "moe")]
+
+
+def layer_bytes(ops: list[Op]) -> dict[str, float]:
+    """{kind: bytes per device} of `ops` (e.g. `moe_layer_ops`), each run counted, by the kinds' convention."""
+    out: dict[str, float] = {}
+    for op in ops:
+        out[op.kind] = out.get(op.kind, 0) + op.runs * op.bytes
+    return out
+
+
+def wire_bytes(ops: list[Op]) -> float:
+    """Bytes one device puts on (or takes off) its links for `ops`: (g - 1) / g of each op's bytes, g its group
+    (an all-gather's or all-to-all's own block, a reduce-scatter's own share of its input, stay)."""
+    return sum(op.runs * op.bytes * (op.group - 1) / op.group for op in ops)
 
 
 def collective_counts(plan: ServingPlan, config: Config, shape: StepShape, backend: str = "tpu"
@@ -167,5 +190,5 @@ def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict
     return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}
 
 
-__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "resident_bytes", "step_collectives", "weight_bytes",
-           "wire_itemsize"]
+__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "resident_bytes",
+           "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]

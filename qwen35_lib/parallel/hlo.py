@@ -95,15 +95,16 @@ def layer_body(hlo_text: str) -> str | None:
     return max(counts, key=counts.get) if counts and max(counts.values()) else None
 
 
-def count(hlo_text: str, computation: str | None = None) -> dict[str, dict[str, int]]:
-    """{kind: {"count": n, "bytes": b}} over the module, or one computation and the ones it calls."""
+def count(hlo_text: str, computation: str | None = None, moved: bool = False) -> dict[str, dict[str, int]]:
+    """{kind: {"count": n, "bytes": b}} over the module, or one computation and the ones it calls; b sums each
+    op's result bytes, or with `moved` its bytes by the convention of its kind (`MOVED`)."""
     names = called(hlo_text, computation) if computation else None
     out: dict[str, dict[str, int]] = {}
     for c in collectives(hlo_text):
         if names is None or c.computation in names:
             d = out.setdefault(c.kind, {"count": 0, "bytes": 0})
             d["count"] += 1
-            d["bytes"] += c.bytes
+            d["bytes"] += c.moved if moved else c.bytes
     return out
 
 

@@ -198,28 +198,6 @@ def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count:
     return out.astype(x.dtype), dropped, jnp.sum(keep, dtype=jnp.int32)
 
 
-def collective_bytes(cfg: Config, N: int, ep: int = 8) -> dict[str, int]:
-    """Predicted result bytes per device of each collective kind in one EP MoE layer with N tokens in the step
-    (split over ep devices, n = N / ep each; b = bytes of cfg.dtype): the static buffers XLA moves.
-
-    replicate:  all-gathers N·D·b (hidden) + N·k·4 (ids) + N·k·b (weights); reduce-scatter n·D·b
-    all_to_all: 2 · ep·cap·D·b (dispatch and return) + ep·cap·2k·4 (packed local ids and weights), cap = n
-                dropless (`a2a_cap`), else ceil(capacity_factor · n·k / ep) rows per destination, at most n.
-    """
-    D, k, b, n = cfg.hidden_size, cfg.num_experts_per_tok, jnp.dtype(cfg.dtype).itemsize, N // ep
-    if cfg.routing == "replicate":
-        return {"all-gather": N * D * b + N * k * 4 + N * k * b, "reduce-scatter": n * D * b}
-    cap = a2a_cap(cfg, n, ep)
-    return {"all-to-all": 2 * ep * cap * D * b + ep * cap * 2 * k * 4}
-
-
-def wire_bytes(cfg: Config, N: int, ep: int = 8) -> float:
-    """Bytes one device receives (all-gather, all-to-all: (ep-1)/ep of the result) or sends (reduce-scatter:
-    (ep-1)/ep of its N·D·b input) in one EP MoE layer."""
-    return sum(v * (ep - 1) / ep * (ep if kind == "reduce-scatter" else 1)
-               for kind, v in collective_bytes(cfg, N, ep).items())
-
-
 def _dest_hits(cfg: Config, ids, ep: int):
     """ids [N, k] split over ep source devices -> copies [ep source, n, ep dest] per token and destination."""
     import numpy as np
