@@ -42,6 +42,7 @@ def free_port() -> int:
 
 def launch(port: int) -> list[subprocess.Popen]:
     env = {**child_env(), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # two processes at once must not write one cache entry together
     cases = [a for c in CASES for a in ("--case", c)]
     return [subprocess.Popen([sys.executable, "-m", "qwen35_lib.engine.multihost", "--process-id", str(i),
                               "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}", *cases], cwd=ROOT, env=env,
