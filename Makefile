@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # torch is pinned to the local CPU wheel here; the `reference` extra itself asks only for a compatible range.
 TORCH := torch==2.13.0
 export JAX_PLATFORMS ?= cpu
+# No persistent JAX compile cache by default: jaxlib 0.10.2 segfaulted now and then while serializing a CPU
+# executable into it (compilation_cache.put_executable_and_time), killing a test worker. Set
+# JAX_COMPILATION_CACHE_DIR yourself to trade that risk for faster reruns.
 export PYTHONHASHSEED := 0
 
 .PHONY: playbook test venv lint sweep clean
@@ -28,11 +31,6 @@ playbook: $(STAMP)
 # contiguous half of the items (a file mostly stays on one, its compiled fixtures shared) and, after a crash,
 # reports it and goes on (loadfile waited forever for the crashed worker's file: the CI timeout). A crashed worker
 # fails the run. build/test.log keeps the output.
-# A persistent JAX compile cache under build/ (one per worker: tests/conftest.py), which the subprocesses a test starts
-# (the CLIs, notebook kernels) share: on a clean clone it saves the programs they compile again (13% of the CLI and
-# benchmark tests' time, measured), and reruns start warm. The worker crash once blamed on writing to it was
-# vm.max_map_count (README, "Tests"); `make clean` empties it.
-test: export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/build/jax-cache
 test: $(STAMP) lint
 	@mkdir -p build
 	$(PY) -m pytest -q -n 2 --dist worksteal 2>&1 | tee build/test.log; exit $${PIPESTATUS[0]}

@@ -20,8 +20,8 @@ os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8")
 from qwen35_lib.devices import patient_collectives  # noqa: E402
 
 patient_collectives()  # a simulated device that lags behind on a busy machine must not abort the test process
-# With JAX_COMPILATION_CACHE_DIR set (`make test` sets it), one persistent cache per pytest-xdist worker, which the
-# processes it starts inherit: two processes writing one entry at once crashed.
+# With JAX_COMPILATION_CACHE_DIR set (the Makefile no longer sets it: writing CPU executables into it segfaulted
+# now and then), one persistent cache per pytest-xdist worker: two processes writing one entry at once crashed.
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] += "-" + os.environ["PYTEST_XDIST_WORKER"]
 

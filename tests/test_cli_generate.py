@@ -3,8 +3,9 @@ EOS from generation_config.json, text prompts through tokenizer.json, and one-li
 
 Cost: compiling is most of it (seconds per engine-step bucket on CPU), so
 1. the engine shape admits all four prompts in one step: two buckets per run (one prefill step, then decodes);
-2. with a persistent compilation cache (JAX_COMPILATION_CACHE_DIR, which `make test` sets), every subprocess and
-   this module share it: a CLI run loads the buckets an earlier one compiled;
+2. when a persistent compilation cache is set up (JAX_COMPILATION_CACHE_DIR), every subprocess and this module
+   share it; `make test` sets none (jaxlib segfaulted now and then writing CPU executables into one), so each
+   CLI run compiles its own two buckets;
 3. errors are checked in-process through `main` on a checkpoint (loading compiles nothing), one by subprocess;
 4. `--layout dp8_ep8` is one more subprocess, compared with the `single` run the JSON-contract test checks.
 """
