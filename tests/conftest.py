@@ -27,6 +27,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CAC
 
 import jax  # noqa: E402
 
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a plugin may have imported jax (reading the old value) already
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 assert len(jax.devices()) == 8, jax.devices()
 
 import gc  # noqa: E402
