@@ -17,10 +17,11 @@ from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weigh
 from qwen35_lib.parallel.collectives import gather_routing, on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
 
-# Every valid (layout, routing, fuse_allgather, hierarchical_rs): the flags apply to EP + replicate only.
+# Every valid (routing, fuse_allgather, hierarchical_rs) under dp8_ep8 (the flags apply to EP + replicate only); under
+# dp4_tp2_ep8, whose MoE runs the same EP code, each routing with the flags off and on.
 EP_SETTINGS = [("replicate", f, h) for f in (False, True) for h in (False, True)] + [("all_to_all", False, False)]
-SETTINGS = [("tp8_kvrep", "replicate", False, False)] + [(lay, *s) for lay in ("dp4_tp2_ep8", "dp8_ep8")
-                                                         for s in EP_SETTINGS]
+SETTINGS = [("tp8_kvrep", "replicate", False, False)] + [("dp8_ep8", *s) for s in EP_SETTINGS] + [
+    ("dp4_tp2_ep8", *s) for s in EP_SETTINGS if s[1] == s[2]]
 # 2 layer groups, so the layer scan stays a loop in the compiled HLO
 BASE = get_config("qwen3.5-tiny", dtype="float32", num_layers=8)
 

@@ -60,14 +60,15 @@ def _step(groups: int, in_place: bool = True, layouts: str = "mxu") -> dict:
 
 @pytest.fixture(scope="module")
 def tpu7x():
-    """The three depths in one child (about 130 s of an idle machine in all; each test's setup under the 600 s
-    timeout)."""
-    return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS}, timeout=570)
+    """The three depths and the control in one child (about 170 s of an idle machine in all, under the 600 s
+    timeout of the first test's setup)."""
+    return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_step, 2, False)},
+                              timeout=570)
 
 
 @pytest.fixture(scope="module")
-def sliced():
-    return aot_subprocess.run({"sliced": (_step, 2, False)}, timeout=570)["sliced"]
+def sliced(tpu7x):
+    return tpu7x["sliced"]
 
 
 def test_the_control_with_scanned_expert_weights_copies_them(sliced):
