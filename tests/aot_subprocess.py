@@ -76,7 +76,7 @@ def run(jobs: dict[str, tuple], timeout: float = 540) -> Results:
                                        jobs.items()]}
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # TPU executables stay out of the workers' CPU caches
-    # the TPU compiler at its default optimization level (conftest's FAST_COMPILE is for XLA:CPU's compiles)
+    # the TPU compiler at its defaults: FAST_COMPILE and the other --xla_cpu_ flags are for XLA:CPU's compiles
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if not f.startswith(("--xla_backend_optimization_level=", "--xla_cpu_")))
     try:
