@@ -14,11 +14,15 @@ export PYTHONHASHSEED := 0
 
 .PHONY: playbook test venv lint sweep clean
 
+# --no-compile: pip would byte-compile every installed module (jupyterlab, torch, transformers, ...), about a minute
+# of this 2-core machine's install; Python compiles the modules a process imports, once, on first use.
+PIP := $(PY) -m pip install --quiet --no-compile
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[tpu,test,notebook,reference]"
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[tpu,test,notebook,reference]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 

@@ -41,7 +41,8 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def compiled(mesh):
-    """(stage, shape) -> (hlo.step_counts of the compiled step, its argument bytes): each compiled once."""
+    """(stage, shape) -> (hlo.step_counts of the compiled step, its argument bytes, all-gathers per MoE layer of
+    the layer loop's body): each compiled once."""
     cache = {}
 
     def get(stage: str, shape: str):
@@ -49,7 +50,11 @@ def compiled(mesh):
             cfg = STAGES[stage].apply(MINI, "cpu")
             exe = aot.compile_step(cfg, mesh, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE,
                                    **SHAPES[shape])
-            cache[stage, shape] = hlo.step_counts(exe.as_text()), exe.memory_analysis().argument_size_in_bytes
+            text = exe.as_text()
+            body = hlo.layer_body(text)
+            assert body is not None, "the layer scan should be a loop in the compiled step"
+            gathers = hlo.count(text, body).get("all-gather", {"count": 0})["count"] / len(cfg.layer_pattern)
+            cache[stage, shape] = hlo.step_counts(text), exe.memory_analysis().argument_size_in_bytes, gathers
         return cache[stage, shape]
 
     return get
@@ -87,13 +92,19 @@ CASES = [(stage, "mixed") for stage in LADDER] + [("baseline", "decode"), ("hier
 @pytest.mark.parametrize("stage, shape", CASES, ids=lambda c: c)
 def test_cost_model_collectives_and_memory_equal_the_compiled_step(stage, shape, mesh, compiled, monkeypatch):
     want, resident = _predicted(stage, shape, mesh, monkeypatch)
-    got, argument_bytes = compiled(stage, shape)
+    got, argument_bytes, _ = compiled(stage, shape)
     assert set(got) <= set(want), f"kinds the cost model does not charge: {set(got) - set(want)}"
     for kind, (count, nbytes) in want.items():
         seen = got.get(kind, {"count": 0, "bytes": 0})
         assert seen["count"] == count, (kind, seen, (count, nbytes))
         assert seen["bytes"] == pytest.approx(nbytes, rel=0.01), (kind, seen, (count, nbytes))
     assert sum(resident.values()) == pytest.approx(argument_bytes, rel=0.01), (resident, argument_bytes)
+
+
+def test_the_fused_allgather_is_two_gathers_per_moe_layer_instead_of_three(compiled):
+    # replicate: hidden states, expert ids, weights; fused_ag: hidden states, then ids and weights in one buffer
+    assert compiled("replicate", "mixed")[2] == 3
+    assert compiled("fused_ag", "mixed")[2] == 2
 
 
 def test_the_time_model_prices_the_same_ops(monkeypatch):

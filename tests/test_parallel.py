@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aot_subprocess
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +12,7 @@ from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import local_moe, route
-from qwen35_lib.parallel import EIGHT, check_layout, hlo, make_mesh, shard_weights
+from qwen35_lib.parallel import EIGHT, check_layout, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import gather_routing, on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
 
@@ -129,36 +128,6 @@ def test_all_to_all_is_dropless_by_default_and_counts_drops(mesh, weights):
     assert dropped > 0
     assert dropped == predicted_drops(capped, route(BASE, w["router"], x)[1])  # the arithmetic count
     assert not np.allclose(out, np.asarray(ref - shared), atol=1e-5)
-
-
-def _allgathers_per_moe_layer(mesh, **flags) -> float:
-    from qwen35_lib.aot import compile_step
-
-    # the XLA kernels: the count is the routing's, and tiny's FFN (32) is below the Pallas kernels' TPU tile
-    cfg = _cfg("dp8_ep8", "replicate", **flags).replace(dtype="bfloat16", attention_kernel="xla", gdn_kernel="xla",
-                                                        moe_kernel="ragged_dot")
-    text = compile_step(cfg, mesh, requests=16, context_len=64, decode=2, prefill=64).as_text()
-    body = hlo.layer_body(text)
-    assert body is not None, "the layer scan should be a loop in the compiled step"
-    return hlo.count(text, body)["all-gather"]["count"] / len(cfg.layer_pattern)
-
-
-def test_fused_allgather_two_instead_of_three_on_cpu(mesh):
-    assert _allgathers_per_moe_layer(mesh, fuse=False) == 3
-    assert _allgathers_per_moe_layer(mesh, fuse=True, hier=True) == 2
-
-
-def _allgathers_per_moe_layer_on_tpu7x(fuse: bool) -> float:  # in aot_subprocess's child: libtpu stays there
-    from qwen35_lib.aot import chip_core_mesh
-
-    return _allgathers_per_moe_layer(chip_core_mesh(), fuse=fuse)
-
-
-@pytest.mark.tpu_compile
-def test_fused_allgather_two_instead_of_three_on_tpu7x():
-    counts = aot_subprocess.run({f"fuse {f}": (_allgathers_per_moe_layer_on_tpu7x, f) for f in (False, True)})
-    assert counts["fuse False"] == 3
-    assert counts["fuse True"] == 2
 
 
 # --- the engine, end to end: greedy tokens equal the single-device engine's -----------------------------------

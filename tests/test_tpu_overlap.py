@@ -15,6 +15,10 @@ The reduce-scatters move [tokens, hidden] partial sums, so the expert count and 
 8 experts (1 per device) and a 256-token vocabulary compile in ~27 s instead of ~49 s each, to the same schedule
 (the hier_rs job checked against 64 experts and a 4096 vocabulary: the same chains, overlap and placement).
 
+The same compiles show the fused all-gather (`fuse_allgather`) on the TPU7x schedule: 2 all-gathers per MoE layer in
+the hier_rs step, 3 in the replicate stage's (XLA's combiner does not merge the three); the CPU twin of this check
+is in `test_collective_hlo.py`.
+
 `xla_tpu_enable_sparse_core_collective_offload_reduce_scatter`: TPU7x (libtpu 0.0.42.1) offloads the reduce-
 scatters to the SparseCore without it; set to false they become synchronous TensorCore ops in program order.
 """
@@ -22,7 +26,7 @@ scatters to the SparseCore without it; set to false they become synchronous Tens
 import aot_subprocess
 import pytest
 
-pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(600)]  # the fixture: 3 compiles, one child process
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(600)]  # the fixture: 4 compiles, one child process
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-mini", 256, 512, 256
 NARROW = dict(num_experts=8, vocab_size=256)  # what the reduce-scatters do not depend on (module doc)
 SC_RS = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
@@ -74,9 +78,31 @@ def _schedule(serialised: bool, options: dict | None = None) -> dict:
     m = len(chains) // len(cfg.layer_pattern)  # micro-batches per MoE layer, as compiled
     ops = hlo_checks.collective_schedule(text, body, ("reduce-scatter", "all-reduce"))
     return dict(micro_batches=m, code_micro_batches=micro_batches(REQUESTS), moe_layers=len(cfg.layer_pattern),
+                allgathers=_allgathers_per_moe_layer(text, cfg),
                 overlapped=hlo_checks.overlapped(chains, m),
                 chains=[[(a.start, a.done), (b.start, b.done)] for a, b in chains],
                 how=sorted({(o.kind, o.how, o.group_size) for o in ops}))
+
+
+def _allgathers_per_moe_layer(text: str, cfg) -> float:
+    from qwen35_lib.parallel import hlo
+
+    return hlo.count(text, hlo.layer_body(text)).get("all-gather", {"count": 0})["count"] / len(cfg.layer_pattern)
+
+
+def _replicate_allgathers() -> float:
+    """All-gathers per MoE layer of the `replicate` stage's decode step (the unfused routing gather)."""
+    import jax
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import sweep
+    from qwen35_lib.parallel.stages import stage_config
+
+    jax.clear_caches()
+    cfg = stage_config(sweep.serving_config(MODEL, 2, **NARROW), "replicate", "tpu")
+    c = aot.compile_step(cfg, aot.chip_core_mesh(), requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
+                         page_size=PAGE, kv_dtype="float8_e4m3fn")
+    return _allgathers_per_moe_layer(c.as_text(), cfg)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +111,14 @@ def tpu7x():
 
     no_offload = dict(aot.RECIPE_OPTIONS, **{SC_RS: "false"})
     return aot_subprocess.run({"hier_rs": (_schedule, False), "serialised": (_schedule, True),
-                               "no sparsecore": (_schedule, False, no_offload)}, timeout=570)
+                               "no sparsecore": (_schedule, False, no_offload),
+                               "replicate": (_replicate_allgathers,)}, timeout=570)
+
+
+def test_the_fused_allgather_is_two_gathers_per_moe_layer_instead_of_three(tpu7x):
+    # replicate gathers hidden states, expert ids and weights; hier_rs (fused_ag's routing) ids and weights as one
+    assert tpu7x["replicate"] == 3
+    assert tpu7x["hier_rs"]["allgathers"] == 2
 
 
 def test_the_recipe_flags_are_the_public_ironwood_ones():

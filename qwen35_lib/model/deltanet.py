@@ -65,24 +65,29 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[j
 
     x: [T, H, d]; taps: [K, H, d]; hist: [NS, K-1, H, d] slot pool of previous inputs; meta: RaggedMeta.
     Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
-    same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step).
+    same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step). Every input
+    is one row of `ext` = [each sequence's history (S * (K-1) rows); x (T rows)], read by a single gather (a
+    gather per tap and per source made the step's HLO several times longer, and its compiles slower).
     Returns (y [T, H, d], hist with each sequence's last K - 1 inputs stored in its slot).
     """
-    K = taps.shape[0]
-    seq = jnp.clip(meta.token_seq, 0)  # [T]
+    K, T, S = taps.shape[0], x.shape[0], meta.q_start.shape[0]
     fresh = meta.kv_len == meta.q_len  # [S]
     seq_hist = jnp.where(fresh[:, None, None, None], 0, hist[meta.slot]).astype(x.dtype)  # [S, K-1, H, d]
+    ext = jnp.concatenate([seq_hist.reshape(S * (K - 1), *x.shape[1:]), x])  # [S*(K-1) + T, H, d]
 
-    def inputs_at(idx, s):  # input number idx of sequence s (flat index space), from x or the history
+    def source(idx, s):  # row of `ext` holding input number idx (flat index space) of sequence s
         start = meta.q_start[s]
-        from_hist = seq_hist[s, jnp.clip(K - 1 - (start - idx), 0, K - 2)]
-        return jnp.where((idx >= start)[..., None, None], x[jnp.clip(idx, 0)], from_hist)
+        from_hist = s * (K - 1) + jnp.clip(K - 1 - (start - idx), 0, K - 2)
+        return jnp.where(idx >= start, S * (K - 1) + jnp.clip(idx, 0, T - 1), from_hist)
 
-    t = jnp.arange(x.shape[0])
-    y = sum(inputs_at(t - (K - 1 - j), seq).astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
-    s_all = jnp.arange(meta.q_start.shape[0])
-    end = meta.q_start + meta.q_len  # [S]
-    new = jnp.stack([inputs_at(end - (K - 1) + i, s_all) for i in range(K - 1)], axis=1)  # [S, K-1, H, d]
+    seq = jnp.clip(meta.token_seq, 0)[:, None]  # [T, 1]
+    tap_src = source(jnp.arange(T)[:, None] - (K - 1) + jnp.arange(K)[None, :], seq)  # [T, K]
+    s_all = jnp.arange(S)[:, None]
+    end = (meta.q_start + meta.q_len)[:, None]  # [S, 1]
+    hist_src = source(end - (K - 1) + jnp.arange(K - 1)[None, :], s_all)  # [S, K-1]
+    rows = jnp.take(ext, jnp.concatenate([tap_src.ravel(), hist_src.ravel()]), axis=0, mode="clip")
+    inputs, new = rows[:T * K].reshape(T, K, *x.shape[1:]), rows[T * K:].reshape(S, K - 1, *x.shape[1:])
+    y = sum(inputs[:, j].astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
     slots = jnp.where(meta.q_len > 0, meta.slot, 0)
     return jax.nn.silu(y).astype(x.dtype), hist.at[slots].set(new.astype(hist.dtype))
 
