@@ -11,14 +11,14 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
   (the scan's slice handed to the kernel, as before), must show such copies: the check can fail.
 - Depth: temporaries at 2 and 15 layer groups agree within 1%, with the weights placed as the step reads them
   (`aot.mxu_format`: bf16 in 16 x 128 tiles, stacked input projections stored D second-minor; `aot.scale_format`:
-  the FP8 block scales in the grouped matmul's layout): 0.9447 / 0.9438 / 0.9434 GB at 2 / 3 / 15 groups (libtpu
-  0.0.42.1, 16 requests). How it got there, measured at 64 requests: in the default bf16 tiling
-  (8 x 128) XLA relayouts the whole stacked output projections before the loop (1.754 GB at 2 groups, 2.367 GB at
-  3); in 16 x 128 tiles with the declared dim order the loop copies each group's slice of GDN w_v / w_z into
-  D-second-minor order and the heap packs those copies differently at 2 groups (1.134 GB) than at 3 (1.439 GB)
-  and 15 (1.457 GB); stored D second-minor, 0.967 GB at 2 and 3 groups but 0.986 GB at 15 (+1.9%: the FP8 scales'
-  whole stacks relaid out before the loop, 1.5 MiB a group); with the scales placed too, 0.964 GB at 2 groups,
-  0.962 GB at 15. A scan of 1 group is unrolled, so 2 is the least depth that counts.
+  the FP8 block scales in the grouped matmul's layout): 0.9408 / 0.9392 GB at 2 / 15 groups (libtpu 0.0.42.1, 16
+  requests; before the one-gather conv, 0.9447 / 0.9438 / 0.9434 GB at 2 / 3 / 15). How it got there, measured at 64
+  requests: in the default bf16 tiling (8 x 128) XLA relayouts the whole stacked output projections before the loop
+  (1.754 GB at 2 groups, 2.367 GB at 3); in 16 x 128 tiles with the declared dim order the loop copies each group's
+  slice of GDN w_v / w_z into D-second-minor order and the heap packs those copies differently at 2 groups (1.134
+  GB) than at 3 (1.439 GB) and 15 (1.457 GB); stored D second-minor, 0.967 GB at 2 and 3 groups but 0.986 GB at 15
+  (+1.9%: the FP8 scales' whole stacks relaid out before the loop, 1.5 MiB a group); with the scales placed too,
+  0.964 GB at 2 groups, 0.962 GB at 15. A scan of 1 group is unrolled, so 2 is the least depth that counts.
 - Donation: every cache byte is aliased from the step's input to its output.
 """
 

@@ -12,6 +12,7 @@ bytes by the convention of its kind (`MOVED`), the convention `costmodel.traffic
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -91,7 +92,8 @@ def layer_body(hlo_text: str) -> str | None:
     length 1: give the model two layer groups)."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
     ops = collectives(hlo_text)
-    counts = {b: sum(c.computation in called(hlo_text, b) for c in ops) for b in bodies}
+    reach = {b: called(hlo_text, b) for b in bodies}
+    counts = {b: sum(c.computation in reach[b] for c in ops) for b in bodies}
     return max(counts, key=counts.get) if counts and max(counts.values()) else None
 
 
@@ -127,16 +129,22 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_
 
 def called(hlo_text: str, root: str) -> set[str]:
     """`root` and every computation reachable from it (fusions, conditionals, nested loops)."""
-    bodies = {n: "\n".join(lines) for n, lines in _computations(hlo_text).items()}
+    graph = _call_graph(hlo_text)
     seen, todo = set(), [root]
     while todo:
         n = todo.pop()
-        if n in seen or n not in bodies:
+        if n in seen or n not in graph:
             continue
         seen.add(n)
-        todo += _CALLS.findall(bodies[n])
-        todo = [t for item in todo for t in item.replace("%", "").split(", ")]
+        todo += graph[n]
     return seen
+
+
+@functools.lru_cache(maxsize=4)  # the text of one program is read many times in a row (`layer_body`, `count`)
+def _call_graph(hlo_text: str) -> dict[str, list[str]]:
+    """{computation name: the computations its instructions call}."""
+    return {n: [t for item in _CALLS.findall("\n".join(lines)) for t in item.replace("%", "").split(", ")]
+            for n, lines in _computations(hlo_text).items()}
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?\s([\w\-]+)\((.*?)\)(?:, |$)")
