@@ -20,11 +20,12 @@ SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 # Modules whose one module fixture compiles for TPU7x for 130-190 s. xdist's worksteal deals each worker a
 # contiguous share and steals from the end of a queue: at the end of the list such a module finished the run alone
 # on one worker, or was split over both and its fixture compiled twice.
-FIRST = ("tests/test_tpu_in_place.py", "tests/test_tpu_overlap.py")
+# test_collective_hlo's items compile a mini step each (10-70 s): at the end they were the run's tail on both workers.
+FIRST = ("tests/test_tpu_in_place.py", "tests/test_tpu_overlap.py", "tests/test_collective_hlo.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The TPU7x compile modules of FIRST, then everything in collection order (the notebooks next: testpaths)."""
+    """The modules of FIRST, then everything in collection order (the notebooks next: testpaths)."""
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest keep their order
 
 

@@ -7,12 +7,16 @@ Cost: compiling is most of it (seconds per engine-step bucket on CPU), so
    share it; `make test` sets none (jaxlib segfaulted now and then writing CPU executables into one), so each
    CLI run compiles its own two buckets;
 3. errors are checked in-process through `main` on a checkpoint (loading compiles nothing), one by subprocess;
-4. `--layout dp8_ep8` is one more subprocess, compared with the `single` run the JSON-contract test checks.
+4. `--layout dp8_ep8` is one more subprocess, compared with the `single` run the JSON-contract test checks;
+5. the two checkpoint runs call `main` in this process (`cli_here`): their engine steps are the ones the in-process
+   reference just compiled (same shapes, equal configs), so only the JSON-contract run pays a second process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
@@ -48,6 +52,14 @@ def cache_env() -> dict:
 def cli(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qwen35_lib", "generate", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def cli_here(*args: str) -> subprocess.CompletedProcess:
+    """`generate ARGS` through `main` (what the subprocess runs), in this process: exit code, stdout, stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["generate", *args])
+    return subprocess.CompletedProcess(["generate", *args], code, out.getvalue(), err.getvalue())
 
 
 def ids_flags(prompts: list[list[int]]) -> list[str]:
@@ -127,7 +139,7 @@ def test_random_preset_json_contract(single_run):
     assert streamed(out.stderr) == {i: r["output_ids"] for i, r in enumerate(doc["requests"])}
 
 
-def test_checkpoint_eos_and_text_prompts(cache_env, checkpoints):
+def test_checkpoint_eos_and_text_prompts(checkpoints):
     """Qwen3.5: EOS set to a token the greedy model produces ends that request there (EOS included); a --prompt
     goes through tokenizer.json, in input order among the --prompt-ids; every request gets its decoded text."""
     path = checkpoints["qwen3_5_moe"]
@@ -140,7 +152,7 @@ def test_checkpoint_eos_and_text_prompts(cache_env, checkpoints):
     set_eos(path, eos)
     write_tokenizer(path)
 
-    out = cli(cache_env, "--checkpoint", str(path), *ids_flags(PROMPTS[:2]), "--prompt", "w5 w17 w3",
+    out = cli_here("--checkpoint", str(path), *ids_flags(PROMPTS[:2]), "--prompt", "w5 w17 w3",
               *ids_flags(PROMPTS[2:3]), "--max-new-tokens", "6", "--json", *ENGINE_FLAGS)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
@@ -152,14 +164,14 @@ def test_checkpoint_eos_and_text_prompts(cache_env, checkpoints):
     assert f"[req 0] {eos} ' w{eos}'" in out.stderr  # streamed with its new text (incremental decode)
 
 
-def test_qwen3_next_sampled_text_summary(cache_env, checkpoints):
+def test_qwen3_next_sampled_text_summary(checkpoints):
     """Qwen3-Next, sampled (per-request seeds make it reproducible in-process), the readable summary."""
     path = checkpoints["qwen3_next"]
     config, weights = load_hf_checkpoint(path)
     params = SamplingParams(max_new_tokens=4, temperature=0.8, top_k=5, seed=7)
     expected = until_eos(reference(config, weights, PROMPTS, params), config.eos_token_ids)
 
-    out = cli(cache_env, "--checkpoint", str(path), *ids_flags(PROMPTS), "--max-new-tokens", "4", "--temperature",
+    out = cli_here("--checkpoint", str(path), *ids_flags(PROMPTS), "--max-new-tokens", "4", "--temperature",
               "0.8", "--top-k", "5", "--seed", "7", *ENGINE_FLAGS)
     assert out.returncode == 0, out.stderr
     rows = re.findall(r"^\[(\d)\] (\d+) prompt tokens -> \d+ tokens \((\w+)\):([\d ]*)$", out.stdout, re.M)

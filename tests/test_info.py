@@ -1,7 +1,10 @@
-"""`python -m qwen35_lib info`, the hardware table and the HBM budget behind it."""
+"""`python -m qwen35_lib info`, the hardware table and the HBM budget behind it. The CLI runs in this process
+(`main`, as `python -m` calls it); `test_text_output` starts the module entry point itself."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -12,6 +15,7 @@ import aot_subprocess
 import pytest
 
 from qwen35_lib import budget, hardware
+from qwen35_lib.__main__ import main
 from qwen35_lib.config import get_config
 from qwen35_lib.report import active_params_by_part
 
@@ -20,6 +24,18 @@ GiB = 2**30
 
 
 def info(*args: str) -> subprocess.CompletedProcess:
+    """`info ARGS` through `main`, in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["info", *args])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return subprocess.CompletedProcess(["info", *args], code, out.getvalue(), err.getvalue())
+
+
+def info_process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m qwen35_lib info ARGS` in a process of its own."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "qwen35_lib", "info", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -55,7 +71,7 @@ def test_qwen3_next_80b_counts():
 
 
 def test_text_output():
-    out = info("--model", "qwen3.5-397b-a17b", "--hardware", "tpu7x-8")
+    out = info_process("--model", "qwen3.5-397b-a17b", "--hardware", "tpu7x-8")
     assert out.returncode == 0, out.stderr
     assert "396,346,350,336" in out.stdout and "17,349,040,896" in out.stdout and "tpu7x-8" in out.stdout
 
