@@ -12,13 +12,14 @@ import zipfile
 from qwen35_lib import data
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGE_DATA = sorted(p.name for p in (ROOT / "qwen35_lib" / "data").glob("*.json"))
+DATA = ROOT / "qwen35_lib" / "data"
+PACKAGE_DATA = sorted(p.relative_to(DATA).as_posix() for p in DATA.rglob("*.json"))  # aot/port/ too
 
 
 def test_the_repository_data_folder_is_the_package_one():
     assert (ROOT / "data").resolve() == (ROOT / "qwen35_lib" / "data").resolve()
     assert {"hardware.json", "workloads.json", "published.json", "recipes.json"} <= set(PACKAGE_DATA)
-    assert all(data.path(n) == ROOT / "qwen35_lib" / "data" / n for n in PACKAGE_DATA)
+    assert all(data.path(n) == DATA / n for n in PACKAGE_DATA)
 
 
 def test_the_data_folder_override_replaces_only_the_files_it_holds(tmp_path, monkeypatch):
