@@ -1,0 +1,235 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · To production: the stages as server settings, latency beside throughput, and a real benchmark
+#
+# Chapters 01-06 built each step of the ladder in this library. Production serves with tpu-inference (vLLM's TPU
+# backend) or sglang-jax, so each stage has to become settings of those servers, and a prediction has to be set
+# beside a measurement taken the way the published numbers were taken. This notebook asks: which flags and
+# environment realise each stage, what a user trades between throughput and latency as concurrency grows, and how
+# to benchmark a running server with the playbook's workloads and read the result beside the cost model.
+
+# %% [markdown]
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/08_production.ipynb)
+
+# %%
+# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
+# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
+# the libtpu that matches the pinned jax.
+import glob
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = "qwen35-playbook/qwen35-playbook"
+REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+if importlib.util.find_spec("qwen35_lib") is None:
+    checkout = pathlib.Path.cwd().parent
+    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
+        checkout = pathlib.Path("qwen35-playbook").resolve()
+        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
+        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+    sys.path.insert(0, str(checkout))
+
+# %%
+# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
+# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
+from qwen35_lib import notebook
+
+devices, SIZE = notebook.setup()
+
+# %%
+# %matplotlib inline
+
+import matplotlib.pyplot as plt
+
+from qwen35_lib import data, recipe
+from qwen35_lib.costmodel import predict
+from qwen35_lib.parallel import make_mesh
+from qwen35_lib.parallel.stages import LADDER, get_stage
+
+# %% [markdown]
+# ## 1. Each stage as tpu-inference settings
+#
+# **Compute.** `recipe.server_recipe(stage)` (the mapping is data, `qwen35_lib/data/recipes.json`, every setting
+# with the source it was read from) for the prefill-heavy workload at 512 concurrent requests: the sharding
+# preset, the attention data-parallel size, and what each stage adds to the command and environment of the one
+# before it (the per-rank token budget and sequence count follow the data-parallel size).
+
+# %%
+ISL, OSL, CONC = 8192, 1024, 512  # the prefill-heavy workload at the playbook's concurrency
+recipes = {s: recipe.server_recipe(s, isl=ISL, osl=OSL, concurrency=CONC) for s in LADDER}
+
+
+def settings(r) -> set[str]:
+    """A recipe's command-line flags and environment, as one set of strings."""
+    return set(r.argv[2:]) | {f"{e['name']}={e['value'].strip()}" for e in r.env}
+
+
+changes, prev = {}, None
+for s, r in recipes.items():
+    new = settings(r) - settings(recipes[prev]) if prev else set()
+    gone = settings(recipes[prev]) - settings(r) if prev else set()
+    changes[s] = dict(sharding=r.sharding, attention_dp=r.dp, added=sorted(new), removed=sorted(gone),
+                      sglang_jax=r.sglang is not None, realises=r.realises)
+    print(f"{s:<9} {r.sharding:<7} attention DP {r.dp}: {r.realises}")
+    for line in sorted(new):
+        print(f"          + {line}")
+    for line in sorted(gone):
+        print(f"          - {line}")
+    prev = s
+print()
+print(recipe.format_recipe(recipes["kernels"], ISL, OSL, CONC))
+
+# %% [markdown]
+# **Check.** One truth: each recipe's attention data-parallel size is the one its stage's plan has on a TPU7x-8's
+# 8 devices, and only the layout change (`baseline` to `dp_ep`) changes the sharding preset.
+
+# %%
+mesh = make_mesh()
+for s, r in recipes.items():
+    assert r.dp == get_stage(s).bind(mesh).dp, (s, r.dp)
+assert [s for s in LADDER[1:] if recipes[s].sharding != recipes[LADDER[LADDER.index(s) - 1]].sharding] == ["dp_ep"]
+
+# %% [markdown]
+# ## 2. Latency beside throughput
+#
+# <details><summary><b>Pop quiz.</b> Doubling the concurrency of a server that is not yet saturated: what happens
+# to the tokens per second, and to the time per output token each user sees?</summary>
+#
+# Throughput rises, because each step's weight reads are shared by more tokens, but less than twice, because each
+# step also does more work; and every user waits for those longer steps, so the time per output token rises too.
+# A production setting is a point on that curve, chosen for a latency target.
+# </details>
+#
+# **Compute.** The cost model for the `kernels` stage on the prefill-heavy workload at rising concurrency: total
+# tokens per second, median time to first token and median time per output token (as `vllm bench serve` reports
+# them). Beside them, for judging only, the published tpu-inference measurements of the same stage and workload
+# (`data/published.json`; the prediction never reads them).
+
+# %%
+CONCURRENCY = (64, 128, 256, 512)
+curve = {}
+for c in CONCURRENCY:
+    r = predict(stage="kernels", isl=8192, osl=1024, concurrency=c, roofline=False)
+    curve[c] = dict(total_tokens_per_s=r["total_tokens_per_s"], median_ttft_s=r["median_ttft_s"],
+                    median_tpot_s=r["median_tpot_s"])
+    print(f"c{c:<4} {r['total_tokens_per_s']:>9,.0f} tokens/s, median TTFT {r['median_ttft_s']:6.2f} s, "
+          f"median TPOT {r['median_tpot_s'] * 1e3:6.1f} ms")
+measured = [m for m in data.read_json("published.json")["measurements"]
+            if m.get("acceptance") and (m["isl"], m["osl"]) == (8192, 1024) and m.get("median_tpot_ms")]
+for m in measured:
+    print(f"published c{m['concurrency']:<4} {m['total_tokens_per_s']:>9,.0f} tokens/s, median TPOT "
+          f"{m['median_tpot_ms']:6.1f} ms ({m['setup_label']})")
+
+fig, ax = plt.subplots(figsize=(6, 3.6))
+ax.plot([v["median_tpot_s"] * 1e3 for v in curve.values()], [v["total_tokens_per_s"] for v in curve.values()],
+        "o-", label="predicted (kernels)")
+for c, v in curve.items():
+    ax.annotate(f"c{c}", (v["median_tpot_s"] * 1e3, v["total_tokens_per_s"]), textcoords="offset points",
+                xytext=(4, -10))
+ax.plot([m["median_tpot_ms"] for m in measured], [m["total_tokens_per_s"] for m in measured], "s",
+        label="published (tpu-inference)")
+ax.set_xlabel("median time per output token (ms)")
+ax.set_ylabel("total tokens/s (TPU7x-8)")
+ax.set_title("8k/1k: throughput against latency")
+ax.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Check.** Along the predicted curve throughput and time per output token both rise with concurrency: the
+# trade a production setting chooses on. Where the published points sit against the curve is chapter 6's
+# question (the cost model's error), not this one's.
+
+# %%
+tput = [curve[c]["total_tokens_per_s"] for c in CONCURRENCY]
+tpot = [curve[c]["median_tpot_s"] for c in CONCURRENCY]
+assert all(a < b for a, b in zip(tput, tput[1:])) and all(a < b for a, b in zip(tpot, tpot[1:])), (tput, tpot)
+assert measured, "data/published.json has no 8k/1k acceptance measurements with a median TPOT"
+
+# %% [markdown]
+# ## 3. Benchmarking a real server
+#
+# **Compute.** The published numbers were taken with `vllm bench serve` under the InferenceX conventions
+# (random lengths, `10 x CONC` prompts for a concurrency `CONC`, warm-ups, no early stop at EOS, the chat
+# endpoint).
+# `recipe.bench_commands` writes that command for each of the playbook's workloads, against any
+# OpenAI-compatible server: `vllm serve` with the recipe above on a TPU, or this library's own
+# `python -m qwen35_lib serve` anywhere. Its `--save-result` file is what `python -m qwen35_lib recipe --result
+# FILE` reads: `recipe.compare` sets the measured throughput and latency beside `costmodel.predict` for the same
+# workload, concurrency and number of prompts.
+
+# %%
+bench = recipe.bench_commands(concurrencies=(64,))
+print(recipe.format_bench(bench))
+
+# %% [markdown]
+# **Check.** The commands ask for the playbook's workloads: each one's input and output length ranges, as vLLM's
+# random dataset draws them, lie within the playbook's ranges for that workload.
+
+# %%
+for row in bench:
+    for ours, theirs in ((row["playbook_input"], row["vllm_input"]), (row["playbook_output"], row["vllm_output"])):
+        assert ours[0] <= theirs[0] <= theirs[1] <= ours[1], row["workload"]
+
+# %%
+# Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
+record = dict(stages={s: c for s, c in changes.items()}, concurrency=list(CONCURRENCY),
+              curve={str(c): v for c, v in curve.items()},
+              published=[dict(concurrency=m["concurrency"], total_tokens_per_s=m["total_tokens_per_s"],
+                              median_tpot_ms=m["median_tpot_ms"]) for m in measured],
+              bench_workloads=[row["workload"] for row in bench])
+notebook.save_results("production", record)
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> Every stage of the ladder is a handful of server settings with a source: the layout change is a
+# sharding preset and data-parallel attention, the collective steps are environment switches of tpu-inference, the
+# kernels are its defaults. What production then chooses is a point on the throughput-latency curve, and the way
+# to check a prediction is to benchmark the server exactly as the published numbers were benchmarked.
+# </div>
+#
+# ## What we learned
+#
+# - `recipe.server_recipe` turns a stage into tpu-inference (and, where one exists, sglang-jax) settings, each
+#   with the line of the public script it came from; its data-parallel size is the plan's.
+# - Concurrency buys throughput with latency: a server is tuned to a time per output token, not to a peak.
+# - `recipe.bench_commands` and `recipe.compare` close the loop: the same workloads, the same client, the result
+#   beside the prediction.
+#
+# ## Exercises
+#
+# 1. **[A latency target]** Under a median time per output token of your choosing, what is the highest concurrency
+#    the cost model allows for the `kernels` stage on the decode-heavy workload?
+#    <details><summary>Answer</summary>
+#
+#    Predict `costmodel.predict(stage="kernels", isl=1024, osl=8192, concurrency=c)` over a range of `c` and keep
+#    the largest whose `median_tpot_s` is under the target.
+#    </details>
+#
+# 2. **[Your own server]** With a checkpoint and its tokenizer (vLLM's client tokenizes its random prompts), start
+#    `python -m qwen35_lib serve --checkpoint DIR` and print CPU-sized commands with `python -m qwen35_lib recipe
+#    --bench --scale 1/16`. What does the saved result compare against?
+#    <details><summary>Answer</summary>
+#
+#    `python -m qwen35_lib recipe --result FILE --stage kernels` sets it beside the cost model's prediction for a
+#    TPU7x-8 (the default hardware), so on a CPU the ratio says how far the machine is from a TPU7x-8, nothing
+#    about the cost model's error; that needs a TPU run.
+#    </details>
