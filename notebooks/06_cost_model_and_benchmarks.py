@@ -17,11 +17,12 @@
 # # 06 · The cost model: prefill-heavy and decode-heavy at 512 concurrency, stage by stage
 #
 # The published account of this work reports that a sequence of changes took Qwen3.5-397B-A17B on a TPU7x-8
-# from a baseline to 3.1x the throughput on a decode-heavy workload and 4.7x on a prefill-heavy one, at 512
-# concurrent requests. Nobody can rerun that here. This notebook builds the next best thing: a hardware-aware
-# cost model that predicts each stage from the model's shapes and the chips' specs, says where every step's time
-# goes and how far each stage is from the roofline, and is checked three ways: against the real engine on this
-# CPU, against XLA's own counts for the step compiled for TPU7x, and against published measurements.
+# from a baseline to a multiple of its throughput on a decode-heavy and on a prefill-heavy workload at 512
+# concurrent requests (the two gains are in `data/published.json`'s `reported_ladder`; section 3 prints them).
+# Nobody can rerun that here. This notebook builds the next best thing: a hardware-aware cost model that predicts
+# each stage from the model's shapes and the chips' specs, says where every step's time goes and how far each
+# stage is from the roofline, and is checked three ways: against the real engine on this CPU, against XLA's own
+# counts for the step compiled for TPU7x, and against published measurements.
 
 # %% [markdown]
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/06_cost_model_and_benchmarks.ipynb)
@@ -117,8 +118,8 @@ for name, t in (("kernels", t_kernels), ("baseline", t_baseline)):
 
 # %% [markdown]
 # **Check.** The model's routed-expert time is the hand floor divided by the HBM efficiency (0.85), plus the
-# activations; the baseline's XLA path reads every local expert's weights three times (the sliced scan input) and
-# dequantizes FP8 into a bf16 copy, so its expert time is several times larger.
+# activations; the baseline's XLA path reads every local expert's weights once more to copy them (the sliced scan
+# input) and dequantizes FP8 into a bf16 copy, so its expert time is several times larger.
 
 # %%
 assert floor_s / tpu.eff_hbm <= t_kernels.breakdown["routed_experts"] <= 1.1 * floor_s / tpu.eff_hbm
@@ -179,8 +180,8 @@ print("predicted end-to-end:", {w: f"x{v:.2f} over our baseline, x{google.get(w,
 #
 # **Predict** with this CPU's measured specs (micro-benchmarks: matmul FLOP/s, streaming-read bandwidth, the
 # cost of one launched op, the rate of a materialized copy, a batched matmul with few rows), then **measure** the
-# engine's jitted step for `qwen3.5-mini` on two batches: eight decodes, and four decodes with a 64-token prompt
-# chunk. Each batch compiles once; the timed calls are
+# engine's jitted step for `qwen3.5-mini` on two batches: eight decodes, and four decodes with a prompt chunk
+# (`cases` below). Each batch compiles once; the timed calls are
 # interleaved. `python -m qwen35_lib.bench costmodel` runs more cases (and writes `data/costmodel_validation.json`).
 
 # %%
@@ -191,9 +192,10 @@ if devices[0].platform == "cpu":  # on an accelerator the engine would not run o
     mini = qwen35_lib.get_config("qwen3.5-mini", dtype="float32")
     cases = [validate.StepCase("decode x8", (96,) * 8), validate.StepCase("mixed 4 + 64", (96,) * 4, ((64, 0),))]
     cpu_rows = validate.cpu_engine_steps(mini, qwen35_lib.init_weights(mini, 0), cases, repeats=2, cpu_specs=cpu)
+TARGET = 1.5  # the CPU validation's acceptance: measured / predicted within this factor of one, either way
 for r in cpu_rows:
     print(f"{r['case']:<14} measured {r['measured_s'] * 1e3:7.1f} ms  predicted {r['predicted_s'] * 1e3:7.1f} ms  "
-          f"ratio {r['ratio']:.2f}")
+          f"ratio {r['ratio']:.2f} (target: within {TARGET}x)")
 
 # %%
 bench_file = data.path("costmodel_validation.json")
@@ -202,12 +204,13 @@ if cpu_rows or bench:
     display(viz.plot_cpu_validation(cpu_rows + (bench["cpu_steps"] if bench else [])))
 
 # %% [markdown]
-# **Check.** The target is every case within 1.5x. The CPU model charges what this machine measurably does
-# slowly: the sliced copy of each layer group's weights that XLA:CPU materializes (at the measured copy rate,
-# page faults included), and the MoE kernel's expert slots (at the measured small-matmul rate). Timings on a
-# shared 2-core machine move with its load, which is printed with the ratios; no timing is asserted (benchmarks
-# report, they do not assert). Prefill steps suffer most from other processes: profiled with `jax.profiler`
-# under load, one step spent more time in a few of its ops than the same ops take alone.
+# **Check.** The target is every case's ratio within `TARGET` of one (printed with the ratios). The CPU model
+# charges what this machine measurably does slowly: the sliced copy of each layer group's weights that XLA:CPU
+# materializes (at the measured copy rate, page faults included), and the MoE kernel's expert slots (at the
+# measured small-matmul rate). Timings on a shared 2-core machine move with its load, which is printed with the
+# ratios; no timing is asserted (benchmarks report, they do not assert). Prefill steps suffer most from other
+# processes: profiled with `jax.profiler` under load, one step spent more time in a few of its ops than the same
+# ops take alone.
 
 # %%
 ratios = [r["ratio"] for r in cpu_rows]
@@ -296,8 +299,8 @@ assert any("tpot_ratio_kernels" in r for r in pub)
 # %% [markdown]
 # ## 7. Sensitivity to the labelled assumptions
 #
-# Each assumption without a published figure is scaled 4x down and 4x up, the others held, and the end-to-end
-# gain (kernels over baseline) recomputed.
+# Each assumption without a published figure is scaled down and up by the factors of the call below, the others
+# held, and the end-to-end gain (kernels over baseline) recomputed.
 
 # %%
 sweeps = sensitivity.sweep((0.25, 1.0, 4.0), assumptions=("ICI link bandwidth", "core-to-core bandwidth"))
@@ -345,14 +348,15 @@ notebook.save_results("costmodel", record)
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
 # <b>Takeaway.</b> At 512 concurrent requests a TPU7x-8 step is dominated by reading expert weights, so the stage
 # that reads only the experts a batch hits, once and in FP8, carries most of the predicted gain; the layout and
-# collective stages matter for what they let that stage do, and the model lands within 2x of published numbers.
+# collective stages matter for what they let that stage do, and the model's error against the published numbers
+# is the ratio section 6 prints.
 # </div>
 
 # %% [markdown]
 # ## Exercises
 #
 # 1. **[Concurrency]** How does the `kernels` stage's decode-heavy throughput grow from 64 to 512 concurrent
-#    requests, and why does it not grow 8x?
+#    requests, and why does it not grow in proportion to the requests?
 #    <details><summary>Answer</summary>
 #
 #    `costmodel.predict(cfg, "tpu7x-8", "kernels", 1024, 8192, c)` for `c` in (64, 512). The expert weights a
@@ -364,12 +368,13 @@ notebook.save_results("costmodel", record)
 #    <details><summary>Answer</summary>
 #
 #    The `all_gather` entry of `breakdown_s`: one collective fewer per layer saves its launch and ring hops,
-#    `60 x (collective_launch_s + 7 hop_latency_s)`, about 0.7 ms per step with the assumed 5 us and 1 us. Its
+#    `60 x (collective_launch_s + 7 hop_latency_s)` per step, with the assumed values of
+#    `data/costmodel_assumptions.json`. Its
 #    bytes do not change: ids and weights travel packed instead of separately.
 #    </details>
 #
 # 3. **[Hierarchy]** With `collectives.hierarchical_reduce_scatter`, at what core-to-core bandwidth does the
-#    hierarchical reduce-scatter stop beating the flat one for a 64 MB input?
+#    hierarchical reduce-scatter stop beating the flat one for an input of `64e6` bytes?
 #    <details><summary>Answer</summary>
 #
 #    Compare `collectives.hierarchical_reduce_scatter(tpu.replace(core_link_bytes_per_s=b), 64e6, 8).seconds`
@@ -381,7 +386,7 @@ notebook.save_results("costmodel", record)
 #    <details><summary>Answer</summary>
 #
 #    `python -m qwen35_lib.costmodel predict --hardware v5p-8 --stage kernels --isl 8192 --osl 1024
-#    --concurrency 512` (4 chips of 95 GiB: does the FP8 model leave room for a request?), then `--hardware h200-8`
+#    --concurrency 512` (4 chips: does the FP8 model leave room for a request in their HBM?), then `--hardware h200-8`
 #    (an NVSwitch: collectives at full NVLink bandwidth between any two GPUs).
 #    </details>
 #
