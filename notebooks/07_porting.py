@@ -119,9 +119,9 @@ assert few_blocks == ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"], few_blocks
 # Which of the four models can it serve with FP8 experts?</summary>
 #
 # Only those whose expert FFN holds a multiple of 8 scale blocks: a device's slice of an FP8 matrix must hold
-# whole blocks, each with its one scale. The 35B and Qwen3-Next experts have 4 blocks along the FFN, so 8-way
-# tensor parallelism of their experts is refused (or needs bf16 experts, twice the bytes); expert parallelism keeps
-# every expert whole on one device and has no such rule.
+# whole blocks, each with its one scale. The 35B and Qwen3-Next experts have fewer blocks along the FFN than there
+# are devices (section 1 printed the counts), so 8-way tensor parallelism of their experts is refused (or needs
+# bf16 experts, twice the bytes); expert parallelism keeps every expert whole on one device and has no such rule.
 # </details>
 #
 # **Compute.** `placement` (the arithmetic over the same sharding rules the real arrays use) for each model under
@@ -355,7 +355,8 @@ notebook.save_results("porting", record)
 #    <details><summary>Answer</summary>
 #
 #    `dp_ep` and `dp_tp2_ep` keep experts whole and are accepted; `tp_kvrep` splits the expert FFN 4 ways, which
-#    the 4 FP8 blocks allow. Compare `total_bytes` at a few request counts: the KV cache grows linearly with them.
+#    its FP8 blocks allow (as many as the devices: `ffn_fp8_blocks` of section 1). Compare `total_bytes` at a few
+#    request counts: the KV cache grows linearly with them.
 #    </details>
 #
 # 2. **[bf16 experts]** Give the 35B model bf16 experts (`expert_dtype=None`) and run section 2 again: does
