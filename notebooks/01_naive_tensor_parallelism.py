@@ -61,12 +61,14 @@ devices, SIZE = notebook.setup()
 import jax
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.sharding import PartitionSpec
 
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.parallel import check_layout, get_layout, make_mesh
+from qwen35_lib.parallel.notation import notation, weight_notation
 from qwen35_lib.placement import placement, shard_bytes_per_device
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
@@ -111,6 +113,19 @@ assert sum(stages["baseline"]["1k/8k"]["ms_per_1k_tokens"].values()) > \
 # `1/8` of each head axis: attention weights `W_q[D, Hq_x]`, `W_k[D, Hkv_x]`, the expert FFN `W[E, D, F_x]`. A
 # device can only compute attention for *whole* KV heads: K and V of a head are one vector per token, and a query
 # head attends against exactly one of them. So the split must give an integer.
+#
+# > **Notation.** An array is written with a letter per dim: `W_down[E, F, D]` is experts x expert FFN x hidden,
+# > `x[B, D]` requests x hidden. A dim split over mesh axes carries them as a subscript: `_x` for both axes
+# > `('chip', 'core')`, `_chip` across the chips, `_core` across the two TensorCores of a chip; a dim without one
+# > is whole on every device. `{y[N, D]}_U` is a partial sum that still has to be added up over the devices
+# > (*unreduced*). `qwen35_lib.parallel.notation` writes any placed array so, from the PartitionSpec that places
+# > it; the weights below are the 397B model's as `tp8_kvrep` places them (dims without a name by their size).
+
+# %%
+tp_names = weight_notation(big.replace(layout="tp8_kvrep"), mesh)
+for k in ("layers.attn.w_q", "layers.attn.w_k", "layers.moe.w_gate_up", "layers.moe.w_down"):
+    print(f"{k:<22} {tp_names[k]}")
+print(f"{'tokens in flight':<22} {notation('x', ('B', 'D'), PartitionSpec())}")
 
 # %%
 for c in (big, tiny):

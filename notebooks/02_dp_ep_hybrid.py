@@ -70,6 +70,7 @@ from qwen35_lib.costmodel.traffic import step_collectives
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.parallel import get_layout, hlo, make_mesh, shard_weights
+from qwen35_lib.parallel.notation import weight_notation
 from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
 from qwen35_lib.parallel.stages import get_stage
 from qwen35_lib.placement import fmt_range, placement
@@ -121,6 +122,20 @@ assert g["1k/8k"]["component_change"]["gdn"] > 0
 # | tokens in flight `x[B_x, D]` | split by request | 1/8 of the requests |
 # | KV cache `kv[.., R_x, P, ps, 2·Hkv·d]`, GDN state `S[.., R_x, NS, Hv, dk, dv]` | by rank | own requests |
 #
+# The weight column is not typed from memory: `weight_notation` writes each weight from the PartitionSpec that
+# `dp8_ep8` places it with, and the cell checks the table against it.
+
+# %%
+ep_names = weight_notation(big.replace(layout="dp8_ep8"), mesh)
+for k in ("layers.moe.w_gate_up", "layers.moe.w_down", "layers.attn.w_q", "layers.gdn.w_v", "layers.moe.router",
+          "embed"):
+    print(f"{k:<22} {ep_names[k]}")
+assert (ep_names["layers.moe.w_gate_up"], ep_names["layers.moe.w_down"]) == \
+    ("W_gate_up[E_x, D, 2, F]", "W_down[E_x, F, D]")  # the table's first row
+dense = [v for k, v in ep_names.items() if not k.startswith("layers.moe.w_")]
+assert not any(sub in v for v in dense for sub in ("_x,", "_x]", "_chip", "_core")), dense  # replicated
+
+# %% [markdown]
 # **Predict.** Replicating the dense weights costs memory (7 extra copies of everything that is not a routed
 # expert), but attention and GDN become purely local: no collective in the mixer. The MoE needs, per layer: each
 # token sent once to every device that owns one of its experts (all-to-all), with those experts' ids and weights
