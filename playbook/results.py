@@ -80,8 +80,12 @@ def format_value(value: Any, spec: str | None) -> str:
 class Results:
     """The notebooks of one build (entries of results.json) and the steps the playbook knows."""
 
-    def __init__(self, entries: list[dict[str, Any]], steps: set[str]):
+    def __init__(self, entries: list[dict[str, Any]], steps: set[str], facts: dict[str, dict] | None = None):
+        """`facts`: documents quoted as the results of a step of that name that no notebook runs (the primer's
+        hardware, `playbook.facts`), always present."""
         self.by_step = {e["name"][:2]: e for e in entries}
+        for step, docs in (facts or {}).items():
+            self.by_step[step] = dict(name=step, status="ok", results=docs)
         self.steps = steps | set(self.by_step)
 
     def lookup(self, path: str, spec: str | None = None) -> Value:

@@ -1,8 +1,8 @@
 """The static site: chapters (markdown with result placeholders) and executed notebooks, in one reading order.
 
-Reading order: `introduction`, then for each step NN the chapter `chapters/NN_*.md` followed by its executed
-notebook, then `conclusion`, then the results page. Every page has prev / contents / next links; `index.html`
-lists them all.
+Reading order: `introduction`, the TPU `primer`, then for each step NN the chapter `chapters/NN_*.md` followed by
+its executed notebook, then `conclusion`, then the results page. Every page has prev / contents / next links;
+`index.html` lists them all.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import string
 import time
 from typing import Any
 
-from playbook import COLAB_URL, GITHUB_REPO
+from playbook import COLAB_URL, GITHUB_REPO, facts
 from playbook.results import PlaceholderError, Results, Value, flatten, format_value
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHAPTERS = HERE / "chapters"
+FRONT = ("introduction", "primer")  # the pages before the steps, in order
 TEMPLATE = string.Template((HERE / "templates" / "page.html").read_text())
 SOURCE_URL = "https://github.com/{repo}/blob/main/{path}"
 SOURCE = re.compile(r"\{\{\s*source:\s*([\w./\-]+)\s*\}\}")  # {{ source: qwen35_lib/parallel }}: a link to the code
@@ -36,9 +37,10 @@ class Page:
 
 
 def chapter_paths() -> list[pathlib.Path]:
-    """introduction.md, the step chapters NN_*.md in order, conclusion.md."""
+    """introduction.md, primer.md, the step chapters NN_*.md in order, conclusion.md."""
     steps = sorted(CHAPTERS.glob("[0-9][0-9]_*.md"))
-    return [p for p in [CHAPTERS / "introduction.md", *steps, CHAPTERS / "conclusion.md"] if p.exists()]
+    front = [CHAPTERS / f"{name}.md" for name in FRONT]
+    return [p for p in [*front, *steps, CHAPTERS / "conclusion.md"] if p.exists()]
 
 
 def markdown_title(text: str, default: str) -> str:
@@ -55,7 +57,7 @@ def reading_order(chapters: list[pathlib.Path], entries: list[dict[str, Any]]) -
         step = path.stem[:2] if path.stem[:2].isdigit() else ""
         return Page(f"{path.stem}.html", markdown_title(path.read_text(), path.stem), step, source=path)
 
-    pages = [chapter(p) for p in chapters if p.stem == "introduction"]
+    pages = [chapter(p) for name in FRONT for p in chapters if p.stem == name]
     for step in sorted(set(step_chapters) | set(notebooks)):
         if step in step_chapters:
             pages.append(chapter(step_chapters[step]))
@@ -199,7 +201,8 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
     pages `<out>/<entry["html"]>` exist already and get the navigation bar.
     """
     pages = reading_order(chapter_paths(), entries)
-    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks})
+    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks},
+                      facts={facts.STEP: facts.documents()})
     by_step = {n[:2]: n for n in notebooks}
     key_values: list[Value] = []
     errors: list[str] = []

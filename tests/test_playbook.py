@@ -59,12 +59,13 @@ def test_placeholders_filled_missing_or_refused():
 
 
 def test_reading_order_and_navigation(tmp_path: pathlib.Path):
-    for name in ("introduction", "00_demo", "01_next", "conclusion"):
+    for name in ("introduction", "primer", "00_demo", "01_next", "conclusion"):
         tmp_path.joinpath(f"{name}.md").write_text(f"# {name}\n")
-    chapters = [tmp_path / f"{n}.md" for n in ("introduction", "00_demo", "01_next", "conclusion")]
+    chapters = [tmp_path / f"{n}.md" for n in ("conclusion", "primer", "introduction", "00_demo", "01_next")]
     pages = site.reading_order(chapters, [entry("00_demo"), entry("02_extra")])
-    assert [p.file for p in pages] == ["introduction.html", "00_demo.html", "notebook-00_demo.html",
+    assert [p.file for p in pages] == ["introduction.html", "primer.html", "00_demo.html", "notebook-00_demo.html",
                                        "01_next.html", "notebook-02_extra.html", "conclusion.html", "results.html"]
+    pages = [p for p in pages if p.file != "primer.html"]
     links = re.findall(r'href="([^"]+)"', site.nav(pages, 1))
     assert links == ["introduction.html", "index.html", "notebook-00_demo.html"]
     assert re.findall(r'href="([^"]+)"', site.nav(pages, 0)) == ["index.html", "00_demo.html"]
@@ -122,3 +123,21 @@ def test_site_refuses_a_result_that_was_not_produced(checkout: pathlib.Path):
     _, errors = site.write_site(out, [ran], site.build_info("3", "0", "cpu"), ["00_demo"])
     assert len(errors) == 1 and "conclusion.md: 00.demo.typo" in errors[0] and "00.demo.answer" in errors[0]
     assert "00.demo.typo" in out.joinpath("conclusion.html").read_text()
+
+
+def test_the_primer_quotes_the_librarys_hardware_and_nothing_is_missing():
+    """Every placeholder of chapters/primer.md fills from `playbook.facts` (no notebook runs for it), and the
+    values are the library's: the TPU7x usable HBM per device, the ridge point, a decode step's copies per expert."""
+    from playbook import facts
+    from qwen35_lib import hardware
+
+    text = (site.CHAPTERS / "primer.md").read_text()
+    filled, values = Results([], set(), facts={facts.STEP: facts.documents()}).fill(text, "primer.md")
+    assert values and all(v.text is not None for v in values) and "{{ result" not in filled
+    got = {v.path: v.text for v in values}
+    hw = hardware.get("tpu7x-8")
+    assert got["primer.systems.tpu7x-8.usable_hbm_bytes_per_device"] == format_value(
+        hw.usable_hbm_bytes_per_device, "bytes")
+    ridge = hw.peak_bf16_flops_per_chip / hw.hbm_bytes_per_s_per_chip
+    assert got["primer.systems.tpu7x-8.ridge_bf16"] == f"{ridge:.0f}"
+    assert got["primer.decode.qwen3.5-397b-a17b.copies_per_expert"] == "10"  # 512 requests x top-10 / 512 experts
