@@ -109,6 +109,14 @@ assert sum(stages["baseline"]["1k/8k"]["ms_per_1k_tokens"].values()) > \
 # %% [markdown]
 # ## 1. Heads per device
 #
+# <details><summary><b>Pop quiz.</b> Split every head axis of Qwen3.5-397B over the 8 devices: its query heads, KV
+# heads, GDN value heads and experts. Which split leaves a device holding part of a head?</summary>
+#
+# The KV heads. There are 2 of them for 8 devices, so each device would get a quarter of a head, and a head cannot
+# be cut: K and V of a head are whole vectors per token. Every other axis divides (the cell below prints each
+# ratio).
+# </details>
+#
 # **Predict.** Tensor parallelism over all 8 devices (`('chip', 'core')`, written `x` below) gives every device
 # `1/8` of each head axis: attention weights `W_q[D, Hq_x]`, `W_k[D, Hkv_x]`, the expert FFN `W[E, D, F_x]`. A
 # device can only compute attention for *whole* KV heads: K and V of a head are one vector per token, and a query
@@ -164,6 +172,14 @@ assert "'dp8_ep8'" in refusal and "'tp8_kvrep'" in refusal
 # device works on every token. Each KV head is stored `r` times over the slice: the KV factor of the baseline,
 # read from the plan.
 #
+# <details><summary><b>Pop quiz.</b> Will `tp8_kvrep` give the same greedy tokens as one device? And its float32
+# logits: equal bit for bit?</summary>
+#
+# The same tokens: a layout changes where the work runs, not what is computed. The logits can differ in the last
+# bits, because the all-reduces after the attention output and the experts add the 8 partial sums in another
+# order than one device's matmul does; greedy decoding only needs the argmax, which such rounding does not move.
+# </details>
+#
 # **Predict.** The model computes the same function under any layout, so greedy tokens through the engine must
 # equal the single-device engine's (float32: the all-reduces only change the order of summation). Run a few
 # requests through both.
@@ -208,6 +224,13 @@ print(f"attn w_k {w_k.shape}: {w_k.sharding.spec} ({tiny.num_kv_heads} KV heads 
 # %% [markdown]
 # ### The KV cache, measured from the shards
 #
+# <details><summary><b>Pop quiz.</b> Both layouts can hold the same 8 sequences. How many times the KV bytes does
+# a `tp8_kvrep` device hold compared with a `dp8_ep8` device?</summary>
+#
+# About the KV factor printed above: a `tp8_kvrep` device keeps one head of all 8 sequences, a `dp8_ep8` device
+# both heads of one sequence, so the ratio is `S / Hkv`, a little less because each rank also keeps a null page.
+# </details>
+#
 # **Predict.** Hold the total capacity fixed: `S = 8` sequences of up to `max_model_len` tokens each, in pages of
 # `ps` tokens (`n = max_model_len / ps` pages a sequence), plus one null page per rank that padding writes to.
 # `tp8_kvrep` has one rank that holds all `S` sequences, and every device keeps its one KV head of each:
@@ -251,6 +274,14 @@ print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device (KV 
 # %% [markdown]
 # ## 3. At TPU size: Qwen3.5-397B, FP8 experts, 512 requests of 8k tokens
 #
+# <details><summary><b>Pop quiz.</b> 512 requests of 8k tokens on a TPU7x-8: which of the three layouts fits with
+# a bf16 KV cache, and which with the FP8 one?</summary>
+#
+# With bf16, the EP layouts fit and `tp8_kvrep` does not: its KV factor multiplies a cache that is already the
+# largest thing on a device after the weights. Halving the bytes per value with FP8 brings the baseline under the
+# device's HBM too. The cell below prints each layout's bytes per device and verdict.
+# </details>
+#
 # **Predict.** `qwen35_lib.placement` works out, by arithmetic over the same weight and cache
 # declarations and the same layout rules, what each device holds. `tp8_kvrep` puts `r / 8` of the whole KV cache
 # on every device (one head of every request), the EP layouts `1 / 8` (both heads of their own requests): with a
@@ -280,6 +311,7 @@ print(f"KV factor at the 397B size: {kv_factor_tpu:g} copies of each KV head "
 # %%
 assert kv_factor_tpu == get_layout("tp8_kvrep").kv_replication(big, mesh) == KV_FACTOR
 assert not bf16_plans["tp8_kvrep"].fits and plans["tp8_kvrep"].fits and plans["dp8_ep8"].fits
+assert bf16_plans["dp8_ep8"].fits and bf16_plans["dp4_tp2_ep8"].fits  # the quiz's answer: EP fits either way
 kv_ratio_tpu = plans["tp8_kvrep"].kv_bytes_per_device / plans["dp8_ep8"].kv_bytes_per_device
 assert abs(kv_ratio_tpu - KV_FACTOR) < 1e-3 * KV_FACTOR, kv_ratio_tpu
 
@@ -364,6 +396,13 @@ if HAVE_LIBTPU and os.environ.get("QWEN35_AOT_STEP"):
 # %% [markdown]
 # ## 4. What the KV factor costs, with the FP8 cache: capacity and bandwidth
 #
+# <details><summary><b>Pop quiz.</b> In one decode step over 512 requests, how much more KV cache does a
+# `tp8_kvrep` device read than a `dp8_ep8` device?</summary>
+#
+# The KV factor `r` times as much: the decode step reads every running request's cache once, and a baseline
+# device holds one head of every request, which is `r` times what an EP device holds of its own requests.
+# </details>
+#
 # **Compute.** The baseline fits, so its price is not a refusal. *Capacity*: each device's KV pool holds one head of
 # every request, so the HBM left after the weights holds `1 / r` of the requests the same bytes would hold split
 # by request. *Bandwidth*: a decode step reads the KV cache of every running request once; under `tp8_kvrep` each
@@ -429,6 +468,16 @@ notebook.save_results("naive_tp", record)
 # request, the KV factor times what splitting requests costs, so attention should be split by request (data
 # parallelism), not by head.
 # </div>
+#
+# ## What we learned
+#
+# - A layout must give each device whole heads; 2 KV heads over 8 devices do not split, and `check_layout` says
+#   so before anything is placed.
+# - Duplicating KV heads in the weights makes tensor parallelism run, at the price of the KV factor: every device
+#   keeps and reads a copy of its head for every request.
+# - The price shows as capacity (fewer requests fit) and as bandwidth (more bytes read per decode step), both
+#   computed from the same plan the engine runs, and checked against real shards and the TPU7x compile.
+# - The notation `W[E, D, F_x]` says where a dim is split; `weight_notation` writes it from the placement itself.
 
 # %% [markdown]
 # ## Exercises

@@ -136,6 +136,14 @@ dense = [v for k, v in ep_names.items() if not k.startswith("layers.moe.w_")]
 assert not any(sub in v for v in dense for sub in ("_x,", "_x]", "_chip", "_core")), dense  # replicated
 
 # %% [markdown]
+# <details><summary><b>Pop quiz.</b> Under `dp8_ep8`, which collectives does an attention or GDN layer need, and
+# which does a MoE layer need?</summary>
+#
+# None for the mixers: a device holds all the attention and GDN weights and the whole cache of its own requests, so
+# it computes them alone. A MoE layer must bring each token to the devices holding its experts and the results
+# back: the next paragraph counts them.
+# </details>
+#
 # **Predict.** Replicating the dense weights costs memory (7 extra copies of everything that is not a routed
 # expert), but attention and GDN become purely local: no collective in the mixer. The MoE needs, per layer: each
 # token sent once to every device that owns one of its experts (all-to-all), with those experts' ids and weights
@@ -164,7 +172,17 @@ assert p.fits
 # ### The middle ground: `dp4_tp2_ep8`
 #
 # Chapter 1's other way out keeps a little tensor parallelism: split attention's heads over the 2 cores of a chip
-# (a KV head per core) and requests over the 4 chips, experts still over all 8 devices. **Predict.** The dense
+# (a KV head per core) and requests over the 4 chips, experts still over all 8 devices.
+#
+# <details><summary><b>Pop quiz.</b> Against `dp8_ep8`, does `dp4_tp2_ep8` hold more or fewer weight bytes per
+# device, and more or fewer KV bytes?</summary>
+#
+# Fewer weight bytes: the attention and GDN weights are split over the two cores of a chip instead of copied to
+# each. The same KV bytes: a core holds one of the 2 KV heads, but of twice as many requests (a quarter of them,
+# not an eighth). The cell below prints both.
+# </details>
+#
+# **Predict.** The dense
 # weights are then stored once per chip instead of once per core; each core holds one KV head of a quarter of the
 # requests, the same KV bytes per device as `dp8_ep8`; but attention and GDN need an all-reduce over `core` again
 # in every layer.
@@ -186,6 +204,13 @@ assert all(len(d.holds["experts"]) == 64 and len(d.holds["kv_heads"]) == 1 for d
 
 # %% [markdown]
 # ## 2. Same model, same logits
+#
+# <details><summary><b>Pop quiz.</b> The tokens of one batch are now spread over 8 devices and their expert outputs
+# summed after a round trip. In float32, how close to the single-device logits should the result be?</summary>
+#
+# Equal up to the order of summation: each token's output adds the same expert products, only in another order,
+# so the difference is float32 rounding, far below anything that changes a greedy token. The check below bounds it.
+# </details>
 #
 # **Predict.** Sharding changes where the work happens, not what is computed: the logits under `dp8_ep8` equal the
 # single-device model's, in float32, up to summation order (each token adds the partial sums its experts'
@@ -220,6 +245,14 @@ np.testing.assert_allclose(logits[mask], reference[mask], rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
 # ## 3. The collectives of one layer group, read from the compiled step
+#
+# <details><summary><b>Pop quiz.</b> How many collectives does one layer group of the `dp_ep` step hold, and of
+# which kind?</summary>
+#
+# Twelve all-to-alls: three per MoE layer (tokens out, their expert ids and weights, partial outputs home) for the
+# 4 MoE layers of a group, and nothing for the 3 GDN layers or the attention layer. The compiled HLO below says
+# the same, and so does the cost model's closed form.
+# </details>
 #
 # **Predict.** The decoder scans over layer groups (3 GDN layers + 1 attention layer, each followed by the MoE);
 # the scan's loop body is one computation in the optimized HLO. Under `dp8_ep8` with `all_to_all` routing
@@ -304,7 +337,16 @@ for name, ops in body_ops.items():
 # The engine sends each new request to the least-loaded of the 8 data-parallel ranks; each rank has its own page
 # and slot pools, on its own device. A single request leaves 7 ranks idle (they run padding); one request more
 # than there are ranks puts two on one rank (one prefill chunk of `max_num_batched_tokens` per rank per step: its
-# second request waits a step). **Predict:** the first generated token of each request is the argmax of the
+# second request waits a step).
+#
+# <details><summary><b>Pop quiz.</b> Does a request's first token depend on how many other requests share the
+# engine (1, 3 or 9)?</summary>
+#
+# No: every rank runs its own requests' attention, and the MoE's all-to-all returns each token's own expert
+# outputs, so a request's numbers are its own whatever its neighbours. The cells below check it for each count.
+# </details>
+#
+# **Predict:** the first generated token of each request is the argmax of the
 # single-device logits at its last prompt position.
 
 # %%
@@ -347,6 +389,17 @@ notebook.save_results("dp_ep", record)
 # replicating the dense weights on every device, which with FP8 experts and an FP8 KV cache still fits 512
 # requests of 8k tokens.
 # </div>
+#
+# ## What we learned
+#
+# - Split attention by request and the MoE by expert: the mixers then need no collective at all, and the KV factor
+#   of chapter 1 is gone.
+# - The price is memory: every device holds a copy of every dense weight. FP8 experts and an FP8 KV cache make
+#   room for it; `dp4_tp2_ep8` trades some of it back for an all-reduce over `core` in every layer.
+# - The MoE's collectives can be counted three ways that must agree: by hand, by the cost model's closed form, and
+#   in the compiled HLO for the CPU and for TPU7x.
+# - A request's tokens do not depend on its neighbours: the engine's data-parallel ranks and the all-to-all keep
+#   each request's numbers its own.
 
 # %% [markdown]
 # ## Exercises
