@@ -3,14 +3,32 @@
     devices, SIZE = notebook.setup()          # after the install cell, before anything starts JAX's backend
     notebook.save_results("dp_ep", record)    # last cell: the figures the chapter quotes
 
-`setup` gives the accelerator's own devices when it has the 8 the chapters' layouts need, or else 8 simulated CPU
-devices with patient collectives (a one-device Colab TPU or GPU runtime says so and runs the chapter at CPU size),
-and the size the notebook runs at: "tpu" on a TPU, "cpu" otherwise, `$QWEN35_SIZE` overriding. `save_results` writes
-`record` as `<name>.json` under `$QWEN35_RESULTS_DIR` when the playbook builder set it, and does nothing otherwise.
+`setup` probes the accelerator (in a child process, so that this one can still choose its backends), decides where
+each kind of work runs (`select_runtime`, a pure function of the platform, its device count and kind), starts JAX
+accordingly and prints it in one line; `runtime()` is the record it chose. Where work runs (the twins and kernels
+column is the kernel chapter's side by side, `setup(prefer_accelerator=True)`):
+
+| runtime                                  | parallel layouts        | XLA twins | Pallas TPU kernels          |
+|------------------------------------------|-------------------------|-----------|-----------------------------|
+| no accelerator (a laptop, CI)            | 8 simulated CPU devices | CPU       | interpret mode, beside them |
+| TPU with fewer than 8 devices (Colab's)  | 8 simulated CPU devices | TPU       | compiled by Mosaic, on it   |
+| TPU with 8 devices or more               | the TPU's devices       | TPU       | compiled by Mosaic, on it   |
+| GPU with fewer than 8 devices            | 8 simulated CPU devices | GPU       | interpret mode, beside them |
+| GPU with 8 devices or more               | the GPU's devices       | GPU       | interpret mode, beside them |
+
+Everywhere, with libtpu installed, the Pallas kernels and the serving steps are also compiled for TPU7x ahead of
+time. On an accelerator with fewer devices than the layouts need, a layout chapter runs on the CPU alone
+(`jax_platforms="cpu"`), as it does on a laptop; the kernel chapter, which needs no layout, holds both backends,
+the accelerator first (`"tpu,cpu"` or `"cuda,cpu"`: JAX's default backend, so `jax.default_backend()`, the kernel
+registry's "auto" and Pallas' interpret-or-compile choice all follow it) and the simulated CPU devices beside it
+(`jax.devices("cpu")`). The size is "tpu" when the layouts run on a TPU, "cpu" otherwise, `$QWEN35_SIZE`
+overriding. `save_results` writes `record` as `<name>.json` under `$QWEN35_RESULTS_DIR` when the playbook builder
+set it, and does nothing otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -23,50 +41,161 @@ RESULTS_ENV = "QWEN35_RESULTS_DIR"
 SIZE_ENV = "QWEN35_SIZE"
 SIZES = ("cpu", "tpu")
 ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")  # TPU VMs (two drivers), NVIDIA
+ACCELERATORS = ("none", "tpu", "gpu")
+JAX_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}  # accelerator -> its name in `jax_platforms` (NVIDIA nodes only)
+AOT_TARGET = "tpu7x:2x2x1"  # what the ahead-of-time compiles target (qwen35_lib.aot), on every runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Where each kind of work runs on this runtime (`select_runtime`). Platforms are "cpu", "tpu" or "gpu"."""
+
+    accelerator: str  # "none", "tpu" or "gpu"
+    accelerator_devices: int  # 0 without an accelerator
+    device_kind: str  # the accelerator's (e.g. "TPU v5 lite"), "" without one
+    layouts: str  # platform of the devices the parallel layouts run on ("cpu": simulated CPU devices)
+    layout_devices: int
+    twins: str  # platform the XLA twins run on (the kernel chapter's side by side)
+    pallas: str  # "compiled" (Mosaic, on the TPU) or "interpret" (numerics only, on the twins' platform)
+    jax_platforms: str | None  # what setup sets before JAX starts (None: JAX's own choice, or $JAX_PLATFORMS)
+    size: str  # "tpu" when the layouts run on a TPU, else "cpu"
+    description: str  # the one line setup prints
+
+    @property
+    def simulated(self) -> bool:
+        """The layouts run on simulated CPU devices."""
+        return self.layouts == "cpu"
+
+    @property
+    def kernels(self) -> str:
+        """Where the kernel chapter's XLA twins and Pallas kernels run, in words (a clause of `description`)."""
+        where = "the CPU" if self.twins == "cpu" else f"the {self.twins.upper()}"
+        if self.pallas == "compiled":
+            return f"XLA twins and Pallas kernels (compiled by Mosaic) on {where}"
+        return f"XLA twins on {where}, Pallas TPU kernels in interpret mode beside them (numerics only, not a speed)"
+
+
+def select_runtime(accelerator: str, devices: int = 0, device_kind: str = "", *, cpu_devices: int = 8,
+                   prefer_accelerator: bool = False) -> Runtime:
+    """Where each kind of work runs, from the accelerator JAX found ("none", "tpu", "gpu"), its device count and
+    kind. Pure: nothing is probed or started.
+
+    1. Layouts: on the accelerator's devices when it has at least `cpu_devices`, else on `cpu_devices` simulated
+       CPU devices (no accelerator, or a one-chip Colab runtime), JAX's default backend then being the CPU.
+    2. XLA twins: on the accelerator when JAX's default backend is the accelerator: with enough devices, or with
+       `prefer_accelerator` (the kernel chapter, which needs no layout devices: JAX then holds the accelerator as
+       its default backend and the simulated CPU devices beside it, `jax.devices("cpu")`). Else on the CPU.
+    3. Pallas TPU kernels: compiled by Mosaic and run on the TPU where the twins run on one; elsewhere in interpret
+       mode (numerics only) beside their twins. Every runtime also compiles them for `AOT_TARGET` ahead of time
+       (with libtpu), whatever its devices.
+    4. `jax_platforms`: untouched (None) without an accelerator or with enough devices; else "cpu" (a layout
+       chapter: the CPU only, as before), or the accelerator then the CPU (`prefer_accelerator`).
+    """
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator {accelerator!r}: use one of {', '.join(ACCELERATORS)}")
+    if accelerator == "none" and devices:
+        raise ValueError(f"no accelerator but {devices} accelerator devices: pass accelerator='tpu' or 'gpu'")
+    if accelerator != "none" and devices < 1:
+        raise ValueError(f"a {accelerator} runtime with {devices} devices: pass accelerator='none' instead")
+    name = accelerator.upper()
+    enough = accelerator != "none" and devices >= cpu_devices
+    on_accelerator = enough or (accelerator != "none" and prefer_accelerator)
+    layouts, layout_devices = (accelerator, devices) if enough else ("cpu", cpu_devices)
+    twins = accelerator if on_accelerator else "cpu"
+    pallas = "compiled" if twins == "tpu" else "interpret"
+    jax_platforms = None
+    if accelerator != "none" and not enough:
+        jax_platforms = f"{JAX_PLATFORM[accelerator]},cpu" if prefer_accelerator else "cpu"
+    found = "no accelerator" if accelerator == "none" else f"{device_kind or name} x {devices}"
+    if enough:
+        where = f"layouts on the {devices} {name} devices"
+    else:
+        fewer = "" if accelerator == "none" else f" (fewer than {cpu_devices} {name} devices)"
+        where = f"layouts on {cpu_devices} simulated CPU devices{fewer}"
+    record = Runtime(accelerator, devices, device_kind, layouts, layout_devices, twins, pallas, jax_platforms,
+                     "tpu" if layouts == "tpu" else "cpu", "")
+    idle = accelerator != "none" and not on_accelerator
+    unused = f"; the {name} itself serves the kernel chapter (05)" if idle else ""
+    description = f"{found}: {where}; {record.kernels}{unused}; compiled for {AOT_TARGET} too, ahead of time (libtpu)"
+    return dataclasses.replace(record, description=description)
+
+
+_RUNTIME: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    """The record `setup` chose (a RuntimeError before it ran)."""
+    if _RUNTIME is None:
+        raise RuntimeError("notebook.setup() has not run yet: call it first (it chooses the runtime)")
+    return _RUNTIME
 
 
 def has_accelerator() -> bool:
     return any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
 
 
-def accelerator_device_count() -> int:
-    """Devices JAX finds on this machine's accelerator (0: none), counted in a child process so that this one can
-    still choose its backend."""
+PROBE = ("import json, jax; d = jax.devices(); "
+         "print(json.dumps([d[0].platform, len(d), d[0].device_kind]))")
+
+
+def probe_accelerator() -> tuple[str, int, str]:
+    """(accelerator, devices, device kind) JAX finds on this machine: ("none", 0, "") without one. Probed in a
+    child process so that this one can still choose its backends; the child inherits $JAX_PLATFORMS, so
+    `JAX_PLATFORMS=cpu` means no accelerator."""
     if not has_accelerator():
-        return 0
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], capture_output=True,
-                           text=True, timeout=600)
-    lines = probe.stdout.split()
-    if probe.returncode or not lines or not lines[-1].isdigit():
+        return "none", 0, ""
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600)
+    lines = probe.stdout.strip().splitlines()
+    try:
+        platform, count, kind = json.loads(lines[-1]) if lines and not probe.returncode else (None, 0, "")
+    except ValueError:
+        platform, count, kind = None, 0, ""
+    if platform is None:
         print(f"the accelerator did not start JAX ({(probe.stderr.strip().splitlines() or ['no message'])[-1]}); "
               "running on the CPU")
-        return 0
-    return int(lines[-1])
+        return "none", 0, ""
+    if platform not in JAX_PLATFORM:
+        print(f"an accelerator is present but JAX starts {platform} (no plugin for it, or $JAX_PLATFORMS chose "
+              "another backend); running on the CPU")
+        return "none", 0, ""
+    return platform, int(count), str(kind)
 
 
-def setup(cpu_devices: int = 8) -> tuple[list, str]:
-    """(jax.devices(), size). An accelerator with at least `cpu_devices` devices runs the chapter; with fewer (a
-    one-device Colab runtime) or none, `cpu_devices` simulated CPU devices do. A RuntimeError when JAX already
-    started a CPU backend with another count (the kernel must be restarted)."""
+def accelerator_device_count() -> int:
+    """Devices JAX finds on this machine's accelerator (0: none)."""
+    return probe_accelerator()[1]
+
+
+def setup(cpu_devices: int = 8, *, prefer_accelerator: bool = False) -> tuple[list, str]:
+    """(the devices the chapter's layouts run on, size), after choosing and starting the runtime (`runtime()`).
+
+    An accelerator with at least `cpu_devices` devices runs the layouts; with fewer (a one-device Colab runtime) or
+    none, `cpu_devices` simulated CPU devices do, and an accelerator stays usable beside them (JAX's default
+    backend with `prefer_accelerator`, for the kernel chapter). A RuntimeError when JAX already started a CPU
+    backend with another count (the kernel must be restarted)."""
+    global _RUNTIME
     import jax
 
     from qwen35_lib.devices import simulate_cpu_devices
 
-    found = accelerator_device_count()
-    if 0 < found < cpu_devices:
-        print(f"{found} accelerator device(s), fewer than the {cpu_devices} this chapter's layouts place work on: "
-              f"it runs on {cpu_devices} simulated CPU devices at CPU size instead")
-        jax.config.update("jax_platforms", "cpu")
-    if found < cpu_devices:
+    rt = select_runtime(*probe_accelerator(), cpu_devices=cpu_devices, prefer_accelerator=prefer_accelerator)
+    if rt.accelerator != "none" and rt.simulated:
+        print(f"{rt.accelerator_devices} accelerator device(s), fewer than the {cpu_devices} this chapter's layouts "
+              f"place work on: they run on {cpu_devices} simulated CPU devices at CPU size instead")
+    if rt.jax_platforms:
+        jax.config.update("jax_platforms", rt.jax_platforms)
+    if rt.simulated:
         simulate_cpu_devices(cpu_devices)  # collectives wait for a slow simulated device instead of aborting
-    devices = jax.devices()
-    if devices[0].platform == "cpu" and len(devices) != cpu_devices:
+    devices = jax.devices("cpu") if rt.simulated else jax.devices()
+    if rt.simulated and len(devices) != cpu_devices:
         raise RuntimeError(f"JAX started with {len(devices)} CPU devices, not {cpu_devices}: restart the kernel and "
                            "run notebook.setup() before anything else uses JAX")
-    size = os.environ.get(SIZE_ENV) or ("tpu" if devices[0].platform == "tpu" else "cpu")
+    size = os.environ.get(SIZE_ENV) or rt.size
     if size not in SIZES:
         raise ValueError(f"${SIZE_ENV}={size!r}: use one of {', '.join(SIZES)}")
+    _RUNTIME = rt
     print(f"{len(devices)} x {devices[0].device_kind}; size: {size}")
+    print(rt.description)
     return devices, size
 
 

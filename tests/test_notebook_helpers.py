@@ -1,6 +1,10 @@
 """The two calls every notebook makes: `notebook.setup()` and `notebook.save_results(...)`."""
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -36,18 +40,122 @@ def test_results_are_written_only_for_the_builder(tmp_path, monkeypatch):
 
 
 def test_setup_runs_a_one_device_accelerator_runtime_on_simulated_cpu_devices(monkeypatch, capsys):
-    """A Colab TPU v5e-1 / GPU runtime has 1 device: the 8-device layouts run on 8 simulated CPU devices, said so."""
-    import jax
-
+    """A Colab TPU v5e-1 / GPU runtime has 1 device: a layout chapter runs on 8 simulated CPU devices, said so."""
     platforms = []
-    monkeypatch.setattr(notebook, "accelerator_device_count", lambda: 1)
+    monkeypatch.setattr(notebook, "probe_accelerator", lambda: ("tpu", 1, "TPU v5 lite"))
     monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append((name, value)))
     monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
     devices, size = notebook.setup()
     assert ("jax_platforms", "cpu") in platforms and size == "cpu" and len(devices) == 8
-    assert "1 accelerator device(s), fewer than the 8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 accelerator device(s), fewer than the 8" in out and notebook.runtime().description in out
+    assert (notebook.runtime().twins, notebook.runtime().pallas) == ("cpu", "interpret")
+
+
+def test_the_kernel_chapter_keeps_the_one_device_accelerator_beside_the_simulated_devices(monkeypatch, capsys):
+    """`prefer_accelerator`: the TPU is JAX's default backend (the kernels run on it), the 8 CPU devices beside it."""
+    platforms = []
+    monkeypatch.setattr(notebook, "probe_accelerator", lambda: ("tpu", 1, "TPU v5 lite"))
+    monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append((name, value)))
+    monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
+    devices, size = notebook.setup(prefer_accelerator=True)
+    assert ("jax_platforms", "tpu,cpu") in platforms and size == "cpu"
+    assert devices == jax.devices("cpu") and len(devices) == 8  # the layouts' devices, as setup() always returns
+    rt = notebook.runtime()
+    assert (rt.layouts, rt.twins, rt.pallas) == ("cpu", "tpu", "compiled")
+    assert capsys.readouterr().out.splitlines()[-1] == rt.description
 
 
 def test_the_accelerator_count_is_probed_only_where_there_is_one(monkeypatch):
     monkeypatch.setattr(notebook, "has_accelerator", lambda: False)
     assert notebook.accelerator_device_count() == 0
+    assert notebook.probe_accelerator() == ("none", 0, "")
+
+
+@pytest.mark.parametrize(("stdout", "returncode", "found", "said"), [
+    ('["tpu", 1, "TPU v5 lite"]\n', 0, ("tpu", 1, "TPU v5 lite"), ""),
+    ('some log line\n["gpu", 8, "NVIDIA H200"]\n', 0, ("gpu", 8, "NVIDIA H200"), ""),
+    ('["cpu", 1, "cpu"]\n', 0, ("none", 0, ""), "JAX starts cpu"),  # no plugin, or JAX_PLATFORMS=cpu
+    ("", 1, ("none", 0, ""), "the accelerator did not start JAX (RuntimeError: no TPU)"),
+])
+def test_the_probe_reads_the_platform_count_and_kind(monkeypatch, capsys, stdout, returncode, found, said):
+    import subprocess
+
+    monkeypatch.setattr(notebook, "has_accelerator", lambda: True)
+    done = subprocess.CompletedProcess([], returncode, stdout=stdout, stderr="RuntimeError: no TPU\n")
+    monkeypatch.setattr(notebook.subprocess, "run", lambda *a, **k: done)
+    assert notebook.probe_accelerator() == found
+    assert said in capsys.readouterr().out
+
+
+# (accelerator, devices, kind) -> (layouts, layout devices, twins, pallas, size, jax_platforms: layout chapter,
+# kernel chapter)
+RUNTIMES = {
+    "no accelerator": (("none", 0, ""), ("cpu", 8, "cpu", "interpret", "cpu", None, None)),
+    "TPU v5e-1": (("tpu", 1, "TPU v5 lite"), ("cpu", 8, "tpu", "compiled", "cpu", "cpu", "tpu,cpu")),
+    "TPU7x-8": (("tpu", 8, "TPU7x"), ("tpu", 8, "tpu", "compiled", "tpu", None, None)),
+    "GPU x 1": (("gpu", 1, "NVIDIA L4"), ("cpu", 8, "gpu", "interpret", "cpu", "cpu", "cuda,cpu")),
+    "GPU x 8": (("gpu", 8, "NVIDIA H200"), ("gpu", 8, "gpu", "interpret", "cpu", None, None)),
+}
+
+
+@pytest.mark.parametrize("name", RUNTIMES)
+def test_select_runtime(name):
+    found, (layouts, count, twins, pallas, size, layout_platforms, kernel_platforms) = RUNTIMES[name]
+    kernel = notebook.select_runtime(*found, prefer_accelerator=True)  # the kernel chapter (05)
+    assert (kernel.layouts, kernel.layout_devices, kernel.twins, kernel.pallas, kernel.size) == \
+        (layouts, count, twins, pallas, size)
+    assert kernel.jax_platforms == kernel_platforms and kernel.simulated == (layouts == "cpu")
+    layout = notebook.select_runtime(*found)  # every other chapter: JAX's default backend holds the layouts
+    assert (layout.layouts, layout.layout_devices, layout.size, layout.jax_platforms) == \
+        (layouts, count, size, layout_platforms)
+    assert (layout.twins, layout.pallas) == ((twins, pallas) if not layout.simulated or found[0] == "none"
+                                             else ("cpu", "interpret"))
+    for rt in (kernel, layout):
+        assert "\n" not in rt.description and rt.kernels in rt.description and "tpu7x:2x2x1" in rt.description
+        assert rt.description.startswith(f"{found[2]} x {found[1]}: " if found[1] else "no accelerator: ")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kernel.twins = "cpu"
+
+
+def test_select_runtime_says_what_runs_where():
+    one_tpu = notebook.select_runtime("tpu", 1, "TPU v5 lite", prefer_accelerator=True).description
+    assert "layouts on 8 simulated CPU devices (fewer than 8 TPU devices)" in one_tpu
+    assert "XLA twins and Pallas kernels (compiled by Mosaic) on the TPU" in one_tpu
+    one_gpu = notebook.select_runtime("gpu", 1, "NVIDIA L4", prefer_accelerator=True).description
+    assert "XLA twins on the GPU, Pallas TPU kernels in interpret mode beside them" in one_gpu
+    assert "the TPU itself serves the kernel chapter (05)" in notebook.select_runtime("tpu", 1).description
+    assert "layouts on the 8 TPU devices" in notebook.select_runtime("tpu", 8, "TPU7x").description
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("npu", 1), "use one of none, tpu, gpu"), (("none", 2), "no accelerator but 2"), (("tpu", 0), "with 0 devices")])
+def test_select_runtime_refuses_what_is_not_a_runtime(args, message):
+    with pytest.raises(ValueError, match=message):
+        notebook.select_runtime(*args)
+
+
+def test_runtime_before_setup_says_to_call_it(monkeypatch):
+    monkeypatch.setattr(notebook, "_RUNTIME", None)
+    with pytest.raises(RuntimeError, match=r"notebook.setup\(\) has not run yet"):
+        notebook.runtime()
+
+
+FRESH_SETUP = """
+from qwen35_lib import notebook
+devices, size = notebook.setup()
+import jax
+rt = notebook.runtime()
+assert devices == jax.devices() and len(devices) == 8 and devices[0].platform == "cpu", devices
+assert (size, rt.accelerator, rt.layouts, rt.twins, rt.pallas) == ("cpu", "none", "cpu", "cpu", "interpret"), rt
+print("ok")
+"""
+
+
+def test_setup_on_this_cpu_machine_starts_8_cpu_devices_in_a_fresh_process():
+    """A notebook's own start (no conftest): setup() alone gives the 8 simulated CPU devices."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    env.pop(notebook.SIZE_ENV, None)
+    done = subprocess.run([sys.executable, "-c", FRESH_SETUP], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
