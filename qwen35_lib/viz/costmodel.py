@@ -1,7 +1,8 @@
 """Figures of notebook 06 (the cost model) and its explorer, as pure functions: data in, a Figure out.
 
 Every plot takes the dicts that `qwen35_lib.costmodel` returns (`ladder` rows, `validate` rows), so it runs headless
-and in tests. `explorer()` wraps `explore()` (a pure function: choices in, (text, Figure) out) in ipywidgets.
+and in tests. `explorer()` wraps `explore()` and `explore_ladder()` (pure functions: choices and assumption values
+in, (text, Figure) out) in ipywidgets, with a slider per labelled assumption (`range_assumptions()`).
 """
 
 from __future__ import annotations
@@ -132,12 +133,28 @@ def plot_sensitivity(sweeps: dict[str, list[tuple[float, float, float]]]) -> Fig
     return fig
 
 
+def range_assumptions() -> dict[str, dict]:
+    """{name: record} of the labelled assumptions with a free value (kind 'range': value, low, high, source)."""
+    from qwen35_lib.costmodel.assumptions import records
+
+    return {k: r for k, r in records().items() if r["kind"] == "range"}
+
+
+def mechanisms(values: dict[str, float] | None = None):
+    """`Mechanisms.nominal()` with the assumptions in `values` changed (None or {}: the nominal)."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+
+    return Mechanisms.nominal(**(values or {}))
+
+
 def explore(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", stage: str = "kernels",
-            concurrency: int = 512, isl: int = 8192, osl: int = 1024) -> tuple[str, Figure | None]:
-    """One prediction as (text, breakdown figure) -- the explorer's body, testable headless."""
+            concurrency: int = 512, isl: int = 8192, osl: int = 1024,
+            assumptions: dict[str, float] | None = None) -> tuple[str, Figure | None]:
+    """One prediction as (text, breakdown figure) -- the explorer's body, testable headless. `assumptions`:
+    {name: value} of `range_assumptions()` replacing their nominal values."""
     from qwen35_lib.costmodel import predict
 
-    r = predict(model, hardware, stage, isl, osl, concurrency)
+    r = predict(model, hardware, stage, isl, osl, concurrency, mechanisms=mechanisms(assumptions))
     if not r["fits"]:
         return f"{model} on {hardware}: does not fit. {r['reason']}", None
     text = (f"{model} on {hardware}, {stage}: {r['output_tokens_per_s']:,.0f} output tok/s, "
@@ -152,8 +169,30 @@ def explore(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", stage: 
     return text, fig
 
 
+def explore_ladder(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", concurrency: int = 512,
+                   isl: int = 8192, osl: int = 1024, assumptions: dict[str, float] | None = None
+                   ) -> tuple[list[dict], Figure]:
+    """Every stage of the ladder for one workload and concurrency (`costmodel.ladder`, no roofline run): the rows
+    and `plot_ladder`'s bars (total tokens/s, each labelled with its gain over baseline)."""
+    from qwen35_lib.costmodel import ladder
+
+    rows = ladder(model, hardware, ((isl, osl),), concurrency, google_baseline=False, roofline=False,
+                  mechanisms=mechanisms(assumptions))
+    return rows, plot_ladder(rows)
+
+
+def ladder_text(rows: Sequence[dict]) -> str:
+    """One line per stage: total tokens/s, mean step, gain over the stage before and over baseline."""
+    return "\n".join(f"{r['stage']:<10} {r['total_tokens_per_s']:>10,.0f} total tok/s  mean step "
+                     f"{r['mean_step_s'] * 1e3:7.2f} ms  x{r['gain']:.2f} over the previous, x{r['vs_baseline']:.2f} "
+                     "over baseline" if r.get("fits") else f"{r['stage']:<10} does not fit: {r['reason']}"
+                     for r in rows)
+
+
 def explorer():
-    """ipywidgets: model preset, hardware, stage, concurrency, input and output lengths -> `explore`."""
+    """ipywidgets: model preset, hardware, stage, concurrency, input and output lengths, and a slider per labelled
+    assumption (its low-high range, nominal to start; the tooltip says what it changes) -> `explore` (the chosen
+    stage's breakdown) and `explore_ladder` (every stage, bars)."""
     import ipywidgets as w
     from IPython.display import display
 
@@ -165,22 +204,43 @@ def explorer():
         model=w.Dropdown(options=list(PRESETS), value="qwen3.5-397b-a17b", description="model"),
         hardware=w.Dropdown(options=[n for n in specs.names() if n != "cpu"], value="tpu7x-8", description="hardware"),
         stage=w.Dropdown(options=list(LADDER), value="kernels", description="stage"),
-        concurrency=w.IntSlider(value=512, min=1, max=1024, step=1, description="concurrency"),
+        concurrency=w.IntSlider(value=512, min=1, max=1024, step=1, description="concurrency",
+                                continuous_update=False),
         isl=w.IntText(value=8192, description="input len"), osl=w.IntText(value=1024, description="output len"))
-    out = w.Output()
+    style = {"description_width": "14em"}
+    sliders = {name: w.FloatSlider(value=r["value"], min=r["low"], max=r["high"], step=(r["high"] - r["low"]) / 50,
+                                   readout_format=".4g", description=name, tooltip=r["mechanism"][:300],
+                                   continuous_update=False, style=style, layout=w.Layout(width="34em"))
+               for name, r in range_assumptions().items()}
+    out, ladder_out = w.Output(), w.Output()
 
     def update(_=None):
-        out.clear_output(wait=True)
-        with out:
-            try:
-                text, fig = explore(**{k: c.value for k, c in controls.items()})
-            except ValueError as e:
-                text, fig = f"error: {e}", None
-            print(text)
-            if fig is not None:
-                display(fig)
+        choice = {k: c.value for k, c in controls.items()}
+        values = {k: c.value for k, c in sliders.items()}
+        for box, body in ((out, lambda: explore(**choice, assumptions=values)),
+                          (ladder_out, lambda: _ladder_view(choice, values))):
+            box.clear_output(wait=True)
+            with box:
+                try:
+                    text, fig = body()
+                except ValueError as e:
+                    text, fig = f"error: {e}", None
+                print(text)
+                if fig is not None:
+                    display(fig)
 
-    for c in controls.values():
+    for c in [*controls.values(), *sliders.values()]:
         c.observe(update, names="value")
     update()
-    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), out])
+    names = list(sliders.values())
+    assumptions = w.VBox([w.HTML("<b>labelled assumptions</b> (data/costmodel_assumptions.json: each slider spans "
+                                 "its recorded low-high range, starting at its nominal value)"),
+                          *[w.HBox(names[i:i + 2]) for i in range(0, len(names), 2)]])
+    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), assumptions, out,
+                   w.HTML("<b>the ladder</b>: every stage for this workload and concurrency"), ladder_out])
+
+
+def _ladder_view(choice: dict, values: dict) -> tuple[str, Figure]:
+    rows, fig = explore_ladder(choice["model"], choice["hardware"], choice["concurrency"], choice["isl"],
+                               choice["osl"], values)
+    return ladder_text(rows), fig

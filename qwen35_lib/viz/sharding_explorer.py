@@ -1,10 +1,13 @@
 """The sharding explorer: what each device holds under a layout, and whether it fits, as a figure and a widget.
 
     placement_figure(placement(config, "dp8_ep8"))     # a matplotlib Figure, headless
-    sharding_explorer()                                 # an ipywidgets box: model, layout, devices, KV dtype, requests
+    step_collectives(config, "dp8_ep8", 8, "replicate")  # {step: {kind: (ops, bytes)}} per device, the cost model's
+    sharding_explorer()                                 # an ipywidgets box: the controls below, memory, collectives
 
-The widget's summary is an `ipywidgets.HTML` holding `<div class="qwen35-explorer-summary">`, and its controls
-have stable descriptions ("model", "layout", "devices", "KV dtype", "requests"), so a browser test can find them.
+The widget's summary is an `ipywidgets.HTML` holding `<div class="qwen35-explorer-summary">` (then the collectives
+table, `<div class="qwen35-explorer-collectives">`), and its controls have stable descriptions ("model", "layout",
+"devices", "hardware", "KV dtype", "expert dtype", "GDN state", "context", "requests", "routing"), so a browser
+test can find them.
 """
 
 from __future__ import annotations
@@ -16,18 +19,28 @@ import io
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from qwen35_lib.config import LAYOUTS, PRESETS, get_config
+from qwen35_lib import hardware as hw
+from qwen35_lib.config import EXPERT_DTYPES, LAYOUTS, PRESETS, ROUTINGS, Config, get_config
+from qwen35_lib.costmodel import traffic
+from qwen35_lib.costmodel.predict import token_budget
+from qwen35_lib.costmodel.stages import custom_stage, resolve_layout
+from qwen35_lib.parallel.plan import get_layout
 from qwen35_lib.placement import Placement, fmt_range, placement
 from qwen35_lib.viz.architecture import COLORS, GiB
 
 SUMMARY_CLASS = "qwen35-explorer-summary"
+COLLECTIVES_CLASS = "qwen35-explorer-collectives"
 LABELS = dict(q_heads="query heads", kv_heads="KV heads", gdn_k_heads="GDN key heads", gdn_v_heads="GDN value heads",
               experts="experts", moe_ffn="expert FFN cols", requests="requests")
 BARS = (("routed experts", "routed experts", COLORS["moe"]), ("attention", "attention weights", COLORS["attention"]),
         ("GDN", "GDN weights", COLORS["gdn"]), ("other", "embed, lm_head, shared, norms", "#937860"),
         ("kv", "KV cache", COLORS["kv"]), ("gdn_state", "GDN state", COLORS["gdn_state"]))
 KV_DTYPES = (("model dtype", None), ("float8_e4m3fn", "float8_e4m3fn"))
+EXPERT_DTYPE_OPTIONS = tuple((d or "model dtype", d) for d in EXPERT_DTYPES)
+GDN_DTYPES = ("float32", "bfloat16")  # the Config's default; tpu-inference's (the serving setup)
 DEVICE_COUNTS = (1, 2, 4, 8, 16)
+CONTEXT_LENS = tuple(1024 << i for i in range(9))  # 1k .. 256k tokens per request
+STEPS = ("decode", "prefill")
 BROKEN_ROW = (("KV heads cannot", "kv_heads"), ("experts cannot", "experts"), ("expert FFN", "moe_ffn"),
               ("FP8 expert scales", "moe_ffn"))  # substring of the refusal -> the row drawn red
 
@@ -106,46 +119,133 @@ def summary_html(p: Placement | str) -> str:
            f"{html.escape(text)}</div>"
 
 
+def hardware_names() -> tuple[str, ...]:
+    """The systems the explorers offer: every one of `hardware.names()` but `cpu` (this machine's RAM)."""
+    return tuple(n for n in hw.names() if n != "cpu")
+
+
+def step_collectives(config: Config, layout: str, devices: int = 8, routing: str | None = "replicate",
+                     requests: int = 512, context_len: int = 8192, backend: str = "tpu") -> dict[str, dict]:
+    """{step: {"tokens": per rank, "kinds": {kind: (ops run, bytes)}}} per device, for a decode and a prefill step.
+
+    1. the plan: `custom_stage(layout, routing)` bound to the mesh of `devices` (`costmodel.stages.resolve_layout`;
+       its refusal, or the cost model's "no closed form", is raised as a ValueError);
+    2. "decode": every request one token, ceil(requests / R) per rank; "prefill": the recipe's token budget for
+       prompts of `context_len` (`costmodel.predict.token_budget`) per rank; each as `StepShape.of_compile`;
+    3. `costmodel.traffic.collective_counts` of each (what the time model prices and the HLO test checks), the kinds
+       that run only.
+    """
+    plan = resolve_layout(custom_stage(layout, routing), config, 1 if layout == "single" else devices)
+    tokens = dict(decode=-(-requests // plan.dp), prefill=token_budget(context_len, plan.dp))
+    out = {}
+    for step in STEPS:
+        decode, prefill = (tokens[step], 0) if step == "decode" else (0, tokens[step])
+        shape = traffic.StepShape.of_compile(config, plan.dp, requests, decode, prefill)
+        counts = traffic.collective_counts(plan, config, shape, backend)
+        out[step] = dict(tokens=shape.tokens, kinds={k: v for k, v in counts.items() if v[0]})
+    return out
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as GiB / MiB / KiB / B, 2 decimals (the static explorer's JavaScript `fmtBytes` writes the same)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _ops(n: int) -> str:
+    return f"{n:,} op" + ("s" if n != 1 else "")
+
+
+def collectives_html(table: dict[str, dict] | str, routing: str | None = None) -> str:
+    """`step_collectives`' table (or a message) as `<div class="qwen35-explorer-collectives">`: kinds x steps."""
+    if isinstance(table, str):
+        return f'<div class="{COLLECTIVES_CLASS}"><b>collectives per step</b>: {html.escape(table)}</div>'
+    kinds = list(dict.fromkeys(k for t in table.values() for k in t["kinds"]))
+    head = "".join(f"<th>{s} step ({t['tokens']:,.0f} tokens per rank)</th>" for s, t in table.items())
+    rows = "".join(f"<tr><td>{k}</td>" + "".join(
+        f"<td>{_ops(t['kinds'][k][0])}, {fmt_bytes(t['kinds'][k][1])}</td>" if k in t["kinds"] else "<td>-</td>"
+        for t in table.values()) + "</tr>" for k in kinds) or '<tr><td colspan="3">none: one device</td></tr>'
+    tot = "".join(f"<td>{fmt_bytes(sum(b for _, b in t['kinds'].values()))}</td>" for t in table.values())
+    return (f'<div class="{COLLECTIVES_CLASS}" style="font-size: 12px"><b>collectives per device per step</b> '
+            f"(the cost model's closed form, routing {routing or 'n/a: TP MoE'})<table><tr><th>kind</th>{head}"
+            f"</tr>{rows}<tr><td>all kinds</td>{tot}</tr></table></div>")
+
+
 def sharding_explorer(model: str = "qwen3.5-397b-a17b", layout: str = "dp8_ep8", devices: int = 8,
                       kv_dtype: str | None = None, requests: int = 512, *, context_len: int = 8192,
-                      expert_dtype: str | None = "float8_e4m3fn", hardware: str = "tpu7x-8"):
-    """An ipywidgets box: controls, the summary (HTML) and the placement figure (an Output holding a PNG).
+                      expert_dtype: str | None = "float8_e4m3fn", hardware: str = "tpu7x-8",
+                      routing: str = "replicate", gdn_state_dtype: str = "float32"):
+    """An ipywidgets box: controls, the summary and collectives (one HTML) and the placement figure (an Output).
 
-    1. controls (descriptions are stable): "model", "layout", "devices", "KV dtype", "requests";
-    2. on any change: `placement(get_config(model, expert_dtype=...), layout, ...)`, then the summary and the
-       figure are replaced; a ValueError (e.g. a model the expert dtype cannot apply to) shows as the summary;
+    1. controls (descriptions are stable): "model", "layout", "devices", "hardware" (sets "devices" to its own
+       count), "KV dtype", "expert dtype", "GDN state", "context" (tokens per request), "requests", "routing"
+       (EP layouts: how tokens reach the experts);
+    2. on any change: `placement(get_config(model, expert_dtype=..., gdn_state_dtype=...), layout, ...)` and
+       `step_collectives(...)`, then the summary, the collectives table and the figure are replaced; a ValueError
+       (e.g. a model the expert dtype cannot apply to) shows as the summary;
     3. the figure goes into the Output's `outputs` as PNG display data, so it updates with or without a kernel.
     """
     import ipywidgets as w
 
     style = {"description_width": "initial"}
+    contexts = sorted({*CONTEXT_LENS, context_len})
     controls = dict(
         model=w.Dropdown(options=list(PRESETS), value=model, description="model", style=style),
         layout=w.Dropdown(options=list(LAYOUTS), value=layout, description="layout", style=style),
         devices=w.Dropdown(options=list(DEVICE_COUNTS), value=devices, description="devices", style=style),
+        hardware=w.Dropdown(options=list(hardware_names()), value=hardware, description="hardware", style=style),
         kv_dtype=w.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
+        expert_dtype=w.Dropdown(options=list(EXPERT_DTYPE_OPTIONS), value=expert_dtype, description="expert dtype",
+                                style=style),
+        gdn_state_dtype=w.Dropdown(options=list(GDN_DTYPES), value=gdn_state_dtype, description="GDN state",
+                                   style=style),
+        context_len=w.Dropdown(options=[(f"{n:,}", n) for n in contexts], value=context_len, description="context",
+                               style=style),
         requests=w.BoundedIntText(value=requests, min=1, max=1 << 20, step=64, description="requests", style=style),
+        routing=w.Dropdown(options=list(ROUTINGS), value=routing, description="routing", style=style),
     )
     summary = w.HTML(value="")
     output = w.Output()
+    busy = []  # set while "hardware" moves "devices": one update, not two
 
     def update(_=None) -> None:
+        if busy:
+            return
+        v = {k: c.value for k, c in controls.items()}
         try:
-            cfg = get_config(controls["model"].value, expert_dtype=expert_dtype)
-            p = placement(cfg, controls["layout"].value, controls["devices"].value, controls["kv_dtype"].value,
-                          controls["requests"].value, context_len=context_len, hardware=hardware)
+            cfg = get_config(v["model"], expert_dtype=v["expert_dtype"], gdn_state_dtype=v["gdn_state_dtype"])
+            p = placement(cfg, v["layout"], v["devices"], v["kv_dtype"], v["requests"], context_len=v["context_len"],
+                          hardware=v["hardware"])
         except ValueError as e:
             summary.value = summary_html(f"error: {e}")
             output.outputs = ()
             return
-        summary.value = summary_html(p)
+        try:
+            table = "none: the layout is refused (above)" if p.problem else step_collectives(
+                cfg, v["layout"], p.devices, v["routing"], v["requests"], v["context_len"], hw.get(v["hardware"]).kind)
+        except ValueError as e:
+            table = str(e)
+        routed = get_layout(v["layout"]).moe == "ep"
+        summary.value = summary_html(p) + collectives_html(table, v["routing"] if routed else None)
         buf = io.BytesIO()
         placement_figure(p).savefig(buf, format="png", dpi=80)
         png = base64.b64encode(buf.getvalue()).decode("ascii")
         output.outputs = ({"output_type": "display_data", "metadata": {},
                            "data": {"image/png": png, "text/plain": f"<placement figure: {p.layout}>"}},)
 
+    def on_hardware(change) -> None:
+        n = hw.get(change["new"]).devices
+        if n in DEVICE_COUNTS and n != controls["devices"].value:
+            busy.append(1)
+            controls["devices"].value = n
+            busy.clear()
+
+    controls["hardware"].observe(on_hardware, names="value")
     for c in controls.values():
         c.observe(update, names="value")
     update()
-    return w.VBox([w.HBox(list(controls.values())[:3]), w.HBox(list(controls.values())[3:]), summary, output])
+    rows = list(controls.values())
+    return w.VBox([w.HBox(rows[:4]), w.HBox(rows[4:7]), w.HBox(rows[7:]), summary, output])
+
