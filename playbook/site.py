@@ -16,7 +16,7 @@ import string
 import time
 from typing import Any
 
-from playbook import COLAB_URL, GITHUB_REPO, facts
+from playbook import COLAB_URL, GITHUB_REPO, explorer, facts
 from playbook.results import PlaceholderError, Results, Value, flatten, format_value
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -159,6 +159,7 @@ def index_body(pages: list[Page], build: dict[str, Any]) -> str:
             "code that runs. Each chapter frames a question; its notebook answers it, executed for this site. "
             'Start with the <a href="introduction.html">introduction</a>.</p>\n'
             f"<ol>{''.join(f'<li>{item}</li>' for item in items)}</ol>\n"
+            f'<p><a href="{explorer.FILE}">{html.escape(explorer.TITLE)}</a>: the explorers, precomputed.</p>\n'
             f"<p>Built {html.escape(build['date'])} on {html.escape(build['machine'])} with Python "
             f"{build['python']} and JAX {build['jax']}: {ok} of {len(entries)} notebooks ran, at the size this "
             "hardware allows.</p>")
@@ -207,6 +208,7 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
     key_values: list[Value] = []
     errors: list[str] = []
     shutil.copy(HERE / "templates" / "style.css", out / "style.css")
+    explorer.write_page(out)  # explorer.html: the library's numbers on a grid, controls without a kernel
     for i, page in enumerate(pages):
         if page.entry is not None:
             add_nav_to_notebook(out / page.file, nav(pages, i))

@@ -97,7 +97,7 @@ def test_site_built_from_a_fake_notebook(checkout: pathlib.Path, capsys: pytest.
     assert "missing" in report.out and "[1/1] 00_demo" in report.err  # progress on stderr
     pages = {p.name for p in out.glob("*.html")}
     assert pages == {"index.html", "introduction.html", "00_demo.html", "notebook-00_demo.html", "01_later.html",
-                     "conclusion.html", "results.html"}
+                     "conclusion.html", "results.html", "explorer.html"}
     assert "The answer is <span" in out.joinpath("00_demo.html").read_text() and ">42<" in (
         out / "00_demo.html").read_text()
     assert "not in this checkout" in out.joinpath("01_later.html").read_text()
