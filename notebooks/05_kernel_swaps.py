@@ -20,8 +20,9 @@
 # rung of the ladder swaps four pieces of XLA's generic code for Pallas TPU kernels: **batched ragged paged
 # attention**, the MoE's **grouped GEMM**, the **chunked gated delta rule** and the **gather/scatter permutes**.
 # For each: which roofline bounds it on a TPU7x TensorCore, what the kernel changes about the bytes and FLOPs,
-# whether it computes the same thing as its XLA twin (checked here, in Pallas interpret mode on the CPU), whether
-# it lowers for the real chip (compiled for `tpu7x:2x2x1` ahead of time), and what the cost model says it buys.
+# whether it computes the same thing as its XLA twin (checked here: run by the TPU itself on a TPU runtime, in Pallas
+# interpret mode elsewhere), whether it lowers for the real chip (compiled for `tpu7x:2x2x1` ahead of time), and what
+# the cost model says it buys.
 
 # %% [markdown]
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/05_kernel_swaps.ipynb)
@@ -29,7 +30,8 @@
 # %%
 # Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
 # extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
+# the libtpu that matches the pinned jax, and on a GPU runtime too (the ahead-of-time TPU7x compiles), with the
+# CUDA plugin of the pinned jax (the XLA twins run on the GPU).
 import glob
 import importlib.util
 import os
@@ -44,21 +46,40 @@ if importlib.util.find_spec("qwen35_lib") is None:
     if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
         checkout = pathlib.Path("qwen35-playbook").resolve()
         subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
+        tpu, gpu = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"), glob.glob("/dev/nvidia[0-9]*")
+        extras = "tpu,reference" if tpu or gpu else "reference"
+        cuda = ["jax[cuda12]"] if gpu else []  # resolved to the project's pinned jax
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]", *cuda], check=True)
     sys.path.insert(0, str(checkout))
 
+# %% [markdown]
+# **What runs where.** This chapter places no layout, so it keeps an accelerator even when it has fewer devices
+# than the layouts need (Colab's single-chip TPUs): JAX's default backend is then the accelerator, with the 8
+# simulated CPU devices beside it. `notebook.setup` chooses and prints it; `notebook.runtime()` is the record:
+#
+# | runtime | XLA twins | Pallas TPU kernels | the TPU7x compile (with libtpu) |
+# |---|---|---|---|
+# | no accelerator (a laptop, CI) | the CPU | interpret mode on the CPU: numerics only | ahead of time, on the CPU |
+# | a TPU, any number of chips | the TPU | compiled by Mosaic for that TPU and run on it | ahead of time, beside it |
+# | a GPU | the GPU | interpret mode on the GPU, beside their twins: numerics only | ahead of time, on the CPU |
+#
+# A TPU that is not a TPU7x runs the kernels for real, but its times are those of its own chip, not of TPU7x; on a
+# GPU the Pallas TPU kernels cannot be compiled for the device at all. The chapters that place layouts run them on
+# 8 simulated CPU devices unless the accelerator has 8 devices of its own.
+
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
+# Devices and size, before anything starts JAX's backend (`QWEN35_SIZE` overrides the size); `prefer_accelerator`:
+# the kernels run on the accelerator even when it has fewer than the 8 devices the layouts need.
 from qwen35_lib import notebook
 
-devices, SIZE = notebook.setup()
+devices, SIZE = notebook.setup(prefer_accelerator=True)
+RT = notebook.runtime()  # where the twins and the Pallas kernels run (RT.twins, RT.pallas), said in RT.description
 
 # %%
 # %matplotlib inline
 import concurrent.futures
 
+import jax
 import numpy as np
 from IPython.display import display
 from matplotlib.figure import Figure
@@ -75,6 +96,9 @@ HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra:
 aot = concurrent.futures.ThreadPoolExecutor(1).submit(kb.tpu7x_compile_rows) if HAVE_LIBTPU else None
 
 compiled = lambda kernel: kb.compile_summary(aot.result() if aot else None, kernel)  # one line per kernel
+# The float32 checks compare summation orders, so on an accelerator float32 matmuls run in float32 (not as a TPU's
+# bf16 passes or a GPU's TF32); the bf16 attention keeps the default (Mosaic refuses a bf16 dot at "highest").
+float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" else None)
 
 # %% [markdown]
 # ## 1. Predict: the four kernels on one TensorCore's roofline
@@ -134,9 +158,16 @@ display(fig)
 # ## 2. Measure and check at CPU size
 #
 # Each swap below runs the XLA twin (what the CPU uses) and the Pallas kernel on the same inputs at the
-# `qwen3.5-mini` shapes, side by side (`qwen35_lib.bench`). On a CPU the Pallas kernel runs in **interpret mode**:
-# its time is that of an emulator and says nothing about a TPU; the measurement that counts here is the
-# difference from the twin. Then the same Pallas kernel compiled for TPU7x at the 397B shapes.
+# `qwen3.5-mini` shapes, side by side (`qwen35_lib.bench`), on JAX's default backend (the next cell says which).
+# On a TPU the kernel is compiled by Mosaic and runs for real. Elsewhere it runs in **interpret mode**: its time
+# is that of an emulator and says nothing about a TPU; the measurement that counts there is the difference from
+# the twin. Then the same Pallas kernel compiled for TPU7x at the 397B shapes.
+
+# %%
+assert jax.default_backend() == RT.twins, (jax.default_backend(), RT)  # setup started what it said
+print(f"here: {RT.kernels} ({jax.devices()[0].device_kind})")
+
+# %% [markdown]
 #
 # ### 2a. Ragged paged attention
 #
@@ -153,7 +184,7 @@ print(compiled("attention"))
 # a bf16 ulp of an O(1) output (2^-7 at most); a wrong page or mask would be O(1).
 
 # %%
-assert attn[1]["implementation"] == "pallas" and "interpret" in attn[1]["mode"]
+assert attn[1]["implementation"] == "pallas" and ("interpret" in attn[1]["mode"]) == (RT.pallas == "interpret")
 assert attn[1]["max_abs_diff_vs_xla"] <= 2**-7, attn[1]
 
 # %% [markdown]
@@ -182,11 +213,12 @@ if aot is not None:
 # ### 2b. Grouped GEMM (the MoE's experts)
 #
 # A few tokens (`tokens=16`) routed top-8 over 64 experts by a random router: their copies sorted by expert, most
-# groups empty or of one row. The backend's XLA `moe_matmul` (on a CPU the default, `capacity`, chosen by `python -m
-# qwen35_lib.bench kernels`; on a TPU `ragged_dot`) against the Pallas grouped GEMM, float32.
+# groups empty or of one row. The backend's XLA `moe_matmul` (its default off a TPU, the row names it; on a TPU,
+# where the default is the Pallas kernel, `ragged_dot`) against the Pallas grouped GEMM, float32.
 
 # %%
-moe = kb.moe_rows(tokens=16, repeats=1, settle=0)
+with float32():
+    moe = kb.moe_rows(tokens=16, repeats=1, settle=0)
 print(dict_table(moe, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("moe_matmul"))
 
@@ -200,7 +232,8 @@ assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 
 # of them continuing mid-sequence from its slot, float32.
 
 # %%
-gdn = gdn_rows(cases=("mixed",), prefill_tokens=128, decode_batch=4, dtype="float32", repeats=1, settle=0)
+with float32():
+    gdn = gdn_rows(cases=("mixed",), prefill_tokens=128, decode_batch=4, dtype="float32", repeats=1, settle=0)
 print(dict_table(gdn, ("shape", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("gdn"))
 
@@ -216,7 +249,8 @@ assert gdn[1]["implementation"] == "pallas" and gdn[1]["max_abs_diff_vs_xla"] < 
 # job; our kernel is the TensorCore form, one DMA per row.
 
 # %%
-perm = kb.permute_rows(tokens=32, repeats=1, settle=0)
+with float32():
+    perm = kb.permute_rows(tokens=32, repeats=1, settle=0)
 print(dict_table(perm, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("permute"))
 
@@ -335,8 +369,8 @@ notebook.save_results("kernel_swaps", record)
 #    of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).
 #    </details>
 #
-# 3. **[Interpret mode]** The Pallas attention above ran faster than XLA in interpret mode. Does that say anything
-#    about TPU speed?
+# 3. **[Interpret mode]** On a CPU runtime the Pallas attention above ran faster than XLA in interpret mode. Does
+#    that say anything about TPU speed?
 #    <details><summary>Answer</summary>
 #
 #    No. Interpret mode runs the kernel's body as ordinary XLA:CPU operations (a loop over the grid); its time
