@@ -1,4 +1,5 @@
-"""The sharding explorer in a real browser: JupyterLab on loopback, headless Chromium, a control moved.
+"""The explorers in a real browser: the sharding explorer in JupyterLab on loopback, and the site's static explorer
+page from a file, each in headless Chromium with a control moved.
 
 1. Write a two-cell notebook that displays `sharding_explorer()` into a temporary folder.
 2. Start JupyterLab there: loopback, a free port, a random token, no browser of its own, its settings in the
@@ -6,6 +7,9 @@
 3. Open the notebook in headless Chromium (Debian's `chromium` and `chromium-driver`, driven by selenium; nothing
    is downloaded), run all cells, read the explorer's summary, move the "layout" control, and wait for the summary
    to change. A screenshot goes to build/test-artifacts/.
+4. The static page (`playbook.explorer.write_page` on a small grid, no notebooks, no kernel): read a displayed
+   value, move a select and the concurrency slider, and check the values shown are the library's for the new
+   settings.
 
 Without a browser the test is skipped, saying how to get one; under CI=true it fails instead.
 """
@@ -35,13 +39,14 @@ HOW_TO_GET_ONE = ("apt-get install chromium chromium-driver (Debian; .ci/run doe
                   "jupyterlab (the 'test' and 'notebook' extras)")
 
 
-def _tools() -> tuple[str, str]:
+def _tools(jupyterlab: bool = True) -> tuple[str, str]:
     """Paths of chromium and chromedriver; skip (fail under CI=true) when something is missing."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
     missing = [name for name, ok in (("chromium", chromium), ("chromedriver", driver),
                                      ("selenium", importlib.util.find_spec("selenium")),
-                                     ("jupyterlab", importlib.util.find_spec("jupyterlab"))) if not ok]
+                                     ("jupyterlab", importlib.util.find_spec("jupyterlab") or not jupyterlab))
+               if not ok]
     if missing:
         message = f"no {', '.join(missing)}: {HOW_TO_GET_ONE}"
         if os.environ.get("CI") == "true":
@@ -193,3 +198,48 @@ def test_sharding_explorer_in_jupyterlab(tmp_path: pathlib.Path):
             raise
         finally:
             browser.quit()
+
+
+def test_static_explorer_page_without_a_kernel(tmp_path: pathlib.Path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from playbook import explorer
+    from qwen35_lib.config import get_config
+    from qwen35_lib.costmodel import predict
+    from qwen35_lib.placement import placement
+
+    chromium, driver = _tools(jupyterlab=False)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    grid = dict(hardware=("tpu7x-8",), layouts=("tp_kvrep", "dp_ep"), contexts=(8192, 32768), requests=(512,))
+    page = explorer.write_page(tmp_path, grid, dict(workloads=((1024, 1024),), concurrencies=(16, 32)))
+    cfg = get_config(explorer.MODEL, expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")  # the page's defaults
+    kv = {n: placement(cfg, "dp_ep", 8, "float8_e4m3fn", 512, context_len=n).kv_bytes_per_device for n in (8192, 32768)}
+    kernels = predict(explorer.MODEL, "tpu7x-8", "kernels", 1024, 1024, 16, roofline=False)["total_tokens_per_s"]
+
+    def shown(b, css: str, attr: str) -> str:
+        return b.find_element(By.CSS_SELECTOR, css).get_attribute(attr)
+
+    browser = _chromium(chromium, driver)
+    try:
+        browser.get(page.as_uri())
+        kv_css = f"{SUMMARY} [data-field=kv]"
+        assert int(WebDriverWait(browser, 20, 0.2).until(lambda b: shown(b, kv_css, "data-bytes"))) == kv[8192]
+        Select(browser.find_element(By.ID, "ctl-context")).select_by_value("32768")
+        after = WebDriverWait(browser, 20, 0.2).until(lambda b: shown(b, kv_css, "data-bytes") != str(kv[8192])
+                                                       and shown(b, kv_css, "data-bytes"))
+        assert int(after) == kv[32768] and browser.find_element(By.CSS_SELECTOR, kv_css).text == \
+            f"{kv[32768] / 2**30:,.2f} GiB"
+        bar = "#ladder-bars [data-stage=kernels] [data-field=total_tokens_per_s]"
+        before = shown(browser, bar, "data-value")
+        browser.find_element(By.ID, "ctl-concurrency").send_keys(Keys.ARROW_LEFT)  # 32 -> 16 requests
+        value = WebDriverWait(browser, 20, 0.2).until(lambda b: shown(b, bar, "data-value") != before
+                                                       and shown(b, bar, "data-value"))
+        assert float(value) == kernels and browser.find_element(By.ID, "concurrency-value").text == "16 requests"
+        browser.save_screenshot(str(ARTIFACTS / "static_explorer.png"))
+    except Exception:
+        browser.save_screenshot(str(ARTIFACTS / "static_explorer_failed.png"))
+        raise
+    finally:
+        browser.quit()

@@ -35,8 +35,9 @@ LABELS = dict(q_heads="query heads", kv_heads="KV heads", gdn_k_heads="GDN key h
 BARS = (("routed experts", "routed experts", COLORS["moe"]), ("attention", "attention weights", COLORS["attention"]),
         ("GDN", "GDN weights", COLORS["gdn"]), ("other", "embed, lm_head, shared, norms", "#937860"),
         ("kv", "KV cache", COLORS["kv"]), ("gdn_state", "GDN state", COLORS["gdn_state"]))
-KV_DTYPES = (("model dtype", None), ("float8_e4m3fn", "float8_e4m3fn"))
-EXPERT_DTYPE_OPTIONS = tuple((d or "model dtype", d) for d in EXPERT_DTYPES)
+MODEL_DTYPE = "model dtype"  # a dropdown's value for None (a None value shows as no selection)
+KV_DTYPES = (MODEL_DTYPE, "float8_e4m3fn")
+EXPERT_DTYPE_OPTIONS = tuple(d or MODEL_DTYPE for d in EXPERT_DTYPES)
 GDN_DTYPES = ("float32", "bfloat16")  # the Config's default; tpu-inference's (the serving setup)
 DEVICE_COUNTS = (1, 2, 4, 8, 16)
 CONTEXT_LENS = tuple(1024 << i for i in range(9))  # 1k .. 256k tokens per request
@@ -196,9 +197,10 @@ def sharding_explorer(model: str = "qwen3.5-397b-a17b", layout: str = "dp8_ep8",
         layout=w.Dropdown(options=list(LAYOUTS), value=layout, description="layout", style=style),
         devices=w.Dropdown(options=list(DEVICE_COUNTS), value=devices, description="devices", style=style),
         hardware=w.Dropdown(options=list(hardware_names()), value=hardware, description="hardware", style=style),
-        kv_dtype=w.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
-        expert_dtype=w.Dropdown(options=list(EXPERT_DTYPE_OPTIONS), value=expert_dtype, description="expert dtype",
-                                style=style),
+        kv_dtype=w.Dropdown(options=list(KV_DTYPES), value=kv_dtype or MODEL_DTYPE, description="KV dtype",
+                            style=style),
+        expert_dtype=w.Dropdown(options=list(EXPERT_DTYPE_OPTIONS), value=expert_dtype or MODEL_DTYPE,
+                                description="expert dtype", style=style),
         gdn_state_dtype=w.Dropdown(options=list(GDN_DTYPES), value=gdn_state_dtype, description="GDN state",
                                    style=style),
         context_len=w.Dropdown(options=[(f"{n:,}", n) for n in contexts], value=context_len, description="context",
@@ -213,7 +215,7 @@ def sharding_explorer(model: str = "qwen3.5-397b-a17b", layout: str = "dp8_ep8",
     def update(_=None) -> None:
         if busy:
             return
-        v = {k: c.value for k, c in controls.items()}
+        v = {k: None if c.value == MODEL_DTYPE else c.value for k, c in controls.items()}
         try:
             cfg = get_config(v["model"], expert_dtype=v["expert_dtype"], gdn_state_dtype=v["gdn_state_dtype"])
             p = placement(cfg, v["layout"], v["devices"], v["kv_dtype"], v["requests"], context_len=v["context_len"],
