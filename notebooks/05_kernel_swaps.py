@@ -103,6 +103,15 @@ float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" el
 # %% [markdown]
 # ## 1. Predict: the four kernels on one TensorCore's roofline
 #
+# <details><summary><b>Pop quiz.</b> At 512 concurrent requests, is a decode step's grouped matmul bound by the MXU
+# or by HBM under XLA? And does a kernel that reads fewer bytes make it compute-bound?</summary>
+#
+# By HBM: each local expert sees only a handful of token copies per step (the primer's quiz), so its weights are
+# used for a few FLOPs a byte, far below the ridge. Reading fewer bytes shortens the step, but the kernel stays on
+# the memory side of the roofline: it wins by moving less at the same low intensity. The table below says which
+# bound each case hits.
+# </details>
+#
 # A TensorCore of TPU7x does its peak bf16 matmul FLOP/s and streams its HBM bandwidth (`data/hardware.json`; the
 # cell prints both), so an op needs their ratio in FLOPs per byte it moves (the **ridge point**) before compute,
 # not memory, bounds it. The cost model
@@ -267,6 +276,14 @@ if aot is not None:
 #
 # ## 3. What the swap buys on TPU7x, according to the cost model
 #
+# <details><summary><b>Pop quiz.</b> Which components of a step should the swap make faster, and which should it
+# leave alone, in the cost model's accounting?</summary>
+#
+# Faster: the routed experts (only the experts hit, read as FP8) and attention (only each sequence's own pages).
+# Unchanged: GDN and the permutes, whose kernels the model charges the same bytes and FLOPs as XLA's (section 1).
+# The per-component printout below shows both.
+# </details>
+#
 # **Predict.** The `kernels` stage is `hier_rs` with the Pallas kernels: the same layout, routing and collectives.
 # Their difference, per component of a step, is what the kernels buy.
 
@@ -295,6 +312,15 @@ for wl in ("8k/1k", "1k/8k"):
 
 # %% [markdown]
 # ## 4. The whole 397B step fits a TPU7x-8: its compile
+#
+# <details><summary><b>Pop quiz.</b> Weights and caches fit, by placement's arithmetic. What else must fit in a
+# device's HBM for the step to run, and which step is the tighter one, decode or mixed?</summary>
+#
+# The step's temporaries (activations, routed-row buffers, what the kernels stage in HBM) and its code, on top
+# of the arguments; the compiler counts them all. The mixed step is tighter: its prefill chunk makes larger
+# activations and MoE row buffers than a token per sequence does. The table below prints each step's total and
+# its headroom under the usable HBM.
+# </details>
 #
 # **Measure** (a compile, not a run). `make sweep` compiles the `kernels` stage's engine step for `tpu7x:2x2x1` at
 # the serving shape: Qwen3.5-397B-A17B at full depth with abstract weights, 512 concurrent requests (64 sequences
@@ -343,6 +369,16 @@ notebook.save_results("kernel_swaps", record)
 # not moving bytes (only valid pages, only the experts hit, FP8 read as FP8) -- after checking that they compute
 # what their XLA twins compute and that they lower for TPU7x.
 # </div>
+#
+# ## What we learned
+#
+# - Place each op on the roofline before optimizing it: at serving shapes attention and the MoE sit far below the
+#   ridge, so the only gain available is fewer bytes, not fewer FLOPs.
+# - A Pallas kernel earns its place by what it does not read: invalid pages, experts without tokens, a bf16 copy of
+#   FP8 weights.
+# - Every kernel has an XLA twin; the kernel is right when it equals the twin here and compiles for TPU7x. Times in
+#   interpret mode say nothing about a TPU.
+# - The claim that the 397B step fits is a compile, temporaries included, not arithmetic over the weights.
 
 # %% [markdown]
 # ## Exercises
