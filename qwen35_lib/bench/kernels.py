@@ -278,13 +278,15 @@ def _split(text: str) -> list[str]:
 
 
 # --- side by side per kernel: the XLA twin vs the Pallas kernel (notebook 05; `run` adds attention and GDN) ------
-INTERPRET = "pallas interpret (CPU: numerics only, not a speed)"
+def interpret_label() -> str:
+    """What an interpret-mode Pallas row's time is, on the backend it ran on (a CPU, or a GPU runtime)."""
+    return f"pallas interpret ({jax.default_backend().upper()}: numerics only, not a speed)"
 
 
 def _mode(name: str) -> str:
     if name != "pallas":
         return f"xla ({jax.default_backend()})"
-    return "pallas compiled" if jax.default_backend() == "tpu" else INTERPRET
+    return "pallas compiled" if jax.default_backend() == "tpu" else interpret_label()
 
 
 def _side_by_side(kernel: str, case: str, candidates: dict, repeats: int, settle: int, **extra) -> list[dict]:

@@ -38,7 +38,8 @@ def attention_rows(model: str = "qwen3.5-mini", cases: dict | None = None, page_
     cfg = get_config(model)
     Hq, Hkv, d, ps = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, page_size
     dt = jnp.dtype(cfg.dtype)
-    mode = "compiled (TPU)" if jax.default_backend() == "tpu" else "interpret (CPU: numerics only, not a speed)"
+    backend = jax.default_backend()
+    mode = "compiled (TPU)" if backend == "tpu" else f"interpret ({backend.upper()}: numerics only, not a speed)"
     rows = []
     for name, (decodes, prefills) in (cases or CASES).items():
         rng = np.random.default_rng(seed)
