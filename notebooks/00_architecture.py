@@ -96,6 +96,15 @@ viz.plot_layer_pattern(cfg)
 # %% [markdown]
 # ## 2. Parameters: total and active
 #
+# <details><summary><b>Pop quiz.</b> The name says about 397 billion parameters in all and about 17 billion active
+# per token. Which part holds most of the total, and is it also most of what a token runs?</summary>
+#
+# The routed experts hold most of the total: 512 experts in each of 60 layers, three `D x F` matrices each. A token
+# runs 10 of the 512, about a fiftieth of them, so their share of the active count is far smaller, under half of
+# it; attention, GDN, the shared experts and the embeddings are small beside the experts, but every token reads
+# them. The report below splits both counts by part.
+# </details>
+#
 # **Predict.** A routed expert is a SwiGLU MLP, three `D x F` matrices, so the routed experts hold
 # `L * E * 3 * D * F` parameters. A token runs `k` of the `E` experts, so it touches
 # `active = total - routed * (1 - k / E)`. The routed experts should dominate the total, and not the active count.
@@ -106,7 +115,7 @@ predicted_routed = L * E * 3 * D * F
 print(f"predicted routed-expert parameters: {predicted_routed:,}; per token: {predicted_routed * k // E:,}")
 
 # %% [markdown]
-# **Measure.** `qwen35_lib.model_stats` counts over the weight declarations (`qwen35_lib.weights.declare`): the
+# **Compute.** `qwen35_lib.model_stats` counts over the weight declarations (`qwen35_lib.weights.declare`): the
 # same tree that random init, checkpoint loading and sharding use. `python -m qwen35_lib info --model
 # qwen3.5-397b-a17b` prints the same report.
 
@@ -149,6 +158,15 @@ else:
 # %% [markdown]
 # ## 3. Caches: per token and per request
 #
+# <details><summary><b>Pop quiz.</b> A request with 1k tokens of context: which is larger, its KV cache or its GDN
+# state?</summary>
+#
+# The GDN state. Attention has only 2 KV heads of 256 values, in 15 of the 60 layers, so a token adds little KV
+# cache; each of the 45 GDN layers keeps a state of 64 value heads of `128 x 128` values per request, however
+# short the context. The second cell below prints how many tokens of KV cache one request's GDN state is worth:
+# more than 1k.
+# </details>
+#
 # **Predict.** Each attention layer caches K and V for every token: `2 * KV heads * head_dim` values. Each GDN
 # layer keeps one state of `value heads * key dim * value dim` values per request, plus the last `K - 1` inputs
 # of its causal convolution, however long the context. HF keeps the GDN state in float32; tpu-inference keeps
@@ -163,7 +181,7 @@ predicted_gdn = n_gdn * (c.gdn_num_v_heads * c.gdn_k_head_dim * c.gdn_v_head_dim
 print(f"predicted: KV {predicted_kv:,} B per token; GDN state {predicted_gdn:,} B per request")
 
 # %% [markdown]
-# **Measure** and **check**.
+# **Compute** (the same counts over the declarations) and **check**.
 
 # %%
 serve_stats = qwen35_lib.model_stats(serve)
@@ -178,6 +196,15 @@ print(f"GDN state: {human_bytes(serve_stats.gdn_state_bytes_per_seq)} per reques
 # %% [markdown]
 # ## 4. The HBM budget of a TPU7x-8
 #
+# <details><summary><b>Pop quiz.</b> At two bytes per parameter, do the bf16 weights fit in 8 x 96 GiB of HBM, and
+# is there room left for the caches of 512 concurrent requests?</summary>
+#
+# The weights squeeze in, but they take nearly all of it: what is left is less than the GDN state of 512 requests
+# alone (section 3's state per request, times 512), before any KV cache. FP8 routed experts store one byte per
+# parameter, nearly halving the weights, and then both workloads fit. The second cell below prints each verdict
+# with its bytes.
+# </details>
+#
 # **Predict.** bf16 weights take 2 bytes per parameter. FP8 (e4m3, block-scaled) routed experts take 1 byte
 # per parameter plus one float32 scale per 128 x 128 block; the rest stays bf16.
 
@@ -191,7 +218,7 @@ print(f"{tpu.name}: {tpu.chips} chips x {tpu.devices_per_chip} TensorCores, {hum
 print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {human_bytes(predicted_fp8)} (+ scales)")
 
 # %% [markdown]
-# **Measure.** `qwen35_lib.budget.hbm_budget` puts the weights on the devices and asks what the caches of 512
+# **Compute.** `qwen35_lib.budget.hbm_budget` puts the weights on the devices and asks what the caches of 512
 # concurrent requests need, at 8k and at 1k tokens of context each. `even` placement spreads every weight
 # over the 8 devices: the best any layout can do.
 
@@ -206,6 +233,15 @@ for b in budgets:
 viz.plot_hbm_budget(budgets)
 
 # %% [markdown]
+# <details><summary><b>Pop quiz.</b> Of the four compiles below (bf16 or FP8 experts, placed `even` or
+# `experts_sharded`), which will XLA refuse?</summary>
+#
+# bf16 under `experts_sharded`. Placed `even`, the bf16 weights already fill most of a device's HBM; replicating
+# every weight that is not a routed expert adds seven more copies of the dense weights to the slice, and a
+# device's share no longer fits. With FP8 experts both placements fit. The printout gives XLA's bytes per device, or
+# its refusal.
+# </details>
+#
 # **Measure it as a TPU would.** With libtpu installed, XLA compiles for a TPU7x-8 (`tpu7x:2x2x1`) on this
 # machine, nothing allocated. We compile a program that takes all the weights, placed `even`, or
 # `experts_sharded`: routed experts split 8 ways and every other weight replicated on each device, which is
@@ -288,6 +324,20 @@ notebook.save_results("architecture", record)
 # <b>Takeaway.</b> The routed experts are nearly all of the weights but under half of the per-token work, so
 # storing them in FP8 is what leaves a TPU7x-8 room for the GDN state and KV cache of 512 concurrent requests.
 # </div>
+#
+# ## What we learned
+#
+# - A mixture of experts is large in storage and small in work: the routed experts are nearly all of the
+#   parameters, while every token reads the dense part, so memory and compute have to be planned separately.
+# - A hybrid model's cache has two parts that scale differently: GDN state per request, fixed, and KV cache per
+#   token, growing. With only 2 KV heads a request's KV cache outgrows its state only at long contexts (section 3
+#   prints where), so a short request is not cheap: it pays for the whole state.
+# - Fitting the weights is not fitting the server: bf16 weights fit the slice and leave no room for 512 requests'
+#   caches. FP8 experts are part of the serving configuration, not an optimisation.
+# - Replication has a price in HBM: a layout that copies the dense weights to every device needs the room FP8
+#   makes, and XLA's compile for TPU7x says so before any hardware does.
+# - One declaration of the weights drives the counts, the placement, XLA's bytes and a loaded checkpoint, so every
+#   figure above is checked against an independent count (transformers', the compiler's), not assumed.
 
 # %% [markdown]
 # ## Exercises
