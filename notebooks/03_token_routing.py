@@ -77,7 +77,8 @@ from qwen35_lib.costmodel import traffic
 from qwen35_lib.costmodel.stages import resolve_layout
 from qwen35_lib.costmodel.step import expected_a2a_rows, op_comm
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel import hlo, make_mesh, plan_of, routing
+from qwen35_lib.parallel import ALL, hlo, make_mesh, plan_of, routing, shard_weights
+from qwen35_lib.parallel.collectives import all_gather, gather_routing, on_each_device, reduce_scatter
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 
@@ -97,7 +98,8 @@ print(gain_table(stages["replicate"]))
 
 # %% [markdown]
 # **Check.** The whole gain is in the collectives: attention, GDN and the experts' work are the same under both
-# routings. Sections 1 and 2 say where it comes from.
+# routings. Section 1 shows what each collective moves, device by device; section 2 says where the gain comes
+# from.
 
 # %%
 for wl in ("8k/1k", "1k/8k"):
@@ -106,7 +108,152 @@ for wl in ("8k/1k", "1k/8k"):
     assert change["collectives"] < 0 and stages["replicate"][wl]["gain"] > 1, (wl, change)
 
 # %% [markdown]
-# ## 1. Bytes per MoE layer
+# ## 1. What moves, device by device
+#
+# A tiny example makes the two strategies concrete: `qwen3.5-tiny` with 16 experts instead of 8 (2 on each device,
+# so a token can pick two experts on one device), top-3, and `N = 16` tokens, `n = 2` on each device. The routing
+# is the real router's (`model.moe.route`); the collectives are the library's own (`collectives.all_gather`,
+# `gather_routing`, `reduce_scatter`), run by hand on the 8 devices with `on_each_device`, as notebook 04 does for
+# the hierarchical reduce-scatter. Every row carries its token's number, so a printout says which token went where.
+
+# %%
+demo = tiny.replace(num_experts=16)  # 2 experts per device
+demo_weights = qwen35_lib.init_weights(demo, 0)
+demo_router = demo_weights["layers"]["moe"]["router"][0, 0]  # [D, 16], the first MoE layer's
+n, k_demo, count = 2, demo.num_experts_per_tok, demo.num_experts // 8
+x_demo = np.random.default_rng(2).standard_normal((8 * n, demo.hidden_size)).astype(np.float32)  # [N, D]
+w_demo, ids_demo = (np.asarray(a) for a in route(demo, demo_router, jnp.asarray(x_demo)))  # [N, k] each
+dest = ids_demo // count  # [N, k]: the device of each copy's expert
+by_device = lambda a: np.asarray(a).reshape(8, -1, *np.shape(a)[1:])  # [N, ...] -> [8, N / 8, ...], device-major
+per_device = lambda fn, a: on_each_device(fn, by_device(a), mesh)  # fn on device i's rows of a, stacked
+token_no = np.arange(8 * n, dtype=np.int32)[:, None]  # [N, 1]: token t's row holds t
+print("token: its top-3 expert ids -> their devices")
+for first in range(0, 8 * n, 4):
+    print("  " + ";  ".join(f"{t:>2}: {ids_demo[t].tolist()} -> {dest[t].tolist()}" for t in range(first, first + 4)))
+
+# %% [markdown]
+# ### Replication: all-gather, local experts, reduce-scatter
+#
+# <details><summary><b>Pop quiz.</b> After the all-gather every device holds every token. Does each device then
+# run one expert computation per token?</summary>
+#
+# No: one per *copy* whose expert it owns. A token that picked both of a device's experts is run twice there, a
+# token that picked neither not at all, so the work differs from device to device. The printout lists each
+# device's copies; after the experts, the reduce-scatter sends each token's sum home, and that sum comes from
+# exactly the devices that ran its copies.
+# </details>
+#
+# **Predict.** The all-gather turns `x[N_x, D]` (`n` rows a device) into `x[N, D]` on every device, device-major;
+# the top-k ids and weights travel the same way (here in one packed all-gather, `fuse_allgather`: notebook 04).
+# Device `d` then runs its experts `2d, 2d + 1` on the copies routed to them.
+#
+# **Measure.** The library's collectives on the 8 devices.
+
+# %%
+gathered_x = per_device(all_gather, x_demo)  # [8, N, D]: the hidden states themselves
+gathered = per_device(all_gather, token_no)  # [8, N, 1]: their numbers, to print
+packed = np.concatenate([ids_demo.astype(np.float32), w_demo], axis=1)  # [N, 2k]: ids beside weights, one array to pass
+routing_seen = per_device(lambda v: jnp.concatenate(
+    [a.astype(jnp.float32) for a in gather_routing(v[:, :k_demo].astype(jnp.int32), v[:, k_demo:], fused=True)],
+    axis=1), packed)  # [8, N, 2k]: what each device holds after gather_routing
+copies = {d: sorted(int(t) for t in np.nonzero(dest == d)[0]) for d in range(8)}  # token of each local copy
+print(f"all_gather: x {by_device(x_demo).shape[1:]} per device -> {gathered_x.shape[1:]}; "
+      f"ids and weights {by_device(packed[:, :k_demo]).shape[1:]} -> {routing_seen[:, :, :k_demo].shape[1:]} each")
+for d in range(8):
+    print(f"  device {d}: tokens {by_device(token_no)[d, :, 0].tolist()} -> {gathered[d, :, 0].tolist()}; "
+          f"experts {d * count}, {d * count + 1} run the copies of tokens {copies[d]}")
+
+# %% [markdown]
+# **Predict.** After the experts every device holds partial sums `{y[N, D]}_U` for all `N` tokens, zero where
+# none of its experts ran. The reduce-scatter sums them over the devices and leaves each device its own `n` rows,
+# `y[N_x, D]`. To see who contributed, let device `d` write `2^d` into the rows of the tokens its experts ran: the
+# binary digits of each sum then name the devices it came from.
+#
+# **Measure.** `collectives.reduce_scatter`, flat (one `psum_scatter` over `('chip', 'core')`).
+
+# %%
+ran = (dest[None, :, :] == np.arange(8)[:, None, None]).any(axis=2)  # [8, N]: device d ran a copy of token t
+partials = np.repeat((ran * 2.0 ** np.arange(8)[:, None])[:, :, None], demo.hidden_size, axis=2)  # [8, N, D]
+partials = partials.astype(np.float32)
+summed = on_each_device(lambda v: reduce_scatter(v, hierarchical=False), partials, mesh)  # [8, n, D]
+senders = lambda total: [d for d in range(8) if int(total) >> d & 1]  # the devices whose 2^d are in a sum
+print(f"reduce_scatter: partial sums {partials.shape[1:]} per device -> {summed.shape[1:]}")
+for d in range(8):
+    print(f"  device {d}: " + ", ".join(f"token {d * n + i} summed from devices {senders(summed[d, i, 0])}"
+                                        for i in range(n)))
+
+# %% [markdown]
+# ### All-to-all dispatch
+#
+# <details><summary><b>Pop quiz.</b> Dropless, each device fills a buffer of `cap = n` rows for every device,
+# itself included (all its tokens could go to one). How many of those rows carry a token?</summary>
+#
+# A token fills a row at each device that owns at least one of its experts, and only one: a token with two
+# experts on one device goes there once, carrying both ids. The rest is padding, sent anyway, because the
+# buffer's shape cannot depend on the routing (dots below). A device's buffers hold `8 x n` rows in all, as many
+# as the all-gather's result: that is why section 2 finds the static all-to-all moving as many bytes as
+# replication.
+# </details>
+#
+# **Predict.** Device `s` fills row `p` of its buffer for device `e` with its `p`-th token that has an expert on
+# `e` (`routing.moe_ep` builds the same buffer, and packs each row's expert ids and weights in a second one). The
+# all-to-all hands device `e` the `e`-th buffer of every device: `[8, cap, D]` in, `[8, cap, D]` out, the same
+# shape, other rows. A second all-to-all, the inverse, brings each row's partial output home.
+#
+# **Measure.** `jax.lax.all_to_all` over `('chip', 'core')`, as `moe_ep` calls it.
+
+# %%
+goes = (dest[:, :, None] == np.arange(8)).any(axis=1)  # [N, 8]: token t goes to device e (once, deduplicated)
+send = np.full((8, 8, n), -1, np.int32)  # [source, destination, cap = n]: token numbers, -1 an empty row
+for s_ in range(8):
+    for e in range(8):
+        toks = [t for t in range(s_ * n, (s_ + 1) * n) if goes[t, e]]
+        send[s_, e, :len(toks)] = toks
+a2a = lambda v: jax.lax.all_to_all(v, ALL, 0, 0, tiled=True)  # split rows by destination, concatenate by source
+recv = on_each_device(a2a, send, mesh)  # [device, source, cap]
+home = on_each_device(a2a, recv, mesh)  # the return trip: [device, destination, cap]
+rows = lambda buf: " | ".join(" ".join(f"{t:>2}" if t >= 0 else " ." for t in b) for b in buf)
+print(f"all_to_all: rows [destination, cap] {send.shape[1:]} per device -> [source, cap] {recv.shape[1:]} "
+      f"(x[8, cap, {demo.hidden_size}] and the packed ids and weights [8, cap, {2 * k_demo}] move the same way)")
+for d in range(8):
+    print(f"  device {d} sends to 0..7:     {rows(send[d])}   ({(send[d] >= 0).sum()} of {send[d].size} rows used)")
+for d in range(8):
+    print(f"  device {d} receives from 0..7: {rows(recv[d])}")
+
+# %% [markdown]
+# **Check.** Every device holds every token and the whole routing after the all-gathers; each token's sum comes
+# home from exactly the devices of its experts; the all-to-all delivers device `s`'s `e`-th buffer to device `e`,
+# and the second one brings it back. The rows are the real layer's: `moe_ep` (with `with_rows`) reports, per
+# device, the local copies it ran (replicate) and the token rows it sent (all_to_all), and they equal the counts
+# printed above.
+
+# %%
+assert (gathered_x == x_demo[None]).all() and (gathered[:, :, 0] == np.arange(8 * n)).all()
+assert (routing_seen == packed[None]).all()
+assert all(senders(summed[t // n, t % n, 0]) == sorted(set(dest[t].tolist())) for t in range(8 * n))
+assert (recv == send.transpose(1, 0, 2)).all() and (home == send).all()
+moved = {}
+for r in ("replicate", "all_to_all"):
+    cfg = demo.replace(routing=r)
+    w = jax.tree.map(lambda a: a[0, 0], shard_weights(cfg, demo_weights, mesh)["layers"]["moe"])
+    with jax.set_mesh(mesh):
+        moved[r] = np.asarray(jax.jit(lambda w, x, cfg=cfg: routing.moe_ep(cfg, w, x, route, with_rows=True)[2])(
+            w, jnp.asarray(x_demo)))
+assert moved["replicate"].tolist() == [len(copies[d]) for d in range(8)], moved
+assert moved["all_to_all"].tolist() == (send >= 0).sum(axis=(1, 2)).tolist(), moved
+print("moe_ep's rows per device:", {r: v.tolist() for r, v in moved.items()})
+
+# %% [markdown]
+# ## 2. Bytes per MoE layer
+#
+# <details><summary><b>Pop quiz.</b> With top-10 of 512 experts on 8 devices, which moves fewer bytes per MoE
+# layer: all-gathering every token to every device, or sending each token only to the devices that own its
+# experts?</summary>
+#
+# Sending by address, but by less than one might expect: a token's 10 experts land on most of the 8 devices (the
+# first cell prints the average), so even an ideal, deduplicated all-to-all sends most tokens to most devices. And
+# a static buffer, sized for the worst case as section 1's was, is as large as the all-gather's result.
+# </details>
 #
 # **Predict.** A step holds `N` tokens, `n = N / 8` per device, hidden size `D`, `k` experts per token, `b`
 # bytes per activation (bf16: 2). Per device, the bytes of each collective (an all-gather's result, a
@@ -156,6 +303,15 @@ for N in (512, 8 * 2048):
 
 # %% [markdown]
 # ### Per-link load on the ring, and latency
+#
+# <details><summary><b>Pop quiz.</b> The ideal ragged all-to-all moves fewer bytes than replication. Is it faster
+# on a TPU7x-8?</summary>
+#
+# Not at a prefill-sized step: on a ring, an all-gather's bytes each cross one link per step around it, while an
+# all-to-all message to a device `d` hops away loads `d` links, so fewer bytes still mean more traffic per link.
+# At a small decode step the bytes hardly matter and the count of collectives does: the all-to-all's three beat
+# replication's four. The cell below prices both ends.
+# </details>
 #
 # **Compute.** Bytes are not time. The 8 TensorCores of a TPU7x-8 sit on a ring of 4 chips (2 cores a chip): an
 # all-gather or reduce-scatter runs *around* the ring, each byte crossing each link it needs once, while an
@@ -246,7 +402,15 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# ## 2. Dropping, counted
+# ## 3. Dropping, counted
+#
+# <details><summary><b>Pop quiz.</b> With a capacity factor `f = 1`, will a balanced random routing drop any
+# copies?</summary>
+#
+# Yes: `f = 1` sizes each destination's buffer for the average, and a random routing sends more than the average to
+# some destinations, so their last tokens are cut. A skewed routing, piling tokens onto one device's experts, drops
+# far more. The first cell counts both from the routing alone; the second drops them for real.
+# </details>
 #
 # **Predict.** With a capacity factor `f`, each device may send at most `cap = ceil(f·n·k/8)` tokens to each
 # other device; the copies of the tokens past the first `cap` are dropped (their expert output is missing from
@@ -258,7 +422,7 @@ plt.show()
 # The skewed ones are the same pushed along the router's column for expert 0.
 
 # %%
-weights = qwen35_lib.init_weights(tiny, 0)
+weights = qwen35_lib.init_weights(tiny, 0)  # 8 experts again: one per device
 layer = jax.tree.map(lambda a: a[0, 0], weights["layers"]["moe"])  # the first MoE layer
 r0 = np.asarray(layer["router"][:, 0])
 rng = np.random.default_rng(0)
@@ -297,12 +461,23 @@ for name, x in (("balanced", balanced), ("skewed", skewed)):
 assert results["skewed"]["all_to_all f=1"][1] > results["balanced"]["all_to_all f=1"][1]
 
 # %% [markdown]
-# ## 3. Determinism: does my answer depend on my neighbours?
+# ## 4. Determinism: does my answer depend on my neighbours?
+#
+# <details><summary><b>Pop quiz.</b> Keep your tokens and change only the others in the batch. Under which
+# strategy can your tokens' outputs change?</summary>
+#
+# Under the capped all-to-all: its buffer slots go first come, first served, so tokens that arrive earlier and
+# crowd the same experts take the slots your copies needed. Under replication every token's output is computed
+# from that token alone, and the dropless all-to-all has a slot for everyone. The cells below count the changed
+# outputs.
+# </details>
 #
 # **Predict.** Replication computes every token's output from that token alone, whoever else is in the batch. A
 # capped all-to-all gives buffer slots first come, first served on each device: a token whose device also carries
 # tokens crowding the same experts loses some of its copies. Keep tokens 4-7 of every device's 8 the same, and make
 # tokens 0-3 (which claim slots first) either balanced or skewed.
+#
+# **Measure.** The same layer on the mixed batch, against the balanced run of section 3.
 
 # %%
 mixed = balanced.copy()
@@ -344,6 +519,18 @@ notebook.save_results("token_routing", record)
 # more per byte; replication's collectives have static shapes, need no capacity to tune, drop nothing, and give
 # every request the same answer whatever else is in the batch. That is why production replicates.
 # </div>
+#
+# ## What we learned
+#
+# - Replication and all-to-all are two ways of bringing a token to its experts' devices: by broadcast or by
+#   address. When a token's experts cover most devices, as top-10 over 8 does, the address saves little.
+# - A static shape is a worst-case promise: a dropless all-to-all buffer is mostly padding, as large as an
+#   all-gather, and a smaller one must drop.
+# - Bytes are not time. On a ring an all-to-all loads more links per byte delivered, and at small steps the number
+#   of collectives, each with its latency, matters more than their bytes.
+# - Dropping is not only lossy but unfair: a capped buffer makes a token's answer depend on its neighbours.
+# - The per-device printouts are the invariant to check any routing against: each token's output is summed from
+#   exactly the devices that own its experts, and the real layer's row counts agree with the hand-built ones.
 
 # %% [markdown]
 # ## Exercises
@@ -360,7 +547,7 @@ notebook.save_results("token_routing", record)
 #    from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
 #    </details>
 #
-# 2. **[How much capacity]** What capacity factor makes the skewed batch of section 2 drop nothing?
+# 2. **[How much capacity]** What capacity factor makes the skewed batch of section 3 drop nothing?
 #    <details><summary>Answer</summary>
 #
 #    Raise `f` in `routing.predicted_drops` for the skewed routing until it returns 0, then confirm with
