@@ -105,6 +105,14 @@ for name, rec in stages.items():
 # `fuse_allgather` bitcasts the float top-k weights to int32 and packs them beside the int32 ids: one `[n, 2k]`
 # int32 array, one all-gather, unpacked and bitcast back on arrival (`collectives.gather_routing`). Bit-exact.
 #
+# <details><summary><b>Pop quiz.</b> Packing the ids and the weights into one all-gather saves a collective. Does
+# it also save bytes?</summary>
+#
+# No, it adds a few: the weights travel as 4-byte int32 words instead of bf16, so each copy of a token's routing
+# grows by `2k` bytes. What it saves is the fixed latency of a collective, which is most of the cost of an
+# all-gather this small. The compiled counts below show both, and why XLA:CPU shows no growth at all.
+# </details>
+#
 # **Predict.** Per MoE layer: 3 all-gathers → 2 (per layer group of 4 MoE layers, 12 → 8). The bytes barely move:
 # the weights travel as 4-byte words instead of bf16, `N·k·2` bytes more per layer, for one collective less.
 #
@@ -151,6 +159,13 @@ for where in targets:
 # the flat scatter (and the data-parallel layout of the tokens) puts block `2c + j` there. So the rows must be
 # permuted first: view the 8 blocks as `[chip 4, core 2]` and transpose to `[core, chip]`. Watch it happen, with
 # rows numbered by the block they belong to.
+#
+# <details><summary><b>Pop quiz.</b> Without the permute, which devices still end with their own block?</summary>
+#
+# Those where `4j + c = 2c + j`, that is `c = 3j`: devices `(0, 0)` and `(3, 1)`, the first and the last. The
+# other six hold another device's tokens, so the hierarchical version would still sum correctly but hand the
+# sums to the wrong owners. The printout's `core, then chip` line shows that order, the next one the fix.
+# </details>
 
 # %%
 N, D = 64, 16
@@ -186,6 +201,14 @@ print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")
 # %% [markdown]
 # ## 3. Bytes per phase
 #
+# <details><summary><b>Pop quiz.</b> Does the two-phase reduce-scatter send more bytes than the flat one? And what
+# share of them crosses chips?</summary>
+#
+# The same bytes in all, `1/2 + 3/8 = 7/8` of a device's input, but only `3/8` of it crosses chips: phase 1
+# halves the rows inside the chip before anything reaches ICI. The compiled shapes below give each phase's rows,
+# and the bytes follow from them.
+# </details>
+#
 # **Predict.** A device starts with `N·D·b` bytes of partial sums. Phase 1 (over `core`) sends half of them to the
 # other core of its chip: `N·D·b / 2` intra-chip, leaving `N/2` rows. Phase 2 (over `chip`) is a reduce-scatter
 # of those among 4 chips: `3/4 · N/2 · D·b = 3/8 · N·D·b` inter-chip. The flat reduce-scatter sends
@@ -202,13 +225,17 @@ for name, ops in phases.items():
 
 # %% [markdown]
 # **Check.** Two micro-batches, two phases each: reduce-scatters whose results are `N/2/2 = 128` rows (phase 1)
-# and `N/8/2 = 32` rows (phase 2). (XLA:CPU carries bf16 reductions in float32.) From the row counts, the bytes
-# each device sends per phase for the 397B at `N = 512`:
+# and `N/8/2 = 32` rows (phase 2). (XLA:CPU carries bf16 reductions in float32.)
 
 # %%
 for name, ops in phases.items():
     rows = sorted(int(op.shape.split("[")[1].split(",")[0]) for op in ops)
     assert rows == [32, 32, 128, 128], (name, rows)
+
+# %% [markdown]
+# **Compute.** From those row counts, the bytes each device sends per phase for the 397B at `N = 512` (bf16).
+
+# %%
 Nb = 512 * big.hidden_size * 2  # N·D·b, bf16
 per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat, 8 devices": 7 * Nb / 8}
 print({k: human_bytes(v) for k, v in per_phase.items()})
@@ -262,6 +289,17 @@ notebook.save_results("collective_fusion", record)
 # the reduce-scatter by link (core, then chip, rows permuted first) keeps more than half of its traffic inside the
 # chip, where it can overlap the inter-chip phase, with the same result.
 # </div>
+#
+# ## What we learned
+#
+# - A collective has a fixed cost as well as a cost per byte. When the payload is tiny, as top-k ids and weights
+#   are, merging collectives wins even if it adds bytes.
+# - A reduce-scatter can be split by link: first over the fast one (`core`, inside a chip), then over the scarce
+#   one (`chip`), so the scarce link carries less; micro-batches let the two phases overlap.
+# - Composing collectives composes their block orders: a scatter over `core` then `chip` is a permutation of the
+#   flat one, and the rows must be permuted first (or the phases swapped, at the price of inter-chip bytes).
+# - Every rewrite of a collective must compute the same function, and the check says how exactly: packing is
+#   bit-exact, a two-phase sum changes only the order of float additions.
 
 # %% [markdown]
 # ## Exercises
