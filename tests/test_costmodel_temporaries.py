@@ -17,7 +17,18 @@ from qwen35_lib.parallel.stages import get_stage, stage_config
 DOC = data.read_json("aot/tpu7x-8.json")
 MIXED = pytest.mark.xfail(strict=True, reason="the mixed step's MoE row buffers: estimate 4.3 GB, compile 6.65 GB "
                           "(397B kernels, 1,024 prefill tokens a rank; see costmodel.temporaries)")
-CASES = [pytest.param(stage, step, marks=[MIXED] if step.endswith("mixed") else [])
+XLA_DECODE = pytest.mark.xfail(strict=True, reason="the XLA stages' decode step: estimate 11.0 GB, compile 16.6-17.0 "
+                                "GB (397B, full depth, dp_ep to hier_rs); the compiled loop holds more FP8 and bf16 "
+                                "expert copies than the table's one dequantized slice a group, not yet attributed")
+
+
+def _marks(stage: str, step: str) -> list:
+    if get_stage(stage).kernels != "pallas":
+        return [XLA_DECODE] if step.endswith("decode") else []
+    return [MIXED] if step.endswith("mixed") else []
+
+
+CASES = [pytest.param(stage, step, marks=_marks(stage, step))
          for stage, s in DOC["stages"].items() for step, e in s["steps"].items()
          if "temp_bytes" in e and "same_program_as" not in e]
 

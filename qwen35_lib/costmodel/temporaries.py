@@ -20,10 +20,13 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
-Checked only where the sweep compiled it: the kernels stage (the XLA stages' copies are an upper bound here). The
-decode step is within 6% (397B, full depth); the mixed step (1,024 prefill tokens a rank) is under-estimated by a
-third: 4.3 GB against the compile's 6.65 GB (the MoE's row buffers at M = 87,040 rows, several layers' live at
-once in the compiled schedule, are what the table does not yet capture).
+Checked against every stage the sweep compiled. The kernels stage's decode step is within 6% (397B, full depth);
+its mixed step (1,024 prefill tokens a rank) is under-estimated by a third: 4.3 GB against the compile's 6.65 GB
+(the MoE's row buffers at M = 87,040 rows, several layers' live at once in the compiled schedule, are what the
+table does not yet capture). The XLA stages' (dp_ep to hier_rs) mixed steps are within 25%, their decode steps
+under-estimated by a third: 11.0 GB against 16.6-17.0 GB; their compiled loop holds more FP8 and bf16 expert
+copies than one dequantized slice a group, not yet attributed. The baseline's step is refused by the compiler at
+this shape (its temporaries alone exceed the HBM), so it has no figure to judge against.
 """
 
 from __future__ import annotations
