@@ -65,6 +65,7 @@ import numpy as np
 
 import qwen35_lib
 from qwen35_lib import aot
+from qwen35_lib import data as data_files
 from qwen35_lib.costmodel import StepShape, collective_counts
 from qwen35_lib.costmodel.traffic import step_collectives
 from qwen35_lib.engine.engine import Engine, EngineConfig
@@ -74,6 +75,7 @@ from qwen35_lib.parallel.notation import weight_notation
 from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
 from qwen35_lib.parallel.stages import get_stage
 from qwen35_lib.placement import fmt_range, placement
+from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 from qwen35_lib.viz.sharding_explorer import placement_figure
 
@@ -332,6 +334,27 @@ for name, ops in body_ops.items():
     print(f"{name} outside the layer body: {outside}")
 
 # %% [markdown]
+# **The 397B step, compiled for TPU7x.** The stored sweep (`data/aot/tpu7x-8.json`, `make sweep`) holds the `dp_ep`
+# stage's engine step at the serving shape: full depth, 512 requests (64 sequences a rank), every request's whole
+# context in an FP8 pool, FP8 experts. **Check:** every all-to-all of its 60 MoE layers is there with the cost
+# model's bytes, no other collective but the sampler's, and the step fits the device with the headroom printed.
+
+# %%
+stored = data_files.read_json("aot/tpu7x-8.json")
+for step in ("8k/1k decode", "8k/1k mixed"):
+    e = stored["stages"]["dp_ep"]["steps"][step]
+    a2a = e["collectives"]["all-to-all"]
+    print(f"dp_ep {step:<13} all-to-alls {a2a['count']} ({human_bytes(a2a['bytes'])}; cost model "
+          f"{a2a['model_count']}, {human_bytes(a2a['model_bytes'])}); total {human_bytes(e['total_bytes'])} per "
+          f"device, {human_bytes(e['headroom_bytes'])} to spare")
+    assert a2a["count"] == a2a["model_count"] == 3 * big.num_layers and a2a["bytes"] == a2a["model_bytes"], a2a
+    assert set(k for k, v in e["collectives"].items() if v["count"]) <= {"all-to-all", "all-reduce"}, e["collectives"]
+    assert e["fits"] and e["total_bytes"] + e["headroom_bytes"] == stored["usable_bytes"]
+sweep_dp_ep = {step.split()[1]: {k: stored["stages"]["dp_ep"]["steps"][step][k]
+                                 for k in ("total_bytes", "temp_bytes", "headroom_bytes", "fits")}
+               for step in ("8k/1k decode", "8k/1k mixed")}
+
+# %% [markdown]
 # ## 4. Any number of requests
 #
 # The engine sends each new request to the least-loaded of the 8 data-parallel ranks; each rank has its own page
@@ -379,7 +402,7 @@ record = dict(placement_397b=dict(weight_bytes=p.weight_bytes_per_device, kv_byt
                                          total_bytes=mid.total_bytes_per_device, fits=mid.fits),
               kv_dtype=FP8_KV, stage=STAGE.name, routing=STAGE.routing,
               logits_max_abs_err=float(err), collectives_per_group=per_group,
-              first_tokens={str(k): v for k, v in first.items()}, stages=stages)
+              first_tokens={str(k): v for k, v in first.items()}, stages=stages, sweep=sweep_dp_ep)
 notebook.save_results("dp_ep", record)
 
 # %% [markdown]
