@@ -303,6 +303,41 @@ for r in aot_rows:
     assert abs(r["flops_ratio"] - 1) < 0.1 and abs(r["memory_ratio"] - 1) < 0.01, r
 
 # %% [markdown]
+# ### Every stage's whole step at the serving shape
+#
+# <details><summary><b>Pop quiz.</b> The ladder above predicts every stage at 512 requests. Does every stage's
+# step actually fit a TPU7x-8 at that shape, temporaries included?</summary>
+#
+# Not the baseline: its one rank puts all 512 requests on every device, and the compiler refuses its step for the
+# temporaries alone (notebook 01). Every EP stage fits, the XLA ones with little to spare because XLA's MoE copies
+# expert weights in every layer group, the `kernels` stage with the most. The table below is the stored compile.
+# </details>
+#
+# **Measure** (compiles, not runs). The stored sweep (`data/aot/tpu7x-8.json`, written by `make sweep`) compiled each
+# stage's engine step for `tpu7x:2x2x1` at full depth: 512 requests, whole-context FP8 pools, FP8 experts, a decode
+# and a mixed step (the two workloads share their programs: same pools, same token counts). `aot.sweep.table` prints
+# it.
+
+# %%
+from qwen35_lib.aot import sweep as aot_sweep
+
+stored = data.read_json("aot/tpu7x-8.json")
+print(aot_sweep.table(stored))
+fit_table = {st: {step.split()[1]: {k: e.get(k) for k in ("fits", "total_bytes", "temp_bytes", "headroom_bytes")}
+                  for step, e in s_["steps"].items() if step.startswith("8k/1k")}
+             for st, s_ in stored["stages"].items()}
+
+# %% [markdown]
+# **Check.** Every stage of the ladder is in the sweep; all but the baseline fit both steps, and the `kernels` stage
+# has the most headroom.
+
+# %%
+assert set(fit_table) == set(STAGES), sorted(fit_table)  # the whole ladder
+assert not any(v["fits"] for v in fit_table["baseline"].values())
+assert all(v["fits"] for st, f in fit_table.items() if st != "baseline" for v in f.values())
+assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] or -1) == "kernels"
+
+# %% [markdown]
 # ## 6. Validation (c): published measurements
 #
 # `data/published.json` holds the Qwen3.5-397B-on-TPU7x figures we could find and cite (tpu-inference pull
@@ -389,7 +424,7 @@ record = dict(ladder=[{k: r[k] for k in keep} for r in rows], reported=reported,
               validation_published=[{k: r.get(k) for k in ("source", "concurrency", "ratio_fused_ag", "ratio_kernels",
                                                            "tpot_ratio_kernels")}
                                     for r in pub],
-              sensitivity=sweeps, cpu_specs=cpu)
+              sensitivity=sweeps, cpu_specs=cpu, sweep=fit_table)
 notebook.save_results("costmodel", record)
 
 # %% [markdown]
