@@ -164,9 +164,10 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
         return lowered.compile(compiler_options)
 
 
-def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):
+def compile_moe_layer(config: Config, mesh: Mesh, tokens: int, compiler_options: dict | None = None):
     """One EP MoE layer (`parallel.routing.moe_ep`, layer 0 of group 0, the XLA grouped matmul) on `mesh` with
-    x [tokens, D] split over the mesh's devices, compiled with abstract weights: its collectives as XLA emits them."""
+    x [tokens, D] split over the mesh's devices, compiled with abstract weights (and `compiler_options`, e.g. a
+    TPU flag): its collectives as XLA emits and schedules them."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from qwen35_lib.model.moe import route
@@ -181,7 +182,7 @@ def compile_moe_layer(config: Config, mesh: Mesh, tokens: int):
                              sharding=NamedSharding(mesh, PartitionSpec(ALL)))
     layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)
     with jax.set_mesh(mesh), compile_target(backend):
-        return jax.jit(layer).lower(w, x).compile()
+        return jax.jit(layer).lower(w, x).compile(compiler_options)
 
 
 def resident_bytes(config: Config, cache_shape, mesh: Mesh) -> tuple[int | None, str | None]:
