@@ -134,7 +134,8 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
             out["attn_core"] *= s.eff_hbm / mech.attention_kernel_efficiency
         if batch.decodes and batch.prefill_tokens:
             out["attn_core"] *= mech.mixed_step_attention
-        out["permute"] *= mech.sparsecore_permute
+        if stage.kernels == "pallas":  # production's kernels run the permutes on the SparseCore; XLA's stay on the TC
+            out["permute"] *= mech.sparsecore_permute
         out["host"] += mech.host_step_overhead_s
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
