@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+from widgets import by_label  # noqa: E402
 
 from playbook import explorer  # noqa: E402
 from qwen35_lib.config import get_config  # noqa: E402
@@ -90,11 +91,7 @@ def test_page_embeds_the_grid(tmp_path: pathlib.Path):
 
 def test_sharding_explorer_controls_and_collectives():
     box = sharding_explorer()
-    widgets, stack = {}, [box]
-    while stack:
-        node = stack.pop()
-        stack += list(getattr(node, "children", ()))
-        widgets[getattr(node, "description", None) or type(node).__name__] = node
+    widgets = by_label(box)
     assert {"hardware", "context", "expert dtype", "GDN state", "routing"} <= set(widgets)
     html = widgets["HTML"].value
     assert "qwen35-explorer-collectives" in html and "reduce-scatter" in html
@@ -119,11 +116,7 @@ def test_costmodel_assumptions_and_ladder():
 
 def test_costmodel_explorer_has_a_slider_per_assumption():
     box = viz_cm.explorer()
-    widgets, stack = {}, [box]
-    while stack:
-        node = stack.pop()
-        stack += list(getattr(node, "children", ()))
-        widgets[getattr(node, "description", None) or type(node).__name__] = node
+    widgets = by_label(box)
     for name, r in viz_cm.range_assumptions().items():
         assert (widgets[name].min, widgets[name].value, widgets[name].max) == (r["low"], r["value"], r["high"])
     widgets["collective_overlap"].value = 0.5  # re-predicts without error

@@ -11,6 +11,8 @@ import pytest
 
 matplotlib.use("Agg")
 
+from widgets import by_label  # noqa: E402
+
 from qwen35_lib import budget  # noqa: E402
 from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
 from qwen35_lib.engine.cache import cache_shardings, init_cache  # noqa: E402
@@ -119,11 +121,7 @@ def test_figure_and_explorer_headless():
     fig = placement_figure(placement(BIG, "tp8"))
     fig.savefig(io.BytesIO(), format="png")
     box = sharding_explorer()
-    widgets, stack = {}, [box]
-    while stack:
-        node = stack.pop()
-        stack += list(getattr(node, "children", ()))
-        widgets[getattr(node, "description", None) or type(node).__name__] = node
+    widgets = by_label(box)
     assert {"model", "layout", "devices", "KV dtype", "requests", "HTML", "Output"} <= set(widgets)
     summary = widgets["HTML"]
     before = summary.value
