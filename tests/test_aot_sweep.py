@@ -92,3 +92,19 @@ def test_largest_pool_is_the_last_page_count_that_fits(monkeypatch):
     assert len(seen) <= 4, seen  # the headroom's guess, its correction from the measured total, the two bounds
     decode["headroom_bytes"] //= 3  # a wrong guess: found by bisection all the same
     assert sweep.largest_pool(None, "kernels", None, shape, usable, decode)["pages_per_seq"] == 600
+
+
+def test_largest_pool_searches_down_from_a_refused_step(monkeypatch):
+    """A stage whose step at the serving pool is refused (the baseline's): the search bisects below it."""
+    usable, fixed, per_seq_page = 10**9, 400 * 10**6, 10**7
+
+    def fake(cfg, stage, step, mesh, shape, *a):
+        total = fixed + shape.context_len // shape.page_size * per_seq_page
+        refused = {"fits": False, "error": "RESOURCE_EXHAUSTED"}
+        return {"total_bytes": total, "fits": True} if total <= usable else refused
+
+    monkeypatch.setattr(sweep, "compile_entry", fake)
+    shape = sweep.ServingShape(requests=16, context_len=100 * 256)
+    decode = {"ranks": 8, "fits": False, "kv_bytes": 2 * 100 * 10**6, "error": "RESOURCE_EXHAUSTED"}
+    lp = sweep.largest_pool(None, "baseline", None, shape, usable, decode, max_compiles=12)
+    assert lp["pages_per_seq"] == 60 and lp["exact"], lp

@@ -256,7 +256,8 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
         _save(path, doc)
     for stage in stages if largest else ():
         s = doc["stages"].get(stage, {})
-        decode = next((e for k, e in s.get("steps", {}).items() if k.endswith("decode") and "error" not in e), None)
+        # a refused decode step (the baseline's) is searched downwards from its pool
+        decode = next((e for k, e in s.get("steps", {}).items() if k.endswith("decode")), None)
         if decode is None or "largest_pool" in s:
             continue
         t0 = time.perf_counter()
