@@ -293,7 +293,7 @@ if aot is not None:
 # %%
 SC_PERMUTE = Mechanisms.nominal().sparsecore_permute  # data/costmodel_assumptions.json, with its source
 print(f"sparsecore_permute (labelled assumption): {SC_PERMUTE}")
-buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False)
+buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False, band=True)
         for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
 stages = {"kernels": stage_gain("kernels", predictions=buys)}  # the same predictions, by component group
 print(gain_table(stages["kernels"]))

@@ -11,6 +11,8 @@ each chapter opens with (recorded by its notebook, quoted as `{{ result: NN.<fil
    1,000 tokens served (`breakdown_fraction / total_tokens_per_s`, so the groups sum to 1 / throughput and two
    stages compare over the same work), before and after, the milliseconds saved, and the relative change of each
    (`component_change`: after / before - 1; 0 where the group costs nothing before).
+4. the stage's uncertainty band (`band_total_tokens_per_s`: [low, high] tokens/s, predict's one-at-a-time extremes
+   of the labelled assumptions), where its prediction carries one (those made here do).
 The baseline has no previous stage: only its own figures.
 """
 
@@ -62,7 +64,8 @@ def stage_gain(stage: str, previous: str | None = "ladder", concurrency: int = 5
     def get(st: str, wl: str) -> dict:
         if (st, wl) not in made:
             isl, osl = WORKLOADS[wl]
-            made[st, wl] = predict(model, hardware, st, isl, osl, concurrency, roofline=False, **kwargs)
+            made[st, wl] = predict(model, hardware, st, isl, osl, concurrency, roofline=False,
+                                   **{"band": True, **kwargs})
         return made[st, wl]
 
     out: dict[str, Any] = dict(stage=stage, previous=previous, concurrency=concurrency, model=model,
@@ -71,6 +74,8 @@ def stage_gain(stage: str, previous: str | None = "ladder", concurrency: int = 5
         after = get(stage, wl)
         row = {k: after[k] for k in KEPT}
         row["ms_per_1k_tokens"] = ms_per_1k_tokens(after)
+        if "band" in after:
+            row["band_total_tokens_per_s"] = after["band"]["total_tokens_per_s"]
         if previous is not None:
             before = get(previous, wl)
             row["previous_total_tokens_per_s"] = before["total_tokens_per_s"]
@@ -91,6 +96,8 @@ def gain_table(record: dict) -> str:
     for wl in WORKLOADS:
         r = record[wl]
         head = f"{record['stage']} at {wl}, {record['concurrency']} requests: {r['total_tokens_per_s']:,.0f} tokens/s"
+        if "band_total_tokens_per_s" in r:
+            head += " (band {:,.0f}-{:,.0f})".format(*r["band_total_tokens_per_s"])
         if record["previous"] is not None:
             head += (f" (over {record['previous']}: {r['previous_total_tokens_per_s']:,.0f} tokens/s, "
                      f"{r['gain']:.2f}x)")

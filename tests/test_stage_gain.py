@@ -61,7 +61,14 @@ def test_a_stage_that_does_not_fit_is_refused() -> None:
         ms_per_1k_tokens({"fits": False, "stage": "baseline", "reason": "no room"})
 
 
-def test_baseline_record_has_no_previous(made: dict) -> None:
+def test_baseline_record_has_no_previous(made: dict, replicate: dict) -> None:  # replicate: fills `made`
     rec = stage_gain("baseline", predictions={("baseline", wl): made["dp_ep", wl] for wl in WORKLOADS})
     assert rec["previous"] is None
     assert all("gain" not in rec[wl] and set(rec[wl]["ms_per_1k_tokens"]) == set(GROUPS) for wl in WORKLOADS)
+
+
+def test_each_stage_carries_its_band(replicate: dict) -> None:
+    for wl in WORKLOADS:
+        lo, hi = replicate[wl]["band_total_tokens_per_s"]
+        assert lo <= replicate[wl]["total_tokens_per_s"] <= hi and lo < hi
+    assert "(band " in gain_table(replicate)
