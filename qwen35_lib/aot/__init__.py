@@ -143,7 +143,12 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
     weights = abstract_weights(config, weight_shardings(config, mesh))
     if weight_layouts == "mxu":
+        embed = weights["embed"]
         weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
+        if any(s is not None for s in embed.sharding.spec):
+            # split over the vocabulary (TP), the embedding is gathered, not a dot's operand: XLA insists on its
+            # own 8 x 128 tiling there (jax then refuses the 16 x 128 asked for: seen under tp8_kvrep)
+            weights["embed"] = embed
         moe = weights["layers"]["moe"]
         for name in ("w_gate_up", "w_down"):
             if hasattr(moe[name], "scale"):  # block-scaled FP8: the scales as the grouped matmul reads them
