@@ -88,9 +88,14 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
     heap packs those copies differently at 2 groups than at 3 (temporaries 1.134 / 1.439 / 1.457 GB at 2 / 3 / 15
     groups); stored D-second-minor, the copies go (0.967 GB at 2 and at 3 groups; with the FP8 scales placed by
     `scale_format` too, 0.964 / 0.963 / 0.962 GB at 2 / 3 / 15 groups). (The caches cannot be placed so: XLA
-    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.)"""
+    overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.) A weight split over
+    the mesh is left as it is: under the TP baseline XLA keeps its own 8 x 128 tiling for the vocabulary-split
+    embedding and the head-split projections, and jax then refuses the compiled step (an AssertionError on the
+    layout override). Every EP stage replicates its bf16 weights, so this changes none of them."""
     if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
         return a
+    if any(s is not None for s in getattr(a.sharding, "spec", ())):
+        return a  # split (a TP layout's): XLA overrides the tiling asked for and jax refuses the compiled step
     from jax.experimental.layout import Format, Layout
 
     order = tuple(range(a.ndim))
@@ -143,12 +148,7 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
     weights = abstract_weights(config, weight_shardings(config, mesh))
     if weight_layouts == "mxu":
-        embed = weights["embed"]
         weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
-        if any(s is not None for s in embed.sharding.spec):
-            # split over the vocabulary (TP), the embedding is gathered, not a dot's operand: XLA insists on its
-            # own 8 x 128 tiling there (jax then refuses the 16 x 128 asked for: seen under tp8_kvrep)
-            weights["embed"] = embed
         moe = weights["layers"]["moe"]
         for name in ("w_gate_up", "w_down"):
             if hasattr(moe[name], "scale"):  # block-scaled FP8: the scales as the grouped matmul reads them
