@@ -421,12 +421,18 @@ for stage in ("baseline", "dp_ep"):
                    f"REFUSED: the temporaries alone need {human_bytes(temp)}")
         print(f"{stage:<9} {step:<13} weights + caches {human_bytes(resident):>10}, temporaries "
               f"{human_bytes(temp):>10}: {verdict}")
+pools = {st: stored["stages"][st]["largest_pool"] for st in ("baseline", "dp_ep")}  # the sweep's search
+for st, lp in pools.items():
+    print(f"{st:<9} largest pool whose decode step compiles at 512 requests: {lp['tokens_per_seq']:,} tokens a "
+          f"sequence (every request's whole context needs {stored['shape']['context_len']:,})")
 
 # %% [markdown]
 # **Check.** Weights and caches fit under both layouts (the arithmetic above), but the baseline's whole step does
 # not: the compiler refuses it because of its temporaries, the buffers the step computes with, which under the
-# baseline hold every request of the batch on every device. `dp_ep` holds more weights a device (and a smaller
-# KV cache) and still compiles, with headroom. A fit is judged on the step, not on the arrays it reads.
+# baseline hold every request of the batch on every device. The sweep's search for the largest pool that still
+# compiles finds the baseline's below a request's whole context, `dp_ep`'s above it. `dp_ep` holds more weights a
+# device (and a smaller KV cache) and still compiles, with headroom. A fit is judged on the step, not on the
+# arrays it reads.
 
 # %%
 usable = stored["usable_bytes"]
@@ -436,6 +442,7 @@ for step in ("8k/1k decode", "8k/1k mixed"):
     assert ep["fits"] and ep["temp_bytes"] < base["temp_bytes"], (ep, base)
     assert stored["stages"]["dp_ep"]["steps"][step]["weight_bytes"] > \
         stored["stages"]["baseline"]["steps"][step]["weight_bytes"]  # every dense weight on every device
+assert pools["baseline"]["tokens_per_seq"] < stored["shape"]["context_len"] <= pools["dp_ep"]["tokens_per_seq"]
 w_swept = stored["stages"]["baseline"]["steps"]["8k/1k decode"]["weight_bytes"]  # placement's arithmetic, too
 assert abs(w_swept - plans["tp8_kvrep"].weight_bytes_per_device) <= 1e-3 * w_swept, w_swept
 
@@ -505,7 +512,9 @@ record = dict(
                  for name, p in bf16_plans.items()},
     hbm_bytes_per_device=plans["tp8_kvrep"].hbm_bytes_per_device,
     stages=stages, step_8_layers=step,
-    sweep={f"{stage}_{step.split()[1]}": v for (stage, step), v in swept.items()})  # the stored TPU7x compiles
+    sweep={f"{stage}_{step.split()[1]}": v for (stage, step), v in swept.items()},  # the stored TPU7x compiles
+    largest_pool_tokens={st: lp["tokens_per_seq"] for st, lp in pools.items()},
+    whole_context_tokens=stored["shape"]["context_len"])
 notebook.save_results("naive_tp", record)
 
 # %% [markdown]
