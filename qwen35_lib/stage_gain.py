@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 GROUPS = {"attention": ("attn_proj", "attn_core"), "gdn": ("gdn_proj", "gdn_core"),
-          "moe": ("router", "shared_expert", "routed_experts", "permute"),
+          "moe": ("router", "shared_expert", "routed_experts", "permute", "onehot_permute", "moe_rows"),
           "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
           "other": ("norms", "embed_lm_head", "host")}
 WORKLOADS = {"8k/1k": (8192, 1024), "1k/8k": (1024, 8192)}

@@ -92,11 +92,28 @@ def test_band_brackets_the_prediction_and_names_each_end():
     b = r["band"]
     lo, hi = b["total_tokens_per_s"]
     assert lo <= r["total_tokens_per_s"] <= hi and b["high_over_low"] == pytest.approx(hi / lo)
-    ranges = [n for n, rec in assumptions.records().items() if rec["kind"] == "range"]
+    swept = [n for n, rec in assumptions.records().items() if rec["kind"] in assumptions.SWEPT
+             and n != "host_step_time_sync_s"]  # async scheduling is on: the synchronous host time is not in force
     assert sorted((x["assumption"], x["end"]) for x in b["extremes"]) == sorted(
-        (n, e) for n in ranges for e in ("low", "high"))
+        (n, e) for n in swept for e in ("low", "high"))
     tpot = {(x["assumption"], x["end"]): x["median_tpot_s"] for x in b["extremes"]}
     assert tpot[("host_step_overhead_s", "high")] > r["median_tpot_s"] > tpot[("host_step_overhead_s", "low")]
+    # the joint corners: every swept assumption at its worse (better) end at once, outside every single extreme
+    c = {x["corner"]: x for x in b["corners"]}
+    singles = [x["total_tokens_per_s"] for x in b["extremes"]]
+    assert c["pessimistic"]["total_tokens_per_s"] <= min(singles) and max(singles) <= c["optimistic"][
+        "total_tokens_per_s"]
+    assert [lo, hi] == [c["pessimistic"]["total_tokens_per_s"], c["optimistic"]["total_tokens_per_s"]]
+    assert set(c["pessimistic"]["values"]) == set(swept)
+
+
+def test_async_scheduling_is_a_setup_switch_for_the_host_time():
+    on = costmodel.predict(stage="kernels", **SMALL)
+    off = costmodel.predict(stage="kernels", mechanisms=Mechanisms.nominal(async_scheduling=False), **SMALL)
+    recs = assumptions.records()
+    assert recs["async_scheduling"]["kind"] == "setup" and recs["async_scheduling"]["value"] is True
+    assert on["breakdown_s"]["host"] == pytest.approx(recs["host_step_overhead_s"]["value"])
+    assert off["breakdown_s"]["host"] == pytest.approx(recs["host_step_time_sync_s"]["value"])
 
 
 def test_cli_explain_json_gives_the_breakdown_the_band_and_every_assumption():
@@ -136,9 +153,10 @@ def test_ladder_reports_ratios_against_google_baseline():
 def test_acceptance_figures_from_comparison_rows():
     from qwen35_lib.costmodel import validate
 
-    rows = [dict(acceptance=True, concurrency=c, ratio_kernels=r, tpot_ratio_kernels=t, inside_band=True)
-            for c, r, t in ((64, 1.1, 0.8), (128, 1.2, 0.9), (256, 1.3, 1.3))]
-    a = validate.acceptance(rows + [dict(acceptance=False, concurrency=64, ratio_kernels=9.0)])
+    rows = [dict(acceptance=True, concurrency=c, ratio_kernels=r, tpot_ratio_kernels=t, inside_band=True,
+                 tpot_inside_band=True) for c, r, t in ((64, 1.1, 0.8), (128, 1.2, 0.9), (256, 1.3, 1.3))]
+    a = validate.acceptance(rows + [dict(acceptance=False, concurrency=64, ratio_kernels=9.0)], stage="kernels")
     assert a["trend"] == pytest.approx(1.3 / 1.1 - 1) and not a["trend_ok"]
     assert [p["within_25pct"] for p in a["points"]] == [True, True, False]
     assert [p["tpot_within_25pct"] for p in a["points"]] == [True, True, False] and not a["all_within_25pct"]
+    assert a["all_inside_band"] and a["stage"] == "kernels"

@@ -1,12 +1,16 @@
 """`python -m qwen35_lib.costmodel predict --model NAME --hardware NAME --stage NAME --isl N --osl N --concurrency N
 [--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
 [--max-seqs N] [--kv-dtype D] [--mechanisms nominal|off] [--explain] [--no-band] [--json]` and
-`python -m qwen35_lib.costmodel ladder [--json]`.
+`python -m qwen35_lib.costmodel ladder [--json]` and
+`python -m qwen35_lib.costmodel validate --moe | --published [--json]`.
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
 one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json), the mean step-time
 breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each with its
 assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
+`validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
+cells of data/moe_layer_measured.json: which set the one derived constant, which judge it); `validate --published`
+prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
 """
 
@@ -87,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="routed experts (default: float8_e4m3fn, the serving configuration)")
         q.add_argument("--kv-dtype", default="float8_e4m3fn", choices=KV_DTYPES,
                        help="KV cache dtype (default: %(default)s)")
-        q.add_argument("--max-batched-tokens", type=int, help="token budget per step per DP rank")
-        q.add_argument("--max-seqs", type=int, help="running sequences per DP rank")
-        q.add_argument("--num-prompts", type=int, help="requests in the benchmark (default: 2 x concurrency)")
+        q.add_argument("--max-batched-tokens", type=int,
+                       help="token budget per step per DP rank (default: the recipe's, 8 x max(ISL / 8, 1024) a slice)")
+        q.add_argument("--max-seqs", type=int,
+                       help="running sequences per DP rank (default: the recipe's 64 a rank at DP 8, 512 a slice)")
+        q.add_argument("--num-prompts", type=int, help="requests in the benchmark (default: 10 x concurrency)")
         q.add_argument("--range-ratio", type=float, default=0.8,
                        help="each length uniform in [r L, L] (default: %(default)s, InferenceX's)")
         q.add_argument("--json", action="store_true", help="print one JSON document")
@@ -107,11 +113,50 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--fuse-allgather", action="store_true", help="with --layout")
     pr.add_argument("--hierarchical-rs", action="store_true", help="with --layout")
     pr.add_argument("--kernels", choices=KERNELS, default="xla", help="with --layout")
+    val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
+    what = val.add_mutually_exclusive_group(required=True)
+    what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")
+    what.add_argument("--published", action="store_true", help="tpu-inference #3050 (8k/1k, c64/128/256)")
+    val.add_argument("--json", action="store_true", help="print one JSON document")
     cli_errors.add_debug_flag(p)
     return p
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from qwen35_lib.costmodel import validate
+
+    if args.moe:
+        rows, derived = validate.moe_layer_comparison(), validate.moe_row_overhead()
+        if args.json:
+            print(json.dumps(dict(cells=rows, moe_row_overhead=derived), indent=2))
+            return 0
+        print("MoE layer, Qwen3.5-397B-A17B-FP8 on TPU7x-8 (EP8), device time per layer call: model vs measured "
+              "(production's layer, recorded routing; data/moe_layer_measured.json)")
+        print(f"{'N':>6} {'measured us':>12} {'model us':>10} {'model/meas':>10}  role")
+        for r in rows:
+            flag = "" if r["within_25pct"] else "  OUTSIDE 25%"
+            print(f"{r['tokens']:>6} {r['measured_us']:>12.1f} {r['model_us']:>10.1f} {r['ratio']:>10.2f}  "
+                  f"{r['role']}{flag}")
+        print(f"moe_row_overhead_s = {derived['value'] * 1e9:.2f} ns a routed row, set from N in {derived['cells']} "
+              f"(single cells {derived['low'] * 1e9:.2f} - {derived['high'] * 1e9:.2f} ns); "
+              f"{sum(r['within_25pct'] for r in rows)}/{len(rows)} cells within 25%")
+        return 0
+    acc = validate.acceptance()
+    if args.json:
+        print(json.dumps(acc, indent=2))
+        return 0
+    print(f"tpu-inference #3050 (8k/1k, each point under its own setup), stage {acc['stage']}: predicted / published")
+    for p in acc["points"]:
+        print(f"  c{p['concurrency']:<4} total tokens/s x{p['ratio']:.2f}  median TPOT x{p['tpot_ratio']:.2f}  "
+              f"inside the band: {p['inside_band']} / {p['tpot_inside_band']}")
+    print(f"  trend |ratio(c_max) / ratio(c_min) - 1| = {acc['trend']:.3f} (<= 0.15: {acc['trend_ok']}); "
+          f"all within 25%: {acc['all_within_25pct']}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "validate":
+        return _validate(args)
     common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
                   max_seqs=args.max_seqs, kv_dtype=args.kv_dtype, num_prompts=args.num_prompts,
                   range_ratio=args.range_ratio)

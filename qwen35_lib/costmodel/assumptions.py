@@ -15,7 +15,8 @@ import functools
 from qwen35_lib import data
 
 FILE = "costmodel_assumptions.json"
-KINDS = ("range", "computed", "setup")
+KINDS = ("range", "derived", "computed", "setup")  # derived: set from measured data, swept like a range
+SWEPT = ("range", "derived")
 REQUIRED = ("mechanism", "kind", "source", "quote", "value", "low", "high", "range_fixed")
 
 
@@ -38,7 +39,7 @@ def check(name: str, rec: dict) -> None:
         raise ValueError(f"{FILE} assumption {name!r}: source {rec['source']!r} is not a URL; cite where it was read")
     if rec["kind"] not in KINDS:
         raise ValueError(f"{FILE} assumption {name!r}: kind {rec['kind']!r} is not one of {', '.join(KINDS)}")
-    if rec["kind"] == "range" and not rec["low"] <= rec["value"] <= rec["high"]:
+    if rec["kind"] in SWEPT and not rec["low"] <= rec["value"] <= rec["high"]:
         raise ValueError(f"{FILE} assumption {name!r}: value {rec['value']} lies outside its range "
                          f"[{rec['low']}, {rec['high']}]")
 
@@ -52,7 +53,9 @@ class Mechanisms:
     token_padding: bool = False
     gmm_tile_rows: int = 0  # 0: ideal rows
     fp8_allgather: bool = False
+    async_scheduling: bool = False  # host work overlaps the device step: only host_step_overhead_s stays on it
     host_step_overhead_s: float = 0.0
+    host_step_time_sync_s: float = 0.0  # the whole host turnaround a step, with async_scheduling off
     expert_imbalance: float = 1.0
     collective_overlap: float = 0.0
     sparsecore_permute: float = 1.0
@@ -61,6 +64,8 @@ class Mechanisms:
     matmul_efficiency: float | None = None  # None: the specs' own
     hbm_efficiency: float | None = None
     ici_efficiency: float | None = None
+    onehot_permute_threshold: int = 0  # production's MoE permutes by one-hot matmuls while N·k <= this (0: never)
+    moe_row_overhead_s: float = 0.0  # seconds a routed row of the slice costs every device (`moe_layer`)
 
     @classmethod
     def off(cls) -> Mechanisms:
@@ -85,11 +90,14 @@ def _field_value(name: str, v):
 
 
 def extremes(base: Mechanisms | None = None) -> list[tuple[str, str, Mechanisms]]:
-    """(name, "low" | "high", the nominal with that one value at its end) for every 'range' assumption."""
+    """(name, "low" | "high", the nominal with that one value at its end) for every swept ('range' or 'derived')
+    assumption that the mechanisms `base` read (the host time not in force under its scheduling switch is
+    skipped)."""
     base = base or Mechanisms.nominal()
+    idle = "host_step_time_sync_s" if base.async_scheduling else "host_step_overhead_s"
     out = []
     for name, rec in records().items():
-        if rec["kind"] != "range":
+        if rec["kind"] not in SWEPT or name == idle:
             continue
         for end in ("low", "high"):
             out.append((name, end, dataclasses.replace(base, **{name: rec[end]})))
@@ -100,12 +108,14 @@ COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (bes
     "attn_core": ("attention_kernel_efficiency", "mixed_step_attention", "hbm_efficiency", "dp_lockstep"),
     "routed_experts": ("expert_imbalance", "gmm_tile_rows", "moe_chunk", "matmul_efficiency", "hbm_efficiency",
                        "dp_lockstep", "token_padding"),
-    "permute": ("sparsecore_permute", "hbm_efficiency", "token_padding"),
+    "permute": ("sparsecore_permute", "onehot_permute_threshold", "hbm_efficiency", "token_padding"),
+    "onehot_permute": ("onehot_permute_threshold", "matmul_efficiency", "token_padding"),
+    "moe_rows": ("moe_row_overhead_s", "token_padding"),
     "all_gather": ("ici_efficiency", "collective_overlap", "fp8_allgather", "token_padding"),
     "reduce_scatter": ("ici_efficiency", "collective_overlap", "moe_chunk", "token_padding"),
     "all_reduce": ("ici_efficiency", "collective_overlap"),
     "all_to_all": ("ici_efficiency", "collective_overlap"),
-    "host": ("host_step_overhead_s",),
+    "host": ("async_scheduling", "host_step_overhead_s", "host_step_time_sync_s"),
     "dp": ("dp_lockstep", "dp_batch_prefill", "token_padding"),
 }
 DEFAULT_COMPONENT = ("matmul_efficiency", "hbm_efficiency", "dp_lockstep", "dp_batch_prefill", "token_padding")

@@ -83,6 +83,8 @@ class Placement:
     static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
     expert_imbalance: float = 1.0  # the busiest EP device's rows over the mean (its row work scales by it)
     gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
+    onehot_threshold: int = 0  # gmm: one-hot matmul permutes while N·k <= this (`moe_layer`); 0: never
+    row_overhead_s: float = 0.0  # gmm: seconds a routed row of the slice costs every device (`moe_layer`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +95,17 @@ class Cost:
     launches: float = 0.0
     copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
+    seconds: float = 0.0  # time charged directly (a per-row overhead measured as time, `moe_layer`)
 
     # field by field (dataclasses.astuple deep-copies: it was a seventh of a schedule simulation's time)
     def __add__(self, o: Cost) -> Cost:
         return Cost(self.mxu_flops + o.mxu_flops, self.vector_flops + o.vector_flops, self.bytes + o.bytes,
                     self.launches + o.launches, self.copy_bytes + o.copy_bytes,
-                    self.small_mxu_flops + o.small_mxu_flops)
+                    self.small_mxu_flops + o.small_mxu_flops, self.seconds + o.seconds)
 
     def __mul__(self, k: float) -> Cost:
         return Cost(self.mxu_flops * k, self.vector_flops * k, self.bytes * k, self.launches * k, self.copy_bytes * k,
-                    self.small_mxu_flops * k)
+                    self.small_mxu_flops * k, self.seconds * k)
 
     @property
     def flops(self) -> float:
@@ -119,7 +122,7 @@ def seconds(c: Cost, s: Specs) -> float:
         c.small_mxu_flops / (s.small_matmul_flops or s.peak_flops * s.eff_matmul)
     memory = c.bytes / (s.hbm_bytes_per_s * s.eff_hbm) + \
         c.copy_bytes / (s.copy_bytes_per_s or s.hbm_bytes_per_s * s.eff_hbm)
-    return max(compute, memory) + c.launches * s.op_overhead_s
+    return max(compute, memory) + c.launches * s.op_overhead_s + c.seconds
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,8 +252,13 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     # the permute moves the static buffer the code sorts (`parallel.routing.local_experts`): under EP every
     # device's N·min(k, E/ep) rows (dropless worst case, the gathered or received tokens), not just its copies
     buffer = b.computed * min(k, E // pl.ep) if pl.moe == "ep" and pl.static_buffers else rows
-    permute = Cost(0, 0, buffer * D * z["act"] * 4, 6)
-    return {"router": router, "shared_expert": shared, "routed_experts": routed, "permute": permute}
+    out = {"router": router, "shared_expert": shared, "routed_experts": routed,
+           "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
+    if pl.moe_impl == "gmm" and pl.static_buffers:  # production's layer around the grouped matmul (`moe_layer`)
+        from qwen35_lib.costmodel.moe_layer import layer_costs
+
+        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s))
+    return out
 
 
 def norms(cfg: Config, b: Batch, pl: Placement) -> Cost:

@@ -3,7 +3,9 @@
 1. specs of the system (`specs.get`), the stage (or a custom layout/routing), the serving setup: the token budget
    is one rule for every stage (`token_budget`): the slice's budget of tpu-inference's Qwen3.5 recipe at its
    DP 8 (`max-num-batched-tokens = max(ISL / DP_SIZE, 1024)` per rank, server.sh at b85a5eb05), split over the
-   stage's ranks, so a stage's gain is never a scheduling difference; max sequences `2 CONC / DP` per rank;
+   stage's ranks, so a stage's gain is never a scheduling difference; sequences the same way (`seq_budget`: the
+   recipe's 64 a rank at its DP 8, 512 for the slice, over the stage's ranks); 10 x CONC prompts (InferenceX's
+   bench.sh `num_prompts = 10 x CONC`);
 2. memory: weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
    (KV + GDN state); a model whose weights do not fit is reported so (`fits: False`) with no throughput;
 3. the scheduler simulation (`schedule.simulate`) with the step-time model (`step.step_time`), and the same
@@ -36,6 +38,15 @@ LOCKSTEP_RUNNING = 256  # ranks played in lockstep up to this many running reque
 RECIPE_DP = 8  # the data-parallel size of tpu-inference's Qwen3.5 DP8_EP recipe, whose budget rule every stage uses
 RECIPE_SOURCE = ("https://github.com/vllm-project/tpu-inference/blob/b85a5eb05bffa13f772d3916b8d54cac60bd7953/tests/e2e/"
                  "benchmarking/inferencex/qwen3.5/server.sh (MAX_NUM_BATCHED_TOKENS = max(ISL / DP_SIZE, 1024))")
+
+
+RECIPE_MAX_SEQS = 64  # --max-num-seqs=64 of the recipe's server.sh: per rank under its DP scheduler
+PROMPTS_PER_CLIENT = 10  # InferenceX's bench.sh: --num-prompts = 10 x CONC (the published runs' setup)
+
+
+def seq_budget(dp: int) -> int:
+    """Running sequences per rank: the recipe's slice figure RECIPE_DP x RECIPE_MAX_SEQS over `dp` ranks."""
+    return max(1, RECIPE_DP * RECIPE_MAX_SEQS // dp)
 
 
 def token_budget(isl: int, dp: int) -> int:
@@ -91,8 +102,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     A stage whose plan sets `kv_dtype` / `gdn_state_dtype` uses those; else `kv_dtype` and the model's.
     `mechanisms`: "nominal" (every labelled assumption of data/costmodel_assumptions.json at its value: ranks in
     lockstep, padding, overlap, host time, ...), "off" (the model without them: balanced ranks, serial
-    collectives), or a `Mechanisms`. `band`: also `band` (the one-at-a-time extremes of the 'range' assumptions,
-    `band_of`); `explain`: also `explain` (`explain_of`)."""
+    collectives), or a `Mechanisms`. `band`: also `band` (the one-at-a-time extremes of the swept assumptions and
+    their joint corners, `band_of`); `explain`: also `explain` (`explain_of`)."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
                     range_ratio=range_ratio)
@@ -104,7 +115,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
     lay = resolve_layout(st, cfg, sp.devices)
     budget = max_batched_tokens if max_batched_tokens is not None else token_budget(isl, lay.dp)
-    seqs = max_seqs if max_seqs is not None else max(1, 2 * concurrency // lay.dp)
+    seqs = max_seqs if max_seqs is not None else seq_budget(lay.dp)
+    num_prompts = num_prompts if num_prompts is not None else PROMPTS_PER_CLIENT * concurrency
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, st)
     per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype, page_size)
@@ -188,8 +200,11 @@ def _mechanisms(m: str | Mechanisms) -> Mechanisms:
 
 
 def band_of(sim, mech: Mechanisms, rerun) -> dict:
-    """The prediction at each 'range' assumption's low and high end, the others nominal: per end the total
-    tokens/s and median TPOT, and the band = [min, max] over them (the nominal included)."""
+    """The uncertainty band of a prediction:
+    1. one at a time: each swept assumption ('range' or 'derived') at its low and its high end, the others nominal;
+    2. jointly: the pessimistic corner (every swept assumption at the end that lowered total tokens/s in step 1)
+       and the optimistic corner (every one at the other end);
+    3. band = [min, max] of total tokens/s and of median TPOT over steps 1-2 and the nominal."""
     from qwen35_lib.costmodel.assumptions import extremes
 
     rows = []
@@ -197,10 +212,20 @@ def band_of(sim, mech: Mechanisms, rerun) -> dict:
         r = rerun(m)
         rows.append(dict(assumption=name, end=end, value=getattr(m, name), total_tokens_per_s=r.total_tokens_per_s,
                          median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
-    tot = [r["total_tokens_per_s"] for r in rows] + [sim.total_tokens_per_s]
-    tpot = [r["median_tpot_s"] for r in rows] + [sim.median_tpot_s]
+    worse, better = {}, {}
+    for name in dict.fromkeys(r["assumption"] for r in rows):
+        lo, hi = (next(r for r in rows if r["assumption"] == name and r["end"] == e) for e in ("low", "high"))
+        w, b = (lo, hi) if lo["total_tokens_per_s"] <= hi["total_tokens_per_s"] else (hi, lo)
+        worse[name], better[name] = w["value"], b["value"]
+    corners = []
+    for corner, values in (("pessimistic", worse), ("optimistic", better)):
+        r = rerun(dataclasses.replace(mech, **values))
+        corners.append(dict(corner=corner, values=values, total_tokens_per_s=r.total_tokens_per_s,
+                            median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
+    tot = [r["total_tokens_per_s"] for r in rows + corners] + [sim.total_tokens_per_s]
+    tpot = [r["median_tpot_s"] for r in rows + corners] + [sim.median_tpot_s]
     return dict(total_tokens_per_s=[min(tot), max(tot)], median_tpot_s=[min(tpot), max(tpot)],
-                high_over_low=max(tot) / min(tot), extremes=rows)
+                high_over_low=max(tot) / min(tot), extremes=rows, corners=corners)
 
 
 def explain_of(sim, mech: Mechanisms, rerun) -> dict:
@@ -340,6 +365,6 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
-__all__ = ["KV_DTYPES", "RECIPE_DP", "band_of", "check_arguments", "explain_of", "ladder", "ladder_explained",
-           "predict", "request_bytes_per_device", "resident_bytes_per_device", "serving_model", "token_budget",
-           "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "PROMPTS_PER_CLIENT", "RECIPE_DP", "RECIPE_MAX_SEQS", "band_of", "check_arguments",
+           "explain_of", "ladder", "ladder_explained", "predict", "request_bytes_per_device",
+           "resident_bytes_per_device", "seq_budget", "serving_model", "token_budget", "weight_bytes_per_device"]

@@ -28,7 +28,13 @@ Layout = ServingPlan  # what the cost model reads of a stage is the bound plan i
 # enable_dp_attention / --enable-expert-parallel, as server.sh reads); that the 3.1x / 4.7x were measured from it
 # is an inference, the post itself not found (data/published.json 'reported_ladder').
 GOOGLE_BASELINE = dataclasses.replace(custom_stage("tp8_kvrep", None, kernels="pallas"), name="google_baseline")
-EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE}
+# The setup tpu-inference #3050 measured (issue 30, item 2): DP8 attention x EP8 with token replication, the fused
+# (packed) routing all-gather, its Pallas kernels, and the MoE output returned by XLA's psum_scatter: the SparseCore
+# hierarchical reduce-scatter kernel was off (ENABLE_RS_KERNEL unset, and the server's LIBTPU_INIT_ARGS turn the
+# reduce-scatter offload off: tests/e2e/benchmarking/inferencex/qwen3.5/server.sh at 6a873c307). The published
+# comparison predicts this plan; the ladder keeps its own `kernels` stage.
+TPU_INFERENCE_3050 = dataclasses.replace(STAGES["kernels"], name="tpu_inference_3050", hierarchical_rs=False)
+EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE, TPU_INFERENCE_3050.name: TPU_INFERENCE_3050}
 
 
 def any_stage(name: str | Stage) -> Stage:
@@ -66,5 +72,6 @@ def resolve_layout(stage: Stage, config: Config, devices: int) -> ServingPlan:
     return plan.bind(mesh)
 
 
-__all__ = ["EXTRA", "GOOGLE_BASELINE", "KERNELS", "LADDER", "LAYOUTS", "ROUTINGS", "STAGES", "Layout", "Stage",
+__all__ = ["EXTRA", "GOOGLE_BASELINE", "KERNELS", "LADDER", "LAYOUTS", "ROUTINGS", "STAGES", "TPU_INFERENCE_3050",
+           "Layout", "Stage",
            "any_stage", "custom_stage", "get_stage", "resolve_layout"]

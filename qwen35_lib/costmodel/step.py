@@ -32,7 +32,8 @@ from qwen35_lib.costmodel.stages import Stage, resolve_layout
 from qwen35_lib.kernels.registry import family_kernels
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "router", "shared_expert", "routed_experts",
-              "permute", "norms", "embed_lm_head", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "host")
+              "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce", "all_gather",
+              "reduce_scatter", "all_to_all", "host")
 COMM = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -50,7 +51,8 @@ class StepTime:
 
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = None, page_size: int = 256,
-              ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0) -> ops.Placement:
+              ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
+              row_overhead_s: float = 0.0) -> ops.Placement:
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
@@ -64,7 +66,8 @@ def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = No
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, expert_imbalance=expert_imbalance,
-                         gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0)
+                         gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
+                         onehot_threshold=onehot_threshold, row_overhead_s=row_overhead_s)
 
 
 def _ideal_specs(s: Specs) -> Specs:
@@ -89,7 +92,8 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
         mech = None
     specs = mech_specs(specs, mech)
     pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
-        (mech.expert_imbalance, mech.gmm_tile_rows) if mech else ()))
+        (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
+        if mech else ()))
     s = _ideal_specs(specs) if ideal else specs
     z = ops.sizes(cfg)
     out = dict.fromkeys(COMPONENTS, 0.0)
@@ -134,9 +138,10 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
             out["attn_core"] *= s.eff_hbm / mech.attention_kernel_efficiency
         if batch.decodes and batch.prefill_tokens:
             out["attn_core"] *= mech.mixed_step_attention
-        if stage.kernels == "pallas":  # production's kernels run the permutes on the SparseCore; XLA's stay on the TC
-            out["permute"] *= mech.sparsecore_permute
-        out["host"] += mech.host_step_overhead_s
+        if pl.moe_impl == "gmm" and batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold:
+            out["permute"] *= mech.sparsecore_permute  # production's SparseCore gathers (`moe_layer`); XLA's
+            # permutes, and the one-hot matmuls below the threshold, stay on the TensorCore
+        out["host"] += mech.host_step_overhead_s if mech.async_scheduling else mech.host_step_time_sync_s
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 

@@ -10,6 +10,9 @@
     prediction for the same work (a prefill of batch x seq tokens with every token's logits, XLA kernels).
 (c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this
     function (and `acceptance`, `notebook_data`, which call it) reads that file; `predict` never does.
+(d) `moe_layer_comparison()`: the MoE layer sub-model (`moe_layer.layer_time`) against the device times of
+    production's layer (data/moe_layer_measured.json, judging data); `moe_row_overhead()` derives the one constant
+    set from it (`moe_row_overhead_s`) from the cells with N <= 1,024 only.
 `notebook_data()` is everything notebook 06 quotes from issue 13 as one dict: the comparison, the acceptance
 figures, the explained prediction with its band for both workloads at 512, and the ladder explained.
 """
@@ -167,11 +170,15 @@ def published() -> dict:
     return data.read_json("published.json")
 
 
-def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels"), band: bool = False,
+MEASURED_STAGE = "tpu_inference_3050"  # the plan the published rows ran (`costmodel.stages.TPU_INFERENCE_3050`)
+
+
+def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASURED_STAGE), band: bool = False,
                          mechanisms: str = "nominal") -> list[dict]:
     """Each published row with a setup the model can describe, next to `predict` under `stages` (each row under
     its own setup: range ratio, prompts, token budget, sequences, KV dtype, page size). With `band`, the
-    `kernels` prediction's band (`predict(band=True)`) and whether the measurement lies inside it."""
+    MEASURED_STAGE prediction's band (`predict(band=True)`: one-at-a-time extremes and the joint corners) and
+    whether the measurement lies inside it."""
     from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
 
@@ -194,7 +201,7 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels"), band
                         max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
                         range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
                         page_size=setup.get("page_size", 256), mechanisms=mech,
-                        band=band and st == "kernels" and mechanisms == "nominal")
+                        band=band and st == MEASURED_STAGE and mechanisms == "nominal")
             row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
             row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
             row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
@@ -212,11 +219,65 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels"), band
     return rows
 
 
-def acceptance(rows: list[dict] | None = None, stage: str = "kernels") -> dict:
-    """Issue 13's acceptance figures on the fixed comparison set (tpu-inference #3050, 8k/1k, c64/128/256):
-    per point the total tokens/s and median TPOT ratios, whether each is within 25 %, and the trend
-    |ratio(c256) / ratio(c64) - 1| (at most 0.15)."""
-    rows = [r for r in (rows or published_comparison(("kernels",), band=True)) if r["acceptance"]]
+MOE_SET_FROM = 1024  # moe_row_overhead_s is set from the cells with N <= this; the larger cells judge it
+
+
+def moe_measured() -> dict:
+    """data/moe_layer_measured.json (judging data; read only here)."""
+    return data.read_json("moe_layer_measured.json")
+
+
+def _moe_cells() -> dict[int, float]:
+    return {int(n): us * 1e-6 for n, us in moe_measured()["cells_us"].items()}
+
+
+def moe_row_overhead(cells: dict[int, float] | None = None) -> dict:
+    """The per-routed-row constant of `moe_layer`, from the cells with N <= MOE_SET_FROM: with every other
+    assumption nominal and this one 0, the model's time m_i; the measured t_i; r_i = N_i k routed rows;
+    1. c minimises sum_i ((m_i + c r_i) / t_i - 1)^2 (least squares on the relative error):
+       c = sum_i (r_i / t_i)(1 - m_i / t_i) / sum_i (r_i / t_i)^2;
+    2. low / high: the single-cell values (t_i - m_i) / r_i, smallest and largest (not below 0).
+    Returns {"value", "low", "high", "cells"}; data/costmodel_assumptions.json records the result."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+    from qwen35_lib.costmodel.moe_layer import layer_time
+    from qwen35_lib.costmodel.predict import serving_model
+
+    cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
+    mech = Mechanisms.nominal(moe_row_overhead_s=0.0)
+    cells = {n: t for n, t in (cells or _moe_cells()).items() if n <= MOE_SET_FROM}
+    k = cfg.num_experts_per_tok
+    m = {n: layer_time(cfg, sp, n, mech).seconds for n in cells}
+    num = sum((n * k / t) * (1 - m[n] / t) for n, t in cells.items())
+    den = sum((n * k / t) ** 2 for n, t in cells.items())
+    single = [max(0.0, (t - m[n]) / (n * k)) for n, t in cells.items()]
+    return dict(value=max(0.0, num / den), low=min(single), high=max(single), cells=sorted(cells))
+
+
+def moe_layer_comparison(mechanisms=None) -> list[dict]:
+    """Per measured cell: N, the measured and modelled layer time (µs), their ratio, the model's components, and
+    whether the cell set `moe_row_overhead_s` or judges it."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+    from qwen35_lib.costmodel.moe_layer import layer_time
+    from qwen35_lib.costmodel.predict import serving_model
+
+    cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
+    mech = mechanisms or Mechanisms.nominal()
+    rows = []
+    for n, t in sorted(_moe_cells().items()):
+        r = layer_time(cfg, sp, n, mech)
+        rows.append(dict(tokens=n, measured_us=t * 1e6, model_us=r.seconds * 1e6, ratio=r.seconds / t,
+                         within_25pct=abs(r.seconds / t - 1) <= 0.25,
+                         role="sets moe_row_overhead_s" if n <= MOE_SET_FROM else "judges",
+                         breakdown_us={k: v * 1e6 for k, v in r.breakdown.items() if v}))
+    return rows
+
+
+def acceptance(rows: list[dict] | None = None, stage: str = MEASURED_STAGE) -> dict:
+    """The acceptance figures on the fixed comparison set (tpu-inference #3050, 8k/1k, c64/128/256), each point
+    predicted under its own recorded setup and the plan it ran (MEASURED_STAGE): per point the total tokens/s
+    and median TPOT ratios, whether each is within 25 %, whether the published figures lie inside the printed
+    band, and the trend |ratio(c256) / ratio(c64) - 1| (at most 0.15)."""
+    rows = [r for r in (rows or published_comparison((stage,), band=True)) if r["acceptance"]]
     by_c = {r["concurrency"]: r for r in rows}
     pts = [dict(concurrency=c, ratio=r[f"ratio_{stage}"], tpot_ratio=r.get(f"tpot_ratio_{stage}"),
                 within_25pct=abs(r[f"ratio_{stage}"] - 1) <= 0.25,
@@ -225,8 +286,9 @@ def acceptance(rows: list[dict] | None = None, stage: str = "kernels") -> dict:
            for c, r in sorted(by_c.items())]
     lo, hi = min(by_c), max(by_c)
     trend = abs(by_c[hi][f"ratio_{stage}"] / by_c[lo][f"ratio_{stage}"] - 1)
-    return dict(points=pts, trend=trend, trend_ok=trend <= 0.15,
-                all_within_25pct=all(p["within_25pct"] and p["tpot_within_25pct"] for p in pts))
+    return dict(stage=stage, points=pts, trend=trend, trend_ok=trend <= 0.15,
+                all_within_25pct=all(p["within_25pct"] and p["tpot_within_25pct"] for p in pts),
+                all_inside_band=all(p["inside_band"] and p["tpot_inside_band"] for p in pts))
 
 
 def notebook_data(concurrency: int = 512) -> dict:
@@ -235,7 +297,7 @@ def notebook_data(concurrency: int = 512) -> dict:
     (`predict.ladder_explained`); a few minutes on 2 CPU cores."""
     from qwen35_lib.costmodel.predict import ladder_explained, predict
 
-    rows = published_comparison(("kernels",), band=True)
+    rows = published_comparison(("kernels", MEASURED_STAGE), band=True)
     explain = {f"{i // 1024}k/{o // 1024}k": predict(stage="kernels", isl=i, osl=o, concurrency=concurrency,
                                                      roofline=False, explain=True, band=True)
                for i, o in ((8192, 1024), (1024, 8192))}
