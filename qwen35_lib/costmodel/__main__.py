@@ -5,9 +5,9 @@
 `python -m qwen35_lib.costmodel validate --moe | --published [--json]`.
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
-one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json), the mean step-time
-breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each with its
-assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
+one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json and their joint corners), the
+mean step-time breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each
+with its assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
 `validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
 cells of data/moe_layer_measured.json: which set the one derived constant, which judge it); `validate --published`
 prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s).
@@ -57,7 +57,8 @@ def _format(r: dict) -> str:
         lo, hi = b["total_tokens_per_s"]
         lines.append(f"  band             {lo:12,.0f} - {hi:,.0f} total "
                      f"tokens/s (x{b['high_over_low']:.2f}); TPOT {b['median_tpot_s'][0] * 1e3:.1f} - "
-                     f"{b['median_tpot_s'][1] * 1e3:.1f} ms  (each labelled assumption at its low / high end)")
+                     f"{b['median_tpot_s'][1] * 1e3:.1f} ms  "
+                     "(the labelled assumptions at their ends: one at a time, and all at once)")
     if "roofline_total_tokens_per_s" in r:
         lines.append(f"  roofline bound   {r['roofline_total_tokens_per_s']:12,.0f} total tokens/s "
                      f"({r['fraction_of_roofline']:.0%} of it reached)")

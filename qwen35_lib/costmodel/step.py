@@ -145,6 +145,45 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
+# Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
+# is priced from the nominal breakdown instead of from the op costs again (exactly; tests/test_costmodel_assumptions)
+RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling", "collective_overlap",
+            "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute", "moe_row_overhead_s")
+
+
+def retimed(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, breakdown: dict[str, float],
+            old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
+    """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
+    (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
+    (1 - overlap) ratio, the attention core by its efficiency and mixed-step ratios, the SparseCore permute share,
+    and the per-row MoE overhead."""
+    if any(getattr(old, f) != getattr(new, f) for f in old.__dataclass_fields__ if f not in RESCALED):
+        return None
+    out = dict(breakdown)
+    out["host"] = new.host_step_overhead_s if new.async_scheduling else new.host_step_time_sync_s
+    if new.collective_overlap != old.collective_overlap:
+        if old.collective_overlap >= 1:
+            return None
+        f = (1 - new.collective_overlap) / (1 - old.collective_overlap)
+        for name in COMM:
+            out[name] *= f
+    if new.attention_kernel_efficiency != old.attention_kernel_efficiency:
+        if not (old.attention_kernel_efficiency and new.attention_kernel_efficiency):
+            return None
+        out["attn_core"] *= old.attention_kernel_efficiency / new.attention_kernel_efficiency
+    if batch.decodes and batch.prefill_tokens and new.mixed_step_attention != old.mixed_step_attention:
+        out["attn_core"] *= new.mixed_step_attention / old.mixed_step_attention
+    if new.sparsecore_permute != old.sparsecore_permute:
+        pl = placement(cfg, specs, stage)
+        if pl.moe_impl == "gmm" and batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold:
+            out["permute"] *= new.sparsecore_permute / old.sparsecore_permute
+    if new.moe_row_overhead_s != old.moe_row_overhead_s:
+        if not old.moe_row_overhead_s:
+            return None
+        out["moe_rows"] *= new.moe_row_overhead_s / old.moe_row_overhead_s
+    return out
+
+
 def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
     """Rows `tokens` tokens need under deduplicated all-to-all over ep devices (E/ep experts each), uniform
     routing: tokens · ep · (1 - C(E - E/ep, k) / C(E, k)), the expected distinct devices of a token's k experts."""
