@@ -6,7 +6,9 @@
 2. (b) TPU7x ahead of time: `forward` compiled for tpu7x:2x2x1 at `--aot` sizes (model:layers:batch:seq; one
    layer group so XLA's while-loop counting does not halve its figures), XLA's FLOPs / bytes / argument bytes
    against the model's;
-3. (c) published: data/published.json's comparable rows against `predict`.
+3. (c) published: data/published.json's comparable rows against `predict`, and the MoE layer sub-model against
+   production's layer measured on TPU7x (data/moe_layer_measured.json);
+4. the time a default `predict` with its band takes at 512 concurrency, for both workloads (wall seconds).
 `--write-data` also writes the document to data/costmodel_validation.json, which notebook 06 shows.
 """
 
@@ -27,6 +29,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aot", default="qwen3.5-mini:4:2:64,qwen3.5-397b-a17b:4:1:16",
                    help="AOT compiles, model:layers:batch:seq, comma-separated ('' to skip; default: %(default)s)")
     p.add_argument("--write-data", action="store_true", help="also write data/costmodel_validation.json")
+
+
+def predict_speed(concurrency: int = 512) -> dict[str, float]:
+    """Wall seconds of a default `predict` with its band at `concurrency`, 8k/1k and 1k/8k (a fresh schedule each:
+    the lockstep cache cleared first)."""
+    import time
+
+    from qwen35_lib.costmodel import predict, schedule
+
+    out = {}
+    for isl, osl in ((8192, 1024), (1024, 8192)):
+        schedule.lockstep.cache_clear()
+        t = time.perf_counter()
+        predict(isl=isl, osl=osl, concurrency=concurrency, band=True)
+        out[f"{isl // 1024}k/{osl // 1024}k"] = time.perf_counter() - t
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -53,13 +71,22 @@ def run(args: argparse.Namespace) -> dict:
                            [[r["model"], r["layers"], f"{r['batch']}x{r['seq']}", r["flops_ratio"], r["bytes_ratio"],
                              r["memory_ratio"], r["compile_s"]] for r in aot_ok]))
     pub = validate.published_comparison()
-    print(format_table(["source", "ISL/OSL", "conc", "measured tok/s", "fused_ag ratio", "kernels ratio"],
+    m = validate.MEASURED_STAGE
+    print(format_table(["source", "ISL/OSL", "conc", "measured tok/s", "fused_ag ratio", "kernels ratio",
+                        f"{m} ratio"],
                        [[r["source"].rsplit("/", 1)[-1], f"{r['isl']}/{r['osl']}", r["concurrency"],
-                         r["measured_total_tokens_per_s"], r["ratio_fused_ag"], r["ratio_kernels"]] for r in pub]))
+                         r["measured_total_tokens_per_s"], r["ratio_fused_ag"], r["ratio_kernels"], r[f"ratio_{m}"]]
+                        for r in pub]))
+    moe = validate.moe_layer_comparison()
+    print(format_table(["MoE layer N", "measured us", "model us", "ratio", "role"],
+                       [[r["tokens"], r["measured_us"], r["model_us"], r["ratio"], r["role"]] for r in moe]))
+    speed = predict_speed()
+    print(format_table(["predict (band) at c512", "wall s"], [[k, v] for k, v in speed.items()]))
     ratios = [r["ratio"] for r in rows]
     doc = dict(benchmark="costmodel", cpu_model=args.model, cpu_specs=specs, cpu_steps=rows,
                cpu_ratio_spread=[min(ratios), max(ratios)], cpu_ratio_median=statistics.median(ratios),
-               aot=aot, published=pub, environment=environment(loadavg_1m_before=load))
+               aot=aot, published=pub, moe_layer=moe, predict_seconds=speed,
+               environment=environment(loadavg_1m_before=load))
     if args.write_data:
         write_json(data.path("costmodel_validation.json"), doc)
     return doc
