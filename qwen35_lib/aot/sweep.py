@@ -5,9 +5,9 @@
 The shape is fixed so that a small pool cannot buy a fit: 512 concurrent requests (64 sequences per rank under
 DP8, all 512 in the one rank of a TP stage), pools for every request's whole context (9,216 tokens: 8k + 1k and
 1k + 8k alike) in an FP8 KV cache of 256-token pages, FP8 experts and a bf16 GDN state. Two steps per workload:
-`decode` (every sequence decoding) and `mixed` (all but one decoding, plus 1,024 prefill tokens per rank: the
-token budget of tpu-inference's recipe). The two workloads have the same pools and step shapes, so each stage
-compiles two programs and both workloads' entries read them.
+`decode` (every sequence decoding) and `mixed` (all but one decoding, in the engine's decode bucket, plus 1,024
+prefill tokens per rank: the token budget of tpu-inference's recipe). The two workloads have the same pools and
+step shapes, so each stage compiles two programs and both workloads' entries read them.
 
 Weights and caches are abstract (`aot.compile_step`: nothing is allocated). Each entry records XLA's
 `memory_analysis()` (total = argument + output - alias + temp + code), its FLOPs and bytes, the compiled
@@ -47,9 +47,14 @@ class ServingShape:
     prefill: int = 1024  # prefill tokens per rank in a mixed step (tpu-inference's max-num-batched-tokens)
 
     def tokens(self, step: str, ranks: int) -> tuple[int, int]:
-        """(decode tokens, prefill tokens) per rank of `step` ("... decode" or "... mixed")."""
+        """(decode tokens, prefill tokens) per rank of `step` ("... decode" or "... mixed"): the decode region is
+        the engine's bucket for its sequences (a power of two, `engine.Engine.decode_buckets`: 64 for the mixed
+        step's 63 decodes, so a rank's 64 + 1,024 rows split into whole 8-row tiles over 8 devices; at 63 + 1,024
+        XLA:TPU compiled each MoE reduce-scatter as an all-reduce plus permutes, issue 30)."""
         seqs = -(-self.requests // ranks)
-        return (seqs, 0) if step.endswith("decode") else (seqs - 1, self.prefill)
+        if step.endswith("decode"):
+            return seqs, 0
+        return 1 << max(seqs - 2, 0).bit_length(), self.prefill  # next power of two >= seqs - 1
 
 
 SERVING = ServingShape()

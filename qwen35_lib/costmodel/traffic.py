@@ -23,7 +23,7 @@ backend "cpu"):
 |                    |            | then over chip (m·L)                                | N_p·D·b / (m·cores)  |
 | EP + all_to_all    | each layer | dispatch, packed ids+weights, return (3L)           | n·c·D·b, n·c·2k·4, n·c·D·b |
 | ranks over devices | sampling   | all-reduce "every row greedy" (1), pred             | 1                    |
-|                    |            | all-gather of the next tokens (1)                   | R·S·4                |
+|                    |            | all-gather of the next tokens (1; TPU: all-reduce)  | R·S·4                |
 
 (c = `routing.a2a_cap` rows per destination: N_p / n dropless; m = `plan.rs_slices`, the count the code runs.)
 `resident_bytes` gives the weights and caches one device holds: every declared array's bytes over the ways the
@@ -107,8 +107,9 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
         raise ValueError(f"no closed form for the collectives of layout {plan.layout!r}: the cost model covers the "
                          "TP layouts and dp_ep (the stage ladder's)")
     out += [dataclasses.replace(op, runs=op.runs * L) for op in moe_layer_ops(plan, config, N, backend)]
-    if R > 1:
-        out += [Op("all-reduce", 1, 1, n, "sample"), Op("all-gather", R * shape.seqs * 4, 1, n, "sample")]
+    if R > 1:  # XLA:TPU runs the next tokens' all-gather as an all-reduce of the zero-padded [R, S] (the compile)
+        gather = "all-reduce" if backend == "tpu" else "all-gather"
+        out += [Op("all-reduce", 1, 1, n, "sample"), Op(gather, R * shape.seqs * 4, 1, n, "sample")]
     return out
 
 

@@ -59,10 +59,15 @@ def collectives(hlo_text: str) -> list[Collective]:
         m = _OP.match(line)
         if m and "-done" not in line.split("=")[1].split("(")[0]:
             shapes = _SHAPE.findall(m["shape"])
-            # an async start returns (operands..., result): count the result; a plain op may return a tuple
-            # (XLA:CPU's all-to-all: one buffer per peer): count them all
+            # an async start returns (operands..., results..., scalar contexts...): count the results, the second
+            # half once the scalars (a collective-permute-start's u32[] contexts) are set aside; a plain op may
+            # return a tuple (XLA:CPU's all-to-all: one buffer per peer): count them all
             size = lambda dtype, dims: int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES.get(dtype, 4)
-            nbytes = size(*shapes[-1]) if m["start"] else sum(size(*sh) for sh in shapes)
+            if m["start"]:
+                arrays = [sh for sh in shapes if sh[1]] or shapes[-1:]
+                nbytes = sum(size(*sh) for sh in arrays[len(arrays) // 2:])
+            else:
+                nbytes = sum(size(*sh) for sh in shapes)
             out.append(Collective(m["kind"], comp, nbytes, m["shape"], group_size(line, devices)))
     return out
 
