@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compare with transformers' generate (default: when transformers is installed)")
     p.add_argument("--vs-requests", type=int, help=f"requests in the comparison (default: {DEFAULTS['vs_requests']})")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay each run under jax.profiler: time per component beside its floor (default: on)")
     p.add_argument("--quick", action="store_true",
                    help="a small end-to-end run (tiny model, concurrency 1,2, 1k/1k at 1/64, one repeat)")
 
@@ -223,9 +225,10 @@ def knobs(config: Config, ec) -> dict:
             "cache_mib": cache_bytes(config, shape) / 2**20}
 
 
-def measure_run(config: Config, weights: dict, ec, requests, label: str, bandwidth: float | None = None) -> dict:
+def measure_run(config: Config, weights: dict, ec, requests, label: str, machine: dict | None = None,
+                profile: bool = True) -> dict:
     """Compile every bucket the run will use (`Engine.precompile`, timed on its own), then the measured run
-    (again if it still compiled something)."""
+    (again if it still compiled something), then (`profile`, with the `machine`'s floors) the profiled replay."""
     from qwen35_lib.engine import Engine
 
     start = time.perf_counter()
@@ -238,7 +241,71 @@ def measure_run(config: Config, weights: dict, ec, requests, label: str, bandwid
         print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
               "measuring again", file=sys.stderr)
         engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
-    return metrics(engine, log, wall, bandwidth) | {"compile": compile_info, "remeasured": remeasured}
+    m = metrics(engine, log, wall, machine["copy_bandwidth_gb_s"] * 1e9 if machine else None)
+    m |= {"compile": compile_info, "remeasured": remeasured}
+    if profile and machine:
+        host = {k: v["host_ms"]["mean"] for k, v in m["per_step"].items() if v}
+        m["profile"] = profile_run(config, weights, ec, requests, machine, host)
+    return m
+
+
+def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host_ms: dict) -> dict:
+    """Where each step kind's time goes (`bench.profile`): the run replayed under `jax.profiler` on a fresh engine
+    (the same requests and compiled buckets), each step's executable split into components by the named scopes
+    of its ops, beside each component's floors (`roofline.step_components` of the step's own tokens and
+    contexts, over the bandwidth and matmul peak measured in this run); `host_ms` per kind from the measured run.
+
+    1. Wrap the engine's step function to record each step's bucket, new tokens and contexts (host arrays);
+    2. trace the whole run; match the step executions (in start order) to the recorded steps;
+    3. per bucket, the op_name of every instruction from its compiled HLO (compiled already: a cache hit);
+    4. per kind (decode: every sequence fed one token; prefill: the rest), `profile.summarize`.
+    """
+    from qwen35_lib.bench import profile as prof
+    from qwen35_lib.bench.roofline import component_floors, step_components
+    from qwen35_lib.engine import Engine, SamplingParams
+    from qwen35_lib.engine.engine import engine_step
+    from qwen35_lib.model.layer_loop import prepare_weights
+
+    engine = Engine(config, weights, ec)
+    steps: list[dict] = []
+    first_args: dict[tuple, tuple] = {}
+
+    def recording_step(cfg, w, cache, tokens, meta, samp):
+        q, kv = np.asarray(meta.q_len).ravel(), np.asarray(meta.kv_len).ravel()
+        bucket_key = (int(np.shape(meta.decode_seq)[-1]), int(np.shape(tokens)[-1]))
+        first_args.setdefault(bucket_key, (tokens, meta, samp))
+        steps.append({"bucket": bucket_key, "q": q, "kv": kv, "decode": bool(np.all(q[q > 0] == 1))})
+        return engine_step(cfg, w, cache, tokens, meta, samp)
+
+    engine.step_fn = recording_step  # no `lower`: the memory check is skipped (it ran in the measured run)
+
+    def run():
+        for prompt, out in requests:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+
+    lines = prof.trace(run, calls=1)
+    pw = prepare_weights(config, weights)
+    names = {b: prof.op_names(engine_step.lower(config, pw, engine.cache, *args).compile().as_text())
+             for b, args in first_args.items()}
+    module = "jit_engine_step"
+    order = prof.execution_order(lines, module)
+    if len(order) != len(steps):
+        return {"error": f"{len(order)} step executions traced for {len(steps)} steps; no profile"}
+    bucket_of = {rid: s["bucket"] for rid, s in zip(order, steps)}
+    per_run = prof.component_times(lines, lambda rid: names.get(bucket_of.get(rid), {}), module)
+    walls = prof.execution_walls(lines, module)
+    bw, peak = machine["copy_bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
+    out = {"method": prof.__doc__.splitlines()[0], "profiled_steps": len(steps)}
+    for kind in ("decode", "prefill"):
+        idx = [i for i, s in enumerate(steps) if s["decode"] == (kind == "decode")]
+        if not idx:
+            continue
+        floors = [component_floors(step_components(config, steps[i]["q"], steps[i]["kv"],
+                                                   int(np.sum(steps[i]["q"] > 0))), bw, peak) for i in idx]
+        out[kind] = prof.summarize(per_run, [order[i] for i in idx], floors, walls, host_ms.get(kind))
+    return out
 
 
 # --- vs transformers -------------------------------------------------------------------------------------------
@@ -425,9 +492,10 @@ def run(args: argparse.Namespace) -> dict:
     for n, ec in configs.items():
         for name, w in loads.items():
             requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
-            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine["copy_bandwidth_gb_s"] * 1e9)
+            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine, profile=args.profile_steps)
             runs.append({"workload": name, "concurrency": n} | m)
     _print_runs(runs)
+    _print_profiles(runs)
     scaling = decode_scaling(runs)
 
     comparison = None
@@ -527,6 +595,24 @@ def _print_runs(runs: list[dict]) -> None:
           "core count means other processes competed and that row is slowed):")
     print(format_table(["workload", "N", "prefill steps s", "decode steps s", "decode step ms", "prefill step ms",
                         "decode roofline ms (%)", "prefill tok/s", "buckets", "compile s", "CPU", "load"], rows))
+    sys.stdout.flush()
+
+
+def _print_profiles(runs: list[dict]) -> None:
+    """Each run's per-component table (`profile_run`), decode and prefill steps apart."""
+    from qwen35_lib.bench import profile as prof
+
+    for r in runs:
+        p = r.get("profile")
+        if not p:
+            continue
+        if "error" in p:
+            print(f"\nprofile of {r['workload']} N={r['concurrency']}: {p['error']}")
+            continue
+        for kind in ("decode", "prefill"):
+            if kind in p:
+                prof.print_summary(f"{kind} steps of {r['workload']} N={r['concurrency']}, where the time goes "
+                                   "(profiled replay) beside each component's floor", p[kind])
     sys.stdout.flush()
 
 
