@@ -36,7 +36,15 @@ from typing import Any
 import numpy as np
 
 from qwen35_lib.bench import workloads as wl
-from qwen35_lib.bench.timing import environment, format_table, measure, progress, warn_if_busy
+from qwen35_lib.bench.timing import (
+    BusyMonitor,
+    environment,
+    format_table,
+    measure,
+    progress,
+    ratio_text,
+    warn_if_busy,
+)
 from qwen35_lib.config import Config, get_config
 
 DESCRIPTION = ("serving throughput, TTFT, TPOT of the engine per workload and concurrency (closed loop); "
@@ -235,14 +243,16 @@ def measure_run(config: Config, weights: dict, ec, requests, label: str, machine
     info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
     compile_info = {"wall_s": time.perf_counter() - start, "buckets": [list(b) for b in info["buckets"]],
                     "traces": info["compiled"], "compile_steps_s": info["seconds"]}
-    engine, log, wall = run_requests(config, weights, ec, requests, label)
+    with BusyMonitor() as monitor:
+        engine, log, wall = run_requests(config, weights, ec, requests, label)
     remeasured = engine.stats.traces > 0
     if remeasured:
         print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
               "measuring again", file=sys.stderr)
-        engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
+        with BusyMonitor() as monitor:
+            engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
     m = metrics(engine, log, wall, machine["copy_bandwidth_gb_s"] * 1e9 if machine else None)
-    m |= {"compile": compile_info, "remeasured": remeasured}
+    m |= {"compile": compile_info, "remeasured": remeasured, "load": monitor.result()}
     if profile and machine:
         host = {k: v["host_ms"]["mean"] for k, v in m["per_step"].items() if v}
         m["profile"] = profile_run(config, weights, ec, requests, machine, host)
@@ -376,8 +386,10 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
             [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
         return [r.output_ids for r in results]
 
-    timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
-                               repeats=repeats, warmup=1, settle=0, desc=f"vs transformers, {len(requests)} requests")
+    with BusyMonitor() as monitor:
+        timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
+                                   repeats=repeats, warmup=1, settle=0,
+                                   desc=f"vs transformers, {len(requests)} requests")
     hf_ids = outputs["transformers"].tolist()
     same_prefix = []
     for mine, theirs, (_, o) in zip(outputs["ours"], hf_ids, requests):
@@ -402,6 +414,7 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
         "output_tokens_per_s": tps,
         "speedup": tps["ours"] / tps["transformers"],
         "speedup_useful": tps["ours"] / tps["transformers_useful"],
+        "load": monitor.result(),
         "target": VS_TARGET,
         "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
                          "first_32_identical": sum(k >= min(32, o) for k, (_, o) in zip(same_prefix, requests)),
@@ -559,6 +572,8 @@ def decode_scaling(runs: list[dict]) -> dict | None:
                      "decode_tokens_per_s": [lo["decode_tokens_per_s"], hi["decode_tokens_per_s"]],
                      "ratio": hi["decode_tokens_per_s"] / lo["decode_tokens_per_s"],
                      "output_tokens_per_s_ratio": hi["output_tokens_per_s"] / lo["output_tokens_per_s"],
+                     "withheld": next((r["load"]["withhold_ratios"] for r in (lo, hi)
+                                       if r.get("load", {}).get("withhold_ratios")), None),
                      "target": DECODE_TARGET}
     if not out:
         return None
@@ -566,8 +581,12 @@ def decode_scaling(runs: list[dict]) -> dict | None:
           f"(target >= {DECODE_TARGET:g}x at 64 vs 1):")
     print(format_table(["workload", "N", "decode tok/s", "ratio", "output tok/s ratio"],
                        [[k, f"{v['high']} vs {v['low']}", f"{v['decode_tokens_per_s'][1]:,.1f} vs "
-                         f"{v['decode_tokens_per_s'][0]:,.1f}", f"{v['ratio']:.2f}x",
-                         f"{v['output_tokens_per_s_ratio']:.2f}x"] for k, v in out.items()]))
+                         f"{v['decode_tokens_per_s'][0]:,.1f}", "withheld" if v["withheld"] else f"{v['ratio']:.2f}x",
+                         "withheld" if v["withheld"] else f"{v['output_tokens_per_s_ratio']:.2f}x"]
+                        for k, v in out.items()]))
+    for k, v in out.items():
+        if v["withheld"]:
+            print(f"{k}: ratios withheld: {v['withheld']}")
     return out
 
 
@@ -636,8 +655,12 @@ def _print_comparison(c: dict) -> None:
                          t["transformers"]],
                         ["transformers, requested tokens only", c["timings"]["transformers"]["median_s"],
                          t["transformers_useful"]]]))
-    print(f"ours / transformers: {c['speedup']:.2f}x output tokens/s (target >= {c['target']:g}x); "
-          f"{c['speedup_useful']:.2f}x counting only the requested tokens")
+    load = c["load"]
+    print(f"ours / transformers: {ratio_text(c['speedup'], load)} output tokens/s (target >= {c['target']:g}x); "
+          f"{ratio_text(c['speedup_useful'], load)} counting only the requested tokens")
+    print(f"load: {load['loadavg_1m_before']} before, {load['loadavg_1m_after']} after on {load['cores']} cores; "
+          f"this process {100 * (load['cpu_share'] or 0):.0f}% of the cores, other processes "
+          f"{'-' if load['others_cores'] is None else round(load['others_cores'], 2)} cores")
     print(f"greedy tokens: {g['requests_identical']}/{c['requests']} requests identical ({g['first_32_identical']}/"
           f"{c['requests']} in their first 32); tokens before the first "
           f"difference: {g['tokens_before_first_difference']} (float32 both; a difference is a near-tie that "

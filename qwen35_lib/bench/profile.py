@@ -188,7 +188,7 @@ TABLE_HEADERS = ["component", "ms", "floor: bytes/BW ms", "floor: FLOPs/peak ms"
 
 
 def summarize(per_run: dict[int, dict[str, float]], runs: list[int], floors: list[dict], walls: dict[int, float],
-              host_ms: float | None = None) -> dict:
+              host_ms: float | None = None, host_label: str = "host (measured run)") -> dict:
     """One step kind's profile: each component's mean ms over `runs` beside its mean floors (`floors`: one
     `roofline.component_floors` dict per run), the host row when given, and the whole step's floor (Σ of the
     components' floors) against the profiled executable's mean wall time."""
@@ -200,7 +200,7 @@ def summarize(per_run: dict[int, dict[str, float]], runs: list[int], floors: lis
             mean_floor[name] = {k: float(np.mean([f[k] for f in fs])) for k in ("bytes_ms", "flops_ms")}
     rows = [floor_row(c, ms[c], mean_floor.get(c)) for c in COMPONENTS]
     if host_ms is not None:
-        rows.append(floor_row("host (measured run)", host_ms, None))
+        rows.append(floor_row(host_label, host_ms, None))
     floor_ms = sum(r["floor_ms"] for r in rows if "floor_ms" in r)
     device_ms = 1e3 * float(np.mean([walls[r] for r in runs if r in walls])) if runs else 0.0
     return {"steps": len(runs), "rows": rows, "components_ms": sum(ms.values()), "executable_ms": device_ms,
