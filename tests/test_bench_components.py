@@ -54,6 +54,9 @@ def test_a_traced_program_is_split_into_its_scopes():
     dense = s["rows"][0]
     assert dense["floor_ms"] == pytest.approx(0.002) and dense["of_floor"] == pytest.approx(0.002 / dense["ms"])
     assert s["floor_ms"] == pytest.approx(0.002) and s["executable_ms"] > 0
+    top = prof.top_ops(lines, names, module, runs, n=3)
+    assert len(top) == 3 and top[0]["ms"] >= top[-1]["ms"] > 0
+    assert {o["component"] for o in prof.top_ops(lines, names, module, runs, n=50)} >= {"dense matmuls", "MoE"}
 
 
 def test_self_time_excludes_nested_events_and_unnamed_ones_take_the_parent():

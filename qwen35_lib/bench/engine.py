@@ -314,7 +314,9 @@ def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host
             continue
         floors = [component_floors(step_components(config, steps[i]["q"], steps[i]["kv"],
                                                    int(np.sum(steps[i]["q"] > 0))), bw, peak) for i in idx]
-        out[kind] = prof.summarize(per_run, [order[i] for i in idx], floors, walls, host_ms.get(kind))
+        runs = [order[i] for i in idx]
+        out[kind] = prof.summarize(per_run, runs, floors, walls, host_ms.get(kind))
+        out[kind]["top_ops"] = prof.top_ops(lines, lambda rid: names.get(bucket_of.get(rid), {}), module, runs)
     return out
 
 

@@ -220,3 +220,39 @@ def print_summary(title: str, s: dict) -> None:
     if s.get("floor_of_step") is not None:
         line += f", {100 * s['floor_of_step']:.0f}% of executable + host"
     print(line)
+    if s.get("top_ops"):
+        print("the instructions with the most self time: " + "; ".join(
+            f"{o['op']} {o['ms']:.2f} ms ({o['component']}: {_short(o['op_name'])})" for o in s["top_ops"][:5]))
+
+
+def _short(op_name: str) -> str:
+    """An op_name without the jit and layer-group prefix: `gdn/proj/dot_general`."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "layer_group")) and p != MODEL_SCOPE]
+    return "/".join(parts) or "-"
+
+
+def top_ops(lines: list[list[dict]], names: dict[str, str] | Callable[[int], dict[str, str]], module: str,
+            runs: list[int], n: int = 8) -> list[dict]:
+    """The `n` instructions with the most self time over `runs`, mean ms per execution: where a component's time
+    sits ({"op", "op_name", "component", "ms"}; op_name "" for an instruction XLA added without metadata)."""
+    names_of = names if callable(names) else (lambda _: names)
+    keep = set(runs)
+    total: dict[tuple, float] = defaultdict(float)
+    for events in lines:
+        hlo = sorted((e for e in events if e["hlo_op"] and e["hlo_module"] == module and e["run_id"] in keep),
+                     key=lambda e: (e["start_ns"], -e["duration_ns"]))
+        stack: list[list] = []  # [end, key, child_ns, duration]
+        for e in hlo:
+            while stack and stack[-1][0] <= e["start_ns"]:
+                end, key, child, dur = stack.pop()
+                total[key] += dur - child
+            if stack:
+                stack[-1][2] += e["duration_ns"]
+            key = (e["hlo_op"], names_of(e["run_id"]).get(e["hlo_op"], ""))
+            stack.append([e["start_ns"] + e["duration_ns"], key, 0.0, e["duration_ns"]])
+        while stack:
+            end, key, child, dur = stack.pop()
+            total[key] += dur - child
+    best = sorted(total.items(), key=lambda kv: -kv[1])[:n]
+    return [{"op": op, "op_name": name, "component": component_of(name) or "(no metadata)",
+             "ms": 1e-6 * ns / max(1, len(runs))} for (op, name), ns in best]

@@ -157,7 +157,8 @@ def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dic
     floors = component_floors(step_components(config, [T] * B, [T] * B, B * T), bandwidth, peak)
     wall_ms = 1e3 * float(np.mean([walls[r] for r in runs])) if runs else 0.0
     host = max(0.0, 1e3 * result["timings"]["ours"]["median_s"] - wall_ms)
-    return prof.summarize(per_run, runs, [floors] * len(runs), walls, host, "host (median - executable)")
+    out = prof.summarize(per_run, runs, [floors] * len(runs), walls, host, "host (median - executable)")
+    return out | {"top_ops": prof.top_ops(lines, names, module, runs)}
 
 
 def _roofline(config: Config, B: int, T: int, peak: float) -> dict:
