@@ -15,6 +15,16 @@ host (scheduling, packing, transfers in, bookkeeping), for decode and prefill st
 fraction of this machine's memory roofline: the bytes each must read (`bench.roofline.decode_bytes`) over the
 copy bandwidth measured in the same run (a numpy copy), against their measured time.
 
+Per component (`--profile-steps`, on by default): the run replayed under `jax.profiler` on a fresh engine, each
+step's executable split by the model's named scopes into dense matmuls, attention, GDN, MoE, sampling and the
+rest (`bench.profile`), decode and prefill steps apart, each component beside its floors (its least bytes over
+the copy bandwidth, its FLOPs over the matmul peak, both measured in this run: `roofline.step_components`), with
+the measured run's host time per step.
+
+Load: each measured run and the comparison record the load average before and after, this process's CPU share
+and the other processes' mean cores (`timing.BusyMonitor`); every ratio (decode scaling, ours / transformers) is
+withheld, with the reason printed, when the load before was above the core count or others held the cores.
+
 `--vs-transformers` (on when transformers is installed): the same random weights in both (the HF twin of the
 preset, saved and loaded with `load_hf_checkpoint`, float32 on both sides), 8 requests of the scaled 1k/1k
 workload: our engine (greedy) vs transformers' `generate` on one left-padded batch (greedy, eager, KV/state

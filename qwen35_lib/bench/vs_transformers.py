@@ -5,7 +5,10 @@ PyTorch under `torch.no_grad`, its default attention and experts implementations
 saved with `save_pretrained` and loaded into ours with `load_hf_checkpoint`, so the converter is exercised too.
 Per (batch, seq) shape: the logits' max |Δ|, and tokens/s of each side, timed interleaved, and their ratio; and
 each side's fraction of this machine's matmul roofline: the prefill's FLOPs (`bench.roofline.prefill_flops`) over
-its measured time, over XLA:CPU's float32 matmul FLOP/s measured in the same run.
+its measured time, over XLA:CPU's float32 matmul FLOP/s measured in the same run. Then (`--profile-steps`) our
+forward of each shape profiled per component beside each component's floors (`bench.profile`). The ratios to
+transformers are withheld, saying why, when other jobs held the cores during the timing (`timing.BusyMonitor`):
+the fractions of the roofline, measured in the same run, stand.
 Needs the `reference` extra (torch, transformers).
 """
 
