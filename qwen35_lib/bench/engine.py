@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compare with transformers' generate (default: when transformers is installed)")
     p.add_argument("--vs-requests", type=int, help=f"requests in the comparison (default: {DEFAULTS['vs_requests']})")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--moe-kernel", default="auto", help="our moe_matmul implementation (default: %(default)s: the "
+                   "backend's, `loop` on CPU)")
     p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="replay each run under jax.profiler: time per component beside its floor (default: on)")
     p.add_argument("--quick", action="store_true",
@@ -481,7 +483,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--vs-transformers needs the 'reference' extra (torch, transformers); install with: "
                          "pip install -e '.[reference]'")
     load_before = warn_if_busy()
-    preset = get_config(opts["model"], dtype=args.dtype)
+    preset = get_config(opts["model"], dtype=args.dtype, moe_kernel=args.moe_kernel)
     machine = measure_machine()
     hf = None
     if vs:
