@@ -86,3 +86,6 @@ def test_vs_transformers_smoke(tmp_path):
     assert shape["max_abs_logit_diff"] < 1e-4  # the same weights give the same logits
     assert doc["matmul_gflop_s"] > 0 and shape["matmul_roofline"]["flops"] > 0
     assert shape["matmul_roofline"]["ours"] > 0 and shape["matmul_roofline"]["transformers"] > 0
+    rows = {r["component"]: r for r in shape["profile"]["rows"]}  # our forward, profiled, beside its floors
+    assert rows["dense matmuls"]["ms"] > 0 and rows["dense matmuls"]["flops_ms"] > 0 and rows["MoE"]["floor_ms"] > 0
+    assert "withhold_ratios" in doc["load"] and doc["ratios_withheld"] == doc["load"]["withhold_ratios"]

@@ -63,6 +63,13 @@ def _check_doc(doc, concurrency, plot):
         assert roof["mean_bytes_per_step"] > roof["mean_bytes_by_part"]["dense_weights"] > 0
         assert roof["fraction_of_jitted"] >= roof["fraction_of_step"] > 0
         assert r["preemptions"] == 0 and r["steps"] >= 13
+        prof = r["profile"]  # the replay under jax.profiler: every step matched, both kinds split in components
+        assert prof["profiled_steps"] == r["steps"] and prof["decode"]["steps"] == r["decode_steps"]
+        for kind in ("decode", "prefill"):
+            rows = {row["component"]: row for row in prof[kind]["rows"]}
+            assert {"dense matmuls", "MoE", "GDN", "attention", "sampling", "host (measured run)"} <= set(rows)
+            assert rows["dense matmuls"]["ms"] > 0 and rows["MoE"]["floor_ms"] > 0 and prof[kind]["floor_ms"] > 0
+        assert r["load"]["cores"] >= 1 and "withhold_ratios" in r["load"]
         assert r["input_tokens"] == r["concurrency"] * 16 or 13 * r["concurrency"] <= r["input_tokens"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert doc["engine_configs"][str(r["concurrency"])]["max_num_seqs"] >= r["concurrency"]

@@ -127,17 +127,23 @@ def test_precompile_leaves_nothing_to_compile(tiny):
         engine.precompile(buckets=[(3, 5)])
 
 
-@pytest.mark.parametrize("tile", [None, 1, 4])
+@pytest.mark.parametrize("kernel", ["loop tile=None", "loop tile=1", "loop tile=4", "loop tile=4 rows=60",
+                                    "blocked block=3 tile=2"])
 @pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5], [0, 17, 0, 0, 1, 0], [0] * 6])
-def test_moe_loop_rows_equal_each_rows_expert(tile, sizes):
-    """The expert loop: each real row is its own expert's SwiGLU FFN (groups longer than a tile, empty groups),
-    padding rows (past the sum of the sizes) are 0."""
+def test_moe_loop_rows_equal_each_rows_expert(kernel, sizes):
+    """The expert loop and its blocked form (`moe_loop` runs as `moe_blocked` at decode sizes: tile=None, 20 rows
+    over 6 experts): each real row is its own expert's SwiGLU FFN (groups longer than a tile, empty groups, a
+    block's padding tiles), padding rows (past the sum of the sizes) are 0."""
     E, D, F = 6, 16, 8
+    name, *opts = kernel.split()
+    opts = {k: int(v) for k, v in (o.split("=") for o in opts if o != "tile=None")}
+    rows = opts.pop("rows", 20)
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
     sizes = jnp.array(sizes, jnp.int32)
-    x = jax.random.normal(kx, (20, D))
+    x = jax.random.normal(kx, (rows, D))
     wgu, wd = jax.random.normal(kw, (E, D, 2, F)), jax.random.normal(kd, (E, F, D))
-    y = np.asarray(jax.jit(lambda *a: moe_xla.moe_loop(*a, tile=tile))(x, sizes, wgu, wd))
+    fn = {"loop": moe_xla.moe_loop, "blocked": moe_xla.moe_blocked}[name]
+    y = np.asarray(jax.jit(lambda *a: fn(*a, **opts))(x, sizes, wgu, wd))
     expert = np.repeat(np.arange(E), np.asarray(sizes))
     n = int(sizes.sum())
     for r in range(n):
@@ -146,7 +152,7 @@ def test_moe_loop_rows_equal_each_rows_expert(tile, sizes):
     assert not y[n:].any()
 
 
-@pytest.mark.parametrize("n", [1, 8, 333])
+@pytest.mark.parametrize("n", [1, 8, 333])  # 1 and 8 tokens (3 and 24 rows over 8 experts): the blocked form
 def test_moe_loop_layer_matches_dense_and_capacity(tiny, n):
     cfg, w = tiny
     moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
@@ -165,6 +171,9 @@ def test_moe_loop_fp8_experts_match_dequantized(tiny):
     cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16, moe_kernel="loop")
     w8 = dict(moe, w_gate_up=quantize_fp8(moe["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(moe["w_down"], 16, (1, 2)))
     wdq = dict(moe, **{k: dequantize_fp8(w8[k], 16, jnp.float32) for k in ("w_gate_up", "w_down")})
-    x = jax.random.normal(jax.random.key(9), (40, cfg.hidden_size))
-    np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="loop"), wdq, x),
-                               atol=1e-6, rtol=1e-5)
+    for n in (40, 8):  # 120 rows over 8 experts: the loop; 24 rows: the blocked form
+        x = jax.random.normal(jax.random.key(9), (n, cfg.hidden_size))
+        np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="loop"), wdq, x),
+                                   atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="ragged_dot"), wdq, x),
+                                   atol=1e-5, rtol=1e-5)

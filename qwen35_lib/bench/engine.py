@@ -15,6 +15,16 @@ host (scheduling, packing, transfers in, bookkeeping), for decode and prefill st
 fraction of this machine's memory roofline: the bytes each must read (`bench.roofline.decode_bytes`) over the
 copy bandwidth measured in the same run (a numpy copy), against their measured time.
 
+Per component (`--profile-steps`, on by default): the run replayed under `jax.profiler` on a fresh engine, each
+step's executable split by the model's named scopes into dense matmuls, attention, GDN, MoE, sampling and the
+rest (`bench.profile`), decode and prefill steps apart, each component beside its floors (its least bytes over
+the copy bandwidth, its FLOPs over the matmul peak, both measured in this run: `roofline.step_components`), with
+the measured run's host time per step.
+
+Load: each measured run and the comparison record the load average before and after, this process's CPU share
+and the other processes' mean cores (`timing.BusyMonitor`); every ratio (decode scaling, ours / transformers) is
+withheld, with the reason printed, when the load before was above the core count or others held the cores.
+
 `--vs-transformers` (on when transformers is installed): the same random weights in both (the HF twin of the
 preset, saved and loaded with `load_hf_checkpoint`, float32 on both sides), 8 requests of the scaled 1k/1k
 workload: our engine (greedy) vs transformers' `generate` on one left-padded batch (greedy, eager, KV/state
@@ -36,7 +46,15 @@ from typing import Any
 import numpy as np
 
 from qwen35_lib.bench import workloads as wl
-from qwen35_lib.bench.timing import environment, format_table, measure, progress, warn_if_busy
+from qwen35_lib.bench.timing import (
+    BusyMonitor,
+    environment,
+    format_table,
+    measure,
+    progress,
+    ratio_text,
+    warn_if_busy,
+)
 from qwen35_lib.config import Config, get_config
 
 DESCRIPTION = ("serving throughput, TTFT, TPOT of the engine per workload and concurrency (closed loop); "
@@ -65,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compare with transformers' generate (default: when transformers is installed)")
     p.add_argument("--vs-requests", type=int, help=f"requests in the comparison (default: {DEFAULTS['vs_requests']})")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    p.add_argument("--moe-kernel", default="auto", help="our moe_matmul implementation (default: %(default)s: the "
+                   "backend's, `loop` on CPU)")
+    p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay each run under jax.profiler: time per component beside its floor (default: on)")
     p.add_argument("--quick", action="store_true",
                    help="a small end-to-end run (tiny model, concurrency 1,2, 1k/1k at 1/64, one repeat)")
 
@@ -223,22 +245,91 @@ def knobs(config: Config, ec) -> dict:
             "cache_mib": cache_bytes(config, shape) / 2**20}
 
 
-def measure_run(config: Config, weights: dict, ec, requests, label: str, bandwidth: float | None = None) -> dict:
+def measure_run(config: Config, weights: dict, ec, requests, label: str, machine: dict | None = None,
+                profile: bool = True) -> dict:
     """Compile every bucket the run will use (`Engine.precompile`, timed on its own), then the measured run
-    (again if it still compiled something)."""
+    (again if it still compiled something), then (`profile`, with the `machine`'s floors) the profiled replay."""
     from qwen35_lib.engine import Engine
 
     start = time.perf_counter()
     info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
     compile_info = {"wall_s": time.perf_counter() - start, "buckets": [list(b) for b in info["buckets"]],
                     "traces": info["compiled"], "compile_steps_s": info["seconds"]}
-    engine, log, wall = run_requests(config, weights, ec, requests, label)
+    with BusyMonitor() as monitor:
+        engine, log, wall = run_requests(config, weights, ec, requests, label)
     remeasured = engine.stats.traces > 0
     if remeasured:
         print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
               "measuring again", file=sys.stderr)
-        engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
-    return metrics(engine, log, wall, bandwidth) | {"compile": compile_info, "remeasured": remeasured}
+        with BusyMonitor() as monitor:
+            engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
+    m = metrics(engine, log, wall, machine["copy_bandwidth_gb_s"] * 1e9 if machine else None)
+    m |= {"compile": compile_info, "remeasured": remeasured, "load": monitor.result()}
+    if profile and machine:
+        host = {k: v["host_ms"]["mean"] for k, v in m["per_step"].items() if v}
+        m["profile"] = profile_run(config, weights, ec, requests, machine, host)
+    return m
+
+
+def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host_ms: dict) -> dict:
+    """Where each step kind's time goes (`bench.profile`): the run replayed under `jax.profiler` on a fresh engine
+    (the same requests and compiled buckets), each step's executable split into components by the named scopes
+    of its ops, beside each component's floors (`roofline.step_components` of the step's own tokens and
+    contexts, over the bandwidth and matmul peak measured in this run); `host_ms` per kind from the measured run.
+
+    1. Wrap the engine's step function to record each step's bucket, new tokens and contexts (host arrays);
+    2. trace the whole run; match the step executions (in start order) to the recorded steps;
+    3. per bucket, the op_name of every instruction from its compiled HLO (compiled already: a cache hit);
+    4. per kind (decode: every sequence fed one token; prefill: the rest), `profile.summarize`.
+    """
+    from qwen35_lib.bench import profile as prof
+    from qwen35_lib.bench.roofline import component_floors, step_components
+    from qwen35_lib.engine import Engine, SamplingParams
+    from qwen35_lib.engine.engine import engine_step
+    from qwen35_lib.model.layer_loop import prepare_weights
+
+    engine = Engine(config, weights, ec)
+    steps: list[dict] = []
+    first_args: dict[tuple, tuple] = {}
+
+    def recording_step(cfg, w, cache, tokens, meta, samp):
+        q, kv = np.asarray(meta.q_len).ravel(), np.asarray(meta.kv_len).ravel()
+        bucket_key = (int(np.shape(meta.decode_seq)[-1]), int(np.shape(tokens)[-1]))
+        first_args.setdefault(bucket_key, (tokens, meta, samp))
+        steps.append({"bucket": bucket_key, "q": q, "kv": kv, "decode": bool(np.all(q[q > 0] == 1))})
+        return engine_step(cfg, w, cache, tokens, meta, samp)
+
+    engine.step_fn = recording_step  # no `lower`: the memory check is skipped (it ran in the measured run)
+
+    def run():
+        for prompt, out in requests:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+
+    lines = prof.trace(run, calls=1)
+    pw = prepare_weights(config, weights)
+    names = {b: prof.op_names(engine_step.lower(config, pw, engine.cache, *args).compile().as_text())
+             for b, args in first_args.items()}
+    module = "jit_engine_step"
+    order = prof.execution_order(lines, module)
+    if len(order) != len(steps):
+        return {"error": f"{len(order)} step executions traced for {len(steps)} steps; no profile"}
+    bucket_of = {rid: s["bucket"] for rid, s in zip(order, steps)}
+    per_run = prof.component_times(lines, lambda rid: names.get(bucket_of.get(rid), {}), module)
+    walls = prof.execution_walls(lines, module)
+    bw, peak = machine["copy_bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
+    out = {"method": prof.__doc__.splitlines()[0], "profiled_steps": len(steps)}
+    for kind in ("decode", "prefill"):
+        idx = [i for i, s in enumerate(steps) if s["decode"] == (kind == "decode")]
+        if not idx:
+            continue
+        floors = [component_floors(step_components(config, steps[i]["q"], steps[i]["kv"],
+                                                   int(np.sum(steps[i]["q"] > 0))), bw, peak) for i in idx]
+        runs = [order[i] for i in idx]
+        out[kind] = prof.summarize(per_run, runs, floors, walls, host_ms.get(kind))
+        out[kind]["top_ops"] = prof.top_ops(lines, lambda rid: names.get(bucket_of.get(rid), {}), module, runs)
+    return out
 
 
 # --- vs transformers -------------------------------------------------------------------------------------------
@@ -309,8 +400,10 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
             [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
         return [r.output_ids for r in results]
 
-    timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
-                               repeats=repeats, warmup=1, settle=0, desc=f"vs transformers, {len(requests)} requests")
+    with BusyMonitor() as monitor:
+        timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
+                                   repeats=repeats, warmup=1, settle=0,
+                                   desc=f"vs transformers, {len(requests)} requests")
     hf_ids = outputs["transformers"].tolist()
     same_prefix = []
     for mine, theirs, (_, o) in zip(outputs["ours"], hf_ids, requests):
@@ -335,6 +428,7 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
         "output_tokens_per_s": tps,
         "speedup": tps["ours"] / tps["transformers"],
         "speedup_useful": tps["ours"] / tps["transformers_useful"],
+        "load": monitor.result(),
         "target": VS_TARGET,
         "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
                          "first_32_identical": sum(k >= min(32, o) for k, (_, o) in zip(same_prefix, requests)),
@@ -389,7 +483,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--vs-transformers needs the 'reference' extra (torch, transformers); install with: "
                          "pip install -e '.[reference]'")
     load_before = warn_if_busy()
-    preset = get_config(opts["model"], dtype=args.dtype)
+    preset = get_config(opts["model"], dtype=args.dtype, moe_kernel=args.moe_kernel)
     machine = measure_machine()
     hf = None
     if vs:
@@ -425,9 +519,10 @@ def run(args: argparse.Namespace) -> dict:
     for n, ec in configs.items():
         for name, w in loads.items():
             requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
-            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine["copy_bandwidth_gb_s"] * 1e9)
+            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine, profile=args.profile_steps)
             runs.append({"workload": name, "concurrency": n} | m)
     _print_runs(runs)
+    _print_profiles(runs)
     scaling = decode_scaling(runs)
 
     comparison = None
@@ -491,6 +586,8 @@ def decode_scaling(runs: list[dict]) -> dict | None:
                      "decode_tokens_per_s": [lo["decode_tokens_per_s"], hi["decode_tokens_per_s"]],
                      "ratio": hi["decode_tokens_per_s"] / lo["decode_tokens_per_s"],
                      "output_tokens_per_s_ratio": hi["output_tokens_per_s"] / lo["output_tokens_per_s"],
+                     "withheld": next((r["load"]["withhold_ratios"] for r in (lo, hi)
+                                       if r.get("load", {}).get("withhold_ratios")), None),
                      "target": DECODE_TARGET}
     if not out:
         return None
@@ -498,8 +595,12 @@ def decode_scaling(runs: list[dict]) -> dict | None:
           f"(target >= {DECODE_TARGET:g}x at 64 vs 1):")
     print(format_table(["workload", "N", "decode tok/s", "ratio", "output tok/s ratio"],
                        [[k, f"{v['high']} vs {v['low']}", f"{v['decode_tokens_per_s'][1]:,.1f} vs "
-                         f"{v['decode_tokens_per_s'][0]:,.1f}", f"{v['ratio']:.2f}x",
-                         f"{v['output_tokens_per_s_ratio']:.2f}x"] for k, v in out.items()]))
+                         f"{v['decode_tokens_per_s'][0]:,.1f}", "withheld" if v["withheld"] else f"{v['ratio']:.2f}x",
+                         "withheld" if v["withheld"] else f"{v['output_tokens_per_s_ratio']:.2f}x"]
+                        for k, v in out.items()]))
+    for k, v in out.items():
+        if v["withheld"]:
+            print(f"{k}: ratios withheld: {v['withheld']}")
     return out
 
 
@@ -530,6 +631,24 @@ def _print_runs(runs: list[dict]) -> None:
     sys.stdout.flush()
 
 
+def _print_profiles(runs: list[dict]) -> None:
+    """Each run's per-component table (`profile_run`), decode and prefill steps apart."""
+    from qwen35_lib.bench import profile as prof
+
+    for r in runs:
+        p = r.get("profile")
+        if not p:
+            continue
+        if "error" in p:
+            print(f"\nprofile of {r['workload']} N={r['concurrency']}: {p['error']}")
+            continue
+        for kind in ("decode", "prefill"):
+            if kind in p:
+                prof.print_summary(f"{kind} steps of {r['workload']} N={r['concurrency']}, where the time goes "
+                                   "(profiled replay) beside each component's floor", p[kind])
+    sys.stdout.flush()
+
+
 def _split_ms(split: dict | None) -> str:
     """"wall = jitted + host" (p50 ms) of a `step_split`."""
     if not split:
@@ -550,8 +669,12 @@ def _print_comparison(c: dict) -> None:
                          t["transformers"]],
                         ["transformers, requested tokens only", c["timings"]["transformers"]["median_s"],
                          t["transformers_useful"]]]))
-    print(f"ours / transformers: {c['speedup']:.2f}x output tokens/s (target >= {c['target']:g}x); "
-          f"{c['speedup_useful']:.2f}x counting only the requested tokens")
+    load = c["load"]
+    print(f"ours / transformers: {ratio_text(c['speedup'], load)} output tokens/s (target >= {c['target']:g}x); "
+          f"{ratio_text(c['speedup_useful'], load)} counting only the requested tokens")
+    print(f"load: {load['loadavg_1m_before']} before, {load['loadavg_1m_after']} after on {load['cores']} cores; "
+          f"this process {100 * (load['cpu_share'] or 0):.0f}% of the cores, other processes "
+          f"{'-' if load['others_cores'] is None else round(load['others_cores'], 2)} cores")
     print(f"greedy tokens: {g['requests_identical']}/{c['requests']} requests identical ({g['first_32_identical']}/"
           f"{c['requests']} in their first 32); tokens before the first "
           f"difference: {g['tokens_before_first_difference']} (float32 both; a difference is a near-tie that "

@@ -95,6 +95,73 @@ def warn_if_busy() -> float | None:
     return load
 
 
+OTHERS_MAX_CORES = 0.5  # other processes' mean CPU use (in cores) above which a ratio is withheld
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has been busy (user, nice, system, irq, softirq, steal), from
+    /proc/stat; None where there is none."""
+    try:
+        fields = pathlib.Path("/proc/stat").read_text().splitlines()[0].split()
+    except OSError:
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    busy = sum(ticks[i] for i in (0, 1, 2, 5, 6, 7) if i < len(ticks))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class BusyMonitor:
+    """Whether other jobs held the cores while a benchmark ran.
+
+        with BusyMonitor() as load:
+            ...  # the timed work
+        doc["load"] = load.result()   # {"loadavg_1m_before", ..., "withhold_ratios": why or None}
+
+    Records the 1-minute load average before and after, this process's CPU share (its CPU seconds over wall x
+    cores) and the other processes' mean CPU use in cores (the machine's busy CPU seconds, /proc/stat, minus
+    this process's, over the wall time). Ratios are withheld when the load before the run was above the core
+    count or the others used more than `OTHERS_MAX_CORES` cores on average (the load after the run counts this
+    process's own threads, so it is recorded, not judged).
+    """
+
+    def __enter__(self) -> BusyMonitor:
+        self.cores = os.cpu_count() or 1
+        self.load_before = _loadavg()
+        self.wall0, self.own0, self.busy0 = time.perf_counter(), _own_cpu_seconds(), _busy_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall1, self.own1, self.busy1 = time.perf_counter(), _own_cpu_seconds(), _busy_cpu_seconds()
+        self.load_after = _loadavg()
+
+    def result(self) -> dict:
+        wall = self.wall1 - self.wall0
+        own = self.own1 - self.own0
+        others = None
+        if self.busy0 is not None and self.busy1 is not None and wall > 0:
+            others = max(0.0, (self.busy1 - self.busy0 - own) / wall)
+        why = None
+        if self.load_before is not None and self.load_before > self.cores:
+            why = f"the load average before the run was {self.load_before} on {self.cores} cores"
+        elif others is not None and others > OTHERS_MAX_CORES:
+            why = (f"other processes used {others:.2f} of the {self.cores} cores on average during the run "
+                   f"(more than {OTHERS_MAX_CORES})")
+        return {"cores": self.cores, "loadavg_1m_before": self.load_before, "loadavg_1m_after": self.load_after,
+                "wall_s": wall, "cpu_share": own / (wall * self.cores) if wall > 0 else None,
+                "others_cores": others, "withhold_ratios": why}
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def ratio_text(value: float, load: dict, fmt: str = "{:.2f}x") -> str:
+    """`value` formatted, or the reason it is withheld (`BusyMonitor.result`)."""
+    why = load.get("withhold_ratios")
+    return f"withheld ({why}; rerun on a quiet machine)" if why else fmt.format(value)
+
+
 def progress(total: int, desc: str) -> tqdm:
     """A progress bar on stderr (the tables go to stdout)."""
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)

@@ -5,7 +5,10 @@ PyTorch under `torch.no_grad`, its default attention and experts implementations
 saved with `save_pretrained` and loaded into ours with `load_hf_checkpoint`, so the converter is exercised too.
 Per (batch, seq) shape: the logits' max |Δ|, and tokens/s of each side, timed interleaved, and their ratio; and
 each side's fraction of this machine's matmul roofline: the prefill's FLOPs (`bench.roofline.prefill_flops`) over
-its measured time, over XLA:CPU's float32 matmul FLOP/s measured in the same run.
+its measured time, over XLA:CPU's float32 matmul FLOP/s measured in the same run. Then (`--profile-steps`) our
+forward of each shape profiled per component beside each component's floors (`bench.profile`). The ratios to
+transformers are withheld, saying why, when other jobs held the cores during the timing (`timing.BusyMonitor`):
+the fractions of the roofline, measured in the same run, stand.
 Needs the `reference` extra (torch, transformers).
 """
 
@@ -18,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
+from qwen35_lib.bench.timing import BusyMonitor, environment, format_table, measure, ratio_text, warn_if_busy
 from qwen35_lib.config import Config, get_config
 
 DESCRIPTION = "prefill tokens/s: our jitted forward vs HF transformers eager (float32, same random weights)"
@@ -33,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-experts", help="transformers experts_implementation (default: transformers' own)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seeds the HF weights and the token ids")
+    p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile our forward per shape: time per component beside its floor (default: on)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -41,8 +46,9 @@ def run(args: argparse.Namespace) -> dict:
     3. Check the logits agree (max |Δ| from the warm-up outputs, and how many positions are off by more than
        `OFF`); print the table; return the JSON document.
     """
+    from qwen35_lib.bench import profile as prof
     from qwen35_lib.bench.engine import xla_cpu_threads
-    from qwen35_lib.bench.roofline import matmul_flops
+    from qwen35_lib.bench.roofline import copy_bandwidth, matmul_flops
     from qwen35_lib.checkpoint import load_hf_checkpoint
     from qwen35_lib.kernels.registry import resolve_name
     from qwen35_lib.model import forward
@@ -65,20 +71,32 @@ def run(args: argparse.Namespace) -> dict:
           f"{xla_cpu_threads()} XLA:CPU threads; "
           f"median of {args.repeats}, interleaved, {args.settle} untimed call(s) before each")
 
-    peak = matmul_flops()
-    print(f"this machine now: XLA:CPU float32 matmul {peak / 1e9:.1f} GFLOP/s (1024^3, best of 5): the roofline")
+    peak, bandwidth = matmul_flops(), copy_bandwidth()
+    print(f"this machine now: XLA:CPU float32 matmul {peak / 1e9:.1f} GFLOP/s (1024^3, best of 5): the roofline; "
+          f"numpy copy {bandwidth / 1e9:.1f} GB/s")
     rng = np.random.default_rng(args.seed)
     results = []
-    for B, T in shapes:
-        ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
-        results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args)
-                       | _roofline(config, B, T, peak))
+    with BusyMonitor() as monitor:
+        for B, T in shapes:
+            ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
+            results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args)
+                           | _roofline(config, B, T, peak))
+    load = monitor.result()
     for r in results:
         r["matmul_roofline"] |= {n: r["matmul_roofline"]["flops"] / r["timings"][n]["median_s"] / peak
                                  for n in ("ours", "transformers")}
-    _print_table(results)
+    _print_table(results, load)
     geo = float(np.exp(np.mean([np.log(r["speedup"]) for r in results])))
-    print(f"geometric-mean speedup of ours over transformers: {geo:.2f}x (float32, CPU)")
+    print(f"geometric-mean speedup of ours over transformers (prefill): {ratio_text(geo, load)} (float32, CPU)")
+    print(f"load: {load['loadavg_1m_before']} before, {load['loadavg_1m_after']} after on {load['cores']} cores; "
+          f"this process {100 * (load['cpu_share'] or 0):.0f}% of the cores, others "
+          f"{load['others_cores'] if load['others_cores'] is None else round(load['others_cores'], 2)} cores")
+    if args.profile_steps:
+        for (B, T), r in zip(shapes, results):
+            ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
+            r["profile"] = _profile_forward(ours, weights, ids, r, bandwidth, peak)
+            prof.print_summary(f"ours {B}x{T}, where the time goes (jax.profiler) beside each component's floor",
+                               r["profile"])
     return {
         "benchmark": "vs-transformers",
         "model": config.name,
@@ -90,7 +108,10 @@ def run(args: argparse.Namespace) -> dict:
                          "mode": "eager, torch.no_grad, use_cache=False", **hf_impl},
         "shapes": results,
         "geomean_speedup": geo,
+        "ratios_withheld": load["withhold_ratios"],
+        "load": load,
         "matmul_gflop_s": peak / 1e9,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
         "environment": environment(loadavg_1m_before=load_before),
     }
 
@@ -116,6 +137,33 @@ def _measure_shape(ours_forward, hf, ids: np.ndarray, args: argparse.Namespace) 
             "max_abs_logit": float(np.max(np.abs(ref))), "timings": {n: t.to_json() for n, t in timings.items()}}
 
 
+def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dict, bandwidth: float,
+                     peak: float) -> dict:
+    """Our forward of `ids` profiled (`bench.profile`, two calls): each component's ms beside its floors
+    (`roofline.step_components` of B rows of T tokens, the LM head on every token); the host row is the measured
+    median minus the profiled executable's wall time (dispatch, argument checks)."""
+    import jax
+
+    from qwen35_lib.bench import profile as prof
+    from qwen35_lib.bench.roofline import component_floors, step_components
+    from qwen35_lib.model import forward
+    from qwen35_lib.model.decoder import lower_forward
+
+    B, T = ids.shape
+    lengths = np.full((B,), T, np.int32)
+    names = prof.op_names(lower_forward(config, weights, ids, lengths).compile().as_text())
+    lines = prof.trace(lambda: jax.block_until_ready(forward(config, weights, ids)), calls=2)
+    module = "jit__forward"
+    per_run = prof.component_times(lines, names, module)
+    walls = prof.execution_walls(lines, module)
+    runs = prof.execution_order(lines, module)
+    floors = component_floors(step_components(config, [T] * B, [T] * B, B * T), bandwidth, peak)
+    wall_ms = 1e3 * float(np.mean([walls[r] for r in runs])) if runs else 0.0
+    host = max(0.0, 1e3 * result["timings"]["ours"]["median_s"] - wall_ms)
+    out = prof.summarize(per_run, runs, [floors] * len(runs), walls, host, "host (median - executable)")
+    return out | {"top_ops": prof.top_ops(lines, names, module, runs)}
+
+
 def _roofline(config: Config, B: int, T: int, peak: float) -> dict:
     """The FLOPs of a B x T prefill and their time at `peak` FLOP/s."""
     from qwen35_lib.bench.roofline import prefill_flops
@@ -124,10 +172,11 @@ def _roofline(config: Config, B: int, T: int, peak: float) -> dict:
     return {"matmul_roofline": {"flops": flops, "roofline_ms": 1e3 * flops / peak}}
 
 
-def _print_table(results: list[dict]) -> None:
+def _print_table(results: list[dict], load: dict) -> None:
+    withheld = load.get("withhold_ratios")
     rows = [[f"{r['batch']}x{r['seq']}", r["tokens"], r["timings"]["ours"]["median_s"] * 1e3,
              r["timings"]["transformers"]["median_s"] * 1e3, r["tokens_per_s"]["ours"],
-             r["tokens_per_s"]["transformers"], f"{r['speedup']:.2f}x",
+             r["tokens_per_s"]["transformers"], "withheld" if withheld else f"{r['speedup']:.2f}x",
              f"{r['matmul_roofline']['roofline_ms']:.1f}",
              f"{100 * r['matmul_roofline']['ours']:.0f}% / {100 * r['matmul_roofline']['transformers']:.0f}%",
              f"{r['max_abs_logit_diff']:.1e}", r[f"positions_over_{OFF:g}"]] for r in results]
@@ -135,6 +184,8 @@ def _print_table(results: list[dict]) -> None:
                         "of roofline ours/HF", "max|Δ| logits", f"positions |Δ|>{OFF:g}"], rows))
     print(f"(a few positions off by more than {OFF:g} are usually top-k routing near-ties that rounding resolved "
           "the other way; many mean a real mismatch)")
+    if withheld:
+        print(f"ours/HF ratios withheld: {withheld}; the fractions of the roofline, measured in this run, stand")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:

@@ -43,6 +43,11 @@ def _group(cfg: Config, parallelism, h: jax.Array, layers: list[LayerWeights], p
 
 @jax.jit(static_argnums=(0, 1))
 def _forward(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    with jax.named_scope("model"):  # the profile's model part (`bench.profile`)
+        return _forward_body(cfg, parallelism, weights, token_ids, lengths)
+
+
+def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h = weights["embed"][token_ids]  # [B, T, D]
@@ -57,7 +62,8 @@ def _forward(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, leng
 
         h, _ = jax.lax.scan(body, h, weights["layers"])
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
+    with jax.named_scope("lm_head"):
+        return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
 
 
 def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=None) -> jax.Array:

@@ -25,7 +25,12 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
     carry, each group's slice updated in place), or an unrolled loop when `weights["layers"]` holds per-layer
     leaves (`model.layer_loop`: XLA:CPU; the engine passes `prepare_weights(cfg, weights)`).
     """
-    parallelism = check_parallelism(cfg, parallelism)
+    with jax.named_scope("model"):  # the profile's model part (`bench.profile`); the engine samples after it
+        return _ragged_forward(cfg, weights, cache, tokens, meta, check_parallelism(cfg, parallelism))
+
+
+def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism
+                    ) -> tuple[jax.Array, dict]:
     h = weights["embed"][tokens]  # [R, T, D]
     valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
 
@@ -69,5 +74,6 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
             (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))
     h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("rsd,dv->rsv", h, weights["lm_head"], preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+        logits = jnp.einsum("rsd,dv->rsv", h, weights["lm_head"], preferred_element_type=jnp.float32)
     return logits, cache
