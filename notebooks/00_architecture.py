@@ -63,6 +63,7 @@ import numpy as np
 
 import qwen35_lib
 from qwen35_lib import budget, hardware, viz
+from qwen35_lib.costmodel import temporaries
 from qwen35_lib.report import format_report, human_bytes, model_report
 
 cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
@@ -260,12 +261,17 @@ for (dtype, placement), (m, r) in compiled.items():
     predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
     got = human_bytes(r.argument_bytes_per_device) if r.error is None else r.error
     print(f"{dtype:<14} {placement:<16} predicted {human_bytes(predicted)} per device; XLA: {got}")
+    if r.error is not None:  # the refusal's "HLO temporaries" figure, read as bytes
+        print(f"{'':<31} the refusal's figure: {human_bytes(temporaries.refused_bytes(r.error))}, the weights' "
+              f"{human_bytes(predicted)}")
 
 # %% [markdown]
 # **Check.** bf16 weights squeeze in, but the GDN state of 512 requests alone is more than what is left, even
 # at 1k tokens; with FP8 experts both workloads fit. XLA's per-device bytes match the prediction, and it refuses
-# bf16 weights once the dense weights are replicated. Its message also names the HBM a program may use per
-# device, a little under the table's 96 GiB: the runtime keeps some for itself.
+# bf16 weights once the dense weights are replicated. Its message names a figure it calls "HLO temporaries",
+# and that figure equals the weights: a program that holds nothing but its arguments is refused with its arguments'
+# bytes. The compiler's figure is the program's whole footprint, arguments included; notebook 01 reads a refused
+# step that way. The message also names the HBM a program may use per device, a little under the table's 96 GiB.
 
 # %%
 bf16_8k, bf16_1k, fp8_8k, fp8_1k = budgets
@@ -277,6 +283,7 @@ for (dtype, placement), (m, r) in compiled.items():
         assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (dtype, placement, r)
     else:
         assert "RESOURCE_EXHAUSTED" in r.error and predicted > tpu.hbm_bytes_per_device, r
+        assert abs(temporaries.refused_bytes(r.error) - predicted) <= 0.01 * predicted, r  # the whole footprint
 print(f"bf16: at most {bf16_1k.max_concurrency} requests of 1k tokens; FP8 experts: at most "
       f"{fp8_8k.max_concurrency:,} of 8k, {fp8_1k.max_concurrency:,} of 1k")
 

@@ -308,9 +308,10 @@ for r in aot_rows:
 # <details><summary><b>Pop quiz.</b> The ladder above predicts every stage at 512 requests. Does every stage's
 # step actually fit a TPU7x-8 at that shape, temporaries included?</summary>
 #
-# Not the baseline: its one rank puts all 512 requests on every device, and the compiler refuses its step for the
-# temporaries alone (notebook 01). Every EP stage fits, the XLA ones with little to spare because XLA's MoE copies
-# expert weights in every layer group, the `kernels` stage with the most. The table below is the stored compile.
+# Not the baseline: its one rank keeps a replicated KV head of every request on every device, and the compiler
+# refuses its step, naming the whole footprint it needed (notebook 01 reads the refusal: weights and caches plus
+# fewer temporaries than `dp_ep`'s). Every EP stage fits, the XLA ones with little to spare, the `kernels` stage with
+# the most. The table below is the stored compile.
 # </details>
 #
 # **Measure** (compiles, not runs). The stored sweep (`data/aot/tpu7x-8.json`, written by `make sweep`) compiled each
