@@ -42,7 +42,7 @@ CORNERS = {("tp", "xla"): "baseline", ("tp", "pallas"): "google_baseline", ("dp_
            ("dp_ep", "pallas"): "kernels"}
 WORKLOADS = {"8k/1k": (8192, 1024), "1k/8k": (1024, 8192)}
 # (variant name, the ladder stage whose collectives it takes): each with the Pallas kernels
-COLLECTIVE_STEPS = (("dp_ep+pallas", "dp_ep"), ("replicate+pallas", "replicate"), ("fused_ag+pallas", "fused_ag"),
+COLLECTIVE_STEPS = (("dp_ep_pallas", "dp_ep"), ("replicate_pallas", "replicate"), ("fused_ag_pallas", "fused_ag"),
                     ("kernels", "hier_rs"))
 SWEEP = "aot/tpu7x-8.json"
 
