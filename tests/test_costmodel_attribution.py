@@ -78,3 +78,18 @@ def test_a_corner_that_does_not_fit_is_refused_with_the_fix():
 def test_the_table_names_every_corner(record):
     text = attr.attribution_table(record)
     assert "kernels buy x3.00" in text and "not in the stored sweep" in text and "REFUSED" in text, text
+
+
+def test_expert_bytes_separates_the_weights_from_the_rows():
+    """`stage_gain.expert_bytes`: the Pallas grouped matmul reads each FP8 expert parameter once (one byte); XLA's
+    path costs more per parameter; the same under either layout; too few requests to hit every expert is refused."""
+    from qwen35_lib.stage_gain import expert_bytes
+
+    got = {st: expert_bytes(st) for st in ("kernels", "google_baseline", "hier_rs", "baseline")}
+    assert got["kernels"]["bytes_per_param"] == pytest.approx(1.0, rel=0.01), got  # float8_e4m3fn: one byte
+    assert got["google_baseline"]["bytes_per_param"] == pytest.approx(got["kernels"]["bytes_per_param"], rel=1e-3)
+    assert got["hier_rs"]["bytes_per_param"] == pytest.approx(got["baseline"]["bytes_per_param"], rel=1e-3)
+    assert got["hier_rs"]["bytes_per_param"] > 2 * got["kernels"]["bytes_per_param"], got
+    assert got["kernels"]["local_experts"] == 64 and got["baseline"]["local_experts"] == 512
+    with pytest.raises(ValueError, match="use more requests"):
+        expert_bytes("kernels", requests=8)
