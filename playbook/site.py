@@ -25,6 +25,7 @@ FRONT = ("introduction", "primer")  # the pages before the steps, in order
 TEMPLATE = string.Template((HERE / "templates" / "page.html").read_text())
 SOURCE_URL = "https://github.com/{repo}/blob/main/{path}"
 SOURCE = re.compile(r"\{\{\s*source:\s*([\w./\-]+)\s*\}\}")  # {{ source: qwen35_lib/parallel }}: a link to the code
+RAW_TAG = re.compile(r"&lt;/?[a-zA-Z][\w-]*(?:\s[^<>]*?)?/?&gt;")  # an HTML tag escaped into the page's text
 
 
 @dataclasses.dataclass
@@ -178,6 +179,12 @@ def add_nav_to_notebook(path: pathlib.Path, navigation: str) -> None:
         path.write_text(text, encoding="utf-8")
 
 
+def raw_markup(page: str) -> list[str]:
+    """HTML tags that a rendered page shows as text (escaped), e.g. a placeholder's `<span>` that landed inside a
+    code span: each as the reader sees it."""
+    return [html.unescape(m.group(0)) for m in RAW_TAG.finditer(page)]
+
+
 def chapter_body(page: Page, results: Results, entries: list[dict[str, Any]], by_step: dict[str, str]
                  ) -> tuple[str, list[Value], str | None]:
     """A chapter's HTML with its placeholders filled, the values it quotes, and its placeholder error if any."""
@@ -218,6 +225,9 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
         else:
             body, values, error = chapter_body(page, results, entries, by_step)
             errors += [error] if error else []
+            raw = raw_markup(body)
+            if raw:
+                errors.append(f"{page.source.name}: HTML shown as text (a placeholder inside `code`?): {raw[:3]}")
             key_values = values if page.source.stem == "conclusion" else key_values
         out.joinpath(page.file).write_text(page_html(page.title, body, nav(pages, i)), encoding="utf-8")
     out.joinpath("index.html").write_text(

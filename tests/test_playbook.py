@@ -125,6 +125,17 @@ def test_site_refuses_a_result_that_was_not_produced(checkout: pathlib.Path):
     assert "00.demo.typo" in out.joinpath("conclusion.html").read_text()
 
 
+def test_site_refuses_a_chapter_that_shows_html_as_text(checkout: pathlib.Path):
+    """A placeholder inside a code span renders its `<span>` as text: the build reports it (and exits 1)."""
+    checkout.joinpath("chapters", "00_demo.md").write_text("# 0 · Demo\n\nThe preset `{{ result: 00.demo.answer }}`.\n")
+    out = checkout / "site"
+    out.mkdir()
+    out.joinpath("notebook-00_demo.html").write_text("<html><head></head><body></body></html>")
+    ran = entry("00_demo", results={"demo": {"answer": 42, "sizes": [1024, 3 * 2**30]}})
+    _, errors = site.write_site(out, [ran], site.build_info("3", "0", "cpu"), ["00_demo"])
+    assert len(errors) == 1 and "00_demo.md: HTML shown as text" in errors[0] and "<span" in errors[0], errors
+
+
 def test_the_primer_quotes_the_librarys_hardware_and_nothing_is_missing():
     """Every placeholder of chapters/primer.md fills from `playbook.facts` (no notebook runs for it), and the
     values are the library's: the TPU7x usable HBM per device, the ridge point, a decode step's copies per expert."""
