@@ -224,6 +224,7 @@ print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {huma
 # over the 8 devices: the best any layout can do.
 
 # %%
+# figure: hbm_budget
 bf16, fp8 = serve, serve.replace(expert_dtype="float8_e4m3fn")
 budgets = [budget.hbm_budget(m, tpu, concurrency=512, context_len=n) for m in (bf16, fp8) for n in (8192, 1024)]
 for b in budgets:

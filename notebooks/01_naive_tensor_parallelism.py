@@ -348,6 +348,7 @@ for name, (nbytes, error) in xla.items():
 print(f"KV cache per device, tp8_kvrep / dp8_ep8 at TPU size: {kv_ratio_tpu:.2f}x")
 
 # %%
+# figure: memory
 fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")  # FP8 KV
 parts = (("weights", "weight_bytes_per_device", "#4C72B0"), ("KV cache", "kv_bytes_per_device", "#C44E52"),
          ("GDN state", "gdn_state_bytes_per_device", "#55A868"))

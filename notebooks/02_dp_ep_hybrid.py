@@ -160,6 +160,7 @@ for d in (0, 1, 7):
 print(p.summary())
 
 # %%
+# figure: placement
 placement_figure(p)
 
 # %% [markdown]

@@ -388,6 +388,7 @@ for s, counts in tpu_counts.items():
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
 
 # %%
+# figure: wire_bytes
 Ns = [64, 256, 512, 2048, 8 * 2048]
 fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
 for s, kw in STRATEGIES.items():

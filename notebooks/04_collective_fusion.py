@@ -292,6 +292,7 @@ per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat
 print({k: human_bytes(v) for k, v in per_phase.items()})
 
 # %%
+# figure: rs_phases
 fig, ax = plt.subplots(figsize=(6.5, 2.4), layout="constrained")
 ax.barh(["flat", "hierarchical"], [0, Nb / 2 / 2**20], color="#8172B2", label="intra-chip (core)")
 ax.barh(["flat", "hierarchical"], [7 * Nb / 8 / 2**20, 3 * Nb / 8 / 2**20], left=[0, Nb / 2 / 2**20],

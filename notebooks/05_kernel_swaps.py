@@ -141,6 +141,7 @@ print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']
       f"{roof[0]['peak_flops'] / 1e15:.2f} PFLOP/s, {roof[0]['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
 
 # %%
+# figure: roofline
 fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.subplots()
 x = np.logspace(-1.5, 4, 200)

@@ -162,6 +162,7 @@ for r in rows:
           f"{r['fraction_of_roofline']:.0%} of roofline")
 
 # %%
+# figure: ladder
 ladder_claim = validate.published()["reported_ladder"]  # the account's gains (only for judging; post not found)
 print("reported (second-hand):", ladder_claim["source"])
 reported = {"8k/1k": ladder_claim["prefill_heavy_gain"], "1k/8k": ladder_claim["decode_heavy_gain"]}

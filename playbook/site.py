@@ -99,7 +99,8 @@ def notebook_box(step: str, entry: dict[str, Any] | None, notebooks: dict[str, s
     if name is None:
         return '<p class="pb-box">The notebook for this step is not in this checkout yet.</p>'
     links = [f'<a href="{SOURCE_URL.format(repo=GITHUB_REPO, path=f"notebooks/{name}.py")}">source</a>',
-             f'<a href="{COLAB_URL.format(repo=GITHUB_REPO, name=name)}">open in Colab</a>']
+             f'<a href="{COLAB_URL.format(repo=GITHUB_REPO, name=name)}">open in Colab</a>',
+             f'<a href="{explorer.FILE}">the explorers</a>']
     if entry is None:
         run = f"<code>{name}</code> was not run in this build"
     else:
