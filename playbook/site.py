@@ -202,6 +202,21 @@ def chapter_body(page: Page, results: Results, entries: list[dict[str, Any]], by
     return body, values, error
 
 
+BUILD_STEP = "build"  # the introduction quotes how this build went: {{ result: build.slowest_seconds | .0f }}
+
+
+def build_facts(entries: list[dict[str, Any]], build: dict[str, Any]) -> dict[str, dict]:
+    """{BUILD_STEP: {"run": ...}}: what the builder measured of this build's notebooks (seconds each, the slowest,
+    the total) and the machine; empty when no notebook ran (a chapter quoting it then shows it missing)."""
+    if not entries:
+        return {}
+    seconds = {e["name"]: e["seconds"] for e in entries}
+    slowest = max(seconds, key=seconds.get)
+    return {BUILD_STEP: dict(run=dict(seconds=seconds, slowest=slowest, slowest_seconds=seconds[slowest],
+                                      total_seconds=sum(seconds.values()), notebooks=len(entries),
+                                      ok=sum(e["status"] == "ok" for e in entries), machine=build["machine"]))}
+
+
 def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str, Any],
                notebooks: list[str]) -> tuple[list[Value], list[str]]:
     """Write every page under `out`; return the conclusion's values (the key results) and placeholder errors.
@@ -210,8 +225,8 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
     pages `<out>/<entry["html"]>` exist already and get the navigation bar.
     """
     pages = reading_order(chapter_paths(), entries)
-    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks},
-                      facts={facts.STEP: facts.documents()})
+    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks} | {BUILD_STEP},
+                      facts={facts.STEP: facts.documents(), **build_facts(entries, build)})
     by_step = {n[:2]: n for n in notebooks}
     key_values: list[Value] = []
     errors: list[str] = []

@@ -134,6 +134,14 @@ def test_site_refuses_a_result_that_was_not_produced(checkout: pathlib.Path):
     assert "00.demo.typo" in out.joinpath("conclusion.html").read_text()
 
 
+def test_the_build_facts_are_what_the_builder_measured():
+    runs = [entry("00_demo"), dict(entry("01_later", status="failed"), seconds=3.5)]
+    doc = site.build_facts(runs, site.build_info("3", "0", "x86_64, 2 CPUs"))[site.BUILD_STEP]["run"]
+    assert doc["slowest"] == "01_later" and doc["slowest_seconds"] == 3.5 and doc["total_seconds"] == 4.5
+    assert (doc["notebooks"], doc["ok"], doc["machine"]) == (2, 1, "x86_64, 2 CPUs")
+    assert site.build_facts([], site.build_info("3", "0", "x")) == {}  # nothing ran: quoted as missing
+
+
 def test_a_figure_the_notebook_did_not_draw_is_refused_and_one_not_run_is_missing():
     ran = entry("00_demo", results={"demo": {}})
     ran["figures"] = {"dot": "figures/00_demo-dot.png"}

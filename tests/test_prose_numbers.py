@@ -124,7 +124,7 @@ def _rendered_chapters() -> list[tuple[str, str]]:
 
     pages = [p for p in site.reading_order(site.chapter_paths(), []) if p.source is not None]
     steps = {p.step for p in pages if p.step} | {p.stem[:2] for p in prose.NOTEBOOKS.glob("[0-9][0-9]_*.py")}
-    results = Results([], steps, facts={facts.STEP: facts.documents()})
+    results = Results([], steps | {site.BUILD_STEP}, facts={facts.STEP: facts.documents()})
     out = []
     for page in pages:
         body, _, error = site.chapter_body(page, results, [], {})
