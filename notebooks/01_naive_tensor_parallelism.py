@@ -274,9 +274,12 @@ assert ratio_cpu < KV_FACTOR and (8 * pages_per_seq) / pages_per_seq / tiny.num_
 print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device (KV factor {KV_FACTOR})")
 
 # %% [markdown]
-# ## 3. At TPU size: Qwen3.5-397B, FP8 experts, 512 requests of 8k tokens
+# ## 3. At TPU size: Qwen3.5-397B, FP8 experts, 512 requests of 9,216 tokens
 #
-# <details><summary><b>Pop quiz.</b> 512 requests of 8k tokens on a TPU7x-8: which of the three layouts fits with
+# A request's whole context is 9,216 tokens in either workload (8k in and 1k out, or 1k in and 8k out): the pool
+# each layout must hold for 512 of them.
+#
+# <details><summary><b>Pop quiz.</b> 512 requests of 9,216 tokens on a TPU7x-8: which of the three layouts fits with
 # a bf16 KV cache, and which with the FP8 one?</summary>
 #
 # With bf16, the EP layouts fit and `tp8_kvrep` does not: its KV factor multiplies a cache that is already the
@@ -291,8 +294,9 @@ print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device (KV 
 
 # %%
 LAYOUTS = ("tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")
-bf16_plans = {name: placement(big, name, requests=512, context_len=8192) for name in LAYOUTS}
-plans = {name: placement(big, name, requests=512, context_len=8192, kv_dtype=FP8_KV) for name in LAYOUTS}
+CONTEXT = 8192 + 1024  # a request's whole context in either workload: input plus output
+bf16_plans = {name: placement(big, name, requests=512, context_len=CONTEXT) for name in LAYOUTS}
+plans = {name: placement(big, name, requests=512, context_len=CONTEXT, kv_dtype=FP8_KV) for name in LAYOUTS}
 for kv, ps_ in (("bf16 KV", bf16_plans), ("FP8 KV", plans)):
     print(kv)
     for name, p in ps_.items():
@@ -307,7 +311,7 @@ print(f"KV factor at the 397B size: {kv_factor_tpu:g} copies of each KV head "
 
 # %% [markdown]
 # **Check.** The 397B model's KV factor is the same as the tiny one's, read from the same plan. With a bf16 KV cache
-# the baseline does not fit 512 requests of 8k tokens; with the FP8 cache it does: the baseline is a layout that
+# the baseline does not fit 512 requests of 9,216 tokens; with the FP8 cache it does: the baseline is a layout that
 # runs, and what it loses is elsewhere (section 4).
 
 # %%
@@ -365,7 +369,7 @@ ax.set_yticks(range(len(plans)), list(plans))
 ax.set_xlabel("GiB per device (TPU7x-8: 96 GiB HBM per TensorCore; prediction, checked by an XLA compile)")
 ax.set_xlim(0, 250)
 ax.legend(loc="lower right", fontsize=8)
-ax.set_title("Qwen3.5-397B-A17B (FP8 experts, FP8 KV cache), 512 requests x 8k tokens", fontsize=10)
+ax.set_title(f"Qwen3.5-397B-A17B (FP8 experts, FP8 KV cache), 512 requests x {CONTEXT:,} tokens", fontsize=10)
 plt.show()
 
 # %% [markdown]
@@ -377,7 +381,7 @@ plt.show()
 # adds the same weight bytes.
 
 # %%
-p4, p8, p60 = (placement(big.replace(num_layers=n), "dp8_ep8", requests=512, context_len=8192) for n in (4, 8, 60))
+p4, p8, p60 = (placement(big.replace(num_layers=n), "dp8_ep8", requests=512, context_len=CONTEXT) for n in (4, 8, 60))
 per_group = p8.weight_bytes_per_device - p4.weight_bytes_per_device
 assert p60.weight_bytes_per_device == p8.weight_bytes_per_device + 13 * per_group
 assert p60.kv_bytes_per_device * 2 == p8.kv_bytes_per_device * 15
@@ -389,9 +393,9 @@ step = {}
 if HAVE_LIBTPU and os.environ.get("QWEN35_AOT_STEP"):
     for name in ("tp8_kvrep", "dp8_ep8"):
         c8 = big.replace(num_layers=8, layout=name, attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
-        ma = aot.compile_step(c8, aot.chip_core_mesh(), requests=512, context_len=8192, decode=8).memory_analysis()
+        ma = aot.compile_step(c8, aot.chip_core_mesh(), requests=512, context_len=CONTEXT, decode=8).memory_analysis()
         step[name] = dict(argument_bytes=ma.argument_size_in_bytes, temp_bytes=ma.temp_size_in_bytes)
-        expected = placement(c8, name, requests=512, context_len=8192).total_bytes_per_device
+        expected = placement(c8, name, requests=512, context_len=CONTEXT).total_bytes_per_device
         print(f"{name:<10} 8-layer step: arguments {human_bytes(ma.argument_size_in_bytes)} (placement: weights + "
               f"caches {human_bytes(expected)}), temporaries {human_bytes(ma.temp_size_in_bytes)}")
         assert abs(ma.argument_size_in_bytes - expected) <= 2e-3 * expected  # + the step's small int inputs
@@ -481,8 +485,8 @@ slice_requests = {name: int((p.usable_hbm_bytes_per_device - p.weight_bytes_per_
                   * p.ranks for name, p in plans.items()}
 kv_read_ms = {name: 1e3 * p.kv_bytes_per_device / tpu.hbm_bytes_per_s for name, p in plans.items()}
 for name in LAYOUTS:
-    print(f"{name:<12} requests of 8k tokens the slice holds: {slice_requests[name]:>5}; one decode step over 512 "
-          f"requests of 8k reads {human_bytes(plans[name].kv_bytes_per_device)} of KV per device: "
+    print(f"{name:<12} requests of {CONTEXT:,} tokens the slice holds: {slice_requests[name]:>5}; one decode step "
+          f"over 512 of them reads {human_bytes(plans[name].kv_bytes_per_device)} of KV per device: "
           f"{kv_read_ms[name]:.2f} ms at {tpu.hbm_bytes_per_s / 1e12:.1f} TB/s")
 
 # %% [markdown]
@@ -547,11 +551,11 @@ notebook.save_results("naive_tp", record)
 # %% [markdown]
 # ## Exercises
 #
-# 1. **[bf16 KV cache]** Section 3 printed the bf16 cache beside the FP8 one. How many requests of 8k tokens does
+# 1. **[bf16 KV cache]** Section 3 printed the bf16 cache beside the FP8 one. How many requests of 9,216 tokens does
 #    `tp8_kvrep` fit with a bf16 KV cache?
 #    <details><summary>Answer</summary>
 #
-#    Lower `requests` in `placement(big, "tp8_kvrep", requests=..., context_len=8192).fits` until it is True (a
+#    Lower `requests` in `placement(big, "tp8_kvrep", requests=..., context_len=CONTEXT).fits` until it is True (a
 #    bisection over `requests` finds the largest): the bf16 cache is twice the FP8 one's bytes per token, so the
 #    baseline with a bf16 cache holds well under 512, while `dp8_ep8` still fits them all.
 #    </details>

@@ -37,6 +37,7 @@ NUMBER_WORDS = ("half", "twice", "double", "triple", "quarter", "dozen", "one", 
 ALLOWED: tuple[tuple[str, str], ...] = (
     (r"512 (concurrent |in-flight )?requests?", "the benchmark's concurrency: the workloads are defined at 512"),
     (r"(8k|1k|8192|1024) (input |output )?tokens?", "the workloads' input and output lengths (8k/1k, 1k/8k)"),
+    (r"9,216 tokens", "a request's whole context in either workload: its input and output lengths added"),
     (r"(96|192) GiB", "TPU7x HBM per TensorCore / per chip: the hardware spec (data/hardware.json)"),
     (r"1,000 tokens", "the unit of the per-component times: milliseconds per 1,000 tokens served"),
     (r"(one|a single) (\w+ )?(token|request)", "one item: an article, not a figure"),
