@@ -385,7 +385,8 @@ assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] o
 # `data/published.json` holds the Qwen3.5-397B-on-TPU7x figures we could find and cite (tpu-inference pull
 # requests), each with its own setup read from the benchmark scripts at the commit it was measured with (range
 # ratio, prompts, token budget and sequences per rank); the blog post with the ladder itself could not be found, so
-# none of its numbers are quoted. The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent
+# its two end-to-end gains appear only as second-hand targets (section 3) and none of its other numbers are used.
+# The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent
 # 8k/1k requests: #3050's (the acceptance set) and #3079's, after its benchmark and budget changes.
 #
 # <details><summary><b>Pop quiz.</b> The published runs used Pallas attention and grouped matmuls, but not
