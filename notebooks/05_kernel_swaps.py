@@ -375,7 +375,8 @@ print(dict_table(rows, list(rows[0])))
 
 # %% [markdown]
 # **Check.** Every step fits with its temporaries counted: weights, caches and temporaries together stay under the
-# usable HBM, with the headroom above left for the runtime's own reservations (which a compile cannot see).
+# usable HBM the compiler names. What else a running server keeps in HBM beside the compiled step (buffers of the
+# runtime, a second program) a compile cannot see; the headroom printed above is what is left for it.
 
 # %%
 assert all(f["fits"] and f["total_bytes"] + f["headroom_bytes"] == sweep["usable_bytes"] for f in fit.values())
