@@ -187,3 +187,18 @@ def test_every_placeholder_in_a_chapter_is_well_formed() -> None:
         starts = {m.start() for pattern in (PLACEHOLDER, FIGURE, SOURCE) for m in pattern.finditer(text)}
         broken = [text[i:i + 40] for i in (m.start() for m in re.finditer(r"\{\{", text)) if i not in starts]
         assert not broken, f"{path.name}: placeholders that do not parse: {broken}"
+
+
+def test_the_conclusion_shows_the_two_by_two_from_the_run() -> None:
+    """Issue 31: the conclusion quotes every corner of notebook 06's attribution (both workloads) and each effect."""
+    from qwen35_lib.costmodel.attribution import CORNERS, WORKLOADS
+
+    text = (prose.CHAPTERS / "conclusion.md").read_text()
+    quoted = {m.group(1) for m in PLACEHOLDER.finditer(text)}
+    for wl in WORKLOADS:
+        for stage in CORNERS.values():
+            assert f"06.costmodel.attribution.corners.{stage}.{wl}.total_tokens_per_s" in quoted, (stage, wl)
+        for effect in ("kernels_under_tp", "kernels_under_dp_ep", "layout_with_xla", "layout_with_pallas"):
+            assert f"06.costmodel.attribution.{wl}.{effect}" in quoted, (effect, wl)
+        assert f"06.costmodel.attribution.collectives.{wl}.total" in quoted
+    assert re.search(r"attribution=att\b", _notebook("06").read_text()), "notebook 06 records no attribution"
