@@ -121,7 +121,7 @@ print(f"experts touched per device: {touched:.2f} of 64; expert bytes per step {
 # KV and GDN state, the collectives, at the stated efficiencies.
 
 # %%
-batch = ops.Batch(decodes=512, decode_ctx=4096, max_ctx=8192)
+batch = ops.Batch(decodes=512, decode_ctx=9216 // 2, max_ctx=9216)  # contexts up to a whole request's, 8k + 1k
 t_kernels = costmodel.step_time(cfg, tpu, STAGES["kernels"], batch, kv_dtype="float8_e4m3fn")
 t_baseline = costmodel.step_time(cfg, tpu, STAGES["baseline"], batch, kv_dtype="float8_e4m3fn")
 for name, t in (("kernels", t_kernels), ("baseline", t_baseline)):
