@@ -63,6 +63,7 @@ import numpy as np
 
 import qwen35_lib
 from qwen35_lib import budget, hardware, viz
+from qwen35_lib.costmodel import temporaries
 from qwen35_lib.report import format_report, human_bytes, model_report
 
 cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
@@ -187,8 +188,9 @@ print(f"predicted: KV {predicted_kv:,} B per token; GDN state {predicted_gdn:,} 
 serve_stats = qwen35_lib.model_stats(serve)
 assert serve_stats.kv_bytes_per_token == predicted_kv
 assert serve_stats.gdn_state_bytes_per_seq == predicted_gdn
+CONTEXT = 8192 + 1024  # a request's whole context in either workload (8k/1k or 1k/8k): input plus output
 print(f"KV cache: {human_bytes(serve_stats.kv_bytes_per_token)} per token, "
-      f"{human_bytes(8192 * serve_stats.kv_bytes_per_token)} for an 8k-token request")
+      f"{human_bytes(CONTEXT * serve_stats.kv_bytes_per_token)} for a request's whole context ({CONTEXT:,} tokens)")
 print(f"GDN state: {human_bytes(serve_stats.gdn_state_bytes_per_seq)} per request "
       f"({human_bytes(stats.gdn_state_bytes_per_seq)} with HF's float32 state), "
       f"as much as {serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token:,} tokens of KV cache")
@@ -219,12 +221,14 @@ print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {huma
 
 # %% [markdown]
 # **Compute.** `qwen35_lib.budget.hbm_budget` puts the weights on the devices and asks what the caches of 512
-# concurrent requests need, at 8k and at 1k tokens of context each. `even` placement spreads every weight
+# concurrent requests need, at a request's whole context (9,216 tokens: 8k in and 1k out, or 1k in and 8k out) and
+# at 1k tokens of context each. `even` placement spreads every weight
 # over the 8 devices: the best any layout can do.
 
 # %%
+# figure: hbm_budget
 bf16, fp8 = serve, serve.replace(expert_dtype="float8_e4m3fn")
-budgets = [budget.hbm_budget(m, tpu, concurrency=512, context_len=n) for m in (bf16, fp8) for n in (8192, 1024)]
+budgets = [budget.hbm_budget(m, tpu, concurrency=512, context_len=n) for m in (bf16, fp8) for n in (CONTEXT, 1024)]
 for b in budgets:
     verdict = f"fits, {human_bytes(b.left_bytes)} left" if b.fits else f"short by {human_bytes(-b.left_bytes)}"
     print(f"{b.weight_dtypes:<32} {b.context_len:>5} tokens: weights {human_bytes(b.weight_bytes)}, free "
@@ -260,25 +264,31 @@ for (dtype, placement), (m, r) in compiled.items():
     predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
     got = human_bytes(r.argument_bytes_per_device) if r.error is None else r.error
     print(f"{dtype:<14} {placement:<16} predicted {human_bytes(predicted)} per device; XLA: {got}")
+    if r.error is not None:  # the refusal's "HLO temporaries" figure, read as bytes
+        print(f"{'':<31} the refusal's figure: {human_bytes(temporaries.refused_bytes(r.error))}, the weights' "
+              f"{human_bytes(predicted)}")
 
 # %% [markdown]
 # **Check.** bf16 weights squeeze in, but the GDN state of 512 requests alone is more than what is left, even
 # at 1k tokens; with FP8 experts both workloads fit. XLA's per-device bytes match the prediction, and it refuses
-# bf16 weights once the dense weights are replicated. Its message also names the HBM a program may use per
-# device, a little under the table's 96 GiB: the runtime keeps some for itself.
+# bf16 weights once the dense weights are replicated. Its message names a figure it calls "HLO temporaries",
+# and that figure equals the weights: a program that holds nothing but its arguments is refused with its arguments'
+# bytes. The compiler's figure is the program's whole footprint, arguments included; notebook 01 reads a refused
+# step that way. The message also names the HBM a program may use per device, a little under the table's 96 GiB.
 
 # %%
-bf16_8k, bf16_1k, fp8_8k, fp8_1k = budgets
+bf16_full, bf16_1k, fp8_full, fp8_1k = budgets
 assert bf16_1k.weights_fit and not bf16_1k.fits and bf16_1k.free_bytes < bf16_1k.gdn_state_bytes
-assert fp8_8k.fits and fp8_1k.fits
+assert fp8_full.fits and fp8_1k.fits
 for (dtype, placement), (m, r) in compiled.items():
     predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
     if r.error is None:
         assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (dtype, placement, r)
     else:
         assert "RESOURCE_EXHAUSTED" in r.error and predicted > tpu.hbm_bytes_per_device, r
+        assert abs(temporaries.refused_bytes(r.error) - predicted) <= 0.01 * predicted, r  # the whole footprint
 print(f"bf16: at most {bf16_1k.max_concurrency} requests of 1k tokens; FP8 experts: at most "
-      f"{fp8_8k.max_concurrency:,} of 8k, {fp8_1k.max_concurrency:,} of 1k")
+      f"{fp8_full.max_concurrency:,} of {CONTEXT:,}, {fp8_1k.max_concurrency:,} of 1k")
 
 # %% [markdown]
 # ## 5. The same model, small: our logits against transformers
@@ -354,17 +364,17 @@ notebook.save_results("architecture", record)
 #    the 8 devices. How many extra bytes does that cost the slice with FP8 experts, and what is left for caches?
 #    <details><summary>Answer</summary>
 #
-#    `budget.hbm_budget(fp8, tpu, 512, 8192, placement="experts_sharded")`: `weight_bytes_on_devices -
+#    `budget.hbm_budget(fp8, tpu, 512, 9216, placement="experts_sharded")`: `weight_bytes_on_devices -
 #    weight_bytes` is 7 extra copies of the dense weights (attention, GDN, shared experts, router, embeddings),
-#    and `free_bytes` shrinks by as much; `.fits` tells whether 512 requests of 8k tokens still fit. With bf16
+#    and `free_bytes` shrinks by as much; `.fits` tells whether 512 requests of 9,216 tokens still fit. With bf16
 #    weights the same placement does not even fit the weights: XLA refused it above.
 #    </details>
 #
-# 3. **[State dtype]** Keep HF's float32 GDN state instead of bf16. How many requests of 8k tokens fit with FP8
+# 3. **[State dtype]** Keep HF's float32 GDN state instead of bf16. How many requests of 9,216 tokens fit with FP8
 #    experts?
 #    <details><summary>Answer</summary>
 #
-#    `budget.hbm_budget(fp8.replace(gdn_state_dtype="float32"), tpu, 512, 8192).max_concurrency`: the state
+#    `budget.hbm_budget(fp8.replace(gdn_state_dtype="float32"), tpu, 512, 9216).max_concurrency`: the state
 #    doubles, so fewer requests fit, but more than 512 still do.
 #    </details>
 #
@@ -372,13 +382,14 @@ notebook.save_results("architecture", record)
 #    <details><summary>Answer</summary>
 #
 #    `python -m qwen35_lib info --model qwen3.5-397b-a17b --hardware h200-8 --expert-dtype float8_e4m3fn
-#    --gdn-state-dtype bfloat16 --concurrency 512 --context-len 8192`, then `--hardware v5p-8` (4 chips: the FP8
+#    --gdn-state-dtype bfloat16 --concurrency 512 --context-len 9216`, then `--hardware v5p-8` (4 chips: the FP8
 #    weights alone nearly fill their HBM).
 #    </details>
 #
-# 5. **[Workload lengths]** In the prefill-heavy workload `8k/1k` a request ends holding its 8k input plus 1k
-#    output tokens. Does that change the verdict for FP8 experts?
+# 5. **[Workload lengths]** The budgets above hold each request's whole context, input plus output. How many
+#    more requests would fit if only the 8k input were cached, for FP8 experts?
 #    <details><summary>Answer</summary>
 #
-#    `budget.hbm_budget(fp8, tpu, 512, 8192 + 1024).fits`: it still fits; the KV cache grows by an eighth.
+#    Compare `budget.hbm_budget(fp8, tpu, 512, 8192).max_concurrency` with the whole context's: more fit, though
+#    fewer than a ninth more: the KV cache shrinks by a ninth, the GDN state not at all.
 #    </details>

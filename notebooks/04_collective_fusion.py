@@ -62,15 +62,20 @@ import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
+from jax.sharding import AbstractMesh
 
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib import data as data_files
 from qwen35_lib.aot import hlo_checks
+from qwen35_lib.costmodel import specs as hw_specs
+from qwen35_lib.costmodel import traffic
 from qwen35_lib.model.moe import route
 from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights
 from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter, reduce_scatter_ops
+from qwen35_lib.parallel.mesh import AXES
 from qwen35_lib.parallel.routing import moe_ep
+from qwen35_lib.parallel.stages import get_stage
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 
@@ -284,14 +289,35 @@ for name, ops in phases.items():
     assert rows == [32, 32, 128, 128], (name, rows)
 
 # %% [markdown]
-# **Compute.** From those row counts, the bytes each device sends per phase for the 397B at `N = 512` (bf16).
+# **Compute.** From those row counts, the bytes each device sends per phase for the 397B at `N = 512` (bf16);
+# then per chip, what leaves the chip: flat, each of its 2 cores sends 6 of its 8 blocks to the other chips' cores;
+# hierarchical, only phase 2 leaves the chip. And the row permute the hierarchical version adds: a reorder of the
+# whole `N x D` buffer on each device, read and written once, before any byte moves (a copy, not a collective).
 
 # %%
 Nb = 512 * big.hidden_size * 2  # N·D·b, bf16
 per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat, 8 devices": 7 * Nb / 8}
 print({k: human_bytes(v) for k, v in per_phase.items()})
+cores = 2
+per_chip = {"flat": cores * 6 * Nb / 8, "hierarchical": cores * per_phase["inter-chip (chip)"]}  # leaving a chip
+tpu7x = hw_specs.get("tpu7x-8")
+row_permute = dict(bytes=2 * Nb, us=2 * Nb / tpu7x.hbm_bytes_per_s * 1e6)  # read + write, at one device's HBM rate
+print("leaving each chip per MoE layer:", {k: human_bytes(v) for k, v in per_chip.items()})
+print(f"row permute per device per MoE layer: {human_bytes(row_permute['bytes'])} read and written, "
+      f"{row_permute['us']:.1f} us at {tpu7x.hbm_bytes_per_s / 1e12:.2f} TB/s")
+moe_ops = traffic.moe_layer_ops(get_stage("hier_rs").bind(AbstractMesh((4, 2), AXES)), big, 512)
+print("the cost model's MoE-layer ops under hier_rs:", sorted({op.kind for op in moe_ops}))
+
+# %% [markdown]
+# **Check.** The hierarchical reduce-scatter halves what leaves each chip; its row permute moves no byte between
+# devices, and the cost model's ops for the layer hold collectives only, so the permute is not charged there.
 
 # %%
+assert per_chip["hierarchical"] * 2 == per_chip["flat"]
+assert {op.kind for op in moe_ops} <= {"all-gather", "reduce-scatter"}, moe_ops
+
+# %%
+# figure: rs_phases
 fig, ax = plt.subplots(figsize=(6.5, 2.4), layout="constrained")
 ax.barh(["flat", "hierarchical"], [0, Nb / 2 / 2**20], color="#8172B2", label="intra-chip (core)")
 ax.barh(["flat", "hierarchical"], [7 * Nb / 8 / 2**20, 3 * Nb / 8 / 2**20], left=[0, Nb / 2 / 2**20],
@@ -377,7 +403,8 @@ record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fus
               all_gather_count={f"{where}_{'fused' if fused else 'unfused'}": v["count"]
                                 for (where, fused), v in all_gathers.items()},
               reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
-              bytes_per_phase_397b_n512=per_phase, stages=stages,
+              bytes_per_phase_397b_n512=per_phase, stages=stages, bytes_leaving_chip_397b_n512=per_chip,
+              row_permute_397b_n512=row_permute,
               rs_schedule={k.split()[0]: v["overlapped"] for k, v in schedules.items()},
               sweep={f"{st}_{step.split()[1]}": {k.replace("-", "_"): v.get("count", 0) for k, v in c.items()}
                      for (st, step), c in compiled.items()})  # collective counts of the stored TPU7x compiles

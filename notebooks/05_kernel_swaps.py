@@ -90,7 +90,7 @@ from qwen35_lib.bench.kernels_gdn import gdn_rows
 from qwen35_lib.bench.timing import dict_table
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import predict
-from qwen35_lib.stage_gain import gain_table, stage_gain
+from qwen35_lib.stage_gain import expert_bytes, gain_table, stage_gain
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
 # Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
@@ -123,8 +123,10 @@ float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" el
 # (XLA kernels) and the `kernels` stage (Pallas). What each kernel changes, in the model's terms:
 # - attention: XLA's paged attention scores every token against the batch's *longest* context; the ragged kernel
 #   reads each sequence's own pages once, and the whole query group of a KV head together;
-# - grouped GEMM: XLA's `ragged_dot` reads every local expert's weights and first dequantizes FP8 to a bf16 copy;
-#   the kernel reads only the experts that got tokens, as FP8;
+# - grouped GEMM: XLA's path copies each layer group's FP8 expert weights out of the scanned stack and
+#   dequantizes them into a bf16 copy that `ragged_dot` then reads; the kernel reads the FP8 weights once, in
+#   place. (It would also skip an expert that got no tokens, but at 512 requests every local expert gets some:
+#   section 3 counts them.);
 # - GDN and permutes: the kernels keep the state on chip / move rows by DMA, but the cost model counts the same
 #   bytes and FLOPs as XLA's here. What production gains on the permutes it gains elsewhere: tpu-inference runs
 #   them on the **SparseCore**, off the TensorCore's critical path, which the cost model takes as a labelled
@@ -139,6 +141,7 @@ print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']
       f"{roof[0]['peak_flops'] / 1e15:.2f} PFLOP/s, {roof[0]['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
 
 # %%
+# figure: roofline
 fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.subplots()
 x = np.logspace(-1.5, 4, 200)
@@ -160,8 +163,8 @@ display(fig)
 # %% [markdown]
 # Decode is memory-bound for all four kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and about `k` token
 # copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they
-# do (the table's `mib` column), for attention (no longest-context padding) and for the grouped GEMM (only the
-# experts hit, read as FP8).
+# do (the table's `mib` column), for attention (no longest-context padding) and for the grouped GEMM (each FP8
+# expert weight read once, in place, with no copies).
 # In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
 # them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
 # FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN and
@@ -282,7 +285,8 @@ if aot is not None:
 # <details><summary><b>Pop quiz.</b> Which components of a step should the swap make faster, and which should it
 # leave alone, in the cost model's accounting?</summary>
 #
-# Faster: the routed experts (only the experts hit, read as FP8), attention (only each sequence's own pages) and
+# Faster: the routed experts (fewer bytes per expert parameter: the FP8 weight read once, in place, with no sliced
+# or dequantized copy), attention (only each sequence's own pages) and
 # the permutes, which production moves to the SparseCore (by the labelled assumption, not by bytes). Unchanged:
 # GDN, whose kernel the model charges the same bytes and FLOPs as XLA's (section 1). The printout shows each.
 # </details>
@@ -304,7 +308,21 @@ for wl in ("8k/1k", "1k/8k"):
         print(f"  {comp:<15} {before['breakdown_s'][comp] * 1e3:7.2f} -> {after['breakdown_s'][comp] * 1e3:7.2f}")
 
 # %% [markdown]
-# **Check.** The gain comes from the routed experts (the grouped GEMM reads only the experts hit, as FP8) and
+# **Why the routed experts get cheaper.** Not because fewer experts are read: a decode step of 512 requests hits
+# every local expert of a device. What changes is the bytes each expert parameter costs in HBM traffic.
+# `stage_gain.expert_bytes` reads them from the cost model's own accounting of one MoE layer (its weight bytes,
+# separated from its row bytes by pricing a decode step of 512 requests and one of twice that).
+
+# %%
+experts = {st: expert_bytes(st) for st in ("hier_rs", "kernels")}
+for st, e in experts.items():
+    print(f"{st:<8} a 512-request decode step hits {e['experts_hit']:.2f} of {e['local_experts']} local experts; "
+          f"HBM bytes per expert parameter {e['bytes_per_param']:.2f}")
+
+# %% [markdown]
+# **Check.** Every local expert is hit under both stages, so the routed experts' saving is the bytes per
+# parameter: the kernel reads the one FP8 byte in place, XLA's path also writes and reads a sliced copy and a
+# bf16 dequantized one. The gain comes from the routed experts and
 # attention (no longest-context reads), plus the projections, which the Pallas stage reads once instead of
 # through XLA's sliced copies. The permutes shrink by exactly the `sparsecore_permute` fraction: that part of the
 # gain is the assumption's, read from its source, and the check says so rather than counting it as evidence. GDN
@@ -317,6 +335,8 @@ for wl in ("8k/1k", "1k/8k"):
     assert after["gdn_core"] == before["gdn_core"]  # no mechanism for the GDN kernel: no gain predicted
     assert abs(after["permute"] - SC_PERMUTE * before["permute"]) <= 1e-9 * before["permute"]  # the assumption
     assert buys["kernels", wl]["total_tokens_per_s"] > buys["hier_rs", wl]["total_tokens_per_s"]
+assert all(e["local_experts"] - e["experts_hit"] < 0.01 for e in experts.values()), experts  # every expert hit
+assert abs(experts["kernels"]["bytes_per_param"] - 1) < 0.01 < experts["hier_rs"]["bytes_per_param"] - 2, experts
 
 # %% [markdown]
 # ## 4. The whole 397B step fits a TPU7x-8: its compile
@@ -355,7 +375,8 @@ print(dict_table(rows, list(rows[0])))
 
 # %% [markdown]
 # **Check.** Every step fits with its temporaries counted: weights, caches and temporaries together stay under the
-# usable HBM, with the headroom above left for the runtime's own reservations (which a compile cannot see).
+# usable HBM the compiler names. What else a running server keeps in HBM beside the compiled step (buffers of the
+# runtime, a second program) a compile cannot see; the headroom printed above is what is left for it.
 
 # %%
 assert all(f["fits"] and f["total_bytes"] + f["headroom_bytes"] == sweep["usable_bytes"] for f in fit.values())
@@ -368,13 +389,15 @@ record = dict(
     gain={wl: buys["kernels", wl]["total_tokens_per_s"] / buys["hier_rs", wl]["total_tokens_per_s"]
           for wl in ("8k/1k", "1k/8k")},
     total_tokens_per_s={f"{st} {wl}": r["total_tokens_per_s"] for (st, wl), r in buys.items()}, stages=stages,
-    fit_397b={name.replace(" ", "_"): f for name, f in fit.items()}, usable_bytes=sweep["usable_bytes"])
+    fit_397b={name.replace(" ", "_"): f for name, f in fit.items()}, usable_bytes=sweep["usable_bytes"],
+    expert_bytes=experts)
 notebook.save_results("kernel_swaps", record)
 
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
 # <b>Takeaway.</b> At serving shapes attention and the MoE are memory-bound under XLA, so the Pallas kernels win by
-# not moving bytes (only valid pages, only the experts hit, FP8 read as FP8) -- after checking that they compute
+# not moving bytes (only valid pages; each FP8 expert weight read once, in place, where every expert is hit
+# anyway) -- after checking that they compute
 # what their XLA twins compute and that they lower for TPU7x.
 # </div>
 #
@@ -382,8 +405,8 @@ notebook.save_results("kernel_swaps", record)
 #
 # - Place each op on the roofline before optimizing it: at serving shapes attention and the MoE sit far below the
 #   ridge, so the only gain available is fewer bytes, not fewer FLOPs.
-# - A Pallas kernel earns its place by what it does not read: invalid pages, experts without tokens, a bf16 copy of
-#   FP8 weights.
+# - A Pallas kernel earns its place by what it does not read: invalid pages, sliced copies and a bf16 copy of FP8
+#   weights. Skipping experts without tokens saves nothing at 512 requests: every local expert is hit.
 # - Every kernel has an XLA twin; the kernel is right when it equals the twin here and compiles for TPU7x. Times in
 #   interpret mode say nothing about a TPU.
 # - The claim that the 397B step fits is a compile, temporaries included, not arithmetic over the weights.

@@ -192,6 +192,7 @@ for (name, stage, wl), r in predicted.items():
     print(f"{name:<20} {stage:<9} {wl}: " + (f"refused ({r['refused']})" if "refused" in r else
           f"{r['total_tokens_per_s']:>9,.0f} tokens/s, median TPOT {r['median_tpot_s'] * 1e3:5.1f} ms"))
 
+# figure: throughput
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), sharey=True)
 for ax, wl in zip(axes, WORKLOADS):
     x = np.arange(len(MODELS))

@@ -146,6 +146,7 @@ for m in measured:
     print(f"published c{m['concurrency']:<4} {m['total_tokens_per_s']:>9,.0f} tokens/s, median TPOT "
           f"{m['median_tpot_ms']:6.1f} ms ({m['setup_label']})")
 
+# figure: curve
 fig, ax = plt.subplots(figsize=(6, 3.6))
 ax.plot([v["median_tpot_s"] * 1e3 for v in curve.values()], [v["total_tokens_per_s"] for v in curve.values()],
         "o-", label="predicted (kernels)")

@@ -8,6 +8,11 @@ placeholder in a chapter; in a notebook, a printed value). `typed_figures(text)`
    after one more word (`512 concurrent requests`), or `N times` (`seven times`);
 3. drop the hits that match ALLOWED: a short, reviewed list of definitional constants (the workloads' lengths and
    concurrency, hardware specs from `data/hardware.json`, the unit of the per-component times), each with its reason.
+
+`backend_mismatches(text)` finds the other way a quoted figure misleads: a placeholder whose key the notebook labels
+with a backend (a key segment `cpu...` / `CPU...`: measured on this machine's CPU; `tpu...`: for the TPU, compiled
+or predicted) in a paragraph that does not name that backend, so the reader is told a CPU measurement is a TPU
+figure, or the reverse.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ NUMBER_WORDS = ("half", "twice", "double", "triple", "quarter", "dozen", "one", 
 ALLOWED: tuple[tuple[str, str], ...] = (
     (r"512 (concurrent |in-flight )?requests?", "the benchmark's concurrency: the workloads are defined at 512"),
     (r"(8k|1k|8192|1024) (input |output )?tokens?", "the workloads' input and output lengths (8k/1k, 1k/8k)"),
+    (r"9,216 tokens", "a request's whole context in either workload: its input and output lengths added"),
     (r"(96|192) GiB", "TPU7x HBM per TensorCore / per chip: the hardware spec (data/hardware.json)"),
     (r"1,000 tokens", "the unit of the per-component times: milliseconds per 1,000 tokens served"),
     (r"(one|a single) (\w+ )?(token|request)", "one item: an article, not a figure"),
@@ -100,3 +106,31 @@ def scan(path: pathlib.Path) -> tuple[list[Figure], list[str]]:
     """`typed_figures` of a chapter (.md) or of a notebook's markdown cells (.py)."""
     text = path.read_text() if path.suffix == ".md" else notebook_markdown(path)
     return typed_figures(text, str(path.resolve().relative_to(ROOT)))
+
+
+BACKENDS = {"cpu": "CPU", "tpu": "TPU"}  # a key segment's prefix -> the word the paragraph must hold
+_SEGMENT = re.compile(r"(?i)^(cpu|tpu)")
+
+
+def key_backend(path: str) -> str | None:
+    """The backend a result key is labelled with by its notebook (`01.naive_tp.cpu_kv_ratio`: "CPU"), or None."""
+    for segment in re.split(r"[./]", path)[1:]:
+        m = _SEGMENT.match(segment)
+        if m:
+            return BACKENDS[m.group(1).lower()]
+    return None
+
+
+def backend_mismatches(text: str, where: str = "") -> list[str]:
+    """Placeholders of `text` whose key is labelled with a backend its paragraph (a block between blank lines)
+    does not name, each as `where: key (labelled CPU) in a paragraph that does not say CPU`."""
+    from playbook.results import PLACEHOLDER
+
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        prose_only = PLACEHOLDER.sub(" ", block)
+        for m in PLACEHOLDER.finditer(block):
+            backend = key_backend(m.group(1))
+            if backend and not re.search(rf"\b{backend}", prose_only):
+                out.append(f"{where}: {m.group(1)} (labelled {backend}) in a paragraph that does not say {backend}")
+    return out

@@ -12,6 +12,9 @@ Filling a placeholder:
    shown as missing, with the reason. A figure is never typed in.
 3. The notebook ran and did not produce the value: an error, raised by `fill` after all placeholders are seen,
    naming each one and what the notebook did produce.
+
+A figure placeholder, `{{ figure: STEP.NAME }}`, shows the PNG that the step's notebook drew in the cell marked
+`# figure: NAME` (playbook/run.py), linked to the executed notebook; it is filled by the same rules.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import re
 from typing import Any
 
 PLACEHOLDER = re.compile(r"\{\{\s*result:\s*([\w.\-/]+)\s*(?:\|\s*([^}]*?)\s*)?\}\}")
+FIGURE = re.compile(r"\{\{\s*figure:\s*(\w+)\.([\w\-]+)\s*\}\}")
 
 
 class PlaceholderError(ValueError):
@@ -106,6 +110,24 @@ class Results:
         known = ", ".join(f"{step}.{k}" for k in sorted(produced)[:40]) or "nothing"
         raise PlaceholderError(f"{path}: notebook {entry['name']} ran but did not produce it; it produced: {known}")
 
+    def figure(self, step: str, name: str) -> str:
+        """The HTML of figure `name` of `step`'s notebook: the image linked to the executed notebook, or why it is
+        missing; PlaceholderError for an unknown step, or a notebook that ran without drawing it."""
+        if step not in self.steps:
+            raise PlaceholderError(f"figure {step}.{name}: no step {step!r} (steps: {', '.join(sorted(self.steps))})")
+        entry = self.by_step.get(step)
+        figures = (entry or {}).get("figures") or {}
+        if name in figures:
+            alt = html.escape(f"figure {name} of notebook {entry['name']}, drawn in this build")
+            return (f'<a class="pb-figure" href="{html.escape(entry["html"])}"><img src="{html.escape(figures[name])}" '
+                    f'alt="{alt}" title="{alt}"></a>')
+        if entry is None or entry["status"] != "ok":
+            reason = (f"notebook {step} did not run in this build" if entry is None
+                      else f"notebook {entry['name']} failed")
+            return f'<span class="pb-missing" title="{html.escape(reason)}">figure {name} missing ({reason})</span>'
+        raise PlaceholderError(f"figure {step}.{name}: notebook {entry['name']} ran but drew no cell marked "
+                               f"'# figure: {name}'; its figures: {', '.join(sorted(figures)) or 'none'}")
+
     def fill(self, text: str, where: str) -> tuple[str, list[Value]]:
         """Replace each placeholder in `text` with its value's HTML; raise PlaceholderError listing every bad one."""
         values: list[Value] = []
@@ -120,7 +142,14 @@ class Results:
             values.append(value)
             return value.html()
 
-        filled = PLACEHOLDER.sub(replace, text)
+        def replace_figure(match: re.Match) -> str:
+            try:
+                return self.figure(match.group(1), match.group(2))
+            except PlaceholderError as e:
+                errors.append(f"{where}: {e}")
+                return match.group(0)
+
+        filled = FIGURE.sub(replace_figure, PLACEHOLDER.sub(replace, text))
         if errors:
             raise PlaceholderError("\n".join(errors))
         return filled, values

@@ -4,14 +4,20 @@ Results contract: before executing notebook `<name>`, the builder creates the em
 `<out>/results/<name>/` and passes its path to the kernel as `$QWEN35_RESULTS_DIR`. A notebook MAY write JSON
 files there (only when the variable is set; interactively it is not, and nothing is written). Each `<stem>.json`
 found afterwards becomes `entry["results"][<stem>]`, quoted in the chapters as `{{ result: NN.<stem>.key }}`.
+
+Figures contract: a code cell whose source has a line `# figure: NAME` names the first PNG it outputs. The builder
+writes it to `<out>/figures/<notebook>-NAME.png` and lists it in `entry["figures"][NAME]`; a chapter shows it with
+`{{ figure: NN.NAME }}` (playbook/results.py).
 """
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import os
 import pathlib
+import re
 import sys
 import threading
 import time
@@ -21,6 +27,7 @@ from playbook import RESULTS_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+FIGURE_MARK = re.compile(r"^# figure: ([\w\-]+)\s*$", re.M)  # in a code cell: its first PNG output is figure NAME
 
 
 def notebook_paths(only: list[str] | None = None) -> list[pathlib.Path]:
@@ -127,10 +134,29 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
             error = error or f"{f.name} is not JSON: {e}"
     entry = dict(name=path.stem, title=title_of(nb), status="failed" if error else "ok",
                  seconds=round(time.perf_counter() - start, 2), cells=cells, html=f"notebook-{path.stem}.html",
-                 error=error, results=results)
+                 error=error, results=results, figures=save_figures(nb, out, path.stem))
     out.joinpath(entry["html"]).write_text(export_html(nb), encoding="utf-8")
     progress.end(index, entry)
     return entry
+
+
+def save_figures(nb: Any, out: pathlib.Path, stem: str) -> dict[str, str]:
+    """Each code cell marked `# figure: NAME`: its first PNG output written to `<out>/figures/<stem>-NAME.png`;
+    {NAME: that path relative to `out`}. A marked cell that drew nothing (or failed) is left out: the chapter that
+    quotes it shows it missing."""
+    figures: dict[str, str] = {}
+    for cell in nb.cells:
+        mark = FIGURE_MARK.search(cell.source) if cell.cell_type == "code" else None
+        if mark is None:
+            continue
+        png = next((o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})), None)
+        if png is None:
+            continue
+        path = out / "figures" / f"{stem}-{mark.group(1)}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(png))
+        figures[mark.group(1)] = f"figures/{path.name}"
+    return figures
 
 
 def export_html(nb: Any) -> str:

@@ -25,6 +25,7 @@ FRONT = ("introduction", "primer")  # the pages before the steps, in order
 TEMPLATE = string.Template((HERE / "templates" / "page.html").read_text())
 SOURCE_URL = "https://github.com/{repo}/blob/main/{path}"
 SOURCE = re.compile(r"\{\{\s*source:\s*([\w./\-]+)\s*\}\}")  # {{ source: qwen35_lib/parallel }}: a link to the code
+RAW_TAG = re.compile(r"&lt;/?[a-zA-Z][\w-]*(?:\s[^<>]*?)?/?&gt;")  # an HTML tag escaped into the page's text
 
 
 @dataclasses.dataclass
@@ -98,7 +99,8 @@ def notebook_box(step: str, entry: dict[str, Any] | None, notebooks: dict[str, s
     if name is None:
         return '<p class="pb-box">The notebook for this step is not in this checkout yet.</p>'
     links = [f'<a href="{SOURCE_URL.format(repo=GITHUB_REPO, path=f"notebooks/{name}.py")}">source</a>',
-             f'<a href="{COLAB_URL.format(repo=GITHUB_REPO, name=name)}">open in Colab</a>']
+             f'<a href="{COLAB_URL.format(repo=GITHUB_REPO, name=name)}">open in Colab</a>',
+             f'<a href="{explorer.FILE}">the explorers</a>']
     if entry is None:
         run = f"<code>{name}</code> was not run in this build"
     else:
@@ -178,6 +180,12 @@ def add_nav_to_notebook(path: pathlib.Path, navigation: str) -> None:
         path.write_text(text, encoding="utf-8")
 
 
+def raw_markup(page: str) -> list[str]:
+    """HTML tags that a rendered page shows as text (escaped), e.g. a placeholder's `<span>` that landed inside a
+    code span: each as the reader sees it."""
+    return [html.unescape(m.group(0)) for m in RAW_TAG.finditer(page)]
+
+
 def chapter_body(page: Page, results: Results, entries: list[dict[str, Any]], by_step: dict[str, str]
                  ) -> tuple[str, list[Value], str | None]:
     """A chapter's HTML with its placeholders filled, the values it quotes, and its placeholder error if any."""
@@ -194,6 +202,21 @@ def chapter_body(page: Page, results: Results, entries: list[dict[str, Any]], by
     return body, values, error
 
 
+BUILD_STEP = "build"  # the introduction quotes how this build went: {{ result: build.slowest_seconds | .0f }}
+
+
+def build_facts(entries: list[dict[str, Any]], build: dict[str, Any]) -> dict[str, dict]:
+    """{BUILD_STEP: {"run": ...}}: what the builder measured of this build's notebooks (seconds each, the slowest,
+    the total) and the machine; empty when no notebook ran (a chapter quoting it then shows it missing)."""
+    if not entries:
+        return {}
+    seconds = {e["name"]: e["seconds"] for e in entries}
+    slowest = max(seconds, key=seconds.get)
+    return {BUILD_STEP: dict(run=dict(seconds=seconds, slowest=slowest, slowest_seconds=seconds[slowest],
+                                      total_seconds=sum(seconds.values()), notebooks=len(entries),
+                                      ok=sum(e["status"] == "ok" for e in entries), machine=build["machine"]))}
+
+
 def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str, Any],
                notebooks: list[str]) -> tuple[list[Value], list[str]]:
     """Write every page under `out`; return the conclusion's values (the key results) and placeholder errors.
@@ -202,8 +225,8 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
     pages `<out>/<entry["html"]>` exist already and get the navigation bar.
     """
     pages = reading_order(chapter_paths(), entries)
-    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks},
-                      facts={facts.STEP: facts.documents()})
+    results = Results(entries, {p.step for p in pages if p.step} | {n[:2] for n in notebooks} | {BUILD_STEP},
+                      facts={facts.STEP: facts.documents(), **build_facts(entries, build)})
     by_step = {n[:2]: n for n in notebooks}
     key_values: list[Value] = []
     errors: list[str] = []
@@ -218,6 +241,9 @@ def write_site(out: pathlib.Path, entries: list[dict[str, Any]], build: dict[str
         else:
             body, values, error = chapter_body(page, results, entries, by_step)
             errors += [error] if error else []
+            raw = raw_markup(body)
+            if raw:
+                errors.append(f"{page.source.name}: HTML shown as text (a placeholder inside `code`?): {raw[:3]}")
             key_values = values if page.source.stem == "conclusion" else key_values
         out.joinpath(page.file).write_text(page_html(page.title, body, nav(pages, i)), encoding="utf-8")
     out.joinpath("index.html").write_text(

@@ -13,6 +13,7 @@ import pytest
 from playbook import build, run, site
 from playbook.results import PlaceholderError, Results, flatten, format_value
 
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="  # 1 x 1
 NOTEBOOK_CELLS = [
     nbformat.v4.new_markdown_cell("# 00 · Demo: does the builder work?"),
     nbformat.v4.new_code_cell(
@@ -21,6 +22,10 @@ NOTEBOOK_CELLS = [
         "    pathlib.Path(os.environ['QWEN35_RESULTS_DIR'], 'demo.json').write_text("
         "json.dumps({'answer': 42, 'sizes': [1024, 3 * 2**30]}))\n"
         "print('hello from the demo')"),
+    nbformat.v4.new_code_cell(
+        "# figure: dot\n"
+        "import base64\nfrom IPython.display import Image, display\n"
+        f"display(Image(data=base64.b64decode({PNG!r})))"),
 ]
 
 
@@ -79,7 +84,8 @@ def checkout(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib
     chapters.mkdir()
     jupytext.write(nbformat.v4.new_notebook(cells=NOTEBOOK_CELLS), notebooks / "00_demo.py", fmt="py:percent")
     chapters.joinpath("introduction.md").write_text("# Intro\n\nSee {{ source: qwen35_lib }}.\n")
-    chapters.joinpath("00_demo.md").write_text("# 0 · Demo\n\nThe answer is {{ result: 00.demo.answer }}.\n")
+    chapters.joinpath("00_demo.md").write_text("# 0 · Demo\n\nThe answer is {{ result: 00.demo.answer }}.\n\n"
+                                               "{{ figure: 00.dot }}\n")
     chapters.joinpath("conclusion.md").write_text(
         "# The end\n\n| what | value |\n|---|---|\n| size | {{ result: 00.demo.sizes.1 | bytes }} |\n"
         "| later | {{ result: 01.ladder.gain | x }} |\n")
@@ -101,6 +107,9 @@ def test_site_built_from_a_fake_notebook(checkout: pathlib.Path, capsys: pytest.
     assert "The answer is <span" in out.joinpath("00_demo.html").read_text() and ">42<" in (
         out / "00_demo.html").read_text()
     assert "not in this checkout" in out.joinpath("01_later.html").read_text()
+    demo = out.joinpath("00_demo.html").read_text()  # the figure, drawn by the run, linked to its notebook
+    assert '<img src="figures/00_demo-dot.png"' in demo and 'href="explorer.html"' in demo, demo
+    assert out.joinpath("figures", "00_demo-dot.png").read_bytes().startswith(b"\x89PNG")
     notebook_page = out.joinpath("notebook-00_demo.html").read_text()
     assert "hello from the demo" in notebook_page and 'class="pb-nav"' in notebook_page
     conclusion = out.joinpath("conclusion.html").read_text()
@@ -119,10 +128,41 @@ def test_site_refuses_a_result_that_was_not_produced(checkout: pathlib.Path):
     out = checkout / "site"
     out.mkdir()
     out.joinpath("notebook-00_demo.html").write_text("<html><head></head><body></body></html>")
-    ran = entry("00_demo", results={"demo": {"answer": 42}})
+    ran = dict(entry("00_demo", results={"demo": {"answer": 42}}), figures={"dot": "figures/00_demo-dot.png"})
     _, errors = site.write_site(out, [ran], site.build_info("3", "0", "cpu"), ["00_demo"])
     assert len(errors) == 1 and "conclusion.md: 00.demo.typo" in errors[0] and "00.demo.answer" in errors[0]
     assert "00.demo.typo" in out.joinpath("conclusion.html").read_text()
+
+
+def test_the_build_facts_are_what_the_builder_measured():
+    runs = [entry("00_demo"), dict(entry("01_later", status="failed"), seconds=3.5)]
+    doc = site.build_facts(runs, site.build_info("3", "0", "x86_64, 2 CPUs"))[site.BUILD_STEP]["run"]
+    assert doc["slowest"] == "01_later" and doc["slowest_seconds"] == 3.5 and doc["total_seconds"] == 4.5
+    assert (doc["notebooks"], doc["ok"], doc["machine"]) == (2, 1, "x86_64, 2 CPUs")
+    assert site.build_facts([], site.build_info("3", "0", "x")) == {}  # nothing ran: quoted as missing
+
+
+def test_a_figure_the_notebook_did_not_draw_is_refused_and_one_not_run_is_missing():
+    ran = entry("00_demo", results={"demo": {}})
+    ran["figures"] = {"dot": "figures/00_demo-dot.png"}
+    results = Results([ran], {"00", "01"})
+    filled, _ = results.fill("{{ figure: 00.dot }} and {{ figure: 01.curve }}", "x.md")
+    assert 'src="figures/00_demo-dot.png"' in filled and "figure curve missing" in filled
+    with pytest.raises(PlaceholderError, match="drew no cell marked '# figure: typo'; its figures: dot"):
+        results.fill("{{ figure: 00.typo }}", "x.md")
+    with pytest.raises(PlaceholderError, match="no step '09'"):
+        results.fill("{{ figure: 09.dot }}", "x.md")
+
+
+def test_site_refuses_a_chapter_that_shows_html_as_text(checkout: pathlib.Path):
+    """A placeholder inside a code span renders its `<span>` as text: the build reports it (and exits 1)."""
+    checkout.joinpath("chapters", "00_demo.md").write_text("# 0 · Demo\n\nThe preset `{{ result: 00.demo.answer }}`.\n")
+    out = checkout / "site"
+    out.mkdir()
+    out.joinpath("notebook-00_demo.html").write_text("<html><head></head><body></body></html>")
+    ran = entry("00_demo", results={"demo": {"answer": 42, "sizes": [1024, 3 * 2**30]}})
+    _, errors = site.write_site(out, [ran], site.build_info("3", "0", "cpu"), ["00_demo"])
+    assert len(errors) == 1 and "00_demo.md: HTML shown as text" in errors[0] and "<span" in errors[0], errors
 
 
 def test_the_primer_quotes_the_librarys_hardware_and_nothing_is_missing():
@@ -141,3 +181,16 @@ def test_the_primer_quotes_the_librarys_hardware_and_nothing_is_missing():
     ridge = hw.peak_bf16_flops_per_chip / hw.hbm_bytes_per_s_per_chip
     assert got["primer.systems.tpu7x-8.ridge_bf16"] == f"{ridge:.0f}"
     assert got["primer.decode.qwen3.5-397b-a17b.copies_per_expert"] == "10"  # 512 requests x top-10 / 512 experts
+
+
+@pytest.mark.parametrize("step", [f"{i:02d}" for i in range(9)])
+def test_each_step_chapter_shows_a_figure_its_notebook_draws(step: str):
+    """Every step chapter (00-08) embeds at least one figure of its own notebook's run, and the notebook marks the
+    cell that draws it (`# figure: NAME`, playbook/run.py)."""
+    from playbook.results import FIGURE
+
+    chapter = next(site.CHAPTERS.glob(f"{step}_*.md"))
+    names = [m.group(2) for m in FIGURE.finditer(chapter.read_text()) if m.group(1) == step]
+    assert names, f"{chapter.name} shows no figure of notebook {step}: add {{{{ figure: {step}.NAME }}}}"
+    marked = run.FIGURE_MARK.findall(next(run.NOTEBOOKS.glob(f"{step}_*.py")).read_text())
+    assert set(names) <= set(marked), (names, marked)

@@ -111,3 +111,94 @@ def test_each_chapter_opens_with_its_stage_from_its_own_notebook(step: str) -> N
         assert stem in files, f"{path}: notebook {step} writes {sorted(files)}, not {stem!r}"
         assert re.search(rf"\b{re.escape(first)}\s*=|[\"']{re.escape(first)}[\"']", source), \
             f"{path}: notebook {step} records no {first!r}"
+
+
+# -- what the reader sees: no markup shown as text, no figure under another backend's name, no second-hand claim
+# without its provenance (issue 31) --
+
+def _rendered_chapters() -> list[tuple[str, str]]:
+    """(file, HTML) of every chapter as the builder renders it, every quoted result missing (no notebook ran): the
+    placeholders still become HTML, so one inside a code span shows its markup as text."""
+    from playbook import facts, site
+    from playbook.results import Results
+
+    pages = [p for p in site.reading_order(site.chapter_paths(), []) if p.source is not None]
+    steps = {p.step for p in pages if p.step} | {p.stem[:2] for p in prose.NOTEBOOKS.glob("[0-9][0-9]_*.py")}
+    results = Results([], steps | {site.BUILD_STEP}, facts={facts.STEP: facts.documents()})
+    out = []
+    for page in pages:
+        body, _, error = site.chapter_body(page, results, [], {})
+        assert error is None, error
+        out.append((page.source.name, body))
+    return out
+
+
+def test_no_rendered_chapter_shows_html_as_text() -> None:
+    from playbook import site
+
+    shown = {name: site.raw_markup(body) for name, body in _rendered_chapters()}
+    shown = {k: v[:3] for k, v in shown.items() if v}
+    assert not shown, f"markup rendered as text (move the placeholder out of the `code` span): {shown}"
+
+
+def test_the_raw_markup_check_flags_a_placeholder_in_code() -> None:
+    from playbook import site
+
+    body = site.render_markdown("The preset `" + '<span class="pb-result" title="x">tp</span>' + "` and <b>bold</b>.")
+    assert site.raw_markup(body) == ['<span class="pb-result" title="x">', "</span>"]
+
+
+@pytest.mark.parametrize("path", sorted(prose.CHAPTERS.glob("*.md")), ids=lambda p: p.name)
+def test_a_quoted_figure_is_said_to_be_from_its_backend(path: pathlib.Path) -> None:
+    bad = prose.backend_mismatches(path.read_text(), path.name)
+    assert not bad, "a figure its notebook labels with a backend, quoted without naming it:\n" + "\n".join(bad)
+
+
+def test_the_backend_check_flags_a_cpu_figure_told_as_a_tpu_one() -> None:
+    text = "On a TPU7x the ratio is {{ result: 01.naive_tp.cpu_kv_ratio | .2f }}.\n\nOn this CPU: " \
+           "{{ result: 01.naive_tp.cpu_kv_ratio }}; on TPU7x {{ result: 01.naive_tp.tpu_kv_ratio }}."
+    assert prose.backend_mismatches(text, "x.md") == [
+        "x.md: 01.naive_tp.cpu_kv_ratio (labelled CPU) in a paragraph that does not say CPU"]
+    assert prose.key_backend("05.kernel_swaps.cpu.1.max_abs_diff_vs_xla") == "CPU"
+    assert prose.key_backend("02.dp_ep.collectives_per_group.CPU.all-to-all.count") == "CPU"
+    assert prose.key_backend("06.costmodel.ladder.0.total_tokens_per_s") is None
+
+
+def test_the_reported_gains_are_quoted_with_their_provenance() -> None:
+    """The 3.1x / 4.7x of `data/published.json`'s `reported_ladder` come from an account whose post was not found and
+    whose workload mapping is inferred: every paragraph that quotes them says so."""
+    for path in sorted(prose.CHAPTERS.glob("*.md")):
+        for block in re.split(r"\n\s*\n", path.read_text()):
+            if re.search(r"\{\{\s*result:\s*06\.costmodel\.reported\.", block):
+                assert "not found" in " ".join(block.split()), \
+                    f"{path.name}: quotes the reported gains without their provenance:\n{block}"
+        bare = re.findall(r"(?<![\d.])(?:3\.1|4\.7)x", path.read_text())
+        assert not bare, f"{path.name}: the reported gains typed in: {bare}"
+
+
+def test_every_placeholder_in_a_chapter_is_well_formed() -> None:
+    """A `{{` that starts no result, figure or source placeholder (one broken over a quoted line, a typo) would be
+    printed as it stands."""
+    from playbook.results import FIGURE
+    from playbook.site import SOURCE
+
+    for path in sorted(prose.CHAPTERS.glob("*.md")):
+        text = path.read_text()
+        starts = {m.start() for pattern in (PLACEHOLDER, FIGURE, SOURCE) for m in pattern.finditer(text)}
+        broken = [text[i:i + 40] for i in (m.start() for m in re.finditer(r"\{\{", text)) if i not in starts]
+        assert not broken, f"{path.name}: placeholders that do not parse: {broken}"
+
+
+def test_the_conclusion_shows_the_two_by_two_from_the_run() -> None:
+    """Issue 31: the conclusion quotes every corner of notebook 06's attribution (both workloads) and each effect."""
+    from qwen35_lib.costmodel.attribution import CORNERS, WORKLOADS
+
+    text = (prose.CHAPTERS / "conclusion.md").read_text()
+    quoted = {m.group(1) for m in PLACEHOLDER.finditer(text)}
+    for wl in WORKLOADS:
+        for stage in CORNERS.values():
+            assert f"06.costmodel.attribution.corners.{stage}.{wl}.total_tokens_per_s" in quoted, (stage, wl)
+        for effect in ("kernels_under_tp", "kernels_under_dp_ep", "layout_with_xla", "layout_with_pallas"):
+            assert f"06.costmodel.attribution.{wl}.{effect}" in quoted, (effect, wl)
+        assert f"06.costmodel.attribution.collectives.{wl}.total" in quoted
+    assert re.search(r"attribution=att\b", _notebook("06").read_text()), "notebook 06 records no attribution"

@@ -20,18 +20,25 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
-Checked against every stage the sweep compiled. The kernels stage's decode step is within 6% (397B, full depth);
-its mixed step (1,024 prefill tokens a rank) is under-estimated by a third: 4.3 GB against the compile's 6.65 GB
-(the MoE's row buffers at M = 87,040 rows, several layers' live at once in the compiled schedule, are what the
-table does not yet capture). The XLA stages' (dp_ep to hier_rs) mixed steps are within 25%, their decode steps
-under-estimated by a third: 11.0 GB against 16.6-17.0 GB; their compiled loop holds more FP8 and bf16 expert
-copies than one dequantized slice a group, not yet attributed. The baseline's step is refused by the compiler at
-this shape (its temporaries alone exceed the HBM), so it has no figure to judge against.
+Checked against the stored sweep's steps that compiled with memory to spare (tests/test_costmodel_temporaries.py):
+the kernels stage's decode step is within 6% (397B, full depth); its mixed step (1,024 prefill tokens a rank) is
+under-estimated by a third: 4.3 GB against the compile's 6.65 GB (the MoE's row buffers at M = 87,040 rows, several
+layers' live at once in the compiled schedule, are what the table does not yet capture). The XLA stages (dp_ep to
+hier_rs) compile with under 3 GB of a device's HBM to spare, so their `temp_bytes` may be set by the memory limit
+rather than by the program (the compiler can trade memory for recomputation and copies); they are not judged.
+
+Reading a refusal. When a step does not fit, the TPU compiler refuses it with "the total memory required for HLO
+temporaries (N G) exceeds available HBM (M G)". N is not the temporaries: it is the program's whole footprint,
+its arguments included (G: GiB). A program of weights alone, with no temporaries to speak of, is refused with N
+equal to its argument bytes (tests/test_costmodel_temporaries.py compiles one). `refused_bytes` reads N; the
+temporaries of a refused step are N minus its arguments (`refused_temporaries`). The baseline's step at the
+serving shape is refused this way (notebook 01 reads it).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +52,7 @@ from qwen35_lib.parallel.mesh import AXES
 from qwen35_lib.parallel.plan import ServingPlan
 from qwen35_lib.weights import declare, is_info
 
+REFUSAL = re.compile(r"total memory required for HLO temporaries \(([\d.]+)G\)")  # the TPU compiler's OOM message
 IN_PLACE_MOE = ("pallas",)  # MoE kernels that read the stacked expert weights in place (kernels/stacked.py)
 
 
@@ -116,4 +124,21 @@ def step_temporaries(plan: ServingPlan, config: Config, shape: StepShape, cache:
     return dict(parts, total=sum(parts.values()))
 
 
-__all__ = ["IN_PLACE_MOE", "gdn_state_slice", "moe_rows", "sampling", "step_temporaries", "weight_slices"]
+def refused_bytes(error: str) -> float | None:
+    """The bytes per device a TPU compile refused for lack of HBM says the program needs, or None (no such refusal).
+
+    The message's "HLO temporaries (N G)" counts the program's arguments too: N GiB is its whole footprint."""
+    match = REFUSAL.search(error or "")
+    return float(match.group(1)) * 2**30 if match else None
+
+
+def refused_temporaries(error: str, argument_bytes: float) -> float | None:
+    """The temporaries of a refused step: the refusal's whole footprint (`refused_bytes`) minus the step's
+    arguments (weights and caches, `argument_bytes`), to the message's 0.01 GiB; None when `error` is no such
+    refusal."""
+    total = refused_bytes(error)
+    return None if total is None else total - argument_bytes
+
+
+__all__ = ["IN_PLACE_MOE", "REFUSAL", "gdn_state_slice", "moe_rows", "refused_bytes", "refused_temporaries", "sampling",
+           "step_temporaries", "weight_slices"]
