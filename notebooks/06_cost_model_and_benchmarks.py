@@ -220,9 +220,11 @@ print(attr.attribution_table(att))
 
 # %% [markdown]
 # **Check.** On both workloads, under either layout, the kernels buy more than the layout does with either kernel
-# family, and more than all the collective steps together: most of the end-to-end log-gain is the kernels'. The
-# layout buys more with Pallas kernels than with XLA's, whose expert copies cost the same under either layout. Of
-# the collective steps, token replication (over the all-to-all dispatch) buys the most. The DP + EP layout is also
+# family, and more than all the collective steps together: most of the end-to-end log-gain is the kernels'. What
+# the layout buys depends on the kernels and the workload (printed above): with production's MoE layer every device
+# sorts and permutes all the slice's routed rows under either layout, so on the prefill-heavy workload the layout
+# buys less with the Pallas kernels than with XLA's. Of the collective steps, token replication (over the all-to-all
+# dispatch) buys the most. The DP + EP layout is also
 # what makes the step fit at the serving shape: the TP baseline's compile is refused (section 5 and notebook 01).
 
 # %%
@@ -230,7 +232,7 @@ for wl in ("8k/1k", "1k/8k"):
     e, steps = att[wl], att["collectives"][wl]
     kernel_gains = (e["kernels_under_tp"], e["kernels_under_dp_ep"])
     assert min(kernel_gains) > max(e["layout_with_xla"], e["layout_with_pallas"], steps["total"]), (wl, e, steps)
-    assert e["kernels_share"] > 0.5 and e["layout_with_pallas"] > e["layout_with_xla"], (wl, e)
+    assert e["kernels_share"] > 0.5, (wl, e)
     assert max(att["collectives"]["steps"], key=lambda n: steps[n]["gain"]) == "replicate_pallas", (wl, steps)
 memory = {st: c["memory"]["decode"] for st, c in att["corners"].items() if c["memory"]["compiled"]}
 assert not memory["baseline"]["fits"] and memory["kernels"]["fits"], memory
@@ -389,41 +391,58 @@ assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] o
 # The comparable rows are DP8 x EP8 with token replication at 64-256 concurrent
 # 8k/1k requests: #3050's (the acceptance set) and #3079's, after its benchmark and budget changes.
 #
-# <details><summary><b>Pop quiz.</b> The published runs used Pallas attention and grouped matmuls, but not
-# everything our `kernels` stage assumes. Where on our ladder should their throughput fall?</summary>
+# They ran tpu-inference's production MoE layer, whose cost the model prices from its mechanisms
+# (`costmodel/moe_layer.py`: the grouped matmul, sorts and row bookkeeping, one-hot or SparseCore permutes, the
+# layer's collectives) and judges against a public device-time benchmark of that layer on TPU7x at this model's
+# shape (`data/moe_layer_measured.json`, eight token counts). One constant is set from measured data, the time a
+# routed row costs every device (`moe_row_overhead_s`), from the five smallest cells only; the three largest judge it.
 #
-# Between `fused_ag` (XLA's kernels) and `kernels`: above the first, below the second. How far below `kernels`
-# is the model's error, unfitted; the ratios below (predicted over published) show it for every row.
-# </details>
-#
-# **Compute.** Each published row predicted under its own setup, beside its measurement (published, not ours).
+# **Compute.** The MoE layer against its measured device times (`python -m qwen35_lib.costmodel validate --moe`).
 
 # %%
-pub = validate.published_comparison()
-for r in pub:
-    tpot = (f"; median TPOT measured {r['measured_median_tpot_ms']} ms, kernels "
-            f"{r['predicted_median_tpot_ms_kernels']:.1f} (x{r['tpot_ratio_kernels']:.2f})" if "tpot_ratio_kernels" in r
-            else "")
-    print(f"{r['source'].rsplit('/', 1)[-1]:>5} {r['isl']}/{r['osl']} x{r['concurrency']:<4} measured "
-          f"{r['measured_total_tokens_per_s']:>7,} tok/s; predicted fused_ag {r['predicted_total_fused_ag']:>8,.0f} "
-          f"(x{r['ratio_fused_ag']:.2f}), kernels {r['predicted_total_kernels']:>8,.0f} (x{r['ratio_kernels']:.2f})"
-          + tpot)
-for r in pub:
-    r["label"] = f"#{r['source'].rsplit('/', 1)[-1]} 8k/1k x{r['concurrency']}"
-viz.plot_ratios(pub, ["ratio_fused_ag", "ratio_kernels"], "label", "(c) predicted / published total tokens/s")
+moe_cells = validate.moe_layer_comparison()
+for r in moe_cells:
+    print(f"N = {r['tokens']:>5} tokens: measured {r['measured_us']:7.1f} us, model {r['model_us']:7.1f} us "
+          f"(x{r['ratio']:.2f}; {r['role']})")
 
 # %% [markdown]
-# **Check.** The published system sits between our `fused_ag` (XLA kernels) and `kernels` (Pallas) stages: it ran
-# Pallas attention and grouped matmuls, but not everything our `kernels` stage assumes. The `kernels` stage still
-# over-predicts it, in throughput and in time per output token, with every labelled mechanism charged: the
-# comparison above is the model's honest error, not a fitted one, and what is missing is not yet known.
+# <details><summary><b>Pop quiz.</b> The published serving runs used tpu-inference's kernels with the MoE
+# reduce-scatter left to XLA (its SparseCore reduce-scatter kernel was off). Which plan of ours should predict
+# them?</summary>
+#
+# Not our `kernels` stage, which adds the hierarchical SparseCore reduce-scatter: `tpu_inference_3050`, the
+# `kernels` plan with XLA's flat `psum_scatter`, each point under its own recorded setup.
+# </details>
+#
+# **Compute.** Each published row predicted under its own setup and that plan, beside its measurement (published,
+# not ours).
 
 # %%
-assert all(r["ratio_fused_ag"] < 1 < r["ratio_kernels"] < 2 and r.get("tpot_ratio_kernels", 0) < 1 for r in pub)
-assert any("tpot_ratio_kernels" in r for r in pub)
-accepted = [r["ratio_kernels"] for r in pub if r["acceptance"]]  # #3050: the fixed comparison set
-model_error = dict(min=min(accepted), max=max(accepted), points=len(accepted))  # predicted / measured, kernels
-print(f"kernels stage, predicted / measured total tokens/s over #3050's points: {model_error['min']:.2f}-"
+M = validate.MEASURED_STAGE
+pub = validate.published_comparison((M,))
+for r in pub:
+    tpot = (f"; median TPOT measured {r['measured_median_tpot_ms']} ms, predicted "
+            f"{r[f'predicted_median_tpot_ms_{M}']:.1f} (x{r[f'tpot_ratio_{M}']:.2f})" if f"tpot_ratio_{M}" in r else "")
+    print(f"{r['source'].rsplit('/', 1)[-1]:>5} {r['isl']}/{r['osl']} x{r['concurrency']:<4} measured "
+          f"{r['measured_total_tokens_per_s']:>7,} tok/s; predicted {r[f'predicted_total_{M}']:>8,.0f} "
+          f"(x{r[f'ratio_{M}']:.2f})" + tpot)
+for r in pub:
+    r["label"] = f"#{r['source'].rsplit('/', 1)[-1]} 8k/1k x{r['concurrency']}"
+viz.plot_ratios(pub, [f"ratio_{M}"], "label", "(c) predicted / published total tokens/s")
+
+# %% [markdown]
+# **Check.** Every MoE layer cell is within 25% of its measured device time, the judging cells included. Every
+# published row is predicted within 25% in total tokens per second, and #3050's within 25% in median time per
+# output token too, with no trend over concurrency: the model's error, under each point's own setup, with the one
+# derived constant the only figure taken from a measurement (of the MoE layer, not of serving throughput).
+
+# %%
+assert all(r["within_25pct"] for r in moe_cells), moe_cells
+assert all(abs(r[f"ratio_{M}"] - 1) <= 0.25 for r in pub), pub
+assert all(abs(r[f"tpot_ratio_{M}"] - 1) <= 0.25 for r in pub if f"tpot_ratio_{M}" in r), pub
+accepted = [r[f"ratio_{M}"] for r in pub if r["acceptance"]]  # #3050: the fixed comparison set
+model_error = dict(min=min(accepted), max=max(accepted), points=len(accepted), stage=M)  # predicted / measured
+print(f"{M}, predicted / measured total tokens/s over #3050's points: {model_error['min']:.2f}-"
       f"{model_error['max']:.2f}")
 
 # %% [markdown]
@@ -468,8 +487,8 @@ record = dict(ladder=[{k: r[k] for k in keep} for r in rows], reported=reported,
               validation_cpu=[{k: r[k] for k in ("case", "measured_s", "predicted_s", "ratio")} for r in cpu_rows],
               validation_aot=[{k: r[k] for k in ("model", "layers", "flops_ratio", "bytes_ratio", "memory_ratio")}
                               for r in aot_rows],
-              validation_published=[{k: r.get(k) for k in ("source", "concurrency", "ratio_fused_ag", "ratio_kernels",
-                                                           "tpot_ratio_kernels")}
+              validation_moe_layer=moe_cells,
+              validation_published=[{k: r.get(k) for k in ("source", "concurrency", f"ratio_{M}", f"tpot_ratio_{M}")}
                                     for r in pub],
               sensitivity=sweeps, cpu_specs=cpu, sweep=fit_table, model_error=model_error, attribution=att,
               reported_source=ladder_claim["source"])
