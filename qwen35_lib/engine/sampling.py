@@ -80,8 +80,8 @@ class SamplingParams:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            problems.append(f"top_k must be an integer >= 0 (0 = off) and < 2**31, got {self.top_k}")
         if not (0 < self.top_p <= 1):
             problems.append(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not (0 <= self.min_p <= 1):

@@ -156,7 +156,7 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
                 try:
                     validate_request(engine.config, engine.ec, p, sp)
                 except ValueError as e:
-                    raise APIError(str(e), "messages" if chat else "prompt") from None
+                    raise APIError(str(e), _param_of_engine_error(str(e), chat)) from None
             return parsed
         return guarded(fn)
 
@@ -222,6 +222,15 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
         return await off_loop(detokenize_guarded, await _read_body(request, limits.max_request_bytes))
 
     return app
+
+
+ENGINE_PARAMS = {"stop token": "stop_token_ids", "allowed_token_ids": "allowed_token_ids",
+                 "logit_bias": "logit_bias", "bad_words": "bad_words"}
+
+
+def _param_of_engine_error(message: str, chat: bool) -> str:
+    """The request field an engine `validate_request` error is about (the prompt unless it names another)."""
+    return next((f for head, f in ENGINE_PARAMS.items() if message.startswith(head)), "messages" if chat else "prompt")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -59,6 +59,7 @@ class Limits:
     max_request_bytes: int = 16 << 20  # --max-request-bytes: the body, checked while it is read
     max_json_depth: int = 64  # nesting of the body's JSON
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own `chat_template`
 
 
 @dataclasses.dataclass
@@ -255,6 +256,9 @@ def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
     from qwen35_lib.text import render_chat
 
     template = _get(body, "chat_template", (str,))
+    if template is not None and not limits.trust_request_chat_template:
+        raise APIError("a request's own `chat_template` is refused (a template is code the server runs); start the "
+                       "server with --trust-request-chat-template to allow it", "chat_template")
     if text is None or (template is None and text.chat_template is None):
         raise APIError("this server has no chat template (it needs a tokenizer with tokenizer_config.json "
                        "`chat_template`, or the request's `chat_template`); use /v1/completions", "messages")
@@ -361,8 +365,9 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
             raise APIError(f"`{name}` must be >= 1, got {v}", name)
         if v > 1:
             raise APIError(f"`{name}` > 1 is not supported; send one request per sample", name)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise APIError("`logprobs` is not supported by this server", "logprobs")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0) or body.get(name) is True:
+            raise APIError(f"`{name}` is not supported by this server (logprobs are not computed)", name)
     if body.get("echo") not in (None, False):
         raise APIError("`echo` is not supported by this server", "echo")
     stop = _stop_strings(body, text)
