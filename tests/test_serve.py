@@ -243,6 +243,19 @@ def test_cli_serve_subprocess():
     (["--max-prompts-per-request", "-4"], "-4 must be at least 1"), (["--port", "x"], "'x' is not a port"),
 ])
 def test_cli_serve_refuses_bad_sizes_in_one_line(flags, message):
-    r = subprocess.run([sys.executable, "-m", "qwen35_lib", "serve", *flags], capture_output=True, text=True,
+    _one_line_refusal(["serve", *flags], message)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bench", "--concurrency", "-4"], "-4 must be at least 1"), (["--stage", "kernels", "--isl", "0"],
+                                                                     "0 must be at least 1"),
+    (["--stage", "kernels", "--port", "99999"], "99999 is not a port"),
+])
+def test_cli_recipe_refuses_bad_sizes_in_one_line(flags, message):
+    _one_line_refusal(["recipe", *flags], message)
+
+
+def _one_line_refusal(argv: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "qwen35_lib", *argv], capture_output=True, text=True,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
