@@ -177,7 +177,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except (OSError, OverflowError) as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}); pick another --port (0: any free one)") \
-            from None
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"cannot listen on {host}:{port} ({why}); pick another --port (0: any free one)") from None
     return sock
 
