@@ -1,7 +1,8 @@
 """Bounds, fairness, metrics and the utility endpoints of the server.
 
-Fairness: an 8 MB prompt and a 4,000-prompt request are refused (400 naming the option) while a stream runs;
-parsing and tokenizing happen on a worker thread, so the stream's tokens keep coming and /health keeps answering.
+Fairness: an 8 MB prompt, a 4,000-prompt request and a 1M-character prompt (tokenized in full, then too long) are
+refused (400 naming the option) while a stream runs; parsing and tokenizing happen on a worker thread (the tokenizer
+releasing the GIL), so the stream's tokens keep coming and /health keeps answering.
 The 1 s bounds are the issue's acceptance figures, far above one step of the tiny model (milliseconds)."""
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
         answers[name] = httpx.post(server.url + "/v1/completions", content=json.dumps(b), timeout=120,
                                    headers={"content-type": "application/json"})
 
-    senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many))]
+    # under --max-prompt-chars, so tokenized in full (seconds for this tokenizer), then over --max-model-len
+    long = {"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 1}
+    senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many), ("long", long))]
     for t in senders:
         t.start()
     for t in senders + threads:
@@ -75,8 +78,10 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
     assert answers["big"].status_code == 400 and "--max-prompt-chars" in answers["big"].json()["error"]["message"]
     assert answers["many"].status_code == 400
     assert "--max-prompts-per-request" in answers["many"].json()["error"]["message"]
+    assert answers["long"].status_code == 400 and "--max-model-len" in answers["long"].json()["error"]["message"]
     assert len(times) == 120
     gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"largest gap between tokens {max(gaps):.3f} s, slowest /health {max(health):.3f} s")
     assert max(gaps) < 1.0, f"largest gap between tokens {max(gaps):.3f} s"
     assert health and max(health) < 1.0, f"slowest /health {max(health):.3f} s"
 
