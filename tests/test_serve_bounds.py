@@ -152,3 +152,27 @@ def test_utility_endpoints(server):
     bad = post("/detokenize", {"tokens": [1, 999]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert post("/tokenize", {"prompt": 5}).status_code == 400
+
+
+def test_engine_loop_admits_a_bounded_number_of_requests_between_steps():
+    """A request with thousands of prompts is added 64 per step, so the steps of running streams go on between."""
+    import asyncio
+
+    from qwen35_lib.engine import SamplingParams
+    from qwen35_lib.serve.loop import EngineLoop, Sink
+
+    class Stub:
+        added = 0
+
+        def add_request(self, prompt, params):
+            Stub.added += 1
+            return Stub.added
+
+    loop = EngineLoop(Stub(), max_adds_per_step=64)  # not started: _drain is called by hand
+    aio = asyncio.new_event_loop()
+    for i in range(200):
+        loop.submit([1], SamplingParams(), Sink(aio, asyncio.Queue(), i))
+    assert loop._drain() is True and Stub.added == 64
+    assert loop._drain() and loop._drain() and Stub.added == 192
+    assert loop._drain() is False and Stub.added == 200 and loop.prompt_tokens == 200
+    aio.close()

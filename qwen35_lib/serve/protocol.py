@@ -406,6 +406,9 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {})
     include_usage = _get(opts, "include_usage", (bool,), False)
+    for key, value in opts.items():
+        if key != "include_usage" and value not in (None, False):
+            raise APIError(f"`stream_options.{key}` is not supported (only include_usage)", "stream_options")
     rid = _get(body, "request_id", (str,))
     include_stop = _get(body, "include_stop_str_in_output", (bool,), False)
     skip = _get(body, "skip_special_tokens", (bool,), True)
