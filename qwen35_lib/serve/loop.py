@@ -70,6 +70,7 @@ class EngineLoop:
         self.aborted = 0
         self.generated = 0  # output tokens handed to sinks
         self.prompt_tokens = 0  # prompt tokens of requests added
+        self._idle_logged = False
 
     # --- called from any thread ------------------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -155,6 +156,10 @@ class EngineLoop:
         s = self.stats()
         prompt, gen = self.prompt_tokens - last[0], self.generated - last[1]
         used = 100 * (1 - s["free_pages"] / max(s["total_pages"], 1))
+        idle = not (prompt or gen or s["running"] or s["waiting"])
+        if idle and self._idle_logged:  # one line when the server goes idle, then quiet until work comes
+            return self.prompt_tokens, self.generated
+        self._idle_logged = idle
         log.warning("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
                     "Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d", prompt / seconds, gen / seconds,
                     s["running"], s["waiting"], used, s["preemptions"])
