@@ -66,6 +66,10 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=()):
     engine = Engine(config, weights, EC)
     engine.decode_buckets = (EC.max_num_seqs,)
     text = load_text(make_tokenizer_dir(tok_dir))
+    if warmup == "all":  # every step shape, with and without logits processing (`serve --warmup all`)
+        from qwen35_lib.serve.cli import all_buckets
+
+        warmup = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
     loop = EngineLoop(engine, warmup=warmup).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

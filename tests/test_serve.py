@@ -205,7 +205,8 @@ def test_cli_serve_subprocess():
     then re-raises the signal, so the exit status is -SIGTERM)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "qwen35_lib", "serve", "--port", "0", "--max-num-seqs", "1",
-           "--max-num-batched-tokens", "64", "--max-model-len", "64", "--page-size", "8", "--dtype", "float32"]
+           "--max-num-batched-tokens", "64", "--max-model-len", "64", "--page-size", "8", "--dtype", "float32",
+           "--warmup", "plain"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None

@@ -176,3 +176,18 @@ def test_engine_loop_admits_a_bounded_number_of_requests_between_steps():
     assert loop._drain() and loop._drain() and Stub.added == 192
     assert loop._drain() is False and Stub.added == 200 and loop.prompt_tokens == 200
     aio.close()
+
+
+def test_warmup_compiles_every_step_shape_before_health_is_ok(tmp_path):
+    with serve_support.running(tmp_path, warmup="all") as s:
+        deadline = time.time() + 300
+        while (h := httpx.get(s.url + "/health")).status_code != 200:
+            assert h.status_code == 503 and h.json()["status"] == "starting" and time.time() < deadline
+            time.sleep(0.1)
+        assert s.loop.warmed == len(s.loop.warmup) == 2 * len(s.engine.prefill_buckets)
+        traces = s.engine.stats.traces
+        for extra in ({}, {"logit_bias": {"5": 3}, "presence_penalty": 0.5}):
+            r = httpx.post(s.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": list(range(3, 90)),
+                                                                        "max_tokens": 3, **extra})
+            assert r.status_code == 200, r.text
+        assert s.engine.stats.traces == traces  # nothing compiled while serving

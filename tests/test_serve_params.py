@@ -219,7 +219,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(server):
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"999": 1}}, "logit_bias"), ({"allowed_token_ids": []},
                                                                                          "allowed_token_ids"),
     ({"bad_words": [3]}, "bad_words"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"top_p": 0}, "top_p"), ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"), ({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"stop": [3]}, "stop"), ({"include_stop_str_in_output": 1},
                                                                      "include_stop_str_in_output"),
 ])

@@ -269,14 +269,15 @@ class Engine:
         return seen
 
     def precompile(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int | Sequence[int] = 1,
-                   *, buckets: Sequence[tuple[int, int]] | None = None) -> dict:
+                   *, buckets: Sequence[tuple[int, int]] | None = None, processing: bool = False) -> dict:
         """Compile the step for every bucket a workload will use (`workload_buckets`), or for `buckets` (D, T),
         so that running it compiles nothing. Each bucket is compiled by one step of padding only (it writes the
         null page and slot, which no request reads); the engine's stats are untouched.
 
             engine.precompile([len(p) for p in prompts], 64)   # then engine.generate(prompts, ...)
 
-        Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
+        `processing=True` compiles the step variant that steps with logits processing (penalties, logit_bias, ...)
+        use instead. Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
         if buckets is None:
             if prompt_lengths is None:
                 raise ValueError("precompile needs the workload (prompt_lengths, max_new_tokens) or buckets=[(D, T)]")
@@ -290,6 +291,8 @@ class Engine:
             empty = Plan([], [])
             tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
             samp = self._sampling_arrays([empty] * R, S)
+            if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
+                samp["proc"] = processing_arrays((R, S), self.config.vocab_size)
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)

@@ -22,8 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/health, /ping, /version, /metrics (Prometheus), /tokenize and /detokenize; one "
                                    "engine loop batches all open requests continuously.",
                        epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. Every step shape is "
-                              "compiled before /health reports ok (--warmup all); a step with logits processing "
-                              "(penalties, logit_bias, ...) compiles its own variant on first use.")
+                              "compiled before /health reports ok (--warmup all).")
     src = cli_generate.add_model_options(p)
     src.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json "
                                                         "for chat); default: the checkpoint's")
@@ -38,9 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--page-size", type=positive, default=16, metavar="N", help="tokens per KV-cache page (16)")
     eng.add_argument("--max-model-len", type=positive, default=1024, metavar="N",
                      help="prompt + max_tokens of one request (1024); longer requests get a 400")
-    eng.add_argument("--warmup", choices=("all", "none"), default="all",
-                     help="all (default): compile the step for every batch shape this configuration can form "
-                          "before /health reports ok (progress in the log); none: compile each on first use")
+    eng.add_argument("--warmup", choices=("all", "plain", "none"), default="all",
+                     help="all (default): compile the step for every batch shape this configuration can form, with "
+                          "and without logits processing (penalties, logit_bias, ...), before /health reports ok "
+                          "(progress in the log); plain: without logits processing only (a processed step compiles "
+                          "on first use); none: compile each on first use")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
                                          name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
     _log_to_stderr()
-    warmup = all_buckets(engine) if args.warmup == "all" else []
+    warmup = [] if args.warmup == "none" else \
+        [(d, t, p) for p in ((False, True) if args.warmup == "all" else (False,)) for d, t in all_buckets(engine)]
     loop = EngineLoop(engine, warmup=warmup, log_interval_s=args.log_stats_interval).start()
     chars = args.max_prompt_chars or 2 * ec.max_model_len * (longest_token_chars(text) if text else 1)
     limits = Limits(max_model_len=ec.max_model_len, max_prompts_per_request=args.max_prompts_per_request,

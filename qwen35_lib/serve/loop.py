@@ -3,7 +3,8 @@ request.
 
 1. HTTP handlers (asyncio) `submit` a request: a command goes on a thread-safe queue, with a `Sink` (the
    handler's asyncio queue and the choice index) that will receive its events;
-2. the thread first compiles the step for the buckets it was given (`warmup`; `ready` turns true after, and
+2. the thread first compiles the step for the shapes it was given (`warmup`: (D, T, with logits processing);
+   `ready` turns true after, and
    /health answers "starting" until then), then loops: between steps it drains at most `max_adds_per_step`
    commands (`add_request` for a submission, its ValueError going back to the sink as an error with the engine
    untouched; an abort for a request whose client went away), so a request with thousands of prompts delays
@@ -52,7 +53,7 @@ class Sink:
 class EngineLoop:
     """`EngineLoop(engine).start()`; `submit(prompt_ids, params, sink)`, `abort(sink)`; `stop()`."""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int]] = (),
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int, bool]] = (),
                  max_adds_per_step: int = 64, log_interval_s: float = 0.0):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
@@ -142,13 +143,13 @@ class EngineLoop:
 
     def _warm(self) -> None:
         start = time.perf_counter()
-        for i, b in enumerate(self.warmup):
+        for i, (D, T, processing) in enumerate(self.warmup):
             if self._stopping.is_set():
                 return
-            self.engine.precompile(buckets=[b])
+            self.engine.precompile(buckets=[(D, T)], processing=processing)
             self.warmed = i + 1
-            log.warning("warm-up: compiled step bucket %d/%d (D=%d, T=%d), %.1f s so far", i + 1, len(self.warmup),
-                        b[0], b[1], time.perf_counter() - start)
+            log.warning("warm-up: compiled step shape %d/%d (D=%d, T=%d%s), %.1f s so far", i + 1, len(self.warmup),
+                        D, T, ", logits processing" if processing else "", time.perf_counter() - start)
         self.ready = True
 
     def _log_stats(self, seconds: float, last: tuple[int, int]) -> tuple[int, int]:
