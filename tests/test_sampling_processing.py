@@ -179,3 +179,22 @@ def test_sampling_params_are_checked():
         SamplingParams(logit_bias={"a": 1})
     assert SamplingParams(logit_bias={3: 1}).logit_bias == ((3, 1.0),)
     assert not SamplingParams().processed and SamplingParams(min_tokens=1).processed
+
+
+def test_processing_on_a_data_parallel_mesh_equals_one_device():
+    """The [R, S, V] processing arrays are split over the ranks like the other sampling arrays: dp8_ep8 on 8
+    (simulated) devices gives the single-device tokens."""
+    from qwen35_lib.parallel import make_mesh
+
+    cfg = get_config("qwen3.5-tiny", dtype="float32")
+    w = init_weights(cfg, 0)
+    ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, page_size=8)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(2, 256, n)] for n in (5, 17, 1, 9, 30, 3)]
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True, **kw) for kw in
+              (dict(logit_bias={7: 5.0}), dict(repetition_penalty=0.3), {}, dict(presence_penalty=-2.0),
+               dict(allowed_token_ids=[3, 4, 5]), dict(bad_words_ids=[[10]], min_tokens=2))]
+    ref = [r.output_ids for r in Engine(cfg, w, ec).generate(prompts, params)]
+    mesh_engine = Engine(cfg.replace(layout="dp8_ep8", routing="replicate"), w, ec, mesh=make_mesh())
+    assert [r.output_ids for r in mesh_engine.generate(prompts, params)] == ref
+    assert ref[0] == [7] * 4 and set(ref[4]) <= {3, 4, 5}
