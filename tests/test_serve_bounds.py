@@ -128,7 +128,7 @@ def test_metrics_move_with_a_request(server):
     assert delta("vllm:generation_tokens_total") == 5
     assert delta("vllm:request_success_total|finished_reason=length") == 1
     assert delta("vllm:time_to_first_token_seconds_count") == 1
-    assert delta("vllm:time_per_output_token_seconds_count") == 4
+    assert delta("vllm:time_per_output_token_seconds_count") == delta("vllm:inter_token_latency_seconds_count") == 4
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
     assert after["vllm:kv_cache_usage_perc"] == 0.0 and after["vllm:num_requests_running"] == 0
 

@@ -285,7 +285,7 @@ class _Run:
         out, m, now = self.outs[index], self.metrics, time.perf_counter()
         if kind == "token":
             if m is not None:
-                (m.ttft.observe(now - self.t0) if not out.ids else m.tpot.observe(now - self.last[index]))
+                (m.ttft.observe(now - self.t0) if not out.ids else m.token_gap(now - self.last[index]))
                 m.generation_tokens.inc()
             self.last[index] = now
             piece = out.push(value)

@@ -3,7 +3,7 @@
 Counters: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:request_success_total` (label
 `finished_reason`: stop, length, abort), `vllm:num_preemptions_total`. Histograms (seconds):
 `vllm:time_to_first_token_seconds` (from the HTTP request's arrival), `vllm:time_per_output_token_seconds` (each
-gap between two tokens of a request; vLLM's newer `vllm:inter_token_latency_seconds` is the same series) and
+gap between two tokens of a request; also under vLLM's newer name `vllm:inter_token_latency_seconds`) and
 `vllm:e2e_request_latency_seconds`. Gauges, read when scraped: `vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (fraction of KV pages in use, 0..1). Every series has the
 `model_name` label. Each app has its own registry (several servers can live in one process, as in the tests).
@@ -37,7 +37,9 @@ class Metrics:
                                 label + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (s).", label,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time between two output tokens (s).", label,
+        self._tpot = Histogram("vllm:time_per_output_token_seconds", "Time between two output tokens (s).", label,
+                               buckets=TPOT_BUCKETS, registry=r).labels(model_name)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output tokens (s).", label,
                               buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency (s).", label,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
@@ -52,6 +54,11 @@ class Metrics:
             lambda: 1 - (s := loop.stats())["free_pages"] / max(s["total_pages"], 1))
         preempt = Counter("vllm:num_preemptions", "Preemptions (recompute).", label, registry=r).labels(model_name)
         self._preempt, self._loop = preempt, loop
+
+    def token_gap(self, seconds: float) -> None:
+        """One gap between two output tokens of a request (both of vLLM's names for the series)."""
+        self._tpot.observe(seconds)
+        self._itl.observe(seconds)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
