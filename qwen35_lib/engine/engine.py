@@ -466,9 +466,11 @@ def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
         logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, S, V]
     R, S, V = logits.shape
     flat = lambda x: x.reshape(R * S)
+    # optional keys: callers that lower the step with the older arrays (aot, costmodel.validate) need neither
     proc = jax.tree.map(lambda x: x.reshape(R * S, *x.shape[2:]), samp["proc"]) if "proc" in samp else None
+    min_p = flat(samp["min_p"]) if "min_p" in samp else None
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
-                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]), flat(samp["min_p"]), proc)
+                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]), min_p, proc)
     next_tokens = next_tokens.reshape(R, S)
     if not jax.sharding.get_abstract_mesh().empty:  # every process reads all ranks' tokens
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, PartitionSpec())
