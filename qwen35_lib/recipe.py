@@ -275,6 +275,24 @@ def format_rows(rows: list[dict]) -> str:
 
 
 # --- the subcommand ---------------------------------------------------------------------------------------------
+def _positive(value: str) -> int:
+    """An argparse type: an integer >= 1 (a size, a length, a concurrency), refused in one line otherwise."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def _port(value: str) -> int:
+    n = _positive(value)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port: give 1..65535")
+    return n
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from qwen35_lib.costmodel.stages import STAGES
 
@@ -290,11 +308,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="tpu7x-8", help="the system (recipes: tpu7x-8)")
     p.add_argument("--model", help="a preset with a recipe (qwen3.5-397b-a17b) or an HF id (default: "
                                    "Qwen/Qwen3.5-397B-A17B-FP8)")
-    p.add_argument("--isl", type=int, help="--stage: input length the server is sized for (8192)")
-    p.add_argument("--osl", type=int, help="--stage: output length (1024)")
-    p.add_argument("--concurrency", type=int, action="append",
+    p.add_argument("--isl", type=_positive, help="--stage: input length the server is sized for (8192)")
+    p.add_argument("--osl", type=_positive, help="--stage: output length (1024)")
+    p.add_argument("--concurrency", type=_positive, action="append",
                    help="--stage: concurrency the server is sized for (64); --bench: repeatable (512)")
-    p.add_argument("--port", type=int, help="--stage: the server's port (8000)")
+    p.add_argument("--port", type=_port, help="--stage: the server's port (8000)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="--bench: the server (%(default)s)")
     p.add_argument("--tokenizer", help="--bench: the tokenizer vllm bench loads (default: the model id)")
     p.add_argument("--scale", default="1", help="--bench: workload length factor, e.g. 1/16 for a CPU server (1)")

@@ -1,27 +1,22 @@
 """`serve`: the OpenAI-compatible server on loopback, driven by the official `openai` client.
 
-One server per module (tiny random model, a byte-level tokenizer with a ChatML template built in test_text),
-started in a thread on an ephemeral 127.0.0.1 port and stopped by its fixture. References are the same prompts
-run alone through a fresh `Engine` with the same weights. To keep compilation to two step shapes for the whole
-module, both engines pad every step's decodes to max_num_seqs (`decode_buckets`): test-only, it changes which
-shapes compile, not what a request computes.
+One server per module (`serve_support.running`: tiny random model, a byte-level tokenizer with a ChatML template,
+an ephemeral 127.0.0.1 port), stopped by its fixture. References are the same prompts run alone through a fresh
+`Engine` with the same weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -29,81 +24,14 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_text import make_tokenizer_dir  # noqa: E402
-
-from qwen35_lib.config import get_config  # noqa: E402
-from qwen35_lib.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from qwen35_lib.text import load_text  # noqa: E402
-from qwen35_lib.weights import init_weights  # noqa: E402
-
-EC = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=128)
-MODEL = "tiny-test"
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-
-
-@dataclasses.dataclass
-class Server:
-    url: str
-    loop: object
-    engine: Engine
-    text: object
-    config: object
-    weights: dict
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
-
-    def alone(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """The prompt run by itself through a fresh engine (greedy, EOS ignored)."""
-        e = Engine(self.config, self.weights, EC)
-        e.decode_buckets = (EC.max_num_seqs,)
-        return e.generate([prompt], SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))[0].output_ids
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health").json()
+import serve_support  # noqa: E402
+from serve_support import EC, GREEDY, MODEL, Server, prompts, wait_idle  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
-    from qwen35_lib.serve.app import make_app
-    from qwen35_lib.serve.loop import EngineLoop
-
-    config = get_config("qwen3.5-tiny", dtype="float32")
-    weights = init_weights(config, 0)
-    engine = Engine(config, weights, EC)
-    engine.decode_buckets = (EC.max_num_seqs,)
-    text = load_text(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
-    loop = EngineLoop(engine).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(make_app(loop, MODEL, text), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine, text, config, weights)
-    uv.should_exit = True
-    thread.join(30)
-    loop.stop()
-    sock.close()
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 20)))] for _ in range(n)]
-
-
-def wait_idle(server: Server, timeout: float = 60) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        h = server.health()
-        if h["running"] == 0 and h["waiting"] == 0 or time.time() > deadline:
-            return h
-        time.sleep(0.05)
+    with serve_support.running(tmp_path_factory.mktemp("tok")) as s:
+        yield s
 
 
 # --- endpoints ---------------------------------------------------------------------------------------------------
@@ -197,11 +125,12 @@ def _raw(server: Server, path: str, body) -> httpx.Response:
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 999]}, 400, "prompt"),  # outside the vocabulary
-    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 500}, 400, "prompt"),  # > max_model_len
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 500}, 400, "max_tokens"),  # > max_model_len
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(2, 100)), "max_tokens": 100}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1], "n": 2}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": [1], "temperature": "hot"}, 400, "temperature"),
-    ("/v1/completions", {"model": MODEL, "prompt": [1], "stop": ["\n"]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1], "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "gpt-4", "prompt": [1]}, 404, "model"),
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -238,7 +167,7 @@ def test_bad_request_answered_400_while_others_continue(server):
         client.completions.create(model=MODEL, prompt=[5, 999], max_tokens=4)
     assert e.value.status_code == 400 and "outside the vocabulary" in e.value.message
     assert e.value.body["param"] == "prompt" and e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="max-model-len"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert not results  # both streams still open
     bad_answered.set()
@@ -276,7 +205,8 @@ def test_cli_serve_subprocess():
     then re-raises the signal, so the exit status is -SIGTERM)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "qwen35_lib", "serve", "--port", "0", "--max-num-seqs", "1",
-           "--max-num-batched-tokens", "64", "--max-model-len", "64", "--page-size", "8", "--dtype", "float32"]
+           "--max-num-batched-tokens", "64", "--max-model-len", "64", "--page-size", "8", "--dtype", "float32",
+           "--warmup", "plain"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -286,14 +216,18 @@ def test_cli_serve_subprocess():
                 url = m[1]
                 break
         assert url, "no '# serving' line"
-        deadline = time.time() + 30
-        while True:
+        deadline = time.time() + 120
+        while True:  # 503 "starting" while the warm-up compiles the step's shapes, then 200
             try:
-                assert httpx.get(url + "/health").status_code == 200
-                break
+                r = httpx.get(url + "/health")
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 503 and r.json()["status"] == "starting", r.text
             except httpx.ConnectError:
-                assert time.time() < deadline
-                time.sleep(0.1)
+                pass
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert proc.poll() is None
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert client.models.list().data[0].id == "qwen3.5-tiny"
         r = client.completions.create(model="qwen3.5-tiny", prompt=[3, 4, 5], max_tokens=1, temperature=0)
@@ -303,3 +237,30 @@ def test_cli_serve_subprocess():
     finally:
         proc.terminate()
         assert proc.wait(60) == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "99999 is not a port"), (["--max-num-seqs", "0"], "0 must be at least 1"),
+    (["--max-prompts-per-request", "-4"], "-4 must be at least 1"), (["--port", "x"], "'x' is not a port"),
+])
+def test_cli_serve_refuses_bad_sizes_in_one_line(flags, message, capsys):
+    _one_line_refusal(["serve", *flags], message, capsys)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--bench", "--concurrency", "-4"], "-4 must be at least 1"), (["--stage", "kernels", "--isl", "0"],
+                                                                     "0 must be at least 1"),
+    (["--stage", "kernels", "--port", "99999"], "99999 is not a port"),
+])
+def test_cli_recipe_refuses_bad_sizes_in_one_line(flags, message, capsys):
+    _one_line_refusal(["recipe", *flags], message, capsys)
+
+
+def _one_line_refusal(argv: list[str], message: str, capsys=None) -> None:
+    """The argument parser refuses in one line with exit status 2 (in-process: no server or model is started)."""
+    from qwen35_lib.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err

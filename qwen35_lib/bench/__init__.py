@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "qwen35_lib.bench.engine",
     "costmodel": "qwen35_lib.bench.costmodel",
     "layouts": "qwen35_lib.bench.layouts",
+    "serve": "qwen35_lib.bench.serve",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory
 

@@ -23,7 +23,7 @@ from qwen35_lib.engine.cache import (
     step_memory_shortfall,
     step_working_bytes,
 )
-from qwen35_lib.engine.sampling import SamplingParams, sample
+from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import prepare_weights
@@ -269,14 +269,15 @@ class Engine:
         return seen
 
     def precompile(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int | Sequence[int] = 1,
-                   *, buckets: Sequence[tuple[int, int]] | None = None) -> dict:
+                   *, buckets: Sequence[tuple[int, int]] | None = None, processing: bool = False) -> dict:
         """Compile the step for every bucket a workload will use (`workload_buckets`), or for `buckets` (D, T),
         so that running it compiles nothing. Each bucket is compiled by one step of padding only (it writes the
         null page and slot, which no request reads); the engine's stats are untouched.
 
             engine.precompile([len(p) for p in prompts], 64)   # then engine.generate(prompts, ...)
 
-        Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
+        `processing=True` compiles the step variant that steps with logits processing (penalties, logit_bias, ...)
+        use instead. Returns {"buckets": [(D, T), ...], "compiled": steps traced, "seconds": wall time}."""
         if buckets is None:
             if prompt_lengths is None:
                 raise ValueError("precompile needs the workload (prompt_lengths, max_new_tokens) or buckets=[(D, T)]")
@@ -290,6 +291,8 @@ class Engine:
             empty = Plan([], [])
             tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
             samp = self._sampling_arrays([empty] * R, S)
+            if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
+                samp["proc"] = processing_arrays((R, S), self.config.vocab_size)
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)
@@ -315,14 +318,20 @@ class Engine:
         R = len(plans)
         arr = dict(temperature=np.zeros((R, S), np.float32), top_k=np.zeros((R, S), np.int32),
                    top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
-                   position=np.zeros((R, S), np.int32))
+                   position=np.zeros((R, S), np.int32), min_p=np.zeros((R, S), np.float32))
+        processed = any(r.params.processed for p in plans for r, _ in p.items)
+        if processed:  # the [R, S, V] logits-processing path (a second compile of the step, used only when needed)
+            arr["proc"] = processing_arrays((R, S), self.config.vocab_size)
         for rank, plan in enumerate(plans):
             for s, (r, w) in enumerate(plan.items):
                 p = r.params
                 arr["temperature"][rank, s], arr["top_k"][rank, s], arr["top_p"][rank, s] = \
                     p.temperature, p.top_k, p.top_p
-                arr["seed"][rank, s] = p.seed
+                arr["seed"][rank, s], arr["min_p"][rank, s] = p.seed, p.min_p
                 arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
+                if processed and p.processed:
+                    flat = {k: v.reshape(R * S, *v.shape[2:]) for k, v in arr["proc"].items()}
+                    fill_processing_row(flat, rank * S + s, p, r.prompt, r.output, r.stop_ids)
         return arr
 
     def _record(self, plans: list[Plan]) -> None:
@@ -378,9 +387,10 @@ def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int]
     bad = [t for t in prompt if not 0 <= t < config.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    bad = [t for t in params.stop_token_ids or () if t >= config.vocab_size]
-    if bad:
-        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    for what, ids in params.token_ids().items():
+        bad = [t for t in ids if t >= config.vocab_size]
+        if bad:
+            raise ValueError(f"{what} id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     total = len(prompt) + params.max_new_tokens
     if total > ec.max_model_len:
         raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
@@ -456,8 +466,11 @@ def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
         logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, S, V]
     R, S, V = logits.shape
     flat = lambda x: x.reshape(R * S)
+    # optional keys: callers that lower the step with the older arrays (aot, costmodel.validate) need neither
+    proc = jax.tree.map(lambda x: x.reshape(R * S, *x.shape[2:]), samp["proc"]) if "proc" in samp else None
+    min_p = flat(samp["min_p"]) if "min_p" in samp else None
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
-                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]))
+                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]), min_p, proc)
     next_tokens = next_tokens.reshape(R, S)
     if not jax.sharding.get_abstract_mesh().empty:  # every process reads all ranks' tokens
         next_tokens = jax.lax.with_sharding_constraint(next_tokens, PartitionSpec())

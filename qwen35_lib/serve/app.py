@@ -1,12 +1,17 @@
-"""The HTTP routes (FastAPI): `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`.
+"""The HTTP routes (FastAPI): `/v1/completions`, `/v1/chat/completions`, `/v1/models[/{id}]`, `/health`, `/ping`,
+`/version`, `/metrics` (Prometheus), `/tokenize`, `/detokenize`.
 
 A generation request:
-1. body parsed and checked (`protocol.parse`, then the engine's own `validate_request` per prompt), all before
-   the engine sees it: a bad request is answered 4xx with the OpenAI error shape and never reaches the pools;
+1. the body is read on the event loop, refused (400 naming --max-request-bytes) as soon as it is longer than the
+   server allows; then parsed and checked on a worker thread (JSON, `protocol.parse` with its bounds and the
+   tokenizer, the engine's own `validate_request` per prompt), so no request's parsing or tokenizing stalls the
+   event loop and the other streams: a bad request is answered 4xx with the OpenAI error shape and never reaches
+   the pools; any failure while parsing is the input's (400), never a 500;
 2. one engine request per prompt submitted to the `EngineLoop`, whose events come back on an asyncio queue;
-3. not streamed: tokens gathered until every prompt is done, then one response with `usage`; streamed: one
-   server-sent event per token (text from an incremental detokenizer), a final event per choice with its
-   `finish_reason`, a `usage` event if `stream_options.include_usage`, then `data: [DONE]`;
+3. each token goes through the choice's `ChoiceOutput` (text, stop strings); not streamed: gathered until every
+   choice is done, then one response with `usage`; streamed: one server-sent event per token, a final event per
+   choice with its `finish_reason`, a `usage` event if `stream_options.include_usage`, then `data: [DONE]`;
+   a choice ended by a stop string aborts its engine request;
 4. a client that goes away (the stream cancelled, or `http.disconnect` while waiting) aborts its unfinished
    engine requests, which frees their pages and slots.
 """
@@ -14,28 +19,51 @@ A generation request:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from qwen35_lib.engine.engine import validate_request
 from qwen35_lib.serve import protocol
 from qwen35_lib.serve.loop import EngineLoop, Sink
-from qwen35_lib.serve.protocol import FINISH, APIError
+from qwen35_lib.serve.output import ChoiceOutput
+from qwen35_lib.serve.protocol import FINISH, APIError, Limits
+
+log = logging.getLogger("qwen35_lib.serve")
 
 
-def make_app(loop: EngineLoop, model_name: str, text: Any = None) -> FastAPI:
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("qwen35-playbook")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits | None = None) -> FastAPI:
     """The FastAPI app over a started `EngineLoop`; `text` (a `qwen35_lib.text.Text`) enables text prompts,
-    text outputs and chat."""
+    text outputs and chat; `limits` bounds a request (default: `Limits` at the engine's max_model_len)."""
     engine = loop.engine
+    limits = limits or Limits(max_model_len=engine.ec.max_model_len)
     created = int(time.time())
     app = FastAPI(title="qwen35_lib serve", description="OpenAI-compatible server over the qwen35_lib engine")
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwen35-parse")
+    try:
+        from qwen35_lib.serve.metrics import Metrics
+
+        metrics: Any = Metrics(loop, model_name)
+    except ImportError:
+        metrics = None
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -49,44 +77,108 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None) -> FastAPI:
     async def _validation_error(_, e: RequestValidationError):
         return JSONResponse(protocol.error_body(str(e), 400), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _server_error(_, e: Exception):  # a bug of ours: still the OpenAI shape
+        return JSONResponse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
     @app.get("/health")
     async def health():
         if not loop.alive:
             return JSONResponse(protocol.error_body(loop.error or "the engine loop is not running", 503),
                                 status_code=503)
+        if not loop.ready:
+            return JSONResponse({"status": "starting", "warmed_buckets": loop.warmed,
+                                 "warmup_buckets": len(loop.warmup)}, status_code=503)
         return {"status": "ok", **loop.stats()}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        if metrics is None:
+            raise APIError("metrics need prometheus_client: pip install 'qwen35-playbook[serve]'", status=503)
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    def card() -> dict:
+        return dict(id=model_name, object="model", created=created, owned_by="qwen35_lib", root=model_name,
+                    parent=None, max_model_len=engine.ec.max_model_len)
 
     @app.get("/v1/models")
     async def models():
-        card = dict(id=model_name, object="model", created=created, owned_by="qwen35_lib", root=model_name,
-                    parent=None, max_model_len=engine.ec.max_model_len)
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise APIError(f"the model `{model_id}` does not exist; this server serves `{model_name}`", "model",
+                           status=404)
+        return card()
+
+    def read_json(raw: bytes) -> Any:
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+        protocol.check_body(body, limits)
+        m = body.get("model")
+        if m is not None and m != model_name:
+            raise APIError(f"the model `{str(m)[:100]}` does not exist; this server serves `{model_name}` "
+                           "(GET /v1/models)", "model", status=404)
+        return body
+
+    def guarded(fn):
+        """`fn(raw)` on the worker thread: every failure is the input's, answered 4xx."""
+        def run(raw: bytes):
+            try:
+                return fn(read_json(raw))
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - not a known refusal, but caused by this body
+                log.exception("request refused after an unexpected error while parsing it")
+                raise APIError(f"the request could not be processed: {type(e).__name__}: {str(e)[:200]}") from None
+        return run
+
+    def parse_generation(chat: bool):
+        def fn(body: dict) -> protocol.Parsed:
+            parsed = protocol.parse(body, text, chat, limits)
+            for p, sp in zip(parsed.prompts, parsed.params):
+                try:
+                    validate_request(engine.config, engine.ec, p, sp)
+                except ValueError as e:
+                    raise APIError(str(e), _param_of_engine_error(str(e), chat)) from None
+            return parsed
+        return guarded(fn)
+
+    parse_chat, parse_completion = parse_generation(True), parse_generation(False)
 
     async def generate(request: Request, chat: bool):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from None
-        if isinstance(body, dict) and body.get("model") not in (None, model_name):
-            raise APIError(f"the model `{body['model']}` does not exist; this server serves `{model_name}` "
-                           "(GET /v1/models)", "model", status=404)
-        parsed = protocol.parse(body, text, chat, engine.ec.max_model_len)
-        for p, sp in zip(parsed.prompts, parsed.params):
-            try:
-                validate_request(engine.config, engine.ec, p, sp)
-            except ValueError as e:
-                raise APIError(str(e), "messages" if chat else "prompt") from None
+        t0 = time.perf_counter()
+        raw = await _read_body(request, limits.max_request_bytes)
+        parsed = await off_loop(parse_chat if chat else parse_completion, raw)
         if not loop.alive:
             raise APIError(loop.error or "the engine loop is not running", status=503)
         events: asyncio.Queue = asyncio.Queue()
         sinks = [Sink(asyncio.get_running_loop(), events, i) for i in range(len(parsed.prompts))]
         for p, sp, sink in zip(parsed.prompts, parsed.params, sinks):
             loop.submit(p, sp, sink)
-        rid = protocol.new_id(chat)
+            if metrics is not None:
+                metrics.prompt_tokens.inc(len(p))
+        run = _Run(loop, sinks, events, parsed, text, metrics, t0)
+        rid = protocol.new_id(chat, parsed.request_id)
         if parsed.stream:
-            return StreamingResponse(_stream(loop, sinks, events, parsed, rid, model_name, text),
-                                     media_type="text/event-stream")
-        return await _collect(loop, sinks, events, parsed, rid, model_name, text, request)
+            return StreamingResponse(_stream(run, rid, model_name), media_type="text/event-stream")
+        return await _collect(run, rid, model_name, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -96,7 +188,66 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None) -> FastAPI:
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
+    def need_text():
+        if text is None:
+            raise APIError("this server has no tokenizer (start it with --tokenizer DIR)")
+
+    def tokenize(body: dict) -> dict:
+        need_text()
+        if body.get("messages") is not None:
+            ids = protocol.chat_prompt(body, text, limits)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError("`prompt` must be a string (or send `messages`)", "prompt")
+            protocol._chars_ok(len(prompt), limits, "prompt")
+            ids = protocol._encode(text, prompt, protocol._get(body, "add_special_tokens", (bool,), True))
+        return {"count": len(ids), "max_model_len": engine.ec.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(body: dict) -> dict:
+        need_text()
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(protocol._is_int(t) and 0 <= t < text.vocab_size for t in ids):
+            raise APIError(f"`tokens` must be a list of token ids in [0, {text.vocab_size})", "tokens")
+        return {"prompt": text.decode(ids)}
+
+    tokenize_guarded, detokenize_guarded = guarded(tokenize), guarded(detokenize)
+
+    @app.post("/tokenize")
+    async def post_tokenize(request: Request):
+        return await off_loop(tokenize_guarded, await _read_body(request, limits.max_request_bytes))
+
+    @app.post("/detokenize")
+    async def post_detokenize(request: Request):
+        return await off_loop(detokenize_guarded, await _read_body(request, limits.max_request_bytes))
+
     return app
+
+
+ENGINE_PARAMS = {"stop token": "stop_token_ids", "allowed_token_ids": "allowed_token_ids",
+                 "logit_bias": "logit_bias", "bad_words": "bad_words"}
+
+
+def _param_of_engine_error(message: str, chat: bool) -> str:
+    """The request field an engine `validate_request` error is about (the prompt unless it names another)."""
+    return next((f for head, f in ENGINE_PARAMS.items() if message.startswith(head)), "messages" if chat else "prompt")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it is known to be longer than `limit` bytes (Content-Length, then counted)."""
+    def too_long(n: str) -> APIError:
+        return APIError(f"the request body is {n} bytes, more than --max-request-bytes {limit}")
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_long(length)
+    chunks, n = [], 0
+    async for c in request.stream():
+        n += len(c)
+        if n > limit:
+            raise too_long(f"over {limit}")
+        chunks.append(c)
+    return b"".join(chunks)
 
 
 async def _disconnected(request: Request) -> None:
@@ -109,66 +260,104 @@ def _sse(doc: dict) -> str:
     return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n"
 
 
-def _failure(loop: EngineLoop, message: str) -> APIError:
-    return APIError(message, status=500 if loop.error else 400)
+class _Run:
+    """The engine requests of one HTTP request: their outputs, metrics, and the event each becomes."""
+
+    def __init__(self, loop: EngineLoop, sinks: list[Sink], events: asyncio.Queue, parsed: protocol.Parsed,
+                 text: Any, metrics: Any, t0: float):
+        self.loop, self.sinks, self.events, self.parsed, self.metrics, self.t0 = \
+            loop, sinks, events, parsed, metrics, t0
+        self.outs = [ChoiceOutput(text, parsed.stop, parsed.include_stop_str_in_output, parsed.skip_special_tokens)
+                     for _ in sinks]
+        self.last = [0.0] * len(sinks)
+        self.finish: dict[int, tuple[str, str | int | None]] = {}  # index -> (finish_reason, stop_reason)
+
+    @property
+    def pending(self) -> bool:
+        return len(self.finish) < len(self.sinks)
+
+    async def next(self) -> tuple[int, str | None, list[int]] | None:
+        """The next (index, text piece, token ids) of an unfinished choice; a choice that finishes has its entry
+        in `finish` when this returns; None for an event of an already finished choice."""
+        index, kind, value = await self.events.get()
+        if index in self.finish:
+            return None  # a choice cut by a stop string: the rest of its engine request is dropped
+        out, m, now = self.outs[index], self.metrics, time.perf_counter()
+        if kind == "token":
+            if m is not None:
+                (m.ttft.observe(now - self.t0) if not out.ids else m.token_gap(now - self.last[index]))
+                m.generation_tokens.inc()
+            self.last[index] = now
+            piece = out.push(value)
+            if out.stopped is not None:
+                self._done(index, "stop", out.stopped)
+                self.loop.abort(self.sinks[index])
+            return index, piece, [value]
+        if kind == "done":
+            piece = out.finish()
+            stop_ids = self.parsed.params[index].stop_token_ids or ()
+            reason = value.output_ids[-1] if value.finish_reason == "eos" and value.output_ids[-1] in stop_ids \
+                else None
+            self._done(index, FINISH[value.finish_reason], reason)
+            return index, piece, []
+        raise APIError(value, status=500 if self.loop.error else 400)
+
+    def _done(self, index: int, finish: str, reason: str | int | None) -> None:
+        self.finish[index] = (finish, reason)
+        if self.metrics is not None:
+            self.metrics.e2e.observe(time.perf_counter() - self.t0)
+            self.metrics.finished(finish)
+
+    def abort_rest(self) -> None:
+        for s in self.sinks:
+            if s.index not in self.finish:
+                self.loop.abort(s)
+                self.finish[s.index] = ("abort", None)
+                if self.metrics is not None:
+                    self.metrics.finished("abort")
 
 
-async def _collect(loop: EngineLoop, sinks: list[Sink], events: asyncio.Queue, parsed: protocol.Parsed, rid: str,
-                   model: str, text: Any, request: Request) -> dict:
-    results: dict[int, Any] = {}
+async def _collect(run: _Run, rid: str, model: str, request: Request) -> dict:
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while len(results) < len(sinks):
-            get = asyncio.ensure_future(events.get())
+        while run.pending:
+            get = asyncio.ensure_future(run.next())
             done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if get not in done:  # the client went away: nobody to answer; `finally` frees the pages
                 get.cancel()
                 return {}
-            index, kind, value = get.result()
-            if kind == "done":
-                results[index] = value
-            elif kind == "error":
-                raise _failure(loop, value)
+            get.result()
     finally:
         gone.cancel()
-        for s in sinks:
-            if s.index not in results:
-                loop.abort(s)
-    choices = [protocol.choice(i, parsed.chat, text.decode(r.output_ids) if text else "", r.output_ids,
-                               FINISH[r.finish_reason]) for i, r in sorted(results.items())]
-    use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(r.output_ids) for r in results.values()))
+        run.abort_rest()
+    parsed = run.parsed
+    choices = [protocol.choice(i, parsed.chat, o.text, o.ids, *run.finish[i]) for i, o in enumerate(run.outs)]
+    use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
     return protocol.response(rid, model, parsed.chat, choices, use)
 
 
-async def _stream(loop: EngineLoop, sinks: list[Sink], events: asyncio.Queue, parsed: protocol.Parsed, rid: str,
-                  model: str, text: Any) -> AsyncIterator[str]:
-    chat = parsed.chat
-    detok = [text.detokenizer() if text else None for _ in sinks]
-    outputs = [0] * len(sinks)
-    pending = set(range(len(sinks)))
+async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
+    chat = run.parsed.chat
     try:
         if chat:
-            for i in pending:
+            for i in range(len(run.sinks)):
                 yield _sse(protocol.chunk(rid, model, True, i, "", [], None, role=True))
-        while pending:
-            index, kind, value = await events.get()
-            if kind == "token":
-                outputs[index] += 1
-                piece = detok[index].push(value) if detok[index] else ""
-                yield _sse(protocol.chunk(rid, model, chat, index, piece, [value], None))
-            elif kind == "done":
-                pending.discard(index)
-                tail = detok[index].flush() if detok[index] else ""
-                yield _sse(protocol.chunk(rid, model, chat, index, tail or (None if chat else ""), [],
-                                          FINISH[value.finish_reason]))
-            else:
-                e = _failure(loop, value)
+        while run.pending:
+            try:
+                item = await run.next()
+            except APIError as e:
                 yield _sse(e.body())
                 return
-        if parsed.include_usage:
-            yield _sse(protocol.usage_chunk(rid, model, chat, protocol.usage(sum(map(len, parsed.prompts)),
-                                                                             sum(outputs))))
+            if item is None:
+                continue
+            index, piece, ids = item
+            finish, reason = run.finish.get(index, (None, None))
+            if finish is not None and not ids:
+                piece = piece or (None if chat else "")
+            yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason))
+        if run.parsed.include_usage:
+            use = protocol.usage(sum(map(len, run.parsed.prompts)), sum(len(o.ids) for o in run.outs))
+            yield _sse(protocol.usage_chunk(rid, model, chat, use))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the stream was cancelled) or an error ended it: free what is left
-        for i in pending:
-            loop.abort(sinks[i])
+        run.abort_rest()

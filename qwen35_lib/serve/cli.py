@@ -18,10 +18,11 @@ from qwen35_lib import cli_generate
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine",
-                       description="Serve /v1/completions, /v1/chat/completions (streamed or not), /v1/models and "
-                                   "/health; one engine loop batches all open requests continuously.",
-                       epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. Each new batch shape "
-                              "compiles the engine step once (seconds on CPU).")
+                       description="Serve /v1/completions, /v1/chat/completions (streamed or not), /v1/models, "
+                                   "/health, /ping, /version, /metrics (Prometheus), /tokenize and /detokenize; one "
+                                   "engine loop batches all open requests continuously.",
+                       epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. Every step shape is "
+                              "compiled before /health reports ok (--warmup all).")
     src = cli_generate.add_model_options(p)
     src.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json "
                                                         "for chat); default: the checkpoint's")
@@ -29,16 +30,66 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                                  "checkpoint folder's name or the preset)")
     eng = p.add_argument_group("engine")
     cli_generate.add_layout_options(eng)
-    eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once per rank (8)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N",
+    eng.add_argument("--max-num-seqs", type=positive, default=8, metavar="N",
+                     help="sequences running at once per rank (8)")
+    eng.add_argument("--max-num-batched-tokens", type=positive, default=128, metavar="N",
                      help="new tokens per step per rank (128)")
-    eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
-    eng.add_argument("--max-model-len", type=int, default=1024, metavar="N", help="prompt + output tokens (1024)")
+    eng.add_argument("--page-size", type=positive, default=16, metavar="N", help="tokens per KV-cache page (16)")
+    eng.add_argument("--max-model-len", type=positive, default=1024, metavar="N",
+                     help="prompt + max_tokens of one request (1024); longer requests get a 400")
+    eng.add_argument("--warmup", choices=("all", "plain", "none"), default="all",
+                     help="all (default): compile the step for every batch shape this configuration can form, with "
+                          "and without logits processing (penalties, logit_bias, ...), before /health reports ok "
+                          "(progress in the log); plain: without logits processing only (a processed step compiles "
+                          "on first use); none: compile each on first use")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    net.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
     net.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    net.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                     help="log throughput, queue and KV-cache stats every S seconds, as vLLM does (10; 0: never)")
+    lim = p.add_argument_group("request bounds (each refusal is a 400 naming the option)")
+    lim.add_argument("--max-prompts-per-request", type=positive, default=1024, metavar="N",
+                     help="prompts in one /v1/completions request (1024)")
+    lim.add_argument("--max-request-bytes", type=positive, default=16 << 20, metavar="N",
+                     help="request body size, checked while it is read (16 MiB)")
+    lim.add_argument("--max-prompt-chars", type=positive, metavar="N",
+                     help="characters of a text prompt (or of a chat's messages), checked before tokenizing "
+                          "(default: 2 x max-model-len x the tokenizer's longest token, which no prompt that fits "
+                          "can exceed)")
+    lim.add_argument("--ignore-unknown-fields", action="store_true",
+                     help="ignore request fields this server does not know (default: a 400 naming the field, as a "
+                          "strict OpenAI server answers); fields it knows but does not support are refused anyway")
+    lim.add_argument("--trust-request-chat-template", action="store_true",
+                     help="accept a request's own `chat_template` (a template is code the server runs; default: "
+                          "refused)")
     p.set_defaults(run=run)
+
+
+def positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def port(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port: give 0..65535 (0 picks a free one)")
+    return n
+
+
+def longest_token_chars(text) -> int:
+    """The most characters one token of the tokenizer stands for (vocabulary entries and added tokens)."""
+    vocab = text.tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(t) for t in vocab), default=1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from qwen35_lib.serve.app import make_app
+        from qwen35_lib.serve.protocol import Limits
     except ImportError as e:
-        raise ValueError(f"serve needs fastapi and uvicorn ({e.name} is missing): pip install "
+        raise ValueError(f"serve needs fastapi, uvicorn and prometheus_client ({e.name} is missing): pip install "
                          "'qwen35-playbook[serve]'") from None
     from qwen35_lib.config import from_hf_config, get_config
     from qwen35_lib.engine import Engine, EngineConfig
@@ -80,12 +132,21 @@ def run(args: argparse.Namespace) -> int:
     config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights, fp8=args.fp8,
                                          name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh)
-    loop = EngineLoop(engine).start()
+    _log_to_stderr()
+    warmup = [] if args.warmup == "none" else \
+        [(d, t, p) for p in ((False, True) if args.warmup == "all" else (False,)) for d, t in all_buckets(engine)]
+    loop = EngineLoop(engine, warmup=warmup, log_interval_s=args.log_stats_interval).start()
+    chars = args.max_prompt_chars or 2 * ec.max_model_len * (longest_token_chars(text) if text else 1)
+    limits = Limits(max_model_len=ec.max_model_len, max_prompts_per_request=args.max_prompts_per_request,
+                    max_prompt_chars=chars, max_request_bytes=args.max_request_bytes,
+                    ignore_unknown_fields=args.ignore_unknown_fields,
+                    trust_request_chat_template=args.trust_request_chat_template)
     host, port = sock.getsockname()[:2]
     cli_generate._progress(f"serving {name} on http://{host}:{port} (layout {args.layout}, {engine.ec.ranks} "
                            f"rank(s) of max_num_seqs={ec.max_num_seqs}; "
-                           f"{'tokenizer ' + str(tok_dir) if text else 'no tokenizer: token-id prompts only'})")
-    server = uvicorn.Server(uvicorn.Config(make_app(loop, name, text), log_level=args.log_level))
+                           f"{'tokenizer ' + str(tok_dir) if text else 'no tokenizer: token-id prompts only'}; "
+                           f"{len(warmup)} step shapes to compile before /health is ok)")
+    server = uvicorn.Server(uvicorn.Config(make_app(loop, name, text, limits), log_level=args.log_level))
     try:
         server.run(sockets=[sock])
     finally:
@@ -94,15 +155,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def all_buckets(engine) -> list[tuple[int, int]]:
+    """Every (D, T) step shape the engine can form: each decode bucket with each prefill bucket."""
+    return [(d, d + p) for d in engine.decode_buckets for p in engine.prefill_buckets]
+
+
+def _log_to_stderr() -> None:
+    import logging
+
+    log = logging.getLogger("qwen35_lib.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("# %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0: any free one)") \
-            from None
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"cannot listen on {host}:{port} ({why}); pick another --port (0: any free one)") from None
     return sock
 

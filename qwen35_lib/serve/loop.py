@@ -3,11 +3,16 @@ request.
 
 1. HTTP handlers (asyncio) `submit` a request: a command goes on a thread-safe queue, with a `Sink` (the
    handler's asyncio queue and the choice index) that will receive its events;
-2. the thread, between steps, drains the commands: `add_request` for a submission (its ValueError goes back to
-   the sink as an error, the engine untouched), an abort for a request whose client went away;
+2. the thread first compiles the step for the shapes it was given (`warmup`: (D, T, with logits processing);
+   `ready` turns true after, and
+   /health answers "starting" until then), then loops: between steps it drains at most `max_adds_per_step`
+   commands (`add_request` for a submission, its ValueError going back to the sink as an error with the engine
+   untouched; an abort for a request whose client went away), so a request with thousands of prompts delays
+   running streams by a bounded amount, not by all its prompts;
 3. it runs `engine.step()` while any request is queued or running, and hands each (request, token) to its sink;
    a finished request's `Result` follows its last token;
-4. when nothing is left it sleeps until the next command.
+4. every `log_interval_s` it logs throughput and queue stats (vLLM's line); when nothing is left it sleeps
+   until the next command.
 The engine is touched only by this thread, so no lock is needed around it.
 """
 
@@ -15,12 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
+import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from qwen35_lib.engine import Engine, SamplingParams
+
+log = logging.getLogger("qwen35_lib.serve")
 
 
 @dataclasses.dataclass(eq=False)
@@ -34,22 +44,34 @@ class Sink:
     request_id: int | None = None  # set by the engine thread once added
 
     def put(self, kind: str, value: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, kind, value))
+        except RuntimeError:  # the handler's event loop is closed (server shutting down): nobody to tell
+            pass
 
 
 class EngineLoop:
     """`EngineLoop(engine).start()`; `submit(prompt_ids, params, sink)`, `abort(sink)`; `stop()`."""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int, bool]] = (),
+                 max_adds_per_step: int = 64, log_interval_s: float = 0.0):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.warmup = list(warmup)
+        self.max_adds_per_step = max_adds_per_step
+        self.log_interval_s = log_interval_s  # 0: no periodic stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}  # engine request id -> sink
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="qwen35-engine-loop", daemon=True)
         self.error: str | None = None  # set if a step raised: the loop stops and /health reports it
+        self.ready = False  # the warm-up compiles are done
+        self.warmed = 0  # buckets compiled so far
         self.aborted = 0
+        self.generated = 0  # output tokens handed to sinks
+        self.prompt_tokens = 0  # prompt tokens of requests added
+        self._idle_logged = False
 
     # --- called from any thread ------------------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -74,7 +96,7 @@ class EngineLoop:
         return self._thread.is_alive() and self.error is None
 
     def stats(self) -> dict:
-        """Pool occupancy, summed over ranks (read without a lock: a snapshot for /health and tests)."""
+        """Pool occupancy, summed over ranks (read without a lock: a snapshot for /health, /metrics and tests)."""
         e = self.engine
         return dict(running=sum(len(s.running) for s in e.ranks), waiting=sum(len(s.waiting) for s in e.ranks),
                     free_pages=sum(len(s.free_pages) for s in e.ranks), total_pages=e.ec.ranks * (e.ec.pages - 1),
@@ -82,11 +104,22 @@ class EngineLoop:
 
     # --- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._warm()
+        except Exception as e:  # a bucket that cannot compile (memory): the server cannot serve it
+            self.error = f"warm-up failed: {type(e).__name__}: {e}"
+            traceback.print_exc()
+            return
+        last_log, last = time.perf_counter(), (0, 0)
         while not self._stopping.is_set():
-            self._drain()
+            more = self._drain()
+            now = time.perf_counter()
+            if self.log_interval_s and now - last_log >= self.log_interval_s:
+                last, last_log = self._log_stats(now - last_log, last), now
             if not self.engine.has_work:
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
+                if not more:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
                 continue
             try:
                 events = self.engine.step()
@@ -102,17 +135,44 @@ class EngineLoop:
                 sink = self._sinks.get(rid)
                 if sink is None:
                     continue
+                self.generated += 1
                 sink.put("token", token)
                 if result is not None:
                     sink.put("done", result)
                     del self._sinks[rid]
 
-    def _drain(self) -> None:
-        while True:
+    def _warm(self) -> None:
+        start = time.perf_counter()
+        for i, (D, T, processing) in enumerate(self.warmup):
+            if self._stopping.is_set():
+                return
+            self.engine.precompile(buckets=[(D, T)], processing=processing)
+            self.warmed = i + 1
+            log.warning("warm-up: compiled step shape %d/%d (D=%d, T=%d%s), %.1f s so far", i + 1, len(self.warmup),
+                        D, T, ", logits processing" if processing else "", time.perf_counter() - start)
+        self.ready = True
+
+    def _log_stats(self, seconds: float, last: tuple[int, int]) -> tuple[int, int]:
+        """vLLM's periodic line: prompt and generation throughput since the last one, queue, KV pages."""
+        s = self.stats()
+        prompt, gen = self.prompt_tokens - last[0], self.generated - last[1]
+        used = 100 * (1 - s["free_pages"] / max(s["total_pages"], 1))
+        idle = not (prompt or gen or s["running"] or s["waiting"])
+        if idle and self._idle_logged:  # one line when the server goes idle, then quiet until work comes
+            return self.prompt_tokens, self.generated
+        self._idle_logged = idle
+        log.warning("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+                    "Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d", prompt / seconds, gen / seconds,
+                    s["running"], s["waiting"], used, s["preemptions"])
+        return self.prompt_tokens, self.generated
+
+    def _drain(self) -> bool:
+        """Apply up to `max_adds_per_step` commands; True if more are waiting."""
+        for _ in range(self.max_adds_per_step):
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return False
             if cmd[0] == "add":
                 _, prompt, params, sink = cmd
                 try:
@@ -120,9 +180,11 @@ class EngineLoop:
                 except ValueError as e:  # refused before it touched the pools
                     sink.put("error", str(e))
                     continue
+                self.prompt_tokens += len(prompt)
                 self._sinks[sink.request_id] = sink
             else:
                 sink = cmd[1]
                 rid = sink.request_id
                 if rid is not None and self._sinks.pop(rid, None) is not None:
                     self.aborted += self.engine.abort_request(rid)
+        return not self._commands.empty()

@@ -1,11 +1,22 @@
 """The OpenAI wire format: request bodies into (prompts, SamplingParams), results into response objects.
 
-Accepted, as vLLM accepts them: `prompt` as text, a list of texts, token ids, or a list of token-id lists
-(`/v1/completions`); `messages` through the chat template (`/v1/chat/completions`); `max_tokens` (chat also
-`max_completion_tokens`), `temperature` (default 1, as OpenAI), `top_p`, `top_k` (vLLM: -1 or 0 = off), `seed`,
-`stream`, `stream_options.include_usage`, and vLLM's `ignore_eos` and `stop_token_ids`. Refused with a 400
-naming the field: `n` > 1, `logprobs`, `echo`, `stop` strings, and every malformed value. Each choice carries
-`token_ids` (its output ids), a vLLM-style extension.
+Every field a request may carry is either honoured or refused; none is accepted and ignored.
+
+Honoured (as vLLM honours them): `prompt` as text, a list of texts, token ids, or a list of token-id lists
+(`/v1/completions`); `messages` through the chat template (`/v1/chat/completions`) with `chat_template`,
+`chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`; `max_tokens` (chat also
+`max_completion_tokens`), `temperature` (default 1, as OpenAI), `top_p`, `top_k` (-1 or 0 = off), `min_p`, `seed`,
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`,
+`min_tokens`, `stop` (strings, cut from the text; `include_stop_str_in_output`), `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `add_special_tokens`, `truncate_prompt_tokens`, `stream`, `stream_options.include_usage`,
+`request_id` (the response id), and fields with no effect on the output (`user`, `metadata`, ...: `NO_EFFECT`).
+Refused with a 400 naming the field, unless sent with their neutral value (null, false, the default): `n` /
+`best_of` > 1, `logprobs`, `top_logprobs`, `prompt_logprobs`, `echo`, `suffix`, `response_format` other than
+text, guided decoding and structured outputs, beam search, tools, `logits_processors`, `documents`, `priority`
+and the rest of `REFUSED`. A field the server does not know is refused (400) unless the server runs with
+`--ignore-unknown-fields`. Each choice carries `token_ids` (its output ids), a vLLM-style extension.
+
+`parse` runs on a worker thread (tokenizing and template rendering are CPU work); every failure is an `APIError`.
 """
 
 from __future__ import annotations
@@ -22,8 +33,8 @@ from qwen35_lib.engine import SamplingParams
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_server_error",
-             503: "service_unavailable"}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+             500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
@@ -38,6 +49,19 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
                       "param": param, "code": status}}
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The server's bounds on one request (each a `serve` option; a refusal names the option)."""
+
+    max_model_len: int  # --max-model-len: prompt + max_tokens
+    max_prompts_per_request: int = 1024  # --max-prompts-per-request
+    max_prompt_chars: int = 1 << 20  # --max-prompt-chars: checked before tokenizing
+    max_request_bytes: int = 16 << 20  # --max-request-bytes: the body, checked while it is read
+    max_json_depth: int = 64  # nesting of the body's JSON
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own `chat_template`
+
+
 @dataclasses.dataclass
 class Parsed:
     """One HTTP request: its prompts (token ids, one engine request each), sampling, and response options."""
@@ -47,6 +71,72 @@ class Parsed:
     stream: bool
     include_usage: bool
     chat: bool
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    request_id: str | None = None
+
+
+# --- the fields ------------------------------------------------------------------------------------------------
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "stream_options", "n",
+          "best_of", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+          "skip_special_tokens", "add_special_tokens", "truncate_prompt_tokens", "request_id", "logprobs", "echo"}
+COMPLETION = COMMON | {"prompt"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "chat_template", "chat_template_kwargs",
+                 "add_generation_prompt", "continue_final_message", "top_logprobs"}
+# accepted whatever their value: they do not change what is generated (labels, or options of features absent here)
+NO_EFFECT = {"user", "metadata", "store", "service_tier", "cache_salt", "return_token_ids", "parallel_tool_calls",
+             "include_reasoning", "spaces_between_special_tokens"}
+# refused unless neutral: field -> (neutral values, what to do instead)
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "prompt_logprobs": ((None, 0), "logprobs are not computed by this server"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported"),
+    "response_format": ((None, {"type": "text"}), "structured outputs are not supported; only {\"type\": \"text\"}"),
+    "guided_json": ((None,), "guided decoding is not supported"),
+    "guided_regex": ((None,), "guided decoding is not supported"),
+    "guided_choice": ((None,), "guided decoding is not supported"),
+    "guided_grammar": ((None,), "guided decoding is not supported"),
+    "guided_decoding_backend": ((None,), "guided decoding is not supported"),
+    "guided_whitespace_pattern": ((None,), "guided decoding is not supported"),
+    "structured_outputs": ((None,), "structured outputs are not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
+    "tools": ((None, []), "tool calling is not supported"),
+    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "functions": ((None, []), "function calling is not supported"),
+    "function_call": ((None, "none"), "function calling is not supported"),
+    "documents": ((None, []), "documents (RAG templates) are not supported"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "priority": ((None, 0), "priority scheduling is not enabled (requests run first come, first served)"),
+    "return_tokens_as_token_ids": ((None, False), "it shapes logprobs, which are not computed"),
+    "reasoning_effort": ((None,), "reasoning effort is not supported; use chat_template_kwargs"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "mm_processor_kwargs": ((None, {}), "multimodal input is not supported"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported"),
+    "kv_transfer_params": ((None,), "KV transfer is not supported"),
+    "vllm_xargs": ((None, {}), "extra vLLM arguments are not supported"),
+}
+
+
+def check_fields(body: dict, chat: bool, limits: Limits) -> None:
+    """A 400 naming the first field that is refused (not neutral) or unknown (unless ignored)."""
+    known = CHAT if chat else COMPLETION
+    for name, value in body.items():
+        if name in known or name in NO_EFFECT:
+            continue
+        if name in REFUSED:
+            neutral, why = REFUSED[name]
+            if not any(value is None if v is None else (type(value) is type(v) and value == v) for v in neutral):
+                raise APIError(f"`{name}` is not supported by this server: {why}", name)
+            continue
+        if not limits.ignore_unknown_fields:
+            where = "/v1/chat/completions" if chat else "/v1/completions"
+            raise APIError(f"unknown field `{name}` for {where}; remove it, or start the server with "
+                           "--ignore-unknown-fields to ignore fields it does not know", name)
 
 
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
@@ -60,39 +150,124 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return v
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, list) and len(x) > 0 and all(_is_int(t) for t in x)
 
 
-def completion_prompts(body: dict, text: Any) -> list[list[int]]:
-    """`prompt` as a list of token-id prompts: text (needs the tokenizer), texts, ids, or lists of ids."""
+def _ids(body: dict, name: str) -> list[int] | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise APIError(f"`{name}` must be a list of integer token ids", name)
+    return v
+
+
+def check_body(body: Any, limits: Limits) -> None:
+    """A JSON object nested at most `max_json_depth` deep whose strings are all valid Unicode (no lone surrogate,
+    which `\\ud800` in JSON can write and no tokenizer can encode). Iterative: no recursion limit to hit."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    todo: list[tuple[Any, int]] = [(body, 1)]
+    while todo:
+        x, depth = todo.pop()
+        if depth > limits.max_json_depth:
+            raise APIError(f"the request body is nested deeper than {limits.max_json_depth} levels")
+        if isinstance(x, str):
+            _check_text(x)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                _check_text(k)
+                todo.append((v, depth + 1))
+        elif isinstance(x, list):
+            todo.extend((v, depth + 1) for v in x)
+
+
+def _check_text(s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"the request holds a string that is not valid Unicode (a lone surrogate at character "
+                       f"{e.start}: {s[e.start]!r})") from None
+
+
+def _chars_ok(n: int, limits: Limits, param: str) -> None:
+    if n > limits.max_prompt_chars:
+        raise APIError(f"`{param}` holds {n} characters, more than --max-prompt-chars {limits.max_prompt_chars} (no "
+                       f"prompt that long fits --max-model-len {limits.max_model_len}); shorten it", param)
+
+
+def _encode_all(text: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text. `encode_batch`, not `encode`: the tokenizer releases the GIL only there, so a long
+    prompt tokenizing on a worker thread does not stall the event loop and the engine thread meanwhile."""
+    try:
+        return [list(e.ids) for e in text.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+    except Exception as e:  # noqa: BLE001 - the tokenizer's errors are the input's
+        raise APIError(f"the tokenizer could not encode the prompt: {type(e).__name__}: {e}", "prompt") from None
+
+
+def _encode(text: Any, s: str, add_special_tokens: bool) -> list[int]:
+    return _encode_all(text, [s], add_special_tokens)[0]
+
+
+def completion_prompts(body: dict, text: Any, limits: Limits) -> list[list[int]]:
+    """`prompt` as a list of token-id prompts: text (needs the tokenizer), texts, ids, or lists of ids.
+    The count and the characters of the text prompts are checked before anything is tokenized."""
     p = body.get("prompt")
-    if isinstance(p, str):
+    if isinstance(p, str) or _is_ids(p):
         items: list = [p]
-    elif _is_ids(p):
-        items = [p]
     elif isinstance(p, list) and p and all(isinstance(x, str) or _is_ids(x) for x in p):
         items = p
     else:
         raise APIError("`prompt` must be a string, a list of strings, a list of token ids, or a list of lists of "
                        "token ids (non-empty)", "prompt")
-    out = []
-    for x in items:
-        if isinstance(x, str):
-            if text is None:
-                raise APIError("this server has no tokenizer, so `prompt` must be token ids (e.g. [1, 2, 3]); or "
-                               "start it with --tokenizer DIR (a directory with tokenizer.json)", "prompt")
-            out.append(text.encode(x))
-        else:
-            out.append(list(x))
-    return out
+    if len(items) > limits.max_prompts_per_request:
+        raise APIError(f"{len(items)} prompts in one request, more than --max-prompts-per-request "
+                       f"{limits.max_prompts_per_request}; split them over several requests", "prompt")
+    texts = [x for x in items if isinstance(x, str)]
+    if texts and text is None:
+        raise APIError("this server has no tokenizer, so `prompt` must be token ids (e.g. [1, 2, 3]); or start it "
+                       "with --tokenizer DIR (a directory with tokenizer.json)", "prompt")
+    for x in texts:
+        _chars_ok(len(x), limits, "prompt")
+    encoded = iter(_encode_all(text, texts, _get(body, "add_special_tokens", (bool,), True)) if texts else [])
+    return [next(encoded) if isinstance(x, str) else list(x) for x in items]
 
 
-def chat_prompt(body: dict, text: Any) -> list[int]:
-    """`messages` through the chat template (add_generation_prompt=True); text parts of list contents joined."""
-    if text is None or text.chat_template is None:
+def _message_text(i: int, content: Any) -> str:
+    if isinstance(content, list):
+        if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text", ""), str)
+                   for c in content):
+            raise APIError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                           "supported", "messages")
+        return "".join(c.get("text", "") for c in content)
+    if content is not None and not isinstance(content, str):
+        raise APIError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    return content or ""
+
+
+def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
+    """`messages` through the chat template (the request's `chat_template` or the tokenizer's), then tokenized.
+
+    1. messages checked: objects with a string `role`, content a string or text parts (joined); their
+       characters counted against --max-prompt-chars before anything is rendered;
+    2. rendered with `add_generation_prompt` (default true) and `chat_template_kwargs` as template variables;
+    3. `continue_final_message`: rendered without the generation prompt, then cut after the last message's
+       content, so the model continues that message (exclusive with add_generation_prompt, as in vLLM);
+    4. encoded without special tokens (the template wrote them) unless `add_special_tokens`."""
+    from qwen35_lib.text import render_chat
+
+    template = _get(body, "chat_template", (str,))
+    if template is not None and not limits.trust_request_chat_template:
+        raise APIError("a request's own `chat_template` is refused (a template is code the server runs); start the "
+                       "server with --trust-request-chat-template to allow it", "chat_template")
+    if text is None or (template is None and text.chat_template is None):
         raise APIError("this server has no chat template (it needs a tokenizer with tokenizer_config.json "
-                       "`chat_template`); use /v1/completions", "messages")
+                       "`chat_template`, or the request's `chat_template`); use /v1/completions", "messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("`messages` must be a non-empty list of {\"role\", \"content\"}", "messages")
@@ -100,74 +275,173 @@ def chat_prompt(body: dict, text: Any) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string `role`", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
-                raise APIError(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(str(c.get("text", "")) for c in content)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        flat.append({**m, "content": content or ""})
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise APIError("`chat_template_kwargs` must be an object", "chat_template_kwargs")
+        flat.append({**m, "content": _message_text(i, m.get("content"))})
+    _chars_ok(sum(len(m["content"]) for m in flat), limits, "messages")
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {})
+    gen = _get(body, "add_generation_prompt", (bool,), True)
+    cont = _get(body, "continue_final_message", (bool,), False)
+    if gen and cont and "add_generation_prompt" in body:
+        raise APIError("`add_generation_prompt` and `continue_final_message` cannot both be true",
+                       "continue_final_message")
+    gen = gen and not cont
+    reserved = {"messages", "add_generation_prompt"} | set(text.special_tokens)
+    clash = sorted(set(kwargs) & reserved)
+    if clash:
+        raise APIError(f"chat_template_kwargs cannot set `{clash[0]}` (the server sets it)", "chat_template_kwargs")
     try:
-        return text.encode_chat(flat, add_generation_prompt=True, **kwargs)
-    except ValueError as e:
-        raise APIError(str(e), "messages") from None
+        rendered = render_chat(template or text.chat_template, flat, gen, text.special_tokens, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a template (the request's own, or fed its kwargs) failing is the input's
+        raise APIError(f"the chat template failed: {type(e).__name__}: {e}",
+                       "chat_template_kwargs" if kwargs else "messages") from None
+    if cont:
+        last = flat[-1]["content"].rstrip()
+        cut = rendered.rfind(last) if last else -1
+        if cut < 0:
+            raise APIError("continue_final_message: the last message's content is not in the rendered template",
+                           "continue_final_message")
+        rendered = rendered[:cut + len(last)]
+    _chars_ok(len(rendered), limits, "messages")
+    return _encode(text, rendered, _get(body, "add_special_tokens", (bool,), False))
 
 
-def parse(body: Any, text: Any, chat: bool, max_model_len: int) -> Parsed:
+def _number(body: dict, name: str, default: float) -> float:
+    v = float(_get(body, name, (int, float), default))
+    if v != v or v in (float("inf"), float("-inf")):
+        raise APIError(f"`{name}` must be a finite number", name)
+    return v
+
+
+def _stop_strings(body: dict, text: Any) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None or stop == "" or stop == []:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise APIError("`stop` must be a non-empty string or a list of non-empty strings", "stop")
+    if text is None:
+        raise APIError("`stop` strings need a tokenizer (this server has none); use `stop_token_ids`", "stop")
+    return tuple(items)
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    v = _get(body, "logit_bias", (dict,))
+    if v is None:
+        return None
+    out = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise APIError(f"`logit_bias` keys must be token ids (as strings), got {k!r}", "logit_bias") from None
+        if not isinstance(b, (int, float)) or isinstance(b, bool):
+            raise APIError(f"`logit_bias` values must be numbers, got {b!r} for {k!r}", "logit_bias")
+        out[t] = float(b)
+    return out
+
+
+def _bad_words(body: dict, text: Any) -> list[list[int]] | None:
+    """Each bad word's token ids, as written and with a leading space (as vLLM tokenizes them)."""
+    v = body.get("bad_words")
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or not all(isinstance(w, str) and w for w in v):
+        raise APIError("`bad_words` must be a list of non-empty strings", "bad_words")
+    if text is None:
+        raise APIError("`bad_words` need a tokenizer (this server has none)", "bad_words")
+    out = []
+    for w in v:
+        for variant in (w, " " + w.lstrip()):
+            ids = _encode(text, variant, False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+# sampling-parameter fields as the request names them
+PARAM_NAMES = {"max_new_tokens": "max_tokens", "bad_words_ids": "bad_words"}
+
+
+def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     """A request body into prompts and sampling parameters, or an APIError naming the field."""
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
+    check_body(body, limits)
+    check_fields(body, chat, limits)
     for name in ("n", "best_of"):
-        if _get(body, name, (int,), 1) != 1:
+        v = _get(body, name, (int,), 1)
+        if v < 1:
+            raise APIError(f"`{name}` must be >= 1, got {v}", name)
+        if v > 1:
             raise APIError(f"`{name}` > 1 is not supported; send one request per sample", name)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise APIError("`logprobs` is not supported by this server", "logprobs")
-    if body.get("echo"):
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0) or body.get(name) is True:
+            raise APIError(f"`{name}` is not supported by this server (logprobs are not computed)", name)
+    if body.get("echo") not in (None, False):
         raise APIError("`echo` is not supported by this server", "echo")
-    if body.get("stop") not in (None, [], ""):
-        raise APIError("`stop` strings are not supported; use `stop_token_ids` (token ids)", "stop")
-    prompts = [chat_prompt(body, text)] if chat else completion_prompts(body, text)
-
+    stop = _stop_strings(body, text)
     max_tokens = _get(body, "max_tokens", (int,))
     if chat:
         max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"`max_tokens` must be >= 1, got {max_tokens}", "max_tokens")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    top_k = _get(body, "top_k", (int,), 0)
-    top_k = 0 if top_k == -1 else top_k
+        raise APIError(f"`{name}` must be >= 1, got {max_tokens}", name)
+    if max_tokens is not None and max_tokens >= limits.max_model_len:
+        raise APIError(f"`{name}` = {max_tokens} leaves no room for a prompt within --max-model-len "
+                       f"{limits.max_model_len}; lower it", name)
+    truncate = _get(body, "truncate_prompt_tokens", (int,))
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise APIError(f"`truncate_prompt_tokens` must be >= 1 (or -1: --max-model-len), got {truncate}",
+                       "truncate_prompt_tokens")
+    common = dict(
+        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+        min_p=_number(body, "min_p", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        top_k=_get(body, "top_k", (int,), 0), min_tokens=_get(body, "min_tokens", (int,), 0),
+        ignore_eos=_get(body, "ignore_eos", (bool,), False), logit_bias=_logit_bias(body),
+        allowed_token_ids=_ids(body, "allowed_token_ids"), stop_token_ids=_ids(body, "stop_token_ids"),
+        bad_words_ids=_bad_words(body, text))
+    common["top_k"] = 0 if common["top_k"] == -1 else common["top_k"]
     seed = _get(body, "seed", (int,))
     if seed is None:
-        seed = random.randrange(2**32) if temperature > 0 else 0
-    stop_ids = _get(body, "stop_token_ids", (list,))
-    if stop_ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise APIError("`stop_token_ids` must be a list of integer token ids", "stop_token_ids")
-    ignore_eos = bool(_get(body, "ignore_eos", (bool,), False))
-    stream = bool(_get(body, "stream", (bool,), False))
+        seed = random.randrange(2**32) if common["temperature"] > 0 else 0
+    stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {})
+    include_usage = _get(opts, "include_usage", (bool,), False)
+    for key, value in opts.items():
+        if key != "include_usage" and value not in (None, False):
+            raise APIError(f"`stream_options.{key}` is not supported (only include_usage)", "stream_options")
+    rid = _get(body, "request_id", (str,))
+    include_stop = _get(body, "include_stop_str_in_output", (bool,), False)
+    skip = _get(body, "skip_special_tokens", (bool,), True)
+    prompts = [chat_prompt(body, text, limits)] if chat else completion_prompts(body, text, limits)
+    if truncate is not None:
+        keep = limits.max_model_len if truncate == -1 else truncate
+        prompts = [p[-keep:] for p in prompts]
     params = []
     for p in prompts:
-        n = max_tokens if max_tokens is not None else (max_model_len - len(p) if chat else 16)
+        n = max_tokens if max_tokens is not None else (limits.max_model_len - len(p) if chat else 16)
+        if len(p) + max(n, 1) > limits.max_model_len:
+            raise APIError(f"prompt of {len(p)} tokens + {name}={n} = {len(p) + n} exceeds --max-model-len "
+                           f"{limits.max_model_len}: shorten the prompt (or set truncate_prompt_tokens) or lower "
+                           f"{name}", "messages" if chat else "prompt")
         try:
-            params.append(SamplingParams(max_new_tokens=max(n, 1), temperature=temperature, top_k=top_k, top_p=top_p,
-                                         seed=seed, ignore_eos=ignore_eos,
-                                         stop_token_ids=tuple(stop_ids) if stop_ids is not None else None))
-        except ValueError as e:
-            raise APIError(str(e)) from None
-    return Parsed(prompts, params, stream, bool(opts.get("include_usage")), chat)
+            params.append(SamplingParams(max_new_tokens=max(n, 1), seed=seed, **common))
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), _param_of(str(e))) from None
+    return Parsed(prompts, params, stream, include_usage, chat, stop, include_stop, skip, rid)
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a SamplingParams error names first ("invalid sampling parameters: min_p must ...")."""
+    head = message.split(": ", 1)[-1].split(" ", 1)[0]
+    return PARAM_NAMES.get(head, head) if head.isidentifier() else None
 
 
 # --- responses ------------------------------------------------------------------------------------------------
-FINISH = {"eos": "stop", "length": "length"}
+FINISH = {"eos": "stop", "length": "length", "stop": "stop"}
 
 
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def new_id(chat: bool, request_id: str | None = None) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -175,8 +449,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def choice(index: int, chat: bool, text: str, token_ids: list[int], finish: str | None) -> dict:
-    base: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, token_ids=token_ids)
+def choice(index: int, chat: bool, text: str, token_ids: list[int], finish: str | None,
+           stop_reason: str | int | None = None) -> dict:
+    base: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, stop_reason=stop_reason,
+                                token_ids=token_ids)
     if chat:
         return base | dict(message=dict(role="assistant", content=text))
     return base | dict(text=text)
@@ -188,9 +464,11 @@ def response(rid: str, model: str, chat: bool, choices: list[dict], use: dict) -
 
 
 def chunk(rid: str, model: str, chat: bool, index: int, piece: str | None, token_ids: list[int],
-          finish: str | None, role: bool = False) -> dict:
+          finish: str | None, role: bool = False, stop_reason: str | int | None = None) -> dict:
     """One streamed event. Chat: `delta` ({"role"} first, then {"content"}); completions: `text`."""
     c: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, token_ids=token_ids)
+    if finish is not None:
+        c["stop_reason"] = stop_reason
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if piece is not None:

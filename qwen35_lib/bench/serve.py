@@ -1,0 +1,312 @@
+"""`python -m qwen35_lib.bench serve --base-url URL`: the playbook's workloads against any OpenAI-compatible server
+(ours, vLLM, sglang), streamed, measured as `vllm bench serve` measures them and reported under its names.
+
+For each workload (`--workloads`, scaled by `--scale`) and each `--concurrency` C (InferenceX conventions):
+1. draw 10 x C requests (`--num-prompts` to change it) with `workloads.draw_requests`: input and output lengths
+   uniform in [ceil(r L), L], prompt ids uniform in [2, --vocab-size), seeded; the prompts go out as token ids
+   (vLLM's completions endpoint takes them too), with max_tokens = the drawn output length, EOS ignored, greedy;
+2. send `--num-warmups` requests (default 2 x C) first, untimed;
+3. send all requests with at most C in flight (request rate inf), each streamed with `include_usage`; per request:
+   TTFT (first token), ITL (each gap between two chunks with tokens), E2EL (whole request), TPOT
+   ((E2EL - TTFT) / (output tokens - 1));
+4. report mean / median / std / p99 of each in ms, and request, output and total token throughput over the run's
+   duration, with `vllm bench serve --save-result`'s keys; with `--result-dir`, one such file per run (with the
+   metadata `workload`, `scale`, `concurrency`), which `python -m qwen35_lib recipe --result FILE` reads.
+A progress bar goes to stderr; `--plot PATH` draws TTFT, TPOT and output throughput against concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+DESCRIPTION = "the playbook's workloads against an OpenAI-compatible server (vllm bench serve's metrics)"
+PERCENTILES = (99,)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", help="completions endpoint (default: %(default)s)")
+    p.add_argument("--model", help="the model to ask for (default: the first of GET /v1/models)")
+    p.add_argument("--workloads", default="1k/1k", help="comma-separated workload names (default: %(default)s; "
+                                                       "all: 8k/1k,1k/8k,1k/1k)")
+    p.add_argument("--scale", default=None, help="length factor (default: the CPU scale of data/workloads.json, "
+                                                 "1/16; 1 for the published lengths)")
+    p.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8], metavar="N",
+                   help="requests in flight, one run each (default: 1 8)")
+    p.add_argument("--num-prompts", type=_positive, help="requests per run (default: 10 x concurrency)")
+    p.add_argument("--num-warmups", type=int, help="untimed requests before each run (default: 2 x concurrency)")
+    p.add_argument("--vocab-size", type=_positive, default=256,
+                   help="prompt ids are drawn from [2, N) (default 256: valid for every model here, tiny included)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    p.add_argument("--result-dir", help="also write one vllm-bench-serve-style result file per run here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="keep per-request figures and outputs (token ids) in the JSON")
+    p.add_argument("--plot", metavar="PATH", help="a PNG of TTFT, TPOT and throughput against concurrency")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+@dataclasses.dataclass
+class Output:
+    """One request as the client saw it."""
+
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0  # s
+    latency: float = 0.0  # s
+    itl: list[float] = dataclasses.field(default_factory=list)  # s, between chunks with tokens
+    output_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    start: float = 0.0  # perf_counter at send
+
+
+async def send(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Output:
+    """One streamed completion: its timings, tokens and text (`token_ids` when the server sends them)."""
+    out = Output(len(prompt))
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    out.start = last = time.perf_counter()
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                doc = json.loads(data)
+                if "error" in doc:
+                    out.error = str(doc["error"])[:300]
+                    return out
+                usage = doc.get("usage") or usage
+                for c in doc.get("choices", []):
+                    ids, piece = c.get("token_ids") or [], c.get("text") or ""
+                    if not ids and not piece:
+                        continue
+                    now = time.perf_counter()
+                    if not out.token_ids and not out.text:
+                        out.ttft = now - out.start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                    out.token_ids += ids
+                    out.text += piece
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    out.latency = time.perf_counter() - out.start
+    out.output_tokens = (usage or {}).get("completion_tokens") or len(out.token_ids) or len(out.itl) + 1
+    out.success = True
+    return out
+
+
+async def run_batch(base: str, endpoint: str, model: str, requests: list[tuple[list[int], int]], concurrency: int,
+                    timeout: float, progress: bool, label: str) -> tuple[list[Output], float]:
+    """All requests with at most `concurrency` in flight; (outputs in request order, wall seconds)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    done = [0]
+    bar = _Bar(len(requests), label) if progress else None
+
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client:
+        async def one(prompt, n):
+            async with sem:
+                o = await send(client, endpoint, model, prompt, n, timeout)
+            done[0] += 1
+            if bar:
+                bar.update(done[0])
+            return o
+
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(p, n) for p, n in requests))
+        duration = time.perf_counter() - start
+    if bar:
+        bar.close()
+    return list(outs), duration
+
+
+class _Bar:
+    """A text progress bar on stderr (tqdm when present)."""
+
+    def __init__(self, total: int, label: str):
+        try:
+            from tqdm import tqdm
+
+            self.tqdm = tqdm(total=total, desc=label, file=sys.stderr, leave=False)
+        except ImportError:
+            self.tqdm = None
+        self.total, self.label = total, label
+
+    def update(self, n: int) -> None:
+        if self.tqdm is not None:
+            self.tqdm.update(n - self.tqdm.n)
+        else:
+            print(f"\r{self.label} {n}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tqdm is not None:
+            self.tqdm.close()
+        else:
+            print(file=sys.stderr)
+
+
+def metrics(outs: list[Output], duration: float) -> dict:
+    """`vllm bench serve`'s result keys from the outputs of one run."""
+    ok = [o for o in outs if o.success]
+    ms = lambda xs: np.asarray(xs, np.float64) * 1000 if len(xs) else np.zeros(1)
+    ttft = ms([o.ttft for o in ok])
+    tpot = ms([(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1])
+    itl = ms([x for o in ok for x in o.itl])
+    e2el = ms([o.latency for o in ok])
+    total_in, total_out = sum(o.prompt_len for o in ok), sum(o.output_tokens for o in ok)
+    doc = dict(duration=duration, completed=len(ok), failed=len(outs) - len(ok), total_input_tokens=total_in,
+               total_output_tokens=total_out, request_throughput=len(ok) / duration,
+               output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
+               max_output_tokens_per_s=_peak_output_rate(ok))
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        doc[f"mean_{name}_ms"] = float(np.mean(xs))
+        doc[f"median_{name}_ms"] = float(np.median(xs))
+        doc[f"std_{name}_ms"] = float(np.std(xs))
+        for p in PERCENTILES:
+            doc[f"p{p}_{name}_ms"] = float(np.percentile(xs, p))
+    return doc
+
+
+def _peak_output_rate(ok: list[Output]) -> float:
+    """The most output tokens finished in any one second of the run (vLLM's max_output_tokens_per_s)."""
+    stamps = []
+    for o in ok:
+        t = o.start + o.ttft
+        stamps.append(t)
+        for gap in o.itl:
+            t += gap
+            stamps.append(t)
+    if not stamps:
+        return 0.0
+    sec = np.floor(np.asarray(stamps) - min(stamps)).astype(int)
+    return float(np.bincount(sec).max())
+
+
+def first_model(base: str) -> str:
+    import httpx
+
+    r = httpx.get(base.rstrip("/") + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from qwen35_lib.bench import workloads
+
+    base = args.base_url.rstrip("/")
+    try:
+        model = args.model or first_model(base)
+    except Exception as e:  # noqa: BLE001 - one line naming the server
+        raise ValueError(f"--base-url {base}: cannot list its models ({type(e).__name__}: {e}); is the server "
+                         "up?") from None
+    names = workloads.parse_names(args.workloads) if args.workloads != "all" else list(workloads.load())
+    scale = args.scale if args.scale is not None else workloads.cpu_scale()
+    runs = []
+    for name in names:
+        w = workloads.scaled(name, scale)
+        for conc in args.concurrency:
+            n = args.num_prompts or 10 * conc
+            warm = 2 * conc if args.num_warmups is None else args.num_warmups
+            reqs = workloads.draw_requests(w, n + warm, seed=args.seed, vocab_size=args.vocab_size)
+            label = f"{name} x{conc}"
+            if warm:
+                asyncio.run(run_batch(base, args.endpoint, model, reqs[n:], conc, args.timeout, False, label))
+            outs, duration = asyncio.run(run_batch(base, args.endpoint, model, reqs[:n], conc, args.timeout,
+                                                   not args.no_progress, label))
+            doc = dict(date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), backend="openai",
+                       endpoint=args.endpoint, base_url=base, model_id=model, num_prompts=n, num_warmups=warm,
+                       request_rate="inf", burstiness=1.0, max_concurrency=conc, workload=name, scale=w.scale,
+                       concurrency=conc, input_range=list(w.bounds(w.input_len)),
+                       output_range=list(w.bounds(w.output_len))) | metrics(outs, duration)
+            errors = sorted({o.error for o in outs if not o.success})
+            if errors:
+                doc["errors"] = errors[:5]
+            if args.save_detailed:
+                doc |= dict(input_lens=[o.prompt_len for o in outs], output_lens=[o.output_tokens for o in outs],
+                            ttfts=[o.ttft for o in outs], itls=[o.itl for o in outs],
+                            generated_texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
+                            prompts=[p for p, _ in reqs[:n]], max_tokens=[m for _, m in reqs[:n]])
+            runs.append(doc)
+            if args.result_dir:
+                _write_result(args.result_dir, doc)
+    print(format_table(runs))
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return dict(benchmark="serve", base_url=base, model=model, runs=runs)
+
+
+def _write_result(folder: str, doc: dict) -> pathlib.Path:
+    tag = f"qwen35_{doc['workload'].replace('/', '')}_conc{doc['concurrency']}" + \
+        ("" if doc["scale"] == "1" else f"_scale{doc['scale'].replace('/', '-')}")
+    path = pathlib.Path(folder) / f"{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def format_table(runs: list[dict]) -> str:
+    head = (f"{'workload':>9} {'conc':>5} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
+            f"{'TTFT ms':>9} {'p99':>8} {'TPOT ms':>8} {'p99':>8} {'ITL ms':>8} {'p99':>8} {'E2EL ms':>9}")
+    lines = [head]
+    for r in runs:
+        lines.append(f"{r['workload']:>9} {r['concurrency']:>5} {r['completed']:>5} {r['failed']:>4} "
+                     f"{r['request_throughput']:>7.2f} {r['output_throughput']:>10.1f} "
+                     f"{r['total_token_throughput']:>10.1f} {r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>8.1f} "
+                     f"{r['median_tpot_ms']:>8.1f} {r['p99_tpot_ms']:>8.1f} {r['median_itl_ms']:>8.1f} "
+                     f"{r['p99_itl_ms']:>8.1f} {r['median_e2el_ms']:>9.1f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """Median TTFT, median TPOT and output throughput against concurrency, one line per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for name in dict.fromkeys(r["workload"] for r in runs):
+        rs = [r for r in runs if r["workload"] == name]
+        c = [r["concurrency"] for r in rs]
+        for ax, key in zip(axes, ("median_ttft_ms", "median_tpot_ms", "output_throughput")):
+            ax.plot(c, [r[key] for r in rs], marker="o", label=name)
+    for ax, title in zip(axes, ("median TTFT (ms)", "median TPOT (ms)", "output throughput (tokens/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""One choice's output as it streams: incremental text, stop strings, and what to send next.
+
+1. each token goes through the incremental detokenizer (with or without special tokens) and its text is added
+   to the choice's text;
+2. with stop strings, the text is searched from where the last search could not yet see a whole match; the
+   earliest match ends the choice: the text is cut before the stop string (or after it, with
+   `include_stop_str_in_output`) and `stopped` names it;
+3. what is sent is the text up to the last `longest stop string - 1` characters (those could still begin a
+   match), all of it once the choice ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+class ChoiceOutput:
+    def __init__(self, text: Any, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True):
+        self.detok = text.detokenizer(skip_special_tokens) if text is not None else None
+        self.stop, self.include_stop = tuple(stop), include_stop
+        self.hold = max(map(len, self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # the choice's text so far (cut at a stop string once one is seen)
+        self.sent = 0  # characters of `text` already sent
+        self.stopped: str | None = None  # the stop string that ended the choice
+
+    def push(self, token: int) -> str:
+        """Add a token; returns the text now safe to send."""
+        self.ids.append(int(token))
+        if self.detok is None:
+            return ""
+        self.text += self.detok.push(token)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """The engine finished the choice: the rest of the text."""
+        if self.detok is not None and self.stopped is None:
+            self.text += self.detok.flush()
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.stop and self.stopped is None:
+            start = max(0, self.sent - self.hold)
+            found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if found:
+                i, s = min(found)
+                self.stopped = s
+                self.text = self.text[:i + len(s) if self.include_stop else i]
+                final = True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece

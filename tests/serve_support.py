@@ -1,0 +1,103 @@
+"""A server for the serve tests: the tiny random model (float32) behind `make_app` on an ephemeral 127.0.0.1 port,
+in a thread of the test process, with a byte-level tokenizer and a ChatML template (`test_text`).
+
+References are the same prompts run alone through a fresh `Engine` with the same weights. To keep compilation to
+few step shapes (the jitted step is shared process-wide, so every serve test module reuses them), engines pad
+every step's decodes to max_num_seqs (`decode_buckets`): test-only, it changes which shapes compile, not what a
+request computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+from test_text import make_tokenizer_dir
+
+from qwen35_lib.config import get_config
+from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
+from qwen35_lib.text import load_text
+from qwen35_lib.weights import init_weights
+
+EC = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=128)
+MODEL = "tiny-test"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    loop: object
+    engine: Engine
+    text: object
+    config: object
+    weights: dict
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
+
+    def alone(self, prompt: list[int], max_tokens: int, **params) -> list[int]:
+        """The prompt run by itself through a fresh engine (greedy, EOS ignored unless `params` say)."""
+        e = Engine(self.config, self.weights, EC)
+        e.decode_buckets = (EC.max_num_seqs,)
+        params = dict(ignore_eos=True) | params
+        return e.generate([prompt], SamplingParams(max_new_tokens=max_tokens, **params))[0].output_ids
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health").json()
+
+
+@contextlib.contextmanager
+def running(tok_dir: pathlib.Path, limits=None, warmup=()):
+    import uvicorn
+
+    from qwen35_lib.serve.app import make_app
+    from qwen35_lib.serve.loop import EngineLoop
+
+    config = get_config("qwen3.5-tiny", dtype="float32")
+    weights = init_weights(config, 0)
+    engine = Engine(config, weights, EC)
+    engine.decode_buckets = (EC.max_num_seqs,)
+    text = load_text(make_tokenizer_dir(tok_dir))
+    if warmup == "all":  # every step shape, with and without logits processing (`serve --warmup all`)
+        from qwen35_lib.serve.cli import all_buckets
+
+        warmup = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
+    loop = EngineLoop(engine, warmup=warmup).start()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(make_app(loop, MODEL, text, limits), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine, text, config, weights)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        loop.stop()
+        sock.close()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 20)))] for _ in range(n)]
+
+
+def wait_idle(server: Server, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        h = server.health()
+        if h["running"] == 0 and h["waiting"] == 0 or time.time() > deadline:
+            return h
+        time.sleep(0.05)
