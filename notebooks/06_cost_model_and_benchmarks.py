@@ -394,7 +394,7 @@ assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] o
 # They ran tpu-inference's production MoE layer, whose cost the model prices from its mechanisms
 # (`costmodel/moe_layer.py`: the grouped matmul, sorts and row bookkeeping, one-hot or SparseCore permutes, the
 # layer's collectives) and judges against a public device-time benchmark of that layer on TPU7x at this model's
-# shape (`data/moe_layer_measured.json`, eight token counts). One constant is set from measured data, the time a
+# shape (`data/moe_layer_measured.json`, a cell per token count). One constant is set from measured data, the time a
 # routed row costs every device (`moe_row_overhead_s`), from the five smallest cells only; the three largest judge it.
 #
 # **Compute.** The MoE layer against its measured device times (`python -m qwen35_lib.costmodel validate --moe`).
@@ -431,8 +431,8 @@ for r in pub:
 viz.plot_ratios(pub, [f"ratio_{M}"], "label", "(c) predicted / published total tokens/s")
 
 # %% [markdown]
-# **Check.** Every MoE layer cell is within 25% of its measured device time, the judging cells included. Every
-# published row is predicted within 25% in total tokens per second, and #3050's within 25% in median time per
+# **Check.** Every MoE layer cell is within a quarter of its measured device time, the judging cells included.
+# Every published row is predicted within a quarter in total tokens per second, and #3050's in median time per
 # output token too, with no trend over concurrency: the model's error, under each point's own setup, with the one
 # derived constant the only figure taken from a measurement (of the MoE layer, not of serving throughput).
 
