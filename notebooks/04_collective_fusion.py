@@ -355,26 +355,32 @@ for st in ("replicate", "fused_ag", "hier_rs"):
         print(f"{st:<10} {step:<13} " + "; ".join(
             f"{k}: {v.get('count', 0)} ({human_bytes(v.get('bytes', 0))}), model {v.get('model_count', 0)} "
             f"({human_bytes(v.get('model_bytes', 0))})" for k, v in compiled[st, step].items()))
+mixed = stored["stages"]["hier_rs"]["steps"]["8k/1k mixed"]
+mixed_rows = dict(decode=mixed["decode_tokens_per_rank"], prefill=mixed["prefill_tokens_per_rank"])
+print(f"the mixed step, per rank: {mixed_rows['decode']} decode rows + {mixed_rows['prefill']} prompt tokens")
 
 # %% [markdown]
-# **Check.** In the decode step XLA keeps what the code asks for: 3 all-gathers a MoE layer become 2, and the
-# hierarchical reduce-scatter is 4 per layer, each kind's bytes the cost model's (the model adds the sampler's
-# small gather, which XLA runs as an all-reduce). In the mixed step, with a prefill chunk in the batch, XLA's TPU
-# compiler turns every reduce-scatter into an all-reduce of the same partial sums: the two
-# flags' all-gather change holds there, the reduce-scatter's split does not reach the compiled program. Why
-# XLA does so is not established here; the cost model still charges reduce-scatters for that step.
+# **Check.** In both steps XLA keeps what the code asks for: 3 all-gathers a MoE layer become 2, and the
+# hierarchical reduce-scatter runs two phases per micro-batch, 2 micro-batches at decode and 8 in the mixed step
+# (tpu-inference's rule for the step's token count), each kind's count and bytes the cost model's; the sampler's two
+# small all-reduces are the only other collectives. The mixed step is compiled as the engine forms it, its decodes
+# in the engine's power-of-two decode bucket (printed below). An earlier sweep compiled the decodes unbucketed, one
+# row short of a whole 8-row tile a device, and there XLA's TPU compiler turned every reduce-scatter into an
+# all-reduce plus small permutes and the hierarchical stage fell back to one micro-batch; padded to whole tiles, the
+# same step kept its reduce-scatters (both compiles are in the repository's history, issue 30).
 
 # %%
 moe_layers = big.num_layers
-for st, ags, rss in (("replicate", 3, 1), ("fused_ag", 2, 1), ("hier_rs", 2, 4)):
-    dec, mix = compiled[st, "8k/1k decode"], compiled[st, "8k/1k mixed"]
-    assert dec["all-gather"]["count"] == ags * moe_layers == dec["all-gather"]["model_count"] - 1, (st, dec)
-    assert dec["reduce-scatter"]["count"] == rss * moe_layers == dec["reduce-scatter"]["model_count"], (st, dec)
-    for k in ("all-gather", "reduce-scatter"):
-        assert abs(dec[k]["bytes"] - dec[k]["model_bytes"]) <= 0.01 * dec[k]["model_bytes"], (st, k, dec[k])
-    assert mix["all-gather"]["count"] == ags * moe_layers and mix["reduce-scatter"].get("count", 0) == 0, (st, mix)
-    # each reduce-scatter the model charges is one all-reduce more than the decode step's (the sampler's two)
-    assert mix["all-reduce"]["count"] - dec["all-reduce"]["count"] == mix["reduce-scatter"]["model_count"], mix
+for st, ags, rss in (("replicate", 3, (1, 1)), ("fused_ag", 2, (1, 1)), ("hier_rs", 2, (4, 16))):
+    for step, rs in zip(("8k/1k decode", "8k/1k mixed"), rss):
+        c = compiled[st, step]
+        assert c["all-gather"]["count"] == ags * moe_layers == c["all-gather"]["model_count"], (st, step, c)
+        assert c["reduce-scatter"]["count"] == rs * moe_layers == c["reduce-scatter"]["model_count"], (st, step, c)
+        for k in ("all-gather", "reduce-scatter"):
+            assert abs(c[k]["bytes"] - c[k]["model_bytes"]) <= 0.01 * c[k]["model_bytes"], (st, step, k, c[k])
+        assert c["all-reduce"]["count"] == c["all-reduce"]["model_count"] == 2, (st, step, c)  # the sampler's
+d, p = mixed_rows["decode"], mixed_rows["prefill"]
+assert (d + p) % 8 == 0 and d & (d - 1) == 0, mixed_rows  # a power-of-two bucket; whole 8-row tiles a device
 
 # %% [markdown]
 # ## 4. The whole MoE layer, fused and hierarchical, still the same function
@@ -404,7 +410,7 @@ record = dict(all_gathers={f"{where}, fuse_allgather={fused}": v for (where, fus
                                 for (where, fused), v in all_gathers.items()},
               reduce_scatter_rows={k: [op.shape.split("{")[0] for op in v] for k, v in phases.items()},
               bytes_per_phase_397b_n512=per_phase, stages=stages, bytes_leaving_chip_397b_n512=per_chip,
-              row_permute_397b_n512=row_permute,
+              row_permute_397b_n512=row_permute, mixed_rows=mixed_rows,
               rs_schedule={k.split()[0]: v["overlapped"] for k, v in schedules.items()},
               sweep={f"{st}_{step.split()[1]}": {k.replace("-", "_"): v.get("count", 0) for k, v in c.items()}
                      for (st, step), c in compiled.items()})  # collective counts of the stored TPU7x compiles
