@@ -42,6 +42,28 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"error: {self.prog}: {message}\n")
 
 
+def positive(value: str) -> int:
+    """An argparse type: an integer >= 1 (a size, a length, a concurrency), refused in one line otherwise."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def port(value: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: the system picks a free one), refused in one line otherwise."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{n} is not a port: give 0..65535 (0 picks a free one)")
+    return n
+
+
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """`--debug` on `parser` and on each of its subcommand parsers (call it after registering them)."""
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)

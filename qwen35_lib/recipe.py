@@ -27,6 +27,8 @@ import pathlib
 import shlex
 import sys
 
+from qwen35_lib.cli_errors import port, positive
+
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el"
 RESULT_KEYS = ("completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
@@ -275,21 +277,11 @@ def format_rows(rows: list[dict]) -> str:
 
 
 # --- the subcommand ---------------------------------------------------------------------------------------------
-def _positive(value: str) -> int:
-    """An argparse type: an integer >= 1 (a size, a length, a concurrency), refused in one line otherwise."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
-
-
 def _port(value: str) -> int:
-    n = _positive(value)
-    if n > 65535:
-        raise argparse.ArgumentTypeError(f"{n} is not a port: give 1..65535")
+    """A port a printed vLLM command can listen on: 1..65535 (`cli_errors.port` without 0)."""
+    n = port(value)
+    if n == 0:
+        raise argparse.ArgumentTypeError("0 is not a port a command can name: give 1..65535")
     return n
 
 
@@ -308,9 +300,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="tpu7x-8", help="the system (recipes: tpu7x-8)")
     p.add_argument("--model", help="a preset with a recipe (qwen3.5-397b-a17b) or an HF id (default: "
                                    "Qwen/Qwen3.5-397B-A17B-FP8)")
-    p.add_argument("--isl", type=_positive, help="--stage: input length the server is sized for (8192)")
-    p.add_argument("--osl", type=_positive, help="--stage: output length (1024)")
-    p.add_argument("--concurrency", type=_positive, action="append",
+    p.add_argument("--isl", type=positive, help="--stage: input length the server is sized for (8192)")
+    p.add_argument("--osl", type=positive, help="--stage: output length (1024)")
+    p.add_argument("--concurrency", type=positive, action="append",
                    help="--stage: concurrency the server is sized for (64); --bench: repeatable (512)")
     p.add_argument("--port", type=_port, help="--stage: the server's port (8000)")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="--bench: the server (%(default)s)")

@@ -14,6 +14,7 @@ import pathlib
 import socket
 
 from qwen35_lib import cli_generate
+from qwen35_lib.cli_errors import port, positive
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,26 +65,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="accept a request's own `chat_template` (a template is code the server runs; default: "
                           "refused)")
     p.set_defaults(run=run)
-
-
-def positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
-
-
-def port(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"{n} is not a port: give 0..65535 (0 picks a free one)")
-    return n
 
 
 def longest_token_chars(text) -> int:
