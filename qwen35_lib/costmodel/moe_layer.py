@@ -12,7 +12,7 @@ half of what TPU7x measures (issue 30): production's layer (tpu_inference/layers
    for the weighted sum over k (bf16, 2 x 2 bytes an element);
 4. runs the grouped matmul over its local experts (`ops.moe_block`'s `gmm`: touched weights once, whole tiles
    of `gmm_tile_rows` rows an expert).
-`layer_costs` returns items 1-3 as `Cost`s (the step model adds them to the layer's `routed_experts`):
+`ops.layer_costs` returns items 1-3 as `Cost`s (the step model adds them to the layer's `routed_experts`):
 - `onehot_permute`: the one-hot matmuls (MXU FLOPs) while N·k is under the threshold, else nothing;
 - `permute`: the N·k-row buffers (HBM bytes); above the threshold the SparseCore gathers these rows, so the step
   model scales it by the `sparsecore_permute` assumption there (and only there);
@@ -34,19 +34,6 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel.specs import Specs
-
-
-def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float) -> dict[str, ops.Cost]:
-    """Items 1-3 of the module doc for one layer on one device; `tokens` = N, the slice's tokens (every device
-    sorts and permutes all N·k routed rows under token replication)."""
-    D, k = cfg.hidden_size, cfg.num_experts_per_tok
-    act = ops.ITEMSIZE[cfg.dtype]
-    rows = tokens * k  # [N·k] routed rows
-    onehot = rows <= onehot_threshold
-    permute_flops = 4 * k * tokens * tokens * D if onehot else 0.0  # 2 matmuls of 2·(N·k)·N·D
-    return {"onehot_permute": ops.Cost(mxu_flops=permute_flops, launches=2 if onehot else 0),
-            "permute": ops.Cost(bytes=2 * rows * D * act, launches=2),  # [N·k, D] written, then read
-            "moe_rows": ops.Cost(seconds=rows * row_overhead_s)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,4 +73,4 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
     return LayerTime(sum(out.values()), out)
 
 
-__all__ = ["LayerTime", "layer_costs", "layer_time"]
+__all__ = ["LayerTime", "layer_time"]

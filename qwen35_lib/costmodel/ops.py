@@ -255,10 +255,21 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     out = {"router": router, "shared_expert": shared, "routed_experts": routed,
            "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
     if pl.moe_impl == "gmm" and pl.static_buffers:  # production's layer around the grouped matmul (`moe_layer`)
-        from qwen35_lib.costmodel.moe_layer import layer_costs
-
         out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s))
     return out
+
+
+def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float) -> dict[str, Cost]:
+    """Production's MoE layer around its grouped matmul (`costmodel.moe_layer`'s items 1-3), one layer, one device;
+    `tokens` = N, the slice's tokens (every device sorts and permutes all N·k routed rows under token replication)."""
+    D, k = cfg.hidden_size, cfg.num_experts_per_tok
+    act = ITEMSIZE[cfg.dtype]
+    rows = tokens * k  # [N·k] routed rows
+    onehot = rows <= onehot_threshold
+    permute_flops = 4 * k * tokens * tokens * D if onehot else 0.0  # 2 matmuls of 2·(N·k)·N·D
+    return {"onehot_permute": Cost(mxu_flops=permute_flops, launches=2 if onehot else 0),
+            "permute": Cost(bytes=2 * rows * D * act, launches=2),  # [N·k, D] written, then read
+            "moe_rows": Cost(seconds=rows * row_overhead_s)}
 
 
 def norms(cfg: Config, b: Batch, pl: Placement) -> Cost:
