@@ -233,12 +233,26 @@ def quantize_fp8(w: jax.Array, block: int, dims: tuple[int, ...]) -> BlockFP8:
 
 
 def dequantize_fp8(w: BlockFP8, block: int, dtype: Any) -> jax.Array:
-    """The dense weight of a `BlockFP8`: each scale repeated over its block, times the FP8 values."""
-    scale = w.scale
-    for d in range(scale.ndim):
-        if scale.shape[d] != w.value.shape[d]:
-            scale = jnp.repeat(scale, block, axis=d)[(slice(None),) * d + (slice(0, w.value.shape[d]),)]
-    return (w.value.astype(jnp.float32) * scale).astype(dtype)
+    """The dense weight of a `BlockFP8`: the FP8 values times each block's scale, in `dtype`.
+
+    The minor dimension's scale is repeated over its blocks (a copy 1/block the weight's size when a major
+    dimension is blocked too); every other blocked dimension is split into [blocks, block] and its scale
+    broadcast over the block. Repeating every dimension's scale (the NumPy twin's way) made XLA:TPU write a float32
+    scale per element: one 64-expert MoE layer of the 397B at 512 tokens read and wrote 23.6 GB by the compile's
+    cost analysis, 16.7 GB this way (issue 30). A ragged last block is repeated too."""
+    value, scale = w.value, w.scale
+    split, sshape = [], []
+    for d, n in enumerate(value.shape):
+        if scale.shape[d] != n and (d == value.ndim - 1 or n % block):
+            scale = jnp.repeat(scale, block, axis=d)[(slice(None),) * d + (slice(0, n),)]
+        if scale.shape[d] == n:
+            split.append(n)
+            sshape.append(n)
+        else:
+            split += [n // block, block]
+            sshape += [n // block, 1]
+    dense = value.reshape(split).astype(jnp.float32) * scale.reshape(sshape).astype(jnp.float32)
+    return dense.reshape(value.shape).astype(dtype)
 
 
 def dequantize_fp8_np(value: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:

@@ -169,6 +169,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     entry["flops"], entry["bytes_accessed"] = cost.get("flops"), cost.get("bytes accessed")
     text = compiled.as_text()
     entry["collectives"] = collectives(text, get_stage(stage).bind(mesh), scfg, shape.requests, decode, prefill)
+    entry["bytes_by_block"] = hlo.op_bytes(text)  # the text's own account of the bytes (`costmodel.compiled`)
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
     s = get_stage(stage)

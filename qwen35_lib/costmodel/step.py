@@ -84,28 +84,21 @@ def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
     return specs.replace(**ch) if ch else specs
 
 
-def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
-              page_size: int = 256, ideal: bool = False, overlap: bool = True,
-              mech: Mechanisms | None = None) -> StepTime:
-    """Seconds of one step of `batch` under `stage` on `specs` (see the module doc)."""
+def step_costs(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
+               page_size: int = 256, ideal: bool = False, mech: Mechanisms | None = None,
+               weight_passes: float | None = None) -> dict[str, ops.Cost]:
+    """{component: the `ops.Cost` of the whole step on one device} (every layer of its kind summed): the work
+    `step_time` prices, without collectives or host time (`compiled` sets its bytes and FLOPs beside a compile's;
+    `weight_passes` replaces the kernel family's, e.g. 1 for a program without a layer scan)."""
     if ideal:
         mech = None
     specs = mech_specs(specs, mech)
     pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
         (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
         if mech else ()))
-    s = _ideal_specs(specs) if ideal else specs
+    if weight_passes is not None:
+        pl = dataclasses.replace(pl, weight_passes=weight_passes)
     z = ops.sizes(cfg)
-    out = dict.fromkeys(COMPONENTS, 0.0)
-    flops = hbm = 0.0
-
-    def add(costs: dict[str, ops.Cost], times: float) -> None:
-        nonlocal flops, hbm
-        for name, c in costs.items():
-            out[name] += ops.seconds(c, s) * times
-            flops += c.flops * times
-            hbm += c.hbm_bytes * times
-
     if ideal:  # every byte of dense weights once over the slice, not once per data-parallel rank
         dense = ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices, attention="pallas",
                               moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
@@ -120,11 +113,31 @@ def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtyp
     else:
         attn, gdn = ops.attention_block(cfg, batch, pl), ops.gdn_block(cfg, batch, pl)
         moe, head = ops.moe_block(cfg, batch, pl), ops.embed_and_head(cfg, batch, pl)
-    add(attn, z["n_attn"])
-    add(gdn, z["n_gdn"])
-    add(moe, cfg.num_layers)
-    add({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers)
-    add({"embed_lm_head": head}, 1)
+    out: dict[str, ops.Cost] = {}
+    for costs, times in ((attn, z["n_attn"]), (gdn, z["n_gdn"]), (moe, cfg.num_layers),
+                         ({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers), ({"embed_lm_head": head}, 1)):
+        for name, c in costs.items():
+            out[name] = out[name] + c * times if name in out else c * times
+    return out
+
+
+def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
+              page_size: int = 256, ideal: bool = False, overlap: bool = True,
+              mech: Mechanisms | None = None) -> StepTime:
+    """Seconds of one step of `batch` under `stage` on `specs` (see the module doc)."""
+    if ideal:
+        mech = None
+    costs = step_costs(cfg, specs, stage, batch, kv_dtype, page_size, ideal, mech)
+    specs = mech_specs(specs, mech)
+    pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
+        (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
+        if mech else ()))
+    s = _ideal_specs(specs) if ideal else specs
+    out = dict.fromkeys(COMPONENTS, 0.0)
+    for name, c in costs.items():
+        out[name] += ops.seconds(c, s)
+    flops = sum(c.flops for c in costs.values())
+    hbm = sum(c.hbm_bytes for c in costs.values())
 
     wire = 0.0
     if not ideal:

@@ -265,3 +265,142 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
             d["count"] += times
             d["bytes"] += times * c.moved
     return out
+
+
+# ops that move no HBM bytes of their own (views, control, tuples) or whose work is counted inside what they call
+_NO_BYTES = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
+             "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+_NAMED = re.compile(r"([\w.\-]+): ((?:\w+\[[\d,]*\][^,)]*)|\([^)]*\))")
+BLOCKS = ("attention", "gdn", "moe", "embed", "lm_head", "sample", "other")
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(_BYTES.get(dt, 0) * int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+               for dt, dims in _SHAPE.findall(text))
+
+
+def _block(line: str) -> str:
+    """The model block an op belongs to, from its op_name (the jax name stack: `closed_call/moe/...`)."""
+    name = re.search(r'op_name="([^"]*)"', line)
+    name = name[1] if name else ""
+    for block in ("attention", "gdn", "moe"):
+        if f"/{block}/" in name:
+            return block
+    if "lm_head" in name:
+        return "lm_head"
+    if "cond/" in name or "sample" in name:
+        return "sample"
+    if name.endswith("model/gather"):
+        return "embed"
+    return "other"
+
+
+def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, object]:
+    """HBM bytes one run of the program moves per device, by block, as the text states them: every top-level op
+    (of the entry, loop bodies and called computations, not inside a fusion) reads its operands and writes its
+    result (an async pair once: the start's operands, the done's result), times the runs of its computation (a
+    `while` body its known trip count, `trips[body]` when given, else once). Blocks follow the op's jax name
+    (`BLOCKS`; a fusion XLA left unnamed falls in "other"). {"bytes": {block: bytes}, "loops_counted_once":
+    [body names]}. An upper bound where an op reads a slice of an operand (a gather reads its rows, not the table),
+    which is what XLA's own `bytes accessed` refines; compare both (`costmodel.compiled`)."""
+    comps = _computations(hlo_text)
+    headers = {m[1]: m[2] for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*?)\) -> ", hlo_text, re.M)}
+    fused = {t for lines in comps.values() for ln in lines for t in re.findall(r"calls=%?([\w.\-]+)", ln)
+             if " fusion(" in ln}
+    runs: dict[str, int] = {}
+    once: list[str] = []
+
+    def visit(name: str, times: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for line in comps.get(name, ()):
+            if " while(" in line:
+                body = re.search(r"body=%?([\w.\-]+)", line)[1]
+                known = re.search(r'known_trip_count":\{"n":"(\d+)"', line) or _counted_loop(
+                    comps, name, line, re.search(r"condition=%?([\w.\-]+)", line)[1], body)
+                n = int(known[1]) if known else (trips or {}).get(body)
+                if n is None:
+                    once.append(body)
+                visit(body, times * (n or 1))
+            elif " call(" in line or " conditional(" in line:
+                for item in re.findall(r"(?:to_apply|branch_computations|true_computation|false_computation)="
+                                       r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)", line):
+                    for t in item.replace("%", "").split(", "):
+                        if t not in fused:
+                            visit(t, times)
+
+    visit(re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)[1], 1)
+    access = {n: _fused_access(comps[n], headers.get(n, "")) for n in fused if n in comps}
+    out = dict.fromkeys(BLOCKS, 0)
+    for name, times in runs.items():
+        sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(headers.get(name, ""))}
+        for line in comps.get(name, ()):
+            m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", line)
+            if not m:
+                continue
+            var, shape, op, args = m.groups()
+            sizes[var] = 0 if op.endswith("-start") else _shape_bytes(shape)
+            if op in _NO_BYTES:
+                continue
+            operands = re.findall(r"%([\w.\-]+)", args)
+            write = sizes[var]
+            if op.endswith("-done"):
+                read = 0
+            elif op == "fusion" and (acc := access.get(re.search(r"calls=%?([\w.\-]+)", line)[1])):
+                reads, write = acc
+                read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
+            else:
+                read = sum(sizes.get(a, 0) for a in operands)
+            out[_block(line)] += times * (read + write)
+    return {"bytes": out, "loops_counted_once": once}
+
+
+def _fused_access(lines: list[str], header: str) -> tuple[list[int | None], int] | None:
+    """How much of each operand a fusion reads, and what it writes, when that is less than whole: a parameter used
+    only through slices (`slice`, `dynamic-slice`, `gather`) reads what they take; the buffer a root
+    `dynamic-update-slice` updates in place is not read, and only the update is written. ([bytes read per operand,
+    None: whole], bytes written), or None when the fusion reads and writes whole arrays."""
+    params = [p for p, _ in _NAMED.findall(header)]
+    defs, users = {}, {}
+    for ln in lines:
+        m = re.match(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", ln)
+        if not m:
+            continue
+        root, var, shape, op, args = m.groups()
+        ops_ = re.findall(r"%([\w.\-]+)", args)
+        defs[var] = (op, shape, ops_, bool(root))
+        for i, a in enumerate(ops_):
+            users.setdefault(a, []).append((var, i))
+    pnames = {}
+    for var, (op, _, _, _) in defs.items():
+        if op == "parameter":
+            idx = re.search(r"parameter\((\d+)\)", next(ln for ln in lines if f"%{var} =" in ln))
+            pnames[int(idx[1])] = var
+    root = next(((v, d) for v, d in defs.items() if d[3]), None)
+    if root is None:
+        return None
+    in_place = None
+    write = None
+    if root[1][0] == "dynamic-update-slice":
+        buf, upd = root[1][2][0], root[1][2][1]
+        in_place = buf
+        write = _shape_bytes(defs[upd][1]) if upd in defs else None
+    reads: list[int | None] = []
+    changed = write is not None
+    for i in range(len(params) or len(pnames)):
+        p = pnames.get(i)
+        if p is None:
+            reads.append(None)
+            continue
+        if p == in_place:
+            reads.append(0)
+            changed = True
+            continue
+        us = users.get(p, [])
+        if us and all(defs[u][0] in ("slice", "dynamic-slice", "gather") and j == 0 for u, j in us):
+            reads.append(sum(_shape_bytes(defs[u][1]) for u, _ in us))
+            changed = True
+        else:
+            reads.append(None)
+    if not changed:
+        return None
+    return reads, write if write is not None else _shape_bytes(root[1][1])
