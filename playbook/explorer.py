@@ -131,11 +131,11 @@ def page_body(sharding: dict, ladder: dict, seconds: float) -> str:
 
 def write_page(out: pathlib.Path, sharding: dict | None = None, ladder: dict | None = None) -> pathlib.Path:
     """Compute the grids (`sharding`, `ladder`: axis overrides) and write `<out>/explorer.html`; returns its path."""
-    from playbook import site
+    from playbook.page import Page, nav, page_html
 
     body = _body(json.dumps(sharding or {}), json.dumps(ladder or {}))
     path = pathlib.Path(out) / FILE
-    path.write_text(site.page_html(TITLE, body, site.nav([site.Page(FILE, TITLE)], 0)), encoding="utf-8")
+    path.write_text(page_html(TITLE, body, nav([Page(FILE, TITLE)], 0)), encoding="utf-8")
     return path
 
 

@@ -177,7 +177,8 @@ def _check_types(config: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Presets. Sources: ../shared/reference/qwen35_architecture.md section 1.
+# Presets. Sources: each checkpoint's config.json (text_config) on the Hugging Face Hub, and HF transformers'
+# configuration_qwen3_5_moe.py / configuration_qwen3_next.py for the fields they leave at their defaults.
 PRESETS: dict[str, Config] = {}
 
 

@@ -56,7 +56,8 @@ def token_budget(isl: int, dp: int) -> int:
 
 
 def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
-    """The real serving configuration: FP8 (e4m3, block-scaled) experts and a bf16 GDN state (DESIGN.md)."""
+    """The real serving configuration: FP8 (e4m3, block-scaled) experts and a bf16 GDN state (README: the FP8 checkpoint
+    is the one that fits a TPU7x-8 with room for the caches)."""
     base = dict(expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
     base.update(changes)
     return get_config(name, **base)

@@ -190,7 +190,7 @@ class ServingPlan:
 
 def micro_batches(tokens: int) -> int:
     """tpu-inference's hierarchical reduce-scatter micro-batch count: 1/2/4/8 for T < 256 / >= 256 / >= 2048 /
-    >= 4096 tokens in the step (tpu_serving_anchors.md 1.4)."""
+    >= 4096 tokens in the step (vllm-project/tpu-inference's `hierarchical_reduce_scatter_local`)."""
     return 8 if tokens >= 4096 else 4 if tokens >= 2048 else 2 if tokens >= 256 else 1
 
 
