@@ -253,11 +253,8 @@ def _split_options(args: argparse.Namespace) -> dict:
 def check_split(config: Any, devices: int | None = None) -> None:
     """`check_layout`'s error for the config's layout, routing and flags on the mesh of `devices` (default
     `mesh_device_count()`), checked on an abstract mesh (no devices needed), before any weights are loaded."""
-    from jax.sharding import AbstractMesh
-
     from qwen35_lib.devices import mesh_device_count
-    from qwen35_lib.parallel.layouts import check_layout
-    from qwen35_lib.parallel.mesh import AXES
+    from qwen35_lib.plan import abstract_mesh, check_layout
 
     if config.layout == "single" and (config.fuse_allgather or config.hierarchical_rs):
         raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
@@ -265,7 +262,7 @@ def check_split(config: Any, devices: int | None = None) -> None:
     if config.layout == "single":
         return
     n = mesh_device_count(devices)
-    check_layout(config, AbstractMesh((max(1, n // 2), min(2, n)), AXES))
+    check_layout(config, abstract_mesh(n))
 
 
 def layout_mesh(devices: int | None = None) -> Any:
@@ -277,7 +274,7 @@ def layout_mesh(devices: int | None = None) -> Any:
     import jax
 
     from qwen35_lib.devices import mesh_device_count, simulate_cpu_devices
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     n = mesh_device_count(devices)
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")

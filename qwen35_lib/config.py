@@ -22,7 +22,7 @@ FULL = "full_attention"  # a gated GQA attention layer
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = ("float32", "bfloat16")
 EXPERT_DTYPES = (None, "float8_e4m3fn")
-# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.parallel.plan
+# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.plan
 LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp", "tp_kvrep", "dp_tp2_ep", "dp_ep")
 ROUTINGS = ("replicate", "all_to_all")
 

@@ -24,7 +24,7 @@ from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
-from qwen35_lib.costmodel.stages import EXTRA, KERNELS, LADDER, LAYOUTS, ROUTINGS, any_stage, custom_stage
+from qwen35_lib.plan import EXTRA, FAMILIES, LADDER, LAYOUTS, ROUTINGS, any_stage, custom_stage
 
 
 def _model(args: argparse.Namespace):
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--routing", choices=ROUTINGS, default="replicate", help="EP layouts (with --layout)")
     pr.add_argument("--fuse-allgather", action="store_true", help="with --layout")
     pr.add_argument("--hierarchical-rs", action="store_true", help="with --layout")
-    pr.add_argument("--kernels", choices=KERNELS, default="xla", help="with --layout")
+    pr.add_argument("--kernels", choices=FAMILIES, default="xla", help="with --layout")
     val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
     what = val.add_mutually_exclusive_group(required=True)
     what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")

@@ -28,10 +28,10 @@ from qwen35_lib import data
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.ops import Batch
-from qwen35_lib.costmodel.stages import Stage
 from qwen35_lib.costmodel.step import step_time
+from qwen35_lib.plan import ServingPlan
 
-SINGLE_XLA = Stage("single", "tp8_kvrep")  # resolves to `single` on one device; XLA kernels
+SINGLE_XLA = ServingPlan("single", "tp8_kvrep")  # resolves to `single` on one device; XLA kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def published() -> dict:
     return data.read_json("published.json")
 
 
-MEASURED_STAGE = "tpu_inference_3050"  # the plan the published rows ran (`costmodel.stages.TPU_INFERENCE_3050`)
+MEASURED_STAGE = "tpu_inference_3050"  # the plan the published rows ran (`plan.TPU_INFERENCE_3050`)
 
 
 def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASURED_STAGE), band: bool = False,

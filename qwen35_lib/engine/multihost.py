@@ -81,7 +81,7 @@ def generate_cases(cases: list[dict], prompts, max_new_tokens: int = 4, model: s
 
     from qwen35_lib.config import get_config
     from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     mesh = make_mesh(jax.devices())
     ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, page_size=8, max_model_len=64)
