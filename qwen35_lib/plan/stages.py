@@ -46,19 +46,24 @@ def get_stage(name: str) -> ServingPlan:
 
 
 def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather: bool = False,
-                 hierarchical_rs: bool = False, kernels: str = "xla") -> ServingPlan:
-    """A stage from parts (the CLIs' --layout/--routing), checked."""
+                 hierarchical_rs: bool = False, kernels: str | None = "xla") -> ServingPlan:
+    """A stage from parts (the plan flags: --layout, --routing, ...), checked: the collective flags need an EP
+    layout with routing 'replicate' (the engine's own rule, `check_layout`). kernels None: as the config says."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
     if routing is not None and routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; use one of {ROUTINGS}")
-    if kernels not in FAMILIES:
+    if kernels is not None and kernels not in FAMILIES:
         raise ValueError(f"unknown kernels {kernels!r}; use one of {FAMILIES}")
     ep = get_layout(layout).moe == "ep"
-    if hierarchical_rs and not (ep and routing == "replicate"):
-        raise ValueError("hierarchical_rs applies to an EP layout with routing 'replicate' only")
+    if (fuse_allgather or hierarchical_rs) and not ep:
+        raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; layout "
+                         f"{layout!r} is not one")
+    if (fuse_allgather or hierarchical_rs) and routing != "replicate":
+        raise ValueError(f"fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
+                         f"routing={routing!r}")
     return ServingPlan(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None,
-                       fuse_allgather and ep, hierarchical_rs, kernels)
+                       fuse_allgather, hierarchical_rs, kernels)
 
 
 def stage_config(config: Config, stage: str | ServingPlan, backend: str | None = None) -> Config:
