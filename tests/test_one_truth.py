@@ -53,6 +53,14 @@ def test_the_cost_model_refuses_what_the_engine_refuses_with_the_same_error():
     assert str(cost.value) == str(code.value) and "'model'" not in str(cost.value)
 
 
+def test_bind_checks_the_plan_itself_against_the_model():
+    cfg = get_config("qwen3.5-397b-a17b")  # its own layout fields say `single`: the plan, not the config, is checked
+    lay = plan_lib.get_stage("fused_ag").bind(plan_lib.abstract_mesh(8), cfg)
+    assert (lay.dp, lay.ep, lay.fuse_allgather, lay.name) == (8, 8, True, "fused_ag")
+    with pytest.raises(ValueError, match="layout 'dp8_ep8' is the 8-device instance of 'dp_ep'"):
+        plan_lib.get_stage("fused_ag").bind(plan_lib.abstract_mesh(4), cfg)
+
+
 def test_dp4_tp2_ep8_is_a_cost_model_layout_too():
     lay = plan_lib.resolve_layout(plan_lib.custom_stage("dp4_tp2_ep8"), get_config("qwen3.5-397b-a17b"), 8)
     assert (lay.dp, lay.tp, lay.ep, lay.moe) == (4, 2, 8, "ep")

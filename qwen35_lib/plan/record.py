@@ -5,8 +5,8 @@ A `ServingPlan` names a layout (how attention, GDN and the MoE are placed: the l
 per backend by `plan.kernels.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they come
 from the mesh it is bound to (`plan.bind(mesh)`), so the general layouts run on any `('chip', 'core')` mesh whose
 sizes divide (1, 2, 4, 8, 16 devices). A plan's name is its layout's for a layout plan (`get_layout`), or a
-stage's (`plan.stages`). `check_layout(config, mesh)` binds the config's plan to a mesh, or refuses it naming the
-constraint and the fix.
+stage's (`plan.stages`). `plan.bind(mesh, config)` checks a plan against a model on a mesh, once, and binds it
+(`check_layout(config, mesh)`: the config's own plan, so bound), or refuses it naming the constraint and the fix.
 """
 
 from __future__ import annotations
@@ -92,8 +92,12 @@ class ServingPlan:
         return self.axes("moe_ffn")
 
     # --- sizes (from a mesh) ---
-    def bind(self, mesh) -> ServingPlan:
-        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh)."""
+    def bind(self, mesh, config: Config | None = None) -> ServingPlan:
+        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh). With `config`, the one check of the plan
+        against a model on a mesh first (`_checked`: a ValueError naming the constraint it breaks and the fix), and
+        the plan as that model runs there (`kv_whole` where tp_kvrep's KV heads neither divide nor duplicate)."""
+        if config is not None:
+            return _checked(self, mesh, config)
         return dataclasses.replace(self, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
 
     def _size(self, axes: Axes, mesh=None) -> int:
@@ -198,35 +202,41 @@ def plan_of(config: Config) -> ServingPlan:
     """The plan `config` runs: its layout, routing (EP layouts) and collective flags; kernels as the config says.
     One object per combination (the layout plan itself when there is no routing to add)."""
     lay = get_layout(config.layout)
-    if lay.moe != "ep":
-        return lay
+    if lay.moe != "ep":  # collective flags only where set (a combination `bind` refuses, naming the fix)
+        return lay if not (config.fuse_allgather or config.hierarchical_rs) else \
+            _routed(lay, None, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
     return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
 
 
 @functools.cache
-def _routed(lay: ServingPlan, routing: str, fuse_allgather: bool, hierarchical_rs: bool,
+def _routed(lay: ServingPlan, routing: str | None, fuse_allgather: bool, hierarchical_rs: bool,
             rs_micro_batches: int | None) -> ServingPlan:
     return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs,
                                rs_micro_batches=rs_micro_batches)
 
 
 def check_layout(config: Config, mesh) -> ServingPlan:
-    """The config's plan (layout, routing, flags) bound to `mesh`, or a ValueError naming the constraint it breaks
-    on `mesh` and the fix."""
-    lay = plan_of(config)
-    if lay.name == "single":
+    """The config's plan (layout, routing, flags) bound to `mesh` and checked against the model there
+    (`plan_of(config).bind(mesh, config)`), or a ValueError naming the constraint it breaks and the fix."""
+    return plan_of(config).bind(mesh, config)
+
+
+def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
+    """`plan` bound to `mesh` once checked against the model `config` there (`ServingPlan.bind`'s check)."""
+    lay = plan
+    if lay.layout == "single":
         return lay
     if mesh is None:
-        raise ValueError(f"layout {lay.name!r} needs a mesh: pass mesh=qwen35_lib.plan.make_mesh() (the devices "
+        raise ValueError(f"layout {lay.layout!r} needs a mesh: pass mesh=qwen35_lib.plan.make_mesh() (the devices "
                          "as ('chip', 'core'))")
     missing = set(AXES) - set(mesh.axis_names)
     if missing:
-        raise ValueError(f"layout {lay.name!r} needs mesh axes {AXES}; this mesh has {mesh.axis_names}: build it "
+        raise ValueError(f"layout {lay.layout!r} needs mesh axes {AXES}; this mesh has {mesh.axis_names}: build it "
                          "with qwen35_lib.plan.make_mesh()")
     n = axis_size(mesh, AXES)
     if lay.devices is not None and n != lay.devices:
-        raise ValueError(f"layout {lay.name!r} is the {lay.devices}-device instance of {lay.general!r}; this mesh has "
-                         f"{n} devices: use layout {lay.general!r} (its sizes come from the mesh)")
+        raise ValueError(f"layout {lay.layout!r} is the {lay.devices}-device instance of {lay.general!r}; this mesh "
+                         f"has {n} devices: use layout {lay.general!r} (its sizes come from the mesh)")
     lay = lay.bind(mesh)
     kv = axis_size(mesh, lay.axes("kv_heads"))
     heads = config.num_kv_heads * lay.kv_replication(config)
@@ -234,7 +244,7 @@ def check_layout(config: Config, mesh) -> ServingPlan:
         dp_ep, kvrep = ("dp8_ep8", "tp8_kvrep") if n == 8 else ("dp_ep", "tp_kvrep")
         raise ValueError(
             f"{config.num_kv_heads} KV heads cannot be split over {kv} devices of axes {lay.axes('kv_heads')} "
-            f"(layout {lay.name!r}: {config.num_kv_heads}/{kv} heads per device); use layout {dp_ep!r} or "
+            f"(layout {lay.layout!r}: {config.num_kv_heads}/{kv} heads per device); use layout {dp_ep!r} or "
             f"replicate KV heads with {kvrep!r} (each device then keeps the one its query heads read: "
             f"{kv // math.gcd(kv, config.num_kv_heads)}x the KV-cache memory of an even split)")
     if heads % kv:  # tp_kvrep that cannot duplicate evenly: KV heads whole on every device
@@ -247,17 +257,17 @@ def check_layout(config: Config, mesh) -> ServingPlan:
     tp = axis_size(mesh, lay.tp_axes)
     if lay.moe == "tp" and config.moe_ffn % tp:
         raise ValueError(f"expert FFN size {config.moe_ffn} cannot be split over {tp} devices (layout "
-                         f"{lay.name!r}); use an EP layout ('dp_ep')")
+                         f"{lay.layout!r}); use an EP layout ('dp_ep')")
     if lay.moe == "tp" and config.expert_dtype and (config.moe_ffn // config.fp8_block_size) % tp:
         raise ValueError(f"FP8 expert scales ({config.moe_ffn // config.fp8_block_size} blocks of "
                          f"{config.fp8_block_size} along the FFN) cannot be split over {tp} devices: use "
                          "expert_dtype=None or an EP layout ('dp_ep')")
-    if lay.moe == "ep" and (config.hierarchical_rs or config.fuse_allgather) and config.routing != "replicate":
+    if lay.moe == "ep" and (lay.hierarchical_rs or lay.fuse_allgather) and lay.routing != "replicate":
         raise ValueError("fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
-                         f"routing={config.routing!r}")
-    if lay.moe != "ep" and (config.hierarchical_rs or config.fuse_allgather):
+                         f"routing={lay.routing!r}")
+    if lay.moe != "ep" and (lay.hierarchical_rs or lay.fuse_allgather):
         raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; "
-                         f"layout {lay.name!r} is not one")
+                         f"layout {lay.layout!r} is not one")
     return lay
 
 

@@ -26,7 +26,7 @@ import functools
 from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
 from qwen35_lib.plan.kernels import FAMILIES
 from qwen35_lib.plan.mesh import abstract_mesh
-from qwen35_lib.plan.record import ServingPlan, check_layout, get_layout
+from qwen35_lib.plan.record import ServingPlan, get_layout
 
 STAGES: dict[str, ServingPlan] = {s.name: s for s in (
     ServingPlan("baseline", "tp8_kvrep"),
@@ -97,8 +97,8 @@ def any_stage(name: str | ServingPlan) -> ServingPlan:
 
 @functools.lru_cache(maxsize=1024)  # called for every simulated step; plans, configs are frozen
 def resolve_layout(stage: ServingPlan, config: Config, devices: int) -> ServingPlan:
-    """The stage bound to the mesh of `devices` devices, checked against the model by `check_layout` (the engine's
-    own check: KV heads that do not divide, experts that do not divide the EP size).
+    """The stage bound to the mesh of `devices` devices, checked against the model by `bind(mesh, config)` (the
+    engine's own check: KV heads that do not divide, experts that do not divide the EP size).
 
     One device is `single`, whatever the stage says; an 8-device instance runs as its general form on another
     device count (`dp8_ep8` on 4 devices is `dp_ep`: DP4 x EP4). The result is `stage` itself, bound: its
@@ -113,8 +113,7 @@ def resolve_layout(stage: ServingPlan, config: Config, devices: int) -> ServingP
     plan = stage
     if stage.devices is not None and stage.devices != devices:
         plan = dataclasses.replace(stage, layout=stage.general)
-    check_layout(plan.apply(config, "tpu"), mesh)  # kernels do not change the check; naming a backend
-    # keeps the cost model from starting one (libtpu's, where it is installed)
+    plan.bind(mesh, config)  # the engine's check, of the plan itself (its kernels do not change it)
     return plan.bind(mesh)
 
 
