@@ -44,7 +44,7 @@ test: $(STAMP) lint
 sweep: $(STAMP)
 	$(PY) -m qwen35_lib.aot sweep --json data/aot/tpu7x-8.json $(SWEEP_ARGS)
 
-# ruff, and the import layers of pyproject.toml's import-linter contract (config, weights -> kernels -> model ->
+# ruff, and the import layers of pyproject.toml's import-linter contract (config, plan, weights -> kernels -> model ->
 # parallel -> engine -> analysis -> apps: nothing imports a layer above its own).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check conftest.py qwen35_lib tests playbook notebooks

@@ -69,9 +69,9 @@ from qwen35_lib import data as data_files
 from qwen35_lib.costmodel import temporaries
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel import check_layout, get_layout, make_mesh
 from qwen35_lib.parallel.notation import notation, weight_notation
 from qwen35_lib.placement import placement, shard_bytes_per_device
+from qwen35_lib.plan import check_layout, get_layout, make_mesh
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 from qwen35_lib.viz.sharding_explorer import placement_figure, sharding_explorer

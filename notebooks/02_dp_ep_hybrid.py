@@ -70,11 +70,11 @@ from qwen35_lib.costmodel import StepShape, collective_counts
 from qwen35_lib.costmodel.traffic import step_collectives
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel import get_layout, hlo, make_mesh, shard_weights
+from qwen35_lib.parallel import hlo, shard_weights
 from qwen35_lib.parallel.notation import weight_notation
 from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
-from qwen35_lib.parallel.stages import get_stage
 from qwen35_lib.placement import fmt_range, placement
+from qwen35_lib.plan import get_layout, get_stage, make_mesh
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 from qwen35_lib.viz.sharding_explorer import placement_figure

@@ -74,11 +74,11 @@ from qwen35_lib import aot
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import specs as hw_specs
 from qwen35_lib.costmodel import traffic
-from qwen35_lib.costmodel.stages import resolve_layout
 from qwen35_lib.costmodel.step import expected_a2a_rows, op_comm
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel import ALL, hlo, make_mesh, plan_of, routing, shard_weights
+from qwen35_lib.parallel import hlo, routing, shard_weights
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, on_each_device, reduce_scatter
+from qwen35_lib.plan import ALL, make_mesh, plan_of, resolve_layout
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 

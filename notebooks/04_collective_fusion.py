@@ -71,11 +71,10 @@ from qwen35_lib.aot import hlo_checks
 from qwen35_lib.costmodel import specs as hw_specs
 from qwen35_lib.costmodel import traffic
 from qwen35_lib.model.moe import route
-from qwen35_lib.parallel import EIGHT, hlo, make_mesh, shard_weights
+from qwen35_lib.parallel import hlo, shard_weights
 from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter, reduce_scatter_ops
-from qwen35_lib.parallel.mesh import AXES
 from qwen35_lib.parallel.routing import moe_ep
-from qwen35_lib.parallel.stages import get_stage
+from qwen35_lib.plan import ALL, AXES, get_stage, make_mesh
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stage_gain import gain_table, stage_gain
 
@@ -181,7 +180,7 @@ x = np.broadcast_to(blocks[:, None], (N, D)) * np.ones((8, 1, 1), np.float32)  #
 
 per_device = lambda fn: on_each_device(fn, x, mesh)  # [8, N / 8, D]: fn(x[i]) on device i
 
-flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
+flat = per_device(lambda v: jax.lax.psum_scatter(v, ALL, scatter_dimension=0, tiled=True))
 naive = per_device(lambda v: jax.lax.psum_scatter(jax.lax.psum_scatter(v, "core", scatter_dimension=0, tiled=True),
                                                   "chip", scatter_dimension=0, tiled=True))
 hier = per_device(lambda v: reduce_scatter(v, hierarchical=True, micro_batches=2))
@@ -200,7 +199,7 @@ print("hierarchical_rs:         ", block_of(hier))
 assert block_of(flat) == list(range(8)) and block_of(hier) == list(range(8))
 assert block_of(naive) == [4 * j + c for c in range(4) for j in range(2)]
 x = np.random.default_rng(0).standard_normal((8, N, D)).astype(np.float32)
-flat = per_device(lambda v: jax.lax.psum_scatter(v, EIGHT, scatter_dimension=0, tiled=True))
+flat = per_device(lambda v: jax.lax.psum_scatter(v, ALL, scatter_dimension=0, tiled=True))
 for m in (1, 2, 4):
     np.testing.assert_allclose(per_device(lambda v, m=m: reduce_scatter(v, True, m)), flat, rtol=1e-5, atol=1e-6)
 print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")

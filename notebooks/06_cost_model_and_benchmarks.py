@@ -67,8 +67,9 @@ from IPython.display import display
 
 import qwen35_lib
 from qwen35_lib import costmodel, data
+from qwen35_lib.aot import validate as aot_validate
 from qwen35_lib.costmodel import collectives, cpu_bench, ops, sensitivity, specs, validate  # noqa: F401 (exercises)
-from qwen35_lib.costmodel.stages import STAGES
+from qwen35_lib.plan import STAGES
 from qwen35_lib.viz import costmodel as viz
 
 cfg = costmodel.serving_model("qwen3.5-397b-a17b")  # FP8 (e4m3, block-scaled) experts, bf16 GDN state
@@ -318,7 +319,7 @@ if bench:
 # %%
 aot_rows = []
 if importlib.util.find_spec("libtpu") is not None:  # in a child process: a compiler crash is reported, not fatal
-    live = validate.aot_forward_isolated("qwen3.5-mini", 4, 2, 64)
+    live = aot_validate.aot_forward_isolated("qwen3.5-mini", 4, 2, 64)
     print(f"qwen3.5-mini x4 (this run): {live['error']}" if "error" in live else "qwen3.5-mini x4 compiled")
     aot_rows += [live] if "error" not in live else []
 else:
@@ -555,7 +556,7 @@ notebook.save_results("costmodel", record)
 #    </details>
 #
 # 5. **[Baseline]** Give the baseline Pallas kernels but keep its layout: `costmodel.predict(cfg, "tpu7x-8",
-#    costmodel.stages.custom_stage("tp8_kvrep", kernels="pallas"), 8192, 1024, 512)`. How much of the ladder's gain
+#    qwen35_lib.plan.custom_stage("tp8_kvrep", kernels="pallas"), 8192, 1024, 512)`. How much of the ladder's gain
 #    does that recover, and what does the remaining gap come from?
 #    <details><summary>Answer</summary>
 #

@@ -71,8 +71,8 @@ from qwen35_lib import data
 from qwen35_lib.aot.sweep import serving_config
 from qwen35_lib.checkpoint import load_hf_checkpoint
 from qwen35_lib.costmodel import predict
-from qwen35_lib.parallel import make_mesh
 from qwen35_lib.placement import placement
+from qwen35_lib.plan import make_mesh
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stats import model_stats
 

@@ -61,8 +61,7 @@ import matplotlib.pyplot as plt
 
 from qwen35_lib import data, recipe
 from qwen35_lib.costmodel import predict
-from qwen35_lib.parallel import make_mesh
-from qwen35_lib.parallel.stages import LADDER, get_stage
+from qwen35_lib.plan import LADDER, get_stage, make_mesh
 
 # %% [markdown]
 # ## 1. Each stage as tpu-inference settings

@@ -72,7 +72,7 @@ def sharding_grid(model: str = MODEL, **grid) -> dict:
     devices[devices]; collectives {devices|layout|routing|requests|context: step_collectives' table, or
     {"error": text index}}; hardware {name: devices, usable bytes per device, mesh}; texts: the strings.
     """
-    from qwen35_lib.parallel.plan import get_layout
+    from qwen35_lib.plan import get_layout
 
     g = {**SHARDING, **grid}
     memory, collectives, systems, texts = {}, {}, {}, {}
@@ -104,8 +104,8 @@ def sharding_grid(model: str = MODEL, **grid) -> dict:
 
 def ladder_grid(model: str = MODEL, **grid) -> dict:
     """points {workload|concurrency: [one row per stage]} of `costmodel.ladder`; `grid` overrides LADDER's."""
-    from qwen35_lib.costmodel import LADDER as STAGES
     from qwen35_lib.costmodel import ladder
+    from qwen35_lib.plan import LADDER as STAGES
 
     g = {**LADDER, **grid}
     keep = ("stage", "fits", "total_tokens_per_s", "output_tokens_per_s", "mean_step_s", "median_tpot_s", "gain",
@@ -131,11 +131,11 @@ def page_body(sharding: dict, ladder: dict, seconds: float) -> str:
 
 def write_page(out: pathlib.Path, sharding: dict | None = None, ladder: dict | None = None) -> pathlib.Path:
     """Compute the grids (`sharding`, `ladder`: axis overrides) and write `<out>/explorer.html`; returns its path."""
-    from playbook import site
+    from playbook.page import Page, nav, page_html
 
     body = _body(json.dumps(sharding or {}), json.dumps(ladder or {}))
     path = pathlib.Path(out) / FILE
-    path.write_text(site.page_html(TITLE, body, site.nav([site.Page(FILE, TITLE)], 0)), encoding="utf-8")
+    path.write_text(page_html(TITLE, body, nav([Page(FILE, TITLE)], 0)), encoding="utf-8")
     return path
 
 

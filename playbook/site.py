@@ -7,34 +7,23 @@ its executed notebook, then `conclusion`, then the results page. Every page has 
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import pathlib
 import re
 import shutil
-import string
 import time
 from typing import Any
 
 from playbook import COLAB_URL, GITHUB_REPO, explorer, facts
+from playbook.page import Page, nav, page_html
 from playbook.results import PlaceholderError, Results, Value, flatten, format_value
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHAPTERS = HERE / "chapters"
 FRONT = ("introduction", "primer")  # the pages before the steps, in order
-TEMPLATE = string.Template((HERE / "templates" / "page.html").read_text())
 SOURCE_URL = "https://github.com/{repo}/blob/main/{path}"
 SOURCE = re.compile(r"\{\{\s*source:\s*([\w./\-]+)\s*\}\}")  # {{ source: qwen35_lib/parallel }}: a link to the code
 RAW_TAG = re.compile(r"&lt;/?[a-zA-Z][\w-]*(?:\s[^<>]*?)?/?&gt;")  # an HTML tag escaped into the page's text
-
-
-@dataclasses.dataclass
-class Page:
-    file: str  # the page's file name in the site
-    title: str
-    step: str = ""  # "00".."06" for a step's chapter and notebook pages
-    source: pathlib.Path | None = None  # a chapter's markdown
-    entry: dict[str, Any] | None = None  # a notebook's entry of results.json
 
 
 def chapter_paths() -> list[pathlib.Path]:
@@ -68,17 +57,6 @@ def reading_order(chapters: list[pathlib.Path], entries: list[dict[str, Any]]) -
     pages += [chapter(p) for p in chapters if p.stem == "conclusion"]
     pages.append(Page("results.html", "Results of this build"))
     return pages
-
-
-def nav(pages: list[Page], i: int) -> str:
-    def link(j: int, cls: str, arrow: str) -> str:
-        if not 0 <= j < len(pages):
-            return f'<span class="{cls}"></span>'
-        text = f"{arrow} {pages[j].title}" if arrow == "←" else f"{pages[j].title} {arrow}"
-        return f'<span class="{cls}"><a href="{pages[j].file}">{html.escape(text)}</a></span>'
-
-    return (f'<nav class="pb-nav">{link(i - 1, "pb-prev", "←")}<a href="index.html">Contents</a>'
-            f'{link(i + 1, "pb-next", "→")}</nav>')
 
 
 def render_markdown(text: str) -> str:
@@ -165,10 +143,6 @@ def index_body(pages: list[Page], build: dict[str, Any]) -> str:
             f"<p>Built {html.escape(build['date'])} on {html.escape(build['machine'])} with Python "
             f"{build['python']} and JAX {build['jax']}: {ok} of {len(entries)} notebooks ran, at the size this "
             "hardware allows.</p>")
-
-
-def page_html(title: str, body: str, navigation: str) -> str:
-    return TEMPLATE.substitute(title=html.escape(title), nav=navigation, body=body)
 
 
 def add_nav_to_notebook(path: pathlib.Path, navigation: str) -> None:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
-from qwen35_lib.parallel.plan import get_layout
+from qwen35_lib.plan import get_layout
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import abstract_weights, declare, is_info
 

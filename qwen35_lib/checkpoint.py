@@ -73,7 +73,8 @@ def sharded_place(config: Config, mesh) -> Place:
     twin of the sliced load (`load_hf_checkpoint(..., mesh=)`), which never builds a whole leaf."""
     from jax.sharding import NamedSharding
 
-    from qwen35_lib.parallel.layouts import check_layout, spec
+    from qwen35_lib.parallel.layouts import spec
+    from qwen35_lib.plan import check_layout
 
     layout = check_layout(config, mesh)
 
@@ -192,7 +193,8 @@ def _load_whole(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: dic
 def _shardings(config: Config, mesh, infos: dict[Path, ArrayInfo]) -> dict[Path, Any]:
     from jax.sharding import NamedSharding
 
-    from qwen35_lib.parallel.layouts import check_layout, spec
+    from qwen35_lib.parallel.layouts import spec
+    from qwen35_lib.plan import check_layout
 
     layout = check_layout(config, mesh)
     return {p: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)) for p, i in infos.items()}

@@ -6,12 +6,13 @@ the input lives in the engine and the loader, whose errors `__main__` prints as 
 (`qwen35_lib.cli_errors`). `--no-check-weights` turns off the loader's check that every weight is finite, where
 the loader has one (its `check_finite` keyword).
 
-`--layout` (with `--routing`, `--fuse-allgather`, `--hierarchical-rs`) other than `single` runs the engine on the
-`('chip', 'core')` mesh of `--devices N` devices (default `$QWEN35_DEVICES`, else 8; the 8-device names `tp8`,
-`tp8_kvrep`, `dp4_tp2_ep8`, `dp8_ep8` need 8, the general `tp`, `tp_kvrep`, `dp_tp2_ep`, `dp_ep` take any count):
-the combination is checked first (`check_layout` on an abstract mesh, so a bad one fails before any device or
-weight is touched); on CPU, that many simulated devices are made when the user set no device count and no backend
-runs yet; a checkpoint loads straight into its shards.
+The plan flags are `qwen35_lib.plan.cli`'s, as every command that takes a plan has them: `--layout` (with
+`--routing`, `--fuse-allgather`, `--hierarchical-rs`) other than `single` runs the engine on the `('chip', 'core')`
+mesh of `--devices N` devices (default `$QWEN35_DEVICES`, else every device present for the general `tp`,
+`tp_kvrep`, `dp_tp2_ep`, `dp_ep`, and 8 for the 8-device names `tp8`, `tp8_kvrep`, `dp4_tp2_ep8`, `dp8_ep8`); on
+CPU, simulated devices are made (that many, else 8) when the user set no device count and no backend runs yet.
+The combination is checked against the model on that mesh (`check_layout`) before any weight is touched; a
+checkpoint loads straight into its shards.
 
 With `--json`, stdout holds exactly one JSON document:
     {"requests": [{"prompt_ids": [...], "output_ids": [...], "finish_reason": "length" | "eos", "text"?}, ...],
@@ -30,7 +31,8 @@ import sys
 import time
 from typing import Any
 
-from qwen35_lib.config import LAYOUTS, PRESETS, ROUTINGS
+from qwen35_lib.config import PRESETS
+from qwen35_lib.plan import cli as plan_cli
 
 RANDOM_WEIGHTS_SEED = 0
 MESH_DEVICES = 8  # the 8-device layouts' ('chip': 4, 'core': 2) mesh (`--devices` / $QWEN35_DEVICES change it)
@@ -63,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="sampling seed (each token: fold_in(seed, position))")
     smp.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     eng = p.add_argument_group("engine")
-    add_layout_options(eng)
+    plan_cli.add_arguments(eng)
     eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="sequences running at once (8)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=128, metavar="N", help="new tokens per step (128)")
     eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
@@ -73,24 +75,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
                                                     "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
     p.set_defaults(run=run)
-
-
-def add_layout_options(eng: argparse._ArgumentGroup, what: str = "") -> None:
-    """--layout, --devices, --routing, --fuse-allgather, --hierarchical-rs (generate and serve)."""
-    eng.add_argument("--layout", choices=LAYOUTS, default="single",
-                     help=f"{what}how the model is split over the ('chip', 'core') mesh (default: single, one device): "
-                          "tp8, tp8_kvrep, dp4_tp2_ep8, dp8_ep8 on 8 devices, or the general tp, tp_kvrep, dp_tp2_ep, "
-                          "dp_ep on --devices; on CPU, simulated devices are made when needed")
-    eng.add_argument("--devices", type=int, metavar="N",
-                     help="devices of the mesh for a multi-device layout: 1 or an even count (default "
-                          "$QWEN35_DEVICES, else 8)")
-    eng.add_argument("--routing", choices=ROUTINGS, default="replicate",
-                     help="MoE token routing of the EP layouts (dp_tp2_ep, dp_ep and their 8-device names; "
-                          "default: replicate)")
-    eng.add_argument("--fuse-allgather", action="store_true",
-                     help="replicate routing: top-k ids and weights in one all-gather")
-    eng.add_argument("--hierarchical-rs", action="store_true",
-                     help="replicate routing: reduce-scatter within each chip, then across chips")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -197,9 +181,7 @@ def run(args: argparse.Namespace) -> int:
     shape = from_hf_config(root) if root else get_config(args.model or "qwen3.5-tiny")  # config.json only
     for p in prompts:
         validate_request(shape, ec, p, params)
-    split = _split_options(args)
-    check_split(shape.replace(**split), args.devices)
-    mesh = layout_mesh(args.devices) if args.layout != "single" else None
+    split, mesh = plan_split(args, shape)
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
@@ -245,50 +227,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split_options(args: argparse.Namespace) -> dict:
-    return dict(layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
-                hierarchical_rs=args.hierarchical_rs)
+def plan_split(args: argparse.Namespace, shape: Any) -> tuple[dict, Any]:
+    """The plan flags as Config fields, and the mesh they run on (None for `single`), checked against the model
+    `shape` on that mesh (`check_layout`: the constraint and the fix) before any weight is loaded."""
+    from qwen35_lib.plan import check_layout
+
+    plan = plan_cli.from_args(args)
+    split = plan_cli.config_fields(plan)
+    if plan.layout == "single":
+        return split, None
+    mesh = layout_mesh(plan_cli.requested_devices(args), plan.layout)
+    check_layout(shape.replace(**split), mesh)
+    return split, mesh
 
 
-def check_split(config: Any, devices: int | None = None) -> None:
-    """`check_layout`'s error for the config's layout, routing and flags on the mesh of `devices` (default
-    `mesh_device_count()`), checked on an abstract mesh (no devices needed), before any weights are loaded."""
-    from jax.sharding import AbstractMesh
-
-    from qwen35_lib.devices import mesh_device_count
-    from qwen35_lib.parallel.layouts import check_layout
-    from qwen35_lib.parallel.mesh import AXES
-
-    if config.layout == "single" and (config.fuse_allgather or config.hierarchical_rs):
-        raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
-                         "--routing replicate; layout 'single' has no collectives")
-    if config.layout == "single":
-        return
-    n = mesh_device_count(devices)
-    check_layout(config, AbstractMesh((max(1, n // 2), min(2, n)), AXES))
-
-
-def layout_mesh(devices: int | None = None) -> Any:
-    """The ('chip', 'core') mesh over the first `devices` devices (default `mesh_device_count()`: 8 unless
-    $QWEN35_DEVICES says otherwise). On CPU, when no device count was asked for and no backend is running yet,
-    that many simulated CPU devices are made (`jax_num_cpu_devices`)."""
+def layout_mesh(devices: int | None = None, layout: str | None = None) -> Any:
+    """The ('chip', 'core') mesh over the first `devices` devices; default: every device present for a general
+    `layout`, 8 for an 8-device name (or no layout named). On CPU, when no device count was set and no backend is
+    running yet, `devices` (else 8) simulated CPU devices are made first (`jax_num_cpu_devices`)."""
     import os
 
     import jax
 
-    from qwen35_lib.devices import mesh_device_count, simulate_cpu_devices
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.devices import DEFAULT_DEVICES, simulate_cpu_devices
+    from qwen35_lib.plan import get_layout, make_mesh
 
-    n = mesh_device_count(devices)
+    want = devices or (None if layout and get_layout(layout).devices is None else DEFAULT_DEVICES)
     forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if not forced and jax.config.jax_num_cpu_devices < 0:
-        simulate_cpu_devices(n)  # only the CPU backend reads it; no-op once a backend runs
+        simulate_cpu_devices(want or DEFAULT_DEVICES)  # only the CPU backend reads it; no-op once a backend runs
     present = jax.devices()
+    n = want or len(present)
     if len(present) < n:
         raise ValueError(f"the layout needs {n} devices as ('chip', 'core'); this {present[0].platform} backend has "
                          f"{len(present)}. On CPU, run with XLA_FLAGS=--xla_force_host_platform_device_count={n} (or "
-                         f"JAX_NUM_CPU_DEVICES={n}), or pass --devices {len(present)} with a general layout, or "
-                         "use --layout single")
+                         f"JAX_NUM_CPU_DEVICES={n}), or use a general layout (it takes every device present, or "
+                         "--devices N), or use --layout single")
     return make_mesh(present[:n])
 
 

@@ -22,7 +22,7 @@ FULL = "full_attention"  # a gated GQA attention layer
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = ("float32", "bfloat16")
 EXPERT_DTYPES = (None, "float8_e4m3fn")
-# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.parallel.plan
+# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.plan
 LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp", "tp_kvrep", "dp_tp2_ep", "dp_ep")
 ROUTINGS = ("replicate", "all_to_all")
 
@@ -177,7 +177,8 @@ def _check_types(config: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Presets. Sources: ../shared/reference/qwen35_architecture.md section 1.
+# Presets. Sources: each checkpoint's config.json (text_config) on the Hugging Face Hub, and HF transformers'
+# configuration_qwen3_5_moe.py / configuration_qwen3_next.py for the fields they leave at their defaults.
 PRESETS: dict[str, Config] = {}
 
 

@@ -9,8 +9,9 @@ deadlock is then caught by the caller's own timeout (pytest-timeout in the tests
     from qwen35_lib.devices import simulate_cpu_devices
     simulate_cpu_devices(8)  # before JAX starts a backend; importing jax is fine
 
-How many devices a multi-device layout runs on (the CLIs' `--devices N`, else `$QWEN35_DEVICES`, else 8, the
-TPU7x-8's count): `mesh_device_count`. The 8-device layout names need 8; the general ones take any count.
+How many devices a multi-device layout runs on is the plan flags' to say (`qwen35_lib.plan.cli`: `--devices N`,
+else `$QWEN35_DEVICES`, else every device present for a general layout and 8, a TPU7x-8's count, for an 8-device
+name); `DEFAULT_DEVICES` is how many simulated CPU devices a command makes when nothing else says.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 
 DEFAULT_DEVICES = 8  # a TPU7x-8: 4 chips x 2 TensorCores
-DEVICES_ENV = "QWEN35_DEVICES"
 
 PATIENT_COLLECTIVES = {  # XLA_FLAGS names of this jaxlib -> seconds
     "xla_cpu_collective_call_warn_stuck_timeout_seconds": 300,
@@ -51,16 +51,3 @@ def simulate_cpu_devices(count: int = 8) -> bool:
     patient_collectives()
     jax.config.update("jax_num_cpu_devices", count)
     return True
-
-
-def mesh_device_count(requested: int | None = None) -> int:
-    """Devices for a multi-device layout: `requested`, else `$QWEN35_DEVICES`, else 8; 1 or an even count."""
-    if requested is None:
-        env = os.environ.get(DEVICES_ENV, "").strip()
-        try:
-            requested = int(env) if env else DEFAULT_DEVICES
-        except ValueError:
-            raise ValueError(f"${DEVICES_ENV}={env!r} is not a device count: set it to 1, 2, 4, 8, ...") from None
-    if requested < 1 or (requested > 1 and requested % 2):
-        raise ValueError(f"{requested} devices do not form whole chips of 2 TensorCores: use 1 or an even count")
-    return requested

@@ -6,7 +6,7 @@ against the device's HBM. Everything is read from the same rules that shard the 
 the `ArrayInfo` declarations of `weights.declare` and `engine.cache.declare_cache`), so the bytes here are the
 bytes `shard_weights` puts on a device (tested against real shards at CPU size).
 
-The mesh is a `jax.sharding.AbstractMesh` of sizes `(devices // 2, 2)`: only axis names and sizes are needed.
+The mesh is `plan.abstract_mesh(devices)`, sizes `(devices // 2, 2)`: only axis names and sizes are needed.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
 from qwen35_lib.engine.cache import CacheShape, declare_cache
-from qwen35_lib.parallel.layouts import Layout, check_layout, get_layout, spec
-from qwen35_lib.parallel.mesh import AXES, axis_size
+from qwen35_lib.parallel.layouts import spec
+from qwen35_lib.plan import AXES, ServingPlan, abstract_mesh, axis_size, check_layout, get_layout
 from qwen35_lib.weights import ArrayInfo, declare, is_info
 
 GiB = 2**30
@@ -145,7 +144,7 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     if devices < 1 or (devices > 1 and devices % 2):
         raise ValueError(f"devices={devices}: use 1 or an even count (chips of 2 TensorCores)")
     config = config.replace(layout=layout)
-    mesh = AbstractMesh((max(devices // 2, 1), min(devices, 2)), AXES)  # [chips, cores]
+    mesh = abstract_mesh(devices)  # [chips, cores]
     problem = why = None
     try:
         check_layout(config, mesh)
@@ -234,7 +233,7 @@ def _names(axes) -> tuple[str, ...]:
     return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
 
 
-def _shards(lay: Layout, mesh, info: ArrayInfo) -> int:
+def _shards(lay: ServingPlan, mesh, info: ArrayInfo) -> int:
     return math.prod(axis_size(mesh, e) for e in spec(lay, mesh, info.logical_axes, info.shape) if e is not None)
 
 
@@ -250,21 +249,21 @@ def _index(names: tuple[str, ...], mesh, coords: dict[str, int]) -> int:
     return idx
 
 
-def _dim_axes(lay: Layout, mesh, info: ArrayInfo, logical: str) -> tuple[int, tuple[str, ...]]:
+def _dim_axes(lay: ServingPlan, mesh, info: ArrayInfo, logical: str) -> tuple[int, tuple[str, ...]]:
     """(size, mesh axes it is split over: () = replicated) of `info`'s `logical` dim under the layout."""
     dim = info.logical_axes.index(logical)
     entry = spec(lay, mesh, info.logical_axes, info.shape)[dim]
     return info.shape[dim], _names(entry)
 
 
-def _block(lay: Layout, mesh, info: ArrayInfo, logical: str, coords: dict[str, int]) -> range:
+def _block(lay: ServingPlan, mesh, info: ArrayInfo, logical: str, coords: dict[str, int]) -> range:
     n, names = _dim_axes(lay, mesh, info, logical)
     size = n // axis_size(mesh, names) if names else n
     start = _index(names, mesh, coords) * size
     return range(start, start + size)
 
 
-def _how(lay: Layout, mesh, info: ArrayInfo, logical: str) -> str:
+def _how(lay: ServingPlan, mesh, info: ArrayInfo, logical: str) -> str:
     n, names = _dim_axes(lay, mesh, info, logical)
     if names:
         k = axis_size(mesh, names)
@@ -275,7 +274,7 @@ def _how(lay: Layout, mesh, info: ArrayInfo, logical: str) -> str:
     return f"whole on every device ({lay.name} does not split {logical})"
 
 
-def _not_divided(lay: Layout, mesh, leaves) -> tuple[str, ...]:
+def _not_divided(lay: ServingPlan, mesh, leaves) -> tuple[str, ...]:
     """For each logical axis the layout maps but a leaf cannot split: sizes, and the extra bytes per device."""
     found: dict[str, tuple[set[int], int, int]] = {}  # logical -> (sizes, mesh size, extra bytes per device)
     for _, info in leaves:

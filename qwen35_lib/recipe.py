@@ -286,7 +286,7 @@ def _port(value: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from qwen35_lib.costmodel.stages import STAGES
+    from qwen35_lib.plan import STAGES
 
     p = sub.add_parser("recipe", help="a stage as tpu-inference / sglang-jax settings; the workloads as vllm bench "
                                       "serve commands; vllm bench results beside the cost model",

@@ -31,7 +31,7 @@ KEPT = ("total_tokens_per_s", "output_tokens_per_s", "median_ttft_s", "median_tp
 
 def previous_stage(stage: str) -> str | None:
     """The stage before `stage` in the ladder (None for the first)."""
-    from qwen35_lib.costmodel import LADDER
+    from qwen35_lib.plan import LADDER
 
     if stage not in LADDER:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(LADDER)}")
@@ -103,8 +103,8 @@ def expert_bytes(stage: str, requests: int = 512, model: str = "qwen3.5-397b-a17
     3. W over the device's expert parameters (local experts x 3 D F, the FFN split under a TP MoE)."""
     from qwen35_lib.costmodel import ops, serving_model, specs
     from qwen35_lib.costmodel.experts import expected_distinct
-    from qwen35_lib.costmodel.stages import any_stage
     from qwen35_lib.costmodel.step import placement
+    from qwen35_lib.plan import any_stage
 
     cfg, sp = serving_model(model), specs.get(hardware)
     pl = placement(cfg, sp, any_stage(stage))

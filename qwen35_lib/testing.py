@@ -35,10 +35,10 @@ import ml_dtypes
 import numpy as np
 
 from qwen35_lib import safetensors_io
+from qwen35_lib.weights import FP8_MAX
 
 FORMS = ("per_expert", "fused", "language_model", "sharded", "fp8", "fp8_dequantized")
 FP8_BLOCK = 16  # tiny shapes get several blocks per matrix, and partial ones (in_proj_b/a: 4 rows)
-FP8_MAX = 448.0  # largest float8_e4m3fn
 # Norm and decay parameters that HF initialises to constants (0 or 1); make_hf_model perturbs them.
 PERTURBED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
              "model.norm.weight", "linear_attn.norm.weight", "A_log", "dt_bias")

@@ -479,7 +479,7 @@ def test_nonfinite_fp8_scale_and_sharded_leaves(ckpts, tmp_path):
     path = _edited(src, tmp_path / "scale", add={scale: s})
     with pytest.raises(CheckpointError, match=rf"1 tensors hold NaN or Inf values: {re.escape(scale)} \(leaves "):
         load_hf_checkpoint(path)
-    from qwen35_lib.parallel import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     name = "model.layers.1.mlp.experts.5.up_proj.weight"
     src = ckpts("qwen3_5_moe", "per_expert")
@@ -666,7 +666,8 @@ def test_load_straight_into_shards(ckpts, layout, fp8):
     import jax
 
     from qwen35_lib import forward
-    from qwen35_lib.parallel import make_mesh, weight_shardings
+    from qwen35_lib.parallel import weight_shardings
+    from qwen35_lib.plan import make_mesh
 
     path = ckpts("qwen3_5_moe", "fp8")
     mesh = make_mesh()

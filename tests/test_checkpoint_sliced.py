@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 
 from qwen35_lib import testing  # noqa: E402
 from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint, sharded_place  # noqa: E402
-from qwen35_lib.parallel import make_mesh  # noqa: E402
+from qwen35_lib.plan import make_mesh  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.filterwarnings("ignore:.*falling back:UserWarning")]
 MiB = 2 ** 20
@@ -55,7 +55,7 @@ import jax
 from qwen35_lib import safetensors_io
 from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint, sharded_place
 from qwen35_lib.config import from_hf_config, read_json
-from qwen35_lib.parallel import make_mesh
+from qwen35_lib.plan import make_mesh
 
 mesh = make_mesh()
 

@@ -65,3 +65,11 @@ def test_cli_general_layout_on_the_first_devices(layout, devices, single_tokens,
 def test_cli_eight_device_name_on_another_count_names_the_general_one(capsys):
     assert main(["generate", "--prompt-ids", "1", "--layout", "dp8_ep8", "--devices", "4"]) == 2
     assert "use layout 'dp_ep'" in capsys.readouterr().err
+
+
+def test_cli_general_layout_takes_every_device_present(single_tokens):
+    """A general layout on a backend of 4 devices runs on all 4 without --devices (issue 32, item 3)."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    doc = _subprocess("--layout", "dp_ep", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip())
+    assert doc["devices"] == 4 and doc["engine"]["ranks"] == 4
+    assert [r["output_ids"] for r in doc["requests"]] == single_tokens

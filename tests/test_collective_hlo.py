@@ -26,8 +26,7 @@ from qwen35_lib.config import get_config
 from qwen35_lib.costmodel import specs, step, traffic
 from qwen35_lib.engine.cache import CacheShape
 from qwen35_lib.parallel import hlo
-from qwen35_lib.parallel.mesh import ALL, make_mesh
-from qwen35_lib.parallel.stages import LADDER, STAGES
+from qwen35_lib.plan import ALL, LADDER, STAGES, make_mesh
 
 MINI = get_config("qwen3.5-mini")
 REQUESTS, CONTEXT, PAGE = 64, 128, 16  # compile_step's pools: 64 requests of 128 tokens, pages of 16

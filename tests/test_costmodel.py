@@ -15,8 +15,8 @@ import pytest
 from qwen35_lib import costmodel, get_config, model_stats
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import experts, ops, specs
-from qwen35_lib.costmodel.stages import STAGES, Stage
 from qwen35_lib.costmodel.step import step_time
+from qwen35_lib.plan import STAGES, ServingPlan
 
 GB = 1e9
 
@@ -137,7 +137,7 @@ def test_predict_contract_and_fit():
     small = costmodel.predict("qwen3.5-397b-a17b", "v6e-8", "kernels", 1024, 1024, 64)
     assert not small["fits"] and "weights need" in small["reason"]
     with pytest.raises(ValueError, match="KV heads cannot be split"):
-        costmodel.predict(stage=Stage("naive", "tp8"), isl=1024, osl=1024, concurrency=8)
+        costmodel.predict(stage=ServingPlan("naive", "tp8"), isl=1024, osl=1024, concurrency=8)
 
 
 def test_cli_predict_json():

@@ -15,6 +15,7 @@ from qwen35_lib import costmodel
 from qwen35_lib.costmodel import assumptions, schedule
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.ops import Batch
+from qwen35_lib.plan import LADDER
 
 SMALL = dict(isl=1024, osl=256, concurrency=16, roofline=False)
 
@@ -136,7 +137,7 @@ def test_cli_explain_json_gives_the_breakdown_the_band_and_every_assumption():
 @pytest.mark.parametrize("isl", [8192, 1024])
 def test_one_token_budget_for_every_stage(isl):
     """The slice's token budget is the recipe's (8 x max(ISL / 8, 1024)) under every stage, TP or DP."""
-    for stage in (*costmodel.LADDER, "google_baseline"):
+    for stage in (*LADDER, "google_baseline"):
         r = costmodel.predict(stage=stage, isl=isl, osl=256, concurrency=8, roofline=False, mechanisms="off")
         assert r["max_batched_tokens_per_rank"] * r["dp"] == 8 * max(isl // 8, 1024), stage
 
@@ -171,8 +172,8 @@ def test_a_rescaled_band_end_equals_the_step_timed_again(name):
     XLA stage, below and above the one-hot threshold."""
     from qwen35_lib.costmodel import specs as specs_lib
     from qwen35_lib.costmodel.predict import serving_model
-    from qwen35_lib.costmodel.stages import any_stage
     from qwen35_lib.costmodel.step import retimed, step_time
+    from qwen35_lib.plan import any_stage
 
     cfg, sp, nom = serving_model(), specs_lib.get("tpu7x-8"), Mechanisms.nominal()
     rec = assumptions.records()[name]

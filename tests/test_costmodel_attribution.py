@@ -9,7 +9,7 @@ import math
 import pytest
 
 from qwen35_lib.costmodel import attribution as attr
-from qwen35_lib.costmodel.stages import any_stage, get_stage
+from qwen35_lib.plan import any_stage, get_stage
 
 # made-up throughputs (tokens/s) per plan name and workload: the arithmetic is checked on these, no predict run
 RATES = {"baseline": (10.0, 4.0), "google_baseline": (30.0, 12.0), "hier_rs": (12.0, 3.5), "kernels": (48.0, 14.0),

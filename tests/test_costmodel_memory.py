@@ -11,7 +11,7 @@ import pytest
 from qwen35_lib import data
 from qwen35_lib.aot import sweep
 from qwen35_lib.costmodel import specs
-from qwen35_lib.parallel.stages import get_stage
+from qwen35_lib.plan import get_stage
 
 predict = importlib.import_module("qwen35_lib.costmodel.predict")
 FILES = sorted(p.name for p in data.path("aot").iterdir() if p.suffix == ".json")

@@ -54,8 +54,8 @@ def test_onehot_permute_below_the_threshold_sparsecore_gather_above():
 
 def test_the_step_model_charges_the_layer_for_the_pallas_stages_only():
     from qwen35_lib.costmodel.ops import Batch
-    from qwen35_lib.costmodel.stages import any_stage
     from qwen35_lib.costmodel.step import step_time
+    from qwen35_lib.plan import any_stage
 
     cfg, sp, mech = serving_model(), specs_lib.get("tpu7x-8"), Mechanisms.nominal()
     b = Batch(prefill_tokens=2048, prefill_seqs=2, max_ctx=1024)

@@ -16,8 +16,7 @@ from qwen35_lib.aot import sweep
 from qwen35_lib.config import get_config
 from qwen35_lib.costmodel import temporaries, traffic
 from qwen35_lib.engine.cache import CacheShape
-from qwen35_lib.parallel.mesh import AXES
-from qwen35_lib.parallel.stages import get_stage, stage_config
+from qwen35_lib.plan import AXES, get_stage, stage_config
 
 DOC = data.read_json("aot/tpu7x-8.json")
 MIXED = pytest.mark.xfail(strict=True, reason="the mixed step's MoE row buffers: estimate 4.3 GB, compile 5.83 GB "

@@ -14,7 +14,7 @@ from qwen35_lib import get_config, init_weights
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine import cache as cache_module
 from qwen35_lib.engine.cache import CacheShape, device_cache_bytes, memory_shortfall
-from qwen35_lib.parallel import make_mesh
+from qwen35_lib.plan import make_mesh
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, page_size=8, max_model_len=64)
 

@@ -16,10 +16,10 @@ from widgets import by_label  # noqa: E402
 
 from playbook import explorer  # noqa: E402
 from qwen35_lib.config import get_config  # noqa: E402
-from qwen35_lib.costmodel import LADDER, predict, traffic  # noqa: E402
+from qwen35_lib.costmodel import predict, traffic  # noqa: E402
 from qwen35_lib.costmodel.predict import token_budget  # noqa: E402
-from qwen35_lib.costmodel.stages import custom_stage, resolve_layout  # noqa: E402
 from qwen35_lib.placement import placement  # noqa: E402
+from qwen35_lib.plan import LADDER, custom_stage, resolve_layout  # noqa: E402
 from qwen35_lib.viz import costmodel as viz_cm  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import sharding_explorer, step_collectives  # noqa: E402
 

@@ -175,7 +175,7 @@ def test_moe_block_with_pallas_kernels_matches_dense(tiny_moe):
 def test_moe_block_expert_parallel_with_pallas_kernels(tiny_moe):
     # dp8_ep8 + replicate on the 8 CPU devices: each device runs its local experts (the other copies form a trailing
     # group of rows past the sum) inside shard_map (check_vma off: the plain interpreter, see parallel.routing).
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     cfg, w = tiny_moe
     x = jax.random.normal(jax.random.key(6), (16, cfg.hidden_size))

@@ -7,9 +7,9 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import get_config
-from qwen35_lib.parallel import make_mesh, weight_shardings
-from qwen35_lib.parallel.mesh import ALL
+from qwen35_lib.parallel import weight_shardings
 from qwen35_lib.parallel.notation import notation, weight_notation
+from qwen35_lib.plan import ALL, make_mesh
 
 MINI = get_config("qwen3.5-mini")
 

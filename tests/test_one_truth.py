@@ -10,40 +10,34 @@ import pytest
 
 from qwen35_lib import config as config_lib
 from qwen35_lib import get_config
+from qwen35_lib import plan as plan_lib
 from qwen35_lib.costmodel import specs as specs_lib
-from qwen35_lib.costmodel import stages as cm_stages
 from qwen35_lib.costmodel import step as cm_step
 from qwen35_lib.kernels import registry
-from qwen35_lib.parallel import layouts, stages
-from qwen35_lib.parallel import plan as plan_lib
+from qwen35_lib.plan import kernels as plan_kernels
 
 
-def test_the_cost_model_reads_the_one_stage_table():
-    assert cm_stages.STAGES is stages.STAGES
-    assert cm_stages.LADDER is stages.LADDER
-    assert cm_stages.get_stage is stages.get_stage and cm_stages.custom_stage is stages.custom_stage
-    assert cm_stages.ROUTINGS is config_lib.ROUTINGS and cm_stages.LAYOUTS is config_lib.LAYOUTS
-    assert cm_stages.KERNELS is registry.FAMILIES
+def test_one_stage_table_in_the_plan_package():
+    """The ladder and its extras live in `qwen35_lib.plan` alone: no other `stages` module, no re-export."""
     from qwen35_lib import costmodel
 
-    assert costmodel.STAGES is stages.STAGES
+    assert plan_lib.ROUTINGS is config_lib.ROUTINGS and plan_lib.LAYOUTS is config_lib.LAYOUTS
+    assert registry.SLOTS is plan_kernels.SLOTS and registry.CONFIG_FIELDS is plan_kernels.CONFIG_FIELDS
+    assert set(plan_lib.EXTRA) == {"google_baseline", "tpu_inference_3050"}
+    lib = pathlib.Path(plan_lib.__file__).parents[1]
+    assert [p.relative_to(lib).as_posix() for p in lib.rglob("stages.py")] == ["plan/stages.py"]
+    assert not hasattr(costmodel, "STAGES") and not hasattr(registry, "FAMILIES")
 
 
-def test_bench_layouts_reads_the_one_stage_table():
-    from qwen35_lib.bench import layouts as bench_layouts
-
-    assert bench_layouts.stage_config is stages.stage_config
-
-
-@pytest.mark.parametrize("name", stages.LADDER)
+@pytest.mark.parametrize("name", plan_lib.LADDER)
 def test_each_stage_is_the_same_layout_and_kernels_in_code_and_cost_model(name):
     cfg = get_config("qwen3.5-397b-a17b")
-    s = stages.get_stage(name)
-    run = stages.stage_config(cfg, name, backend="tpu")
-    lay = cm_stages.resolve_layout(s, cfg, 8)
+    s = plan_lib.get_stage(name)
+    run = plan_lib.stage_config(cfg, name, backend="tpu")
+    lay = plan_lib.resolve_layout(s, cfg, 8)
     assert lay.layout == run.layout == s.layout
     assert dataclasses.replace(lay, mesh_shape=None) == s  # the stage itself, bound to the 8-device mesh
-    assert lay.moe == layouts.get_layout(run.layout).moe
+    assert lay.moe == plan_lib.get_layout(run.layout).moe
     pl = cm_step.placement(cfg, specs_lib.get("tpu7x-8"), s)
     assert pl.attention == run.attention_kernel
     assert pl.moe_impl == {"pallas": "gmm"}.get(run.moe_kernel, run.moe_kernel)
@@ -51,48 +45,50 @@ def test_each_stage_is_the_same_layout_and_kernels_in_code_and_cost_model(name):
 
 def test_the_cost_model_refuses_what_the_engine_refuses_with_the_same_error():
     cfg = get_config("qwen3.5-397b-a17b")
-    tp8 = stages.custom_stage("tp8")
+    tp8 = plan_lib.custom_stage("tp8")
     with pytest.raises(ValueError) as cost:
-        cm_stages.resolve_layout(tp8, cfg, 8)
+        plan_lib.resolve_layout(tp8, cfg, 8)
     with pytest.raises(ValueError) as code:
-        layouts.check_layout(cfg.replace(layout="tp8"), cm_stages._mesh(8))
+        plan_lib.check_layout(cfg.replace(layout="tp8"), plan_lib.abstract_mesh(8))
     assert str(cost.value) == str(code.value) and "'model'" not in str(cost.value)
 
 
+def test_bind_checks_the_plan_itself_against_the_model():
+    cfg = get_config("qwen3.5-397b-a17b")  # its own layout fields say `single`: the plan, not the config, is checked
+    lay = plan_lib.get_stage("fused_ag").bind(plan_lib.abstract_mesh(8), cfg)
+    assert (lay.dp, lay.ep, lay.fuse_allgather, lay.name) == (8, 8, True, "fused_ag")
+    with pytest.raises(ValueError, match="layout 'dp8_ep8' is the 8-device instance of 'dp_ep'"):
+        plan_lib.get_stage("fused_ag").bind(plan_lib.abstract_mesh(4), cfg)
+
+
 def test_dp4_tp2_ep8_is_a_cost_model_layout_too():
-    lay = cm_stages.resolve_layout(stages.custom_stage("dp4_tp2_ep8"), get_config("qwen3.5-397b-a17b"), 8)
+    lay = plan_lib.resolve_layout(plan_lib.custom_stage("dp4_tp2_ep8"), get_config("qwen3.5-397b-a17b"), 8)
     assert (lay.dp, lay.tp, lay.ep, lay.moe) == (4, 2, 8, "ep")
 
 
 def test_one_plan_class_for_layouts_stages_and_the_cost_model():
-    assert layouts.Layout is stages.Stage is cm_stages.Layout is plan_lib.ServingPlan
-    assert all(layouts.get_layout(n) is plan_lib.LAYOUT_PLANS[n] for n in config_lib.LAYOUTS)
-    assert all(type(s) is plan_lib.ServingPlan for s in stages.STAGES.values())
-    import inspect
-
-    from qwen35_lib.costmodel import stages as cms
-
-    assert not [v for v in vars(cms).values() if inspect.isclass(v) and v.__module__ == cms.__name__]  # no own class
+    assert all(plan_lib.get_layout(n) is plan_lib.LAYOUT_PLANS[n] for n in config_lib.LAYOUTS)
+    assert all(type(s) is plan_lib.ServingPlan for s in (*plan_lib.STAGES.values(), *plan_lib.EXTRA.values()))
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_general_and_8_device_names_are_one_placement(devices):
     cfg = get_config("qwen3.5-397b-a17b")
     for name, general in plan_lib.INSTANCES.items():
-        assert layouts.get_layout(name).rules is layouts.get_layout(general).rules
-    for s in stages.STAGES.values():  # on other device counts the cost model runs the stage's general form
-        lay = cm_stages.resolve_layout(s, cfg, devices)
+        assert plan_lib.get_layout(name).rules is plan_lib.get_layout(general).rules
+    for s in plan_lib.STAGES.values():  # on other device counts the cost model runs the stage's general form
+        lay = plan_lib.resolve_layout(s, cfg, devices)
         assert lay.layout == (s.layout if devices == 8 else "single" if devices == 1 else s.general)
         assert lay.dp * (lay.tp if lay.moe == "tp" else 1) <= devices and lay.name == s.name
 
 
 def test_kernel_families_per_backend():
-    assert registry.family_kernels("xla", "cpu")["moe_kernel"] == "loop"
-    assert registry.family_kernels("xla", "tpu")["moe_kernel"] == "ragged_dot"
-    assert set(registry.family_kernels("pallas", "cpu").values()) == {"pallas"}
-    assert set(registry.family_kernels("xla", "tpu")) == set(registry.CONFIG_FIELDS.values())
+    assert plan_lib.family_kernels("xla", "cpu")["moe_kernel"] == "loop"
+    assert plan_lib.family_kernels("xla", "tpu")["moe_kernel"] == "ragged_dot"
+    assert set(plan_lib.family_kernels("pallas", "cpu").values()) == {"pallas"}
+    assert set(plan_lib.family_kernels("xla", "tpu")) == set(plan_kernels.CONFIG_FIELDS.values())
     with pytest.raises(ValueError, match="kernel family"):
-        registry.family_kernels("cuda")
+        plan_lib.family_kernels("cuda")
 
 
 def test_the_model_takes_its_parallelism_and_never_looks_a_layout_up():
@@ -118,32 +114,33 @@ def test_import_layers_contract():
 def test_budget_placement_aot_and_bench_read_the_same_plan_objects():
     from qwen35_lib import budget, placement
     from qwen35_lib.bench import layouts as bench_layouts
-    from qwen35_lib.parallel import parallelism, plan_of
+    from qwen35_lib.parallel import parallelism
+    from qwen35_lib.plan import plan_of
 
     assert budget.LAYOUT_OF["experts_sharded"] is plan_lib.LAYOUT_PLANS["dp_ep"]
-    assert placement.get_layout is layouts.get_layout is plan_lib.get_layout
-    assert bench_layouts.STAGES is stages.STAGES
-    assert set(bench_layouts.STAGE_NAMES) == {n for n, s in stages.STAGES.items() if s.kernels == "xla"}
+    assert placement.get_layout is plan_lib.get_layout
+    assert bench_layouts.STAGES is plan_lib.STAGES
+    assert set(bench_layouts.STAGE_NAMES) == {n for n, s in plan_lib.STAGES.items() if s.kernels == "xla"}
     cfg = get_config("qwen3.5-mini")
-    for s in stages.STAGES.values():  # the plan a stage's config runs is one object, whoever derives it
-        run = stages.stage_config(cfg, s)
+    for s in plan_lib.STAGES.values():  # the plan a stage's config runs is one object, whoever derives it
+        run = plan_lib.stage_config(cfg, s)
         p = plan_of(run)
-        assert p is plan_of(stages.stage_config(cfg, s.name)) is parallelism.parallelism(run).layout
+        assert p is plan_of(plan_lib.stage_config(cfg, s.name)) is parallelism.parallelism(run).layout
         assert (p.layout, p.routing, p.fuse_allgather, p.hierarchical_rs) == \
                (s.layout, s.routing, s.fuse_allgather, s.hierarchical_rs)
-        assert p.rules is layouts.get_layout(s.layout).rules
+        assert p.rules is plan_lib.get_layout(s.layout).rules
 
 
 def test_a_plans_cache_dtypes_reach_the_cost_model():
     from qwen35_lib import costmodel
 
-    base = stages.get_stage("kernels")
+    base = plan_lib.get_stage("kernels")
     bf16 = dataclasses.replace(base, name="kernels/bf16", kv_dtype="bfloat16", gdn_state_dtype="bfloat16")
     a = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8)
     b = costmodel.predict(stage=bf16, isl=1024, osl=1024, concurrency=8)
     c = costmodel.predict(stage=base, isl=1024, osl=1024, concurrency=8, kv_dtype="bfloat16")
     assert (a["kv_dtype"], b["kv_dtype"], c["kv_dtype"]) == ("float8_e4m3fn", "bfloat16", "bfloat16")
-    assert stages.stage_config(get_config("qwen3.5-mini"), bf16).gdn_state_dtype == "bfloat16"
+    assert plan_lib.stage_config(get_config("qwen3.5-mini"), bf16).gdn_state_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("where", ["stage_gain", "viz"])

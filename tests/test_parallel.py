@@ -12,9 +12,10 @@ from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import local_moe, route
-from qwen35_lib.parallel import EIGHT, check_layout, make_mesh, shard_weights
+from qwen35_lib.parallel import shard_weights
 from qwen35_lib.parallel.collectives import gather_routing, on_each_device, reduce_scatter, reduce_scatter_ops
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
+from qwen35_lib.plan import ALL, check_layout, make_mesh
 
 # Every valid (routing, fuse_allgather, hierarchical_rs) under dp8_ep8 (the flags apply to EP + replicate only); under
 # dp4_tp2_ep8, whose MoE runs the same EP code, each routing with the flags off and on.
@@ -74,13 +75,13 @@ def test_hierarchical_reduce_scatter_equals_psum_scatter(mesh):
     x = jax.random.normal(jax.random.key(0), (8 * 48, 5))  # per device [48, 5] partial sums after the shard_map
 
     def both(x):
-        return (jax.lax.psum_scatter(x, EIGHT, scatter_dimension=0, tiled=True),
+        return (jax.lax.psum_scatter(x, ALL, scatter_dimension=0, tiled=True),
                 reduce_scatter(x, hierarchical=True, micro_batches=2), reduce_scatter(x, hierarchical=True,
                                                                                       micro_batches=1))
 
     with jax.set_mesh(mesh):
-        flat, hier, hier1 = jax.jit(jax.shard_map(both, in_specs=P(EIGHT), out_specs=(P(EIGHT),) * 3))(
-            jax.device_put(x, jax.sharding.NamedSharding(mesh, P(EIGHT))))
+        flat, hier, hier1 = jax.jit(jax.shard_map(both, in_specs=P(ALL), out_specs=(P(ALL),) * 3))(
+            jax.device_put(x, jax.sharding.NamedSharding(mesh, P(ALL))))
     np.testing.assert_allclose(np.asarray(hier), np.asarray(flat), rtol=1e-6, atol=1e-6)  # sum order only
     np.testing.assert_allclose(np.asarray(hier1), np.asarray(flat), rtol=1e-6, atol=1e-6)
 
@@ -103,8 +104,8 @@ def test_fused_routing_gather_is_bit_exact(mesh):
         return (*gather_routing(ids, w, fused=False), *gather_routing(ids, w, fused=True))
 
     with jax.set_mesh(mesh):
-        a_ids, a_w, b_ids, b_w = jax.jit(jax.shard_map(both, in_specs=(P(EIGHT), P(EIGHT)),
-                                                       out_specs=P(EIGHT)))(ids, w)
+        a_ids, a_w, b_ids, b_w = jax.jit(jax.shard_map(both, in_specs=(P(ALL), P(ALL)),
+                                                       out_specs=P(ALL)))(ids, w)
     assert np.array_equal(a_ids, b_ids) and np.array_equal(np.asarray(a_w, np.float32), np.asarray(b_w, np.float32))
 
 
@@ -155,7 +156,7 @@ def test_engine_greedy_tokens_equal_single_device(layout, routing, fuse, hier, m
 
 
 def test_every_stage_is_a_complete_valid_config(mesh):
-    from qwen35_lib.parallel.stages import LADDER, stage_config
+    from qwen35_lib.plan import LADDER, stage_config
 
     layouts = [check_layout(stage_config(get_config("qwen3.5-mini"), s), mesh).name for s in LADDER]
     assert layouts == ["tp8_kvrep"] + ["dp8_ep8"] * 5
@@ -166,7 +167,7 @@ def test_every_stage_is_a_complete_valid_config(mesh):
 def test_kernels_stage_every_pallas_kernel_under_dp8_ep8(mesh, weights, reference_tokens):
     """The top of the ladder: dp8_ep8 + replicate + both flags + all four Pallas kernels (interpret mode here),
     per rank inside shard_maps, gives the single-device XLA engine's tokens."""
-    from qwen35_lib.parallel.stages import stage_config
+    from qwen35_lib.plan import stage_config
 
     engine = Engine(stage_config(BASE, "kernels"), weights, EC, mesh=mesh)
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]

@@ -16,8 +16,9 @@ from widgets import by_label  # noqa: E402
 from qwen35_lib import budget  # noqa: E402
 from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
 from qwen35_lib.engine.cache import cache_shardings, init_cache  # noqa: E402
-from qwen35_lib.parallel import make_mesh, shard_weights  # noqa: E402
+from qwen35_lib.parallel import shard_weights  # noqa: E402
 from qwen35_lib.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
+from qwen35_lib.plan import make_mesh
 from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
 from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
 
@@ -93,7 +94,8 @@ def test_tp_kvrep_kv_shard_holds_max_1_hkv_over_tp_heads(devices):
     """16 query / 2 KV heads split over 2, 4, 8 devices: max(1, 2 / tp) KV heads per device, in the placed cache
     shard, the arithmetic and the cost model alike."""
     from qwen35_lib.costmodel import ops
-    from qwen35_lib.parallel import check_layout, placed_config
+    from qwen35_lib.parallel import placed_config
+    from qwen35_lib.plan import check_layout
 
     cfg = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2, layout="tp_kvrep")
     mesh = make_mesh(jax.devices()[:devices])

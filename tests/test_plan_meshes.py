@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from qwen35_lib import forward, get_config, init_weights
-from qwen35_lib.parallel import check_layout, make_mesh, placed_config, shard_weights
+from qwen35_lib.parallel import placed_config, shard_weights
+from qwen35_lib.plan import check_layout, make_mesh
 
 # heads and experts that divide every mesh here: 16 query heads, 2 KV heads (tp_kvrep duplicates them), 16 experts
 M2 = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2, num_experts=16, head_dim=16)

@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from qwen35_lib.__main__ import main
-from qwen35_lib.costmodel.stages import STAGES
+from qwen35_lib.plan import STAGES
 from qwen35_lib.recipe import bench_commands, recipes, server_recipe, vllm_bounds
 
 # tpu-inference tests/e2e/benchmarking/inferencex/qwen3.5/server.sh at b8692ff (2026-08-22), as bash passes it with

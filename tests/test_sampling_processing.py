@@ -184,7 +184,7 @@ def test_sampling_params_are_checked():
 def test_processing_on_a_data_parallel_mesh_equals_one_device():
     """The [R, S, V] processing arrays are split over the ranks like the other sampling arrays: dp8_ep8 on 8
     (simulated) devices gives the single-device tokens."""
-    from qwen35_lib.parallel import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     cfg = get_config("qwen3.5-tiny", dtype="float32")
     w = init_weights(cfg, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwen35_lib.costmodel import LADDER
+from qwen35_lib.plan import LADDER
 from qwen35_lib.stage_gain import GROUPS, WORKLOADS, gain_table, ms_per_1k_tokens, previous_stage, stage_gain
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from qwen35_lib import data
 from qwen35_lib.costmodel import traffic
-from qwen35_lib.parallel.stages import get_stage
+from qwen35_lib.plan import get_stage
 
 DOC = data.read_json("aot/tpu7x-8.json")
 ENTRIES = [(stage, step) for stage, s in DOC["stages"].items() for step, e in s["steps"].items()
@@ -21,7 +21,7 @@ def _model(stage: str, entry: dict) -> dict:
     from jax.sharding import AbstractMesh
 
     from qwen35_lib.aot.sweep import serving_config
-    from qwen35_lib.parallel.mesh import AXES
+    from qwen35_lib.plan import AXES
 
     cfg = serving_config(DOC["model"], DOC["groups"], **DOC.get("overrides", {}))
     plan = get_stage(stage).bind(AbstractMesh((4, 2), AXES))  # tpu7x:2x2x1's (chip, core), no libtpu needed

@@ -42,7 +42,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.kernels import moe_pallas
-    from qwen35_lib.parallel.stages import stage_config
+    from qwen35_lib.plan import stage_config
 
     moe_pallas.moe_pallas.reads_stacked = True  # what the kernels stage does (the control turns it off)
     jax.clear_caches()  # the same config traced again: not from the trace cache
@@ -74,9 +74,8 @@ def _sliced_moe_loop() -> dict:
     from qwen35_lib.kernels.registry import compile_target
     from qwen35_lib.model.moe import route, stacked_experts
     from qwen35_lib.parallel.layouts import weight_shardings
-    from qwen35_lib.parallel.mesh import ALL
     from qwen35_lib.parallel.routing import moe_ep
-    from qwen35_lib.parallel.stages import stage_config
+    from qwen35_lib.plan import ALL, stage_config
     from qwen35_lib.weights import abstract_weights
 
     moe_pallas.moe_pallas.reads_stacked = False

@@ -9,7 +9,7 @@ negative control serialises the chains with `jax.lax.optimization_barrier` (each
 previous phase's output) and must fail the same check.
 
 Small width: qwen3.5-mini (hidden 512) at 256 requests, so the step's 256 gathered tokens give the 2 micro-batches
-the code uses (`parallel.plan.micro_batches`: 2 from 256 tokens). At qwen3.5-tiny's hidden 64 XLA turns each phase
+the code uses (`plan.micro_batches`: 2 from 256 tokens). At qwen3.5-tiny's hidden 64 XLA turns each phase
 2 into one synchronous all-reduce of both micro-batches (too small to be worth a reduce-scatter): no evidence.
 The reduce-scatters move [tokens, hidden] partial sums, so the expert count and the vocabulary do not enter them:
 8 experts (1 per device) and a 256-token vocabulary compile in ~27 s instead of ~49 s each, to the same schedule
@@ -62,8 +62,7 @@ def _schedule(serialised: bool, options: dict | None = None) -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.parallel import collectives, hlo, routing
-    from qwen35_lib.parallel.plan import micro_batches
-    from qwen35_lib.parallel.stages import stage_config
+    from qwen35_lib.plan import micro_batches, stage_config
 
     routing.reduce_scatter = _serialised_reduce_scatter(collectives.reduce_scatter) if serialised else \
         collectives.reduce_scatter
@@ -97,7 +96,7 @@ def _replicate_allgathers() -> float:
 
     from qwen35_lib import aot
     from qwen35_lib.aot import sweep
-    from qwen35_lib.parallel.stages import stage_config
+    from qwen35_lib.plan import stage_config
 
     jax.clear_caches()
     cfg = stage_config(sweep.serving_config(MODEL, 2, **NARROW), "replicate", "tpu")

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import CONFIG_FIELDS, compile_target, resolve_name
+from qwen35_lib.kernels.registry import compile_target, resolve_name
+from qwen35_lib.plan.kernels import CONFIG_FIELDS
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
@@ -49,7 +50,7 @@ def topology_devices(topology: str = TPU7X_8) -> tuple:
 def chip_core_mesh(devices=None) -> Mesh:
     """The playbook's `('chip', 'core')` mesh over TPU devices (default: the tpu7x:2x2x1 description), ordered
     chip-major, core-minor by physical coordinates."""
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     return make_mesh(topology_devices() if devices is None else devices)
 
@@ -135,7 +136,8 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
     from qwen35_lib.engine.engine import engine_step
-    from qwen35_lib.parallel.layouts import batch_sharding, check_layout, placed_config, weight_shardings
+    from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
+    from qwen35_lib.plan import check_layout
     from qwen35_lib.weights import is_info
 
     layout = check_layout(config, mesh)
@@ -177,8 +179,8 @@ def compile_moe_layer(config: Config, mesh: Mesh, tokens: int, compiler_options:
 
     from qwen35_lib.model.moe import route
     from qwen35_lib.parallel.layouts import weight_shardings
-    from qwen35_lib.parallel.mesh import ALL
     from qwen35_lib.parallel.routing import moe_ep
+    from qwen35_lib.plan import ALL
 
     backend = mesh.devices.flat[0].platform
     config = for_backend(config.replace(moe_kernel="ragged_dot"), backend)

@@ -105,7 +105,8 @@ def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
     import jax.numpy as jnp
 
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
-    from qwen35_lib.parallel.layouts import check_layout, weight_shardings
+    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.plan import check_layout
     from qwen35_lib.weights import abstract_weights, is_info
 
     def per_device(arrays) -> int:  # ShapeDtypeStructs with shardings -> the fullest device's bytes
@@ -135,8 +136,8 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
 
     from qwen35_lib import aot
     from qwen35_lib.parallel import hlo
-    from qwen35_lib.parallel.layouts import check_layout, placed_config
-    from qwen35_lib.parallel.stages import get_stage, stage_config
+    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.plan import check_layout, get_stage, stage_config
 
     scfg = stage_config(cfg, stage, mesh.devices.flat[0].platform)
     R = check_layout(scfg, mesh).dp_size(mesh)
@@ -224,7 +225,7 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
     from tqdm.auto import tqdm
 
     from qwen35_lib import aot
-    from qwen35_lib.parallel.stages import LADDER, get_stage
+    from qwen35_lib.plan import LADDER, get_stage
 
     stages = list(stages or LADDER)
     for s in stages:

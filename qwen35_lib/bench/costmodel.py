@@ -49,6 +49,7 @@ def predict_speed(concurrency: int = 512) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict:
     import qwen35_lib
+    from qwen35_lib.aot import validate as aot_validate
     from qwen35_lib.costmodel import cpu_bench, validate
 
     load = warn_if_busy()
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
     aot = []
     for spec in filter(None, args.aot.split(",")):
         name, layers, b, s = spec.split(":")
-        aot.append(validate.aot_forward_isolated(name, int(layers), int(b), int(s)))
+        aot.append(aot_validate.aot_forward_isolated(name, int(layers), int(b), int(s)))
     for r in aot:
         if "error" in r:
             print(f"AOT {r['model']} x{r['layers']}: {r['error']}")

@@ -54,6 +54,7 @@ from qwen35_lib.bench.timing import (
     progress,
     ratio_text,
     warn_if_busy,
+    xla_cpu_threads,
 )
 from qwen35_lib.config import Config, get_config
 
@@ -435,11 +436,6 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
                          "tokens_before_first_difference": same_prefix,
                          "tokens_compared": n_out},
     }
-
-
-def xla_cpu_threads() -> int:
-    """Threads XLA:CPU runs a step's ops on: its intra-op pool spans every core of the process's CPU set."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _moe_kernel(config: Config) -> str:

@@ -438,7 +438,7 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
     """
     from qwen35_lib.costmodel import ops, specs, step
     from qwen35_lib.costmodel.predict import serving_model
-    from qwen35_lib.costmodel.stages import get_stage
+    from qwen35_lib.plan import get_stage
 
     cfg, sp = serving_model(model), specs.get(hardware)
     ridge = sp.peak_flops / sp.hbm_bytes_per_s

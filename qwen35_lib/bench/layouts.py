@@ -1,6 +1,6 @@
 """`python -m qwen35_lib.bench layouts`: one engine step under each stage's layout and routing, side by side.
 
-The stages of the playbook's ladder (`qwen35_lib.costmodel.stages`, XLA kernels): `baseline` = tp8_kvrep,
+The stages of the playbook's ladder (`qwen35_lib.plan.STAGES`, XLA kernels): `baseline` = tp8_kvrep,
 `dp_ep` = dp8_ep8 + all_to_all, `replicate` = dp8_ep8 + replicate, `fused_ag` = + fuse_allgather, `hier_rs` =
 + hierarchical_rs, on the 8-device `('chip', 'core')` mesh (8 simulated CPU devices here).
 
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
-from qwen35_lib.parallel.stages import STAGES, stage_config
+from qwen35_lib.plan import STAGES, stage_config
 
 DESCRIPTION = ("one engine step (decode- and prefill-sized) per stage's layout and routing (tp8_kvrep, dp8_ep8 + "
                "all_to_all / replicate / fused all-gather / hierarchical reduce-scatter) on 8 CPU devices")
@@ -108,7 +108,7 @@ def step_inputs(engine, batch: str, opts: dict, rng: np.random.Generator) -> dic
 
 def make_engine(config, weights, opts: dict, mesh):
     from qwen35_lib.engine import Engine, EngineConfig
-    from qwen35_lib.parallel.layouts import check_layout
+    from qwen35_lib.plan import check_layout
 
     R = check_layout(config, mesh).dp_size(mesh)
     seqs = max(_split(opts["seqs"], R, "--seqs"), _split(opts["prefill_seqs"], R, "--prefill-seqs"))
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _document(opts, base, configs, engines, inputs, timings, outputs, mesh) -> dict:
-    from qwen35_lib.costmodel.stages import get_stage
+    from qwen35_lib.plan import get_stage
 
     first = opts["stages"][0]
     stages, agree = {}, {}

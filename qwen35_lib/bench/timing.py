@@ -156,6 +156,11 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
+def xla_cpu_threads() -> int:
+    """Threads XLA:CPU runs a step's ops on: its intra-op pool spans every core of the process's CPU set."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def ratio_text(value: float, load: dict, fmt: str = "{:.2f}x") -> str:
     """`value` formatted, or the reason it is withheld (`BusyMonitor.result`)."""
     why = load.get("withhold_ratios")

@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from qwen35_lib.bench.timing import BusyMonitor, environment, format_table, measure, ratio_text, warn_if_busy
+from qwen35_lib.bench.timing import (
+    BusyMonitor,
+    environment,
+    format_table,
+    measure,
+    ratio_text,
+    warn_if_busy,
+    xla_cpu_threads,
+)
 from qwen35_lib.config import Config, get_config
 
 DESCRIPTION = "prefill tokens/s: our jitted forward vs HF transformers eager (float32, same random weights)"
@@ -47,7 +55,6 @@ def run(args: argparse.Namespace) -> dict:
        `OFF`); print the table; return the JSON document.
     """
     from qwen35_lib.bench import profile as prof
-    from qwen35_lib.bench.engine import xla_cpu_threads
     from qwen35_lib.bench.roofline import copy_bandwidth, matmul_flops
     from qwen35_lib.checkpoint import load_hf_checkpoint
     from qwen35_lib.kernels.registry import resolve_name

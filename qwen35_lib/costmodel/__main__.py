@@ -24,7 +24,7 @@ from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
-from qwen35_lib.costmodel.stages import EXTRA, KERNELS, LADDER, LAYOUTS, ROUTINGS, any_stage, custom_stage
+from qwen35_lib.plan import cli as plan_cli
 
 
 def _model(args: argparse.Namespace):
@@ -32,12 +32,6 @@ def _model(args: argparse.Namespace):
     if args.expert_dtype:
         changes["expert_dtype"] = None if args.expert_dtype == "none" else args.expert_dtype
     return serving_model(args.model, **changes)
-
-
-def _stage(args: argparse.Namespace):
-    if args.layout:
-        return custom_stage(args.layout, args.routing, args.fuse_allgather, args.hierarchical_rs, args.kernels)
-    return any_stage(args.stage)
 
 
 def _format(r: dict) -> str:
@@ -100,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--range-ratio", type=float, default=0.8,
                        help="each length uniform in [r L, L] (default: %(default)s, InferenceX's)")
         q.add_argument("--json", action="store_true", help="print one JSON document")
-    pr.add_argument("--stage", default="kernels", choices=(*LADDER, *EXTRA))
+    plan_cli.add_arguments(pr, layout=None, stage="kernels", kernels=True, devices=False)
     pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
                     help="the labelled serving mechanisms at their nominal values, or the model without them")
     pr.add_argument("--no-dp-batch-prefill", action="store_true",
@@ -109,11 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--no-band", action="store_true", help="skip the uncertainty band")
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
     pr.add_argument("--osl", type=int, default=1024, help="output tokens per request")
-    pr.add_argument("--layout", choices=list(LAYOUTS), help="describe a setup instead of --stage")
-    pr.add_argument("--routing", choices=ROUTINGS, default="replicate", help="EP layouts (with --layout)")
-    pr.add_argument("--fuse-allgather", action="store_true", help="with --layout")
-    pr.add_argument("--hierarchical-rs", action="store_true", help="with --layout")
-    pr.add_argument("--kernels", choices=KERNELS, default="xla", help="with --layout")
     val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
     what = val.add_mutually_exclusive_group(required=True)
     what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")
@@ -165,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         mech = args.mechanisms
         if args.no_dp_batch_prefill and mech == "nominal":
             mech = Mechanisms.nominal(dp_batch_prefill=False)
-        r = predict(_model(args), args.hardware, _stage(args), args.isl, args.osl, **common,
+        r = predict(_model(args), args.hardware, plan_cli.from_args(args), args.isl, args.osl, **common,
                     mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal",
                     explain=args.explain)
         print(json.dumps(r, indent=2) if args.json else _format(r))

@@ -50,7 +50,7 @@ SWEEP = "aot/tpu7x-8.json"
 def collective_variant(name: str, collectives_of: str):
     """The `kernels` plan with the collectives (layout, routing, fused all-gather, hierarchical reduce-scatter) of
     ladder stage `collectives_of`, named `name`; `kernels` itself for `hier_rs`."""
-    from qwen35_lib.costmodel.stages import get_stage
+    from qwen35_lib.plan import get_stage
 
     if collectives_of == "hier_rs":
         return get_stage("kernels")

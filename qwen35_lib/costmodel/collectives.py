@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.parallel.plan import micro_batches
+from qwen35_lib.plan import micro_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ def hierarchical_reduce_scatter(s: Specs, input_bytes: float, micro_batches: int
     return Comm(s.collective_launch_s + t, wire)
 
 
-hierrs_micro_batches = micro_batches  # tpu-inference's rule (`parallel.plan.micro_batches`); a plan's count: rs_slices
+hierrs_micro_batches = micro_batches  # tpu-inference's rule (`plan.micro_batches`); a plan's count: rs_slices
 
 
 def steps_latency(s: Specs, n: int) -> float:

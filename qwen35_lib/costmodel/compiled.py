@@ -28,7 +28,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.stages import any_stage, resolve_layout
+from qwen35_lib.plan import any_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_costs
 
 TWIN = {"kernels": "hier_rs"}  # a stage whose kernels XLA cannot see into -> its XLA twin

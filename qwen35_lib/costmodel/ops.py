@@ -24,10 +24,10 @@ import math
 
 import numpy as np
 
+from qwen35_lib import plan
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.parallel import plan
 from qwen35_lib.stats import model_stats
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -148,7 +148,7 @@ def kv_item(cfg: Config, pl: Placement) -> float:
 
 def kv_heads_per_device(cfg: Config, tp: int) -> int:
     """KV heads a device stores with heads split tp ways: Hkv / tp when it divides, else the code's `tp_kvrep`
-    duplication (`parallel.plan.kv_heads_per_device`: max(1, Hkv / tp), one head per device for 2 on 8)."""
+    duplication (`plan.kv_heads_per_device`: max(1, Hkv / tp), one head per device for 2 on 8)."""
     return plan.kv_heads_per_device(cfg, tp, replicated=True)
 
 

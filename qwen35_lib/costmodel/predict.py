@@ -26,9 +26,9 @@ from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.stages import Stage, any_stage, resolve_layout
 from qwen35_lib.costmodel.step import retimed, step_time
 from qwen35_lib.engine.cache import CacheShape
+from qwen35_lib.plan import ServingPlan, any_stage, resolve_layout
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
 
@@ -56,19 +56,20 @@ def token_budget(isl: int, dp: int) -> int:
 
 
 def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
-    """The real serving configuration: FP8 (e4m3, block-scaled) experts and a bf16 GDN state (DESIGN.md)."""
+    """The real serving configuration: FP8 (e4m3, block-scaled) experts and a bf16 GDN state (README: the FP8 checkpoint
+    is the one that fits a TPU7x-8 with room for the caches)."""
     base = dict(expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
     base.update(changes)
     return get_config(name, **base)
 
 
-def weight_bytes_per_device(cfg: Config, sp: Specs, stage: Stage) -> float:
+def weight_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan) -> float:
     """Weights one device holds under the stage's plan on the system's devices (`traffic.resident_bytes`: each
     declared weight over the ways the plan splits it; replicated ones, such as the router and norms, whole)."""
     return float(traffic.weight_bytes(resolve_layout(stage, cfg, sp.devices), cfg))
 
 
-def resident_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, requests_per_rank: int, tokens: int,
+def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
                               kv_dtype: str | None, page_size: int) -> dict[str, float]:
     """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
     the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
@@ -80,7 +81,7 @@ def resident_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, requests_per
     return {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
 
 
-def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, kv_dtype: str | None,
+def request_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, tokens: int, kv_dtype: str | None,
                              page_size: int = 1) -> float:
     """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot
     (the pools for two requests less those for one)."""
@@ -89,7 +90,7 @@ def request_bytes_per_device(cfg: Config, sp: Specs, stage: Stage, tokens: int, 
 
 
 def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
-            stage: str | Stage = "kernels", isl: int = 8192, osl: int = 1024, concurrency: int = 512, *,
+            stage: str | ServingPlan = "kernels", isl: int = 8192, osl: int = 1024, concurrency: int = 512, *,
             max_batched_tokens: int | None = None, max_seqs: int | None = None,
             kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
             num_prompts: int | None = None, range_ratio: float = 0.8, seed: int = 0, roofline: bool = True,
@@ -292,7 +293,7 @@ def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "t
     """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage),
     `vs_baseline` and, with `google_baseline`, `google_baseline_total_tokens_per_s` and `vs_google_baseline` (over
     the `google_baseline` plan, predicted for the same workload; not a ladder stage)."""
-    from qwen35_lib.costmodel.stages import LADDER
+    from qwen35_lib.plan import LADDER
 
     rows = []
     for isl, osl in workloads:

@@ -28,8 +28,7 @@ from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
-from qwen35_lib.costmodel.stages import Stage, resolve_layout
-from qwen35_lib.kernels.registry import family_kernels
+from qwen35_lib.plan import ServingPlan, family_kernels, resolve_layout
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "router", "shared_expert", "routed_experts",
               "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce", "all_gather",
@@ -50,7 +49,7 @@ class StepTime:
 
 
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
-def placement(cfg: Config, specs: Specs, stage: Stage, kv_dtype: str | None = None, page_size: int = 256,
+def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
               row_overhead_s: float = 0.0) -> ops.Placement:
     """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
@@ -84,7 +83,7 @@ def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
     return specs.replace(**ch) if ch else specs
 
 
-def step_costs(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
+def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
                page_size: int = 256, ideal: bool = False, mech: Mechanisms | None = None,
                weight_passes: float | None = None) -> dict[str, ops.Cost]:
     """{component: the `ops.Cost` of the whole step on one device} (every layer of its kind summed): the work
@@ -121,7 +120,7 @@ def step_costs(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dty
     return out
 
 
-def step_time(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, kv_dtype: str | None = None,
+def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
               page_size: int = 256, ideal: bool = False, overlap: bool = True,
               mech: Mechanisms | None = None) -> StepTime:
     """Seconds of one step of `batch` under `stage` on `specs` (see the module doc)."""
@@ -164,7 +163,7 @@ RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling",
             "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute", "moe_row_overhead_s")
 
 
-def retimed(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, breakdown: dict[str, float],
+def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, breakdown: dict[str, float],
             old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
     """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
     (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
@@ -205,7 +204,7 @@ def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
     return tokens * ep * (1 - miss)
 
 
-def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overlap: bool = True,
+def step_comms(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, overlap: bool = True,
                fp8_allgather: bool = False) -> dict[str, cc.Comm]:
     """The collectives of one step per device, by component, priced on the system's topology: the ops of
     `traffic.step_collectives` (the bytes `traffic.collective_counts` states and the HLO test checks), each by its
@@ -219,7 +218,7 @@ def step_comms(cfg: Config, specs: Specs, stage: Stage, batch: ops.Batch, overla
 
 
 @functools.lru_cache(maxsize=4096)  # a step's collectives depend on its token and row counts only
-def _comms(cfg: Config, specs: Specs, stage: Stage, computed: int, rows: int, overlap: bool, fp8_allgather: bool,
+def _comms(cfg: Config, specs: Specs, stage: ServingPlan, computed: int, rows: int, overlap: bool, fp8_allgather: bool,
            listed=traffic.step_collectives) -> dict[str, cc.Comm]:
     """`step_comms` by counts; `listed` (the function listing the ops) is part of the key: a patched
     `traffic.step_collectives` is read, not a cached result."""

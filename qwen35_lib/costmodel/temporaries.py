@@ -48,8 +48,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel.traffic import StepShape, _per_device, _placed, _sizes
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.parallel.layouts import spec
-from qwen35_lib.parallel.mesh import AXES
-from qwen35_lib.parallel.plan import ServingPlan
+from qwen35_lib.plan import AXES, ServingPlan
 from qwen35_lib.weights import declare, is_info
 
 REFUSAL = re.compile(r"total memory required for HLO temporaries \(([\d.]+)G\)")  # the TPU compiler's OOM message

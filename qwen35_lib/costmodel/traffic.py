@@ -43,9 +43,8 @@ from jax.sharding import AbstractMesh
 from qwen35_lib.config import Config
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.parallel.layouts import spec
-from qwen35_lib.parallel.mesh import ALL, AXES
-from qwen35_lib.parallel.plan import ServingPlan
 from qwen35_lib.parallel.routing import a2a_cap
+from qwen35_lib.plan import ALL, AXES, ServingPlan
 from qwen35_lib.weights import declare, is_info
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

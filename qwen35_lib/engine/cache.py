@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
-from qwen35_lib.parallel.layouts import check_layout, shardings
+from qwen35_lib.parallel.layouts import shardings
+from qwen35_lib.plan import check_layout
 from qwen35_lib.weights import ArrayInfo, is_info
 
 

@@ -28,10 +28,9 @@ from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, check_layout, placed_config, shard_weights
-from qwen35_lib.parallel.mesh import axis_size
+from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
-from qwen35_lib.parallel.plan import plan_of
+from qwen35_lib.plan import axis_size, check_layout, plan_of
 
 
 @dataclasses.dataclass(frozen=True)

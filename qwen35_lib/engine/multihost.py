@@ -30,6 +30,8 @@ import json
 import os
 import sys
 
+from qwen35_lib.plan import cli as plan_cli
+
 FORCE_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_PROMPTS = ([3, 4, 5], [7, 8, 9, 10, 11], [200, 9, 31, 77, 2, 6, 40, 41, 42], [11])
 
@@ -81,7 +83,7 @@ def generate_cases(cases: list[dict], prompts, max_new_tokens: int = 4, model: s
 
     from qwen35_lib.config import get_config
     from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
-    from qwen35_lib.parallel.mesh import make_mesh
+    from qwen35_lib.plan import make_mesh
 
     mesh = make_mesh(jax.devices())
     ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, page_size=8, max_model_len=64)
@@ -130,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-processes", type=int, default=2)
     p.add_argument("--coordinator", default="127.0.0.1:12355", metavar="HOST:PORT")
     p.add_argument("--local-devices", type=int, help="CPU devices in this process (default: 8 / --num-processes)")
-    p.add_argument("--layout", default="dp8_ep8")
-    p.add_argument("--routing", default="replicate")
-    p.add_argument("--fuse-allgather", action="store_true")
-    p.add_argument("--hierarchical-rs", action="store_true")
+    plan_cli.add_arguments(p, layout="dp8_ep8", devices=False)  # the mesh is every device of every process
     p.add_argument("--case", action="append", metavar="LAYOUT[:ROUTING[:FLAGS]]",
                    help="repeatable; replaces --layout/--routing/flags, e.g. dp8_ep8:replicate:fuse_allgather")
     p.add_argument("--model", default="qwen3.5-tiny")
@@ -145,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    cases = [parse_case(c) for c in args.case] if args.case else [
-        dict(layout=args.layout, routing=args.routing, fuse_allgather=args.fuse_allgather,
-             hierarchical_rs=args.hierarchical_rs)]
+    cases = [parse_case(c) for c in args.case] if args.case else [plan_cli.config_fields(plan_cli.from_args(args))]
     doc = dict(process_id=jax.process_index(), process_count=jax.process_count(), devices=len(jax.devices()),
                local_devices=len(jax.local_devices()),
                cases=generate_cases(cases, DEFAULT_PROMPTS, args.max_new_tokens, args.model, args.seed))

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35_lib.kernels.attention_xla import FP8_MAX, attention_xla
+from qwen35_lib.kernels.attention_xla import attention_xla
 from qwen35_lib.kernels.registry import AttentionKernels, pallas_interpret, register
+from qwen35_lib.weights import FP8_MAX
 
 NEG = -1e30  # finite mask value: exp(NEG - NEG) = 1 keeps untouched rows' running state exact (no inf - inf)
 

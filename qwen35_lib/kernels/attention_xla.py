@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.kernels.registry import AttentionKernels, register
+from qwen35_lib.weights import FP8_MAX
 
 
 def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -27,9 +28,6 @@ def attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) 
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, Hq, d).astype(q.dtype)
-
-
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):

@@ -11,7 +11,8 @@ Two kernels, both reading and writing the engine's state slots `[NS, Hv, dk, dv]
 - `_decode_call`: one recurrent step per sequence (decode), grid (D tokens, Hv / hb head blocks), the state
   block gathered from the token's slot by its index map; memory-bound on the state, VPU only.
 Glue in XLA (cheap, O(T·H·d)): head-major transposes, repeating key heads for decode, the chunk-local cumsum
-of g, padding and the per-chunk metadata. Math: ../shared/reference/qwen35_architecture.md section 5.
+of g, padding and the per-chunk metadata. Math: fla-org/flash-linear-attention's chunked gated delta rule
+(fla/ops/gated_delta_rule/chunk.py), and its XLA twin `kernels/gdn_xla.py`.
 
 The causal conv1d is not fused here: the slot protocol (`GdnKernels.ragged`) takes conv outputs, and its
 bytes are small next to the state's (decode: K-1 = 3 history rows of 2·Hk·dk + Hv·dv = 12288 channels,

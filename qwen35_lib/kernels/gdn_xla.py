@@ -2,7 +2,8 @@
 
 Shapes: q, k [B, T, Hk, dk] (conv outputs, before the L2 norm); v [B, T, Hv, dv]; g (log decay, <= 0) and
 beta [B, T, Hv] float32; state [B, Hv, dk, dv] float32. Value head h reads key head h // (Hv // Hk).
-Math: ../shared/reference/qwen35_architecture.md sections 2.4 and 5.
+Math: HF transformers' `Qwen3_5MoeGatedDeltaNet` (models/qwen3_5_moe/modeling_qwen3_5_moe.py) and the chunked form
+of fla-org/flash-linear-attention (fla/ops/gated_delta_rule/chunk.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 | `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU  |
 | `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort   |
 
-`Config.<slot>_kernel` names the implementation; "auto" picks the default for the backend in use. Every
+`Config.<slot>_kernel` names the implementation; "auto" picks the default for the backend in use (the tables of
+`qwen35_lib.plan.kernels`: each backend's defaults, and the kernel families of the stages). Every
 implementation is checked against its slot's reference twin in the tests. Pallas kernels register here too.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 
-SLOTS = ("attention", "gdn", "moe_matmul", "permute")
+from qwen35_lib.plan.kernels import BACKEND_DEFAULTS, CONFIG_FIELDS, SLOTS
 
 
 class AttentionKernels(NamedTuple):
@@ -39,36 +40,9 @@ class AttentionKernels(NamedTuple):
 class GdnKernels(NamedTuple):
     dense: Callable  # (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv], state [B,Hv,dk,dv], chunk_size) -> (o, S)
     ragged: Callable  # (q, k, v, g, beta over flat tokens, state slots, conv..., batch metadata): see gdn_xla
+
+
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
-# "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
-# except the MoE's `loop`, chosen from `bench engine` side by side with `capacity` (decode step 70.6 -> 45.7 ms):
-# the stored file predates `loop` and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
-_DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "loop", "permute": "xla"},
-    # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
-    # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
-    "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
-    "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
-}
-
-
-# A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul as XLA:CPU runs it fastest,
-# `loop`, and `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
-FAMILIES = ("xla", "pallas")
-CONFIG_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
-           "permute": "permute_kernel"}  # slot -> Config field
-
-
-def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
-    """The Config kernel fields of a kernel family on `backend` (default: the one being traced for)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
-    if family == "pallas":
-        return dict.fromkeys(CONFIG_FIELDS.values(), "pallas")
-    moe = "loop" if (backend or target_backend()) == "cpu" else "ragged_dot"
-    return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in CONFIG_FIELDS.items()}
-
-
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen35_kernel_target", default=None)
 
 
@@ -115,7 +89,7 @@ def resolve_name(slot: str, name: str, backend: str | None = None) -> str:
     if name != "auto":
         return name
     backend = backend or target_backend()
-    return _DEFAULTS.get(backend, _DEFAULTS["cpu"])[slot]
+    return BACKEND_DEFAULTS.get(backend, BACKEND_DEFAULTS["cpu"])[slot]
 
 
 def get(slot: str, name: str = "auto", backend: str | None = None) -> Any:

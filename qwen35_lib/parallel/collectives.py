@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from qwen35_lib.parallel.mesh import ALL
+from qwen35_lib.plan import ALL
 
 
 def all_gather(x: jax.Array, axes=ALL) -> jax.Array:

@@ -1,5 +1,5 @@
-"""Layouts: logical axes -> mesh axes, applied. The rules themselves are the layout plans of
-`qwen35_lib.parallel.plan` (one `ServingPlan` per layout name; `Layout` is that class).
+"""Layouts: logical axes -> mesh axes, applied. The rules themselves are the layout plans of `qwen35_lib.plan`
+(one `ServingPlan` per layout name), checked against a model and a mesh there (`plan.check_layout`).
 
 Every weight and cache array declares logical axes (`qwen35_lib.weights`, `qwen35_lib.engine.cache`); a layout
 maps them to the `('chip', 'core')` mesh. A logical axis whose size does not divide its mesh axes is kept whole
@@ -10,70 +10,13 @@ the expert-parallel size.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qwen35_lib.config import Config
-from qwen35_lib.parallel.mesh import AXES, axis_size
-from qwen35_lib.parallel.plan import Axes, ServingPlan, get_layout, plan_of
+from qwen35_lib.plan import ServingPlan, axis_size, check_layout, get_layout
 from qwen35_lib.weights import ArrayInfo, declare, is_info
-
-Layout = ServingPlan  # a layout is the plan of a layout name: one record, not a second class
-
-
-def check_layout(config: Config, mesh) -> ServingPlan:
-    """The config's plan (layout, routing, flags) bound to `mesh`, or a ValueError naming the constraint it breaks
-    on `mesh` and the fix."""
-    lay = plan_of(config)
-    if lay.name == "single":
-        return lay
-    if mesh is None:
-        raise ValueError(f"layout {lay.name!r} needs a mesh: pass mesh=qwen35_lib.parallel.make_mesh() (the devices "
-                         "as ('chip', 'core'))")
-    missing = set(AXES) - set(mesh.axis_names)
-    if missing:
-        raise ValueError(f"layout {lay.name!r} needs mesh axes {AXES}; this mesh has {mesh.axis_names}: build it "
-                         "with qwen35_lib.parallel.make_mesh()")
-    n = axis_size(mesh, AXES)
-    if lay.devices is not None and n != lay.devices:
-        raise ValueError(f"layout {lay.name!r} is the {lay.devices}-device instance of {lay.general!r}; this mesh has "
-                         f"{n} devices: use layout {lay.general!r} (its sizes come from the mesh)")
-    lay = lay.bind(mesh)
-    kv = axis_size(mesh, lay.axes("kv_heads"))
-    heads = config.num_kv_heads * lay.kv_replication(config)
-    if heads % kv and not lay.kv_replicated:  # tp_kvrep keeps what does not divide whole on every device
-        dp_ep, kvrep = ("dp8_ep8", "tp8_kvrep") if n == 8 else ("dp_ep", "tp_kvrep")
-        raise ValueError(
-            f"{config.num_kv_heads} KV heads cannot be split over {kv} devices of axes {lay.axes('kv_heads')} "
-            f"(layout {lay.name!r}: {config.num_kv_heads}/{kv} heads per device); use layout {dp_ep!r} or "
-            f"replicate KV heads with {kvrep!r} (each device then keeps the one its query heads read: "
-            f"{kv // math.gcd(kv, config.num_kv_heads)}x the KV-cache memory of an even split)")
-    if heads % kv:  # tp_kvrep that cannot duplicate evenly: KV heads whole on every device
-        lay = dataclasses.replace(lay, kv_whole=True)
-    ep = lay.ep
-    if lay.moe == "ep" and config.num_experts % ep:
-        raise ValueError(f"{config.num_experts} experts cannot be split evenly over {ep} devices (expert "
-                         f"parallelism over {lay.ep_axes}): use an expert count that is a multiple of {ep}, "
-                         "or a tensor-parallel layout ('tp_kvrep')")
-    tp = axis_size(mesh, lay.tp_axes)
-    if lay.moe == "tp" and config.moe_ffn % tp:
-        raise ValueError(f"expert FFN size {config.moe_ffn} cannot be split over {tp} devices (layout "
-                         f"{lay.name!r}); use an EP layout ('dp_ep')")
-    if lay.moe == "tp" and config.expert_dtype and (config.moe_ffn // config.fp8_block_size) % tp:
-        raise ValueError(f"FP8 expert scales ({config.moe_ffn // config.fp8_block_size} blocks of "
-                         f"{config.fp8_block_size} along the FFN) cannot be split over {tp} devices: use "
-                         "expert_dtype=None or an EP layout ('dp_ep')")
-    if lay.moe == "ep" and (config.hierarchical_rs or config.fuse_allgather) and config.routing != "replicate":
-        raise ValueError("fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
-                         f"routing={config.routing!r}")
-    if lay.moe != "ep" and (config.hierarchical_rs or config.fuse_allgather):
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; "
-                         f"layout {lay.name!r} is not one")
-    return lay
 
 
 def placed_config(config: Config, mesh) -> Config:
@@ -162,5 +105,5 @@ def leaf_infos(config: Config) -> list[tuple[str, ArrayInfo]]:
 
 
 
-__all__ = ["Axes", "Layout", "ServingPlan", "batch_sharding", "check_layout", "duplicate_kv_heads", "get_layout",
-           "leaf_infos", "placed_config", "shard_weights", "shardings", "spec", "weight_shardings"]
+__all__ = ["batch_sharding", "duplicate_kv_heads", "leaf_infos", "placed_config", "shard_weights", "shardings", "spec",
+           "weight_shardings"]

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.parallel.layouts import leaf_infos, placed_config, weight_shardings
-from qwen35_lib.parallel.mesh import ALL
+from qwen35_lib.plan import ALL
 
 LETTERS = {"embed": "D", "experts": "E", "moe_ffn": "F", "ffn": "Fs", "q_heads": "Hq", "kv_heads": "Hkv",
            "gdn_k_heads": "Hk", "gdn_v_heads": "Hv", "vocab": "V"}

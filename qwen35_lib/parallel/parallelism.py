@@ -16,7 +16,7 @@ from qwen35_lib.model import decoder
 from qwen35_lib.model.moe import local_moe, route, shared_expert
 from qwen35_lib.model.parallelism import LOCAL, Parallelism
 from qwen35_lib.parallel import ranks, routing
-from qwen35_lib.parallel.plan import ServingPlan, plan_of
+from qwen35_lib.plan import ServingPlan, plan_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class MeshParallelism:
             return local_moe(cfg, w, x)
         if jax.sharding.get_abstract_mesh().empty:
             raise ValueError(f"layout {self.layout.name!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` "
-                             "with mesh = qwen35_lib.parallel.make_mesh() (the Engine does this when given mesh=...)")
+                             "with mesh = qwen35_lib.plan.make_mesh() (the Engine does this when given mesh=...)")
         if self.layout.moe == "ep":
             return routing.moe_ep(cfg, w, x, route, self.layout)[0] + shared_expert(w, x)
         weights, ids = route(cfg, w["router"], x)

@@ -10,9 +10,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import CONFIG_FIELDS, resolve_name
-from qwen35_lib.parallel.mesh import ALL
-from qwen35_lib.parallel.plan import ServingPlan, plan_of
+from qwen35_lib.kernels.registry import resolve_name
+from qwen35_lib.plan import ALL, ServingPlan, plan_of
+from qwen35_lib.plan.kernels import CONFIG_FIELDS
 
 
 def per_rank(cfg: Config, slot: str, fn: Callable, *args, plan: ServingPlan | None = None):

@@ -33,8 +33,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_config
 from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
-from qwen35_lib.parallel.mesh import ALL
-from qwen35_lib.parallel.plan import ServingPlan, plan_of
+from qwen35_lib.plan import ALL, ServingPlan, plan_of
 from qwen35_lib.weights import BlockFP8
 
 

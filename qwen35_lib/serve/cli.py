@@ -2,9 +2,9 @@
 and serve the OpenAI API with uvicorn until interrupted.
 
 The model, layout and engine options are `generate`'s (its loading helpers are reused: `cli_generate._load`,
-`check_split`, `layout_mesh`). The tokenizer is the checkpoint's tokenizer.json (or `--tokenizer DIR`); without
-one the server takes token-id prompts only. The socket is bound before uvicorn starts, so `--port 0` picks a free
-port, printed on stderr as `# serving MODEL on http://HOST:PORT`.
+`plan_split`, `layout_mesh`; the plan flags are `qwen35_lib.plan.cli`'s). The tokenizer is the checkpoint's
+tokenizer.json (or `--tokenizer DIR`); without one the server takes token-id prompts only. The socket is bound
+before uvicorn starts, so `--port 0` picks a free port, printed on stderr as `# serving MODEL on http://HOST:PORT`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import socket
 
 from qwen35_lib import cli_generate
 from qwen35_lib.cli_errors import port, positive
+from qwen35_lib.plan import cli as plan_cli
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--served-model-name", metavar="NAME", help="the `model` clients send (default: the "
                                                                  "checkpoint folder's name or the preset)")
     eng = p.add_argument_group("engine")
-    cli_generate.add_layout_options(eng)
+    plan_cli.add_arguments(eng)
     eng.add_argument("--max-num-seqs", type=positive, default=8, metavar="N",
                      help="sequences running at once per rank (8)")
     eng.add_argument("--max-num-batched-tokens", type=positive, default=128, metavar="N",
@@ -98,15 +99,13 @@ def run(args: argparse.Namespace) -> int:
     cli_generate.check_fp8(args.fp8, root)
     preset = args.model or "qwen3.5-tiny"
     shape = from_hf_config(root) if root else get_config(preset)
-    split = cli_generate._split_options(args)
-    cli_generate.check_split(shape.replace(**split), args.devices)
+    split, mesh = cli_generate.plan_split(args, shape)
     tok_dir = pathlib.Path(args.tokenizer) if args.tokenizer else root
     if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
     text = load_text(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
     name = args.served_model_name or cli_generate.checkpoint_name(args.checkpoint, root) or preset
     sock = _bind(args.host, args.port)
-    mesh = cli_generate.layout_mesh(args.devices) if args.layout != "single" else None
 
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")

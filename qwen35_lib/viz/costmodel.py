@@ -199,7 +199,7 @@ def explorer():
 
     from qwen35_lib.config import PRESETS
     from qwen35_lib.costmodel import specs
-    from qwen35_lib.costmodel.stages import LADDER
+    from qwen35_lib.plan import LADDER
 
     controls = dict(
         model=w.Dropdown(options=list(PRESETS), value="qwen3.5-397b-a17b", description="model"),

@@ -23,9 +23,8 @@ from qwen35_lib import hardware as hw
 from qwen35_lib.config import EXPERT_DTYPES, LAYOUTS, PRESETS, ROUTINGS, Config, get_config
 from qwen35_lib.costmodel import traffic
 from qwen35_lib.costmodel.predict import token_budget
-from qwen35_lib.costmodel.stages import custom_stage, resolve_layout
-from qwen35_lib.parallel.plan import get_layout
 from qwen35_lib.placement import Placement, fmt_range, placement
+from qwen35_lib.plan import custom_stage, get_layout, resolve_layout
 from qwen35_lib.viz.architecture import COLORS, GiB
 
 SUMMARY_CLASS = "qwen35-explorer-summary"
@@ -129,7 +128,7 @@ def step_collectives(config: Config, layout: str, devices: int = 8, routing: str
                      requests: int = 512, context_len: int = 8192, backend: str = "tpu") -> dict[str, dict]:
     """{step: {"tokens": per rank, "kinds": {kind: (ops run, bytes)}}} per device, for a decode and a prefill step.
 
-    1. the plan: `custom_stage(layout, routing)` bound to the mesh of `devices` (`costmodel.stages.resolve_layout`;
+    1. the plan: `custom_stage(layout, routing)` bound to the mesh of `devices` (`plan.resolve_layout`;
        its refusal, or the cost model's "no closed form", is raised as a ValueError);
     2. "decode": every request one token, ceil(requests / R) per rank; "prefill": the recipe's token budget for
        prompts of `context_len` (`costmodel.predict.token_budget`) per rank; each as `StepShape.of_compile`;

@@ -1,22 +1,12 @@
 """The serving plan: one frozen, hashable record of how a model is served on a mesh.
 
 A `ServingPlan` names a layout (how attention, GDN and the MoE are placed: the logical-axis rules of
-`PLACEMENTS`), the MoE routing of an EP layout, the collective options, the kernel family (resolved per
-backend by `kernels.registry.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they
-come from the mesh it is bound to (`plan.bind(mesh)`), so the general layouts run on any `('chip', 'core')`
-mesh whose sizes divide (1, 2, 4, 8, 16 devices):
-
-| layout       | attention / GDN                           | MoE                         | requests (batch) |
-|--------------|-------------------------------------------|-----------------------------|------------------|
-| `single`     | one device                                | one device                  | one rank         |
-| `tp`         | `W_q[D, Hq_x]`, `W_k[D, Hkv_x]`            | `W[E, D, F_x]` + all-reduce  | replicated       |
-| `tp_kvrep`   | as `tp`, KV heads duplicated in the weights to max(1, Hkv/tp) per device | as `tp` | replicated |
-| `dp_tp2_ep`  | heads over `core`                         | `W[E_x, D, F]`              | ranks over `chip`|
-| `dp_ep`      | replicated weights, own requests          | `W[E_x, D, F]`              | ranks over all   |
-
-(x = every mesh axis, `ALL = ('chip', 'core')`.) `tp8`, `tp8_kvrep`, `dp4_tp2_ep8` and `dp8_ep8` are the
-same layouts as 8-device instances: they refuse a mesh of another size, naming the general form.
-A plan's name is its layout's for a layout plan (`get_layout`), or a stage's (`parallel.stages`).
+`plan.layouts.PLACEMENTS`), the MoE routing of an EP layout, the collective options, the kernel family (resolved
+per backend by `plan.kernels.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they come
+from the mesh it is bound to (`plan.bind(mesh)`), so the general layouts run on any `('chip', 'core')` mesh whose
+sizes divide (1, 2, 4, 8, 16 devices). A plan's name is its layout's for a layout plan (`get_layout`), or a
+stage's (`plan.stages`). `plan.bind(mesh, config)` checks a plan against a model on a mesh, once, and binds it
+(`check_layout(config, mesh)`: the config's own plan, so bound), or refuses it naming the constraint and the fix.
 """
 
 from __future__ import annotations
@@ -26,28 +16,9 @@ import functools
 import math
 
 from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
-from qwen35_lib.parallel.mesh import ALL, axis_size
-
-Axes = tuple[str, ...] | str | None
-
-_TP_HEADS = (("q_heads", ALL), ("gdn_k_heads", ALL), ("gdn_v_heads", ALL), ("ffn", ALL), ("moe_ffn", ALL),
-             ("vocab", ALL), ("kv_heads", ALL))
-# general layout -> (rules: (logical axis, mesh axes), axes not named are replicated; MoE mode; KV heads
-# duplicated to max(1, Hkv / tp) per device; summary)
-PLACEMENTS: dict[str, tuple[tuple[tuple[str, Axes], ...], str, bool, str]] = {
-    "single": ((), "local", False, "everything on one device"),
-    "tp": (_TP_HEADS, "tp", False, "tensor parallelism over every device: every head axis and the expert FFN split"),
-    "tp_kvrep": (_TP_HEADS, "tp", True, "tensor parallelism with the KV heads duplicated in the weights so each "
-                 "device keeps the max(1, Hkv/tp) KV heads its query heads read"),
-    "dp_tp2_ep": ((("batch", "chip"), ("q_heads", "core"), ("kv_heads", "core"), ("gdn_k_heads", "core"),
-                   ("gdn_v_heads", "core"), ("ffn", "core"), ("experts", ALL)), "ep", False,
-                  "data-parallel ranks over the chips, heads split over the 2 cores of a chip, experts over all"),
-    "dp_ep": ((("batch", ALL), ("experts", ALL)), "ep", False,
-              "data-parallel ranks over every device (attention and GDN whole per device), experts over all"),
-}
-INSTANCES = {"tp8": "tp", "tp8_kvrep": "tp_kvrep", "dp4_tp2_ep8": "dp_tp2_ep", "dp8_ep8": "dp_ep"}  # 8 devices
-GENERAL = {name: INSTANCES.get(name, name) for name in LAYOUTS}  # every layout name -> its general form
-assert set(GENERAL.values()) == set(PLACEMENTS)
+from qwen35_lib.plan.kernels import family_kernels
+from qwen35_lib.plan.layouts import GENERAL, INSTANCES, PLACEMENTS, Axes
+from qwen35_lib.plan.mesh import AXES, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +31,7 @@ class ServingPlan:
     routing: str | None = None  # EP layouts: "replicate" | "all_to_all"; None: the TP / local MoE
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over core, then chip
-    kernels: str | None = "xla"  # kernel family (`kernels.registry.FAMILIES`); None: as the config says
+    kernels: str | None = "xla"  # kernel family (`plan.kernels.FAMILIES`); None: as the config says
     kv_dtype: str | None = None  # paged KV cache, read by the cost model (an Engine takes EngineConfig.kv_dtype)
     gdn_state_dtype: str | None = None  # recurrent GDN state (`apply` sets it in the config); None: the config's
     mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
@@ -121,8 +92,12 @@ class ServingPlan:
         return self.axes("moe_ffn")
 
     # --- sizes (from a mesh) ---
-    def bind(self, mesh) -> ServingPlan:
-        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh)."""
+    def bind(self, mesh, config: Config | None = None) -> ServingPlan:
+        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh). With `config`, the one check of the plan
+        against a model on a mesh first (`_checked`: a ValueError naming the constraint it breaks and the fix), and
+        the plan as that model runs there (`kv_whole` where tp_kvrep's KV heads neither divide nor duplicate)."""
+        if config is not None:
+            return _checked(self, mesh, config)
         return dataclasses.replace(self, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
 
     def _size(self, axes: Axes, mesh=None) -> int:
@@ -176,8 +151,6 @@ class ServingPlan:
     # --- stages ---
     def kernel_fields(self, backend: str | None = None) -> dict[str, str]:
         """The kernel of every Config slot field for `backend` (the family's table); {} when kernels is None."""
-        from qwen35_lib.kernels.registry import family_kernels
-
         return {} if self.kernels is None else family_kernels(self.kernels, backend)
 
     def apply(self, config: Config, backend: str | None = None) -> Config:
@@ -190,7 +163,7 @@ class ServingPlan:
 
 def micro_batches(tokens: int) -> int:
     """tpu-inference's hierarchical reduce-scatter micro-batch count: 1/2/4/8 for T < 256 / >= 256 / >= 2048 /
-    >= 4096 tokens in the step (tpu_serving_anchors.md 1.4)."""
+    >= 4096 tokens in the step (vllm-project/tpu-inference's `hierarchical_reduce_scatter_local`)."""
     return 8 if tokens >= 4096 else 4 if tokens >= 2048 else 2 if tokens >= 256 else 1
 
 
@@ -229,17 +202,74 @@ def plan_of(config: Config) -> ServingPlan:
     """The plan `config` runs: its layout, routing (EP layouts) and collective flags; kernels as the config says.
     One object per combination (the layout plan itself when there is no routing to add)."""
     lay = get_layout(config.layout)
-    if lay.moe != "ep":
-        return lay
+    if lay.moe != "ep":  # collective flags only where set (a combination `bind` refuses, naming the fix)
+        return lay if not (config.fuse_allgather or config.hierarchical_rs) else \
+            _routed(lay, None, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
     return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
 
 
 @functools.cache
-def _routed(lay: ServingPlan, routing: str, fuse_allgather: bool, hierarchical_rs: bool,
+def _routed(lay: ServingPlan, routing: str | None, fuse_allgather: bool, hierarchical_rs: bool,
             rs_micro_batches: int | None) -> ServingPlan:
     return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs,
                                rs_micro_batches=rs_micro_batches)
 
 
-__all__ = ["GENERAL", "INSTANCES", "LAYOUT_PLANS", "PLACEMENTS", "ServingPlan", "get_layout", "kv_copies",
-           "kv_heads_per_device", "micro_batches", "plan_of"]
+def check_layout(config: Config, mesh) -> ServingPlan:
+    """The config's plan (layout, routing, flags) bound to `mesh` and checked against the model there
+    (`plan_of(config).bind(mesh, config)`), or a ValueError naming the constraint it breaks and the fix."""
+    return plan_of(config).bind(mesh, config)
+
+
+def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
+    """`plan` bound to `mesh` once checked against the model `config` there (`ServingPlan.bind`'s check)."""
+    lay = plan
+    if lay.layout == "single":
+        return lay
+    if mesh is None:
+        raise ValueError(f"layout {lay.layout!r} needs a mesh: pass mesh=qwen35_lib.plan.make_mesh() (the devices "
+                         "as ('chip', 'core'))")
+    missing = set(AXES) - set(mesh.axis_names)
+    if missing:
+        raise ValueError(f"layout {lay.layout!r} needs mesh axes {AXES}; this mesh has {mesh.axis_names}: build it "
+                         "with qwen35_lib.plan.make_mesh()")
+    n = axis_size(mesh, AXES)
+    if lay.devices is not None and n != lay.devices:
+        raise ValueError(f"layout {lay.layout!r} is the {lay.devices}-device instance of {lay.general!r}; this mesh "
+                         f"has {n} devices: use layout {lay.general!r} (its sizes come from the mesh)")
+    lay = lay.bind(mesh)
+    kv = axis_size(mesh, lay.axes("kv_heads"))
+    heads = config.num_kv_heads * lay.kv_replication(config)
+    if heads % kv and not lay.kv_replicated:  # tp_kvrep keeps what does not divide whole on every device
+        dp_ep, kvrep = ("dp8_ep8", "tp8_kvrep") if n == 8 else ("dp_ep", "tp_kvrep")
+        raise ValueError(
+            f"{config.num_kv_heads} KV heads cannot be split over {kv} devices of axes {lay.axes('kv_heads')} "
+            f"(layout {lay.layout!r}: {config.num_kv_heads}/{kv} heads per device); use layout {dp_ep!r} or "
+            f"replicate KV heads with {kvrep!r} (each device then keeps the one its query heads read: "
+            f"{kv // math.gcd(kv, config.num_kv_heads)}x the KV-cache memory of an even split)")
+    if heads % kv:  # tp_kvrep that cannot duplicate evenly: KV heads whole on every device
+        lay = dataclasses.replace(lay, kv_whole=True)
+    ep = lay.ep
+    if lay.moe == "ep" and config.num_experts % ep:
+        raise ValueError(f"{config.num_experts} experts cannot be split evenly over {ep} devices (expert "
+                         f"parallelism over {lay.ep_axes}): use an expert count that is a multiple of {ep}, "
+                         "or a tensor-parallel layout ('tp_kvrep')")
+    tp = axis_size(mesh, lay.tp_axes)
+    if lay.moe == "tp" and config.moe_ffn % tp:
+        raise ValueError(f"expert FFN size {config.moe_ffn} cannot be split over {tp} devices (layout "
+                         f"{lay.layout!r}); use an EP layout ('dp_ep')")
+    if lay.moe == "tp" and config.expert_dtype and (config.moe_ffn // config.fp8_block_size) % tp:
+        raise ValueError(f"FP8 expert scales ({config.moe_ffn // config.fp8_block_size} blocks of "
+                         f"{config.fp8_block_size} along the FFN) cannot be split over {tp} devices: use "
+                         "expert_dtype=None or an EP layout ('dp_ep')")
+    if lay.moe == "ep" and (lay.hierarchical_rs or lay.fuse_allgather) and lay.routing != "replicate":
+        raise ValueError("fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
+                         f"routing={lay.routing!r}")
+    if lay.moe != "ep" and (lay.hierarchical_rs or lay.fuse_allgather):
+        raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; "
+                         f"layout {lay.layout!r} is not one")
+    return lay
+
+
+__all__ = ["LAYOUT_PLANS", "ServingPlan", "check_layout", "get_layout", "kv_copies", "kv_heads_per_device",
+           "micro_batches", "plan_of"]

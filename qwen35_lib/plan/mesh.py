@@ -3,7 +3,8 @@
 Any device count forms the same axes (1 device: `chip` 1 x `core` 1; 2: 1 x 2; 4: 2 x 2; 16: 8 x 2). An axis
 over every device is the product `ALL = ('chip', 'core')`; a collective over `core` stays inside a chip, one over `chip`
 crosses the inter-chip links. The same mesh shape is built from 8 simulated CPU devices, from a real TPU's
-devices (ordered by physical coordinates), or from the `tpu7x:2x2x1` topology description (ahead-of-time).
+devices (ordered by physical coordinates), or from the `tpu7x:2x2x1` topology description (ahead-of-time);
+`abstract_mesh(n)` is its shape alone (no devices), what the cost model, placement and the CLIs' checks read.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 AXES = ("chip", "core")
 ALL = ("chip", "core")  # an axis over every device: both mesh axes, chip-major
-EIGHT = ALL  # its old name, from when every mesh had 8 devices
 
 
 def make_mesh(devices: Sequence | None = None, cores_per_chip: int = 2) -> Mesh:
@@ -42,9 +42,17 @@ def make_mesh(devices: Sequence | None = None, cores_per_chip: int = 2) -> Mesh:
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def abstract_mesh(devices: int) -> AbstractMesh:
+    """The `('chip', 'core')` mesh of `devices` devices as sizes only, 2 cores a chip (1 device: one core)."""
+    return AbstractMesh((max(1, devices // 2), min(2, devices)), AXES)
+
+
 def axis_size(mesh, axes: str | tuple[str, ...] | None) -> int:
     """Devices along `axes` (a name, a tuple of names, or None = 1)."""
     if axes is None:
         return 1
     names = (axes,) if isinstance(axes, str) else axes
     return int(np.prod([mesh.shape[a] for a in names]))
+
+
+__all__ = ["ALL", "AXES", "abstract_mesh", "axis_size", "make_mesh"]

@@ -1,0 +1,43 @@
+"""The layout rules: how each general layout places attention, GDN and the MoE on the `('chip', 'core')` mesh, as
+data (logical axis -> mesh axes). `qwen35_lib.plan.record.ServingPlan` reads them by its layout's general form.
+
+| layout       | attention / GDN                           | MoE                         | requests (batch) |
+|--------------|-------------------------------------------|-----------------------------|------------------|
+| `single`     | one device                                | one device                  | one rank         |
+| `tp`         | `W_q[D, Hq_x]`, `W_k[D, Hkv_x]`            | `W[E, D, F_x]` + all-reduce  | replicated       |
+| `tp_kvrep`   | as `tp`, KV heads duplicated in the weights to max(1, Hkv/tp) per device | as `tp` | replicated |
+| `dp_tp2_ep`  | heads over `core`                         | `W[E_x, D, F]`              | ranks over `chip`|
+| `dp_ep`      | replicated weights, own requests          | `W[E_x, D, F]`              | ranks over all   |
+
+(x = every mesh axis, `ALL = ('chip', 'core')`.) `tp8`, `tp8_kvrep`, `dp4_tp2_ep8` and `dp8_ep8` are the
+same layouts as 8-device instances (`INSTANCES`): they refuse a mesh of another size, naming the general form.
+"""
+
+from __future__ import annotations
+
+from qwen35_lib.config import LAYOUTS
+from qwen35_lib.plan.mesh import ALL
+
+Axes = tuple[str, ...] | str | None
+
+_TP_HEADS = (("q_heads", ALL), ("gdn_k_heads", ALL), ("gdn_v_heads", ALL), ("ffn", ALL), ("moe_ffn", ALL),
+             ("vocab", ALL), ("kv_heads", ALL))
+# general layout -> (rules: (logical axis, mesh axes), axes not named are replicated; MoE mode; KV heads
+# duplicated to max(1, Hkv / tp) per device; summary)
+PLACEMENTS: dict[str, tuple[tuple[tuple[str, Axes], ...], str, bool, str]] = {
+    "single": ((), "local", False, "everything on one device"),
+    "tp": (_TP_HEADS, "tp", False, "tensor parallelism over every device: every head axis and the expert FFN split"),
+    "tp_kvrep": (_TP_HEADS, "tp", True, "tensor parallelism with the KV heads duplicated in the weights so each "
+                 "device keeps the max(1, Hkv/tp) KV heads its query heads read"),
+    "dp_tp2_ep": ((("batch", "chip"), ("q_heads", "core"), ("kv_heads", "core"), ("gdn_k_heads", "core"),
+                   ("gdn_v_heads", "core"), ("ffn", "core"), ("experts", ALL)), "ep", False,
+                  "data-parallel ranks over the chips, heads split over the 2 cores of a chip, experts over all"),
+    "dp_ep": ((("batch", ALL), ("experts", ALL)), "ep", False,
+              "data-parallel ranks over every device (attention and GDN whole per device), experts over all"),
+}
+INSTANCES = {"tp8": "tp", "tp8_kvrep": "tp_kvrep", "dp4_tp2_ep8": "dp_tp2_ep", "dp8_ep8": "dp_ep"}  # 8 devices
+GENERAL = {name: INSTANCES.get(name, name) for name in LAYOUTS}  # every layout name -> its general form
+assert set(GENERAL.values()) == set(PLACEMENTS)
+
+
+__all__ = ["GENERAL", "INSTANCES", "PLACEMENTS", "Axes"]
