@@ -28,8 +28,8 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.plan import any_stage, resolve_layout
 from qwen35_lib.costmodel.step import step_costs
+from qwen35_lib.plan import any_stage, resolve_layout
 
 TWIN = {"kernels": "hier_rs"}  # a stage whose kernels XLA cannot see into -> its XLA twin
 DECODE_BYTES_TOLERANCE = 0.25  # issue 30, item 4: decode HBM bytes within 25% for every stage
@@ -87,12 +87,13 @@ def compare(doc: dict) -> list[dict]:
     """One row per stage and step of a one-group sweep document: the compile's counts (XLA's `cost_analysis()`,
     and the HLO text's own by block) beside the model's, with their ratios; a stage with Mosaic kernels is read
     through its XLA twin (`TWIN`)."""
-    from qwen35_lib.aot.sweep import serving_config
+    from qwen35_lib.costmodel.predict import serving_model
 
     if doc.get("groups") != 1:
         raise ValueError(f"compare needs a one-group sweep (aot sweep --groups 1), got groups={doc.get('groups')}: "
                          "XLA counts the layer scan's body once, so a deeper compile reports one group of many")
-    config = serving_config(doc["model"], 1, **doc.get("overrides", {}))
+    config = serving_model(doc["model"], **doc.get("overrides", {}))  # as `aot.sweep.serving_config` serves it
+    config = config.replace(num_layers=len(config.layer_pattern))  # one layer group
     rows = []
     for stage, s in doc["stages"].items():
         for step, e in s["steps"].items():
