@@ -2,7 +2,7 @@
 [--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
 [--max-seqs N] [--kv-dtype D] [--mechanisms nominal|off] [--explain] [--no-band] [--json]` and
 `python -m qwen35_lib.costmodel ladder [--json]` and
-`python -m qwen35_lib.costmodel validate --moe | --published [--json]`.
+`python -m qwen35_lib.costmodel validate --moe | --published | --compiled [--json]`.
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
 one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json and their joint corners), the
@@ -10,7 +10,8 @@ mean step-time breakdown by component, and the roofline bound; `--explain` adds 
 with its assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
 `validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
 cells of data/moe_layer_measured.json: which set the one derived constant, which judge it); `validate --published`
-prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s).
+prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s); `validate
+--compiled` sets the model's FLOPs and HBM bytes beside the stored one-group TPU7x-8 compiles (`costmodel.compiled`).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
 """
 
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = val.add_mutually_exclusive_group(required=True)
     what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")
     what.add_argument("--published", action="store_true", help="tpu-inference #3050 (8k/1k, c64/128/256)")
+    what.add_argument("--compiled", action="store_true",
+                      help="FLOPs and HBM bytes vs the one-group TPU7x-8 compiles (data/aot/tpu7x-8-g1.json)")
     val.add_argument("--json", action="store_true", help="print one JSON document")
     cli_errors.add_debug_flag(p)
     return p
@@ -115,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(args: argparse.Namespace) -> int:
     from qwen35_lib.costmodel import validate
 
+    if args.compiled:
+        from qwen35_lib import data
+        from qwen35_lib.costmodel import compiled
+
+        rows = compiled.compare(data.read_json("aot/tpu7x-8-g1.json"))
+        print(json.dumps(rows, indent=2) if args.json else compiled.table(rows))
+        return 0
     if args.moe:
         rows, derived = validate.moe_layer_comparison(), validate.moe_row_overhead()
         if args.json:

@@ -16,6 +16,35 @@ step kind. How the two are made comparable:
   results whole (every page of the KV pool, every expert). The kernels stage is therefore compared through its XLA
   twin, `hier_rs` (the same plan with the XLA kernels), and its own row says so.
 
+What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`; the stored one-group decode
+compiles, libtpu 0.0.42.1; tests/test_costmodel_compiled.py holds it):
+
+| fused_ag decode, one group, per device | model | HLO text (`op_bytes`) | XLA `bytes accessed` |
+|----------------------------------------|-------|-----------------------|----------------------|
+| FLOPs (ragged_dot as XLA counts it)    | 732.7 G | -                   | 731.4 G              |
+| HBM bytes, whole step                  | 21.4 GB | 77.1 GB             | 153.9 GB             |
+| MoE (4 layers)                         | 17.0 GB | 40.3 GB + ~17 GB of unnamed dequantizing fusions | |
+| GDN (3 layers)                         | 1.5 GB  | 6.6 GB + ~2.5 GB unnamed                       | |
+| attention (1 layer)                    | 0.8 GB  | 2.0 GB + 3.6 GB of KV pool relayouts (unnamed)  | |
+| LM head                                | 2.1 GB  | 2.1 GB                                          | |
+| sampling                               | -       | 2.1 GB                                          | |
+
+- **FLOPs agree** once the grouped matmul is counted as XLA counts `ragged_dot`: every gathered row (N·k) against
+  the device's experts, where the model counts the rows routed to them (N·k / EP). The rest of the step (the dense
+  projections, the LM head) is the model's own count, within 0.2%.
+- **Bytes do not** (issue 30 item 4 stays open): the XLA stages' compiled step moves 3.6x (the text) to 7x (XLA's
+  count) what the model charges. What the model does not charge, read off the text:
+  - the FP8 experts' dequantization as XLA:TPU compiles it: a float32 block scale broadcast over the weight, the
+    dequantized bf16 weights relaid out on the SparseCore for `ragged_dot` (`sparse-core-data-format-call`), about
+    18 bytes an expert element per layer against the model's 5 (1 FP8 read + a bf16 copy written and read);
+  - the GDN state: the whole pool of every slot converted to float32 and back, and gathered sequence by sequence
+    (a loop of 64 dynamic slices), against the model's one read and one write of each decoding sequence's state;
+  - the KV pool relaid out between its stored (8, 128) tiles and the attention's (32, 128), both ways, every step;
+  - sampling (sorts and gathers over the sampled rows' logits), which the model does not price.
+  XLA's own count is twice the text's: a difference the text does not explain (XLA:TPU's per-fusion accounting).
+- The kernels stage's Mosaic calls are opaque to both counts (a custom call counted with its operands whole), so
+  its row is its XLA twin's.
+
 The compile's shape: `ServingShape` (512 requests, 9,216-token pools, FP8 KV, 64 sequences a rank under DP8);
 the model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the

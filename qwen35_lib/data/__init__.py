@@ -1,6 +1,7 @@
 """The data files the library reads, shipped inside the package (a non-editable `pip install .` has them):
 hardware.json, costmodel_hardware.json, workloads.json, published.json, costmodel_validation.json,
-kernel_choice_cpu.json, recipes.json, and the ahead-of-time sweeps in aot/ (aot/port/: the porting notebook's
+kernel_choice_cpu.json, recipes.json, moe_layer_measured.json, and the ahead-of-time sweeps in aot/ (tpu7x-8.json at
+full depth, tpu7x-8-g1.json at one layer group for `costmodel.compiled`; aot/port/: the porting notebook's
 models). The repository's `data/` is a link to this folder.
 
 `path(name)` is where each is read (and where the benchmarks that measure them write): `$QWEN35_DATA_DIR/name`
