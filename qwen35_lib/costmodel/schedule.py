@@ -521,24 +521,13 @@ def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int,
     return FF, events, outputs, inp, out, run
 
 
-@functools.lru_cache(maxsize=64)
-def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
-             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
-             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
-    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
-    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
-    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
-    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
-    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
-    state is reached long before).
-    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
-    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
-    clients = max(1, round(concurrency / dp))
-    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
-    limit = max(1, min(max_seqs, max_running))
-    cap = min(limit, max_batched_tokens + 1)
-    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
-    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+@functools.lru_cache(maxsize=8)
+def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
+            seed: int, range_ratio: float, dispatch: str) -> tuple[np.ndarray, list, list, float, float, float]:
+    """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
+    (arrived, first, finished) in steps, their outputs, input and output tokens, running requests summed over
+    steps; kept by what it depends on, so that lockstep schedules differing only in the padding, or in a memory
+    cap above `max_seqs` (another stage or model), share one play."""
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
     if dispatch != "rank":
@@ -561,6 +550,31 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     F = np.zeros((dp, S, 6))
     for r, c in enumerate(cols):
         F[r, :len(c)] = c
+    F.setflags(write=False)
+    return F, events, outputs, inp, out, run
+
+
+@functools.lru_cache(maxsize=64)
+def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
+             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
+    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
+    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
+    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
+    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
+    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
+    state is reached long before).
+    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
+    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
+    clients = max(1, round(concurrency / dp))
+    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
+    limit = max(1, min(max_seqs, max_running))
+    cap = min(limit, max_batched_tokens + 1)
+    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
+    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+    F, events, outputs, inp, out, run = _played(isl, osl, dp, max_batched_tokens, limit, played_clients, prompts,
+                                                seed, range_ratio, dispatch)
+    S = F.shape[1]
     tokens = F[..., 0] + F[..., 2]
     work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])
     crit = np.lexsort((work, tokens), axis=0)[-1]  # per step: the rank with most tokens, then most work
