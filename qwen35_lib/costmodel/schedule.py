@@ -521,7 +521,7 @@ def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int,
     return FF, events, outputs, inp, out, run
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
 def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
             seed: int, range_ratio: float, dispatch: str) -> tuple[np.ndarray, list, list, float, float, float]:
     """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
