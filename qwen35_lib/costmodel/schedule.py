@@ -11,6 +11,8 @@ Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's
 A request finishes after its output length; a new one arrives at once while prompts remain. The step's time is
 `step_fn(batch)` for the whole-slice `ops.Batch`. Runs of pure-decode steps (no prompt work anywhere) are
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
+No scheduling decision reads a step's time, so each play is recorded once (`_record`, cached by its arguments) and
+timed by each step function (`_replay`): a band's reruns and a sweep's specs re-time the same recording.
 
 The work is bounded whatever the concurrency: up to `EXACT_PROMPTS` requests per rank, every request is
 played; beyond, every request's tokens at the steady-state cost per token (measured on a run started in
