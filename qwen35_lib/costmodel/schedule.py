@@ -11,6 +11,8 @@ Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's
 A request finishes after its output length; a new one arrives at once while prompts remain. The step's time is
 `step_fn(batch)` for the whole-slice `ops.Batch`. Runs of pure-decode steps (no prompt work anywhere) are
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
+No scheduling decision reads a step's time, so each play is recorded once (`_record`, cached by its arguments) and
+timed by each step function (`_replay`): a band's reruns and a sweep's specs re-time the same recording.
 
 The work is bounded whatever the concurrency: up to `EXACT_PROMPTS` requests per rank, every request is
 played; beyond, every request's tokens at the steady-state cost per token (measured on a run started in
@@ -106,8 +108,16 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
         bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio)
         if bounded is not None:
             return bounded
-    play = _play(step_fn, draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit)
+    play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio),
+                    step_fn)
     return play.result(dp)
+
+
+@functools.lru_cache(maxsize=16)
+def _exact_record(isl: int, osl: int, clients: int, prompts: int, dp: int, max_batched_tokens: int, limit: int,
+                  seed: int, range_ratio: float) -> tuple[_Record]:
+    """`simulate`'s play of every request, recorded once (the schedule does not depend on the step times)."""
+    return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit),)
 
 
 def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, clients: int,
@@ -142,18 +152,10 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     c = min(clients, cap + 1)
     if c + 2 * cap >= prompts:
         return None
-    warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
-    skip = min(warm, STEADY_WINDOW)
-    lengths = draw_lengths(warm + skip + STEADY_WINDOW + c, isl, osl, seed + 1, range_ratio)
-    rng = np.random.default_rng(seed + 2)
-    start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
-    steady = _play(step_fn, lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + STEADY_WINDOW),
-                   start=start, collapse=True)
+    skip = min(c, limit, max_batched_tokens, STEADY_WINDOW)  # `warm` in `_bounded_records`
+    records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW)
+    steady, ramp, drain = _replay(records, step_fn)
     (_, a), (_, b) = steady.snapshots
-    ramp = _play(step_fn, draw_lengths(c + cap, isl, osl, seed, range_ratio), c, dp, max_batched_tokens, limit,
-                 marks=(cap,), collapse=True)
-    drain = _play(step_fn, [], len(steady.running), dp, max_batched_tokens, limit, start=steady.running,
-                  collapse=True)
     mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
     work = prompts * (mean_in + mean_out - 1)  # tokens computed: the first output token is the prefill's
     unit = b.work - a.work
@@ -172,6 +174,24 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     ttft += _median_queue_wait(clients, cap, prompts, STEADY_WINDOW / (b.t - a.t))
     return dataclasses.replace(full.result(dp), played=ramp.completed + steady.completed + drain.completed,
                                requests=prompts, median_ttft_s=ttft, median_tpot_s=tpot)
+
+
+@functools.lru_cache(maxsize=16)
+def _bounded_records(isl: int, osl: int, c: int, cap: int, dp: int, max_batched_tokens: int, limit: int, seed: int,
+                     range_ratio: float, window: int) -> tuple[_Record, _Record, _Record]:
+    """`_bounded`'s steady, ramp and drain runs (its items 2-4), recorded once: the schedule does not depend on the
+    step times, which `_replay` adds for each step function."""
+    warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
+    skip = min(warm, window)
+    lengths = draw_lengths(warm + skip + window + c, isl, osl, seed + 1, range_ratio)
+    rng = np.random.default_rng(seed + 2)
+    start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
+    steady = _record(lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + window),
+                     start=start, collapse=True)
+    ramp = _record(draw_lengths(c + cap, isl, osl, seed, range_ratio), c, dp, max_batched_tokens, limit,
+                   marks=(cap,), collapse=True)
+    drain = _record([], len(steady.running), dp, max_batched_tokens, limit, start=steady.running, collapse=True)
+    return steady, ramp, drain
 
 
 def _median_queue_wait(clients: int, cap: int, prompts: int, rate: float) -> float:
@@ -230,14 +250,56 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
     clients of `start` with their requests already running; with `marks`, it stops at the last one. With
     `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
-    together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it."""
+    together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it.
+    (`_record` plays the schedule, `_replay` times it with `step_fn`.)"""
+    rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse)
+    if trace is not None:
+        trace += [(st.batch, st.n) for st in rec.steps]
+    return _replay((rec,), step_fn)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """A time of a recorded play: the end of its `step`-th step (0: its start), in seconds once replayed."""
+
+    play: int
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    batch: Batch
+    n: int  # steps it stands for
+    dec: int  # decodes of the slice over them
+    work: int  # tokens computed on the rank
+    run: int  # running requests of the rank summed over them
+    firsts: tuple[_Req, ...]  # requests whose first token it sampled
+    finished: tuple[tuple[_Req, float | _At | None, float | _At], ...]  # (request, arrived, first) of each done
+
+
+@dataclasses.dataclass
+class _Record:
+    id: int
+    steps: list[_Step]
+    snapshots: list[tuple[int, int]]  # (completions, steps recorded) at each mark
+    completed: int
+    running: list[_Req]
+
+
+_RECORDS = iter(range(1 << 62))
+
+
+def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_tokens: int, limit: int,
+            marks: tuple[int, ...] = (), start: list[_Req] | None = None, collapse: bool = False) -> _Record:
+    """`_play`'s schedule without its times: each step's batch and counts, and when requests arrive, sample their
+    first token and finish, as `_At` times (a request's `arrived` and `first` hold them)."""
+    pid = next(_RECORDS)
     running: list[_Req] = list(start or [])
     waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients - len(running)])
     pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
-    tot = _Totals()
+    steps: list[_Step] = []
     done = 0
-    finished: list[tuple[float | None, float, float, int]] = []
-    snapshots: list[tuple[int, _Totals]] = []
+    snapshots: list[tuple[int, int]] = []
     todo = list(marks)
     while waiting or running:
         firsts = []
@@ -250,44 +312,75 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
             ctx = [r.prompt + r.done_output + (k + 1) / 2 for r in decoders]  # middle of the run
             batch = Batch(decodes=len(decoders) * dp, decode_ctx=float(np.mean(ctx)),
                           max_ctx=int(max(ctx) + k / 2))
-            sec, parts = step_fn(batch)
             for r in decoders:
                 r.done_output += k
-            n_steps = k
-            tot.dec_sum += k * len(decoders) * dp
-            tot.work += k * len(decoders)
+            n_steps, dec, work = k, k * len(decoders) * dp, k * len(decoders)
         else:  # 1-3. one mixed step
             fields, firsts = _rank_step(running, waiting, max_batched_tokens, limit)
             n_dec, decode_ctx, pre, seqs, prefill_ctx, max_ctx = fields
             batch = Batch(decodes=n_dec * dp, decode_ctx=decode_ctx, prefill_tokens=pre * dp, prefill_seqs=seqs * dp,
                           prefill_ctx=prefill_ctx, max_ctx=max_ctx)
-            sec, parts = step_fn(batch)
-            n_steps = 1
-            tot.dec_sum += n_dec * dp
-            tot.work += n_dec + pre
-        if trace is not None:
-            trace.append((batch, n_steps))
-        tot.t += sec * n_steps
+            n_steps, dec, work = 1, n_dec * dp, n_dec + pre
+        now = _At(pid, len(steps) + 1)
         for r in firsts:
-            r.first = tot.t
-        tot.steps += n_steps
-        tot.run_sum += len(running) * n_steps
-        for name, v in parts.items():
-            tot.breakdown[name] = tot.breakdown.get(name, 0.0) + v * n_steps
+            r.first = now
+        run = len(running) * n_steps
+        finished = []
         for r in [r for r in running if r.done_output >= r.output]:  # finished: the client sends its next
             running.remove(r)
             done += 1
-            tot.inp += r.prompt
-            tot.out += r.output
-            finished.append((r.arrived, r.first, tot.t, r.output))
+            finished.append((r, r.arrived, r.first))
             if pending:
-                waiting.append(dataclasses.replace(pending.popleft(), arrived=tot.t))
+                waiting.append(dataclasses.replace(pending.popleft(), arrived=now))
+        steps.append(_Step(batch, n_steps, dec, work, run, tuple(firsts), tuple(finished)))
         while todo and done >= todo[0]:
-            snapshots.append((done, tot.snapshot()))
+            snapshots.append((done, len(steps)))
             todo.pop(0)
         if marks and not todo:
             break
-    return _Play(tot, snapshots, done, running, finished)
+    return _Record(pid, steps, snapshots, done, running)
+
+
+def _replay(records: tuple[_Record, ...], step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> list[_Play]:
+    """Recorded plays (in the order they were recorded) timed by `step_fn`: each step's seconds and breakdown summed
+    as `_play` sums them, its `_At` times in seconds (a later play's requests may carry an earlier one's)."""
+    seen: dict[Batch, tuple[float, dict[str, float]]] = {}
+    times: dict[int, list[float]] = {}
+
+    def sec(v):
+        return times[v.play][v.step] if isinstance(v, _At) else v
+
+    out = []
+    for rec in records:
+        tot = _Totals()
+        at = times[rec.id] = [tot.t]
+        finished: list[tuple[float | None, float, float, int]] = []
+        snaps = iter(rec.snapshots)
+        snap = next(snaps, None)
+        snapshots: list[tuple[int, _Totals]] = []
+        done = 0
+        for i, st in enumerate(rec.steps, 1):
+            if st.batch not in seen:
+                seen[st.batch] = step_fn(st.batch)
+            s, parts = seen[st.batch]
+            tot.dec_sum += st.dec
+            tot.work += st.work
+            tot.t += s * st.n
+            at.append(tot.t)
+            tot.steps += st.n
+            tot.run_sum += st.run
+            for name, v in parts.items():
+                tot.breakdown[name] = tot.breakdown.get(name, 0.0) + v * st.n
+            for r, arrived, first in st.finished:
+                done += 1
+                tot.inp += r.prompt
+                tot.out += r.output
+                finished.append((sec(arrived), sec(first), tot.t, r.output))
+            while snap is not None and snap[1] == i:
+                snapshots.append((snap[0], tot.snapshot()))
+                snap = next(snaps, None)
+        out.append(_Play(tot, snapshots, rec.completed, rec.running, finished))
+    return out
 
 
 # --- data-parallel ranks in lockstep -------------------------------------------------------------------------------
@@ -430,24 +523,13 @@ def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int,
     return FF, events, outputs, inp, out, run
 
 
-@functools.lru_cache(maxsize=64)
-def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
-             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
-             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
-    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
-    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
-    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
-    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
-    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
-    state is reached long before).
-    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
-    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
-    clients = max(1, round(concurrency / dp))
-    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
-    limit = max(1, min(max_seqs, max_running))
-    cap = min(limit, max_batched_tokens + 1)
-    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
-    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+@functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
+def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
+            seed: int, range_ratio: float, dispatch: str) -> tuple[np.ndarray, list, list, float, float, float]:
+    """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
+    (arrived, first, finished) in steps, their outputs, input and output tokens, running requests summed over
+    steps; kept by what it depends on, so that lockstep schedules differing only in the padding, or in a memory
+    cap above `max_seqs` (another stage or model), share one play."""
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
     if dispatch != "rank":
@@ -470,6 +552,31 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     F = np.zeros((dp, S, 6))
     for r, c in enumerate(cols):
         F[r, :len(c)] = c
+    F.setflags(write=False)
+    return F, events, outputs, inp, out, run
+
+
+@functools.lru_cache(maxsize=64)
+def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
+             max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
+    """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
+    step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
+    tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
+    `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
+    (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
+    state is reached long before).
+    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
+    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
+    clients = max(1, round(concurrency / dp))
+    requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
+    limit = max(1, min(max_seqs, max_running))
+    cap = min(limit, max_batched_tokens + 1)
+    played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
+    prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+    F, events, outputs, inp, out, run = _played(isl, osl, dp, max_batched_tokens, limit, played_clients, prompts,
+                                                seed, range_ratio, dispatch)
+    S = F.shape[1]
     tokens = F[..., 0] + F[..., 2]
     work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])
     crit = np.lexsort((work, tokens), axis=0)[-1]  # per step: the rank with most tokens, then most work
