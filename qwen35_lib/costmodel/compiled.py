@@ -131,9 +131,10 @@ def compare(doc: dict) -> list[dict]:
             twin = TWIN.get(stage)
             judged = doc["stages"].get(twin, {}).get("steps", {}).get(step) if twin else e
             m = model_side(config, twin or stage, judged or e, doc["shape"]) if judged else None
-            row = dict(stage=stage, step=step.split()[-1], xla_flops=e["flops"], xla_bytes=e["bytes_accessed"],
-                       text_bytes=sum((e.get("bytes_by_block") or {}).get("bytes", {}).values()) or None,
-                       compared_with=twin or stage)
+            j = judged or e  # the twin's counts when the stage's own are opaque; its own are kept beside them
+            row = dict(stage=stage, step=step.split()[-1], xla_flops=j["flops"], xla_bytes=j["bytes_accessed"],
+                       text_bytes=sum((j.get("bytes_by_block") or {}).get("bytes", {}).values()) or None,
+                       compared_with=twin or stage, own_xla_flops=e["flops"], own_xla_bytes=e["bytes_accessed"])
             if m and judged:
                 row.update(model_flops=m["flops"], model_flops_as_xla_counts=m["flops_as_xla_counts"],
                            model_bytes=m["hbm_bytes"], model_bytes_by_block=m["bytes_by_block"],
