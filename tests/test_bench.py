@@ -8,7 +8,7 @@ import json
 import pytest
 
 from qwen35_lib.bench import BENCHMARKS, load
-from qwen35_lib.bench.__main__ import main
+from qwen35_lib.bench.__main__ import HUGE_PAGES, huge_pages_env, main
 from qwen35_lib.bench.timing import environment, measure
 from qwen35_lib.bench.vs_transformers import parse_shapes
 
@@ -24,6 +24,19 @@ def test_unknown_benchmark_is_refused(capsys):
         main(["no-such-benchmark"])
     assert e.value.code == 2
     assert "vs-transformers" in capsys.readouterr().err  # argparse lists the choices
+
+
+def test_huge_pages_env_only_where_it_applies():
+    madvise = "always [madvise] never\n"
+    env = huge_pages_env({"PATH": "/bin"}, ("glibc", "2.36"), madvise)
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": HUGE_PAGES}
+    kept = huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, ("glibc", "2.36"), madvise)
+    assert kept["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
+    for environ, libc, thp in [({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, ("glibc", "2.36"), madvise),  # set
+                               ({"QWEN35_HUGEPAGES": "0"}, ("glibc", "2.36"), madvise),  # turned off
+                               ({}, ("glibc", "2.31"), madvise), ({}, ("", ""), madvise),  # old glibc, musl
+                               ({}, ("glibc", "2.36"), "[always] madvise never"), ({}, ("glibc", "2.36"), None)]:
+        assert huge_pages_env(environ, libc, thp) is None, (environ, libc, thp)
 
 
 def test_measure_interleaves_and_keeps_warmup_outputs():

@@ -7,6 +7,7 @@ import pytest
 
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import available, gdn_xla, get
+from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.weights import BlockFP8, dequantize_fp8, quantize_fp8
@@ -99,6 +100,27 @@ def test_moe_fp8_experts_match_dequantized(tiny_moe):
     for kernel in ("ragged_dot", "tiled", "capacity"):
         np.testing.assert_allclose(moe_block(cfg8.replace(moe_kernel=kernel), w8, x), moe_block(cfg, wdq, x),
                                    atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [40, 333])
+def test_fused_loop_matches_dense_and_the_unfused_path(tiny_moe, n):
+    # prefill sizes (n * k > 8 E): `routed_experts` runs moe_loop's fused form (dispatch and combine inside)
+    cfg, w = tiny_moe
+    loop = get("moe_matmul", "loop")
+    assert loop.fuses(n * cfg.num_experts_per_tok, cfg.num_experts)
+    x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
+    ref = moe_dense_reference(cfg, w, x)
+    np.testing.assert_allclose(moe_block(cfg.replace(moe_kernel="loop"), w, x), ref, atol=1e-6, rtol=1e-5)
+    # padding tokens (ids = E) go nowhere; FP8 experts dequantized per expert; the same as dispatch -> loop -> combine
+    E = cfg.num_experts
+    weights, ids = moe.route(cfg, w["router"], x)
+    ids = ids.at[::7].set(E)
+    w8 = {n_: quantize_fp8(w[n_], 16, axes) for n_, axes in (("w_gate_up", (1, 3)), ("w_down", (1, 2)))}
+    for wgu, wd in ((w["w_gate_up"], w["w_down"]), (w8["w_gate_up"], w8["w_down"])):
+        fused = jax.jit(loop.fused, static_argnums=(3, 6))(x, ids, weights, E + 1, wgu, wd, 16)
+        xs, gs, order = dispatch_xla(x, ids, E + 1)
+        unfused = combine_xla(loop(xs, gs[:E], wgu, wd, 16), order, weights)
+        np.testing.assert_allclose(fused, unfused, atol=1e-6, rtol=1e-5)
 
 
 def test_fp8_quantize_roundtrip_error_is_e4m3_sized():

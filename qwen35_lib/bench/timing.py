@@ -196,6 +196,7 @@ def environment(**extra: Any) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "loadavg_1m_after": _loadavg(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # huge pages or not (`bench.__main__`)
     }
     env.update(extra)
     return env

@@ -144,6 +144,64 @@ def moe_loop(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None
     return y[:N]
 
 
+def moe_loop_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_block=None, tile: int | None = None):
+    """`moe_loop` with the dispatch and the combine inside it: the routed experts' output [T, D] from the tokens
+    x [T, D], their experts ids [T, k] and routing weights [T, k] (ids >= the expert count: routed nowhere).
+
+    The permute slot's `dispatch` writes every copy of every row sorted by expert ([T*k, D]), `moe_loop` zeroes
+    an output as large and writes each tile into it, and `combine` zeroes and scatters it once more before the
+    weighted sum: at prefill sizes those full-size buffers cost about as much as the grouped matmul's dots
+    (qwen3.5-mini at 2,048 tokens: 33 MB each). Here only the sort stays ([T*k] indices):
+    1. sort the copies by expert (stable, as `permute_xla.dispatch_xla`); group sizes over `num_groups`;
+    2. a loop over the experts with rows, W[e] taken once each, and inside it over tiles of m sorted copies:
+       gather the m tokens' rows of x, both matmuls, the result rounded to x's dtype (as `moe_loop` returns it),
+       times the copy's routing weight (in x's dtype, as the combine multiplies), scatter-added into a float32
+       [T, D] (copies past the group go to no row); the sum rounded to x's dtype once.
+    Equal to dispatch -> `moe_loop` -> combine up to the order of each token's k-term sum. `routed_experts` uses
+    it where `moe_loop` would run its loop (`fuses`); decode sizes keep `moe_blocked` and the permute slot.
+    """
+    T, D = x.shape
+    k = ids.shape[1]
+    E = (w_gate_up.value if isinstance(w_gate_up, BlockFP8) else w_gate_up).shape[0]
+    m = tile or loop_tile(T * k, E)
+    flat = ids.reshape(T * k)
+    order = jnp.argsort(flat, stable=True)  # sorted position -> copy
+    group_sizes = jnp.bincount(flat, length=num_groups).astype(jnp.int32)[:E]
+    pad = lambda a, v: jnp.concatenate([a, jnp.full((m,), v, a.dtype)])  # a slice of m never clamps
+    tok = pad((order // k).astype(jnp.int32), T)  # [T*k + m] token of each sorted copy
+    wt = pad(weights.reshape(T * k).astype(x.dtype)[order].astype(jnp.float32), 0)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    active = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]
+
+    def weight(w, e):
+        if isinstance(w, BlockFP8):
+            return dequantize_fp8(BlockFP8(w.value[e][None], w.scale[e][None]), fp8_block, x.dtype)[0]
+        return w[e]
+
+    def expert(i, out):
+        e = active[i]
+        wgu, wd = weight(w_gate_up, e), weight(w_down, e)
+
+        def tile_rows(j, out):
+            r0 = starts[e] + j * m
+            live = jnp.arange(m) < group_sizes[e] - j * m
+            t = jnp.where(live, jax.lax.dynamic_slice_in_dim(tok, r0, m), T)  # [m]; T: no row
+            rows = jnp.take(x, t, axis=0, mode="clip")  # [m, D]
+            h = jnp.einsum("md,dkf->mkf", rows, wgu, preferred_element_type=jnp.float32)
+            o = jnp.einsum("mf,fd->md", _swiglu(h, x.dtype), wd, preferred_element_type=jnp.float32).astype(x.dtype)
+            contrib = o.astype(jnp.float32) * jax.lax.dynamic_slice_in_dim(wt, r0, m)[:, None]
+            return out.at[t].add(contrib, mode="drop")
+
+        return jax.lax.fori_loop(0, (group_sizes[e] + m - 1) // m, tile_rows, out)
+
+    out = jax.lax.fori_loop(0, jnp.sum(group_sizes > 0), expert, jnp.zeros((T, D), jnp.float32))
+    return out.astype(x.dtype)
+
+
+moe_loop.fused = moe_loop_fused
+moe_loop.fuses = lambda copies, num_experts: copies > BLOCKED_MAX_MEAN * num_experts  # where the loop runs
+
+
 @register("moe_matmul", "blocked")
 def moe_blocked(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None = None, block: int = 4):
     """The experts' row tiles, `block` of them at a time: a loop over only the tiles that hold rows, each step one

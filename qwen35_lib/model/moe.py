@@ -37,15 +37,20 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
     Tokens not `valid` [N] (padding) are routed to no expert: their copies go to a trailing group E that the
     grouped matmul never computes (rows past the sum of the group sizes), so they take no expert's capacity;
     their routed output is 0.
+    An implementation with `fuses(copies, E)` true at this size (`moe_xla.moe_loop` where it loops: prefill
+    sizes on the CPU) does all three in one (`fused`), without the sorted copies of the rows.
     """
     E = cfg.num_experts
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, E)  # [N, k]
         weights = jnp.where(valid[:, None], weights, 0)
+    matmul = for_config("moe_matmul", cfg)
+    if getattr(matmul, "fuses", lambda *_: False)(ids.size, E):  # dispatch and combine inside the grouped matmul
+        return matmul.fused(x, ids, weights, E + (valid is not None), w["w_gate_up"], w["w_down"],
+                            cfg.fp8_block_size).astype(x.dtype)
     permute = for_config("permute", cfg)
     x_sorted, group_sizes, order = permute.dispatch(x, ids, E + (valid is not None))  # [N*k, D], [E (+1)]
-    y_sorted = for_config("moe_matmul", cfg)(x_sorted, group_sizes[:E], w["w_gate_up"], w["w_down"],
-                                             cfg.fp8_block_size)
+    y_sorted = matmul(x_sorted, group_sizes[:E], w["w_gate_up"], w["w_down"], cfg.fp8_block_size)
     return permute.combine(y_sorted, order, weights).astype(x.dtype)  # [N, D]
 
 
