@@ -180,8 +180,9 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     """One Gated DeltaNet layer: projections + conv, and the delta rule (recurrent for decodes, chunked for
     prompt chunks: per chunk of C tokens and head ~ 2 C^2 (3 dk + 2 dv) + 6 C dk dv MXU FLOPs, plus the chunk's
-    (I + A)^-1 by block doubling as `gdn_xla.unit_lower_inverse` computes it: log2 C steps of two C x C x C matmuls,
-    4 C^3 log2 C FLOPs)."""
+    (I + A)^-1 by block doubling on whole [C, C] matrices as the Pallas kernel computes it: log2 C steps of two
+    C x C x C matmuls, 4 C^3 log2 C FLOPs; the XLA twin `gdn_xla.unit_lower_inverse` now inverts the diagonal
+    blocks only, C^3 / 3 multiply-adds, which this count does not yet distinguish)."""
     z = sizes(cfg)
     T = b.computed / pl.dp
     w = z["gdn"] / pl.tp
