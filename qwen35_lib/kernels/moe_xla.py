@@ -28,6 +28,13 @@ def _swiglu(h: jax.Array, dtype) -> jax.Array:
     return (jax.nn.silu(h[..., 0, :]) * h[..., 1, :]).astype(dtype)
 
 
+def _expert(w, e, block: int | None, dtype) -> jax.Array:
+    """W[e] of a stacked expert weight (a traced index), FP8 ones dequantized after the index."""
+    if isinstance(w, BlockFP8):
+        return dequantize_fp8(BlockFP8(w.value[e][None], w.scale[e][None]), block, dtype)[0]
+    return w[e]
+
+
 @register("moe_matmul", "ragged_dot")
 def moe_ragged_dot(x, group_sizes, w_gate_up, w_down, fp8_block=None):
     """`jax.lax.ragged_dot` twice. Exact and simple; on CPU ~150x slower than its FLOPs (the reference)."""
@@ -121,14 +128,9 @@ def moe_loop(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None
     active = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]  # [E] experts with rows first
     xp = jnp.concatenate([x, jnp.zeros((m, D), x.dtype)])  # [N + m, D]
 
-    def weight(w, e):  # W[e], FP8 ones dequantized after the index
-        if isinstance(w, BlockFP8):
-            return dequantize_fp8(BlockFP8(w.value[e][None], w.scale[e][None]), fp8_block, x.dtype)[0]
-        return w[e]
-
     def expert(i, y):
         e = active[i]
-        wgu, wd = weight(w_gate_up, e), weight(w_down, e)
+        wgu, wd = _expert(w_gate_up, e, fp8_block, x.dtype), _expert(w_down, e, fp8_block, x.dtype)
 
         def tile_rows(j, y):
             r0 = starts[e] + j * m
@@ -173,14 +175,9 @@ def moe_loop_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_bloc
     starts = jnp.cumsum(group_sizes) - group_sizes
     active = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]
 
-    def weight(w, e):
-        if isinstance(w, BlockFP8):
-            return dequantize_fp8(BlockFP8(w.value[e][None], w.scale[e][None]), fp8_block, x.dtype)[0]
-        return w[e]
-
     def expert(i, out):
         e = active[i]
-        wgu, wd = weight(w_gate_up, e), weight(w_down, e)
+        wgu, wd = _expert(w_gate_up, e, fp8_block, x.dtype), _expert(w_down, e, fp8_block, x.dtype)
 
         def tile_rows(j, out):
             r0 = starts[e] + j * m
