@@ -83,6 +83,15 @@ def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
     return specs.replace(**ch) if ch else specs
 
 
+def _mech_placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None, page_size: int,
+                    ideal: bool, mech: Mechanisms | None) -> tuple[Specs, ops.Placement]:
+    """The specs with `mech`'s efficiencies, and the stage's placement with its MoE mechanisms."""
+    specs = mech_specs(specs, mech)
+    return specs, placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
+        (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
+        if mech else ()))
+
+
 def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
                page_size: int = 256, ideal: bool = False, mech: Mechanisms | None = None,
                weight_passes: float | None = None) -> dict[str, ops.Cost]:
@@ -91,10 +100,7 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
     `weight_passes` replaces the kernel family's, e.g. 1 for a program without a layer scan)."""
     if ideal:
         mech = None
-    specs = mech_specs(specs, mech)
-    pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
-        (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
-        if mech else ()))
+    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech)
     if weight_passes is not None:
         pl = dataclasses.replace(pl, weight_passes=weight_passes)
     z = ops.sizes(cfg)
@@ -127,10 +133,7 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
     if ideal:
         mech = None
     costs = step_costs(cfg, specs, stage, batch, kv_dtype, page_size, ideal, mech)
-    specs = mech_specs(specs, mech)
-    pl = placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
-        (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
-        if mech else ()))
+    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech)
     s = _ideal_specs(specs) if ideal else specs
     out = dict.fromkeys(COMPONENTS, 0.0)
     for name, c in costs.items():
