@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GROUPS = {"attention": ("attn_proj", "attn_core"), "gdn": ("gdn_proj", "gdn_core"),
+GROUPS = {"attention": ("attn_proj", "attn_core"), "gdn": ("gdn_proj", "gdn_core"), "cache": ("cache_copies",),
           "moe": ("router", "shared_expert", "routed_experts", "permute", "onehot_permute", "moe_rows"),
           "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
           "other": ("norms", "embed_lm_head", "host")}

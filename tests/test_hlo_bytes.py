@@ -74,3 +74,43 @@ def test_a_loop_without_a_trip_count_is_counted_once_and_named():
     got = hlo.op_bytes(text)
     assert got["loops_counted_once"] == ["body"]
     assert hlo.op_bytes(text, trips={"body": 4})["bytes"] == hlo.op_bytes(TEXT)["bytes"]
+
+
+SCATTER = """HloModule s
+
+%fused_scatter (param_0: f32[64,8], param_1: s32[4,1], param_2: f32[4,8]) -> f32[64,8] {
+  %param_0 = f32[64,8]{1,0} parameter(0)
+  %param_1 = s32[4,1]{1,0} parameter(1)
+  %param_2 = f32[4,8]{1,0} parameter(2)
+  ROOT %scatter.1 = f32[64,8]{1,0} scatter(%param_0, %param_1, %param_2), index_vector_dim=1, to_apply=%add
+}
+
+%greedy (g: f32[64,8]) -> f32[64,8] {
+  %g = f32[64,8]{1,0} parameter(0)
+  ROOT %neg = f32[64,8]{1,0} negate(%g)
+}
+
+%sampled (s: f32[64,8]) -> f32[64,8] {
+  %s = f32[64,8]{1,0} parameter(0)
+  %e = f32[64,8]{1,0} exponential(%s)
+  ROOT %l = f32[64,8]{1,0} log(%e)
+}
+
+ENTRY %main (pool: f32[64,8], idx: s32[4,1], upd: f32[4,8], which: s32[]) -> f32[64,8] {
+  %pool = f32[64,8]{1,0} parameter(0)
+  %idx = s32[4,1]{1,0} parameter(1)
+  %upd = f32[4,8]{1,0} parameter(2)
+  %which = s32[] parameter(3)
+  %fusion.1 = f32[64,8]{1,0} fusion(%pool, %idx, %upd), calls=%fused_scatter, metadata={op_name="f/attention/s"}
+  ROOT %c = f32[64,8]{1,0} conditional(%which, %fusion.1, %fusion.1), branch_computations={%greedy, %sampled}
+}
+"""
+
+
+def test_a_scatter_updates_in_place_and_a_conditional_runs_its_costliest_branch():
+    got = hlo.op_bytes(SCATTER)["bytes"]
+    rows = 4 * 8 * 4  # the [4, 8] f32 update
+    assert got["attention"] == 4 * 4 + rows + rows  # indices and update read, the rows written: not the pool
+    whole = 64 * 8 * 4
+    # one branch runs: the costlier (two passes over the [64, 8]: 8 KiB), not both (12 KiB)
+    assert got["other"] == 2 * (2 * whole)

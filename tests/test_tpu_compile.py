@@ -30,7 +30,10 @@ def _forward(kernels: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def tpu7x():
-    return aot_subprocess.run({"topology": (_topology,), "xla": (_forward, XLA_KERNELS)})
+    from qwen35_lib.aot.validate import xla_bytes_accessed_factors
+
+    return aot_subprocess.run({"topology": (_topology,), "xla": (_forward, XLA_KERNELS),
+                               "factors": (xla_bytes_accessed_factors,)})
 
 
 def test_topology_is_tpu7x_8(tpu7x):
@@ -50,3 +53,16 @@ def test_mini_forward_compiles_for_tpu7x(tpu7x):
     p = stats.params_by_part
     dense = stats.active_params - p["embed"] - p["routed_experts"] * cfg.num_experts_per_tok // cfg.num_experts
     assert compiled["flops"] >= 2 * (2 * 256) * dense
+
+
+def test_xla_counts_a_reductions_input_and_a_dots_weight_five_times(tpu7x):
+    # why costmodel.compiled compares the model with the HLO text's bytes (parallel.hlo.op_bytes), not with
+    # cost_analysis()'s "bytes accessed": that count is no HBM traffic for a reduction or a dot
+    f = {k: v["factor"] for k, v in tpu7x["factors"].items()}
+    assert f["elementwise"] == pytest.approx(1.0, abs=0.01) and f["ragged_dot"] == pytest.approx(1.0, abs=0.01)
+    assert f["reduce"] == pytest.approx(5.0, abs=0.05)
+    w = 4096 * 4096 * 2  # the dot's right operand, counted five times, the rest once
+    d = tpu7x["factors"]["dot, 8 rows"]
+    assert d["xla"] == pytest.approx(d["op"] + 4 * w, rel=0.01)
+    d = tpu7x["factors"]["dot, 4096 rows"]
+    assert d["xla"] == pytest.approx(d["op"] + 4 * w, rel=0.01)

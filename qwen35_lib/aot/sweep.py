@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gzip
 import json
 import math
 import os
@@ -130,8 +131,9 @@ def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
 
 def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVING,
                   compiler_options: dict | None = None, usable: int | None = None,
-                  weight_layouts: str = "default") -> dict:
-    """One sweep entry: `stage`'s engine step `step` compiled for `mesh` at `shape` (see the module doc)."""
+                  weight_layouts: str = "default", hlo_dir=None) -> dict:
+    """One sweep entry: `stage`'s engine step `step` compiled for `mesh` at `shape` (see the module doc);
+    `hlo_dir`: also write the optimized HLO text there, gzipped (`hlo_path`)."""
     import jax
 
     from qwen35_lib import aot
@@ -169,6 +171,10 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     entry["flops"], entry["bytes_accessed"] = cost.get("flops"), cost.get("bytes accessed")
     text = compiled.as_text()
+    if hlo_dir is not None:
+        path = hlo_path(hlo_dir, stage, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
     entry["collectives"] = collectives(text, get_stage(stage).bind(mesh), scfg, shape.requests, decode, prefill)
     entry["bytes_by_block"] = hlo.op_bytes(text)  # the text's own account of the bytes (`costmodel.compiled`)
     body = hlo.layer_body(text)
@@ -179,6 +185,11 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)
         entry["allgathers_combined"] = ags < 3 * moe_layers  # the unfused stage issues 3 per MoE layer
     return entry
+
+
+def hlo_path(hlo_dir, stage: str, step: str) -> pathlib.Path:
+    """Where `compile_entry(hlo_dir=)` writes a step's HLO text: `<stage>-<workload>-<kind>.hlo.gz`."""
+    return pathlib.Path(hlo_dir) / f"{stage}-{step.replace('/', '_').replace(' ', '-')}.hlo.gz"
 
 
 def collectives(hlo_text: str, plan, config, requests: int, decode: int, prefill: int) -> dict[str, dict]:
@@ -215,13 +226,15 @@ def _versions() -> dict:
 
 def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = None, json_path=None,
           compiler_options: dict | None = None, shape: ServingShape = SERVING, progress: bool = True,
-          overrides: dict | None = None, steps=STEP_NAMES, weight_layouts: str = "mxu", largest: bool = True) -> dict:
+          overrides: dict | None = None, steps=STEP_NAMES, weight_layouts: str = "mxu", largest: bool = True,
+          hlo_dir=None) -> dict:
     """The sweep document (see the module doc); `json_path` is rewritten after each entry and resumed from.
     `overrides`: config fields replaced after the serving ones (tests: a tiny model without FP8 experts);
     `weight_layouts`: `aot.compile_step`'s ("mxu": bf16 weights tiled and ordered as the step's dots read them,
     as a server places them once at load; "default": as `jax.device_put` leaves them, which costs relayouts of
     stacked weights every step, growing with depth; recorded in the document when not "default"); `largest`:
-    also find each stage's largest pool (`largest_pool`, a few more decode compiles; cached as `largest_pool`)."""
+    also find each stage's largest pool (`largest_pool`, a few more decode compiles; cached as `largest_pool`);
+    `hlo_dir`: keep each step's HLO text there (`hlo_path`)."""
     from tqdm.auto import tqdm
 
     from qwen35_lib import aot
@@ -258,7 +271,7 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
         twin = next((steps[o] for o in steps if o.split()[1] == step.split()[1]), None)  # same shapes, other workload
         t0 = time.perf_counter()
         steps[step] = dict(twin, same_program_as=next(o for o in steps if steps[o] is twin)) if twin else \
-            compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable, weight_layouts)
+            compile_entry(cfg, stage, step, mesh, shape, compiler_options, usable, weight_layouts, hlo_dir)
         doc["stages"][stage]["wall_s"] = doc["stages"][stage].get("wall_s", 0) + time.perf_counter() - t0
         _save(path, doc)
     for stage in stages if largest else ():
@@ -268,7 +281,8 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
         if decode is None or "largest_pool" in s:
             continue
         t0 = time.perf_counter()
-        s["largest_pool"] = largest_pool(cfg, stage, mesh, shape, usable, decode, compiler_options, weight_layouts)
+        s["largest_pool"] = largest_pool(cfg, stage, mesh, shape, usable, decode, compiler_options, weight_layouts,
+                                         hlo_dir=hlo_dir)
         s["wall_s"] = s.get("wall_s", 0) + time.perf_counter() - t0
         _save(path, doc)
     return doc
@@ -281,7 +295,8 @@ def _save(path, doc: dict) -> None:
 
 
 def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode: dict,
-                 compiler_options: dict | None = None, weight_layouts: str = "mxu", max_compiles: int = 6) -> dict:
+                 compiler_options: dict | None = None, weight_layouts: str = "mxu", max_compiles: int = 6,
+                 hlo_dir=None) -> dict:
     """The most pages per sequence (every sequence's pool, at `shape`'s concurrency) for which `stage`'s decode
     step still compiles within `usable` bytes a device.
 
@@ -291,7 +306,9 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
        `usable`) the upper one; the next n is where that compile's total meets `usable` at the same bytes a page
        (halfway between the bounds after a refusal), one page on if that is n, until the bounds are one page
        apart or `max_compiles` compiles are spent ("exact": false then).
-    Returns {"pages_per_seq", "tokens_per_seq", "exact", "tried": {pages: total bytes or the refusal}}."""
+    Returns {"pages_per_seq", "tokens_per_seq", "exact", "tried": {pages: total bytes or the refusal}, "decode":
+    the entry of the largest pool that compiled (its `context_len` with it; its HLO text as step "pool decode" in
+    `hlo_dir`)}."""
     page = shape.page_size
     now = -(-shape.context_len // page)
     seqs = -(-shape.requests // decode["ranks"])
@@ -299,13 +316,16 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
     lo, hi = (now, None) if decode.get("fits") else (0, now)
     guess = now + int(decode.get("headroom_bytes", 0) // (per_page * seqs)) if decode.get("fits") else now // 2
     tried: dict = {}
+    best = None
     n = guess
     while len(tried) < max_compiles and (hi is None or hi - lo > 1):
-        e = compile_entry(cfg, stage, "pool decode", mesh, dataclasses.replace(shape, context_len=n * page),
-                          compiler_options, usable, weight_layouts)
+        e = compile_entry(cfg, stage, f"pool{n} decode", mesh, dataclasses.replace(shape, context_len=n * page),
+                          compiler_options, usable, weight_layouts, hlo_dir)
         total = e.get("total_bytes")
         tried[str(n)] = total if total is not None else e.get("error")
         if e.get("fits"):
+            if best is None or n > best[0]:
+                best = (n, dict(e, context_len=n * page))
             lo = n
         else:
             hi = n
@@ -317,8 +337,15 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
         nxt = n + step if step is not None else (lo + hi) // 2 if hi is not None else 2 * n
         nxt = nxt if nxt != n else n + 1 if e.get("fits") else n - 1
         n = min(max(nxt, lo + 1), hi - 1) if hi is not None else max(nxt, lo + 1)
+    if hlo_dir is not None:  # keep the largest fit's text as "pool decode", drop the others
+        for k in tried:
+            p = hlo_path(hlo_dir, stage, f"pool{k} decode")
+            if best and k == str(best[0]) and p.exists():
+                p.replace(hlo_path(hlo_dir, stage, "pool decode"))
+            elif p.exists():
+                p.unlink()
     return {"pages_per_seq": lo, "tokens_per_seq": lo * page, "exact": hi is not None and hi - lo == 1,
-            "tried": tried}
+            "tried": tried, **({"decode": best[1]} if best and best[0] == lo else {})}
 
 
 def table(doc: dict) -> str:
@@ -357,6 +384,7 @@ def main(argv=None) -> int:
                         "device_put leaves them")
     p.add_argument("--no-largest-pool", action="store_true",
                    help="skip the search for each stage's largest pool that fits (a few decode compiles a stage)")
+    p.add_argument("--hlo-dir", help="also keep each step's optimized HLO text here, gzipped")
     a = p.parse_args(argv)
     if a.groups is not None and a.groups < 1:
         p.error(f"--groups must be >= 1, got {a.groups}")
@@ -370,6 +398,6 @@ def main(argv=None) -> int:
         options[k] = v
     steps = a.steps.split(",") if a.steps else STEP_NAMES
     doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps,
-                weight_layouts=a.weight_layouts, largest=not a.no_largest_pool)
+                weight_layouts=a.weight_layouts, largest=not a.no_largest_pool, hlo_dir=a.hlo_dir)
     print(table(doc))
     return 0

@@ -63,3 +63,40 @@ def aot_forward_isolated(model: str, layers: int, batch: int, seq: int, timeout:
             (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
         return dict(model=model, layers=layers, batch=batch, seq=seq, error=why)
     return json.loads(lines[-1])
+
+
+# single-op programs: (name, function, argument shapes), bf16 unless named
+_PROBES = (
+    ("elementwise", lambda x: x * 2, ((4096, 4096),)),
+    ("reduce", lambda x: x.sum(0), ((4096, 4096),)),
+    ("dot, 8 rows", lambda x, w: x @ w, ((8, 4096), (4096, 4096))),
+    ("dot, 4096 rows", lambda x, w: x @ w, ((4096, 4096), (4096, 4096))),
+    ("ragged_dot", None, ((5120, 4096), (64, 4096, 1024), "s32[64]")),
+)
+
+
+def xla_bytes_accessed_factors(topology: str | None = None) -> dict[str, dict]:
+    """XLA:TPU's `cost_analysis()["bytes accessed"]` of single-op programs compiled for one TensorCore, against
+    the bytes the op reads and writes (its arguments and result, each once): {probe: {"xla": bytes, "op": bytes,
+    "factor": xla / op}}. On libtpu 0.0.42.1 an element-wise op and `ragged_dot` count x1.00, a reduction counts its
+    input five times (x5.00), and a dot counts its right operand five times (x4.98 at 8 rows; 2.33 at 4096 rows,
+    where x and the result weigh as much as w): why `costmodel.compiled` compares a model with the HLO text's own
+    bytes (`parallel.hlo.op_bytes`), not with this count."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_lib import aot
+
+    device = aot.topology_devices(topology or aot.TPU7X_8)[0]
+    one = jax.sharding.SingleDeviceSharding(device)
+    out = {}
+    for name, f, shapes in _PROBES:
+        args = [jax.ShapeDtypeStruct((64,), jnp.int32, sharding=one) if s == "s32[64]" else
+                jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=one) for s in shapes]
+        f = f or (lambda x, w, g: jax.lax.ragged_dot(x, w, g))
+        ca = jax.jit(f).lower(*args).compile().cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        op = sum(a.size * a.dtype.itemsize for a in args) + sum(
+            o.size * o.dtype.itemsize for o in jax.tree.leaves(jax.eval_shape(f, *args)))
+        out[name] = {"xla": float(ca["bytes accessed"]), "op": float(op), "factor": float(ca["bytes accessed"]) / op}
+    return out

@@ -11,7 +11,7 @@ with its assumption and source; a model that does not fit is reported so (exit s
 `validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
 cells of data/moe_layer_measured.json: which set the one derived constant, which judge it); `validate --published`
 prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s); `validate
---compiled` sets the model's FLOPs and HBM bytes beside the stored one-group TPU7x-8 compiles (`costmodel.compiled`).
+--compiled` sets the model's FLOPs and HBM bytes beside the stored TPU7x-8 decode compiles (`costmodel.compiled`).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
 """
 
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")
     what.add_argument("--published", action="store_true", help="tpu-inference #3050 (8k/1k, c64/128/256)")
     what.add_argument("--compiled", action="store_true",
-                      help="FLOPs and HBM bytes vs the one-group TPU7x-8 compiles (data/aot/tpu7x-8-g1.json)")
+                      help="FLOPs and HBM bytes vs the TPU7x-8 decode compiles (data/aot/tpu7x-8.json, aot/hlo/)")
     val.add_argument("--json", action="store_true", help="print one JSON document")
     cli_errors.add_debug_flag(p)
     return p
@@ -122,7 +122,7 @@ def _validate(args: argparse.Namespace) -> int:
         from qwen35_lib import data
         from qwen35_lib.costmodel import compiled
 
-        rows = compiled.compare(data.read_json("aot/tpu7x-8-g1.json"))
+        rows = compiled.compare(data.read_json("aot/tpu7x-8.json"))
         print(json.dumps(rows, indent=2) if args.json else compiled.table(rows))
         return 0
     if args.moe:

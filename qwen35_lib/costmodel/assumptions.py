@@ -106,6 +106,7 @@ def extremes(base: Mechanisms | None = None) -> list[tuple[str, str, Mechanisms]
 
 COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (besides the op's roofline)
     "attn_core": ("attention_kernel_efficiency", "mixed_step_attention", "hbm_efficiency", "dp_lockstep"),
+    "cache_copies": ("hbm_efficiency",),
     "routed_experts": ("expert_imbalance", "gmm_tile_rows", "moe_chunk", "matmul_efficiency", "hbm_efficiency",
                        "dp_lockstep", "token_padding"),
     "permute": ("sparsecore_permute", "onehot_permute_threshold", "hbm_efficiency", "token_padding"),

@@ -9,7 +9,10 @@ moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
   batch and scores against it; `pallas` (ragged paged attention): each sequence's context is read once;
 - MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
-  dequantized to a bf16 copy first (+2 B written +2 B read per parameter); `capacity`: every expert computes C
+  dequantized to a bf16 copy first: on TPU, the bytes per parameter the compiled step moves
+  (`Placement.expert_bytes_per_param`: the scan's slice and its relayouts, a float32 scale broadcast, the
+  dequantizing fusions, bf16 relayouts, the matmul's read: 'xla_tpu_fp8_expert_bytes'), elsewhere +2 B written +2 B
+  read per parameter; `capacity`: every expert computes C
   slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `loop` (the CPU default,
   `moe_xla.moe_loop`): only the experts hit, each copied once (XLA:CPU copies an expert's weights before its
   matmuls), real rows only in tiles of at most 32 rows (the small-matmul regime); `gmm` (Pallas grouped matmul):
@@ -79,12 +82,28 @@ class Placement:
     kv_dtype: str | None = None  # None: the model dtype
     page_size: int = 256
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
-    weight_passes: float = 1.0  # HBM passes over each weight byte (3 for XLA's sliced scan inputs: read, copy, read)
+    weight_passes: float = 1.0  # HBM passes over each dense weight byte (3 for XLA's sliced scan inputs: read, copy,
+    # read); the dense projections are XLA dots in every kernel family
+    expert_passes: float | None = None  # the same for the routed experts (a Pallas grouped matmul reads its block
+    # in place: 1); None: weight_passes
+    kv_read_bytes: float = 0.0  # xla attention: HBM bytes per KV element of a page it reads (the compiled page
+    # loop's: kernels.xla_tpu_paged_attention_bytes); 0: the cache's own item size
     static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
     expert_imbalance: float = 1.0  # the busiest EP device's rows over the mean (its row work scales by it)
     gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
     onehot_threshold: int = 0  # gmm: one-hot matmul permutes while N·k <= this (`moe_layer`); 0: never
     row_overhead_s: float = 0.0  # gmm: seconds a routed row of the slice costs every device (`moe_layer`)
+    production_moe: bool = True  # gmm: tpu-inference's layer around the grouped matmul (`moe_layer`: one-hot
+    # permutes, per-row overhead, SparseCore gathers); False: this library's (XLA gathers and a scatter-add)
+    permute_passes: float = 2.0  # gmm: passes over the [N·k, D] routed rows around the grouped matmul
+    expert_bytes_per_param: float = 0.0  # ragged_dot / capacity: HBM bytes a layer moves per local expert
+    # parameter as the compiled program does (XLA:TPU's FP8 path: kernels.xla_tpu_fp8_expert_bytes); 0: the rule
+    cache_copy_passes: float = 0.0  # passes over each layer's whole local cache pool a step (the engine's scan
+    # slicing its stacked caches: kernels.stacked_cache_copy_passes); 0: caches updated in place
+    kv_pool_bytes: float = 0.0  # one attention layer's local KV pool (the engine's allocation)
+    gdn_pool_bytes: float = 0.0  # one GDN layer's local state pool
+    gdn_state_passes: float = 2.0  # passes over each decoding sequence's GDN state a step (read, write; XLA:TPU's
+    # gather and scatter: kernels.xla_tpu_gdn_state_passes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +192,9 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     else:
         pairs = T * b.max_ctx  # every token scores (and reads) the longest context
         pages = math.ceil(b.max_ctx / pl.page_size)
-        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * tok_bytes + new + qo, 4 * pages + 2)
-    return {"attn_proj": proj, "attn_core": core}
+        read = 2 * kvh * hd * pl.kv_read_bytes if pl.kv_read_bytes else tok_bytes  # per (token, key) pair
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * read + new + qo, 4 * pages + 2)
+    return {"attn_proj": proj, "attn_core": core, "cache_copies": cache_copies(pl, pl.kv_pool_bytes)}
 
 
 def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
@@ -194,12 +214,18 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     dec = b.decodes / pl.dp
     pre_seqs = b.prefill_seqs / pl.dp
     chunks = math.ceil(max(b.computed - b.decodes, 0) / pl.dp / C)  # the prefill region, C-aligned
-    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec, bytes=2 * state * dec, launches=6)
+    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec, bytes=pl.gdn_state_passes * state * dec, launches=6)
     inverse = 4 * C**3 * math.log2(C)
     chunked = Cost(mxu_flops=chunks * hv * (2 * C * C * (3 * dk + 2 * dv) + 6 * C * dk * dv + inverse),
                    bytes=2 * state * pre_seqs + chunks * C * hv * (dk + dv) * 4 * 2,
                    launches=5 * chunks + 4 if chunks else 0)
-    return {"gdn_proj": proj, "gdn_core": recurrent + chunked}
+    return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+
+
+def cache_copies(pl: Placement, pool_bytes: float) -> Cost:
+    """What the engine's layer scan pays for one layer's cache pool a step: `pl.cache_copy_passes` passes over the
+    whole pool (its slice copied out of the stacked cache and written back), whatever the batch."""
+    return Cost(copy_bytes=pl.cache_copy_passes * pool_bytes, launches=2 if pl.cache_copy_passes else 0)
 
 
 def capacity_slots(rows: float, experts: int, sigmas: float = 4.0) -> int:
@@ -228,6 +254,7 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
     small = 0.0
+    copies = (pl.weight_passes if pl.expert_passes is None else pl.expert_passes) - 1
     if pl.moe == "ep":
         rows *= pl.expert_imbalance  # the busiest device's
         ideal *= pl.expert_imbalance
@@ -245,7 +272,8 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     else:
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0  # bf16 copy written and read
         wbytes = experts_dev * w_expert * z["exp_item"]
-        copy = experts_dev * w_expert * (z["exp_item"] * copies + dequant)
+        copy = experts_dev * w_expert * (pl.expert_bytes_per_param - z["exp_item"] if pl.expert_bytes_per_param
+                                         else z["exp_item"] * copies + dequant)
         mxu = ideal
         if pl.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
             mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
@@ -255,21 +283,25 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     buffer = b.computed * min(k, E // pl.ep) if pl.moe == "ep" and pl.static_buffers else rows
     out = {"router": router, "shared_expert": shared, "routed_experts": routed,
            "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
-    if pl.moe_impl == "gmm" and pl.static_buffers:  # production's layer around the grouped matmul (`moe_layer`)
-        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s))
+    if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
+        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes))
     return out
 
 
-def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float) -> dict[str, Cost]:
+def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float,
+                permute_passes: float = 2.0) -> dict[str, Cost]:
     """Production's MoE layer around its grouped matmul (`costmodel.moe_layer`'s items 1-3), one layer, one device;
-    `tokens` = N, the slice's tokens (every device sorts and permutes all N·k routed rows under token replication)."""
+    `tokens` = N, the slice's tokens (every device sorts and permutes all N·k routed rows under token replication);
+    `permute_passes` over the [N·k, D] rows (production's: written, then read; this library's kernels stage: its
+    compiled gathers, relayouts and scatter-add, `kernels.kernels_moe_permute_passes`), with no one-hot permute and
+    no per-row overhead (threshold and overhead 0)."""
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
     act = ITEMSIZE[cfg.dtype]
     rows = tokens * k  # [N·k] routed rows
     onehot = rows <= onehot_threshold
     permute_flops = 4 * k * tokens * tokens * D if onehot else 0.0  # 2 matmuls of 2·(N·k)·N·D
     return {"onehot_permute": Cost(mxu_flops=permute_flops, launches=2 if onehot else 0),
-            "permute": Cost(bytes=2 * rows * D * act, launches=2),  # [N·k, D] written, then read
+            "permute": Cost(bytes=permute_passes * rows * D * act, launches=2),
             "moe_rows": Cost(seconds=rows * row_overhead_s)}
 
 

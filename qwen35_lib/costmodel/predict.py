@@ -26,7 +26,7 @@ from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import retimed, step_time
+from qwen35_lib.costmodel.step import Pools, retimed, step_time
 from qwen35_lib.engine.cache import CacheShape
 from qwen35_lib.plan import ServingPlan, any_stage, resolve_layout
 
@@ -79,6 +79,15 @@ def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, reques
                        page_size=page_size, num_slots=requests_per_rank + 1, kv_dtype=kv_dtype)
     r = traffic.resident_bytes(plan, cfg, cache)
     return {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
+
+
+def engine_pools(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
+                 kv_dtype: str | None, page_size: int) -> Pools:
+    """The cache pools, per layer on one device, of an engine sized for `requests_per_rank` requests of `tokens`
+    tokens (`resident_bytes_per_device`): what its layer scan copies every step (`step.Pools`)."""
+    r = resident_bytes_per_device(cfg, sp, stage, requests_per_rank, tokens, kv_dtype, page_size)
+    z = ops.sizes(cfg)
+    return Pools(kv=r["kv_bytes"] / max(z["n_attn"], 1), gdn=r["gdn_state_bytes"] / max(z["n_gdn"], 1))
 
 
 def request_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, tokens: int, kv_dtype: str | None,
@@ -140,6 +149,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
 
     mech = _mechanisms(mechanisms)
     doc["mechanisms"] = "off" if mech == Mechanisms.off() else dataclasses.asdict(mech)
+    pools = engine_pools(cfg, sp, st, min(max_running, seqs), isl + osl, kv_dtype, page_size)
+    doc["cache_pool_bytes_per_layer"] = dataclasses.asdict(pools)
 
     nominal: dict[ops.Batch, dict[str, float]] = {}  # each step of `mech` timed, for the band's rescaled ends
 
@@ -149,7 +160,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                 fast = retimed(cfg, sp, st, b, nominal[b], mech, m)
                 if fast is not None:
                     return sum(fast.values()), fast
-            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m)
+            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m, pools=pools)
             if not ideal and m is mech:
                 nominal[b] = r.breakdown
             return r.seconds, r.breakdown

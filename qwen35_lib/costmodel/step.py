@@ -30,9 +30,9 @@ from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.plan import ServingPlan, family_kernels, resolve_layout
 
-COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "router", "shared_expert", "routed_experts",
-              "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce", "all_gather",
-              "reduce_scatter", "all_to_all", "host")
+COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "cache_copies", "router", "shared_expert",
+              "routed_experts", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce",
+              "all_gather", "reduce_scatter", "all_to_all", "host")
 COMM = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -48,11 +48,25 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
+# plans another engine runs (tpu-inference: a cache array per layer, updated in place, no layer scan)
+OTHER_ENGINE = frozenset({"tpu_inference_3050", "google_baseline"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Pools:
+    """The cache pools the engine allocates on one device, per layer (bytes): they are what the engine's scan over
+    its stacked caches copies every step (`kernels.stacked_cache_copy_passes`)."""
+
+    kv: float = 0.0  # one attention layer's KV pool (FP8 scales included)
+    gdn: float = 0.0  # one GDN layer's state and conv pool
+
+
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
-              row_overhead_s: float = 0.0) -> ops.Placement:
-    """The `ops.Placement` of a stage on a system (kernel families resolved for its kind)."""
+              row_overhead_s: float = 0.0, pools: Pools | None = None) -> ops.Placement:
+    """The `ops.Placement` of a stage on a system (kernel families resolved for its kind); `pools`: the engine's
+    cache pools (None: no copies charged)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
                              kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
@@ -61,12 +75,25 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
     attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
-    passes = facts[f"{stage.kernels}_weight_passes"]["value"]
+    passes = facts["xla_weight_passes"]["value"]  # the dense projections: XLA dots in every family
+    expert_passes = facts[f"{stage.kernels}_weight_passes"]["value"]
+    fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
+    ours = pools is not None and stage.name not in OTHER_ENGINE
+    production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
+    gdn_xla = kernels["gdn_kernel"] == "xla" and specs.kind == "tpu"
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
-                         weight_passes=passes, expert_imbalance=expert_imbalance,
+                         weight_passes=passes, expert_passes=expert_passes, expert_imbalance=expert_imbalance,
                          gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
-                         onehot_threshold=onehot_threshold, row_overhead_s=row_overhead_s)
+                         onehot_threshold=onehot_threshold if production else 0,
+                         row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
+                         permute_passes=2.0 if production else facts["kernels_moe_permute_passes"]["value"],
+                         expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes"]["value"] if fp8_xla else 0.0,
+                         cache_copy_passes=facts["stacked_cache_copy_passes"]["value"] if ours else 0.0,
+                         kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
+                         gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
+                         kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"]
+                         if attention == "xla" and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn" else 0.0)
 
 
 def _ideal_specs(s: Specs) -> Specs:
@@ -84,23 +111,24 @@ def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
 
 
 def _mech_placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None, page_size: int,
-                    ideal: bool, mech: Mechanisms | None) -> tuple[Specs, ops.Placement]:
+                    ideal: bool, mech: Mechanisms | None, pools: Pools | None = None) -> tuple[Specs, ops.Placement]:
     """The specs with `mech`'s efficiencies, and the stage's placement with its MoE mechanisms."""
     specs = mech_specs(specs, mech)
     return specs, placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
         (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
-        if mech else ()))
+        if mech else (1.0, 0, 0, 0.0)), pools=pools)
 
 
 def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
                page_size: int = 256, ideal: bool = False, mech: Mechanisms | None = None,
-               weight_passes: float | None = None) -> dict[str, ops.Cost]:
+               weight_passes: float | None = None, pools: Pools | None = None) -> dict[str, ops.Cost]:
     """{component: the `ops.Cost` of the whole step on one device} (every layer of its kind summed): the work
     `step_time` prices, without collectives or host time (`compiled` sets its bytes and FLOPs beside a compile's;
-    `weight_passes` replaces the kernel family's, e.g. 1 for a program without a layer scan)."""
+    `weight_passes` replaces the kernel family's, e.g. 1 for a program without a layer scan; `pools`: the engine's
+    cache pools, whose copies the engine's layer scan pays)."""
     if ideal:
         mech = None
-    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech)
+    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     if weight_passes is not None:
         pl = dataclasses.replace(pl, weight_passes=weight_passes)
     z = ops.sizes(cfg)
@@ -128,12 +156,13 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
 
 def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
               page_size: int = 256, ideal: bool = False, overlap: bool = True,
-              mech: Mechanisms | None = None) -> StepTime:
-    """Seconds of one step of `batch` under `stage` on `specs` (see the module doc)."""
+              mech: Mechanisms | None = None, pools: Pools | None = None) -> StepTime:
+    """Seconds of one step of `batch` under `stage` on `specs` (see the module doc); `pools`: the engine's cache
+    pools on one device (`Pools`; None: their copies are not charged)."""
     if ideal:
         mech = None
-    costs = step_costs(cfg, specs, stage, batch, kv_dtype, page_size, ideal, mech)
-    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech)
+    costs = step_costs(cfg, specs, stage, batch, kv_dtype, page_size, ideal, mech, pools=pools)
+    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     s = _ideal_specs(specs) if ideal else specs
     out = dict.fromkeys(COMPONENTS, 0.0)
     for name, c in costs.items():
@@ -153,7 +182,8 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
             out["attn_core"] *= s.eff_hbm / mech.attention_kernel_efficiency
         if batch.decodes and batch.prefill_tokens:
             out["attn_core"] *= mech.mixed_step_attention
-        if pl.moe_impl == "gmm" and batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold:
+        if pl.moe_impl == "gmm" and pl.production_moe and \
+                batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold:
             out["permute"] *= mech.sparsecore_permute  # production's SparseCore gathers (`moe_layer`); XLA's
             # permutes, and the one-hot matmuls below the threshold, stay on the TensorCore
         out["host"] += mech.host_step_overhead_s if mech.async_scheduling else mech.host_step_time_sync_s
@@ -190,7 +220,8 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, bre
         out["attn_core"] *= new.mixed_step_attention / old.mixed_step_attention
     if new.sparsecore_permute != old.sparsecore_permute:
         pl = placement(cfg, specs, stage)
-        if pl.moe_impl == "gmm" and batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold:
+        if pl.moe_impl == "gmm" and pl.production_moe and \
+                batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold:
             out["permute"] *= new.sparsecore_permute / old.sparsecore_permute
     if new.moe_row_overhead_s != old.moe_row_overhead_s:
         if not old.moe_row_overhead_s:

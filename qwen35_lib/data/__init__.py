@@ -1,8 +1,8 @@
 """The data files the library reads, shipped inside the package (a non-editable `pip install .` has them):
 hardware.json, costmodel_hardware.json, workloads.json, published.json, costmodel_validation.json,
 kernel_choice_cpu.json, recipes.json, moe_layer_measured.json, and the ahead-of-time sweeps in aot/ (tpu7x-8.json at
-full depth, tpu7x-8-g1.json at one layer group for `costmodel.compiled`; aot/port/: the porting notebook's
-models). The repository's `data/` is a link to this folder.
+full depth, the HLO texts of its decode steps in aot/hlo/ for `costmodel.compiled`; aot/port/: the porting
+notebook's models). The repository's `data/` is a link to this folder.
 
 `path(name)` is where each is read (and where the benchmarks that measure them write): `$QWEN35_DATA_DIR/name`
 when that variable names a folder holding it, else the package's own copy.

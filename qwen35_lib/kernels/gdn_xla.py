@@ -160,12 +160,12 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
     C = chunk_size
     D = meta.decode_seq.shape[0]
     T = q.shape[0]
-    S_in = states.astype(jnp.float32)
     fresh = meta.kv_len == meta.q_len  # [S]: no context before this step -> zero state
 
-    def seq_state(seq):  # state a sequence starts from: [..., Hv, dk, dv]
-        s = jnp.clip(seq, 0)
-        return jnp.where((fresh[s] | (seq < 0))[..., None, None, None], 0.0, S_in[meta.slot[s]])
+    def seq_state(seq):  # state a sequence starts from: [..., Hv, dk, dv], float32
+        s = jnp.clip(seq, 0)  # the slots gathered, then converted: not the whole pool (issue 30)
+        return jnp.where((fresh[s] | (seq < 0))[..., None, None, None], 0.0,
+                         states[meta.slot[s]].astype(jnp.float32))
 
     # 1. decode region: one recurrent step per sequence
     dseq = meta.decode_seq  # [D], -1 for padding

@@ -295,22 +295,39 @@ def _block(line: str) -> str:
     return "other"
 
 
-def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, object]:
-    """HBM bytes one run of the program moves per device, by block, as the text states them: every top-level op
-    (of the entry, loop bodies and called computations, not inside a fusion) reads its operands and writes its
-    result (an async pair once: the start's operands, the done's result), times the runs of its computation (a
-    `while` body its known trip count, `trips[body]` when given, else once). Blocks follow the op's jax name
-    (`BLOCKS`; a fusion XLA left unnamed falls in "other"). {"bytes": {block: bytes}, "loops_counted_once":
-    [body names]}. An upper bound where an op reads a slice of an operand (a gather reads its rows, not the table),
-    which is what XLA's own `bytes accessed` refines; compare both (`costmodel.compiled`)."""
+@dataclasses.dataclass(frozen=True)
+class OpBytes:
+    """One top-level op of a compiled program and the HBM bytes its runs move (`op_rows`)."""
+
+    bytes: int  # read + written, times its runs
+    runs: int  # how often it runs in one run of the program
+    block: str  # `BLOCKS`, from its jax name
+    op: str  # e.g. "fusion", "copy", "custom-call"
+    name: str  # its HLO name
+    shape: str  # its result
+    jax_name: str  # its op_name metadata
+
+
+def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[OpBytes], list[str]]:
+    """The HBM bytes one run of the program moves per device, op by op, as the text states them, costliest first,
+    and the loop bodies counted once (their trip count unknown). Every top-level op (of the entry, loop bodies and
+    called computations, not inside a fusion) reads its operands and writes its result (an async pair once: the
+    start's operands, the done's result), times the runs of its computation (a `while` body its known trip count,
+    `trips[body]` when given, else once; a `conditional` its costliest branch, since one runs). A fusion that only
+    slices an operand reads the slices, and one that updates a buffer in place (a root `dynamic-update-slice` or
+    `scatter`) writes the update (`_fused_access`).
+
+    This, not XLA:TPU's `cost_analysis()["bytes accessed"]`, is the compile's count to compare a model with: that
+    counts a `while` body once, and a reduction's input and a dot's right operand five times
+    (`aot.validate.xla_bytes_accessed_factors`, measured on single-op programs)."""
     comps = _computations(hlo_text)
     headers = {m[1]: m[2] for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*?)\) -> ", hlo_text, re.M)}
     fused = {t for lines in comps.values() for ln in lines for t in re.findall(r"calls=%?([\w.\-]+)", ln)
              if " fusion(" in ln}
-    runs: dict[str, int] = {}
+    access = {n: _fused_access(comps[n], headers.get(n, ""), comps, headers) for n in fused if n in comps}
     once: list[str] = []
 
-    def visit(name: str, times: int) -> None:
+    def visit(name: str, times: int, runs: dict[str, int]) -> None:
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, ()):
             if " while(" in line:
@@ -318,46 +335,72 @@ def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, ob
                 known = re.search(r'known_trip_count":\{"n":"(\d+)"', line) or _counted_loop(
                     comps, name, line, re.search(r"condition=%?([\w.\-]+)", line)[1], body)
                 n = int(known[1]) if known else (trips or {}).get(body)
-                if n is None:
+                if n is None and body not in once:
                     once.append(body)
-                visit(body, times * (n or 1))
+                visit(body, times * (n or 1), runs)
             elif " call(" in line or " conditional(" in line:
-                for item in re.findall(r"(?:to_apply|branch_computations|true_computation|false_computation)="
-                                       r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)", line):
-                    for t in item.replace("%", "").split(", "):
-                        if t not in fused:
-                            visit(t, times)
+                targets = [t for item in re.findall(
+                    r"(?:to_apply|branch_computations|true_computation|false_computation)="
+                    r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)", line) for t in item.replace("%", "").split(", ")
+                    if t not in fused]
+                if " conditional(" in line and len(targets) > 1:  # one branch runs: the costliest
+                    def total(t: str) -> int:
+                        r: dict[str, int] = {}
+                        visit(t, 1, r)
+                        return sum(row.bytes for row in rows_of(r))
+                    targets = [max(targets, key=total)]
+                for t in targets:
+                    visit(t, times, runs)
 
-    visit(re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)[1], 1)
-    access = {n: _fused_access(comps[n], headers.get(n, "")) for n in fused if n in comps}
+    def rows_of(runs: dict[str, int]) -> list[OpBytes]:
+        out = []
+        for name, times in runs.items():
+            sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(headers.get(name, ""))}
+            for line in comps.get(name, ()):
+                m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", line)
+                if not m:
+                    continue
+                var, shape, op, args = m.groups()
+                sizes[var] = 0 if op.endswith("-start") else _shape_bytes(shape)
+                if op in _NO_BYTES:
+                    continue
+                operands = re.findall(r"%([\w.\-]+)", args)
+                write = sizes[var]
+                if op.endswith("-done"):
+                    read = 0
+                elif op == "fusion" and (acc := access.get(re.search(r"calls=%?([\w.\-]+)", line)[1])):
+                    reads, write = acc
+                    read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
+                else:
+                    read = sum(sizes.get(a, 0) for a in operands)
+                jax_name = re.search(r'op_name="([^"]*)"', line)
+                out.append(OpBytes(times * (read + write), times, _block(line), op, var, shape,
+                                   jax_name[1] if jax_name else ""))
+        return out
+
+    runs: dict[str, int] = {}
+    visit(re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)[1], 1, runs)
+    return sorted(rows_of(runs), key=lambda r: -r.bytes), once
+
+
+def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, object]:
+    """`op_rows` summed by block: {"bytes": {block: bytes}, "loops_counted_once": [body names]}. Blocks follow the
+    op's jax name (`BLOCKS`; a fusion XLA left unnamed falls in "other")."""
+    rows, once = op_rows(hlo_text, trips)
     out = dict.fromkeys(BLOCKS, 0)
-    for name, times in runs.items():
-        sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(headers.get(name, ""))}
-        for line in comps.get(name, ()):
-            m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", line)
-            if not m:
-                continue
-            var, shape, op, args = m.groups()
-            sizes[var] = 0 if op.endswith("-start") else _shape_bytes(shape)
-            if op in _NO_BYTES:
-                continue
-            operands = re.findall(r"%([\w.\-]+)", args)
-            write = sizes[var]
-            if op.endswith("-done"):
-                read = 0
-            elif op == "fusion" and (acc := access.get(re.search(r"calls=%?([\w.\-]+)", line)[1])):
-                reads, write = acc
-                read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
-            else:
-                read = sum(sizes.get(a, 0) for a in operands)
-            out[_block(line)] += times * (read + write)
+    for r in rows:
+        out[r.block] += r.bytes
     return {"bytes": out, "loops_counted_once": once}
 
 
-def _fused_access(lines: list[str], header: str) -> tuple[list[int | None], int] | None:
+def _fused_access(lines: list[str], header: str, comps: dict | None = None, headers: dict | None = None
+                  ) -> tuple[list[int | None], int] | None:
     """How much of each operand a fusion reads, and what it writes, when that is less than whole: a parameter used
     only through slices (`slice`, `dynamic-slice`, `gather`) reads what they take; the buffer a root
-    `dynamic-update-slice` updates in place is not read, and only the update is written. ([bytes read per operand,
+    `dynamic-update-slice` or `scatter` updates in place is not read, and only the update is written. A parameter
+    is followed through views of it: `bitcast`s and the nested in-place relayouts XLA:TPU wraps around a sliced or
+    updated stacked array (a one-operand fusion with `output_to_operand_aliasing`); a nested fusion that slices
+    its first operand (`comps`, `headers`: the program's computations) is a slice of it. ([bytes read per operand,
     None: whole], bytes written), or None when the fusion reads and writes whole arrays."""
     params = [p for p, _ in _NAMED.findall(header)]
     defs, users = {}, {}
@@ -367,37 +410,51 @@ def _fused_access(lines: list[str], header: str) -> tuple[list[int | None], int]
             continue
         root, var, shape, op, args = m.groups()
         ops_ = re.findall(r"%([\w.\-]+)", args)
-        defs[var] = (op, shape, ops_, bool(root))
+        view = op == "bitcast" or (op == "fusion" and len(ops_) == 1 and "output_to_operand_aliasing" in ln)
+        inner_reads = None  # a nested fusion: the bytes it reads of each operand it only slices
+        if op == "fusion" and not view and comps is not None:
+            inner = re.search(r"calls=%?([\w.\-]+)", ln)[1]
+            acc = _fused_access(comps.get(inner, []), (headers or {}).get(inner, ""), comps, headers)
+            inner_reads = acc[0] if acc else None
+        defs[var] = (op, shape, ops_, bool(root), view, inner_reads)
         for i, a in enumerate(ops_):
             users.setdefault(a, []).append((var, i))
     pnames = {}
-    for var, (op, _, _, _) in defs.items():
-        if op == "parameter":
+    for var, d in defs.items():
+        if d[0] == "parameter":
             idx = re.search(r"parameter\((\d+)\)", next(ln for ln in lines if f"%{var} =" in ln))
             pnames[int(idx[1])] = var
     root = next(((v, d) for v, d in defs.items() if d[3]), None)
     if root is None:
         return None
-    in_place = None
-    write = None
-    if root[1][0] == "dynamic-update-slice":
-        buf, upd = root[1][2][0], root[1][2][1]
-        in_place = buf
-        write = _shape_bytes(defs[upd][1]) if upd in defs else None
+
+    def uses(var: str) -> list[tuple[str, int]]:  # (user, operand index), through views of `var`
+        out = []
+        for u, j in users.get(var, []):
+            out += uses(u) if defs[u][4] else [(u, j)]
+        return out
+
+    in_place = write = None
+    if root[1][0] in ("dynamic-update-slice", "scatter"):  # operands: buffer, (indices,) update
+        buf, upd = root[1][2][0], root[1][2][1 if root[1][0] == "dynamic-update-slice" else -1]
+        while buf in defs and defs[buf][4]:
+            buf = defs[buf][2][0]
+        if defs.get(buf, ("",))[0] == "parameter":
+            in_place = buf
+            write = _shape_bytes(defs[upd][1]) if upd in defs else None
     reads: list[int | None] = []
     changed = write is not None
     for i in range(len(params) or len(pnames)):
         p = pnames.get(i)
-        if p is None:
-            reads.append(None)
-            continue
-        if p == in_place:
-            reads.append(0)
-            changed = True
-            continue
-        us = users.get(p, [])
-        if us and all(defs[u][0] in ("slice", "dynamic-slice", "gather") and j == 0 for u, j in us):
-            reads.append(sum(_shape_bytes(defs[u][1]) for u, _ in us))
+        us = uses(p) if p else []
+        sliced = {(u, j): _shape_bytes(defs[u][1]) if defs[u][0] in ("slice", "dynamic-slice", "gather") and j == 0
+                  else defs[u][5][j] for u, j in us
+                  if (defs[u][0] in ("slice", "dynamic-slice", "gather") and j == 0) or
+                  (defs[u][5] is not None and j < len(defs[u][5]) and defs[u][5][j] is not None)}
+        updated = p is not None and p == in_place and all(u == root[0] and j == 0 for u, j in us
+                                                          if (u, j) not in sliced)
+        if us and (updated or len(sliced) == len(us)):
+            reads.append(sum(sliced.values()))
             changed = True
         else:
             reads.append(None)
