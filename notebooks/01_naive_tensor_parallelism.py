@@ -97,16 +97,19 @@ stages = {"baseline": stage_gain("baseline")}
 print(gain_table(stages["baseline"]))
 
 # %% [markdown]
-# **Check.** The routed experts dominate the decode-heavy workload: under TP every device reads a slice of *every*
-# expert's weights for every step, whichever experts its tokens chose, and that workload spends more per token than
-# the prefill-heavy one, since each decode step reads those weights for one token per request. On the prefill-heavy
-# workload attention weighs as much as the MoE: XLA's attention reads the batch's longest context for every token.
+# **Check.** Attention is the baseline's largest cost on both workloads: XLA's paged attention reads the batch's
+# longest context for every token, and its compiled page loop moves 31.7 bytes for every FP8 value it reads (the
+# page gathered, converted to float32 and relaid out twice: `costmodel.compiled` reads it off the TPU7x compile).
+# The routed experts come second on the decode-heavy workload: under TP every device reads a slice of *every*
+# expert's weights for every step, whichever experts its tokens chose, and XLA's FP8 path moves 20.4 bytes a
+# parameter to dequantize them. That workload spends more per token than the prefill-heavy one, since each decode
+# step reads those weights for one token per request.
 
 # %%
 ms = stages["baseline"]["1k/8k"]["ms_per_1k_tokens"]
-assert max(ms, key=ms.get) == "moe", ms
+assert sorted(ms, key=ms.get)[-2:] == ["moe", "attention"], ms
 ms = stages["baseline"]["8k/1k"]["ms_per_1k_tokens"]
-assert sorted(ms, key=ms.get)[-2:] in (["moe", "attention"], ["attention", "moe"]), ms
+assert max(ms, key=ms.get) == "attention", ms
 assert sum(stages["baseline"]["1k/8k"]["ms_per_1k_tokens"].values()) > \
     sum(stages["baseline"]["8k/1k"]["ms_per_1k_tokens"].values())
 

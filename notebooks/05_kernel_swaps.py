@@ -88,7 +88,6 @@ from qwen35_lib.bench import kernels as kb
 from qwen35_lib.bench.kernels_attention import attention_rows
 from qwen35_lib.bench.kernels_gdn import gdn_rows
 from qwen35_lib.bench.timing import dict_table
-from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.predict import predict
 from qwen35_lib.stage_gain import expert_bytes, gain_table, stage_gain
 
@@ -127,10 +126,14 @@ float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" el
 #   dequantizes them into a bf16 copy that `ragged_dot` then reads; the kernel reads the FP8 weights once, in
 #   place. (It would also skip an expert that got no tokens, but at 512 requests every local expert gets some:
 #   section 3 counts them.);
-# - GDN and permutes: the kernels keep the state on chip / move rows by DMA, but the cost model counts the same
-#   bytes and FLOPs as XLA's here. What production gains on the permutes it gains elsewhere: tpu-inference runs
-#   them on the **SparseCore**, off the TensorCore's critical path, which the cost model takes as a labelled
-#   assumption (`sparsecore_permute`, with its source and range) in section 3, not as a roofline figure.
+# - GDN: at decode XLA's twin gathers each sequence's state out of the pool, steps it and scatters it back; the
+#   kernel reads and writes each state in place. At prefill both read and write a sequence's state once;
+# - permutes: this library's MoE layer around the Pallas grouped GEMM moves the routed rows with XLA gathers,
+#   relayouts and a float32 scatter-add besides the Pallas permute. What production gains on the permutes it
+#   gains elsewhere: tpu-inference runs them on the **SparseCore**, a labelled assumption of its plans
+#   (`sparsecore_permute`), not of this stage.
+# Where XLA's compiled code moves more than the arithmetic says, the model charges what the TPU7x compile moves,
+# read off its HLO text (`costmodel.compiled`; the facts in `data/costmodel_hardware.json`, each with its ops).
 
 # %%
 roof = kb.roofline_rows()
@@ -167,8 +170,16 @@ display(fig)
 # expert weight read once, in place, with no copies).
 # In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
 # them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
-# FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN and
-# the permutes (no FLOPs at all: drawn at the left edge) stay where they were, in the model's accounting.
+# FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN's
+# decode moves 3.5 times fewer bytes under its kernel (no gather and scatter of the states), its prefill the same.
+# The permutes (no FLOPs at all: drawn at the left edge) move about twice XLA's bytes in this library's layer.
+
+# %%
+mib = {(r["kernel"], r["case"], r["implementation"]): r["mib"] for r in roof}
+assert 3.3 < mib["gdn", "decode", "xla"] / mib["gdn", "decode", "pallas"] < 3.7, mib
+assert mib["gdn", "prefill", "xla"] == mib["gdn", "prefill", "pallas"], mib
+for case in ("decode", "prefill"):
+    assert 1.9 < mib["permute", case, "pallas"] / mib["permute", case, "xla"] < 2.2, mib
 #
 # ## 2. Measure and check at CPU size
 #
@@ -286,19 +297,16 @@ if aot is not None:
 # leave alone, in the cost model's accounting?</summary>
 #
 # Faster: the routed experts (fewer bytes per expert parameter: the FP8 weight read once, in place, with no sliced
-# or dequantized copy) and attention (only each sequence's own pages). New: what production's MoE layer does around
-# its grouped matmul (`costmodel/moe_layer.py`, judged against that layer's device times on TPU7x): one-hot
-# permute matmuls while a step's routed rows are few, SparseCore gathers above, and the sorts and bookkeeping of
-# every routed row of the slice, which every device does. Unchanged: GDN, whose kernel the model charges the same
-# bytes and FLOPs as XLA's (section 1). The printout shows each.
+# or dequantized copy), attention (only each sequence's own pages) and GDN's decode (each state read and written
+# in place). Slower: the permutes around the grouped matmul (section 1). Unchanged: the projections, XLA dots in
+# both stages, and the engine's copies of each layer's cache pools (`cache_copies`: the engine's layer scan, not a
+# kernel, pays them). The printout shows each.
 # </details>
 #
 # **Predict.** The `kernels` stage is `hier_rs` with the Pallas kernels: the same layout, routing and collectives.
 # Their difference, per component of a step, is what the kernels buy.
 
 # %%
-SC_PERMUTE = Mechanisms.nominal().sparsecore_permute  # data/costmodel_assumptions.json, with its source
-print(f"sparsecore_permute (labelled assumption): {SC_PERMUTE}")
 buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False, band=True)
         for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
 stages = {"kernels": stage_gain("kernels", predictions=buys)}  # the same predictions, by component group
@@ -306,8 +314,7 @@ print(gain_table(stages["kernels"]))
 for wl in ("8k/1k", "1k/8k"):
     before, after = buys["hier_rs", wl], buys["kernels", wl]
     print(f"{wl}: ms per step by component:")
-    for comp in ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "routed_experts", "permute", "onehot_permute",
-                 "moe_rows"):
+    for comp in ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "cache_copies", "routed_experts", "permute"):
         print(f"  {comp:<15} {before['breakdown_s'][comp] * 1e3:7.2f} -> {after['breakdown_s'][comp] * 1e3:7.2f}")
 
 # %% [markdown]
@@ -324,24 +331,25 @@ for st, e in experts.items():
 
 # %% [markdown]
 # **Check.** Every local expert is hit under both stages, so the routed experts' saving is the bytes per
-# parameter: the kernel reads the one FP8 byte in place, XLA's path also writes and reads a sliced copy and a
-# bf16 dequantized one. The gain comes from the routed experts and
-# attention (no longest-context reads), plus the projections, which the Pallas stage reads once instead of
-# through XLA's sliced copies. The Pallas stage is priced as production's MoE layer, so it pays what this project's
-# XLA path is not charged: the one-hot permutes and the per-row bookkeeping (`moe_rows`, the one constant of the
-# model set from measured layer times, `python -m qwen35_lib.costmodel validate --moe`); above the one-hot threshold
-# its permute buffers shrink by the `sparsecore_permute` assumption, read from its source, not by a measurement.
-# GDN costs the same in both: the model has no mechanism for its kernel, so it predicts no gain there.
+# parameter: the kernel reads the one FP8 byte in place; XLA's path, as the TPU7x compile has it, moves about 20
+# bytes a parameter (the scan's sliced copy and its relayouts, a float32 scale broadcast over the weight, the
+# dequantizing fusions, bf16 relayouts, `ragged_dot`'s read). The largest gain is attention's, most of all on the
+# prefill-heavy workload: XLA's attention reads the longest context for every prompt token, about 32 bytes for
+# every FP8 value once compiled. GDN's decode gains too; the permutes lose about twice their XLA time; the
+# projections and the engine's cache copies cost the same in both. The Pallas stage runs this library's MoE layer,
+# not production's: no one-hot permutes and no per-row bookkeeping (`moe_rows`, production's), which the
+# `tpu_inference_3050` stage carries (notebook 06).
 
 # %%
 for wl in ("8k/1k", "1k/8k"):
     before, after = buys["hier_rs", wl]["breakdown_s"], buys["kernels", wl]["breakdown_s"]
     assert after["routed_experts"] < before["routed_experts"] and after["attn_core"] < before["attn_core"]
-    assert after["gdn_core"] == before["gdn_core"]  # no mechanism for the GDN kernel: no gain predicted
-    assert before["onehot_permute"] == before["moe_rows"] == 0 < after["moe_rows"]  # production's layer, priced
+    assert after["gdn_core"] < before["gdn_core"] and after["permute"] > before["permute"]
+    assert after["cache_copies"] == before["cache_copies"] and after["attn_proj"] == before["attn_proj"]
+    assert before["onehot_permute"] == before["moe_rows"] == after["onehot_permute"] == after["moe_rows"] == 0
     assert buys["kernels", wl]["total_tokens_per_s"] > buys["hier_rs", wl]["total_tokens_per_s"]
 assert all(e["local_experts"] - e["experts_hit"] < 0.01 for e in experts.values()), experts  # every expert hit
-assert abs(experts["kernels"]["bytes_per_param"] - 1) < 0.01 < experts["hier_rs"]["bytes_per_param"] - 2, experts
+assert abs(experts["kernels"]["bytes_per_param"] - 1) < 0.01 < experts["hier_rs"]["bytes_per_param"] - 19, experts
 
 # %% [markdown]
 # ## 4. The whole 397B step fits a TPU7x-8: its compile

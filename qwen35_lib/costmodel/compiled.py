@@ -17,6 +17,29 @@ How the compile is read:
   pool, every local expert). At decode with every sequence at the pool's full length and nearly every expert hit,
   that is what they read.
 
+What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`; libtpu 0.0.42.1, the serving shape:
+512 requests, 9,216-token FP8 KV pools, 64 sequences a rank under DP8; tests/test_costmodel_compiled.py holds it):
+
+| decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
+|-------------------------|-----------|-------|-------------|----------|-------------|
+| dp_ep, replicate, fused_ag, hier_rs | 732.6 | 732.7 | 1,568-1,571 | 1,453 | 0.92-0.93 |
+| kernels (around its Mosaic calls) | 739.5 | 732.7 | 187.2 | 147.7 | 0.79 |
+| baseline (at its largest pool, 7,168 tokens) | 331.1 | 286.7 (x0.87, unexplained) | 1,822.8 | 2,121.1 | 1.16 |
+
+The bytes agree because the model charges what the compiled program moves where it moves more than the arithmetic
+(data/costmodel_hardware.json 'kernels', each fact with the ops it sums, read off these texts):
+- the engine's layer scan copies each layer's whole KV and GDN pool out of the stacked cache and back, 5 passes a
+  step in every stage (`stacked_cache_copy_passes`: 77.8 GB of a decode step here);
+- XLA:TPU's FP8 experts move 20.4 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
+  scale broadcast, the dequantizing fusions, bf16 relayouts), its paged attention 31.7 B a KV value read
+  (`xla_tpu_paged_attention_bytes`: gathered, converted to float32, relaid out twice), its GDN decode 7 passes over
+  a state (`xla_tpu_gdn_state_passes`: gathered and scattered);
+- the dense projections are sliced scan inputs in every family (3 passes); the kernels stage's own MoE layer moves
+  the routed rows 8.3 times around its Pallas calls (`kernels_moe_permute_passes`).
+What remains: the XLA stages' text holds 8% more than the model (relayouts and rematerialized slices not charged);
+the kernels stage's 21% (GDN weight slices rematerialized, SparseCore data-format calls); the baseline's model 16%
+more than its text. The TP baseline's FLOPs are x0.87 of XLA's, not yet explained.
+
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the
 prefill region in whole GDN chunks, and one logits row per sequence slot.

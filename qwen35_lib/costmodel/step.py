@@ -75,8 +75,10 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
     attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
-    passes = facts["xla_weight_passes"]["value"]  # the dense projections: XLA dots in every family
     expert_passes = facts[f"{stage.kernels}_weight_passes"]["value"]
+    # the dense projections: XLA dots on the layer scan's sliced inputs in every family of this engine; another
+    # engine's unscanned layers are read in place
+    passes = expert_passes if stage.name in OTHER_ENGINE else facts["xla_weight_passes"]["value"]
     fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
     ours = pools is not None and stage.name not in OTHER_ENGINE
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
