@@ -26,47 +26,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/00_architecture.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-import tempfile
-
-import jax
-import numpy as np
-
-import qwen35_lib
-from qwen35_lib import budget, hardware, viz
-from qwen35_lib.costmodel import temporaries
-from qwen35_lib.report import format_report, human_bytes, model_report
-
-cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 1. Anatomy
@@ -83,6 +56,11 @@ cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
 # token, but with only 2 KV heads. The sizes, from the preset:
 
 # %%
+import qwen35_lib
+from qwen35_lib import viz
+
+cfg = qwen35_lib.get_config("qwen3.5-397b-a17b")
+
 c = cfg
 print(f"hidden D = {c.hidden_size}, vocab V = {c.vocab_size:,}, {c.num_layers} layers = {c.num_groups} groups of "
       f"{c.layer_pattern}")
@@ -121,6 +99,8 @@ print(f"predicted routed-expert parameters: {predicted_routed:,}; per token: {pr
 # qwen3.5-397b-a17b` prints the same report.
 
 # %%
+from qwen35_lib.report import format_report, model_report
+
 stats = qwen35_lib.model_stats(cfg)
 print(format_report(model_report(cfg)))
 
@@ -132,6 +112,8 @@ viz.plot_param_breakdown(cfg)
 # `meta` device (no memory) when transformers is installed.
 
 # %%
+import importlib.util
+
 assert stats.params_by_part["routed_experts"] == predicted_routed
 assert stats.active_params == stats.total_params - predicted_routed + predicted_routed * k // E
 HAVE_HF = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
@@ -185,6 +167,8 @@ print(f"predicted: KV {predicted_kv:,} B per token; GDN state {predicted_gdn:,} 
 # **Compute** (the same counts over the declarations) and **check**.
 
 # %%
+from qwen35_lib.report import human_bytes
+
 serve_stats = qwen35_lib.model_stats(serve)
 assert serve_stats.kv_bytes_per_token == predicted_kv
 assert serve_stats.gdn_state_bytes_per_seq == predicted_gdn
@@ -211,6 +195,8 @@ print(f"GDN state: {human_bytes(serve_stats.gdn_state_bytes_per_seq)} per reques
 # per parameter plus one float32 scale per 128 x 128 block; the rest stays bf16.
 
 # %%
+from qwen35_lib import hardware
+
 tpu = hardware.get("tpu7x-8")
 routed = stats.params_by_part["routed_experts"]
 predicted_bf16 = 2 * stats.total_params
@@ -226,6 +212,8 @@ print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {huma
 # over the 8 devices: the best any layout can do.
 
 # %%
+from qwen35_lib import budget
+
 # figure: hbm_budget
 bf16, fp8 = serve, serve.replace(expert_dtype="float8_e4m3fn")
 budgets = [budget.hbm_budget(m, tpu, concurrency=512, context_len=n) for m in (bf16, fp8) for n in (CONTEXT, 1024)]
@@ -253,6 +241,10 @@ viz.plot_hbm_budget(budgets)
 # or refuses.
 
 # %%
+import jax
+
+from qwen35_lib.costmodel import temporaries
+
 compiled = {}
 if importlib.util.find_spec("libtpu") is not None:  # the 'tpu' extra
     for m in (bf16, fp8):
@@ -298,6 +290,10 @@ print(f"bf16: at most {bf16_1k.max_concurrency} requests of 1k tokens; FP8 exper
 # are), load it with `qwen35_lib.load_hf_checkpoint`, and compare logits.
 
 # %%
+import tempfile
+
+import numpy as np
+
 if HAVE_HF:
     hf_model = testing.make_hf_model(model_type="qwen3_5_moe", seed=0)
     with tempfile.TemporaryDirectory() as checkpoint:

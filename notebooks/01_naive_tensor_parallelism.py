@@ -27,62 +27,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/01_naive_tensor_parallelism.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import jax
-import matplotlib.pyplot as plt
-import numpy as np
-from jax.sharding import PartitionSpec
-
-import qwen35_lib
-from qwen35_lib import aot
-from qwen35_lib import data as data_files
-from qwen35_lib.costmodel import temporaries
-from qwen35_lib.engine.engine import Engine, EngineConfig
-from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel.notation import notation, weight_notation
-from qwen35_lib.placement import placement, shard_bytes_per_device
-from qwen35_lib.plan import check_layout, get_layout, make_mesh
-from qwen35_lib.report import human_bytes
-from qwen35_lib.stage_gain import gain_table, stage_gain
-from qwen35_lib.viz.sharding_explorer import placement_figure, sharding_explorer
-
-mesh = make_mesh()  # the 8 devices as ('chip': 4, 'core': 2)
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
-FP8_KV = "float8_e4m3fn"  # the serving KV cache: one byte per value + a float32 scale per token and head
-# numeric checks: float32, seconds on a CPU; 8 query heads on 2 KV heads, so a KV head serves 4 query heads and
-# tp8_kvrep can give each device a copy of its own one, as at the 397B size (32 on 2)
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", num_q_heads=8)
-print(mesh)
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 0. What the baseline serves (the cost model, TPU7x-8)
@@ -93,6 +51,8 @@ print(mesh)
 # milliseconds per 1,000 tokens served (input + output): the components sum to one over the throughput.
 
 # %%
+from qwen35_lib.stage_gain import gain_table, stage_gain
+
 stages = {"baseline": stage_gain("baseline")}
 print(gain_table(stages["baseline"]))
 
@@ -137,12 +97,23 @@ assert sum(stages["baseline"]["1k/8k"]["ms_per_1k_tokens"].values()) > \
 # > it; the weights below are the 397B model's as `tp8_kvrep` places them (dims without a name by their size).
 
 # %%
+from jax.sharding import PartitionSpec
+
+import qwen35_lib
+from qwen35_lib.parallel.notation import notation, weight_notation
+
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+
 tp_names = weight_notation(big.replace(layout="tp8_kvrep"), mesh)
 for k in ("layers.attn.w_q", "layers.attn.w_k", "layers.moe.w_gate_up", "layers.moe.w_down"):
     print(f"{k:<22} {tp_names[k]}")
 print(f"{'tokens in flight':<22} {notation('x', ('B', 'D'), PartitionSpec())}")
 
 # %%
+# numeric checks: float32, seconds on a CPU; 8 query heads on 2 KV heads, so a KV head serves 4 query heads and
+# tp8_kvrep can give each device a copy of its own one, as at the 397B size (32 on 2)
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", num_q_heads=8)
+
 for c in (big, tiny):
     print(f"{c.name:<18} query heads {c.num_q_heads:>2}/8 = {c.num_q_heads / 8:<5g} KV heads {c.num_kv_heads}/8 = "
           f"{c.num_kv_heads / 8:<5g} GDN value heads {c.gdn_num_v_heads}/8 = {c.gdn_num_v_heads / 8:<5g} "
@@ -153,6 +124,9 @@ for c in (big, tiny):
 # calls before placing anything. Ask it for `tp8`.
 
 # %%
+from qwen35_lib.placement import placement
+from qwen35_lib.plan import check_layout
+
 try:
     check_layout(tiny.replace(layout="tp8"), mesh)
     refusal = None
@@ -192,6 +166,8 @@ assert "'dp8_ep8'" in refusal and "'tp8_kvrep'" in refusal
 # requests through both.
 
 # %%
+from qwen35_lib.plan import get_layout
+
 kvrep_plan = get_layout("tp8_kvrep")
 KV_FACTOR = kvrep_plan.kv_replication(tiny, mesh)  # copies of each KV head
 print(f"tp8_kvrep: {KV_FACTOR} copies of each of {tiny.num_kv_heads} KV heads; "
@@ -199,6 +175,12 @@ print(f"tp8_kvrep: {KV_FACTOR} copies of each of {tiny.num_kv_heads} KV heads; "
 assert KV_FACTOR == 8 // tiny.num_kv_heads and kvrep_plan.kv_heads_per_device(tiny, mesh) == 1
 
 # %%
+import jax
+import numpy as np
+
+from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.sampling import SamplingParams
+
 weights = qwen35_lib.init_weights(tiny, 0)
 prompts = [list(np.random.default_rng(i).integers(2, tiny.vocab_size, size=n)) for i, n in enumerate((5, 11, 17))]
 params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -246,6 +228,8 @@ print(f"attn w_k {w_k.shape}: {w_k.sharding.spec} ({tiny.num_kv_heads} KV heads 
 # the ratio tends to `S / Hkv`, the KV factor, as the null page becomes negligible.
 
 # %%
+from qwen35_lib.report import human_bytes
+
 ps, max_len = 16, ec.max_model_len
 pages_per_seq = max_len // ps
 head_page_bytes = tiny.num_groups * tiny.attn_per_group * ps * 2 * tiny.head_dim * 4  # one KV head, float32
@@ -259,6 +243,8 @@ print({k: human_bytes(v) for k, v in predicted.items()}, f"ratio {predicted['tp8
 # bytes of the KV-cache shards that live on each device.
 
 # %%
+from qwen35_lib.placement import shard_bytes_per_device
+
 dp = Engine(tiny.replace(layout="dp8_ep8"), weights,
             EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256), mesh=mesh)
 
@@ -298,6 +284,8 @@ print(f"tp8_kvrep holds {ratio_cpu:.2f}x the KV cache of dp8_ep8 per device (KV 
 # bf16 KV cache, and with the FP8 cache the serving configuration uses.
 
 # %%
+FP8_KV = "float8_e4m3fn"  # the serving KV cache: one byte per value + a float32 scale per token and head
+
 LAYOUTS = ("tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8")
 CONTEXT = 8192 + 1024  # a request's whole context in either workload: input plus output
 bf16_plans = {name: placement(big, name, requests=512, context_len=CONTEXT) for name in LAYOUTS}
@@ -333,6 +321,10 @@ assert abs(kv_ratio_tpu - KV_FACTOR) < 1e-3 * KV_FACTOR, kv_ratio_tpu
 # each layout, and read `memory_analysis()`: the bytes per device XLA assigned, or its refusal.
 
 # %%
+import importlib.util
+
+from qwen35_lib import aot
+
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
 xla = ({name: aot.resident_bytes(big.replace(layout=name), p.cache_shape, aot.chip_core_mesh())
        for name, p in plans.items()} if HAVE_LIBTPU else {})
@@ -357,6 +349,8 @@ for name, (nbytes, error) in xla.items():
 print(f"KV cache per device, tp8_kvrep / dp8_ep8 at TPU size: {kv_ratio_tpu:.2f}x")
 
 # %%
+import matplotlib.pyplot as plt
+
 # figure: memory
 fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")  # FP8 KV
 parts = (("weights", "weight_bytes_per_device", "#4C72B0"), ("KV cache", "kv_bytes_per_device", "#C44E52"),
@@ -386,6 +380,10 @@ plt.show()
 # adds the same weight bytes.
 
 # %%
+import os
+
+from qwen35_lib.costmodel import temporaries
+
 p4, p8, p60 = (placement(big.replace(num_layers=n), "dp8_ep8", requests=512, context_len=CONTEXT) for n in (4, 8, 60))
 per_group = p8.weight_bytes_per_device - p4.weight_bytes_per_device
 assert p60.weight_bytes_per_device == p8.weight_bytes_per_device + 13 * per_group
@@ -413,6 +411,8 @@ if HAVE_LIBTPU and os.environ.get("QWEN35_AOT_STEP"):
 # beside `dp_ep`, the next chapter's stage, which runs the same XLA kernels.
 
 # %%
+from qwen35_lib import data as data_files
+
 stored = data_files.read_json("aot/tpu7x-8.json")
 print(f"{stored['model']}, {stored['groups']} layer groups, {stored['topology']}, libtpu {stored['libtpu']}; shape:",
       stored["shape"])
@@ -510,9 +510,13 @@ assert abs(kv_read_ms["tp8_kvrep"] / kv_read_ms["dp8_ep8"] - KV_FACTOR) < 1e-3 *
 # 512 requests? (The widget needs a live kernel; the figure below it is the same view, static.)
 
 # %%
+from qwen35_lib.viz.sharding_explorer import sharding_explorer
+
 sharding_explorer(layout="tp8")
 
 # %%
+from qwen35_lib.viz.sharding_explorer import placement_figure
+
 placement_figure(plans["tp8_kvrep"])
 
 # %%

@@ -28,63 +28,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/02_dp_ep_hybrid.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-import qwen35_lib
-from qwen35_lib import aot
-from qwen35_lib import data as data_files
-from qwen35_lib.costmodel import StepShape, collective_counts
-from qwen35_lib.costmodel.traffic import step_collectives
-from qwen35_lib.engine.engine import Engine, EngineConfig
-from qwen35_lib.engine.sampling import SamplingParams
-from qwen35_lib.parallel import hlo, shard_weights
-from qwen35_lib.parallel.notation import weight_notation
-from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
-from qwen35_lib.placement import fmt_range, placement
-from qwen35_lib.plan import get_layout, get_stage, make_mesh
-from qwen35_lib.report import human_bytes
-from qwen35_lib.stage_gain import gain_table, stage_gain
-from qwen35_lib.viz.sharding_explorer import placement_figure
-
-mesh = make_mesh()
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
-FP8_KV = "float8_e4m3fn"  # the serving KV cache
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")  # numeric checks: float32, seconds on a CPU
-STAGE = get_stage("dp_ep")  # dp8_ep8 + all_to_all routing, XLA kernels
-print(STAGE.layout, STAGE.routing, "|", get_layout(STAGE.layout).summary)
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 0. What the step buys (the cost model, TPU7x-8)
@@ -93,6 +50,8 @@ print(STAGE.layout, STAGE.routing, "|", get_layout(STAGE.layout).summary)
 # milliseconds per 1,000 tokens served by component (`stage_gain`, over `costmodel.predict`).
 
 # %%
+from qwen35_lib.stage_gain import gain_table, stage_gain
+
 stages = {"dp_ep": stage_gain("dp_ep")}
 print(gain_table(stages["dp_ep"]))
 
@@ -131,6 +90,11 @@ assert g["1k/8k"]["component_change"]["gdn"] > 0
 # `dp8_ep8` places it with, and the cell checks the table against it.
 
 # %%
+import qwen35_lib
+from qwen35_lib.parallel.notation import weight_notation
+
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+
 ep_names = weight_notation(big.replace(layout="dp8_ep8"), mesh)
 for k in ("layers.moe.w_gate_up", "layers.moe.w_down", "layers.attn.w_q", "layers.gdn.w_v", "layers.moe.router",
           "embed"):
@@ -155,6 +119,10 @@ assert not any(sub in v for v in dense for sub in ("_x,", "_x]", "_chip", "_core
 # packed beside it (a second all-to-all), and the partial outputs sent home (a third).
 
 # %%
+from qwen35_lib.placement import fmt_range, placement
+
+FP8_KV = "float8_e4m3fn"  # the serving KV cache
+
 p = placement(big, "dp8_ep8", requests=512, context_len=8192 + 1024, kv_dtype=FP8_KV)
 for d in (0, 1, 7):
     dev = p.per_device[d]
@@ -163,6 +131,8 @@ for d in (0, 1, 7):
 print(p.summary())
 
 # %%
+from qwen35_lib.viz.sharding_explorer import placement_figure
+
 # figure: placement
 placement_figure(p)
 
@@ -226,6 +196,18 @@ assert all(len(d.holds["experts"]) == 64 and len(d.holds["kv_heads"]) == 1 for d
 # once with `.lower(...).compile()` so that the same executable also gives us its HLO in section 3.
 
 # %%
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35_lib.parallel import shard_weights
+from qwen35_lib.parallel.parallelism import lower_forward  # `forward`'s program, to compile and inspect
+from qwen35_lib.plan import get_layout, get_stage
+
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")  # numeric checks: float32, seconds on a CPU
+STAGE = get_stage("dp_ep")  # dp8_ep8 + all_to_all routing, XLA kernels
+print(STAGE.layout, STAGE.routing, "|", get_layout(STAGE.layout).summary)
+
 rng = np.random.default_rng(0)
 lengths = np.array([3, 16, 7, 12, 1, 9, 16, 5, 11], np.int32)
 ids = np.zeros((9, 16), np.int32)
@@ -281,6 +263,14 @@ np.testing.assert_allclose(logits[mask], reference[mask], rtol=1e-5, atol=1e-5)
 # notebook 05's subject).
 
 # %%
+import importlib.util
+
+from qwen35_lib import aot
+from qwen35_lib.costmodel import StepShape, collective_counts
+from qwen35_lib.costmodel.traffic import step_collectives
+from qwen35_lib.parallel import hlo
+from qwen35_lib.plan import make_mesh
+
 step_cfg = qwen35_lib.get_config("qwen3.5-tiny", num_layers=8, layout=STAGE.layout, routing=STAGE.routing,
                                  attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
@@ -345,6 +335,9 @@ for name, ops in body_ops.items():
 # model's bytes, no other collective but the sampler's, and the step fits the device with the headroom printed.
 
 # %%
+from qwen35_lib import data as data_files
+from qwen35_lib.report import human_bytes
+
 stored = data_files.read_json("aot/tpu7x-8.json")
 for step in ("8k/1k decode", "8k/1k mixed"):
     e = stored["stages"]["dp_ep"]["steps"][step]
@@ -378,6 +371,9 @@ sweep_dp_ep = {step.split()[1]: {k: stored["stages"]["dp_ep"]["steps"][step][k]
 # single-device logits at its last prompt position.
 
 # %%
+from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.sampling import SamplingParams
+
 engine = Engine(dp_cfg, weights, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
                 mesh=mesh)
 prompts = [list(ids[i, :n]) for i, n in enumerate(lengths)]

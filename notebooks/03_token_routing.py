@@ -30,61 +30,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/03_token_routing.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import dataclasses
-import re
-
-import jax
-import jax.numpy as jnp
-import matplotlib.pyplot as plt
-import numpy as np
-
-import qwen35_lib
-from qwen35_lib import aot
-from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import specs as hw_specs
-from qwen35_lib.costmodel import traffic
-from qwen35_lib.costmodel.step import expected_a2a_rows, op_comm
-from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel import hlo, routing, shard_weights
-from qwen35_lib.parallel.collectives import all_gather, gather_routing, on_each_device, reduce_scatter
-from qwen35_lib.plan import ALL, make_mesh, plan_of, resolve_layout
-from qwen35_lib.report import human_bytes
-from qwen35_lib.stage_gain import gain_table, stage_gain
-
-mesh = make_mesh()
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 0. What replication buys (the cost model, TPU7x-8)
@@ -93,6 +52,8 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # routing changes. Milliseconds per 1,000 tokens served by component, both workloads at 512 concurrent requests.
 
 # %%
+from qwen35_lib.stage_gain import gain_table, stage_gain
+
 stages = {"replicate": stage_gain("replicate")}
 print(gain_table(stages["replicate"]))
 
@@ -117,6 +78,15 @@ for wl in ("8k/1k", "1k/8k"):
 # the hierarchical reduce-scatter. Every row carries its token's number, so a printout says which token went where.
 
 # %%
+import jax.numpy as jnp
+import numpy as np
+
+import qwen35_lib
+from qwen35_lib.model.moe import route
+from qwen35_lib.parallel.collectives import on_each_device
+
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
+
 demo = tiny.replace(num_experts=16)  # 2 experts per device
 demo_weights = qwen35_lib.init_weights(demo, 0)
 demo_router = demo_weights["layers"]["moe"]["router"][0, 0]  # [D, 16], the first MoE layer's
@@ -150,6 +120,8 @@ for first in range(0, 8 * n, 4):
 # **Measure.** The library's collectives on the 8 devices.
 
 # %%
+from qwen35_lib.parallel.collectives import all_gather, gather_routing
+
 gathered_x = per_device(all_gather, x_demo)  # [8, N, D]: the hidden states themselves
 gathered = per_device(all_gather, token_no)  # [8, N, 1]: their numbers, to print
 packed = np.concatenate([ids_demo.astype(np.float32), w_demo], axis=1)  # [N, 2k]: ids beside weights, one array to pass
@@ -172,6 +144,8 @@ for d in range(8):
 # **Measure.** `collectives.reduce_scatter`, flat (one `psum_scatter` over `('chip', 'core')`).
 
 # %%
+from qwen35_lib.parallel.collectives import reduce_scatter
+
 ran = (dest[None, :, :] == np.arange(8)[:, None, None]).any(axis=2)  # [8, N]: device d ran a copy of token t
 partials = np.repeat((ran * 2.0 ** np.arange(8)[:, None])[:, :, None], demo.hidden_size, axis=2)  # [8, N, D]
 partials = partials.astype(np.float32)
@@ -203,6 +177,10 @@ for d in range(8):
 # **Measure.** `jax.lax.all_to_all` over `('chip', 'core')`, as `moe_ep` calls it.
 
 # %%
+import jax
+
+from qwen35_lib.plan import ALL
+
 goes = (dest[:, :, None] == np.arange(8)).any(axis=1)  # [N, 8]: token t goes to device e (once, deduplicated)
 send = np.full((8, 8, n), -1, np.int32)  # [source, destination, cap = n]: token numbers, -1 an empty row
 for s_ in range(8):
@@ -228,6 +206,8 @@ for d in range(8):
 # printed above.
 
 # %%
+from qwen35_lib.parallel import routing, shard_weights
+
 assert (gathered_x == x_demo[None]).all() and (gathered[:, :, 0] == np.arange(8 * n)).all()
 assert (routing_seen == packed[None]).all()
 assert all(senders(summed[t // n, t % n, 0]) == sorted(set(dest[t].tolist())) for t in range(8 * n))
@@ -276,6 +256,13 @@ print("moe_ep's rows per device:", {r: v.tolist() for r, v in moved.items()})
 # all-to-all's result (its own block stays), and sends 7/8 of a reduce-scatter's *input* (`N·D·b`).
 
 # %%
+from qwen35_lib.costmodel import traffic
+from qwen35_lib.costmodel.step import expected_a2a_rows
+from qwen35_lib.plan import plan_of, resolve_layout
+from qwen35_lib.report import human_bytes
+
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
 D, k, b = big.hidden_size, big.num_experts_per_tok, 2  # bf16 activations
@@ -323,6 +310,12 @@ for N in (512, 8 * 2048):
 # decode-sized step to a prefill-sized one.
 
 # %%
+import dataclasses
+
+from qwen35_lib.costmodel import collectives as cc
+from qwen35_lib.costmodel import specs as hw_specs
+from qwen35_lib.costmodel.step import op_comm
+
 tpu = hw_specs.get("tpu7x-8")
 link_load = cc.ring_hops_sum(8) / 7  # all-to-all's per-link bytes per byte delivered, over the all-gather's
 
@@ -367,6 +360,11 @@ assert abs(serving["replicate"] / serving["ragged"] - 1) < 0.1 and serving["repl
 # width takes minutes per compile here; the formula is the same. XLA reports each collective with its shape.
 
 # %%
+import importlib.util
+
+from qwen35_lib import aot
+from qwen35_lib.parallel import hlo
+
 mini = qwen35_lib.get_config("qwen3.5-mini", layout="dp8_ep8")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
 tpu_counts = {}
@@ -392,6 +390,8 @@ for s, counts in tpu_counts.items():
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
 
 # %%
+import matplotlib.pyplot as plt
+
 # figure: wire_bytes
 Ns = [64, 256, 512, 2048, 8 * 2048]
 fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
@@ -456,6 +456,8 @@ for name, x in (("balanced", balanced), ("skewed", skewed)):
 # exactly the predicted copies, more under skew.
 
 # %%
+from qwen35_lib.model.moe import moe_dense_reference, shared_expert
+
 for name, x in (("balanced", balanced), ("skewed", skewed)):
     ref = np.asarray(moe_dense_reference(tiny, layer, jnp.asarray(x)) - shared_expert(layer, jnp.asarray(x)))
     for s in ("replicate", "all_to_all"):
@@ -503,6 +505,8 @@ for s, (r, f) in {"replicate": ("replicate", None), "all_to_all f=1": ("all_to_a
 assert changed["replicate"] == 0 and changed["all_to_all f=1"] > 0
 
 # %%
+import re
+
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 key = lambda name: re.sub(r"\W+", "_", name).strip("_")  # "all_to_all (f = 1.25)" -> "all_to_all_f_1_25"
 record = dict(

@@ -27,60 +27,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/04_collective_fusion.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import jax
-import jax.numpy as jnp
-import matplotlib.pyplot as plt
-import numpy as np
-from jax.sharding import AbstractMesh
-
-import qwen35_lib
-from qwen35_lib import aot
-from qwen35_lib import data as data_files
-from qwen35_lib.aot import hlo_checks
-from qwen35_lib.costmodel import specs as hw_specs
-from qwen35_lib.costmodel import traffic
-from qwen35_lib.model.moe import route
-from qwen35_lib.parallel import hlo, shard_weights
-from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter, reduce_scatter_ops
-from qwen35_lib.parallel.routing import moe_ep
-from qwen35_lib.plan import ALL, AXES, get_stage, make_mesh
-from qwen35_lib.report import human_bytes
-from qwen35_lib.stage_gain import gain_table, stage_gain
-
-mesh = make_mesh()
-HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 0. What the two flags buy (the cost model, TPU7x-8)
@@ -90,6 +50,8 @@ big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", l
 # concurrent requests (one prediction per stage and workload, shared by the two comparisons).
 
 # %%
+from qwen35_lib.stage_gain import gain_table, stage_gain
+
 predictions = {}
 stages = {name: stage_gain(name, predictions=predictions) for name in ("fused_ag", "hier_rs")}
 for name in stages:
@@ -127,6 +89,16 @@ for name, rec in stages.items():
 # of a whole layer group of the engine's step.
 
 # %%
+import importlib.util
+
+import jax
+
+import qwen35_lib
+from qwen35_lib import aot
+from qwen35_lib.parallel import hlo
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
+
 layer_cfg = qwen35_lib.get_config("qwen3.5-tiny", layout="dp8_ep8")  # bf16, the serving dtype
 targets = {"CPU": mesh} | ({"TPU7x": aot.chip_core_mesh()} if HAVE_LIBTPU else {})
 all_gathers = {}
@@ -174,6 +146,11 @@ for where in targets:
 # </details>
 
 # %%
+import numpy as np
+
+from qwen35_lib.parallel.collectives import on_each_device, reduce_scatter
+from qwen35_lib.plan import ALL
+
 N, D = 64, 16
 blocks = np.repeat(np.arange(8), N // 8).astype(np.float32)  # row r belongs to block r // 8
 x = np.broadcast_to(blocks[:, None], (N, D)) * np.ones((8, 1, 1), np.float32)  # [device, N, D]: same on each
@@ -224,6 +201,8 @@ print("hierarchical_rs == psum_scatter for 1, 2, 4 micro-batches")
 # (`aot.hlo_checks.rs_chains`: each micro-batch's phase 1 over `core` paired with its phase 2 over `chip`).
 
 # %%
+from qwen35_lib.aot import hlo_checks
+
 SC_OFFLOAD = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
 schedules = {}
 if HAVE_LIBTPU:
@@ -274,6 +253,8 @@ if schedules:
 # rows after phase 1, `N/8` after phase 2), on the CPU and for TPU7x.
 
 # %%
+from qwen35_lib.parallel.collectives import reduce_scatter_ops
+
 phases = {name: reduce_scatter_ops(m, micro_batches=2, rows=512, cols=4096) for name, m in targets.items()}
 for name, ops in phases.items():
     print(name, [(op.kind, op.shape.split("{")[0]) for op in ops])
@@ -294,6 +275,15 @@ for name, ops in phases.items():
 # whole `N x D` buffer on each device, read and written once, before any byte moves (a copy, not a collective).
 
 # %%
+from jax.sharding import AbstractMesh
+
+from qwen35_lib.costmodel import specs as hw_specs
+from qwen35_lib.costmodel import traffic
+from qwen35_lib.plan import AXES, get_stage
+from qwen35_lib.report import human_bytes
+
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+
 Nb = 512 * big.hidden_size * 2  # N·D·b, bf16
 per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat, 8 devices": 7 * Nb / 8}
 print({k: human_bytes(v) for k, v in per_phase.items()})
@@ -316,6 +306,8 @@ assert per_chip["hierarchical"] * 2 == per_chip["flat"]
 assert {op.kind for op in moe_ops} <= {"all-gather", "reduce-scatter"}, moe_ops
 
 # %%
+import matplotlib.pyplot as plt
+
 # figure: rs_phases
 fig, ax = plt.subplots(figsize=(6.5, 2.4), layout="constrained")
 ax.barh(["flat", "hierarchical"], [0, Nb / 2 / 2**20], color="#8172B2", label="intra-chip (core)")
@@ -345,6 +337,8 @@ plt.show()
 # per kind, as XLA scheduled them, beside the cost model's closed form (`model_*`, computed when the sweep ran).
 
 # %%
+from qwen35_lib import data as data_files
+
 stored = data_files.read_json("aot/tpu7x-8.json")
 compiled = {}
 for st in ("replicate", "fused_ag", "hier_rs"):
@@ -388,6 +382,12 @@ assert (d + p) % 8 == 0 and d & (d - 1) == 0, mixed_rows  # a power-of-two bucke
 # `fuse_allgather`, and with both flags, against each other.
 
 # %%
+import jax.numpy as jnp
+
+from qwen35_lib.model.moe import route
+from qwen35_lib.parallel import shard_weights
+from qwen35_lib.parallel.routing import moe_ep
+
 tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
 weights = qwen35_lib.init_weights(tiny, 0)
 tokens = jnp.asarray(np.random.default_rng(1).standard_normal((64, tiny.hidden_size)), jnp.float32)

@@ -28,29 +28,15 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/05_kernel_swaps.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax, and on a GPU runtime too (the ahead-of-time TPU7x compiles), with the
-# CUDA plugin of the pinned jax (the XLA twins run on the GPU).
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        tpu, gpu = glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"), glob.glob("/dev/nvidia[0-9]*")
-        extras = "tpu,reference" if tpu or gpu else "reference"
-        cuda = ["jax[cuda12]"] if gpu else []  # resolved to the project's pinned jax
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]", *cuda], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %% [markdown]
 # **What runs where.** This chapter places no layout, so it keeps an accelerator even when it has fewer devices
@@ -68,37 +54,9 @@ if importlib.util.find_spec("qwen35_lib") is None:
 # 8 simulated CPU devices unless the accelerator has 8 devices of its own.
 
 # %%
-# Devices and size, before anything starts JAX's backend (`QWEN35_SIZE` overrides the size); `prefer_accelerator`:
-# the kernels run on the accelerator even when it has fewer than the 8 devices the layouts need.
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # the kernels on the accelerator, even one with fewer than 8 devices
 
-devices, SIZE = notebook.setup(prefer_accelerator=True)
-RT = notebook.runtime()  # where the twins and the Pallas kernels run (RT.twins, RT.pallas), said in RT.description
-
-# %%
-# %matplotlib inline
-import concurrent.futures
-
-import jax
-import numpy as np
-from IPython.display import display
-from matplotlib.figure import Figure
-
-from qwen35_lib.bench import kernels as kb
-from qwen35_lib.bench.kernels_attention import attention_rows
-from qwen35_lib.bench.kernels_gdn import gdn_rows
-from qwen35_lib.bench.timing import dict_table
-from qwen35_lib.costmodel.predict import predict
-from qwen35_lib.stage_gain import expert_bytes, gain_table, stage_gain
-
-HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
-# Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
-aot = concurrent.futures.ThreadPoolExecutor(1).submit(kb.tpu7x_compile_rows) if HAVE_LIBTPU else None
-
-compiled = lambda kernel: kb.compile_summary(aot.result() if aot else None, kernel)  # one line per kernel
-# The float32 checks compare summation orders, so on an accelerator float32 matmuls run in float32 (not as a TPU's
-# bf16 passes or a GPU's TF32); the bf16 attention keeps the default (Mosaic refuses a bf16 dot at "highest").
-float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" else None)
+devices, SIZE, mesh = notebook.setup(prefer_accelerator=True)
 
 # %% [markdown]
 # ## 1. Predict: the four kernels on one TensorCore's roofline
@@ -136,6 +94,23 @@ float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" el
 # read off its HLO text (`costmodel.compiled`; the facts in `data/costmodel_hardware.json`, each with its ops).
 
 # %%
+import concurrent.futures
+import importlib.util
+
+import jax
+
+from qwen35_lib.bench import kernels as kb
+from qwen35_lib.bench.timing import dict_table
+
+RT = notebook.runtime()  # where the twins and the Pallas kernels run (RT.twins, RT.pallas), said in RT.description
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
+# Start the TPU7x compiles now (Mosaic lowering of each kernel at the 397B shapes, ~15 s); read them in each section.
+aot = concurrent.futures.ThreadPoolExecutor(1).submit(kb.tpu7x_compile_rows) if HAVE_LIBTPU else None
+compiled = lambda kernel: kb.compile_summary(aot.result() if aot else None, kernel)  # one line per kernel
+# The float32 checks compare summation orders, so on an accelerator float32 matmuls run in float32 (not as a TPU's
+# bf16 passes or a GPU's TF32); the bf16 attention keeps the default (Mosaic refuses a bf16 dot at "highest").
+float32 = lambda: jax.default_matmul_precision("highest" if RT.twins != "cpu" else None)
+
 roof = kb.roofline_rows()
 for r in roof:
     r.update(gflop=r["flops"] / 1e9, mib=r["hbm_bytes"] / 2**20, flop_per_byte=r["intensity"], us=r["seconds"] * 1e6)
@@ -144,6 +119,10 @@ print(f"ridge point: {roof[0]['ridge']:.0f} FLOPs per byte ({roof[0]['hardware']
       f"{roof[0]['peak_flops'] / 1e15:.2f} PFLOP/s, {roof[0]['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
 
 # %%
+import numpy as np
+from IPython.display import display
+from matplotlib.figure import Figure
+
 # figure: roofline
 fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.subplots()
@@ -201,6 +180,8 @@ print(f"here: {RT.kernels} ({jax.devices()[0].device_kind})")
 # lengths), over a shuffled page pool: one kernel call for the whole ragged batch.
 
 # %%
+from qwen35_lib.bench.kernels_attention import attention_rows
+
 attn = attention_rows(cases={"2 decodes + a 40-token chunk": ([100, 300], [(20, 40)])}, repeats=1)
 print(dict_table(attn, ("case", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
 print(compiled("attention"))
@@ -258,6 +239,8 @@ assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 
 # of them continuing mid-sequence from its slot, float32.
 
 # %%
+from qwen35_lib.bench.kernels_gdn import gdn_rows
+
 with float32():
     gdn = gdn_rows(cases=("mixed",), prefill_tokens=128, decode_batch=4, dtype="float32", repeats=1, settle=0)
 print(dict_table(gdn, ("shape", "implementation", "mode", "median_ms", "max_abs_diff_vs_xla")))
@@ -307,6 +290,9 @@ if aot is not None:
 # Their difference, per component of a step, is what the kernels buy.
 
 # %%
+from qwen35_lib.costmodel.predict import predict
+from qwen35_lib.stage_gain import gain_table, stage_gain
+
 buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False, band=True)
         for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
 stages = {"kernels": stage_gain("kernels", predictions=buys)}  # the same predictions, by component group
@@ -324,6 +310,8 @@ for wl in ("8k/1k", "1k/8k"):
 # separated from its row bytes by pricing a decode step of 512 requests and one of twice that).
 
 # %%
+from qwen35_lib.stage_gain import expert_bytes
+
 experts = {st: expert_bytes(st) for st in ("hier_rs", "kernels")}
 for st, e in experts.items():
     print(f"{st:<8} a 512-request decode step hits {e['experts_hit']:.2f} of {e['local_experts']} local experts; "

@@ -30,50 +30,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/06_cost_model_and_benchmarks.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-import json
-
-import numpy as np
-from IPython.display import display
-
-import qwen35_lib
-from qwen35_lib import costmodel, data
-from qwen35_lib.aot import validate as aot_validate
-from qwen35_lib.costmodel import collectives, cpu_bench, ops, sensitivity, specs, validate  # noqa: F401 (exercises)
-from qwen35_lib.plan import STAGES
-from qwen35_lib.viz import costmodel as viz
-
-cfg = costmodel.serving_model("qwen3.5-397b-a17b")  # FP8 (e4m3, block-scaled) experts, bf16 GDN state
-tpu = specs.get("tpu7x-8")
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 1. The hardware, as data
@@ -85,6 +55,10 @@ tpu = specs.get("tpu7x-8")
 # TensorCore), bandwidths one way.
 
 # %%
+from qwen35_lib.costmodel import specs
+
+tpu = specs.get("tpu7x-8")
+
 for key in ("peak_flops", "hbm_bytes_per_s", "ici_link_bytes_per_s", "core_link_bytes_per_s", "hop_latency_s",
             "collective_launch_s", "eff_matmul", "eff_hbm"):
     src = tpu.sources.get(key) or tpu.sources.get({"eff_matmul": "matmul_flops", "eff_hbm": "hbm_bytes"}.get(key, ""),
@@ -110,6 +84,10 @@ for key in ("peak_flops", "hbm_bytes_per_s", "ici_link_bytes_per_s", "core_link_
 # `60 layers x 64 experts x 3 D F bytes / HBM bandwidth`, a floor under the step time.
 
 # %%
+from qwen35_lib import costmodel
+
+cfg = costmodel.serving_model("qwen3.5-397b-a17b")  # FP8 (e4m3, block-scaled) experts, bf16 GDN state
+
 D, F, E, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts, cfg.num_experts_per_tok, cfg.num_layers
 touched = 64 * (1 - (1 - k / E) ** 512)
 expert_bytes = L * touched * 3 * D * F * 1.0  # FP8: one byte per parameter (scales add 0.02%)
@@ -122,6 +100,9 @@ print(f"experts touched per device: {touched:.2f} of 64; expert bytes per step {
 # KV and GDN state, the collectives, at the stated efficiencies.
 
 # %%
+from qwen35_lib.costmodel import ops
+from qwen35_lib.plan import STAGES
+
 batch = ops.Batch(decodes=512, decode_ctx=9216 // 2, max_ctx=9216)  # contexts up to a whole request's, 8k + 1k
 t_kernels = costmodel.step_time(cfg, tpu, STAGES["kernels"], batch, kv_dtype="float8_e4m3fn")
 t_baseline = costmodel.step_time(cfg, tpu, STAGES["baseline"], batch, kv_dtype="float8_e4m3fn")
@@ -167,6 +148,9 @@ for r in rows:
           f"{r['fraction_of_roofline']:.0%} of roofline")
 
 # %%
+from qwen35_lib.costmodel import validate
+from qwen35_lib.viz import costmodel as viz
+
 # figure: ladder
 ladder_claim = validate.published()["reported_ladder"]  # the account's gains (only for judging; post not found)
 print("reported (second-hand):", ladder_claim["source"])
@@ -222,6 +206,7 @@ assert all(v < 1 for v in google.values()), google  # slower than tpu-inference'
 # (`google_baseline` was not compiled). The ladder's predictions above are reused.
 
 # %%
+import qwen35_lib
 from qwen35_lib.costmodel import attribution as attr
 
 att = attr.attribution(predictions={(r["stage"], r["workload"]): r for r in rows})
@@ -261,6 +246,8 @@ assert not memory["baseline"]["fits"] and memory["kernels"]["fits"], memory
 # launched op, the rate of a materialized copy, a batched matmul with few rows.
 
 # %%
+from qwen35_lib.costmodel import cpu_bench
+
 cpu = cpu_bench.measure()
 print({k: f"{v:.3g}" for k, v in cpu.items()})
 
@@ -282,6 +269,12 @@ for r in cpu_rows:
           f"ratio {r['ratio']:.2f} (target: within {TARGET}x)")
 
 # %%
+import json
+
+from IPython.display import display
+
+from qwen35_lib import data
+
 bench_file = data.path("costmodel_validation.json")
 bench = json.loads(bench_file.read_text()) if bench_file.exists() else None
 if cpu_rows or bench:
@@ -297,6 +290,10 @@ if cpu_rows or bench:
 # ops take alone.
 
 # %%
+import os
+
+import numpy as np
+
 ratios = [r["ratio"] for r in cpu_rows]
 assert all(np.isfinite(ratios)) and all(r > 0 for r in ratios)
 if ratios:
@@ -325,6 +322,10 @@ if bench:
 # from the bench.
 
 # %%
+import importlib.util
+
+from qwen35_lib.aot import validate as aot_validate
+
 aot_rows = []
 if importlib.util.find_spec("libtpu") is not None:  # in a child process: a compiler crash is reported, not fatal
     live = aot_validate.aot_forward_isolated("qwen3.5-mini", 4, 2, 64)
@@ -488,6 +489,8 @@ print(f"{M}, predicted / measured total tokens/s over #3050's points: {model_err
 # the others held, and the end-to-end gain (kernels over baseline) recomputed.
 
 # %%
+from qwen35_lib.costmodel import sensitivity
+
 sweeps = sensitivity.sweep((0.25, 1.0, 4.0), assumptions=("ICI link bandwidth", "core-to-core bandwidth"))
 for name, pts in sweeps.items():
     print(f"{name:<24} " + "  ".join(f"x{s:g}: {a:.2f} / {b:.2f}" for s, a, b in pts))
@@ -515,6 +518,8 @@ except ImportError:
     print("ipywidgets not installed: use viz.explore(...) directly")
 
 # %%
+from qwen35_lib.costmodel import collectives  # noqa: F401 (the exercises below use it)
+
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 keep = ("workload", "stage", "total_tokens_per_s", "output_tokens_per_s", "gain", "vs_baseline",
         "fraction_of_roofline", "mean_step_s", "breakdown_s")

@@ -28,58 +28,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/07_porting.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import json
-import tempfile
-
-import jax
-import matplotlib.pyplot as plt
-import numpy as np
-
-import qwen35_lib
-from qwen35_lib import data
-from qwen35_lib.aot.sweep import serving_config
-from qwen35_lib.checkpoint import load_hf_checkpoint
-from qwen35_lib.costmodel import predict
-from qwen35_lib.placement import placement
-from qwen35_lib.plan import make_mesh
-from qwen35_lib.report import human_bytes
-from qwen35_lib.stats import model_stats
-
-MODELS = ("qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
-FP8_KV = "float8_e4m3fn"
-# each model as it is served on TPU7x: FP8 experts, a bf16 GDN state (tpu-inference's choice)
-served = {name: serving_config(name) for name in MODELS}
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 1. What is the same, what changes
@@ -88,6 +50,14 @@ served = {name: serving_config(name) for name in MODELS}
 # per token of context (FP8), and how many FP8 scale blocks of `fp8_block_size` columns each expert's FFN holds.
 
 # %%
+from qwen35_lib.aot.sweep import serving_config
+from qwen35_lib.stats import model_stats
+
+MODELS = ("qwen3.5-397b-a17b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b")
+FP8_KV = "float8_e4m3fn"
+# each model as it is served on TPU7x: FP8 experts, a bf16 GDN state (tpu-inference's choice)
+served = {name: serving_config(name) for name in MODELS}
+
 rows = {}
 for name, c in served.items():
     s = model_stats(c, kv_dtype=FP8_KV)
@@ -107,6 +77,8 @@ for name, r in rows.items():
 # than it looks: the two small models' expert FFN holds fewer FP8 scale blocks than there are devices.
 
 # %%
+import qwen35_lib
+
 assert {c.layer_pattern for c in served.values()} == {qwen35_lib.get_config("qwen3.5-397b-a17b").layer_pattern}
 assert {c.num_kv_heads for c in served.values()} == {2}
 few_blocks = [n for n, r in rows.items() if r["ffn_fp8_blocks"] < 8]
@@ -131,6 +103,9 @@ assert few_blocks == ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"], few_blocks
 # of `dp8_ep8`: the experts split 16 ways, the KV cache over 16 ranks.
 
 # %%
+from qwen35_lib.placement import placement
+from qwen35_lib.report import human_bytes
+
 CONTEXT, PAGE, REQUESTS = 8192 + 1024, 256, 512
 PLACED = (("tp8_kvrep", 8), ("dp8_ep8", 8), ("dp_ep", 16))  # (layout, devices)
 plans = {}
@@ -158,6 +133,8 @@ for (name, layout), r in plans.items():
 # experts it held on 8, and the per-device total falls.
 
 # %%
+from qwen35_lib import data
+
 for name, c in served.items():
     ep = plans[name, "dp8_ep8"]
     assert ep["fits"] and ep["experts_per_device"] == c.num_experts // 8, (name, ep)
@@ -176,6 +153,11 @@ for name, c in served.items():
 # layout the plan refuses is refused here too, with the same one-line reason.
 
 # %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+from qwen35_lib.costmodel import predict
+
 WORKLOADS = {"8k/1k": (8192, 1024), "1k/8k": (1024, 8192)}
 predicted = {}
 for name in MODELS:
@@ -231,8 +213,14 @@ for wl in WORKLOADS:
 # Qwen3.5 format at other counts: `twin_overrides` makes them too, exercise 3.)
 
 # %%
+import pathlib
+import tempfile
+
+import jax
 import torch  # noqa: E402  (the transformers reference, from here on)
 
+from qwen35_lib.checkpoint import load_hf_checkpoint
+from qwen35_lib.plan import make_mesh
 from qwen35_lib.testing import make_hf_model, save_hf_checkpoint  # noqa: E402
 
 
@@ -283,6 +271,10 @@ assert twins["qwen3-next-80b-a3b"]["model_type"] == "qwen3_next"
 # for the same two-group model, which must equal the compiled arguments (weights and caches).
 
 # %%
+import importlib.util
+import json
+import os
+
 LIVE = os.environ.get("QWEN35_AOT_PORT") == "1" and importlib.util.find_spec("libtpu") is not None
 compiled = {}
 for name in MODELS:

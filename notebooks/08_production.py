@@ -26,42 +26,20 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/08_production.ipynb)
 
 # %%
-# Install the library when it is not importable (e.g. on Colab): a checkout gives data/ too. The 'reference'
-# extra asks for a torch range, so an installed torch (Colab's) is kept; on a TPU runtime the 'tpu' extra brings
-# the libtpu that matches the pinned jax.
-import glob
+# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
 import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-REPO = "qwen35-playbook/qwen35-playbook"
-REPO = os.environ.get("QWEN35_REPO") or REPO  # a fork to clone instead
+sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
 if importlib.util.find_spec("qwen35_lib") is None:
-    checkout = pathlib.Path.cwd().parent
-    if not (checkout / "qwen35_lib").is_dir():  # not run from a checkout's notebooks/: fetch one
-        checkout = pathlib.Path("qwen35-playbook").resolve()
-        subprocess.run(["git", "clone", "--depth", "1", f"https://github.com/{REPO}", str(checkout)], check=True)
-        extras = "tpu,reference" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "reference"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{checkout}[{extras}]"], check=True)
-    sys.path.insert(0, str(checkout))
+    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
 
 # %%
-# Devices and size: the accelerator's own devices, else 8 simulated CPU devices (before anything starts
-# JAX's backend), and the size this notebook runs at (`QWEN35_SIZE` overrides it).
-from qwen35_lib import notebook
+from qwen35_lib import notebook  # what runs where: notebook.setup's docstring
 
-devices, SIZE = notebook.setup()
-
-# %%
-# %matplotlib inline
-
-import matplotlib.pyplot as plt
-
-from qwen35_lib import data, recipe
-from qwen35_lib.costmodel import predict
-from qwen35_lib.plan import LADDER, get_stage, make_mesh
+devices, SIZE, mesh = notebook.setup()
 
 # %% [markdown]
 # ## 1. Each stage as tpu-inference settings
@@ -72,6 +50,9 @@ from qwen35_lib.plan import LADDER, get_stage, make_mesh
 # before it (the per-rank token budget and sequence count follow the data-parallel size).
 
 # %%
+from qwen35_lib import recipe
+from qwen35_lib.plan import LADDER
+
 ISL, OSL, CONC = 8192, 1024, 512  # the prefill-heavy workload at the playbook's concurrency
 recipes = {s: recipe.server_recipe(s, isl=ISL, osl=OSL, concurrency=CONC) for s in LADDER}
 
@@ -105,6 +86,8 @@ print(recipe.format_recipe(recipes["kernels"], ISL, OSL, CONC))
 # playbook's stage.
 
 # %%
+from qwen35_lib.plan import get_stage, make_mesh
+
 mesh = make_mesh()
 for s, r in recipes.items():
     assert r.dp == get_stage(s).bind(mesh).dp, (s, r.dp)
@@ -131,6 +114,11 @@ assert any(x.get("env", "").split("=")[0] == rs_switch[0].split("=")[0] for x in
 # (`data/published.json`; the prediction never reads them).
 
 # %%
+import matplotlib.pyplot as plt
+
+from qwen35_lib import data
+from qwen35_lib.costmodel import predict
+
 CONCURRENCY = (64, 128, 256, 512)
 curve = {}
 for c in CONCURRENCY:

@@ -1,7 +1,13 @@
 """What every notebook does before and after its chapter, as two calls.
 
-    devices, SIZE = notebook.setup()          # after the install cell, before anything starts JAX's backend
+    devices, SIZE, mesh = notebook.setup()    # after the install line, before anything starts JAX's backend
     notebook.save_results("dp_ep", record)    # last cell: the figures the chapter quotes
+
+Each notebook opens with one install line, for Colab: where `qwen35_lib` does not import, it pip-installs the library
+from GitHub (`$QWEN35_REPO`: a fork) with its `reference` extra; where it imports (an install, `make playbook`, CI) or
+from a checkout's notebooks/ folder (whose library it puts on the path) it installs nothing. That line cannot see the
+runtime, so `setup` brings the JAX plugin an accelerator needs (`jax_plugin_requirement`), and only to a library
+installed from git (`installed_from_git`: the install line's own install), never to a checkout or a `make` venv.
 
 `setup` probes the accelerator (in a child process, so that this one can still choose its backends), decides where
 each kind of work runs (`select_runtime`, a pure function of the platform, its device count and kind), starts JAX
@@ -29,13 +35,17 @@ set it, and does nothing otherwise.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS_ENV = "QWEN35_RESULTS_DIR"
 SIZE_ENV = "QWEN35_SIZE"
@@ -44,6 +54,7 @@ ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")  # 
 ACCELERATORS = ("none", "tpu", "gpu")
 JAX_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}  # accelerator -> its name in `jax_platforms` (NVIDIA nodes only)
 AOT_TARGET = "tpu7x:2x2x1"  # what the ahead-of-time compiles target (qwen35_lib.aot), on every runtime
+DISTRIBUTION = "qwen35-playbook"  # the library's name on pip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,17 +177,99 @@ def accelerator_device_count() -> int:
     return probe_accelerator()[1]
 
 
-def setup(cpu_devices: int = 8, *, prefer_accelerator: bool = False) -> tuple[list, str]:
-    """(the devices the chapter's layouts run on, size), after choosing and starting the runtime (`runtime()`).
+class Setup(NamedTuple):
+    """What `setup` gives a chapter: `devices, SIZE, mesh = notebook.setup()`."""
 
-    An accelerator with at least `cpu_devices` devices runs the layouts; with fewer (a one-device Colab runtime) or
-    none, `cpu_devices` simulated CPU devices do, and an accelerator stays usable beside them (JAX's default
-    backend with `prefer_accelerator`, for the kernel chapter). A RuntimeError when JAX already started a CPU
-    backend with another count (the kernel must be restarted)."""
+    devices: list  # the devices the chapter's layouts run on
+    size: str  # "cpu" or "tpu"
+    mesh: Any  # those devices as the ('chip', 'core') mesh (`plan.make_mesh`)
+
+
+def installed_from_git() -> bool:
+    """The library was pip-installed from a git URL (the notebooks' install line, on Colab): its PEP 610 record
+    (`direct_url.json`) names a VCS. False for a checkout on the path, an editable install (`make`) or none."""
+    try:
+        record = importlib.metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    try:
+        return "vcs_info" in json.loads(record or "{}")
+    except ValueError:
+        return False
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def jax_plugin_requirement(accelerator: str, *, prefer_accelerator: bool = False) -> str | None:
+    """The pip requirement that gives this runtime's accelerator the JAX plugin the installed jax pins, or None when
+    it is there already or not needed. Pure but for reading installed versions.
+
+    1. A TPU: `jax[tpu]==V`, unless libtpu is installed at the version jax's `tpu` extra pins (`libtpu==0.0.42.*`).
+    2. A GPU, for the kernel chapter (`prefer_accelerator`, the XLA twins on the GPU): `jax[tpu,cuda12]==V` (libtpu for
+       the TPU7x compiles, the CUDA plugin), unless both are at the pinned versions. The layout chapters leave a GPU to
+       JAX as it is.
+    3. No accelerator: None.
+    """
+    jax_version = _version("jax")
+    if accelerator == "none" or jax_version is None or (accelerator == "gpu" and not prefer_accelerator):
+        return None
+    pins = [r for r in importlib.metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
+    pin = re.match(r"libtpu\s*==\s*([\w.*]+)", pins[0]) if pins else None
+    libtpu = _version("libtpu")
+    ok = libtpu is not None and (pin is None or fnmatch.fnmatch(libtpu, pin.group(1)))
+    if accelerator == "gpu":
+        ok = ok and _version("jax-cuda12-plugin") == jax_version
+    extras = "tpu" if accelerator == "tpu" else "tpu,cuda12"
+    return None if ok else f"jax[{extras}]=={jax_version}"
+
+
+def install_jax_plugin(*, prefer_accelerator: bool = False) -> str | None:
+    """Where the library came from git (`installed_from_git`, the install line on Colab) and an accelerator lacks its
+    JAX plugin (`jax_plugin_requirement`), pip-install it, before JAX starts; the requirement installed, or None."""
+    if not installed_from_git() or not has_accelerator():
+        return None
+    accelerator = "gpu" if glob.glob(ACCELERATOR_NODES[-1]) else "tpu"
+    requirement = jax_plugin_requirement(accelerator, prefer_accelerator=prefer_accelerator)
+    if requirement is None:
+        return None
+    print(f"a {accelerator.upper()} runtime: pip install {requirement} (the JAX plugin of the pinned jax)")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement], check=True)
+    return requirement
+
+
+def _inline_figures() -> None:
+    """`%matplotlib inline` in a notebook kernel (figures under their cell); nothing elsewhere (tests, scripts)."""
+    if importlib.util.find_spec("IPython") is None or importlib.util.find_spec("matplotlib") is None:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and getattr(shell, "kernel", None) is not None:
+        shell.run_line_magic("matplotlib", "inline")
+
+
+def setup(cpu_devices: int = 8, *, prefer_accelerator: bool = False) -> Setup:
+    """`(devices, size, mesh)`: the devices the chapter's layouts run on, the size, and those devices as the
+    `('chip', 'core')` mesh, after choosing and starting the runtime (`runtime()`).
+
+    1. On a library installed from git (Colab), the accelerator's JAX plugin (`install_jax_plugin`).
+    2. The runtime (`select_runtime`): an accelerator with at least `cpu_devices` devices runs the layouts; with fewer
+       (a one-device Colab runtime) or none, `cpu_devices` simulated CPU devices do, and an accelerator stays usable
+       beside them (JAX's default backend with `prefer_accelerator`, for the kernel chapter). A RuntimeError when JAX
+       already started a CPU backend with another count (the kernel must be restarted).
+    3. The mesh (`plan.make_mesh` over the layout devices) and, in a notebook kernel, `%matplotlib inline`.
+    """
     global _RUNTIME
+    install_jax_plugin(prefer_accelerator=prefer_accelerator)
     import jax
 
     from qwen35_lib.devices import simulate_cpu_devices
+    from qwen35_lib.plan import make_mesh
 
     rt = select_runtime(*probe_accelerator(), cpu_devices=cpu_devices, prefer_accelerator=prefer_accelerator)
     if rt.accelerator != "none" and rt.simulated:
@@ -194,9 +287,11 @@ def setup(cpu_devices: int = 8, *, prefer_accelerator: bool = False) -> tuple[li
     if size not in SIZES:
         raise ValueError(f"${SIZE_ENV}={size!r}: use one of {', '.join(SIZES)}")
     _RUNTIME = rt
-    print(f"{len(devices)} x {devices[0].device_kind}; size: {size}")
+    mesh = make_mesh(devices)
+    _inline_figures()
+    print(f"{len(devices)} x {devices[0].device_kind}; size: {size}; mesh {dict(mesh.shape)}")
     print(rt.description)
-    return devices, size
+    return Setup(devices, size, mesh)
 
 
 def save_results(name: str, record: dict[str, Any]) -> pathlib.Path | None:

@@ -1,12 +1,15 @@
-"""The two calls every notebook makes: `notebook.setup()` and `notebook.save_results(...)`."""
+"""The two calls every notebook makes, `notebook.setup()` and `notebook.save_results(...)`, and what precedes them: at
+most 10 lines before a chapter's first section (one install line, one `setup` call)."""
 
 import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import jax
+import jupytext
 import pytest
 
 from qwen35_lib import notebook
@@ -15,8 +18,10 @@ from qwen35_lib import notebook
 def test_setup_gives_the_simulated_devices_and_the_size(monkeypatch, capsys):
     monkeypatch.setattr(notebook, "has_accelerator", lambda: False)
     monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
-    devices, size = notebook.setup()
+    devices, size, mesh = notebook.setup()
     assert devices == jax.devices() and len(devices) == 8 and size == "cpu"
+    assert dict(mesh.shape) == {"chip": 4, "core": 2} and sorted(d.id for d in mesh.devices.flat) == [
+        d.id for d in devices]
     assert capsys.readouterr().out.startswith("8 x ")
     monkeypatch.setenv(notebook.SIZE_ENV, "tpu")
     assert notebook.setup()[1] == "tpu"
@@ -45,7 +50,7 @@ def test_setup_runs_a_one_device_accelerator_runtime_on_simulated_cpu_devices(mo
     monkeypatch.setattr(notebook, "probe_accelerator", lambda: ("tpu", 1, "TPU v5 lite"))
     monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append((name, value)))
     monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
-    devices, size = notebook.setup()
+    devices, size, _ = notebook.setup()
     assert ("jax_platforms", "cpu") in platforms and size == "cpu" and len(devices) == 8
     out = capsys.readouterr().out
     assert "1 accelerator device(s), fewer than the 8" in out and notebook.runtime().description in out
@@ -58,9 +63,10 @@ def test_the_kernel_chapter_keeps_the_one_device_accelerator_beside_the_simulate
     monkeypatch.setattr(notebook, "probe_accelerator", lambda: ("tpu", 1, "TPU v5 lite"))
     monkeypatch.setattr(jax.config, "update", lambda name, value: platforms.append((name, value)))
     monkeypatch.delenv(notebook.SIZE_ENV, raising=False)
-    devices, size = notebook.setup(prefer_accelerator=True)
+    devices, size, mesh = notebook.setup(prefer_accelerator=True)
     assert ("jax_platforms", "tpu,cpu") in platforms and size == "cpu"
     assert devices == jax.devices("cpu") and len(devices) == 8  # the layouts' devices, as setup() always returns
+    assert mesh.devices.flat[0].platform == "cpu"  # the mesh is theirs, not the accelerator's
     rt = notebook.runtime()
     assert (rt.layouts, rt.twins, rt.pallas) == ("cpu", "tpu", "compiled")
     assert capsys.readouterr().out.splitlines()[-1] == rt.description
@@ -143,7 +149,7 @@ def test_runtime_before_setup_says_to_call_it(monkeypatch):
 
 FRESH_SETUP = """
 from qwen35_lib import notebook
-devices, size = notebook.setup()
+devices, size, mesh = notebook.setup()
 import jax
 rt = notebook.runtime()
 assert devices == jax.devices() and len(devices) == 8 and devices[0].platform == "cpu", devices
@@ -159,3 +165,83 @@ def test_setup_on_this_cpu_machine_starts_8_cpu_devices_in_a_fresh_process():
     env.pop(notebook.SIZE_ENV, None)
     done = subprocess.run([sys.executable, "-c", FRESH_SETUP], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-2000:]
+
+
+def _installed(monkeypatch, versions: dict, jax_requires: list[str]) -> None:
+    monkeypatch.setattr(notebook, "_version", versions.get)
+    monkeypatch.setattr(notebook.importlib.metadata, "requires", lambda name: jax_requires)
+
+
+JAX_REQUIRES = ['libtpu==0.0.42.*; extra == "tpu"', 'jax-cuda12-plugin[with-cuda]<=0.10.2,>=0.10.2; extra == "cuda12"']
+
+
+@pytest.mark.parametrize(("accelerator", "prefer", "versions", "wanted"), [
+    ("none", False, {"jax": "0.10.2"}, None),
+    ("tpu", False, {"jax": "0.10.2", "libtpu": "0.0.42.1"}, None),  # the pinned libtpu is there
+    ("tpu", False, {"jax": "0.10.2"}, "jax[tpu]==0.10.2"),  # none
+    ("tpu", False, {"jax": "0.10.2", "libtpu": "0.0.21"}, "jax[tpu]==0.10.2"),  # Colab's own, for its own jax
+    ("gpu", False, {"jax": "0.10.2"}, None),  # a layout chapter leaves the GPU as it is
+    ("gpu", True, {"jax": "0.10.2", "libtpu": "0.0.42.1", "jax-cuda12-plugin": "0.10.2"}, None),
+    ("gpu", True, {"jax": "0.10.2", "libtpu": "0.0.42.1", "jax-cuda12-plugin": "0.7.1"}, "jax[tpu,cuda12]==0.10.2"),
+])
+def test_the_jax_plugin_an_accelerator_lacks(monkeypatch, accelerator, prefer, versions, wanted):
+    _installed(monkeypatch, versions, JAX_REQUIRES)
+    assert notebook.jax_plugin_requirement(accelerator, prefer_accelerator=prefer) == wanted
+
+
+def test_the_plugin_is_installed_only_into_a_library_installed_from_git(monkeypatch, capsys):
+    """The install line's own install (Colab): pip brings libtpu on a TPU runtime; a checkout or a `make` venv never."""
+    calls = []
+    _installed(monkeypatch, {"jax": "0.10.2"}, JAX_REQUIRES)
+    monkeypatch.setattr(notebook, "has_accelerator", lambda: True)
+    monkeypatch.setattr(notebook.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
+    monkeypatch.setattr(notebook.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setattr(notebook, "installed_from_git", lambda: False)
+    assert notebook.install_jax_plugin() is None and calls == []
+    monkeypatch.setattr(notebook, "installed_from_git", lambda: True)
+    assert notebook.install_jax_plugin() == "jax[tpu]==0.10.2"
+    assert calls == [[sys.executable, "-m", "pip", "install", "-q", "jax[tpu]==0.10.2"]]
+    assert "pip install jax[tpu]==0.10.2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("record", "from_git"), [
+    ('{"url": "https://github.com/o/r", "vcs_info": {"vcs": "git", "commit_id": "abc"}}', True),
+    ('{"url": "file:///work/main", "dir_info": {"editable": true}}', False),  # `make`: an editable checkout
+    (None, False), ("not json", False)])
+def test_installed_from_git_reads_the_pep_610_record(monkeypatch, record, from_git):
+    class Dist:
+        def read_text(self, name):
+            assert name == "direct_url.json"
+            return record
+
+    monkeypatch.setattr(notebook.importlib.metadata, "distribution", lambda name: Dist())
+    assert notebook.installed_from_git() is from_git
+
+
+def test_this_checkout_is_not_installed_from_git():
+    assert not notebook.installed_from_git()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+SETUP_LINES = 10
+
+
+def setup_lines(path: pathlib.Path) -> list[str]:
+    """The non-blank lines of the code cells before the chapter's first `## ` section (comments count)."""
+    lines = []
+    for cell in jupytext.read(path).cells:
+        if cell.cell_type == "markdown" and any(line.startswith("## ") for line in cell.source.splitlines()):
+            return lines
+        if cell.cell_type == "code":
+            lines += [line for line in cell.source.splitlines() if line.strip()]
+    raise AssertionError(f"{path.name} has no `## ` section")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_notebook_opens_with_at_most_10_lines_of_setup(path):
+    """One install line (Colab), one `notebook.setup(...)` call: the chapter's imports sit where they are used."""
+    lines = setup_lines(path)
+    assert len(lines) <= SETUP_LINES, f"{path.name}: {len(lines)} lines before its first section:\n" + "\n".join(lines)
+    code = "\n".join(lines)
+    assert code.count("notebook.setup(") == 1 and code.count("pip install") == 1, code
