@@ -411,11 +411,13 @@ print(cm_compiled.table(byte_rows))
 
 # %% [markdown]
 # **Check.** Every stage's decode bytes are within 25% of its compile's, and FLOPs within 5% for the DP stages (the
-# TP baseline's FLOPs are x0.87 of XLA's, not yet explained).
+# TP baseline's FLOPs are x0.87 of XLA's, not yet explained). The mixed steps compiled with their texts agree less
+# on bytes (the table).
 
 # %%
-assert {r["stage"] for r in byte_rows} == set(STAGES)
-assert all(abs(r["bytes_ratio"] - 1) <= cm_compiled.DECODE_BYTES_TOLERANCE for r in byte_rows), byte_rows
+decode_rows = [r for r in byte_rows if r["step"] == "decode"]
+assert {r["stage"] for r in decode_rows} == set(STAGES)
+assert all(abs(r["bytes_ratio"] - 1) <= cm_compiled.DECODE_BYTES_TOLERANCE for r in decode_rows), decode_rows
 assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in byte_rows if r["stage"] != "baseline"), byte_rows
 
 # %% [markdown]

@@ -12,7 +12,7 @@ DOC = data.read_json("aot/tpu7x-8.json")
 
 @pytest.fixture(scope="module")
 def rows():
-    return {r["stage"]: r for r in compiled.compare(DOC)}
+    return {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "decode"}
 
 
 def test_every_stage_has_a_compiled_decode_step_read_from_its_text(rows):
@@ -59,3 +59,9 @@ def test_the_engine_cache_copies_are_in_the_text(rows):
 def test_a_one_group_sweep_is_refused():
     with pytest.raises(ValueError, match="full-depth sweep"):
         compiled.compare(dict(DOC, groups=1))
+
+
+def test_the_mixed_steps_with_texts_are_compared_too():
+    mixed = {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "mixed"}
+    assert {"fused_ag", "kernels"} <= set(mixed)
+    assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in mixed.values()), compiled.table(list(mixed.values()))
