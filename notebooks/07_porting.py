@@ -72,7 +72,7 @@ from qwen35_lib.aot.sweep import serving_config
 from qwen35_lib.checkpoint import load_hf_checkpoint
 from qwen35_lib.costmodel import predict
 from qwen35_lib.placement import placement
-from qwen35_lib.plan import make_mesh
+from qwen35_lib.plan import get_layout, make_mesh
 from qwen35_lib.report import human_bytes
 from qwen35_lib.stats import model_stats
 
@@ -253,7 +253,7 @@ with tempfile.TemporaryDirectory() as tmp:
         path = save_hf_checkpoint(hf, pathlib.Path(tmp, name))
         cfg, weights = load_hf_checkpoint(path, layout="dp8_ep8", mesh=mesh, progress=False)
         with jax.set_mesh(mesh):
-            ours = np.asarray(qwen35_lib.forward(cfg, weights, tokens))
+            ours = np.asarray(qwen35_lib.forward(cfg, weights, tokens, plan=get_layout("dp8_ep8")))
         with torch.no_grad():
             ref = hf(torch.as_tensor(tokens)).logits.float().numpy()
         twins[name] = dict(model_type=cfg.model_type, experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,

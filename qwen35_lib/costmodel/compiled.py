@@ -61,8 +61,8 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.step import step_costs
-from qwen35_lib.plan import any_stage, resolve_layout
+from qwen35_lib.costmodel.step import bind_to, step_costs
+from qwen35_lib.plan import any_stage
 
 TWIN = {"kernels": "hier_rs"}  # a stage whose kernels XLA cannot see into -> its XLA twin
 DECODE_BYTES_TOLERANCE = 0.25  # issue 30, item 4: decode HBM bytes within 25% for every stage
@@ -102,7 +102,7 @@ def model_side(config: Config, stage: str, entry: dict, shape) -> dict:
     and by `parallel.hlo.op_bytes` block."""
     sp = specs_lib.get("tpu7x-8")
     st = any_stage(stage)
-    plan = resolve_layout(st, config, sp.devices)
+    plan = bind_to(st, config, sp)
     batch = compile_batch(config, entry["ranks"], shape["requests"], shape["context_len"],
                           entry["decode_tokens_per_rank"], entry["prefill_tokens_per_rank"])
     costs = step_costs(config, sp, st, batch, shape["kv_dtype"], shape["page_size"], mech=Mechanisms.nominal(),
