@@ -549,8 +549,9 @@ notebook.save_results("token_routing", record)
 #    and the reduce-scatter's input), whatever `k`; the capped all-to-all only ships the device's own eighth of the
 #    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare the wire bytes of
 #    the cost model's ops of one layer (this notebook's `wire`, with the model `big.replace(num_experts_per_tok=k)`
-#    and the plan `EP.replace(routing=r, capacity_factor=f)`) for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer
-#    from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
+#    and the plan `EP.replace(routing=r, capacity_factor=f)`) for `k = 1 ... 10`: the capped all-to-all is
+#    cheaper up to `k = 6` and dearer from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping
+#    (dropless buffers) it never wins.
 #    </details>
 #
 # 2. **[How much capacity]** What capacity factor makes the skewed batch of section 3 drop nothing?
