@@ -75,7 +75,7 @@ def sharded_place(config: Config, plan, mesh) -> Place:
 
     from qwen35_lib.parallel.layouts import spec
 
-    layout = plan.bind(mesh, config)
+    layout = plan.bound(mesh, config)
 
     def place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
         sharding = NamedSharding(mesh, spec(layout, mesh, info.logical_axes, info.shape))
@@ -197,7 +197,7 @@ def _shardings(config: Config, plan, mesh, infos: dict[Path, ArrayInfo]) -> dict
 
     from qwen35_lib.parallel.layouts import spec
 
-    layout = plan.bind(mesh, config)
+    layout = plan.bound(mesh, config)
     return {p: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)) for p, i in infos.items()}
 
 

@@ -232,10 +232,9 @@ def plan_split(args: argparse.Namespace, shape: Any) -> tuple[Any, Any]:
     `shape` on that mesh (`ServingPlan.bind`: the constraint and the fix) before any weight is loaded."""
     plan = plan_cli.from_args(args)
     if plan.layout == "single":
-        return plan, None
+        return plan.bind(None, shape), None
     mesh = layout_mesh(plan_cli.requested_devices(args), plan.layout)
-    plan.bind(mesh, shape)  # the check, before any weight is read; the engine binds the plan it runs
-    return plan, mesh
+    return plan.bind(mesh, shape), mesh  # the one check and binding, before any weight is read; handed down
 
 
 def layout_mesh(devices: int | None = None, layout: str | None = None) -> Any:

@@ -60,7 +60,7 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
     from qwen35_lib.parallel.parallelism import lower_forward
 
     device = topology_devices(topology)[0]
-    plan = plan.bind(None, config, platform=device.platform)
+    plan = plan.bound(None, config, platform=device.platform)
     one = jax.sharding.SingleDeviceSharding(device)
     weights = abstract_weights(config, jax.tree.map(lambda _: one, abstract_weights(config)))
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one)
@@ -134,7 +134,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
     from qwen35_lib.weights import is_info
 
-    plan = plan.bind(mesh, config)
+    plan = plan.bound(mesh, config)
     config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
     R = plan.dp_size(mesh)
     S = -(-requests // R)  # sequences per rank
@@ -176,7 +176,7 @@ def compile_moe_layer(config: Config, plan: ServingPlan, mesh: Mesh, tokens: int
     from qwen35_lib.parallel.routing import moe_ep
     from qwen35_lib.plan import ALL
 
-    plan = plan.replace(moe_kernel="ragged_dot").bind(mesh, config)
+    plan = plan.replace(moe_kernel="ragged_dot").bound(mesh, config)
     w = abstract_weights(config, weight_shardings(config, plan, mesh))["layers"]["moe"]
     x = jax.ShapeDtypeStruct((tokens, config.hidden_size), jnp.dtype(config.dtype),
                              sharding=NamedSharding(mesh, PartitionSpec(ALL)))
@@ -194,7 +194,7 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
     from qwen35_lib.parallel.layouts import placed_config, weight_shardings
     from qwen35_lib.weights import is_info
 
-    plan = plan.bind(mesh, config)
+    plan = plan.bound(mesh, config)
     config = placed_config(config, plan, mesh)
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     abstract = lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh)

@@ -111,7 +111,8 @@ class Engine:
         results = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=16))
 
     The plan is bound once here (`plan.bind(mesh, config)`: checked against the model on the mesh, each kernel
-    slot resolved for its platform) and handed to the jitted step as it is (`engine.plan`).
+    slot resolved for its platform; a plan bound to this mesh already is taken as it is) and handed to the jitted
+    step (`engine.plan`).
 
     Or drive it: `add_request(...)`, then `step()` until `has_work` is False; `step()` returns the
     (request id, token) pairs it produced, and finished requests appear in `engine.results`.
@@ -120,7 +121,7 @@ class Engine:
     def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, *, mesh=None,
                  plan: ServingPlan | None = None, **knobs):
         check_weights(config, weights)
-        plan = (SINGLE if plan is None else plan).bind(mesh, config)  # the one check and binding
+        plan = (SINGLE if plan is None else plan).bound(mesh, config)  # the one check and binding
         config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads
         ec = engine_config or EngineConfig(**knobs)
         self.mesh = None if plan.layout == "single" else mesh

@@ -47,7 +47,7 @@ def notation(name: str, dims: Sequence[str], spec: PartitionSpec, unreduced: boo
 def weight_notation(config: Config, plan: ServingPlan, mesh) -> dict[str, str]:
     """Every weight of `config` as placed on `mesh` by the serving `plan` (bound here), in the notation:
     `{'layers.moe.w_down': 'W_down[E_x, F, D]', ...}` (FP8 experts: the values, not their block scales)."""
-    plan = plan.bind(mesh, config)
+    plan = plan.bound(mesh, config)
     shardings = dict(_flat(weight_shardings(config, plan, mesh)))
     out = {}
     for path, info in leaf_infos(placed_config(config, plan, mesh)):

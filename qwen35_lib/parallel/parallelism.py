@@ -53,10 +53,7 @@ def _bound(config: Config, plan: ServingPlan | None) -> tuple[Config, ServingPla
     """(the config as placed, the plan bound to the context mesh): `plan` as given when bound already."""
     plan = SINGLE if plan is None else plan
     mesh = jax.sharding.get_abstract_mesh()
-    if plan.layout == "single":
-        plan = plan if plan.platform is not None else plan.bind(None, config)
-    elif plan.platform is None or plan.mesh_shape is None:
-        plan = plan.bind(None if mesh.empty else mesh, config)
+    plan = plan.bound(None if mesh.empty or plan.layout == "single" else mesh, config)  # the context mesh
     return placed_config(config, plan), plan
 
 

@@ -241,7 +241,7 @@ def run_layer(cfg: Config, plan: ServingPlan, weights: dict, x, mesh, group: int
     from qwen35_lib.model.moe import route
     from qwen35_lib.parallel.layouts import shard_weights
 
-    plan = plan.bind(mesh, cfg)
+    plan = plan.bound(mesh, cfg)
     layer = jax.tree.map(lambda a: a[group, position], shard_weights(cfg, plan, weights, mesh)["layers"]["moe"])
     with jax.set_mesh(mesh):
         out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route, plan))(layer, jnp.asarray(x))

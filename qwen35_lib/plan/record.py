@@ -119,6 +119,15 @@ class ServingPlan:
             plan = dataclasses.replace(plan, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
         return plan.resolve_kernels(platform or _platform(mesh))
 
+    def bound(self, mesh, config: Config | None = None, platform: str | None = None) -> ServingPlan:
+        """This plan bound to `mesh`: itself when it is bound there already (an entry point bound it and handed it
+        down: nothing is derived twice), else `bind(mesh, config, platform)`."""
+        shape = None if mesh is None else tuple((a, int(n)) for a, n in dict(mesh.shape).items())
+        if (self.platform is not None and platform in (None, self.platform)
+                and (self.mesh_shape == shape or (self.layout == "single" and shape is None))):
+            return self
+        return self.bind(mesh, config, platform)
+
     def resolve_kernels(self, platform: str) -> ServingPlan:
         """This plan with every kernel slot named for `platform` ("auto" -> the family's, else the platform's
         default implementation)."""
