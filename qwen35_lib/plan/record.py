@@ -27,13 +27,13 @@ class ServingPlan:
     mesh (`bind`), its sizes. Field order keeps `ServingPlan("baseline", "tp8_kvrep")` a complete stage."""
 
     name: str
-    layout: str  # one of config.LAYOUTS
+    layout: str  # one of plan.layouts.LAYOUTS
     routing: str | None = None  # EP layouts: "replicate" | "all_to_all"; None: the TP / local MoE
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over core, then chip
-    kernels: str | None = "xla"  # kernel family (`plan.kernels.FAMILIES`); None: as the config says
+    kernels: str | None = "xla"  # kernel family (`plan.kernels.FAMILIES`); None: each slot the platform's default
     kv_dtype: str | None = None  # paged KV cache, read by the cost model (an Engine takes EngineConfig.kv_dtype)
-    gdn_state_dtype: str | None = None  # recurrent GDN state, read by the cost model; None: the config's
+    gdn_state_dtype: str | None = None  # recurrent GDN state (`placed_config` sets it); None: the config's
     mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
     kv_whole: bool = False  # set by `bind` with a config: tp_kvrep's KV heads neither divide nor duplicate evenly here,
     #                         so they stay whole on every device (the cache's flat [.., 2·Hkv·d] is never cut)
