@@ -280,7 +280,7 @@ print("moe_ep's rows per device:", {r: v.tolist() for r, v in moved.items()})
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
 D, k, b = big.hidden_size, big.num_experts_per_tok, 2  # bf16 activations
-layer_ops = lambda kw, N: traffic.moe_layer_ops(EP.replace(**kw).bind(abstract_mesh(8), big), big, N)  # one layer
+layer_ops = lambda kw, N, m=big: traffic.moe_layer_ops(EP.replace(**kw).bind(abstract_mesh(8), m), m, N)  # 1 layer
 wire = lambda kw, N: traffic.wire_bytes(layer_ops(kw, N))  # bytes one device puts on its links
 ragged_rows = lambda N: expected_a2a_rows(big, N // 8, 8)  # rows one device sends, deduplicated, no padding
 ragged_wire = lambda N: 7 / 8 * ragged_rows(N) * (2 * D * b + 2 * k * 4)
@@ -387,7 +387,7 @@ else:
 # %%
 for s, counts in tpu_counts.items():
     kw = STRATEGIES[s]
-    want = traffic.layer_bytes(layer_ops(mini.replace(**kw), 512))
+    want = traffic.layer_bytes(layer_ops(kw, 512, mini))
     assert {kind: v["bytes"] for kind, v in counts.items()} == want, (s, counts, want)
     assert {kind: v["count"] for kind, v in counts.items()} == (
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
