@@ -101,10 +101,11 @@ from jax.sharding import PartitionSpec
 
 import qwen35_lib
 from qwen35_lib.parallel.notation import notation, weight_notation
+from qwen35_lib.plan import get_layout
 
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
 
-tp_names = weight_notation(big.replace(layout="tp8_kvrep"), mesh)
+tp_names = weight_notation(big, get_layout("tp8_kvrep"), mesh)
 for k in ("layers.attn.w_q", "layers.attn.w_k", "layers.moe.w_gate_up", "layers.moe.w_down"):
     print(f"{k:<22} {tp_names[k]}")
 print(f"{'tokens in flight':<22} {notation('x', ('B', 'D'), PartitionSpec())}")
@@ -120,15 +121,15 @@ for c in (big, tiny):
           f"experts {c.num_experts}/8 = {c.num_experts / 8:g}")
 
 # %% [markdown]
-# **Measure.** `check_layout` is what every entry point (the engine, `shard_weights`, the ahead-of-time compile)
-# calls before placing anything. Ask it for `tp8`.
+# **Measure.** Binding a plan to a mesh (`plan.bind(mesh, config)`) checks it against the model: every entry point
+# (the engine, the checkpoint loader, the ahead-of-time compile) binds once before placing anything. Bind `tp8`.
 
 # %%
 from qwen35_lib.placement import placement
-from qwen35_lib.plan import check_layout
+from qwen35_lib.plan import get_layout
 
 try:
-    check_layout(tiny.replace(layout="tp8"), mesh)
+    get_layout("tp8").bind(mesh, tiny)
     refusal = None
 except ValueError as e:
     refusal = str(e)
@@ -187,7 +188,7 @@ params = SamplingParams(max_new_tokens=4, ignore_eos=True)
 ec = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)  # one prefill step, then decodes
 with jax.default_matmul_precision("highest"):  # float32 matmuls in full precision on a TPU too
     single = [r.output_ids for r in Engine(tiny, weights, ec).generate(prompts, params)]
-    kvrep = Engine(tiny.replace(layout="tp8_kvrep"), weights, ec, mesh=mesh)
+    kvrep = Engine(tiny, weights, ec, mesh=mesh, plan=get_layout("tp8_kvrep"))
     replicated = [r.output_ids for r in kvrep.generate(prompts, params)]
 print("single device:", single)
 print("tp8_kvrep:    ", replicated)
@@ -245,8 +246,8 @@ print({k: human_bytes(v) for k, v in predicted.items()}, f"ratio {predicted['tp8
 # %%
 from qwen35_lib.placement import shard_bytes_per_device
 
-dp = Engine(tiny.replace(layout="dp8_ep8"), weights,
-            EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256), mesh=mesh)
+dp = Engine(tiny, weights, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256), mesh=mesh,
+            plan=get_layout("dp8_ep8"))
 
 measured = {name: shard_bytes_per_device(e.cache["kv"], mesh) for name, e in (("tp8_kvrep", kvrep), ("dp8_ep8", dp))}
 for name, per_device in measured.items():
@@ -326,7 +327,7 @@ import importlib.util
 from qwen35_lib import aot
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
-xla = ({name: aot.resident_bytes(big.replace(layout=name), p.cache_shape, aot.chip_core_mesh())
+xla = ({name: aot.resident_bytes(big, get_layout(name), p.cache_shape, aot.chip_core_mesh())
        for name, p in plans.items()} if HAVE_LIBTPU else {})
 for name, (nbytes, error) in xla.items():
     print(f"{name:<12} XLA (tpu7x): {human_bytes(nbytes) + ' per device' if error is None else error}")
@@ -395,8 +396,10 @@ print(f"dp8_ep8, per device: one layer group of weights {human_bytes(per_group)}
 step = {}
 if HAVE_LIBTPU and os.environ.get("QWEN35_AOT_STEP"):
     for name in ("tp8_kvrep", "dp8_ep8"):
-        c8 = big.replace(num_layers=8, layout=name, attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
-        ma = aot.compile_step(c8, aot.chip_core_mesh(), requests=512, context_len=CONTEXT, decode=8).memory_analysis()
+        c8 = big.replace(num_layers=8)
+        xla_kernels = get_layout(name).replace(kernels="xla")  # on TPU: XLA attention and GDN, ragged_dot MoE
+        ma = aot.compile_step(c8, xla_kernels, aot.chip_core_mesh(), requests=512, context_len=CONTEXT,
+                              decode=8).memory_analysis()
         step[name] = dict(argument_bytes=ma.argument_size_in_bytes, temp_bytes=ma.temp_size_in_bytes)
         expected = placement(c8, name, requests=512, context_len=CONTEXT).total_bytes_per_device
         print(f"{name:<10} 8-layer step: arguments {human_bytes(ma.argument_size_in_bytes)} (placement: weights + "
@@ -549,8 +552,8 @@ notebook.save_results("naive_tp", record)
 #
 # ## What we learned
 #
-# - A layout must give each device whole heads; 2 KV heads over 8 devices do not split, and `check_layout` says
-#   so before anything is placed.
+# - A layout must give each device whole heads; 2 KV heads over 8 devices do not split, and binding the plan
+#   (`plan.bind(mesh, config)`) says so before anything is placed.
 # - Duplicating KV heads in the weights makes tensor parallelism run, at the price of the KV factor: every device
 #   keeps and reads a copy of its head for every request.
 # - The price shows as capacity (fewer requests fit) and as bandwidth (more bytes read per decode step), both
@@ -569,11 +572,11 @@ notebook.save_results("naive_tp", record)
 #    baseline with a bf16 cache holds well under 512, while `dp8_ep8` still fits them all.
 #    </details>
 #
-# 2. **[Four KV heads]** A model with 4 KV heads on the same 8 devices: what would `check_layout` say for `tp8`,
+# 2. **[Four KV heads]** A model with 4 KV heads on the same 8 devices: what would binding `tp8` say (`plan.bind`),
 #    and what is the smallest KV replication that works?
 #    <details><summary>Answer</summary>
 #
-#    `check_layout(tiny.replace(num_kv_heads=4, num_q_heads=8, layout="tp8"), mesh)` still refuses (4/8 = 0.5).
+#    `get_layout("tp8").bind(mesh, tiny.replace(num_kv_heads=4, num_q_heads=8))` still refuses (4/8 = 0.5).
 #    Splitting KV heads over `core` and requests over `chip` (`dp4_tp2_ep8`) works for 2 or 4 KV heads; with 8
 #    KV heads plain `tp8` would.
 #    </details>

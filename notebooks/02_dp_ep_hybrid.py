@@ -92,10 +92,11 @@ assert g["1k/8k"]["component_change"]["gdn"] > 0
 # %%
 import qwen35_lib
 from qwen35_lib.parallel.notation import weight_notation
+from qwen35_lib.plan import get_layout
 
 big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
 
-ep_names = weight_notation(big.replace(layout="dp8_ep8"), mesh)
+ep_names = weight_notation(big, get_layout("dp8_ep8"), mesh)
 for k in ("layers.moe.w_gate_up", "layers.moe.w_down", "layers.attn.w_q", "layers.gdn.w_v", "layers.moe.router",
           "embed"):
     print(f"{k:<22} {ep_names[k]}")
@@ -214,12 +215,12 @@ ids = np.zeros((9, 16), np.int32)
 for i, n in enumerate(lengths):
     ids[i, :n] = rng.integers(2, tiny.vocab_size, size=n)
 weights = qwen35_lib.init_weights(tiny, 0)
-dp_cfg = tiny.replace(layout=STAGE.layout, routing=STAGE.routing)  # the dp_ep stage: all-to-all routing
+dp_plan = STAGE.bind(mesh, tiny)  # the dp_ep stage (all-to-all routing), checked against the model and bound once
 with jax.default_matmul_precision("highest"):
     reference = np.asarray(qwen35_lib.forward(tiny, weights, ids, lengths))  # one device
     with jax.set_mesh(mesh):
-        sharded_weights = shard_weights(dp_cfg, weights, mesh)
-        forward_dp = lower_forward(dp_cfg, sharded_weights, ids, lengths).compile()
+        sharded_weights = shard_weights(tiny, dp_plan, weights, mesh)
+        forward_dp = lower_forward(tiny, sharded_weights, ids, lengths, dp_plan).compile()
         logits = np.asarray(forward_dp(sharded_weights, jnp.asarray(ids), jnp.asarray(lengths)))
 mask = np.arange(16)[None, :] < lengths[:, None]  # real positions only
 err = np.abs(logits - reference)[mask].max()
@@ -271,18 +272,17 @@ from qwen35_lib.costmodel.traffic import step_collectives
 from qwen35_lib.parallel import hlo
 from qwen35_lib.plan import make_mesh
 
-step_cfg = qwen35_lib.get_config("qwen3.5-tiny", num_layers=8, layout=STAGE.layout, routing=STAGE.routing,
-                                 attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot")
+step_cfg = qwen35_lib.get_config("qwen3.5-tiny", num_layers=8)  # the plan is STAGE: its XLA kernels on each
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
-targets = {"CPU": (make_mesh(), step_cfg.replace(moe_kernel="auto"))}
+targets = {"CPU": make_mesh()}
 if HAVE_LIBTPU:
-    targets["TPU7x"] = (aot.chip_core_mesh(), step_cfg)
+    targets["TPU7x"] = aot.chip_core_mesh()
 else:
     print("libtpu not installed (pip install 'jax[tpu]'): skipped the TPU7x compile")
 REQUESTS, DECODE = 16, 8
 per_group, body_ops, step_ops = {}, {}, {}
-for name, (m, c) in targets.items():
-    text = aot.compile_step(c, m, requests=REQUESTS, context_len=256, decode=DECODE).as_text()
+for name, m in targets.items():
+    text = aot.compile_step(step_cfg, STAGE, m, requests=REQUESTS, context_len=256, decode=DECODE).as_text()
     body = hlo.layer_body(text)
     per_group[name] = hlo.count(text, body)
     body_ops[name] = [op for op in hlo.collectives(text) if op.computation in hlo.called(text, body)]
@@ -374,8 +374,8 @@ sweep_dp_ep = {step.split()[1]: {k: stored["stages"]["dp_ep"]["steps"][step][k]
 from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 
-engine = Engine(dp_cfg, weights, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
-                mesh=mesh)
+engine = Engine(tiny, weights, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                mesh=mesh, plan=STAGE)
 prompts = [list(ids[i, :n]) for i, n in enumerate(lengths)]
 expected = reference[np.arange(9), lengths - 1].argmax(-1)
 first = {}
@@ -453,8 +453,8 @@ notebook.save_results("dp_ep", record)
 #    padding for the second slot. Balanced admission (the least-loaded rank first) keeps that to one slot.
 #    </details>
 #
-# 4. **[Routing by replication]** Rebuild `step_cfg` with `routing="replicate"` and count the collectives of one
-#    layer group again. What replaces the all-to-alls?
+# 4. **[Routing by replication]** Compile the step under `STAGE.replace(routing="replicate")` and count the
+#    collectives of one layer group again. What replaces the all-to-alls?
 #    <details><summary>Answer</summary>
 #
 #    Per MoE layer, three all-gathers (hidden states, top-k ids, top-k weights: every device sees every token) and

@@ -84,8 +84,10 @@ import numpy as np
 import qwen35_lib
 from qwen35_lib.model.moe import route
 from qwen35_lib.parallel.collectives import on_each_device
+from qwen35_lib.plan import get_layout
 
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")
+EP = get_layout("dp8_ep8")  # the serving plan's placement; each strategy below is this plan with a routing
 
 demo = tiny.replace(num_experts=16)  # 2 experts per device
 demo_weights = qwen35_lib.init_weights(demo, 0)
@@ -214,10 +216,10 @@ assert all(senders(summed[t // n, t % n, 0]) == sorted(set(dest[t].tolist())) fo
 assert (recv == send.transpose(1, 0, 2)).all() and (home == send).all()
 moved = {}
 for r in ("replicate", "all_to_all"):
-    cfg = demo.replace(routing=r)
-    w = jax.tree.map(lambda a: a[0, 0], shard_weights(cfg, demo_weights, mesh)["layers"]["moe"])
+    plan = EP.replace(routing=r).bind(mesh, demo)
+    w = jax.tree.map(lambda a: a[0, 0], shard_weights(demo, plan, demo_weights, mesh)["layers"]["moe"])
     with jax.set_mesh(mesh):
-        moved[r] = np.asarray(jax.jit(lambda w, x, cfg=cfg: routing.moe_ep(cfg, w, x, route, with_rows=True)[2])(
+        moved[r] = np.asarray(jax.jit(lambda w, x, p=plan: routing.moe_ep(demo, w, x, route, p, with_rows=True)[2])(
             w, jnp.asarray(x_demo)))
 assert moved["replicate"].tolist() == [len(copies[d]) for d in range(8)], moved
 assert moved["all_to_all"].tolist() == (send >= 0).sum(axis=(1, 2)).tolist(), moved
@@ -258,20 +260,20 @@ print("moe_ep's rows per device:", {r: v.tolist() for r, v in moved.items()})
 # %%
 from qwen35_lib.costmodel import traffic
 from qwen35_lib.costmodel.step import expected_a2a_rows
-from qwen35_lib.plan import plan_of, resolve_layout
+from qwen35_lib.plan import abstract_mesh
 from qwen35_lib.report import human_bytes
 
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
 
 STRATEGIES = {"replicate": dict(routing="replicate"), "all_to_all (dropless)": dict(routing="all_to_all"),
               "all_to_all (f = 1.25)": dict(routing="all_to_all", capacity_factor=1.25)}
 D, k, b = big.hidden_size, big.num_experts_per_tok, 2  # bf16 activations
-layer_ops = lambda cfg, N: traffic.moe_layer_ops(resolve_layout(plan_of(cfg), cfg, 8), cfg, N)  # one MoE layer
-wire = lambda cfg, N: traffic.wire_bytes(layer_ops(cfg, N))  # bytes one device puts on its links
+layer_ops = lambda kw, N, m=big: traffic.moe_layer_ops(EP.replace(**kw).bind(abstract_mesh(8), m), m, N)  # 1 layer
+wire = lambda kw, N: traffic.wire_bytes(layer_ops(kw, N))  # bytes one device puts on its links
 ragged_rows = lambda N: expected_a2a_rows(big, N // 8, 8)  # rows one device sends, deduplicated, no padding
 ragged_wire = lambda N: 7 / 8 * ragged_rows(N) * (2 * D * b + 2 * k * 4)
 for N in (512, 8 * 2048):
-    row = {s: human_bytes(wire(big.replace(**kw), N)) for s, kw in STRATEGIES.items()}
+    row = {s: human_bytes(wire(kw, N)) for s, kw in STRATEGIES.items()}
     row["all_to_all (ideal ragged)"] = human_bytes(ragged_wire(N))
     print(f"397B, N = {N:>5} tokens per step: {row}")
 print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(512) / (512 // 8):.2f} of 8")
@@ -283,10 +285,10 @@ print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(5
 
 # %%
 for N in (512, 8 * 2048):
-    rep_b = wire(big.replace(routing="replicate"), N)
-    static_b = wire(big.replace(routing="all_to_all"), N)
+    rep_b = wire(dict(routing="replicate"), N)
+    static_b = wire(dict(routing="all_to_all"), N)
     assert ragged_wire(N) < rep_b <= static_b, (N, ragged_wire(N), rep_b, static_b)
-    assert wire(big.replace(routing="all_to_all", capacity_factor=1.25), N) == static_b
+    assert wire(dict(routing="all_to_all", capacity_factor=1.25), N) == static_b
 
 # %% [markdown]
 # ### Per-link load on the ring, and latency
@@ -322,10 +324,10 @@ link_load = cc.ring_hops_sum(8) / 7  # all-to-all's per-link bytes per byte deli
 
 def layer_seconds(strategy: str, N: int) -> float:
     """One MoE layer's collectives on a TPU7x-8, priced as the cost model prices a step's (`step.op_comm`)."""
-    cfg = big.replace(routing="replicate" if strategy == "replicate" else "all_to_all")
-    ops = layer_ops(cfg, N)
+    kw = dict(routing="replicate" if strategy == "replicate" else "all_to_all")
+    ops = layer_ops(kw, N)
     if strategy == "ragged":  # the static buffer's all-to-alls, carrying only the rows the routing needs
-        rows = 8 * routing.a2a_cap(cfg, N // 8, 8)
+        rows = 8 * routing.a2a_cap(big, EP.replace(**kw), N // 8, 8)
         ops = [dataclasses.replace(op, bytes=op.bytes * ragged_rows(N) / rows) for op in ops]
     return sum(op_comm(tpu, op).seconds * op.runs for op in ops)
 
@@ -345,7 +347,7 @@ for N, row in seconds.items():
 
 # %%
 big_step = STEP_TOKENS[-1]
-assert ragged_wire(big_step) < wire(big.replace(routing="replicate"), big_step)
+assert ragged_wire(big_step) < wire(dict(routing="replicate"), big_step)
 assert seconds[big_step]["ragged"] > seconds[big_step]["replicate"]
 assert seconds[STEP_TOKENS[0]]["ragged"] < seconds[STEP_TOKENS[0]]["replicate"]
 assert all(row["static"] >= row["ragged"] for row in seconds.values())
@@ -365,13 +367,13 @@ import importlib.util
 from qwen35_lib import aot
 from qwen35_lib.parallel import hlo
 
-mini = qwen35_lib.get_config("qwen3.5-mini", layout="dp8_ep8")
+mini = qwen35_lib.get_config("qwen3.5-mini")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra
 tpu_counts = {}
 if HAVE_LIBTPU:
     tpu_mesh = aot.chip_core_mesh()
     for s, kw in STRATEGIES.items():
-        counts = hlo.count(aot.compile_moe_layer(mini.replace(**kw), tpu_mesh, 512).as_text(), moved=True)
+        counts = hlo.count(aot.compile_moe_layer(mini, EP.replace(**kw), tpu_mesh, 512).as_text(), moved=True)
         tpu_counts[s] = {kind: v for kind, v in counts.items() if v["bytes"] > 4}  # drop the 4-byte drop counter
         print(f"TPU7x, qwen3.5-mini width, N = 512: {s:<22} {tpu_counts[s]}")
 else:
@@ -384,7 +386,7 @@ else:
 # %%
 for s, counts in tpu_counts.items():
     kw = STRATEGIES[s]
-    want = traffic.layer_bytes(layer_ops(mini.replace(**kw), 512))
+    want = traffic.layer_bytes(layer_ops(kw, 512, mini))
     assert {kind: v["bytes"] for kind, v in counts.items()} == want, (s, counts, want)
     assert {kind: v["count"] for kind, v in counts.items()} == (
         {"all-gather": 3, "reduce-scatter": 1} if kw["routing"] == "replicate" else {"all-to-all": 3})
@@ -396,7 +398,7 @@ import matplotlib.pyplot as plt
 Ns = [64, 256, 512, 2048, 8 * 2048]
 fig, ax = plt.subplots(figsize=(7, 3.4), layout="constrained")
 for s, kw in STRATEGIES.items():
-    ax.plot(Ns, [wire(big.replace(**kw), N) / 2**20 for N in Ns], marker="o", label=s)
+    ax.plot(Ns, [wire(kw, N) / 2**20 for N in Ns], marker="o", label=s)
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("tokens per step N (all 8 devices)")
@@ -434,10 +436,10 @@ rng = np.random.default_rng(0)
 balanced = rng.standard_normal((64, tiny.hidden_size)).astype(np.float32)
 skewed = balanced + 3.0 * r0 / np.linalg.norm(r0)  # every token leans towards expert 0
 
-capped = {f: tiny.replace(routing="all_to_all", capacity_factor=f) for f in (1.0,)}
+capped = {f: EP.replace(routing="all_to_all", capacity_factor=f) for f in (1.0,)}
 batches = {"balanced": balanced, "skewed": skewed}
 ids = {name: route(tiny, layer["router"], jnp.asarray(x))[1] for name, x in batches.items()}  # [64, k] each
-print({name: routing.predicted_drops(capped[1.0], i) for name, i in ids.items()})
+print({name: routing.predicted_drops(tiny, capped[1.0], i) for name, i in ids.items()})
 
 # %% [markdown]
 # **Measure.** `moe_ep` returns the number of dropped copies along with the output.
@@ -445,7 +447,7 @@ print({name: routing.predicted_drops(capped[1.0], i) for name, i in ids.items()}
 # %%
 results = {}
 for name, x in (("balanced", balanced), ("skewed", skewed)):
-    results[name] = {s: routing.run_layer(tiny.replace(routing=r, capacity_factor=f), weights, x, mesh)
+    results[name] = {s: routing.run_layer(tiny, EP.replace(routing=r, capacity_factor=f), weights, x, mesh)
                      for s, (r, f) in {"replicate": ("replicate", None), "all_to_all": ("all_to_all", None),
                                        "all_to_all f=1": ("all_to_all", 1.0)}.items()}
     print(f"{name:<9} dropped copies: " + ", ".join(f"{s}: {d}" for s, (_, d) in results[name].items()))
@@ -464,7 +466,7 @@ for name, x in (("balanced", balanced), ("skewed", skewed)):
         out, dropped = results[name][s]
         assert dropped == 0
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert results[name]["all_to_all f=1"][1] == routing.predicted_drops(capped[1.0], ids[name])
+    assert results[name]["all_to_all f=1"][1] == routing.predicted_drops(tiny, capped[1.0], ids[name])
 assert results["skewed"]["all_to_all f=1"][1] > results["balanced"]["all_to_all f=1"][1]
 
 # %% [markdown]
@@ -494,7 +496,7 @@ same_rows = ~first_half
 changed = {}
 for s, (r, f) in {"replicate": ("replicate", None), "all_to_all f=1": ("all_to_all", 1.0)}.items():
     alone, _ = results["balanced"][s]
-    crowded, _ = routing.run_layer(tiny.replace(routing=r, capacity_factor=f), weights, mixed, mesh)
+    crowded, _ = routing.run_layer(tiny, EP.replace(routing=r, capacity_factor=f), weights, mixed, mesh)
     changed[s] = int((np.abs(crowded[same_rows] - alone[same_rows]).max(axis=1) > 1e-6).sum())
     print(f"{s:<15} tokens (of {same_rows.sum()} unchanged ones) whose output changed: {changed[s]}")
 
@@ -510,7 +512,7 @@ import re
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 key = lambda name: re.sub(r"\W+", "_", name).strip("_")  # "all_to_all (f = 1.25)" -> "all_to_all_f_1_25"
 record = dict(
-    wire_bytes_397b={str(N): {key(s): wire(big.replace(**kw), N)
+    wire_bytes_397b={str(N): {key(s): wire(kw, N)
                               for s, kw in STRATEGIES.items()} for N in Ns},
     tpu7x_mini_collectives={key(s): v for s, v in tpu_counts.items()},
     dropped={name: {key(s): d for s, (_, d) in r.items()} for name, r in results.items()},
@@ -550,10 +552,11 @@ notebook.save_results("token_routing", record)
 #
 #    Per device and per token of the step, replication moves about `2 · 7/8 · D·b` on the wire (the all-gather,
 #    and the reduce-scatter's input), whatever `k`; the capped all-to-all only ships the device's own eighth of the
-#    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare
-#    `wire(big.replace(routing=r, num_experts_per_tok=k, capacity_factor=f), 512)` (this notebook's `wire`, the
-#    cost model's ops of one layer) for `k = 1 ... 10`: the capped all-to-all is cheaper up to `k = 6` and dearer
-#    from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping (dropless buffers) it never wins.
+#    tokens, `k` copies each, there and back: `2 · 7/8 · f·k·D·b / 8`, linear in `k`. Compare the wire bytes of
+#    the cost model's ops of one layer (this notebook's `wire`, with the model `big.replace(num_experts_per_tok=k)`
+#    and the plan `EP.replace(routing=r, capacity_factor=f)`) for `k = 1 ... 10`: the capped all-to-all is
+#    cheaper up to `k = 6` and dearer from `k = 7`. Qwen3.5's `k = 10` is past the crossover; without dropping
+#    (dropless buffers) it never wins.
 #    </details>
 #
 # 2. **[How much capacity]** What capacity factor makes the skewed batch of section 3 drop nothing?

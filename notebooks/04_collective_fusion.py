@@ -96,15 +96,17 @@ import jax
 import qwen35_lib
 from qwen35_lib import aot
 from qwen35_lib.parallel import hlo
+from qwen35_lib.plan import get_stage
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None  # the 'tpu' extra: ahead-of-time TPU7x compiles
 
-layer_cfg = qwen35_lib.get_config("qwen3.5-tiny", layout="dp8_ep8")  # bf16, the serving dtype
+layer_cfg = qwen35_lib.get_config("qwen3.5-tiny")  # bf16, the serving dtype
 targets = {"CPU": mesh} | ({"TPU7x": aot.chip_core_mesh()} if HAVE_LIBTPU else {})
 all_gathers = {}
 for fused in (False, True):
     for where, m in targets.items():
-        counts = hlo.count(aot.compile_moe_layer(layer_cfg.replace(fuse_allgather=fused), m, 512).as_text())
+        plan = get_stage("fused_ag" if fused else "replicate")  # dp8_ep8 + replicate, with and without the flag
+        counts = hlo.count(aot.compile_moe_layer(layer_cfg, plan, m, 512).as_text())
         all_gathers[where, fused] = counts["all-gather"]
 for (where, fused), v in all_gathers.items():
     print(f"{where:<6} fuse_allgather={fused!s:<5}: {v['count']} all-gathers, {v['bytes']:,} bytes")
@@ -206,10 +208,9 @@ from qwen35_lib.aot import hlo_checks
 SC_OFFLOAD = "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter"
 schedules = {}
 if HAVE_LIBTPU:
-    rs_cfg = qwen35_lib.get_config("qwen3.5-mini", layout="dp8_ep8", num_experts=8, vocab_size=256,
-                                   fuse_allgather=True, hierarchical_rs=True)
+    rs_cfg = qwen35_lib.get_config("qwen3.5-mini", num_experts=8, vocab_size=256)
     for label, opts in (("default (SparseCore offload)", None), ("offload off", {SC_OFFLOAD: "false"})):
-        text = aot.compile_moe_layer(rs_cfg, aot.chip_core_mesh(), 256, opts).as_text()
+        text = aot.compile_moe_layer(rs_cfg, get_stage("hier_rs"), aot.chip_core_mesh(), 256, opts).as_text()
         entry = next(ln.split()[1].lstrip("%") for ln in text.splitlines() if ln.startswith("ENTRY"))
         chains = hlo_checks.rs_chains(text, entry)
         schedules[label] = dict(overlapped=hlo_checks.overlapped(chains, len(chains))[0],
@@ -282,7 +283,7 @@ from qwen35_lib.costmodel import traffic
 from qwen35_lib.plan import AXES, get_stage
 from qwen35_lib.report import human_bytes
 
-big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", layout="dp8_ep8")
+big = qwen35_lib.get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
 
 Nb = 512 * big.hidden_size * 2  # N·D·b, bf16
 per_phase = {"intra-chip (core)": Nb / 2, "inter-chip (chip)": 3 * Nb / 8, "flat, 8 devices": 7 * Nb / 8}
@@ -388,15 +389,15 @@ from qwen35_lib.model.moe import route
 from qwen35_lib.parallel import shard_weights
 from qwen35_lib.parallel.routing import moe_ep
 
-tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32", layout="dp8_ep8")
+tiny = qwen35_lib.get_config("qwen3.5-tiny", dtype="float32")
 weights = qwen35_lib.init_weights(tiny, 0)
 tokens = jnp.asarray(np.random.default_rng(1).standard_normal((64, tiny.hidden_size)), jnp.float32)
 outs = {}
 for flags in ({}, {"fuse_allgather": True}, {"fuse_allgather": True, "hierarchical_rs": True}):
-    cfg = tiny.replace(**flags)
-    w = jax.tree.map(lambda a: a[0, 0], shard_weights(cfg, weights, mesh)["layers"]["moe"])
+    plan = get_stage("replicate").replace(**flags).bind(mesh, tiny)  # the plan, bound once, handed down
+    w = jax.tree.map(lambda a: a[0, 0], shard_weights(tiny, plan, weights, mesh)["layers"]["moe"])
     with jax.set_mesh(mesh):
-        outs[tuple(flags)] = np.asarray(jax.jit(lambda w, x, cfg=cfg: moe_ep(cfg, w, x, route)[0])(w, tokens))
+        outs[tuple(flags)] = np.asarray(jax.jit(lambda w, x, p=plan: moe_ep(tiny, w, x, route, p)[0])(w, tokens))
 plain = outs[()]
 assert np.array_equal(outs[("fuse_allgather",)], plain)  # packing is bit-exact
 np.testing.assert_allclose(outs[("fuse_allgather", "hierarchical_rs")], plain, rtol=1e-5, atol=1e-6)

@@ -220,7 +220,7 @@ import jax
 import torch  # noqa: E402  (the transformers reference, from here on)
 
 from qwen35_lib.checkpoint import load_hf_checkpoint
-from qwen35_lib.plan import make_mesh
+from qwen35_lib.plan import get_layout, make_mesh
 from qwen35_lib.testing import make_hf_model, save_hf_checkpoint  # noqa: E402
 
 
@@ -241,7 +241,7 @@ with tempfile.TemporaryDirectory() as tmp:
         path = save_hf_checkpoint(hf, pathlib.Path(tmp, name))
         cfg, weights = load_hf_checkpoint(path, layout="dp8_ep8", mesh=mesh, progress=False)
         with jax.set_mesh(mesh):
-            ours = np.asarray(qwen35_lib.forward(cfg, weights, tokens))
+            ours = np.asarray(qwen35_lib.forward(cfg, weights, tokens, plan=get_layout("dp8_ep8")))
         with torch.no_grad():
             ref = hf(torch.as_tensor(tokens)).logits.float().numpy()
         twins[name] = dict(model_type=cfg.model_type, experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,

@@ -24,8 +24,9 @@ import pathlib
 import time
 
 from qwen35_lib import hardware as hw
-from qwen35_lib.config import ROUTINGS, get_config
+from qwen35_lib.config import get_config
 from qwen35_lib.placement import Placement, placement
+from qwen35_lib.plan import ROUTINGS
 from qwen35_lib.viz.sharding_explorer import CONTEXT_LENS, GDN_DTYPES, hardware_names, step_collectives
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -188,7 +188,7 @@ def weight_shardings(config: Config, mesh: Mesh, placement: str = "even") -> Any
     if placement in LAYOUT_OF:
         from qwen35_lib.parallel.layouts import weight_shardings as layout_shardings
 
-        return layout_shardings(config.replace(layout=LAYOUT_OF[placement].layout), mesh)
+        return layout_shardings(config, LAYOUT_OF[placement].bind(mesh, config), mesh)
     axes, size = tuple(mesh.axis_names), mesh.devices.size
 
     def spec(info) -> PartitionSpec:

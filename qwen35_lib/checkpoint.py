@@ -67,16 +67,15 @@ def default_place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
     return jnp.asarray(array)
 
 
-def sharded_place(config: Config, mesh) -> Place:
-    """A `place` that cuts each whole host leaf into its shards under `config.layout` on `mesh`
+def sharded_place(config: Config, plan, mesh) -> Place:
+    """A `place` that cuts each whole host leaf into its shards under the serving `plan` on `mesh`
     (`make_array_from_callback`): no device holds a whole leaf, but the host does, one at a time. The reference
     twin of the sliced load (`load_hf_checkpoint(..., mesh=)`), which never builds a whole leaf."""
     from jax.sharding import NamedSharding
 
     from qwen35_lib.parallel.layouts import spec
-    from qwen35_lib.plan import check_layout
 
-    layout = check_layout(config, mesh)
+    layout = plan.bound(mesh, config)
 
     def place(path: Path, array: np.ndarray, info: ArrayInfo) -> jax.Array:
         sharding = NamedSharding(mesh, spec(layout, mesh, info.logical_axes, info.shape))
@@ -86,7 +85,7 @@ def sharded_place(config: Config, mesh) -> Place:
 
 
 def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize",
-                       place: Place | None = None, mesh=None, layout: str | None = None, check_weights: bool = True,
+                       place: Place | None = None, mesh=None, layout: Any = None, check_weights: bool = True,
                        progress: bool | None = None, **config_changes: Any) -> tuple[Config, dict]:
     """Read an HF checkpoint directory (`config.json` + `*.safetensors`) into `(config, weights)`.
 
@@ -95,14 +94,15 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
       `BlockFP8(value, scale)` and the config gets `expert_dtype="float8_e4m3fn"`; the rest is dequantized).
     place: `(path, numpy leaf, ArrayInfo) -> jax.Array`, called once per whole leaf as soon as it is assembled on
       the host; default: the default device.
-    mesh, layout: load for a layout (`Config.layout`, e.g. "dp8_ep8") on a `('chip', 'core')` mesh, sliced: each
+    mesh, layout: load for a serving plan (a `ServingPlan`, or a layout name, e.g. "dp8_ep8") on a `('chip',
+      'core')` mesh, sliced (the plan bound to the mesh and checked against the model once): each
       device's shard of every leaf is read from the memory-mapped files, piece by piece (`_load_sliced`), so the
       host never holds a whole leaf: beyond the weights on the devices, one op's piece for one device (e.g. one
       expert's tensors), or small shards of at most that many bytes together. A tqdm bar shows the reads.
     check_weights: refuse NaN / Inf weights (a jitted `isfinite` reduction per placed leaf, on its devices: no
       host scan); False skips it.
     progress: a tqdm bar on stderr over the tensors read and their bytes; None (default): only on a terminal.
-    config_changes: fields of `Config` to override (e.g. `attention_kernel="xla"`).
+    config_changes: fields of `Config` to override (e.g. `gdn_state_dtype="bfloat16"`).
 
     1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
        (EOS ids from `generation_config.json` when present).
@@ -126,11 +126,13 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     quant = _quant_block(hf, config_path)
     tensors = _open_files(root)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
-    if layout is not None:
-        config_changes = dict(config_changes, layout=layout)
     changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes,
                               config_changes.get("vocab_size", base.vocab_size))
     config = from_hf_config(hf, source=str(config_path), **changes)
+    if mesh is not None:
+        from qwen35_lib.plan import SINGLE, get_layout
+
+        plan = get_layout(layout) if isinstance(layout, str) else layout if layout is not None else SINGLE
     if place is not None and mesh is not None:
         raise ValueError("pass either place or mesh (mesh places each leaf into its shards for the layout)")
     if config.expert_dtype is not None and config.fp8_block_size != quant:
@@ -149,7 +151,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     bar = _Progress(progress, root.name)
     try:
         if mesh is not None:
-            out = _load_sliced(groups, infos, tensors, quant, _shardings(config, mesh, infos), bar)
+            out = _load_sliced(groups, infos, tensors, quant, _shardings(config, plan, mesh, infos), bar)
         else:
             out = _load_whole(groups, infos, tensors, quant, place or default_place, bar)
     finally:
@@ -190,13 +192,12 @@ def _load_whole(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: dic
     return out
 
 
-def _shardings(config: Config, mesh, infos: dict[Path, ArrayInfo]) -> dict[Path, Any]:
+def _shardings(config: Config, plan, mesh, infos: dict[Path, ArrayInfo]) -> dict[Path, Any]:
     from jax.sharding import NamedSharding
 
     from qwen35_lib.parallel.layouts import spec
-    from qwen35_lib.plan import check_layout
 
-    layout = check_layout(config, mesh)
+    layout = plan.bound(mesh, config)
     return {p: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)) for p, i in infos.items()}
 
 

@@ -11,7 +11,7 @@ The plan flags are `qwen35_lib.plan.cli`'s, as every command that takes a plan h
 mesh of `--devices N` devices (default `$QWEN35_DEVICES`, else every device present for the general `tp`,
 `tp_kvrep`, `dp_tp2_ep`, `dp_ep`, and 8 for the 8-device names `tp8`, `tp8_kvrep`, `dp4_tp2_ep8`, `dp8_ep8`); on
 CPU, simulated devices are made (that many, else 8) when the user set no device count and no backend runs yet.
-The combination is checked against the model on that mesh (`check_layout`) before any weight is touched; a
+The plan is checked against the model on that mesh (`ServingPlan.bind`) before any weight is touched; a
 checkpoint loads straight into its shards.
 
 With `--json`, stdout holds exactly one JSON document:
@@ -181,13 +181,13 @@ def run(args: argparse.Namespace) -> int:
     shape = from_hf_config(root) if root else get_config(args.model or "qwen3.5-tiny")  # config.json only
     for p in prompts:
         validate_request(shape, ec, p, params)
-    split, mesh = plan_split(args, shape)
+    plan, mesh = plan_split(args, shape)
 
     # 2. Weights, engine, generation.
     _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
-    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, split, mesh, args.check_weights,
+    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, plan, mesh, args.check_weights,
                             fp8=args.fp8, name=hub_name(args.checkpoint))
-    engine = Engine(config, weights, ec, mesh=mesh)
+    engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     if mesh is not None:
         _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
                   f"{dict(mesh.shape)}: {engine.ec.ranks} data-parallel rank(s) of max_num_seqs={ec.max_num_seqs}")
@@ -227,18 +227,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_split(args: argparse.Namespace, shape: Any) -> tuple[dict, Any]:
-    """The plan flags as Config fields, and the mesh they run on (None for `single`), checked against the model
-    `shape` on that mesh (`check_layout`: the constraint and the fix) before any weight is loaded."""
-    from qwen35_lib.plan import check_layout
-
+def plan_split(args: argparse.Namespace, shape: Any) -> tuple[Any, Any]:
+    """The serving plan the flags describe and the mesh it runs on (None for `single`), checked against the model
+    `shape` on that mesh (`ServingPlan.bind`: the constraint and the fix) before any weight is loaded."""
     plan = plan_cli.from_args(args)
-    split = plan_cli.config_fields(plan)
     if plan.layout == "single":
-        return split, None
+        return plan.bind(None, shape), None
     mesh = layout_mesh(plan_cli.requested_devices(args), plan.layout)
-    check_layout(shape.replace(**split), mesh)
-    return split, mesh
+    return plan.bind(mesh, shape), mesh  # the one check and binding, before any weight is read; handed down
 
 
 def layout_mesh(devices: int | None = None, layout: str | None = None) -> Any:
@@ -297,9 +293,9 @@ def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
     return tokenizers.Tokenizer.from_file(str(path))
 
 
-def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict, mesh: Any,
+def _load(root: pathlib.Path | None, preset: str, dtype: str | None, plan: Any, mesh: Any,
           check_weights: bool = True, fp8: str = "dequantize", name: str | None = None) -> tuple[Any, dict]:
-    """(config with the layout options, weights): a checkpoint loads straight into its shards on `mesh` (its
+    """(config, weights): a checkpoint loads straight into its shards under `plan` on `mesh` (its
     weights checked finite unless `check_weights` is False, where the loader checks them; FP8 experts kept with
     `fp8="keep"`; `name` the model's, when given); random weights are drawn for the unsplit preset (the same
     values under every layout) and the engine places them."""
@@ -309,12 +305,13 @@ def _load(root: pathlib.Path | None, preset: str, dtype: str | None, split: dict
         extra = {"fp8": fp8} if fp8 != "dequantize" else {}
         if name is not None:
             extra["name"] = name
-        return load_hf_checkpoint(root, dtype=dtype, mesh=mesh, **split, **extra, check_weights=check_weights)
+        placed = dict(mesh=mesh, layout=plan) if mesh is not None else {}
+        return load_hf_checkpoint(root, dtype=dtype, **placed, **extra, check_weights=check_weights)
     from qwen35_lib.config import get_config
     from qwen35_lib.weights import init_weights
 
     config = get_config(preset, **({"dtype": dtype} if dtype else {}))
-    return config.replace(**split), init_weights(config, RANDOM_WEIGHTS_SEED)
+    return config, init_weights(config, RANDOM_WEIGHTS_SEED)
 
 
 def check_fp8(fp8: str, root: pathlib.Path | None) -> None:

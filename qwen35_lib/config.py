@@ -22,14 +22,12 @@ FULL = "full_attention"  # a gated GQA attention layer
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPES = ("float32", "bfloat16")
 EXPERT_DTYPES = (None, "float8_e4m3fn")
-# 8-device instances, then the general forms (sizes from the mesh): see qwen35_lib.plan
-LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp", "tp_kvrep", "dp_tp2_ep", "dp_ep")
-ROUTINGS = ("replicate", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Hyperparameters of a Qwen3.5 MoE / Qwen3-Next text model, plus how to run it.
+    """Hyperparameters of a Qwen3.5 MoE / Qwen3-Next text model: the checkpoint's shapes and dtypes. How it is served
+    (layout, routing, collectives, kernels) is a `qwen35_lib.plan.ServingPlan`, never a field here.
 
     The layer stack repeats `layer_pattern` `num_groups` times (Qwen3.5: 3 x GDN + 1 x attention), which lets
     the decoder scan over groups so that compile time does not grow with depth.
@@ -66,22 +64,11 @@ class Config:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = dataclasses.field(default=262144, compare=False)
     eos_token_ids: tuple[int, ...] = dataclasses.field(default=(), compare=False)
-    # how to run it
+    # dtypes
     dtype: str = "bfloat16"  # weights and activations
     expert_dtype: str | None = None  # None: as `dtype`; "float8_e4m3fn": block-scaled FP8 expert weights
     fp8_block_size: int = 128  # FP8 scale block (both matrix dims)
     gdn_state_dtype: str = "float32"  # recurrent GDN state (tpu-inference keeps bf16)
-    attention_kernel: str = "auto"  # kernel registry slot names: see qwen35_lib.kernels
-    moe_kernel: str = "auto"
-    gdn_kernel: str = "auto"
-    permute_kernel: str = "auto"
-    # how to run it on many devices (qwen35_lib.parallel); the mesh itself is passed where it is used
-    layout: str = "single"  # single | tp8 | tp8_kvrep | dp4_tp2_ep8 | dp8_ep8 | tp | tp_kvrep | dp_tp2_ep | dp_ep
-    routing: str = "replicate"  # EP layouts: replicate (all-gather tokens) | all_to_all (send tokens to experts)
-    fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 all-gathers -> 2)
-    hierarchical_rs: bool = False  # replicate: reduce-scatter over `core`, then over `chip`, micro-batched
-    rs_micro_batches: int | None = None  # hierarchical_rs micro-batches; None: tpu-inference's rule by step tokens
-    capacity_factor: float | None = None  # all_to_all: None = dropless; else slots per device = f * mean (drops)
 
     def __post_init__(self):
         _check_types(self)
@@ -101,12 +88,6 @@ class Config:
                f"gdn_num_v_heads={self.gdn_num_v_heads} is not a multiple of gdn_num_k_heads={self.gdn_num_k_heads}")
         _check(0 < self.num_experts_per_tok <= self.num_experts,
                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
-        _check(self.layout in LAYOUTS, f"unknown layout {self.layout!r}; use one of {LAYOUTS}")
-        _check(self.routing in ROUTINGS, f"unknown routing {self.routing!r}; use one of {ROUTINGS}")
-        _check(self.rs_micro_batches is None or self.rs_micro_batches >= 1,
-               f"rs_micro_batches must be None (tpu-inference's rule) or >= 1; got {self.rs_micro_batches}")
-        _check(self.capacity_factor is None or self.capacity_factor > 0,
-               f"capacity_factor must be None (dropless) or > 0; got {self.capacity_factor}")
         _check(self.rotary_dim % 2 == 0 and 0 < self.rotary_dim <= self.head_dim,
                f"partial_rotary_factor={self.partial_rotary_factor} gives an odd or empty rotary dim")
 

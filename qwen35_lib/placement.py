@@ -21,7 +21,7 @@ from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.parallel.layouts import spec
-from qwen35_lib.plan import AXES, ServingPlan, abstract_mesh, axis_size, check_layout, get_layout
+from qwen35_lib.plan import AXES, ServingPlan, abstract_mesh, axis_size, get_layout
 from qwen35_lib.weights import ArrayInfo, declare, is_info
 
 GiB = 2**30
@@ -30,7 +30,7 @@ HELD = (("q_heads", "q_heads", ("layers", "attn", "w_q")), ("kv_heads", "kv_head
         ("gdn_k_heads", "gdn_k_heads", ("layers", "gdn", "w_q")),
         ("gdn_v_heads", "gdn_v_heads", ("layers", "gdn", "w_v")),
         ("experts", "experts", ("layers", "moe", "w_gate_up")), ("moe_ffn", "moe_ffn", ("layers", "moe", "w_down")))
-_WHY = (  # (substring of check_layout's message, the one-line reason behind the rule)
+_WHY = (  # (substring of the bind check's message, the one-line reason behind the rule)
     ("KV heads cannot be split", "attention needs whole KV heads on a device: a fraction of a head has no "
                                  "K and V of its own, so a device cannot attend with it"),
     ("experts cannot be split", "expert parallelism gives every device the same block of whole experts; an uneven "
@@ -82,7 +82,7 @@ class Placement:
     axes: dict[str, str]  # label -> how it is placed ("split 8 ways over ('chip', 'core')", "replicated ...")
     replicated: tuple[str, ...]  # what the layout asks to split but cannot (does not divide), and what it costs
     copies: dict[str, float]  # weights / kv / gdn_state: bytes over all devices / bytes of one copy
-    problem: str | None  # check_layout's message when the layout is refused, else None
+    problem: str | None  # the bind check's message when the layout is refused, else None
     why: str | None  # one line: the reason behind the broken rule
 
     @property
@@ -129,8 +129,9 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
 
     1. mesh: an AbstractMesh `('chip', 'core')` of sizes `(devices // 2, 2)` (one device: `(1, 1)`; `single`
        always uses one device);
-    2. problem: `check_layout` on that mesh; its message (and the reason behind the rule) when it refuses. The
-       rest is still computed with `spec`'s fallback (dims that do not divide are replicated);
+    2. problem: the layout plan bound to that mesh and checked against the model (`ServingPlan.bind`); its message (and
+       the reason behind the rule) when it refuses. The rest is still computed with `spec`'s fallback (dims that do not
+       divide are replicated);
     3. caches: R = the layout's data-parallel size (KV heads as `tp_kvrep` duplicates them: the config the
        program runs, `ServingPlan.placed_config`); requests go round-robin to the R ranks (the engine sends each
        new request to the least-loaded rank); each rank holds pages for ceil(requests / R) contexts of
@@ -143,11 +144,10 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
         devices = 1
     if devices < 1 or (devices > 1 and devices % 2):
         raise ValueError(f"devices={devices}: use 1 or an even count (chips of 2 TensorCores)")
-    config = config.replace(layout=layout)
     mesh = abstract_mesh(devices)  # [chips, cores]
     problem = why = None
     try:
-        check_layout(config, mesh)
+        get_layout(layout).bind(mesh, config)
     except ValueError as e:
         problem = str(e)
         why = next((w for key, w in _WHY if key in problem), "")

@@ -55,16 +55,15 @@ import jax
 from qwen35_lib import safetensors_io
 from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint, sharded_place
 from qwen35_lib.config import from_hf_config, read_json
-from qwen35_lib.plan import make_mesh
+from qwen35_lib.plan import get_layout, make_mesh
 
 mesh = make_mesh()
 
 def load():
     if how == "sliced":
         return load_hf_checkpoint(path, mesh=mesh, layout=layout, progress=False)[1]
-    config = from_hf_config(read_json(os.path.join(path, "config.json"), "config.json"), layout=layout,
-                            name=os.path.basename(path))
-    return load_hf_checkpoint(path, place=sharded_place(config, mesh), layout=layout, progress=False)[1]
+    config = from_hf_config(read_json(os.path.join(path, "config.json"), "config.json"), name=os.path.basename(path))
+    return load_hf_checkpoint(path, place=sharded_place(config, get_layout(layout), mesh), progress=False)[1]
 
 jax.block_until_ready(load())
 gc.collect()
@@ -146,10 +145,12 @@ def small(tmp_path_factory):
     ("qwen3_5_moe", "fused", "dequantize", "tp8_kvrep")])
 def test_sliced_equals_whole_leaf_load(small, model_type, form, fp8, layout):
     """Leaf by leaf and shard by shard, the sliced load equals the whole-leaf load (the loader of before)."""
+    from qwen35_lib.plan import get_layout
+
     path = small(model_type, form)
     mesh = make_mesh()
     config, sliced = load_hf_checkpoint(path, mesh=mesh, layout=layout, fp8=fp8, progress=False)
-    again, whole = load_hf_checkpoint(path, place=sharded_place(config, mesh), layout=layout, fp8=fp8,
+    again, whole = load_hf_checkpoint(path, place=sharded_place(config, get_layout(layout), mesh), fp8=fp8,
                                       progress=False)
     assert config == again
     assert_same_leaves(sliced, whole)

@@ -46,8 +46,8 @@ def compiled(mesh):
 
     def get(stage: str, shape: str):
         if (stage, shape) not in cache:
-            cfg = STAGES[stage].apply(MINI, "cpu")
-            exe = aot.compile_step(cfg, mesh, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE,
+            cfg = MINI
+            exe = aot.compile_step(cfg, STAGES[stage], mesh, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE,
                                    **SHAPES[shape])
             text = exe.as_text()
             body = hlo.layer_body(text)
@@ -71,8 +71,7 @@ def _no_compiles(monkeypatch):
 
 
 def _predicted(stage: str, shape: str, mesh, monkeypatch):
-    plan = STAGES[stage].bind(mesh)
-    cfg = plan.apply(MINI, "cpu")
+    plan, cfg = STAGES[stage].bind(mesh), MINI
     step_shape = traffic.StepShape.of_compile(cfg, plan.dp, REQUESTS, **SHAPES[shape])
     S = -(-REQUESTS // plan.dp)
     pages = -(-CONTEXT // PAGE)
@@ -119,10 +118,9 @@ def test_the_time_model_prices_the_same_ops(monkeypatch):
 
 def test_micro_batches_are_one_plan_field_read_by_code_and_cost_model(mesh):
     """`rs_micro_batches` on the plan sets the reduce-scatters the MoE layer compiles to and the cost model's."""
-    plan = dataclasses.replace(STAGES["hier_rs"], rs_micro_batches=4).bind(mesh)
-    cfg = plan.apply(MINI, "cpu")
-    assert cfg.rs_micro_batches == 4
-    text = aot.compile_moe_layer(cfg, mesh, 512).as_text()
+    plan, cfg = dataclasses.replace(STAGES["hier_rs"], rs_micro_batches=4).bind(mesh), MINI
+    assert plan.rs_micro_batches == 4
+    text = aot.compile_moe_layer(cfg, plan, mesh, 512).as_text()
     rs = [c for c in hlo.collectives(text) if c.kind == "reduce-scatter"]
     ops = [o for o in traffic.step_collectives(plan, cfg, traffic.StepShape(tokens=64, seqs=8), "cpu")
            if o.kind == "reduce-scatter"]

@@ -16,7 +16,7 @@ from qwen35_lib.aot import sweep
 from qwen35_lib.config import get_config
 from qwen35_lib.costmodel import temporaries, traffic
 from qwen35_lib.engine.cache import CacheShape
-from qwen35_lib.plan import AXES, get_stage, stage_config
+from qwen35_lib.plan import AXES, get_stage
 
 DOC = data.read_json("aot/tpu7x-8.json")
 MIXED = pytest.mark.xfail(strict=True, reason="the mixed step's MoE row buffers: estimate 4.3 GB, compile 5.83 GB "
@@ -41,8 +41,8 @@ CASES = [pytest.param(stage, step, marks=_marks(stage, step))
 
 def _estimate(stage: str, entry: dict) -> dict:
     shape = DOC["shape"]
-    plan = get_stage(stage).bind(AbstractMesh((4, 2), AXES))  # tpu7x:2x2x1: 4 chips x 2 cores
-    cfg = stage_config(sweep.serving_config(DOC["model"], DOC["groups"], **DOC["overrides"]), stage, "tpu")
+    plan = get_stage(stage).bind(AbstractMesh((4, 2), AXES), platform="tpu")  # tpu7x:2x2x1: 4 chips x 2 cores
+    cfg = sweep.serving_config(DOC["model"], DOC["groups"], **DOC["overrides"])
     R = entry["ranks"]
     S = -(-shape["requests"] // R)
     step = traffic.StepShape.of_compile(cfg, R, shape["requests"], entry["decode_tokens_per_rank"],

@@ -14,7 +14,7 @@ from qwen35_lib import get_config, init_weights
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine import cache as cache_module
 from qwen35_lib.engine.cache import CacheShape, device_cache_bytes, memory_shortfall
-from qwen35_lib.plan import make_mesh
+from qwen35_lib.plan import get_layout, make_mesh
 
 EC = EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, page_size=8, max_model_len=64)
 
@@ -179,20 +179,20 @@ class FakeAccelerator:
 def test_accelerators_are_checked_each_on_its_own_and_cpu_devices_together(monkeypatch):
     cfg, shape, gib = get_config("qwen3.5-tiny"), CacheShape(), 2**30
     gpus = [FakeAccelerator(0, 16 * gib, 4 * gib), FakeAccelerator(1, 16 * gib, 7 * gib)]
-    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m: {g: 10 * gib for g in gpus})
+    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m, p=None: {g: 10 * gib for g in gpus})
     assert memory_shortfall(cfg, shape) == "the caches need 10.00 GiB but 9.00 GiB is free (gpu memory of gpu:1)"
     gpus[1].stats["bytes_in_use"] = 6 * gib
     assert memory_shortfall(cfg, shape) is None  # 10 GiB on each of two devices with 12 and 10 free
     cpus = make_mesh().devices.flat[:2]
-    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m: {d: 10 * gib for d in cpus})
+    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m, p=None: {d: 10 * gib for d in cpus})
     monkeypatch.setattr(cache_module, "available_bytes", lambda d: (12 * gib, "host RAM, MemAvailable"))
     assert memory_shortfall(cfg, shape) == "the caches need 20.00 GiB but 12.00 GiB is free (host RAM, MemAvailable)"
 
 
 def test_a_data_parallel_cache_counts_each_devices_shards():
-    cfg = get_config("qwen3.5-tiny", layout="dp8_ep8")
+    cfg, mesh = get_config("qwen3.5-tiny"), make_mesh()
     shape = CacheShape(ranks=8, num_pages=33, page_size=8, num_slots=5)
-    per_device = device_cache_bytes(cfg, shape, make_mesh())
+    per_device = device_cache_bytes(cfg, shape, mesh, get_layout("dp8_ep8").bind(mesh, cfg))
     (total,) = device_cache_bytes(cfg, shape).values()
     assert len(per_device) == 8 and set(per_device.values()) == {total // 8}  # each device one rank's pools
 

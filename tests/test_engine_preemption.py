@@ -99,7 +99,7 @@ def test_waste_within_2x_at_200_requests_20_pages_budget_8(tiny):
     cfg, w = tiny
     engine = Engine(cfg, w, EngineConfig(max_num_seqs=8, max_num_batched_tokens=8, page_size=16, max_model_len=304,
                                          num_pages=20))
-    engine.step_fn = lambda cfg, w, cache, tokens, meta, samp: (jnp.full(meta.q_len.shape, 7, jnp.int32), cache)
+    engine.step_fn = lambda cfg, plan, w, cache, tokens, meta, samp: (jnp.full(meta.q_len.shape, 7, jnp.int32), cache)
     rng = np.random.default_rng(7)
     lengths = [(int(p), int(rng.integers(1, 305 - p))) for p in rng.integers(1, 150, 200)]
     results = engine.generate([[3] * p for p, _ in lengths], [SamplingParams(max_new_tokens=o) for _, o in lengths])

@@ -19,7 +19,7 @@ from qwen35_lib.config import get_config  # noqa: E402
 from qwen35_lib.costmodel import predict, traffic  # noqa: E402
 from qwen35_lib.costmodel.predict import token_budget  # noqa: E402
 from qwen35_lib.placement import placement  # noqa: E402
-from qwen35_lib.plan import LADDER, custom_stage, resolve_layout  # noqa: E402
+from qwen35_lib.plan import LADDER, abstract_mesh, custom_stage  # noqa: E402
 from qwen35_lib.viz import costmodel as viz_cm  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import sharding_explorer, step_collectives  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_memory_grid_is_placement(grid: dict, point: tuple):
 def test_collectives_grid_is_the_cost_models(grid: dict):
     cfg = get_config(MODEL)
     table = grid["collectives"][explorer.key(8, "dp_ep", "all_to_all", 512, 32768)]
-    plan = resolve_layout(custom_stage("dp_ep", "all_to_all"), cfg, 8)
+    plan = custom_stage("dp_ep", "all_to_all").bind(abstract_mesh(8), cfg)
     want = traffic.collective_counts(plan, cfg, traffic.StepShape.of_compile(cfg, plan.dp, 512, 64, 0))
     assert table["decode"]["kinds"] == {k: v for k, v in want.items() if v[0]}
     assert table["prefill"]["tokens"] == traffic.StepShape.of_compile(

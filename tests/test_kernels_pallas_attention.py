@@ -295,11 +295,14 @@ def test_engine_step_with_pallas_attention_matches_forward():
     from test_ragged_step import run_schedule
 
     from qwen35_lib import forward, get_config, init_weights
+    from qwen35_lib.plan import SINGLE
 
-    cfg = get_config("qwen3.5-tiny", dtype="float32", attention_kernel="pallas")
+    cfg = get_config("qwen3.5-tiny", dtype="float32")
+    pallas = SINGLE.replace(attention_kernel="pallas")
     w = init_weights(cfg, 0)
     rng = np.random.default_rng(0)
     A, B = rng.integers(0, 256, 110).tolist(), rng.integers(0, 256, 20).tolist()
-    ref = {"A": np.asarray(forward(cfg, w, np.array([A])))[0], "B": np.asarray(forward(cfg, w, np.array([B])))[0]}
-    for logits, name, pos in run_schedule(cfg, w, A, B):
+    ref = {"A": np.asarray(forward(cfg, w, np.array([A]), plan=pallas))[0],
+           "B": np.asarray(forward(cfg, w, np.array([B]), plan=pallas))[0]}
+    for logits, name, pos in run_schedule(cfg, w, A, B, plan=pallas):
         np.testing.assert_allclose(logits, ref[name][pos], atol=2e-5)

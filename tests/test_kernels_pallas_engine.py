@@ -26,28 +26,28 @@ from qwen35_lib.engine.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import SINGLE
 
-XLA = dict(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot", permute_kernel="xla")
-PALLAS = dict(attention_kernel="pallas", gdn_kernel="pallas", moe_kernel="pallas", permute_kernel="pallas")
+XLA = SINGLE.replace(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot", permute_kernel="xla")
+PALLAS = SINGLE.replace(kernels="pallas")
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def run():
     """The Pallas engine's greedy outputs, and the XLA-kernel `forward`'s logits over prompt + outputs."""
-    ref = get_config("qwen3.5-tiny", dtype="float32", **XLA)
-    pallas = get_config("qwen3.5-tiny", dtype="float32", **PALLAS)
+    ref = pallas = get_config("qwen3.5-tiny", dtype="float32")
     w = init_weights(ref, 0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, ref.vocab_size, n).tolist() for n in (5, 45)]
     engine = Engine(pallas, w, EngineConfig(max_num_seqs=2, max_num_batched_tokens=40, page_size=8,
-                                            max_model_len=64))
+                                            max_model_len=64), plan=PALLAS)
     outs = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))]
     seqs = [p + o for p, o in zip(prompts, outs)]
     ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = s
-    logits = np.asarray(forward(ref, w, ids, np.array([len(s) for s in seqs])))  # [2, 48, V]
+    logits = np.asarray(forward(ref, w, ids, np.array([len(s) for s in seqs]), plan=XLA))  # [2, 48, V]
     return pallas, w, prompts, outs, engine.stats, seqs, logits
 
 
@@ -74,7 +74,7 @@ def test_ragged_step_logits_with_every_pallas_kernel_match_forward(run):
     seqs, full = {"A": A, "B": B}, {"A": logits[1], "B": logits[0]}
     pages, slots = {"A": [3, 7, 1, 9, 5, 11], "B": [2]}, {"A": 1, "B": 2}
     work = lambda n, a, b: SeqWork(seqs[n][a:b], a, pages[n], slots[n])  # noqa: E731
-    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
+    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(PALLAS)), static_argnums=0)
     cache = init_cache(pallas, CacheShape(ranks=1, num_pages=12, page_size=8, num_slots=3))
     schedule = [([], [("A", 0, 20), ("B", 0, 5)]), ([("B", 5, 6)], [("A", 20, 47)])]
     for decodes, prefills in schedule:

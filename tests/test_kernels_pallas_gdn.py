@@ -154,9 +154,10 @@ def test_model_and_engine_run_with_pallas_gdn():
     from qwen35_lib.engine.cache import CacheShape, init_cache
     from qwen35_lib.model.ragged import ragged_forward
     from qwen35_lib.parallel.parallelism import parallelism
+    from qwen35_lib.plan import SINGLE
 
-    cfg_xla = get_config("qwen3.5-tiny", dtype="float32")
-    cfg = get_config("qwen3.5-tiny", dtype="float32", gdn_kernel="pallas")
+    cfg = cfg_xla = get_config("qwen3.5-tiny", dtype="float32")
+    pallas = SINGLE.replace(gdn_kernel="pallas")
     w = init_weights(cfg, 0)
     rng = np.random.default_rng(1)
     seqs = {"A": rng.integers(0, 256, 100).tolist(), "B": rng.integers(0, 256, 6).tolist()}
@@ -164,7 +165,7 @@ def test_model_and_engine_run_with_pallas_gdn():
     ids[0], ids[1, :6] = seqs["A"], seqs["B"]
     lengths = np.array([100, 6])
     ref = np.asarray(forward(cfg_xla, w, ids, lengths))  # [2, 100, V]
-    out = np.asarray(forward(cfg, w, ids, lengths))
+    out = np.asarray(forward(cfg, w, ids, lengths, plan=pallas))
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(out[b, :n], ref[b, :n], atol=2e-5, rtol=2e-5)
 
@@ -172,7 +173,7 @@ def test_model_and_engine_run_with_pallas_gdn():
     cache = init_cache(cfg, CacheShape(ranks=1, num_pages=40, page_size=8, num_slots=4))
     pages, slots = {"A": list(range(1, 14)), "B": [14]}, {"A": 1, "B": 2}
     work = lambda n, a, b: SeqWork(seqs[n][a:b], a, pages[n], slots[n])
-    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
+    step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(pallas)), static_argnums=0)
     for decodes, prefills in [([], [("A", 0, 70), ("B", 0, 5)]), ([("B", 5, 6)], [("A", 70, 100)])]:
         tokens, meta = stack_ranks([pack([work(*d) for d in decodes], [work(*p) for p in prefills], D=2, T=194,
                                          S=2, max_pages=13, chunk=64)])

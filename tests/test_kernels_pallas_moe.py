@@ -27,6 +27,7 @@ from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
 from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import SINGLE
 from qwen35_lib.weights import BlockFP8, quantize_fp8
 
 E, D, F, N = 6, 256, 256, 120  # small but TPU-shaped (multiples of 128); N is not a multiple of any tile
@@ -160,28 +161,30 @@ def tiny_moe():
     return cfg, jax.tree.map(lambda a: a[0, 0], init_weights(cfg, 3)["layers"]["moe"])
 
 
-moe_block = jax.jit(lambda cfg, w, x: moe.moe_block(cfg, w, x, parallelism(cfg)), static_argnums=0)
+moe_block = jax.jit(lambda cfg, plan, w, x: moe.moe_block(cfg, w, x, parallelism(plan)), static_argnums=(0, 1))
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
 
 
 def test_moe_block_with_pallas_kernels_matches_dense(tiny_moe):
     cfg, w = tiny_moe
     x = jax.random.normal(jax.random.key(5), (21, cfg.hidden_size))
-    got = moe_block(cfg.replace(moe_kernel="pallas", permute_kernel="pallas"), w, x)
+    got = moe_block(cfg, SINGLE.replace(moe_kernel="pallas", permute_kernel="pallas"), w, x)
     np.testing.assert_allclose(got, moe_dense_reference(cfg, w, x), atol=1e-6, rtol=1e-5)
-    assert get("moe_matmul", "pallas") is moe_pallas
+    assert get("moe_matmul", "pallas").func is moe_pallas  # interpret mode off a TPU
+    assert not get("moe_matmul", "pallas", "tpu").keywords["interpret"]
 
 
 def test_moe_block_expert_parallel_with_pallas_kernels(tiny_moe):
     # dp8_ep8 + replicate on the 8 CPU devices: each device runs its local experts (the other copies form a trailing
     # group of rows past the sum) inside shard_map (check_vma off: the plain interpreter, see parallel.routing).
-    from qwen35_lib.plan import make_mesh
+    from qwen35_lib.plan import get_layout, make_mesh
 
     cfg, w = tiny_moe
     x = jax.random.normal(jax.random.key(6), (16, cfg.hidden_size))
-    ep = cfg.replace(layout="dp8_ep8", routing="replicate", moe_kernel="pallas", permute_kernel="pallas")
-    with jax.set_mesh(make_mesh()):
-        got = moe_block(ep, w, x)
+    mesh = make_mesh()
+    ep = get_layout("dp8_ep8").replace(routing="replicate", moe_kernel="pallas", permute_kernel="pallas")
+    with jax.set_mesh(mesh):
+        got = moe_block(cfg, ep.bind(mesh, cfg), w, x)
     np.testing.assert_allclose(got, moe_dense_reference(cfg, w, x), atol=1e-6, rtol=1e-5)
 
 

@@ -10,12 +10,13 @@ from qwen35_lib.kernels import available, gdn_xla, get
 from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import SINGLE
 from qwen35_lib.weights import BlockFP8, dequantize_fp8, quantize_fp8
 
 # jitted once per shape: eager op-by-op dispatch would dominate the test time
 gdn_recurrent = jax.jit(gdn_xla.gdn_recurrent)
 gdn_chunked = jax.jit(gdn_xla.gdn_chunked, static_argnames="chunk_size")
-moe_block = jax.jit(lambda cfg, w, x: moe.moe_block(cfg, w, x, parallelism(cfg)), static_argnums=0)
+moe_block = jax.jit(lambda cfg, w, x, plan=SINGLE: moe.moe_block(cfg, w, x, parallelism(plan)), static_argnums=(0, 3))
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
 
 
@@ -66,7 +67,7 @@ def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
     cfg, w = tiny_moe
     x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
     ref = moe_dense_reference(cfg, w, x)
-    out = moe_block(cfg.replace(moe_kernel=kernel), w, x)
+    out = moe_block(cfg, w, x, SINGLE.replace(moe_kernel=kernel))
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-5)  # float32; only summation order differs
 
 
@@ -98,7 +99,7 @@ def test_moe_fp8_experts_match_dequantized(tiny_moe):
     wdq = dict(w, **{n: dequantize_fp8(w8[n], 16, jnp.float32) for n in ("w_gate_up", "w_down")})
     x = jax.random.normal(jax.random.key(9), (40, cfg.hidden_size))
     for kernel in ("ragged_dot", "tiled", "capacity"):
-        np.testing.assert_allclose(moe_block(cfg8.replace(moe_kernel=kernel), w8, x), moe_block(cfg, wdq, x),
+        np.testing.assert_allclose(moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel=kernel)), moe_block(cfg, wdq, x),
                                    atol=1e-6, rtol=1e-5)
 
 
@@ -110,7 +111,7 @@ def test_fused_loop_matches_dense_and_the_unfused_path(tiny_moe, n):
     assert loop.fuses(n * cfg.num_experts_per_tok, cfg.num_experts)
     x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
     ref = moe_dense_reference(cfg, w, x)
-    np.testing.assert_allclose(moe_block(cfg.replace(moe_kernel="loop"), w, x), ref, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(moe_block(cfg, w, x, SINGLE.replace(moe_kernel="loop")), ref, atol=1e-6, rtol=1e-5)
     # padding tokens (ids = E) go nowhere; FP8 experts dequantized per expert; the same as dispatch -> loop -> combine
     E = cfg.num_experts
     weights, ids = moe.route(cfg, w["router"], x)

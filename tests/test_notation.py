@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 from qwen35_lib.config import get_config
 from qwen35_lib.parallel import weight_shardings
 from qwen35_lib.parallel.notation import notation, weight_notation
-from qwen35_lib.plan import ALL, make_mesh
+from qwen35_lib.plan import ALL, get_layout, make_mesh
 
 MINI = get_config("qwen3.5-mini")
 
@@ -33,15 +33,16 @@ def test_notation_of_a_spec():
                      "layers.gdn.w_v": "W_v[D, Hv_core, 64]"}),
 ])
 def test_weight_notation_reads_the_layouts_shardings(layout, want):
-    w = weight_notation(MINI.replace(layout=layout), make_mesh())
+    w = weight_notation(MINI, get_layout(layout), make_mesh())
     assert {k: w[k] for k in want} == want
 
 
 def test_fp8_experts_are_named_by_their_values_and_every_leaf_is_covered():
-    cfg = MINI.replace(layout="dp8_ep8", expert_dtype="float8_e4m3fn")
-    w = weight_notation(cfg, make_mesh())
+    cfg, mesh = MINI.replace(expert_dtype="float8_e4m3fn"), make_mesh()
+    plan = get_layout("dp8_ep8").bind(mesh, cfg)
+    w = weight_notation(cfg, plan, mesh)
     assert w["layers.moe.w_down"] == "W_down[E_x, F, D]" and not any(k.endswith((".scale", ".value")) for k in w)
-    leaves = [k for k in _paths(weight_shardings(cfg, make_mesh())) if not k.endswith(".scale")]
+    leaves = [k for k in _paths(weight_shardings(cfg, plan, mesh)) if not k.endswith(".scale")]
     assert sorted(w) == sorted(k.removesuffix(".value") for k in leaves)
 
 

@@ -14,11 +14,11 @@ matplotlib.use("Agg")
 from widgets import by_label  # noqa: E402
 
 from qwen35_lib import budget  # noqa: E402
-from qwen35_lib.config import LAYOUTS, get_config  # noqa: E402
+from qwen35_lib.config import get_config  # noqa: E402
 from qwen35_lib.engine.cache import cache_shardings, init_cache  # noqa: E402
-from qwen35_lib.parallel import shard_weights  # noqa: E402
+from qwen35_lib.parallel import placed_config, shard_weights  # noqa: E402
 from qwen35_lib.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
-from qwen35_lib.plan import make_mesh
+from qwen35_lib.plan import LAYOUTS, get_layout, make_mesh  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
 from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
 
@@ -40,14 +40,15 @@ def test_weight_and_cache_bytes_equal_real_shards(expert_dtype):
         values = jax.tree.map(lambda i: np.zeros(i.shape, i.dtype), declare(tiny), is_leaf=is_info)
     valid = []
     for layout in LAYOUTS:
-        cfg = tiny.replace(layout=layout)
+        cfg = tiny
         p = placement(cfg, layout, requests=5, context_len=40, page_size=8)
         if p.problem:
             continue
         valid.append(layout)
-        weights = shard_weights(cfg, values, mesh)
+        plan = get_layout(layout).bind(mesh, cfg)
+        weights = shard_weights(cfg, plan, values, mesh)
         assert _bytes_on(weights, dev0) == p.weight_bytes_per_device, layout
-        cache = jax.device_put(init_cache(cfg, p.cache_shape), cache_shardings(cfg, p.cache_shape, mesh))
+        cache = jax.device_put(init_cache(cfg, p.cache_shape), cache_shardings(cfg, plan, p.cache_shape, mesh))
         assert _bytes_on(cache, dev0) == p.kv_bytes_per_device + p.gdn_state_bytes_per_device, layout
         assert shard_bytes_per_device(cache["kv"], mesh) == [p.kv_bytes_per_device] * 8, layout  # every device
     # tp8 and tp: 2 KV heads do not divide 8
@@ -94,21 +95,19 @@ def test_tp_kvrep_kv_shard_holds_max_1_hkv_over_tp_heads(devices):
     """16 query / 2 KV heads split over 2, 4, 8 devices: max(1, 2 / tp) KV heads per device, in the placed cache
     shard, the arithmetic and the cost model alike."""
     from qwen35_lib.costmodel import ops
-    from qwen35_lib.parallel import placed_config
-    from qwen35_lib.plan import check_layout
-
-    cfg = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2, layout="tp_kvrep")
+    cfg = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2)
     mesh = make_mesh(jax.devices()[:devices])
-    placed = placed_config(cfg, mesh)
+    plan = get_layout("tp_kvrep").bind(mesh, cfg)
+    placed = placed_config(cfg, plan, mesh)
     want = max(1, 2 // devices)
     p = placement(cfg, "tp_kvrep", devices=devices, requests=3, context_len=32, page_size=8)
     shape = p.cache_shape
     abstract = jax.eval_shape(lambda: init_cache(placed, shape))
     kv = abstract["kv"]
-    shard = cache_shardings(placed, shape, mesh)["kv"].shard_shape(kv.shape)
+    shard = cache_shardings(placed, plan, shape, mesh)["kv"].shard_shape(kv.shape)
     assert shard[-1] == want * 2 * cfg.head_dim  # K and V of `want` heads
     assert p.kv_bytes_per_device == kv.dtype.itemsize * np.prod(shard)
-    assert check_layout(cfg, mesh).kv_heads_per_device(cfg) == ops.kv_heads_per_device(cfg, devices) == want
+    assert plan.kv_heads_per_device(cfg) == ops.kv_heads_per_device(cfg, devices) == want
 
 
 def test_dp4_tp2_ep8_heads_over_core_requests_over_chip():

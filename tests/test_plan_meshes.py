@@ -10,7 +10,7 @@ import pytest
 
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.parallel import placed_config, shard_weights
-from qwen35_lib.plan import check_layout, make_mesh
+from qwen35_lib.plan import get_layout, make_mesh
 
 # heads and experts that divide every mesh here: 16 query heads, 2 KV heads (tp_kvrep duplicates them), 16 experts
 M2 = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2, num_experts=16, head_dim=16)
@@ -39,12 +39,11 @@ def _mesh(n: int):
 def test_general_layout_equals_single_device(layout, routing, base, devices, models):
     tokens, ref = models
     weights, want = ref[base.num_kv_heads]
-    cfg = base.replace(layout=layout, routing=routing or "replicate")
     mesh = _mesh(devices)
-    plan = check_layout(cfg, mesh)
+    plan = get_layout(layout).replace(routing=routing).bind(mesh, base)
     assert plan.mesh_shape == (("chip", max(1, devices // 2)), ("core", min(2, devices)))
     with jax.set_mesh(mesh):
-        out = np.asarray(forward(cfg, shard_weights(cfg, weights, mesh), tokens, lengths=[11, 6]))
+        out = np.asarray(forward(base, shard_weights(base, plan, weights, mesh), tokens, lengths=[11, 6], plan=plan))
     valid = np.arange(11)[None, :] < np.array([11, 6])[:, None]
     np.testing.assert_allclose(out[valid], want[valid], atol=2e-5, rtol=1e-5)
     assert (out.argmax(-1)[valid] == want.argmax(-1)[valid]).all()  # the greedy tokens
@@ -53,7 +52,7 @@ def test_general_layout_equals_single_device(layout, routing, base, devices, mod
 @pytest.mark.parametrize("devices", DEVICES)
 def test_sizes_come_from_the_mesh(devices):
     mesh = _mesh(devices)
-    sizes = {n: check_layout(M2.replace(layout=n), mesh) for n in ("tp_kvrep", "dp_tp2_ep", "dp_ep")}
+    sizes = {n: get_layout(n).bind(mesh, M2) for n in ("tp_kvrep", "dp_tp2_ep", "dp_ep")}
     assert (sizes["dp_ep"].dp, sizes["dp_ep"].ep, sizes["dp_ep"].tp) == (devices, devices, 1)
     assert (sizes["tp_kvrep"].dp, sizes["tp_kvrep"].tp) == (1, devices)
     assert (sizes["dp_tp2_ep"].dp, sizes["dp_tp2_ep"].tp, sizes["dp_tp2_ep"].ep) == \
@@ -61,18 +60,18 @@ def test_sizes_come_from_the_mesh(devices):
     # tp_kvrep: each device keeps max(1, Hkv / tp) KV heads; the weights carry Hkv x max(1, tp / Hkv) heads
     rep = sizes["tp_kvrep"]
     assert rep.kv_heads_per_device(M2) == max(1, 2 // devices)
-    assert placed_config(M2.replace(layout="tp_kvrep"), mesh).num_kv_heads == 2 * max(1, devices // 2)
+    assert placed_config(M2, rep, mesh).num_kv_heads == 2 * max(1, devices // 2)
 
 
 def test_eight_device_names_refuse_another_mesh_with_the_general_name():
     for name, general in (("dp8_ep8", "dp_ep"), ("tp8_kvrep", "tp_kvrep"), ("dp4_tp2_ep8", "dp_tp2_ep")):
         with pytest.raises(ValueError, match=f"8-device instance of '{general}'.*4 devices.*use layout '{general}'"):
-            check_layout(M2.replace(layout=name), _mesh(4))
-        assert check_layout(M2.replace(layout=name), _mesh(8)).devices == 8
+            get_layout(name).bind(_mesh(4), M2)
+        assert get_layout(name).bind(_mesh(8), M2).devices == 8
     with pytest.raises(ValueError, match=r"2 KV heads cannot be split over 4 devices.*'dp_ep'.*'tp_kvrep'"):
-        check_layout(M2.replace(layout="tp"), _mesh(4))
+        get_layout("tp").bind(_mesh(4), M2)
     with pytest.raises(ValueError, match="12 experts cannot be split evenly over 8"):
-        check_layout(M2.replace(layout="dp_ep", num_experts=12), _mesh(8))
+        get_layout("dp_ep").bind(_mesh(8), M2.replace(num_experts=12))
 
 
 @pytest.mark.parametrize("devices", [1, 4, 8])
@@ -86,13 +85,14 @@ def test_ep_moves_only_the_rows_routed_to_each_device(routing, devices, models):
 
     weights, _ = models[1][2]
     w = jax.tree.map(lambda a: a[0, 0], weights["layers"]["moe"])
-    cfg = M2.replace(layout="dp_ep", routing=routing)
+    cfg = M2
     x = jax.random.normal(jax.random.key(5), (40, M2.hidden_size))
     mesh = _mesh(devices)
+    plan = get_layout("dp_ep").replace(routing=routing).bind(mesh, cfg)
     with jax.set_mesh(mesh):
-        out, dropped, rows = jax.jit(lambda w, x: moe_ep(cfg, w, x, route, with_rows=True))(w, x)
+        out, dropped, rows = jax.jit(lambda w, x: moe_ep(cfg, w, x, route, plan, with_rows=True))(w, x)
     ids = np.asarray(route(cfg, w["router"], x)[1])  # [40, 3]
-    assert int(dropped) == 0 and np.array_equal(np.asarray(rows), predicted_rows(cfg, ids, devices))
+    assert int(dropped) == 0 and np.array_equal(np.asarray(rows), predicted_rows(cfg, plan, ids, devices))
     copies = ids.size
     if routing == "replicate":  # every copy runs on exactly one device: N·k in all, not N·k on each
         assert int(np.sum(rows)) == copies

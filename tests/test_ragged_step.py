@@ -10,8 +10,9 @@ from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
 from qwen35_lib.engine.cache import CacheShape, init_cache
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import SINGLE
 
-step = jax.jit(lambda cfg, *args: ragged_forward(cfg, *args, parallelism(cfg)), static_argnums=0)
+step = jax.jit(lambda cfg, plan, *args: ragged_forward(cfg, *args, parallelism(plan)), static_argnums=(0, 1))
 SHAPE = dict(ranks=1, num_pages=40, page_size=8, num_slots=6)
 
 
@@ -25,9 +26,10 @@ def tiny():
     return cfg, w, A, B, ref
 
 
-def run_schedule(cfg, w, A, B, kv_dtype=None):
+def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE):
     """A: a 100-token prompt in chunks of 70 and 30 (the second starts mid-sequence, next to a decode of B);
-    B: a 5-token prompt then decodes; then both decode. Returns [(logits, sequence, position)]."""
+    B: a 5-token prompt then decodes; then both decode (under the one-device `plan`: its kernels). Returns
+    [(logits, sequence, position)]."""
     cache = init_cache(cfg, CacheShape(**SHAPE, kv_dtype=kv_dtype))
     pages = {"A": list(range(1, 16)), "B": list(range(16, 20))}
     seqs = {"A": A, "B": B}
@@ -39,7 +41,7 @@ def run_schedule(cfg, w, A, B, kv_dtype=None):
     for decodes, prefills in schedule:
         tokens, meta = stack_ranks([pack([work(*d) for d in decodes], [work(*p) for p in prefills], D=4, T=196,
                                          S=4, max_pages=16, chunk=64)])
-        logits, cache = step(cfg, w, cache, jnp.asarray(tokens), jax.tree.map(jnp.asarray, meta))
+        logits, cache = step(cfg, plan, w, cache, jnp.asarray(tokens), jax.tree.map(jnp.asarray, meta))
         out += [(logits[0, s], n, b - 1) for s, (n, _, b) in enumerate(decodes + prefills)]
     return out
 

@@ -184,7 +184,7 @@ def test_sampling_params_are_checked():
 def test_processing_on_a_data_parallel_mesh_equals_one_device():
     """The [R, S, V] processing arrays are split over the ranks like the other sampling arrays: dp8_ep8 on 8
     (simulated) devices gives the single-device tokens."""
-    from qwen35_lib.plan import make_mesh
+    from qwen35_lib.plan import get_layout, make_mesh
 
     cfg = get_config("qwen3.5-tiny", dtype="float32")
     w = init_weights(cfg, 0)
@@ -195,6 +195,6 @@ def test_processing_on_a_data_parallel_mesh_equals_one_device():
               (dict(logit_bias={7: 5.0}), dict(repetition_penalty=0.3), {}, dict(presence_penalty=-2.0),
                dict(allowed_token_ids=[3, 4, 5]), dict(bad_words_ids=[[10]], min_tokens=2))]
     ref = [r.output_ids for r in Engine(cfg, w, ec).generate(prompts, params)]
-    mesh_engine = Engine(cfg.replace(layout="dp8_ep8", routing="replicate"), w, ec, mesh=make_mesh())
+    mesh_engine = Engine(cfg, w, ec, mesh=make_mesh(), plan=get_layout("dp8_ep8").replace(routing="replicate"))
     assert [r.output_ids for r in mesh_engine.generate(prompts, params)] == ref
     assert ref[0] == [7] * 4 and set(ref[4]) <= {3, 4, 5}

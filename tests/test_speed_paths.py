@@ -16,6 +16,7 @@ from qwen35_lib.kernels.registry import get
 from qwen35_lib.model import decoder, layer_loop
 from qwen35_lib.model.moe import local_moe, moe_dense_reference, shared_expert
 from qwen35_lib.model.parallelism import LOCAL
+from qwen35_lib.plan import SINGLE
 from qwen35_lib.weights import dequantize_fp8, quantize_fp8
 
 
@@ -27,7 +28,7 @@ def tiny():
 
 def test_unrolled_forward_equals_the_scan(tiny):
     cfg, w = tiny
-    assert layer_loop.unrolled(cfg) and not layer_loop.unrolled(cfg, "tpu")
+    assert layer_loop.unrolled(cfg) and not layer_loop.unrolled(cfg, SINGLE.resolve_kernels("tpu"))
     split = layer_loop.prepare_weights(cfg, w)
     assert layer_loop.is_per_layer(split["layers"]) and layer_loop.prepare_weights(cfg, w)["layers"] is split["layers"]
     decoder.check_weights(cfg, split)  # the per-layer form is a valid weight tree
@@ -75,15 +76,15 @@ def spy_kernel(monkeypatch):
 @pytest.mark.usefixtures("spy_kernel")
 def test_padding_tokens_route_to_no_expert(tiny):
     cfg, w = tiny
-    cfg = cfg.replace(moe_kernel="test_spy")
+    spy = SINGLE.replace(moe_kernel="test_spy")
     moe = jax.tree.map(lambda a: a[0, 1], w["layers"]["moe"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((24, cfg.hidden_size)), jnp.float32)
     valid = jnp.arange(24) % 3 != 0  # 16 real tokens, 8 padding
     SEEN.clear()
-    got = local_moe(cfg, moe, x, valid)
+    got = local_moe(cfg, moe, x, valid, spy)
     (sizes,) = SEEN
     assert sizes.shape == (cfg.num_experts,) and sizes.sum() == 16 * cfg.num_experts_per_tok  # no padding copy
-    ref = local_moe(cfg, moe, x[np.asarray(valid)])  # the real tokens alone
+    ref = local_moe(cfg, moe, x[np.asarray(valid)], plan=spy)  # the real tokens alone
     np.testing.assert_allclose(got[np.asarray(valid)], ref, rtol=1e-5, atol=1e-6)
     pad = ~np.asarray(valid)  # routed part 0: the shared expert alone
     np.testing.assert_allclose(got[pad], shared_expert(moe, x)[pad], rtol=1e-6, atol=1e-7)
@@ -94,13 +95,13 @@ def test_padding_does_not_push_capacity_into_its_fallback(tiny):
     """512 identical padding tokens (id 0's hidden state) with 64 real ones: the capacity kernel's groups hold only
     the real tokens' copies, so none exceeds its capacity (the fallback is not taken)."""
     cfg, w = tiny
-    cfg = cfg.replace(moe_kernel="test_spy")
+    spy = SINGLE.replace(moe_kernel="test_spy")
     moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
     real = np.random.default_rng(2).standard_normal((64, cfg.hidden_size)).astype(np.float32)
     x = jnp.asarray(np.concatenate([real, np.repeat(np.asarray(w["embed"][:1]), 512, 0)]))
     SEEN.clear()
-    local_moe(cfg, moe, x, jnp.arange(576) < 64)
-    local_moe(cfg, moe, x)  # unmasked, as before: every padding copy lands on the same k experts
+    local_moe(cfg, moe, x, jnp.arange(576) < 64, spy)
+    local_moe(cfg, moe, x, plan=spy)  # unmasked, as before: every padding copy lands on the same k experts
     masked, unmasked = SEEN
     N, E = 576 * cfg.num_experts_per_tok, cfg.num_experts
     C = -(-int(np.ceil(N / E + 4 * np.sqrt(N / E) + 2)) // 8) * 8  # `moe_capacity`'s slots per expert
@@ -158,22 +159,23 @@ def test_moe_loop_layer_matches_dense_and_capacity(tiny, n):
     moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
     moe["router"] = moe["router"] * 50  # sharper routing: some experts get no tokens
     x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
-    run = jax.jit(lambda c, w, x: local_moe(c, w, x), static_argnums=0)
-    got = run(cfg.replace(moe_kernel="loop"), moe, x)
+    run = jax.jit(lambda c, p, w, x: local_moe(c, w, x, plan=p), static_argnums=(0, 1))
+    got = run(cfg, SINGLE.replace(moe_kernel="loop"), moe, x)
     np.testing.assert_allclose(got, moe_dense_reference(cfg, moe, x), atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(got, run(cfg.replace(moe_kernel="capacity"), moe, x), atol=1e-6, rtol=1e-5)
-    assert registry.resolve_name("moe_matmul", "auto") == "loop"  # the CPU default
+    np.testing.assert_allclose(got, run(cfg, SINGLE.replace(moe_kernel="capacity"), moe, x), atol=1e-6, rtol=1e-5)
+    assert registry.default_name("moe_matmul") == SINGLE.kernel("moe_matmul") == "loop"  # the CPU default
 
 
 def test_moe_loop_fp8_experts_match_dequantized(tiny):
     cfg, w = tiny
     moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
-    cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16, moe_kernel="loop")
+    cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16)
+    loop, ragged_dot = SINGLE.replace(moe_kernel="loop"), SINGLE.replace(moe_kernel="ragged_dot")
     w8 = dict(moe, w_gate_up=quantize_fp8(moe["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(moe["w_down"], 16, (1, 2)))
     wdq = dict(moe, **{k: dequantize_fp8(w8[k], 16, jnp.float32) for k in ("w_gate_up", "w_down")})
     for n in (40, 8):  # 120 rows over 8 experts: the loop; 24 rows: the blocked form
         x = jax.random.normal(jax.random.key(9), (n, cfg.hidden_size))
-        np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="loop"), wdq, x),
+        np.testing.assert_allclose(local_moe(cfg8, w8, x, plan=loop), local_moe(cfg, wdq, x, plan=loop),
                                    atol=1e-6, rtol=1e-5)
-        np.testing.assert_allclose(local_moe(cfg8, w8, x), local_moe(cfg.replace(moe_kernel="ragged_dot"), wdq, x),
+        np.testing.assert_allclose(local_moe(cfg8, w8, x, plan=loop), local_moe(cfg, wdq, x, plan=ragged_dot),
                                    atol=1e-5, rtol=1e-5)

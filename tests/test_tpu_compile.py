@@ -22,8 +22,9 @@ def _topology() -> dict:
 
 def _forward(kernels: dict) -> dict:
     from qwen35_lib.aot import compile_forward
+    from qwen35_lib.plan import SINGLE
 
-    compiled = compile_forward(get_config("qwen3.5-mini", **kernels), batch=2, seq=256)
+    compiled = compile_forward(get_config("qwen3.5-mini"), batch=2, seq=256, plan=SINGLE.replace(**kernels))
     return dict(argument_bytes=compiled.memory_analysis().argument_size_in_bytes,
                 flops=compiled.cost_analysis()["flops"])
 

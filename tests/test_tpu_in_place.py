@@ -42,18 +42,18 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.kernels import moe_pallas
-    from qwen35_lib.plan import stage_config
+    from qwen35_lib.plan import get_stage
 
     moe_pallas.moe_pallas.reads_stacked = True  # what the kernels stage does (the control turns it off)
     jax.clear_caches()  # the same config traced again: not from the trace cache
     cfg = sweep.serving_config(MODEL, groups, **REDUCED)
     mesh = aot.chip_core_mesh()
     shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
-    scfg = stage_config(cfg, "kernels", "tpu")
-    c = aot.compile_step(scfg, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8, page_size=PAGE,
-                         kv_dtype=shape.kv_dtype, weight_layouts=layouts)
+    plan = get_stage("kernels").bind(mesh, cfg)
+    c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
+                         page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts=layouts)
     ma = c.memory_analysis()
-    resident = sweep._resident(scfg, shape, mesh)
+    resident = sweep._resident(cfg, plan, shape, mesh)
     text = c.as_text()
     copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
     return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
@@ -71,18 +71,18 @@ def _sliced_moe_loop() -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.kernels import moe_pallas
-    from qwen35_lib.kernels.registry import compile_target
     from qwen35_lib.model.moe import route, stacked_experts
     from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.parallel.routing import moe_ep
-    from qwen35_lib.plan import ALL, stage_config
+    from qwen35_lib.plan import ALL, get_stage
     from qwen35_lib.weights import abstract_weights
 
     moe_pallas.moe_pallas.reads_stacked = False
     jax.clear_caches()
     mesh = aot.chip_core_mesh()
-    cfg = aot.for_backend(stage_config(sweep.serving_config(MODEL, 2, **REDUCED), "kernels", "tpu"), "tpu")
-    scanned, stacks = stacked_experts(cfg, abstract_weights(cfg, weight_shardings(cfg, mesh))["layers"])
+    cfg = sweep.serving_config(MODEL, 2, **REDUCED)
+    plan = get_stage("kernels").bind(mesh, cfg)  # the TPU mesh: Pallas kernels lower for Mosaic
+    scanned, stacks = stacked_experts(cfg, abstract_weights(cfg, weight_shardings(cfg, plan, mesh))["layers"], plan)
     assert not stacks  # the expert weights stay in the scanned tree: sliced per layer
     x = jax.ShapeDtypeStruct((REQUESTS, cfg.hidden_size), jnp.bfloat16,
                              sharding=NamedSharding(mesh, PartitionSpec(ALL)))  # one decode token a request
@@ -90,11 +90,11 @@ def _sliced_moe_loop() -> dict:
     def loop(moe, x):  # moe: leaves [G, P, ...]
         def group(x, w):  # w: leaves [P, ...]
             for p in range(len(cfg.layer_pattern)):
-                x = x + moe_ep(cfg, jax.tree.map(lambda a, p=p: a[p], w), x, route)[0]
+                x = x + moe_ep(cfg, jax.tree.map(lambda a, p=p: a[p], w), x, route, plan)[0]
             return x, None
         return jax.lax.scan(group, x, moe)[0]
 
-    with jax.set_mesh(mesh), compile_target("tpu"):
+    with jax.set_mesh(mesh):
         text = jax.jit(loop).lower(scanned["moe"], x).compile().as_text()
     copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
     return dict(copies=[(i.op, i.name, i.arrays) for i in copies])

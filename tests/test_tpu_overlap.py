@@ -62,15 +62,15 @@ def _schedule(serialised: bool, options: dict | None = None) -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.parallel import collectives, hlo, routing
-    from qwen35_lib.plan import micro_batches, stage_config
+    from qwen35_lib.plan import get_stage, micro_batches
 
     routing.reduce_scatter = _serialised_reduce_scatter(collectives.reduce_scatter) if serialised else \
         collectives.reduce_scatter
     jax.clear_caches()
-    cfg = stage_config(sweep.serving_config(MODEL, 2, **NARROW), "hier_rs", "tpu")
+    cfg = sweep.serving_config(MODEL, 2, **NARROW)
     opts = aot.RECIPE_OPTIONS if options is None else options
-    c = aot.compile_step(cfg, aot.chip_core_mesh(), requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
-                         page_size=PAGE, kv_dtype="float8_e4m3fn", compiler_options=opts)
+    c = aot.compile_step(cfg, get_stage("hier_rs"), aot.chip_core_mesh(), requests=REQUESTS, context_len=CONTEXT,
+                         decode=REQUESTS // 8, page_size=PAGE, kv_dtype="float8_e4m3fn", compiler_options=opts)
     text = c.as_text()
     body = hlo.layer_body(text)
     chains = hlo_checks.rs_chains(text, body)
@@ -96,12 +96,12 @@ def _replicate_allgathers() -> float:
 
     from qwen35_lib import aot
     from qwen35_lib.aot import sweep
-    from qwen35_lib.plan import stage_config
+    from qwen35_lib.plan import get_stage
 
     jax.clear_caches()
-    cfg = stage_config(sweep.serving_config(MODEL, 2, **NARROW), "replicate", "tpu")
-    c = aot.compile_step(cfg, aot.chip_core_mesh(), requests=16, context_len=CONTEXT, decode=2, page_size=PAGE,
-                         kv_dtype="float8_e4m3fn")
+    cfg = sweep.serving_config(MODEL, 2, **NARROW)
+    c = aot.compile_step(cfg, get_stage("replicate"), aot.chip_core_mesh(), requests=16, context_len=CONTEXT,
+                         decode=2, page_size=PAGE, kv_dtype="float8_e4m3fn")
     return _allgathers_per_moe_layer(c.as_text(), cfg)
 
 

@@ -3,12 +3,12 @@
 `get_topology_desc` describes the 8 TensorCores of a TPU7x-8 (4 chips x 2 cores) without a TPU; programs
 lowered against them with `jax.ShapeDtypeStruct` inputs compile for real (Mosaic included) and allocate
 nothing, so per-device memory (`memory_analysis()`), FLOPs and bytes (`cost_analysis()`) and the compiled
-collectives can be read at the full 397B size.
+collectives can be read at the full 397B size. Each compile takes `(config, plan, mesh)` and binds the plan to
+the mesh once (its kernel slots resolved for the TPU: Pallas kernels lower for Mosaic, not for the interpreter).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import glob
 import os
@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels.registry import compile_target, resolve_name
-from qwen35_lib.plan.kernels import CONFIG_FIELDS
+from qwen35_lib.plan import SINGLE, ServingPlan
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
@@ -55,23 +54,18 @@ def chip_core_mesh(devices=None) -> Mesh:
     return make_mesh(topology_devices() if devices is None else devices)
 
 
-def for_backend(config: Config, backend: str) -> Config:
-    """`config` with every "auto" kernel resolved for `backend` (tracing happens on this CPU, so say it)."""
-    return dataclasses.replace(config, **{f: resolve_name(s, getattr(config, f), backend)
-                                          for s, f in CONFIG_FIELDS.items()})
-
-
-def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_8):
-    """`forward` compiled for one device of `topology` with abstract weights; returns the compiled executable."""
+def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_8, plan: ServingPlan = SINGLE):
+    """`forward` compiled for one device of `topology` with abstract weights under the one-device `plan` (its
+    kernels resolved for the TPU); returns the compiled executable."""
     from qwen35_lib.parallel.parallelism import lower_forward
 
     device = topology_devices(topology)[0]
+    plan = plan.bound(None, config, platform=device.platform)
     one = jax.sharding.SingleDeviceSharding(device)
     weights = abstract_weights(config, jax.tree.map(lambda _: one, abstract_weights(config)))
     ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
-    with compile_target("tpu"):  # Pallas kernels lower for Mosaic, not for the interpreter
-        return lower_forward(for_backend(config, "tpu"), weights, ids, lengths).compile()
+    return lower_forward(config, weights, ids, lengths, plan).compile()
 
 
 def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeDtypeStruct:
@@ -120,11 +114,12 @@ def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
                                                                   a.sharding))
 
 
-def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int, decode: int, prefill: int = 0,
-                 page_size: int = 16, kv_dtype: str | None = None, compiler_options: dict | None = None,
-                 weight_layouts: str = "default"):
-    """The engine's jitted step under `config.layout`, lowered with abstract weights, caches and inputs on
-    `mesh` (e.g. `chip_core_mesh()` for TPU7x-8) and compiled; nothing is allocated.
+def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int, context_len: int, decode: int,
+                 prefill: int = 0, page_size: int = 16, kv_dtype: str | None = None,
+                 compiler_options: dict | None = None, weight_layouts: str = "default"):
+    """The engine's jitted step under the serving `plan` (bound here to `mesh`, e.g. `chip_core_mesh()` for
+    TPU7x-8, and checked against `config`), lowered with abstract weights, caches and inputs and compiled;
+    nothing is allocated.
 
     requests: concurrent sequences (pools sized for `requests` of `context_len` tokens, spread over the
     layout's data-parallel ranks); decode / prefill: tokens per rank in this step (decode region, then a
@@ -137,18 +132,17 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
     from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
-    from qwen35_lib.plan import check_layout
     from qwen35_lib.weights import is_info
 
-    layout = check_layout(config, mesh)
-    config = placed_config(config, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
-    R = layout.dp_size(mesh)
+    plan = plan.bound(mesh, config)
+    config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
+    R = plan.dp_size(mesh)
     S = -(-requests // R)  # sequences per rank
     pages = -(-context_len // page_size)
     C = config.gdn_chunk_size
     T = decode + -(-prefill // C) * C
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
-    weights = abstract_weights(config, weight_shardings(config, mesh))
+    weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
         weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
         moe = weights["layers"]["moe"]
@@ -158,23 +152,23 @@ def compile_step(config: Config, mesh: Mesh, *, requests: int, context_len: int,
     elif weight_layouts != "default":
         raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
-                         declare_cache(config, shape), cache_shardings(config, shape, mesh), is_leaf=is_info)
-    arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(config, mesh, len(shp)))
+                         declare_cache(config, shape), cache_shardings(config, plan, shape, mesh), is_leaf=is_info)
+    arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(plan, mesh, len(shp)))
     meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
                       kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),
                       decode_seq=arr((R, max(decode, 1))), sample_tok=arr((R, S)))
     samp = dict(temperature=arr((R, S), jnp.float32), top_k=arr((R, S)), top_p=arr((R, S), jnp.float32),
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
-    backend = mesh.devices.flat[0].platform
-    with jax.set_mesh(mesh), compile_target(backend):
-        lowered = engine_step.lower(for_backend(config, backend), weights, cache, arr((R, T)), meta, samp)
+    with jax.set_mesh(mesh):
+        lowered = engine_step.lower(config, plan, weights, cache, arr((R, T)), meta, samp)
         return lowered.compile(compiler_options)
 
 
-def compile_moe_layer(config: Config, mesh: Mesh, tokens: int, compiler_options: dict | None = None):
-    """One EP MoE layer (`parallel.routing.moe_ep`, layer 0 of group 0, the XLA grouped matmul) on `mesh` with
-    x [tokens, D] split over the mesh's devices, compiled with abstract weights (and `compiler_options`, e.g. a
-    TPU flag): its collectives as XLA emits and schedules them."""
+def compile_moe_layer(config: Config, plan: ServingPlan, mesh: Mesh, tokens: int,
+                      compiler_options: dict | None = None):
+    """One EP MoE layer (`parallel.routing.moe_ep` under the EP `plan`, bound here; layer 0 of group 0, the XLA
+    grouped matmul) on `mesh` with x [tokens, D] split over the mesh's devices, compiled with abstract weights
+    (and `compiler_options`, e.g. a TPU flag): its collectives as XLA emits and schedules them."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from qwen35_lib.model.moe import route
@@ -182,29 +176,30 @@ def compile_moe_layer(config: Config, mesh: Mesh, tokens: int, compiler_options:
     from qwen35_lib.parallel.routing import moe_ep
     from qwen35_lib.plan import ALL
 
-    backend = mesh.devices.flat[0].platform
-    config = for_backend(config.replace(moe_kernel="ragged_dot"), backend)
-    w = abstract_weights(config, weight_shardings(config, mesh))["layers"]["moe"]
+    plan = plan.replace(moe_kernel="ragged_dot").bound(mesh, config)
+    w = abstract_weights(config, weight_shardings(config, plan, mesh))["layers"]["moe"]
     x = jax.ShapeDtypeStruct((tokens, config.hidden_size), jnp.dtype(config.dtype),
                              sharding=NamedSharding(mesh, PartitionSpec(ALL)))
-    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route)
-    with jax.set_mesh(mesh), compile_target(backend):
+    layer = lambda w, x: moe_ep(config, jax.tree.map(lambda a: a[0, 0], w), x, route, plan)
+    with jax.set_mesh(mesh):
         return jax.jit(layer).lower(w, x).compile(compiler_options)
 
 
-def resident_bytes(config: Config, cache_shape, mesh: Mesh) -> tuple[int | None, str | None]:
+def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -> tuple[int | None, str | None]:
     """Per-device bytes XLA assigns to the weights plus the caches of `cache_shape` (an `engine.cache.CacheShape`)
-    under `config.layout` on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from `memory_analysis()` of
-    a program that keeps every input, or (None, the compiler's refusal, e.g. RESOURCE_EXHAUSTED)."""
+    under the serving `plan` (bound here) on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from
+    `memory_analysis()` of a program that keeps every input, or (None, the compiler's refusal, e.g.
+    RESOURCE_EXHAUSTED)."""
     from qwen35_lib.engine.cache import cache_shardings, declare_cache
     from qwen35_lib.parallel.layouts import placed_config, weight_shardings
     from qwen35_lib.weights import is_info
 
-    config = placed_config(config, mesh)
-    weights = abstract_weights(config, weight_shardings(config, mesh))
+    plan = plan.bound(mesh, config)
+    config = placed_config(config, plan, mesh)
+    weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     abstract = lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh)
-    cache = jax.tree.map(abstract, declare_cache(config, cache_shape), cache_shardings(config, cache_shape, mesh),
-                         is_leaf=is_info)
+    cache = jax.tree.map(abstract, declare_cache(config, cache_shape),
+                         cache_shardings(config, plan, cache_shape, mesh), is_leaf=is_info)
     touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)
     try:
         return touch.lower(weights, cache).compile().memory_analysis().argument_size_in_bytes, None

@@ -100,14 +100,14 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
-def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
-    """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share)."""
+def _resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
+    """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share) under
+    the bound `plan` (`cfg` as placed: tp_kvrep's duplicated KV heads)."""
     import jax
     import jax.numpy as jnp
 
     from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
     from qwen35_lib.parallel.layouts import weight_shardings
-    from qwen35_lib.plan import check_layout
     from qwen35_lib.weights import abstract_weights, is_info
 
     def per_device(arrays) -> int:  # ShapeDtypeStructs with shardings -> the fullest device's bytes
@@ -118,14 +118,14 @@ def _resident(cfg, shape: ServingShape, mesh) -> dict[str, int]:
                 out[d] = out.get(d, 0) + n
         return max(out.values(), default=0)
 
-    R = check_layout(cfg, mesh).dp_size(mesh)
+    R = plan.dp_size(mesh)
     S = -(-shape.requests // R)
     cs = CacheShape(ranks=R, num_pages=S * -(-shape.context_len // shape.page_size) + 1, page_size=shape.page_size,
                     num_slots=S + 1, kv_dtype=shape.kv_dtype)
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh), declare_cache(cfg, cs),
-                         cache_shardings(cfg, cs, mesh), is_leaf=is_info)
+                         cache_shardings(cfg, plan, cs, mesh), is_leaf=is_info)
     kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
-    return {"weight_bytes": per_device(abstract_weights(cfg, weight_shardings(cfg, mesh))),
+    return {"weight_bytes": per_device(abstract_weights(cfg, weight_shardings(cfg, plan, mesh))),
             "kv_bytes": per_device(kv), "gdn_state_bytes": per_device({k: v for k, v in cache.items() if k not in kv})}
 
 
@@ -139,16 +139,16 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     from qwen35_lib import aot
     from qwen35_lib.parallel import hlo
     from qwen35_lib.parallel.layouts import placed_config
-    from qwen35_lib.plan import check_layout, get_stage, stage_config
+    from qwen35_lib.plan import get_stage
 
-    scfg = stage_config(cfg, stage, mesh.devices.flat[0].platform)
-    R = check_layout(scfg, mesh).dp_size(mesh)
+    plan = get_stage(stage).bind(mesh, cfg)  # checked; kernels for the mesh's platform
+    R = plan.dp_size(mesh)
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **_resident(placed_config(scfg, mesh), shape, mesh)}  # tp_kvrep: its duplicated KV heads
+                   **_resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
     start = time.perf_counter()
     try:
-        compiled = aot.compile_step(scfg, mesh, requests=shape.requests, context_len=shape.context_len,
+        compiled = aot.compile_step(cfg, plan, mesh, requests=shape.requests, context_len=shape.context_len,
                                     decode=decode, prefill=prefill, page_size=shape.page_size,
                                     kv_dtype=shape.kv_dtype, compiler_options=compiler_options,
                                     weight_layouts=weight_layouts)
@@ -175,12 +175,11 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
         path = hlo_path(hlo_dir, stage, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(text.encode(), mtime=0))
-    entry["collectives"] = collectives(text, get_stage(stage).bind(mesh), scfg, shape.requests, decode, prefill)
+    entry["collectives"] = collectives(text, plan, cfg, shape.requests, decode, prefill)
     entry["bytes_by_block"] = hlo.op_bytes(text)  # the text's own account of the bytes (`costmodel.compiled`)
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
-    s = get_stage(stage)
-    if s.routing == "replicate" and not s.fuse_allgather and body:
+    if plan.routing == "replicate" and not plan.fuse_allgather and body:
         moe_layers = len(cfg.layer_pattern)  # every layer of a group has an MoE
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)
         entry["allgathers_combined"] = ags < 3 * moe_layers  # the unfused stage issues 3 per MoE layer

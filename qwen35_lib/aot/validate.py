@@ -18,13 +18,14 @@ from qwen35_lib.costmodel.ops import Batch
 from qwen35_lib.costmodel.predict import weight_bytes_per_device
 from qwen35_lib.costmodel.step import step_time
 from qwen35_lib.costmodel.validate import SINGLE_XLA
+from qwen35_lib.plan import SINGLE
 
 
 def aot_forward(cfg: Config, batch: int, seq: int) -> dict:
     """XLA's own counts for `forward` compiled for tpu7x:2x2x1 (one TensorCore) vs the model's (see module doc)."""
     t = time.perf_counter()  # the XLA kernels, as the prediction (SINGLE_XLA) assumes
-    ex = compile_forward(cfg.replace(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot",
-                                     permute_kernel="xla"), batch, seq)
+    xla = SINGLE.replace(attention_kernel="xla", gdn_kernel="xla", moe_kernel="ragged_dot", permute_kernel="xla")
+    ex = compile_forward(cfg, batch, seq, plan=xla)
     seconds = time.perf_counter() - t
     ca = ex.cost_analysis()
     ca = ca[0] if isinstance(ca, list) else ca

@@ -57,6 +57,7 @@ from qwen35_lib.bench.timing import (
     xla_cpu_threads,
 )
 from qwen35_lib.config import Config, get_config
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 DESCRIPTION = ("serving throughput, TTFT, TPOT of the engine per workload and concurrency (closed loop); "
                "decode vs transformers' generate")
@@ -121,14 +122,15 @@ def _loadavg() -> float | None:
         return None
 
 
-def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[int], int]], desc: str):
+def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[int], int]], desc: str,
+                 plan: ServingPlan = SINGLE):
     """Submit every request at once, step the engine until all are done; returns (engine, StepLog, wall seconds).
 
     A tqdm bar on stderr counts output tokens.
     """
     from qwen35_lib.engine import Engine, SamplingParams
 
-    engine = Engine(config, weights, ec)
+    engine = Engine(config, weights, ec, plan=plan)
     log = StepLog()
     cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
     with progress(sum(o for _, o in requests), desc) as bar:
@@ -247,32 +249,34 @@ def knobs(config: Config, ec) -> dict:
 
 
 def measure_run(config: Config, weights: dict, ec, requests, label: str, machine: dict | None = None,
-                profile: bool = True) -> dict:
+                profile: bool = True, plan: ServingPlan = SINGLE) -> dict:
     """Compile every bucket the run will use (`Engine.precompile`, timed on its own), then the measured run
     (again if it still compiled something), then (`profile`, with the `machine`'s floors) the profiled replay."""
     from qwen35_lib.engine import Engine
 
     start = time.perf_counter()
-    info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
+    info = Engine(config, weights, ec, plan=plan).precompile([len(p) for p, _ in requests],
+                                                             [o for _, o in requests])
     compile_info = {"wall_s": time.perf_counter() - start, "buckets": [list(b) for b in info["buckets"]],
                     "traces": info["compiled"], "compile_steps_s": info["seconds"]}
     with BusyMonitor() as monitor:
-        engine, log, wall = run_requests(config, weights, ec, requests, label)
+        engine, log, wall = run_requests(config, weights, ec, requests, label, plan)
     remeasured = engine.stats.traces > 0
     if remeasured:
         print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
               "measuring again", file=sys.stderr)
         with BusyMonitor() as monitor:
-            engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again")
+            engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again", plan)
     m = metrics(engine, log, wall, machine["copy_bandwidth_gb_s"] * 1e9 if machine else None)
     m |= {"compile": compile_info, "remeasured": remeasured, "load": monitor.result()}
     if profile and machine:
         host = {k: v["host_ms"]["mean"] for k, v in m["per_step"].items() if v}
-        m["profile"] = profile_run(config, weights, ec, requests, machine, host)
+        m["profile"] = profile_run(config, weights, ec, requests, machine, host, plan)
     return m
 
 
-def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host_ms: dict) -> dict:
+def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host_ms: dict,
+                plan: ServingPlan = SINGLE) -> dict:
     """Where each step kind's time goes (`bench.profile`): the run replayed under `jax.profiler` on a fresh engine
     (the same requests and compiled buckets), each step's executable split into components by the named scopes
     of its ops, beside each component's floors (`roofline.step_components` of the step's own tokens and
@@ -289,16 +293,16 @@ def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host
     from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.model.layer_loop import prepare_weights
 
-    engine = Engine(config, weights, ec)
+    engine = Engine(config, weights, ec, plan=plan)
     steps: list[dict] = []
     first_args: dict[tuple, tuple] = {}
 
-    def recording_step(cfg, w, cache, tokens, meta, samp):
+    def recording_step(cfg, plan, w, cache, tokens, meta, samp):
         q, kv = np.asarray(meta.q_len).ravel(), np.asarray(meta.kv_len).ravel()
         bucket_key = (int(np.shape(meta.decode_seq)[-1]), int(np.shape(tokens)[-1]))
         first_args.setdefault(bucket_key, (tokens, meta, samp))
         steps.append({"bucket": bucket_key, "q": q, "kv": kv, "decode": bool(np.all(q[q > 0] == 1))})
-        return engine_step(cfg, w, cache, tokens, meta, samp)
+        return engine_step(cfg, plan, w, cache, tokens, meta, samp)
 
     engine.step_fn = recording_step  # no `lower`: the memory check is skipped (it ran in the measured run)
 
@@ -309,9 +313,9 @@ def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host
             engine.step()
 
     lines = prof.trace(run, calls=1)
-    pw = prepare_weights(config, weights)
-    names = {b: prof.op_names(engine_step.lower(config, pw, engine.cache, *args).compile().as_text())
-             for b, args in first_args.items()}
+    pw = prepare_weights(engine.config, weights, engine.plan)
+    lower = lambda args: engine_step.lower(engine.config, engine.plan, pw, engine.cache, *args)
+    names = {b: prof.op_names(lower(args).compile().as_text()) for b, args in first_args.items()}
     module = "jit_engine_step"
     order = prof.execution_order(lines, module)
     if len(order) != len(steps):
@@ -381,7 +385,8 @@ def hf_generate(hf, requests: list[tuple[list[int], int]]) -> Any:
     return out[:, L:]
 
 
-def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, repeats: int) -> dict:
+def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, repeats: int,
+                              plan: ServingPlan = SINGLE) -> dict:
     """Our engine vs transformers' generate on the same requests, timed interleaved; greedy tokens compared."""
     import torch
     import transformers
@@ -393,11 +398,12 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
     hf_new = max(o for _, o in requests)
 
     start = time.perf_counter()
-    info = Engine(config, weights, ec).precompile([len(p) for p, _ in requests], [o for _, o in requests])
+    info = Engine(config, weights, ec, plan=plan).precompile([len(p) for p, _ in requests],
+                                                             [o for _, o in requests])
     compile_s = time.perf_counter() - start
 
     def ours():
-        results = Engine(config, weights, ec).generate(
+        results = Engine(config, weights, ec, plan=plan).generate(
             [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
         return [r.output_ids for r in results]
 
@@ -423,7 +429,7 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
                          f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
                          "attention": hf.config._attn_implementation,
                          "experts": getattr(hf.config, "_experts_implementation", None)},
-        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(config), "threads": xla_cpu_threads(),
+        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(plan), "threads": xla_cpu_threads(),
                  "precompile": {"seconds": compile_s, "buckets": len(info["buckets"]), "traces": info["compiled"]}},
         "timings": {n: t.to_json() for n, t in timings.items()},
         "output_tokens_per_s": tps,
@@ -438,10 +444,8 @@ def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, r
     }
 
 
-def _moe_kernel(config: Config) -> str:
-    from qwen35_lib.kernels.registry import resolve_name
-
-    return resolve_name("moe_matmul", config.moe_kernel)
+def _moe_kernel(plan: ServingPlan) -> str:
+    return plan.kernel("moe_matmul")
 
 
 # --- the benchmark ---------------------------------------------------------------------------------------------
@@ -479,7 +483,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--vs-transformers needs the 'reference' extra (torch, transformers); install with: "
                          "pip install -e '.[reference]'")
     load_before = warn_if_busy()
-    preset = get_config(opts["model"], dtype=args.dtype, moe_kernel=args.moe_kernel)
+    preset = get_config(opts["model"], dtype=args.dtype)
+    plan = SINGLE.replace(moe_kernel=args.moe_kernel)  # "auto": the platform's default
     machine = measure_machine()
     hf = None
     if vs:
@@ -501,7 +506,7 @@ def run(args: argparse.Namespace) -> dict:
                                                 round(wl.max_num_batched_tokens() * wl.parse_factor(scale)))
     configs = {n: engine_config(n, max_len, budget, args.page_size) for n in opts["concurrency"]}
     print(f"engine benchmark: {config.name} ({'the HF twin, ' if vs else ''}random weights, seed {args.seed}), "
-          f"{config.dtype}, moe_matmul={_moe_kernel(config)}; lengths x{scale}: "
+          f"{config.dtype}, moe_matmul={_moe_kernel(plan)}; lengths x{scale}: "
           + ", ".join(f"{n} -> {w.input_len}/{w.output_len}" for n, w in loads.items())
           + f" (each uniform in [{next(iter(loads.values())).range_ratio} L, L]); closed loop, all N requests at t=0, "
           "ignore_eos")
@@ -515,7 +520,8 @@ def run(args: argparse.Namespace) -> dict:
     for n, ec in configs.items():
         for name, w in loads.items():
             requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
-            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine, profile=args.profile_steps)
+            m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine, profile=args.profile_steps,
+                            plan=plan)
             runs.append({"workload": name, "concurrency": n} | m)
     _print_runs(runs)
     _print_profiles(runs)
@@ -528,7 +534,7 @@ def run(args: argparse.Namespace) -> dict:
         n = opts["vs_requests"]
         ec = configs.get(n) or engine_config(n, max(max_len, w.max_len), budget, args.page_size)  # shared compiles
         comparison = compare_with_transformers(hf, config, weights, ec, wl.draw_requests(w, n, args.seed,
-                                               config.vocab_size), opts["repeats"]) | {"workload": name}
+                                               config.vocab_size), opts["repeats"], plan) | {"workload": name}
         _print_comparison(comparison)
 
     doc = {
@@ -537,7 +543,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": config.dtype,
         "weights": "HF twin (make_hf_model), loaded with load_hf_checkpoint" if vs else "init_weights",
         "seed": args.seed,
-        "moe_kernel": _moe_kernel(config),
+        "moe_kernel": _moe_kernel(plan),
         "scale": scale,
         "workloads": {name: w.to_json() for name, w in loads.items()},
         "concurrency": opts["concurrency"],

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
             cases.append(_case(base.replace(dtype=dtype), tokens, impls, tiles, not args.no_dense, numerics_only,
                                on_tpu, args))
     summary = _summary(cases, impls)
-    default = registry.resolve_name("moe_matmul", "auto")
+    default = registry.default_name("moe_matmul")
     acceptance = max(cases, key=lambda c: (c["tokens"], c["dtype"] == base.dtype))  # most tokens, model dtype
     ratios = acceptance["throughput_ratio_vs_dense"]
     per_case = ", ".join(f"{c['dtype']} T={c['tokens']}: {c['winner']}" for c in cases)
@@ -146,7 +146,7 @@ def _case(cfg: Config, tokens: int, impls: list[str], tiles: list[int], dense: b
     """Time one (tokens, dtype) case; returns its JSON record (and prints its table)."""
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn
     x, weights, ids, w_gate_up, w_down = _inputs(cfg, tokens, args.seed)
-    permute = registry.get("permute", cfg.permute_kernel)
+    permute = registry.get("permute", registry.default_name("permute"))
     x_sorted, group_sizes, order = jax.jit(permute.dispatch, static_argnums=2)(x, ids, E)  # [N, D], [E], [N]
     N = x_sorted.shape[0]
 
@@ -311,7 +311,7 @@ def moe_rows(model: str = "qwen3.5-mini", tokens: int = 64, dtype: str = "float3
     x, _, ids, w_gate_up, w_down = _inputs(cfg, tokens, seed)
     dispatch = jax.jit(registry.get("permute", "xla").dispatch, static_argnums=2)
     x_sorted, group_sizes, _ = dispatch(x, ids, cfg.num_experts)  # [N, D], [E]
-    default = registry.resolve_name("moe_matmul", "auto")
+    default = registry.default_name("moe_matmul")
     twin = default if default != "pallas" else REFERENCE
     fns = {n: jax.jit(functools.partial(registry.get("moe_matmul", n), fp8_block=None)) for n in (twin, "pallas")}
     N = int(x_sorted.shape[0])

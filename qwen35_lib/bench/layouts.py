@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy
-from qwen35_lib.plan import STAGES, stage_config
+from qwen35_lib.plan import STAGES, get_stage
 
 DESCRIPTION = ("one engine step (decode- and prefill-sized) per stage's layout and routing (tp8_kvrep, dp8_ep8 + "
                "all_to_all / replicate / fused all-gather / hierarchical reduce-scatter) on 8 CPU devices")
@@ -101,22 +101,21 @@ def step_inputs(engine, batch: str, opts: dict, rng: np.random.Generator) -> dic
     samp = dict(temperature=np.zeros((R, S), np.float32), top_k=np.zeros((R, S), np.int32),
                 top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
                 position=np.zeros((R, S), np.int32))
-    place = lambda x: jax.device_put(x, batch_sharding(engine.config, engine.mesh, x.ndim))
+    place = lambda x: jax.device_put(x, batch_sharding(engine.plan, engine.mesh, x.ndim))
     args = jax.tree.map(place, (tokens, meta, samp))
     return dict(args=args, D=D, T=T, seqs_per_rank=n, real_tokens=R * n * lens, valid=(R, n))
 
 
-def make_engine(config, weights, opts: dict, mesh):
+def make_engine(config, plan, weights, opts: dict, mesh):
     from qwen35_lib.engine import Engine, EngineConfig
-    from qwen35_lib.plan import check_layout
 
-    R = check_layout(config, mesh).dp_size(mesh)
+    R = plan.dp_size(mesh)
     seqs = max(_split(opts["seqs"], R, "--seqs"), _split(opts["prefill_seqs"], R, "--prefill-seqs"))
     per_rank_prefill = _split(opts["prefill_seqs"], R, "--prefill-seqs") * opts["prefill_len"]
     longest = max(opts["context"], opts["prefill_len"])
     ec = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=max(per_rank_prefill, seqs), page_size=PAGE_SIZE,
                       max_model_len=-(-longest // PAGE_SIZE) * PAGE_SIZE)
-    return Engine(config, weights, ec, mesh=mesh)
+    return Engine(config, weights, ec, mesh=mesh, plan=plan)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -131,10 +130,10 @@ def run(args: argparse.Namespace) -> dict:
     mesh = layout_mesh()  # 8 devices; on CPU made here when no backend runs yet
     load_before = warn_if_busy()
     base = get_config(opts["model"], dtype=args.dtype)
-    configs = {name: stage_config(base, name) for name in opts["stages"]}
+    plans = {name: get_stage(name) for name in opts["stages"]}
     weights = init_weights(base, args.seed)  # the same values under every layout
     rng = np.random.default_rng(args.seed)
-    engines = {name: make_engine(cfg, weights, opts, mesh) for name, cfg in configs.items()}
+    engines = {name: make_engine(base, plan, weights, opts, mesh) for name, plan in plans.items()}
     inputs = {}
     for batch in ("decode", "prefill"):
         state = rng.bit_generator.state  # the same tokens for every stage
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
 
         def call():
             with jax.set_mesh(eng.mesh):
-                out, eng.cache = engine_step(eng.config, eng.weights, eng.cache, *inp["args"])
+                out, eng.cache = engine_step(eng.config, eng.plan, eng.weights, eng.cache, *inp["args"])
             return out
 
         return call
@@ -159,26 +158,24 @@ def run(args: argparse.Namespace) -> dict:
     sys.stdout.flush()
     timings, outputs = measure({f"{n}/{b}": candidate(n, b) for n, b in inputs}, repeats=args.repeats,
                                settle=args.settle, desc="layouts")
-    doc = _document(opts, base, configs, engines, inputs, timings, outputs, mesh)
+    doc = _document(opts, base, plans, engines, inputs, timings, outputs, mesh)
     doc["environment"] = environment(loadavg_1m_before=load_before)
     _print(doc)
     return doc
 
 
-def _document(opts, base, configs, engines, inputs, timings, outputs, mesh) -> dict:
-    from qwen35_lib.plan import get_stage
-
+def _document(opts, base, plans, engines, inputs, timings, outputs, mesh) -> dict:
     first = opts["stages"][0]
     stages, agree = {}, {}
     for batch in ("decode", "prefill"):
         tokens = {}
-        for name in configs:
+        for name in plans:
             R, n = inputs[name, batch]["valid"]
             tokens[name] = np.asarray(outputs[f"{name}/{batch}"].addressable_data(0))[:R, :n].reshape(-1).tolist()
         agree[batch] = all(t == tokens[first] for t in tokens.values())
-    for name, cfg in configs.items():
-        entry = dict(layout=cfg.layout, routing=get_stage(name).routing, fuse_allgather=cfg.fuse_allgather,
-                     hierarchical_rs=cfg.hierarchical_rs, ranks=engines[name].ec.ranks)
+    for name, plan in plans.items():
+        entry = dict(layout=plan.layout, routing=plan.routing, fuse_allgather=plan.fuse_allgather,
+                     hierarchical_rs=plan.hierarchical_rs, ranks=engines[name].ec.ranks)
         for batch in ("decode", "prefill"):
             inp, t = inputs[name, batch], timings[f"{name}/{batch}"]
             entry[batch] = dict(D=inp["D"], T=inp["T"], seqs_per_rank=inp["seqs_per_rank"],

@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> dict:
     from qwen35_lib.bench import profile as prof
     from qwen35_lib.bench.roofline import copy_bandwidth, matmul_flops
     from qwen35_lib.checkpoint import load_hf_checkpoint
-    from qwen35_lib.kernels.registry import resolve_name
     from qwen35_lib.model import forward
+    from qwen35_lib.parallel.parallelism import parallelism
+    from qwen35_lib.plan import SINGLE
 
     torch = _import_reference()
     load_before = warn_if_busy()
@@ -68,9 +69,10 @@ def run(args: argparse.Namespace) -> dict:
     hf = _hf_model(config, args.seed, args.hf_experts)
     with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
         hf.save_pretrained(tmp)
-        ours, weights = load_hf_checkpoint(tmp, dtype="float32", moe_kernel=args.moe_kernel)
+        ours, weights = load_hf_checkpoint(tmp, dtype="float32")
     _check_same_model(config, ours)
-    moe_kernel = resolve_name("moe_matmul", ours.moe_kernel)
+    local = parallelism(SINGLE.replace(moe_kernel=args.moe_kernel))  # "auto": the platform's default
+    moe_kernel = local.plan.kernel("moe_matmul")
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
     print(f"prefill, float32 on both sides, {config.name} random weights (seed {args.seed}); ours: jitted forward, "
           f"moe_matmul={moe_kernel}; transformers {_version('transformers')} eager (torch {torch.__version__}, "
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     with BusyMonitor() as monitor:
         for B, T in shapes:
             ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
-            results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids), hf, ids, args)
+            results.append(_measure_shape(lambda ids=ids: forward(ours, weights, ids, parallelism=local), hf, ids, args)
                            | _roofline(config, B, T, peak))
     load = monitor.result()
     for r in results:
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile_steps:
         for (B, T), r in zip(shapes, results):
             ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int32)
-            r["profile"] = _profile_forward(ours, weights, ids, r, bandwidth, peak)
+            r["profile"] = _profile_forward(ours, weights, ids, r, bandwidth, peak, local)
             prof.print_summary(f"ours {B}x{T}, where the time goes (jax.profiler) beside each component's floor",
                                r["profile"])
     return {
@@ -145,7 +147,7 @@ def _measure_shape(ours_forward, hf, ids: np.ndarray, args: argparse.Namespace) 
 
 
 def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dict, bandwidth: float,
-                     peak: float) -> dict:
+                     peak: float, parallelism=None) -> dict:
     """Our forward of `ids` profiled (`bench.profile`, two calls): each component's ms beside its floors
     (`roofline.step_components` of B rows of T tokens, the LM head on every token); the host row is the measured
     median minus the profiled executable's wall time (dispatch, argument checks)."""
@@ -158,8 +160,8 @@ def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dic
 
     B, T = ids.shape
     lengths = np.full((B,), T, np.int32)
-    names = prof.op_names(lower_forward(config, weights, ids, lengths).compile().as_text())
-    lines = prof.trace(lambda: jax.block_until_ready(forward(config, weights, ids)), calls=2)
+    names = prof.op_names(lower_forward(config, weights, ids, lengths, parallelism).compile().as_text())
+    lines = prof.trace(lambda: jax.block_until_ready(forward(config, weights, ids, parallelism=parallelism)), calls=2)
     module = "jit__forward"
     per_run = prof.component_times(lines, names, module)
     walls = prof.execution_walls(lines, module)
@@ -244,7 +246,7 @@ def _hf_model(config: Config, seed: int, experts: str | None) -> Any:
 
 def _check_same_model(want: Config, got: Config) -> None:
     """The loaded config must describe the preset's architecture (else the mapping above is wrong)."""
-    same = lambda c: c.replace(name="", dtype="float32", moe_kernel="auto", eos_token_ids=(),
+    same = lambda c: c.replace(name="", dtype="float32", eos_token_ids=(),
                                max_position_embeddings=1)
     if same(want) != same(got):
         diff = {f: (getattr(want, f), getattr(got, f)) for f in want.__dataclass_fields__

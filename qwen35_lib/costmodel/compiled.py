@@ -56,9 +56,9 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.step import Pools, step_costs
+from qwen35_lib.costmodel.step import Pools, bind_to, step_costs
 from qwen35_lib.parallel import hlo
-from qwen35_lib.plan import any_stage, resolve_layout
+from qwen35_lib.plan import any_stage
 
 DECODE_BYTES_TOLERANCE = 0.25  # issue 30, item 4: decode HBM bytes within 25% for every stage
 
@@ -99,7 +99,7 @@ def model_side(config: Config, stage: str, entry: dict, shape: dict) -> dict:
     `parallel.hlo.op_bytes` block; `config` at full depth."""
     sp = specs_lib.get("tpu7x-8")
     st = any_stage(stage)
-    plan = resolve_layout(st, config, sp.devices)
+    plan = bind_to(st, config, sp)
     context = entry.get("context_len", shape["context_len"])
     batch = compile_batch(config, entry["ranks"], shape["requests"], context, entry["decode_tokens_per_rank"],
                           entry["prefill_tokens_per_rank"])

@@ -26,9 +26,9 @@ from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import Pools, retimed, step_time
+from qwen35_lib.costmodel.step import Pools, bind_to, retimed, step_time
 from qwen35_lib.engine.cache import CacheShape
-from qwen35_lib.plan import ServingPlan, any_stage, resolve_layout
+from qwen35_lib.plan import ServingPlan, any_stage
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
 
@@ -66,7 +66,7 @@ def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
 def weight_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan) -> float:
     """Weights one device holds under the stage's plan on the system's devices (`traffic.resident_bytes`: each
     declared weight over the ways the plan splits it; replicated ones, such as the router and norms, whole)."""
-    return float(traffic.weight_bytes(resolve_layout(stage, cfg, sp.devices), cfg))
+    return float(traffic.weight_bytes(bind_to(stage, cfg, sp), cfg))
 
 
 def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
@@ -74,7 +74,7 @@ def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, reques
     """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
     the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
     slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`)."""
-    plan = resolve_layout(stage, cfg, sp.devices)
+    plan = bind_to(stage, cfg, sp)
     cache = CacheShape(ranks=plan.dp, num_pages=requests_per_rank * -(-tokens // page_size) + 1,
                        page_size=page_size, num_slots=requests_per_rank + 1, kv_dtype=kv_dtype)
     r = traffic.resident_bytes(plan, cfg, cache)
@@ -123,14 +123,14 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     if st.gdn_state_dtype is not None:  # a plan that names its cache dtypes decides them
         cfg = cfg.replace(gdn_state_dtype=st.gdn_state_dtype)
     kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
-    lay = resolve_layout(st, cfg, sp.devices)
+    lay = bind_to(st, cfg, sp)  # the one binding: every step below reads this plan
     budget = max_batched_tokens if max_batched_tokens is not None else token_budget(isl, lay.dp)
     seqs = max_seqs if max_seqs is not None else seq_budget(lay.dp)
     num_prompts = num_prompts if num_prompts is not None else PROMPTS_PER_CLIENT * concurrency
     usable = sp.usable_hbm_bytes
-    w = weight_bytes_per_device(cfg, sp, st)
-    per_req = request_bytes_per_device(cfg, sp, st, isl + osl, kv_dtype, page_size)
-    fixed = sum(resident_bytes_per_device(cfg, sp, st, 1, isl + osl, kv_dtype, page_size).values()) - per_req
+    w = weight_bytes_per_device(cfg, sp, lay)
+    per_req = request_bytes_per_device(cfg, sp, lay, isl + osl, kv_dtype, page_size)
+    fixed = sum(resident_bytes_per_device(cfg, sp, lay, 1, isl + osl, kv_dtype, page_size).values()) - per_req
     # (weights, the null page and the null slot)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
     max_running = int((usable - fixed) // per_req) if usable > fixed else 0
@@ -157,10 +157,10 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     def fn(ideal: bool, m: Mechanisms | None = mech):
         def run(b: ops.Batch):
             if not ideal and m is not mech and b in nominal:
-                fast = retimed(cfg, sp, st, b, nominal[b], mech, m)
+                fast = retimed(cfg, sp, lay, b, nominal[b], mech, m)
                 if fast is not None:
                     return sum(fast.values()), fast
-            r = step_time(cfg, sp, st, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m, pools=pools)
+            r = step_time(cfg, sp, lay, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m, pools=pools)
             if not ideal and m is mech:
                 nominal[b] = r.breakdown
             return r.seconds, r.breakdown

@@ -1,7 +1,8 @@
 """The step-time model: one mixed step (prefill chunks + decodes) under a stage, per device, by component.
 
 `step_time(cfg, specs, stage, batch)`:
-1. resolve the stage's layout on the system's devices (`stages.resolve_layout`) into a `Placement`;
+1. the stage bound to the system's devices (`bind_to`: `predict` binds once and hands the bound plan down) as a
+   `Placement`;
 2. per layer type, the op costs of `ops` (attention or GDN mixer, norms, MoE), each turned into seconds by its
    roofline on one device, times the number of layers of that type;
 3. the collectives of the whole step (`traffic.step_collectives`: per layer, embedding, logits, sampling), each
@@ -28,7 +29,7 @@ from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
-from qwen35_lib.plan import ServingPlan, family_kernels, resolve_layout
+from qwen35_lib.plan import ServingPlan, abstract_mesh, family_kernels
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "cache_copies", "router", "shared_expert",
               "routed_experts", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce",
@@ -61,6 +62,16 @@ class Pools:
     gdn: float = 0.0  # one GDN layer's state and conv pool
 
 
+@functools.lru_cache(maxsize=1024)
+def bind_to(stage: ServingPlan, cfg: Config, specs: Specs) -> ServingPlan:
+    """`stage` bound to the system's devices (`ServingPlan.on_devices`, then `bind` to the abstract mesh of that
+    many devices: the engine's own check of the model there, the kernels for the system's kind); a plan bound
+    already (as `predict` hands it down) is returned as it is."""
+    if stage.platform is not None and (stage.mesh_shape is not None or stage.layout == "single"):
+        return stage
+    return stage.on_devices(specs.devices).bind(abstract_mesh(specs.devices), cfg, platform=specs.kind)
+
+
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
@@ -70,7 +81,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
                              kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
-    lay = resolve_layout(stage, cfg, specs.devices)
+    lay = bind_to(stage, cfg, specs)
     facts = kernel_facts()
     kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
     attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
@@ -261,7 +272,7 @@ def _comms(cfg: Config, specs: Specs, stage: ServingPlan, computed: int, rows: i
     out = {name: cc.Comm(0.0, 0.0) for name in COMM}
     if specs.devices == 1:
         return out
-    plan = resolve_layout(stage, cfg, specs.devices)
+    plan = bind_to(stage, cfg, specs)
     dp = plan.dp
     shape = traffic.StepShape(tokens=computed / dp, seqs=rows / dp)
     ops_ = listed(plan, cfg, shape, specs.kind)

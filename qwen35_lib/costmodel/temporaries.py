@@ -66,7 +66,7 @@ def weight_slices(plan: ServingPlan, config: Config) -> float:
     """Bytes of the group slices the layer loop copies out of the stacked weights (the table's first row)."""
     cfg = _placed(plan, config)
     G = cfg.num_groups
-    in_place = cfg.moe_kernel in IN_PLACE_MOE
+    in_place = plan.kernel("moe_matmul") in IN_PLACE_MOE
     total = 0.0
     flat, _ = jax.tree_util.tree_flatten_with_path(declare(cfg)["layers"], is_leaf=is_info)
     for path, info in flat:

@@ -122,7 +122,7 @@ def moe_layer_ops(plan: ServingPlan, config: Config, tokens: float, backend: str
     b = wire_itemsize(config.dtype, backend)
     Np = tokens + (-tokens % n)
     if plan.routing == "all_to_all":
-        cap = a2a_cap(config, Np // n, n)
+        cap = a2a_cap(config, plan, Np // n, n)
         return [Op("all-to-all", n * cap * D * b, 1, n, "moe"), Op("all-to-all", n * cap * 2 * k * 4, 1, n, "moe"),
                 Op("all-to-all", n * cap * D * b, 1, n, "moe")]
     out = [Op("all-gather", Np * D * b, 1, n, "moe")]

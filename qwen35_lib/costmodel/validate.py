@@ -94,7 +94,7 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
     def run(i: int) -> float:
         _, _, _, tokens, meta, samp = inputs[i]
         t = time.perf_counter()
-        out, eng.cache = engine_step(cfg, eng.weights, eng.cache, tokens, meta, samp)
+        out, eng.cache = engine_step(eng.config, eng.plan, eng.weights, eng.cache, tokens, meta, samp)
         jax.block_until_ready(out)
         return time.perf_counter() - t
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from qwen35_lib.config import Config
 from qwen35_lib.parallel.layouts import shardings
-from qwen35_lib.plan import check_layout
+from qwen35_lib.plan import ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
 
 
@@ -79,20 +79,21 @@ def cache_bytes(config: Config, shape: CacheShape) -> int:
     return sum(i.nbytes for i in jax.tree.leaves(declare_cache(config, shape), is_leaf=is_info))
 
 
-def cache_shardings(config: Config, shape: CacheShape, mesh) -> dict:
-    """NamedShardings for every cache array of `config` at `shape` under its layout (a tree like the caches)."""
-    return shardings(declare_cache(config, shape), check_layout(config, mesh), mesh)
+def cache_shardings(config: Config, plan: ServingPlan, shape: CacheShape, mesh) -> dict:
+    """NamedShardings for every cache array of `config` at `shape` under the bound `plan` on `mesh` (a tree like
+    the caches)."""
+    return shardings(declare_cache(config, shape), plan, mesh)
 
 
-def device_cache_bytes(config: Config, shape: CacheShape, mesh=None) -> dict:
+def device_cache_bytes(config: Config, shape: CacheShape, mesh=None, plan: ServingPlan | None = None) -> dict:
     """{device: bytes of the caches it holds}: one default device without a mesh, else each device of the mesh
-    its shards (replicated leaves in full), from the layout's shardings; nothing is allocated."""
+    its shards (replicated leaves in full), from the bound `plan`'s shardings; nothing is allocated."""
     decl = declare_cache(config, shape)
     infos = jax.tree.leaves(decl, is_leaf=is_info)
     if mesh is None:
         return {jax.devices()[0]: sum(i.nbytes for i in infos)}
     out: dict = {}
-    for info, sharding in zip(infos, jax.tree.leaves(cache_shardings(config, shape, mesh))):
+    for info, sharding in zip(infos, jax.tree.leaves(cache_shardings(config, plan, shape, mesh))):
         n = math.prod(sharding.shard_shape(info.shape)) * jnp.dtype(info.dtype).itemsize
         for d in sharding.device_set:
             out[d] = out.get(d, 0) + n
@@ -119,10 +120,12 @@ def available_bytes(device) -> tuple[int, str] | None:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} memory of {device}"
 
 
-def memory_shortfall(config: Config, shape: CacheShape, mesh=None) -> str | None:
-    """None when the caches fit the memory of the devices (and host) that would hold them, else what is short:
-    CPU devices of this process share host RAM and are checked together, each accelerator on its own."""
-    per_device = device_cache_bytes(config, shape, mesh)
+def memory_shortfall(config: Config, shape: CacheShape, mesh=None, plan: ServingPlan | None = None) -> str | None:
+    """None when the caches fit the memory of the devices (and host) that would hold them (on `mesh` under the
+    bound `plan`, else one device), else what is short: CPU devices of this process share host RAM and are checked
+    together, each accelerator on its own."""
+    per_device = device_cache_bytes(config, shape, mesh) if mesh is None else \
+        device_cache_bytes(config, shape, mesh, plan)
     pools: dict = {}  # (pool key) -> [bytes needed, a device of it]
     for d, n in per_device.items():
         if d.process_index != jax.process_index():

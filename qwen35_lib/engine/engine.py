@@ -30,7 +30,7 @@ from qwen35_lib.model.layer_loop import prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
-from qwen35_lib.plan import axis_size, check_layout, plan_of
+from qwen35_lib.plan import SINGLE, ServingPlan, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,39 +106,44 @@ class StepStats:
 class Engine:
     """Continuous batching over a paged KV cache and GDN state slots.
 
-        engine = Engine(config, weights, EngineConfig(max_num_seqs=8))
+        engine = Engine(config, weights, EngineConfig(max_num_seqs=8))            # one device
+        engine = Engine(config, weights, ec, mesh=make_mesh(), plan=get_stage("fused_ag"))   # a serving plan
         results = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=16))
+
+    The plan is bound once here (`plan.bind(mesh, config)`: checked against the model on the mesh, each kernel
+    slot resolved for its platform; a plan bound to this mesh already is taken as it is) and handed to the jitted
+    step (`engine.plan`).
 
     Or drive it: `add_request(...)`, then `step()` until `has_work` is False; `step()` returns the
     (request id, token) pairs it produced, and finished requests appear in `engine.results`.
     """
 
     def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, *, mesh=None,
-                 **knobs):
+                 plan: ServingPlan | None = None, **knobs):
         check_weights(config, weights)
-        layout = check_layout(config, mesh)
-        config = config if mesh is None else placed_config(config, mesh)  # tp_kvrep: the duplicated KV heads
+        plan = (SINGLE if plan is None else plan).bound(mesh, config)  # the one check and binding
+        config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads
         ec = engine_config or EngineConfig(**knobs)
-        self.mesh = None if layout.name == "single" else mesh
-        if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the layout
-            dp = layout.dp_size(mesh)
+        self.mesh = None if plan.layout == "single" else mesh
+        if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the plan
+            dp = plan.dp
             if ec.ranks not in (1, dp):
-                raise ValueError(f"EngineConfig.ranks={ec.ranks}, but layout {layout.name!r} on this mesh has {dp} "
+                raise ValueError(f"EngineConfig.ranks={ec.ranks}, but plan {plan.name!r} on this mesh has {dp} "
                                  "data-parallel ranks: leave ranks at 1 (it is set from the layout)")
             ec = dataclasses.replace(ec, ranks=dp)
-            weights = shard_weights(config, weights, mesh)
-        self.config, self.weights, self.ec = config, weights, ec
+            weights = shard_weights(config, plan, weights, mesh)
+        self.config, self.plan, self.weights, self.ec = config, plan, weights, ec
         C = config.gdn_chunk_size
         self.chunk = C
         self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
                                       num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
-        check_cache_memory(config, ec, self.cache_shape, self.mesh)  # before a byte is allocated
+        check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
         if self.mesh is None:
             self.cache = init_cache(config, self.cache_shape)
         else:  # each device allocates only its own shards
-            shardings = cache_shardings(config, self.cache_shape, mesh)
+            shardings = cache_shardings(config, plan, self.cache_shape, mesh)
             self.cache = jax.jit(partial(init_cache, config, self.cache_shape), out_shardings=shardings)()
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
@@ -192,7 +197,7 @@ class Engine:
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
             self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
-            next_tokens, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+            next_tokens, self.cache = self.step_fn(self.config, self.plan, self._step_weights(), self.cache,
                                                    tokens, meta, samp)
             next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
         self.stats.step_seconds.append(time.perf_counter() - start)
@@ -217,10 +222,10 @@ class Engine:
         lower = getattr(self.step_fn, "lower", None)
         if lower is None or (D, T) in self._memory_checked:
             return
-        key = (self.step_fn, self.config, self.cache_shape, D, T, self.mesh)  # what the compiled step depends on
+        key = (self.step_fn, self.config, self.plan, self.cache_shape, D, T, self.mesh)  # what the step depends on
         if key not in _STEP_BYTES:  # lowering and memory_analysis: ~0.3 s a bucket even with the compile cached
-            weights = prepare_weights(self.config, self.weights)  # what the step is called with
-            _STEP_BYTES[key] = step_working_bytes(lower(self.config, weights, self.cache, tokens, meta, samp).compile())
+            lowered = lower(self.config, self.plan, self._step_weights(), self.cache, tokens, meta, samp)
+            _STEP_BYTES[key] = step_working_bytes(lowered.compile())
         self._memory_checked.add((D, T))
         devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
         short = step_memory_shortfall(_STEP_BYTES[key], devices)
@@ -295,11 +300,15 @@ class Engine:
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)
-                out, self.cache = self.step_fn(self.config, prepare_weights(self.config, self.weights), self.cache,
+                out, self.cache = self.step_fn(self.config, self.plan, self._step_weights(), self.cache,
                                                tokens, meta, samp)
                 jax.block_until_ready(out)
         return {"buckets": [tuple(b) for b in buckets], "compiled": TRACES[0] - traced,
                 "seconds": time.perf_counter() - start}
+
+    def _step_weights(self) -> dict:
+        """The weights in the form the step takes (`model.layer_loop.prepare_weights`: per-layer on XLA:CPU)."""
+        return prepare_weights(self.config, self.weights, self.plan)
 
     def _on_mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -310,7 +319,7 @@ class Engine:
         if self.mesh is None:
             return x
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, batch_sharding(self.config, self.mesh, x.ndim),
+        return jax.make_array_from_callback(x.shape, batch_sharding(self.plan, self.mesh, x.ndim),
                                             lambda index: x[index])
 
     def _sampling_arrays(self, plans: list[Plan], S: int) -> dict:
@@ -420,10 +429,12 @@ def _prompt_ids(prompt_ids) -> list[int]:
     return [int(t) for t in prompt_ids]
 
 
-def check_cache_memory(config: Config, ec: EngineConfig, shape: CacheShape, mesh=None) -> None:
+def check_cache_memory(config: Config, ec: EngineConfig, shape: CacheShape, mesh=None,
+                       plan: ServingPlan | None = None) -> None:
     """A ValueError naming the knobs to lower when the KV pages and GDN slots of `shape` cannot fit the memory of
-    the devices that would hold them (host RAM on CPU, HBM on an accelerator). Allocates nothing."""
-    short = memory_shortfall(config, shape, mesh)
+    the devices that would hold them (host RAM on CPU, HBM on an accelerator; on `mesh` under the bound `plan`).
+    Allocates nothing."""
+    short = memory_shortfall(config, shape, mesh, plan)
     if short is None:
         return
     what = (f"{shape.ranks} rank(s) x ({shape.num_pages} KV pages of {shape.page_size} tokens, {shape.num_slots} "
@@ -444,21 +455,20 @@ def _powers_of_two(n: int) -> tuple[int, ...]:
     return tuple(out) + (n,)
 
 
-_STEP_BYTES: dict[tuple, int | None] = {}  # (step fn, config, cache shape, D, T, mesh) -> `step_working_bytes`
+_STEP_BYTES: dict[tuple, int | None] = {}  # (step fn, config, plan, cache shape, D, T, mesh) -> working bytes
 TRACES = [0]  # how many times the step has been traced (compiled), process-wide
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=2)
-def engine_step(cfg: Config, weights: dict, cache: dict, tokens, meta, samp):
-    """The engine's jitted step, shared by all engines (one compilation per config and bucket): the ragged forward
-    of every rank's packed tokens [R, T] (`engine.batch`) under the config's layout, then sampling.
-    Returns (next tokens [R, S], the updated cache, donated). `engine_step.lower(cfg, weights, cache, tokens, meta,
-    samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def engine_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta, samp):
+    """The engine's jitted step, shared by all engines (one compilation per config, bound plan and bucket): the
+    ragged forward of every rank's packed tokens [R, T] (`engine.batch`) under the bound `plan`, then sampling.
+    Returns (next tokens [R, S], the updated cache, donated). `engine_step.lower(cfg, plan, weights, cache, tokens,
+    meta, samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
     TRACES[0] += 1  # runs only while tracing
-    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(cfg))  # [R, S, V]
+    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan))  # [R, S, V]
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:  # vocab-parallel logits computed split, then gathered once (vLLM's logits gather)
-        plan = plan_of(cfg)
         vocab = plan.axes("vocab")
         if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
             logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, None, vocab))

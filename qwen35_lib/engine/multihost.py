@@ -47,6 +47,12 @@ def parse_case(text: str) -> dict:
                 fuse_allgather="fuse_allgather" in flags, hierarchical_rs="hierarchical_rs" in flags)
 
 
+def _case(plan) -> dict:
+    """A plan's placement (layout, routing, collective flags), as the cases name it."""
+    return dict(layout=plan.layout, routing=plan.routing or "replicate", fuse_allgather=plan.fuse_allgather,
+                hierarchical_rs=plan.hierarchical_rs)
+
+
 def host_weights(config, seed: int = 0) -> dict:
     """Random weights as host (numpy) arrays, the same in every process, drawn like `init_weights` (normal(0.02)
     matrices, zero-centred norms, log U[1, 16] for A_log, U[-1/sqrt(K), 1/sqrt(K)] for the conv) but with
@@ -83,16 +89,17 @@ def generate_cases(cases: list[dict], prompts, max_new_tokens: int = 4, model: s
 
     from qwen35_lib.config import get_config
     from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
-    from qwen35_lib.plan import make_mesh
+    from qwen35_lib.plan import custom_stage, make_mesh
 
     mesh = make_mesh(jax.devices())
     ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, page_size=8, max_model_len=64)
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     weights = host_weights(get_config(model, dtype="float32"), seed)  # identical in every process; any layout
     out = []
+    config = get_config(model, dtype="float32")
     for case in cases:
-        config = get_config(model, dtype="float32", **case)
-        results = Engine(config, weights, ec, mesh=mesh).generate([list(p) for p in prompts], params)
+        plan = custom_stage(case["layout"], case["routing"], case["fuse_allgather"], case["hierarchical_rs"], None)
+        results = Engine(config, weights, ec, mesh=mesh, plan=plan).generate([list(p) for p in prompts], params)
         out.append({**case, "output_ids": [r.output_ids for r in results]})
     return out
 
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    cases = [parse_case(c) for c in args.case] if args.case else [plan_cli.config_fields(plan_cli.from_args(args))]
+    cases = [parse_case(c) for c in args.case] if args.case else [_case(plan_cli.from_args(args))]
     doc = dict(process_id=jax.process_index(), process_count=jax.process_count(), devices=len(jax.devices()),
                local_devices=len(jax.local_devices()),
                cases=generate_cases(cases, DEFAULT_PROMPTS, args.max_new_tokens, args.model, args.seed))

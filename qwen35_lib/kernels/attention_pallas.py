@@ -454,5 +454,9 @@ def paged_attention_write_pallas(q, k, v, kv_pages, kv_scales, page, offset, pag
     return finish(out), kv_pages, kv_scales
 
 
-register("attention", "pallas")(AttentionKernels(dense=attention_xla, paged=paged_attention_pallas,
-                                                 write=write_kv_pages_pallas, paged_write=paged_attention_write_pallas))
+@register("attention", "pallas", per_platform=True)
+def _kernels(interpret: bool) -> AttentionKernels:
+    """The slot's kernels compiled for a TPU (interpret False) or in interpret mode."""
+    return AttentionKernels(dense=attention_xla, paged=functools.partial(paged_attention_pallas, interpret=interpret),
+                            write=functools.partial(write_kv_pages_pallas, interpret=interpret),
+                            paged_write=functools.partial(paged_attention_write_pallas, interpret=interpret))

@@ -297,7 +297,14 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
 
 
 moe_pallas.reads_stacked = True  # takes `LayerOf` views: the layer scan hands it the stacks (model.moe)
-register("moe_matmul", "pallas")(moe_pallas)
+
+
+@register("moe_matmul", "pallas", per_platform=True)
+def _moe_pallas_for(interpret: bool):
+    """`moe_pallas` compiled for a TPU (interpret False) or in interpret mode."""
+    fn = functools.partial(moe_pallas, interpret=interpret)
+    fn.reads_stacked = moe_pallas.reads_stacked
+    return fn
 
 
 def moe_megablox(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=None, *, interpret=None,

@@ -134,4 +134,5 @@ def combine_pallas(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, *,
     return gather_reduce(y_sorted, inv, weights, interpret=interpret)
 
 
-register("permute", "pallas")(Permute(dispatch_pallas, combine_pallas))
+register("permute", "pallas", per_platform=True)(lambda interpret: Permute(
+    functools.partial(dispatch_pallas, interpret=interpret), functools.partial(combine_pallas, interpret=interpret)))

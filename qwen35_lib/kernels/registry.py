@@ -10,20 +10,20 @@
 | `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU  |
 | `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort   |
 
-`Config.<slot>_kernel` names the implementation; "auto" picks the default for the backend in use (the tables of
-`qwen35_lib.plan.kernels`: each backend's defaults, and the kernel families of the stages). Every
-implementation is checked against its slot's reference twin in the tests. Pallas kernels register here too.
+A serving plan names each slot's implementation (`ServingPlan.<slot>_kernel`), resolved for the platform it runs
+on when it is bound (`plan.bind(mesh, config)`: "auto" -> the family's or the platform's default, the tables of
+`qwen35_lib.plan.kernels`); the model asks for `for_plan(slot, plan)`. Every implementation is checked against
+its slot's reference twin in the tests. Pallas kernels register here too, as a factory of the implementation for
+a platform: compiled (Mosaic) on a TPU, interpret mode (numerics only) anywhere else.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, Callable, NamedTuple
 
 import jax
 
-from qwen35_lib.plan.kernels import BACKEND_DEFAULTS, CONFIG_FIELDS, SLOTS
+from qwen35_lib.plan.kernels import BACKEND_DEFAULTS, SLOTS
 
 
 class AttentionKernels(NamedTuple):
@@ -43,37 +43,26 @@ class GdnKernels(NamedTuple):
 
 
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("qwen35_kernel_target", default=None)
+_PER_PLATFORM: set[tuple[str, str]] = set()  # (slot, name) registered as a factory `impl(interpret: bool)`
 
 
-@contextlib.contextmanager
-def compile_target(backend: str):
-    """Trace for `backend` (e.g. "tpu" for an ahead-of-time TPU compile on this CPU): "auto" kernels resolve for
-    it, and Pallas kernels lower for real (Mosaic) instead of in interpret mode."""
-    token = _TARGET.set(backend)
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
+def pallas_interpret(platform: str | None = None) -> bool:
+    """Pallas TPU kernels run compiled on a TPU and in interpret mode (numerics only) anywhere else; `platform`:
+    the one a plan was bound for (default: JAX's default backend)."""
+    return (platform or jax.default_backend()) != "tpu"
 
 
-def target_backend() -> str:
-    """The backend being traced for: `compile_target`'s, else the default backend."""
-    return _TARGET.get() or jax.default_backend()
-
-
-def pallas_interpret() -> bool:
-    """Pallas TPU kernels run compiled when tracing for a TPU, and in interpret mode (numerics only) otherwise."""
-    return target_backend() != "tpu"
-
-
-def register(slot: str, name: str) -> Callable[[Any], Any]:
-    """Decorator: `@register("moe_matmul", "ragged_dot")` adds an implementation to a slot."""
+def register(slot: str, name: str, per_platform: bool = False) -> Callable[[Any], Any]:
+    """Decorator: `@register("moe_matmul", "ragged_dot")` adds an implementation to a slot. per_platform: what is
+    registered is a factory, `impl(interpret: bool)` -> the implementation (a Pallas kernel: interpret mode off a
+    TPU), called by `get` for the platform asked."""
     if slot not in _IMPLS:
         raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
 
     def add(impl: Any) -> Any:
         _IMPLS[slot][name] = impl
+        if per_platform:
+            _PER_PLATFORM.add((slot, name))
         return impl
 
     return add
@@ -84,28 +73,26 @@ def available(slot: str) -> tuple[str, ...]:
     return tuple(_IMPLS[slot])
 
 
-def resolve_name(slot: str, name: str, backend: str | None = None) -> str:
-    """The implementation name that `name` means on `backend` ("auto" -> the backend's default)."""
-    if name != "auto":
-        return name
-    backend = backend or target_backend()
-    return BACKEND_DEFAULTS.get(backend, BACKEND_DEFAULTS["cpu"])[slot]
+def default_name(slot: str, platform: str | None = None) -> str:
+    """The implementation of `slot` a plan that names none runs on `platform` (default: JAX's default backend)."""
+    return BACKEND_DEFAULTS.get(platform or jax.default_backend(), BACKEND_DEFAULTS["cpu"])[slot]
 
 
-def get(slot: str, name: str = "auto", backend: str | None = None) -> Any:
-    """The implementation of `slot` called `name`."""
+def get(slot: str, name: str, platform: str | None = None) -> Any:
+    """The implementation of `slot` called `name`, for `platform` (default: JAX's default backend)."""
     _load_all()
     if slot not in _IMPLS:
         raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
-    resolved = resolve_name(slot, name, backend)
-    if resolved not in _IMPLS[slot]:
-        raise ValueError(f"no {slot!r} kernel named {resolved!r}; available: {', '.join(_IMPLS[slot])}")
-    return _IMPLS[slot][resolved]
+    if name not in _IMPLS[slot]:
+        raise ValueError(f"no {slot!r} kernel named {name!r}; available: {', '.join(_IMPLS[slot])}")
+    impl = _IMPLS[slot][name]
+    return impl(pallas_interpret(platform)) if (slot, name) in _PER_PLATFORM else impl
 
 
-def for_config(slot: str, config: Any) -> Any:
-    """The implementation `config` selects for `slot` (field `<slot>_kernel`, "auto" by default)."""
-    return get(slot, getattr(config, CONFIG_FIELDS[slot]))
+def for_plan(slot: str, plan: Any) -> Any:
+    """The implementation a serving plan runs in `slot` (`ServingPlan.kernel(slot)`, on the platform it was bound
+    for)."""
+    return get(slot, plan.kernel(slot), plan.platform)
 
 
 def _load_all() -> None:

@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels import for_plan
 from qwen35_lib.model.layers import linear, rms_norm, rope
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 
 def qkv(cfg: Config, w: dict, x: jax.Array, positions: jax.Array):
@@ -27,11 +28,12 @@ def output(w: dict, o: jax.Array, gate: jax.Array) -> jax.Array:
     return linear(o * jax.nn.sigmoid(gate), w["w_o"], contract=2)
 
 
-def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Full-sequence gated attention over right-padded rows. x: [B, T, D] -> [B, T, D]."""
+def attention_block(cfg: Config, w: dict, x: jax.Array, positions: jax.Array, lengths: jax.Array,
+                    plan: ServingPlan = SINGLE) -> jax.Array:
+    """Full-sequence gated attention over right-padded rows (the kernel `plan` names). x: [B, T, D] -> [B, T, D]."""
     with jax.named_scope("attention"):
         q, gate, k, v = qkv(cfg, w, x, positions)
-        o = for_config("attention", cfg).dense(q, k, v, lengths)  # [B, T, Hq, d]
+        o = for_plan("attention", plan).dense(q, k, v, lengths)  # [B, T, Hq, d]
         return output(w, o, gate)
 
 
@@ -46,7 +48,7 @@ def attention_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, kv: jax.Arr
     """
     with jax.named_scope("attention"):
         q, gate, k, v = qkv(cfg, w, x, meta.positions)
-        kernels = for_config("attention", cfg)
+        kernels = for_plan("attention", parallelism.plan)
         ps = kv.shape[2]
         valid = meta.token_seq >= 0  # [R, T]
         seq_pages = jnp.take_along_axis(meta.page_table, jnp.clip(meta.token_seq, 0)[..., None], axis=1)  # [R,T,n]

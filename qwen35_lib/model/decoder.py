@@ -32,11 +32,12 @@ def _group(cfg: Config, parallelism, h: jax.Array, layers: list[LayerWeights], p
            lengths: jax.Array) -> jax.Array:
     """One layer group (e.g. 3 GDN + 1 attention), each layer followed by its MoE. h: [B, T, D]."""
     valid = jnp.arange(h.shape[1])[None, :] < lengths[:, None]  # [B, T]
+    plan = parallelism.plan
     for kind, w in zip(cfg.layer_pattern, layers):
         if kind == LINEAR:
-            mixer = lambda w, x: gdn_block(cfg, w, x, valid)[0]
+            mixer = lambda w, x: gdn_block(cfg, w, x, valid, plan=plan)[0]
         else:
-            mixer = lambda w, x: attention_block(cfg, w, x, positions, lengths)
+            mixer = lambda w, x: attention_block(cfg, w, x, positions, lengths, plan)
         h = residual_layer(cfg, parallelism, w, h, mixer, valid)
     return h
 
@@ -80,7 +81,7 @@ def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=
         lengths = np.full((B,), T, np.int32)
     lengths = _check_lengths(lengths, B, T)
     check_weights(config, weights)
-    weights = prepare_weights(config, weights)
+    weights = prepare_weights(config, weights, parallelism.plan)
     return _forward(config, parallelism, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
 
 
@@ -91,8 +92,8 @@ def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism
     if not isinstance(token_ids, jax.ShapeDtypeStruct):
         token_ids = jnp.asarray(_check_tokens(config, token_ids), jnp.int32)
         lengths = jnp.asarray(_check_lengths(lengths, *token_ids.shape), jnp.int32)
-    return _forward.lower(config, check_parallelism(config, parallelism), prepare_weights(config, weights), token_ids,
-                          lengths)
+    parallelism = check_parallelism(config, parallelism)
+    return _forward.lower(config, parallelism, prepare_weights(config, weights, parallelism.plan), token_ids, lengths)
 
 
 def _check_tokens(config: Config, token_ids):

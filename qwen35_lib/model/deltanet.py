@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels import for_plan
 from qwen35_lib.model.layers import gated_rms_norm, linear
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 
 def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -26,14 +27,14 @@ def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.
 
 
 def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: dict | None = None,
-              state: jax.Array | None = None) -> tuple[jax.Array, dict, jax.Array]:
+              state: jax.Array | None = None, plan: ServingPlan = SINGLE) -> tuple[jax.Array, dict, jax.Array]:
     """One Gated DeltaNet layer over [B, T, D], continuing from (conv_hist, state) when given.
 
     valid: [B, T] bool, False at right padding: those tokens are zeroed (as HF does) and get g = beta = 0, so
     they leave the state untouched and the returned state is the one after each row's last real token.
     conv_hist: {"q","k","v": [B, K-1, H, d]} previous conv inputs; state: [B, Hv, dk, dv].
-    1. q, k, v, z, b, a projections; 2. causal conv + SiLU on q, k, v; 3. beta = sigmoid(b),
-    g = -exp(A_log) softplus(a + dt_bias); 4. the delta rule (kernel slot `gdn`); 5. gated RMSNorm, out_proj.
+    1. q, k, v, z, b, a projections; 2. causal conv + SiLU on q, k, v; 3. beta = sigmoid(b), g = -exp(A_log)
+    softplus(a + dt_bias); 4. the delta rule (kernel slot `gdn`, as `plan` names it); 5. gated RMSNorm, out_proj.
     Note: the conv history is taken at the end of the block (T tokens), so callers that continue a padded row
     must pass the history at its real end (the engine does).
     """
@@ -54,8 +55,8 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
         g = -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"])  # [B, T, Hv], <= 0
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-        o, state = for_config("gdn", cfg).dense(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
-                                          chunk_size=cfg.gdn_chunk_size)
+        o, state = for_plan("gdn", plan).dense(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
+                                               chunk_size=cfg.gdn_chunk_size)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)  # [B, T, Hv, dv]
         return linear(o, w["w_out"], contract=2), new_hist, state.astype(jnp.dtype(cfg.gdn_state_dtype))
 
@@ -106,7 +107,7 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
-        ragged = partial(for_config("gdn", cfg).ragged, chunk_size=cfg.gdn_chunk_size)
+        ragged = partial(for_plan("gdn", parallelism.plan).ragged, chunk_size=cfg.gdn_chunk_size)
         o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, conv_out["q"], conv_out["k"], conv_out["v"],
                                                      g, beta, cache["state"], meta)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 
 from qwen35_lib.config import LINEAR, Config
-from qwen35_lib.kernels.registry import target_backend
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 MAX_UNROLLED_LAYERS = 16  # deeper models scan on every backend: an unrolled HLO grows (and compiles) per layer
 
@@ -35,10 +35,11 @@ class LayerWeights(NamedTuple):
     moe: dict
 
 
-def unrolled(cfg: Config, backend: str | None = None) -> bool:
-    """True where the layers run as an unrolled loop over per-layer leaves: XLA:CPU, one device (a layout's
-    sharded weights keep their stacked shardings), up to MAX_UNROLLED_LAYERS layers."""
-    return ((backend or target_backend()) == "cpu" and cfg.layout == "single"
+def unrolled(cfg: Config, plan: ServingPlan = SINGLE) -> bool:
+    """True where the layers run as an unrolled loop over per-layer leaves: XLA:CPU (the platform `plan` is bound
+    for; unbound: the default backend), one device (a layout's sharded weights keep their stacked shardings), up to
+    MAX_UNROLLED_LAYERS layers."""
+    return ((plan.platform or jax.default_backend()) == "cpu" and plan.layout == "single"
             and cfg.num_layers <= MAX_UNROLLED_LAYERS)
 
 
@@ -75,11 +76,11 @@ def _split(cfg: Config, layers: dict) -> tuple:
 _CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, layer_pattern, per-layer groups)
 
 
-def prepare_weights(cfg: Config, weights: dict) -> dict:
-    """The weight form `unrolled(cfg)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
+def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> dict:
+    """The weight form `unrolled(cfg, plan)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
     and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through."""
     layers = weights["layers"]
-    if is_per_layer(layers) or not unrolled(cfg):
+    if is_per_layer(layers) or not unrolled(cfg, plan):
         return weights
     leaves = jax.tree.leaves(layers)
     if any(isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) for a in leaves):

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.stacked import LayerOf, layer_index
 from qwen35_lib.model.layers import linear
+from qwen35_lib.plan import SINGLE, ServingPlan
 from qwen35_lib.weights import BlockFP8, dequantize_fp8
 
 
@@ -31,12 +32,12 @@ def shared_expert(w: dict, x: jax.Array) -> jax.Array:
 
 
 def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: jax.Array,
-                   valid: jax.Array | None = None) -> jax.Array:
+                   valid: jax.Array | None = None, plan: ServingPlan = SINGLE) -> jax.Array:
     """Σ_j weights_j * expert_{ids_j}(x), dropless: dispatch (sort copies by expert), grouped matmul, combine.
 
-    Tokens not `valid` [N] (padding) are routed to no expert: their copies go to a trailing group E that the
-    grouped matmul never computes (rows past the sum of the group sizes), so they take no expert's capacity;
-    their routed output is 0.
+    The kernels (`moe_matmul`, `permute`) are the ones `plan` names. Tokens not `valid` [N] (padding) are routed to
+    no expert: their copies go to a trailing group E that the grouped matmul never computes (rows past the sum of
+    the group sizes), so they take no expert's capacity; their routed output is 0.
     An implementation with `fuses(copies, E)` true at this size (`moe_xla.moe_loop` where it loops: prefill
     sizes on the CPU) does all three in one (`fused`), without the sorted copies of the rows.
     """
@@ -44,21 +45,22 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, E)  # [N, k]
         weights = jnp.where(valid[:, None], weights, 0)
-    matmul = for_config("moe_matmul", cfg)
+    matmul = for_plan("moe_matmul", plan)
     if getattr(matmul, "fuses", lambda *_: False)(ids.size, E):  # dispatch and combine inside the grouped matmul
         return matmul.fused(x, ids, weights, E + (valid is not None), w["w_gate_up"], w["w_down"],
                             cfg.fp8_block_size).astype(x.dtype)
-    permute = for_config("permute", cfg)
+    permute = for_plan("permute", plan)
     x_sorted, group_sizes, order = permute.dispatch(x, ids, E + (valid is not None))  # [N*k, D], [E (+1)]
     y_sorted = matmul(x_sorted, group_sizes[:E], w["w_gate_up"], w["w_down"], cfg.fp8_block_size)
     return permute.combine(y_sorted, order, weights).astype(x.dtype)  # [N, D]
 
 
-def local_moe(cfg: Config, w: dict, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+def local_moe(cfg: Config, w: dict, x: jax.Array, valid: jax.Array | None = None,
+              plan: ServingPlan = SINGLE) -> jax.Array:
     """The MoE layer on one device, flat tokens x: [N, D] -> [N, D]: routed experts (dropless) + shared expert.
     `valid` [N] (optional): False for padding tokens, which are routed to no expert (see `routed_experts`)."""
     weights, ids = route(cfg, w["router"], x)
-    return routed_experts(cfg, w, x, weights, ids, valid) + shared_expert(w, x)
+    return routed_experts(cfg, w, x, weights, ids, valid, plan) + shared_expert(w, x)
 
 
 def moe_block(cfg: Config, w: dict, x: jax.Array, parallelism, valid: jax.Array | None = None) -> jax.Array:
@@ -86,13 +88,13 @@ def moe_dense_reference(cfg: Config, w: dict, x: jax.Array) -> jax.Array:
 EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 
 
-def stacked_experts(cfg: Config, layers: dict) -> tuple[dict, dict]:
+def stacked_experts(cfg: Config, layers: dict, plan: ServingPlan = SINGLE) -> tuple[dict, dict]:
     """Split the stacked layer tree for the layer scan: (the scan's xs, the expert stacks it must not slice).
 
     Where the MoE kernel reads stacked weights in place (`reads_stacked`: the Pallas grouped matmul), the routed
     expert weights leave the scanned tree and stay whole; `with_experts` hands each layer a `LayerOf` view of
     them. Elsewhere the tree is scanned as it is ({} kept whole)."""
-    if not getattr(for_config("moe_matmul", cfg), "reads_stacked", False):
+    if not getattr(for_plan("moe_matmul", plan), "reads_stacked", False):
         return layers, {}
     moe = layers["moe"]
     return (dict(layers, moe={n: v for n, v in moe.items() if n not in EXPERT_WEIGHTS}),

@@ -1,7 +1,8 @@
 """What the model asks of a layout, and the one-device answer.
 
-The model is written once, for one device. A layout (`qwen35_lib.parallel`) answers two questions for it, as
-an object passed down from `forward` / `ragged_forward` (the model never looks a layout up):
+The model is written once, for one device. A bound serving plan (`qwen35_lib.plan`) answers two questions for
+it, as an object passed down from `forward` / `ragged_forward` (the model never looks a plan up), which also
+carries the plan itself (`.plan`: the kernel of each slot, `kernels.for_plan`):
 
 - `moe(cfg, w, x)`: the whole MoE layer (router, routed experts, shared expert) on flat tokens x [N, D] -> [N, D];
   a layout with `takes_valid = True` also takes `valid=` [N] (False: a padding token, routed to no expert);
@@ -21,9 +22,12 @@ import jax
 
 from qwen35_lib.config import Config
 from qwen35_lib.model.moe import local_moe
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 
 class Parallelism(Protocol):
+    plan: ServingPlan
+
     def moe(self, cfg: Config, w: dict, x: jax.Array) -> jax.Array: ...
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args): ...
@@ -32,12 +36,13 @@ class Parallelism(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Local:
     """Everything on one device: the MoE dropless on its own (padding tokens routed nowhere), per-rank calls a
-    plain `vmap`."""
+    plain `vmap`. `plan`: the one-device plan (its kernels; unbound: the default backend's)."""
 
+    plan: ServingPlan = SINGLE
     takes_valid = True
 
     def moe(self, cfg: Config, w: dict, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        return local_moe(cfg, w, x, valid)
+        return local_moe(cfg, w, x, valid, self.plan)
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
         return jax.vmap(fn)(*args)
@@ -47,10 +52,6 @@ LOCAL = Local()
 
 
 def check_parallelism(config: Config, parallelism: Parallelism | None) -> Parallelism:
-    """`parallelism`, or LOCAL for the one-device layout; a multi-device layout without one is refused."""
-    if parallelism is not None:
-        return parallelism
-    if config.layout != "single":
-        raise ValueError(f"layout {config.layout!r} needs its parallelism: call qwen35_lib.forward (it picks the "
-                         "layout's), or pass parallelism=qwen35_lib.parallel.parallelism(config)")
-    return LOCAL
+    """`parallelism`, or LOCAL (one device, the platform's default kernels) when None. A multi-device plan runs
+    through `qwen35_lib.forward(..., plan=plan)` or `parallelism=qwen35_lib.parallel.parallelism(bound plan)`."""
+    return LOCAL if parallelism is None else parallelism

@@ -23,7 +23,7 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
     `forward` (static under jit: `jax.jit(ragged_forward, static_argnums=0, static_argnames="parallelism")`).
     Returns (logits [R, S, V], cache). The decoder is a scan over stacked layer groups (the caches ride in the
     carry, each group's slice updated in place), or an unrolled loop when `weights["layers"]` holds per-layer
-    leaves (`model.layer_loop`: XLA:CPU; the engine passes `prepare_weights(cfg, weights)`).
+    leaves (`model.layer_loop`: XLA:CPU; the engine passes `prepare_weights(cfg, weights, plan)`).
     """
     with jax.named_scope("model"):  # the profile's model part (`bench.profile`); the engine samples after it
         return _ragged_forward(cfg, weights, cache, tokens, meta, check_parallelism(cfg, parallelism))
@@ -64,7 +64,8 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
             with jax.named_scope(f"layer_group_{gi}"):
                 h, cache = group(h, cache, layers, gi)
     else:
-        scanned, experts = stacked_experts(cfg, weights["layers"])  # experts read in place: not scanned
+        # experts read in place (the plan's MoE kernel reads stacks): not scanned
+        scanned, experts = stacked_experts(cfg, weights["layers"], parallelism.plan)
 
         def body(carry, xs):
             w, gi = xs

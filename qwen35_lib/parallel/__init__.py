@@ -2,8 +2,9 @@
 collectives. The plans themselves, the layouts, the stage ladder and the mesh live in `qwen35_lib.plan`.
 
     mesh = make_mesh()                                   # qwen35_lib.plan: 8 devices as ('chip': 4, 'core': 2)
-    config = get_config("qwen3.5-mini", layout="dp8_ep8", routing="replicate", fuse_allgather=True)
-    weights = shard_weights(config, init_weights(config), mesh)
+    config = get_config("qwen3.5-mini")
+    plan = get_stage("fused_ag").bind(mesh, config)      # dp8_ep8, replicate, fuse_allgather: checked once, bound
+    weights = shard_weights(config, plan, init_weights(config), mesh)
 """
 
 from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights, spec, weight_shardings

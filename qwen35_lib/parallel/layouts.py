@@ -1,5 +1,6 @@
-"""Layouts: logical axes -> mesh axes, applied. The rules themselves are the layout plans of `qwen35_lib.plan`
-(one `ServingPlan` per layout name), checked against a model and a mesh there (`plan.check_layout`).
+"""Layouts: logical axes -> mesh axes, applied. The rules themselves are the serving plan's (`qwen35_lib.plan`:
+one `ServingPlan` per layout name or stage), checked against a model and a mesh when it is bound there
+(`plan.bind(mesh, config)`); every function here takes the bound plan.
 
 Every weight and cache array declares logical axes (`qwen35_lib.weights`, `qwen35_lib.engine.cache`); a layout
 maps them to the `('chip', 'core')` mesh. A logical axis whose size does not divide its mesh axes is kept whole
@@ -15,15 +16,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qwen35_lib.config import Config
-from qwen35_lib.plan import ServingPlan, axis_size, check_layout, get_layout
+from qwen35_lib.plan import ServingPlan, axis_size
 from qwen35_lib.weights import ArrayInfo, declare, is_info
 
 
-def placed_config(config: Config, mesh) -> Config:
-    """The config a program runs on `mesh`: under `tp_kvrep`, with the duplicated KV heads (`ServingPlan.
-    placed_config`); unchanged otherwise. Checked (`check_layout`)."""
-    lay = check_layout(config, mesh)
-    return config if lay.name == "single" else lay.placed_config(config)
+def placed_config(config: Config, plan: ServingPlan, mesh=None) -> Config:
+    """The config a program runs under the bound `plan` (on `mesh`, default: the one it is bound to): under
+    `tp_kvrep`, with the duplicated KV heads, and the plan's GDN state dtype (`ServingPlan.placed_config`)."""
+    if plan.layout == "single":
+        return config if plan.gdn_state_dtype is None else config.replace(gdn_state_dtype=plan.gdn_state_dtype)
+    return plan.placed_config(config, mesh)
 
 
 def spec(layout: ServingPlan, mesh, logical_axes: tuple, shape: tuple) -> PartitionSpec:
@@ -50,16 +52,16 @@ def shardings(decl, layout: ServingPlan, mesh):
                         is_leaf=is_info)
 
 
-def weight_shardings(config: Config, mesh) -> dict:
-    """NamedShardings for every weight of `config` under its layout, as placed on `mesh` (`placed_config`: the
-    duplicated KV heads of `tp_kvrep`); a tree like the weights."""
-    return shardings(declare(placed_config(config, mesh)), check_layout(config, mesh), mesh)
+def weight_shardings(config: Config, plan: ServingPlan, mesh) -> dict:
+    """NamedShardings for every weight of `config` under the bound `plan`, as placed on `mesh` (`placed_config`:
+    the duplicated KV heads of `tp_kvrep`); a tree like the weights."""
+    return shardings(declare(placed_config(config, plan, mesh)), plan, mesh)
 
 
-def duplicate_kv_heads(config: Config, weights: dict, mesh) -> dict:
+def duplicate_kv_heads(config: Config, plan: ServingPlan, weights: dict, mesh) -> dict:
     """`weights` with each KV projection's heads repeated as `placed_config` says (head h -> copies h*r .. h*r +
     r - 1, so query head q still reads a copy of head q // (Hq / Hkv)); arrays already so are kept."""
-    want = declare(placed_config(config, mesh))  # config may be placed already: shapes decide
+    want = declare(placed_config(config, plan, mesh))  # config may be placed already: shapes decide
 
     def dup(x, info):
         if not is_info(info) or "kv_heads" not in info.logical_axes:
@@ -71,15 +73,15 @@ def duplicate_kv_heads(config: Config, weights: dict, mesh) -> dict:
     return jax.tree.map(dup, weights, want, is_leaf=lambda v: is_info(v) or not isinstance(v, dict))
 
 
-def shard_weights(config: Config, weights: dict, mesh) -> dict:
-    """`weights` placed on `mesh` under the config's layout (arrays already placed so are not moved).
+def shard_weights(config: Config, plan: ServingPlan, weights: dict, mesh) -> dict:
+    """`weights` placed on `mesh` under the bound `plan` (arrays already placed so are not moved).
 
     Across processes (`jax.distributed`), each process passes its own copy, the same in every process, and
     supplies from it only the shards its devices hold (`device_put` would check equality with a collective per
     array); global arrays are resharded by `device_put`.
     """
-    weights = duplicate_kv_heads(config, weights, mesh)
-    shardings = weight_shardings(config, mesh)
+    weights = duplicate_kv_heads(config, plan, weights, mesh)
+    shardings = weight_shardings(config, plan, mesh)
     if jax.process_count() == 1:
         return jax.device_put(weights, shardings)
     return jax.tree.map(_place_local_copy, weights, shardings)
@@ -92,10 +94,9 @@ def _place_local_copy(x, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def batch_sharding(config: Config, mesh, ndim: int) -> NamedSharding:
-    """For per-rank engine inputs [R, ...]: R over the layout's batch axes."""
-    lay = get_layout(config.layout)
-    return NamedSharding(mesh, PartitionSpec(lay.batch_axes, *([None] * (ndim - 1))))
+def batch_sharding(plan: ServingPlan, mesh, ndim: int) -> NamedSharding:
+    """For per-rank engine inputs [R, ...]: R over the plan's batch axes."""
+    return NamedSharding(mesh, PartitionSpec(plan.batch_axes, *([None] * (ndim - 1))))
 
 
 def leaf_infos(config: Config) -> list[tuple[str, ArrayInfo]]:

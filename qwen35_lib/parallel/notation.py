@@ -5,7 +5,7 @@ Each dim is a letter; a dim split over mesh axes carries them as a subscript: `_
 device. A partial sum that still has to be reduced over devices is written `{y[N, D]}_U` (unreduced).
 
     notation("x", ("B", "D"), PartitionSpec(ALL, None))              # 'x[B_x, D]'
-    weight_notation(config, mesh)["layers.moe.w_down"]                # 'W_down[E_x, F, D]' under dp8_ep8
+    weight_notation(config, plan, mesh)["layers.moe.w_down"]          # 'W_down[E_x, F, D]' under dp8_ep8
 
 The letters of the weights come from their declared logical axes (`LETTERS`); an axis with no logical name is
 written by its size (`2` for the gate|up pair, `256` for a head dim). The stacking dims of the layer loop (group,
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.parallel.layouts import leaf_infos, placed_config, weight_shardings
-from qwen35_lib.plan import ALL
+from qwen35_lib.plan import ALL, ServingPlan
 
 LETTERS = {"embed": "D", "experts": "E", "moe_ffn": "F", "ffn": "Fs", "q_heads": "Hq", "kv_heads": "Hkv",
            "gdn_k_heads": "Hk", "gdn_v_heads": "Hv", "vocab": "V"}
@@ -44,12 +44,13 @@ def notation(name: str, dims: Sequence[str], spec: PartitionSpec, unreduced: boo
     return f"{{{body}}}_U" if unreduced else body
 
 
-def weight_notation(config: Config, mesh) -> dict[str, str]:
-    """Every weight of `config` as placed on `mesh` by its layout, in the notation: `{'layers.moe.w_down':
-    'W_down[E_x, F, D]', ...}` (FP8 experts: the values, not their block scales)."""
-    shardings = dict(_flat(weight_shardings(config, mesh)))
+def weight_notation(config: Config, plan: ServingPlan, mesh) -> dict[str, str]:
+    """Every weight of `config` as placed on `mesh` by the serving `plan` (bound here), in the notation:
+    `{'layers.moe.w_down': 'W_down[E_x, F, D]', ...}` (FP8 experts: the values, not their block scales)."""
+    plan = plan.bound(mesh, config)
+    shardings = dict(_flat(weight_shardings(config, plan, mesh)))
     out = {}
-    for path, info in leaf_infos(placed_config(config, mesh)):
+    for path, info in leaf_infos(placed_config(config, plan, mesh)):
         key = _key(path)
         if key.endswith(".scale"):
             continue

@@ -1,7 +1,7 @@
-"""A layout's answer to the model (`qwen35_lib.model.parallelism`): how its MoE runs across the mesh and how a
-per-rank kernel is called; and `forward` with the config's layout.
+"""A plan's answer to the model (`qwen35_lib.model.parallelism`): how its MoE runs across the mesh and how a
+per-rank kernel is called; and `forward` under a serving plan.
 
-    logits = forward(config, weights, token_ids)   # under `with jax.set_mesh(mesh):` for a multi-device layout
+    logits = forward(config, weights, token_ids, plan=plan)   # under `with jax.set_mesh(mesh):` on many devices
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import jax
 from qwen35_lib.config import Config
 from qwen35_lib.model import decoder
 from qwen35_lib.model.moe import local_moe, route, shared_expert
-from qwen35_lib.model.parallelism import LOCAL, Parallelism
+from qwen35_lib.model.parallelism import LOCAL, Local, Parallelism
 from qwen35_lib.parallel import ranks, routing
-from qwen35_lib.plan import ServingPlan, plan_of
+from qwen35_lib.parallel.layouts import placed_config
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,42 +25,48 @@ class MeshParallelism:
     """A multi-device plan on the context mesh (`jax.set_mesh`): the MoE as a `shard_map` of its mode
     (`tp`: expert FFN split + all-reduce; `ep`: experts split, tokens routed as the plan says)."""
 
-    layout: ServingPlan
+    plan: ServingPlan
 
     def moe(self, cfg: Config, w: dict, x: jax.Array) -> jax.Array:
-        if self.layout.moe == "local":
-            return local_moe(cfg, w, x)
+        if self.plan.moe == "local":
+            return local_moe(cfg, w, x, plan=self.plan)
         if jax.sharding.get_abstract_mesh().empty:
-            raise ValueError(f"layout {self.layout.name!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` "
+            raise ValueError(f"plan {self.plan.name!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` "
                              "with mesh = qwen35_lib.plan.make_mesh() (the Engine does this when given mesh=...)")
-        if self.layout.moe == "ep":
-            return routing.moe_ep(cfg, w, x, route, self.layout)[0] + shared_expert(w, x)
+        if self.plan.moe == "ep":
+            return routing.moe_ep(cfg, w, x, route, self.plan)[0] + shared_expert(w, x)
         weights, ids = route(cfg, w["router"], x)
-        return routing.moe_tp(cfg, w, x, ids, weights, shared_expert, self.layout)
+        return routing.moe_tp(cfg, w, x, ids, weights, shared_expert, self.plan)
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
-        return ranks.per_rank(cfg, slot, fn, *args, plan=self.layout)
+        return ranks.per_rank(cfg, slot, fn, *args, plan=self.plan)
 
 
-def parallelism(config: Config) -> Parallelism:
-    """The parallelism of the config's plan (`plan_of`: layout, routing, flags; LOCAL for `single`)."""
-    plan = plan_of(config)
-    return LOCAL if plan.name == "single" else MeshParallelism(plan)
+def parallelism(plan: ServingPlan) -> Parallelism:
+    """The parallelism of a bound `plan`: `Local` on one device (the plan's kernels), else `MeshParallelism`."""
+    if plan.layout == "single":
+        return LOCAL if plan is SINGLE else Local(plan)
+    return MeshParallelism(plan)
 
 
-def _placed(config: Config) -> Config:
-    """The config as placed on the context mesh (`tp_kvrep`: the duplicated KV heads `shard_weights` made)."""
+def _bound(config: Config, plan: ServingPlan | None) -> tuple[Config, ServingPlan]:
+    """(the config as placed, the plan bound to the context mesh): `plan` as given when bound already."""
+    plan = SINGLE if plan is None else plan
     mesh = jax.sharding.get_abstract_mesh()
-    plan = plan_of(config)
-    return config if mesh.empty or plan.name == "single" else plan.placed_config(config, mesh)
+    plan = plan.bound(None if mesh.empty or plan.layout == "single" else mesh, config)  # the context mesh
+    return placed_config(config, plan), plan
 
 
-def forward(config: Config, weights: dict, token_ids, lengths=None) -> jax.Array:
-    """`model.forward` under the config's layout: float32 logits [B, T, V] for right-padded rows [B, T] (weights
-    placed by `shard_weights`)."""
-    return decoder.forward(_placed(config), weights, token_ids, lengths, parallelism(config))
+def forward(config: Config, weights: dict, token_ids, lengths=None, plan: ServingPlan | None = None) -> jax.Array:
+    """`model.forward` under the serving `plan` (default: one device): float32 logits [B, T, V] for right-padded
+    rows [B, T] (weights placed by `shard_weights`; a multi-device plan runs under `with jax.set_mesh(mesh):`, and
+    an unbound one is bound to that mesh here)."""
+    config, plan = _bound(config, plan)
+    return decoder.forward(config, weights, token_ids, lengths, parallelism(plan))
 
 
-def lower_forward(config: Config, weights: dict, token_ids, lengths) -> jax.stages.Lowered:
-    """`model.decoder.lower_forward` under the config's layout (for ahead-of-time compiles)."""
-    return decoder.lower_forward(_placed(config), weights, token_ids, lengths, parallelism(config))
+def lower_forward(config: Config, weights: dict, token_ids, lengths, plan: ServingPlan | None = None
+                  ) -> jax.stages.Lowered:
+    """`model.decoder.lower_forward` under the serving `plan` (for ahead-of-time compiles)."""
+    config, plan = _bound(config, plan)
+    return decoder.lower_forward(config, weights, token_ids, lengths, parallelism(plan))

@@ -30,27 +30,27 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
-from qwen35_lib.kernels import for_config
+from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
-from qwen35_lib.plan import ALL, ServingPlan, plan_of
+from qwen35_lib.plan import ALL, ServingPlan
 from qwen35_lib.weights import BlockFP8
 
 
-def local_experts(cfg: Config, w_gate_up, w_down, x: jax.Array, ids: jax.Array, weights: jax.Array,
-                  first: jax.Array | int, count: int, all_local: bool = False) -> jax.Array:
+def local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array,
+                  weights: jax.Array, first: jax.Array | int, count: int, all_local: bool = False) -> jax.Array:
     """Σ_j weights_j * expert_{ids_j}(x) over the copies whose expert is in [first, first + count).
 
     x [N, D], ids/weights [N, k] (global expert ids); w_* hold the `count` local experts.
     1. the local copies are compacted, in copy order, into M = N·min(k, count) rows (the most there can be: a
        token's k experts are distinct); the rest is padding with expert id `count`, a trailing group the
        grouped matmul never computes; only local copies' rows of x are read;
-    2. the permute slot sorts the M rows by expert, the grouped matmul runs them;
+    2. the permute slot sorts the M rows by expert, the grouped matmul runs them (the kernels `plan` names);
     3. each row is weighed (padding: 0) and a token's local copies are summed (scatter-add into [N, D]).
     `all_local` (the TP MoE: every expert here, every id in range) skips step 1.
     """
     N, k = ids.shape
-    permute, matmul = for_config("permute", cfg), for_config("moe_matmul", cfg)
+    permute, matmul = for_plan("permute", plan), for_plan("moe_matmul", plan)
     if all_local:
         x_sorted, sizes, order = permute.dispatch(x, ids, count)  # [N*k, D], [count]
         y = matmul(x_sorted, sizes, w_gate_up, w_down, cfg.fp8_block_size)
@@ -89,13 +89,14 @@ def _spec_like(w, spec: P):
 
 
 def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, shared_fn,
-           plan: ServingPlan | None = None) -> jax.Array:
-    """Routed + shared experts, tensor-parallel over the FFN dim; returns the full MoE output [N, D]."""
-    tp = (plan or plan_of(cfg)).tp_axes
+           plan: ServingPlan) -> jax.Array:
+    """Routed + shared experts, tensor-parallel over the FFN dim (the bound TP `plan`); returns the full MoE
+    output [N, D]."""
+    tp = plan.tp_axes
     f = P(None, None, None, tp)  # [E, D, 2, F_x]
 
     def body(x, ids, weights, w_gate_up, w_down, shared):
-        y = local_experts(cfg, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts, all_local=True)
+        y = local_experts(cfg, plan, w_gate_up, w_down, x, ids, weights, 0, cfg.num_experts, all_local=True)
         y = y + shared_fn(shared, x)  # the shared expert's partial sum over its F/tp slice
         return jax.lax.psum(y, tp)
 
@@ -106,15 +107,14 @@ def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Arra
                          out_specs=P(), check_vma=False)(x, ids, weights, w["w_gate_up"], w["w_down"], shared)
 
 
-def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan | None = None, *,
-           with_rows: bool = False):
+def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan, *, with_rows: bool = False):
     """Routed experts under expert parallelism over every device: (out [N, D], dropped copies []), and with
     `with_rows` the rows each device moved [ep] (replicate: local copies run; all_to_all: token rows sent).
 
     Tokens are split evenly over the ep devices (padded to a multiple of ep); each device routes its own tokens
-    (`route_fn(cfg, router, x) -> (weights, ids)`, the router replicated), so routing needs no collective.
+    (`route_fn(cfg, router, x) -> (weights, ids)`, the router replicated), so routing needs no collective. The
+    bound EP `plan` says how tokens are routed (its routing, collective flags, capacity and kernels).
     """
-    plan = plan or plan_of(cfg)
     mesh = jax.sharding.get_abstract_mesh()
     ep = math.prod(mesh.shape[a] for a in ALL)
     if cfg.num_experts % ep:
@@ -133,12 +133,12 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan | Non
             real = jax.lax.axis_index(ALL) * x.shape[0] + jnp.arange(x.shape[0]) < N
             ids = jnp.where(real[:, None], ids, cfg.num_experts)
         if plan.routing == "all_to_all":
-            y, dropped, moved = _all_to_all(cfg, w_gate_up, w_down, x, ids, weights, ep, count)
+            y, dropped, moved = _all_to_all(cfg, plan, w_gate_up, w_down, x, ids, weights, ep, count)
             return y, dropped[None], moved[None]
         xa = all_gather(x)  # [N, D]
         ida, wa = gather_routing(ids, weights, plan.fuse_allgather)  # [N, k]
         first = jax.lax.axis_index(ALL) * count
-        y = local_experts(cfg, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
+        y = local_experts(cfg, plan, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
         rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep))
         return rs, jnp.zeros((1,), jnp.int32), moved[None]
@@ -150,14 +150,15 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan | Non
     return (out[:N], jnp.sum(dropped), moved) if with_rows else (out[:N], jnp.sum(dropped))
 
 
-def a2a_cap(cfg: Config, n: int, ep: int) -> int:
+def a2a_cap(cfg: Config, plan: ServingPlan, n: int, ep: int) -> int:
     """Rows per destination of the all-to-all buffer, for n tokens a device: n dropless (each token at most once
-    per destination), else ceil(capacity_factor · n·k / ep) (the mean copies per destination), at most n."""
-    k = cfg.num_experts_per_tok
-    return n if cfg.capacity_factor is None else min(n, max(1, math.ceil(cfg.capacity_factor * n * k / ep)))
+    per destination), else ceil(capacity_factor · n·k / ep) (the mean copies per destination; the plan's
+    `capacity_factor`), at most n."""
+    k, f = cfg.num_experts_per_tok, plan.capacity_factor
+    return n if f is None else min(n, max(1, math.ceil(f * n * k / ep)))
 
 
-def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count: int):
+def _all_to_all(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x, ids, weights, ep: int, count: int):
     """One device's side of all-to-all routing. x [n, D], ids/weights [n, k] ->
     (out [n, D], dropped copies [], token rows sent []).
 
@@ -170,7 +171,7 @@ def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count:
     """
     n, D = x.shape
     k = ids.shape[1]
-    cap = a2a_cap(cfg, n, ep)
+    cap = a2a_cap(cfg, plan, n, ep)
     dest = ids // count  # [n, k]
     hit = jnp.any(dest[:, :, None] == jnp.arange(ep)[None, None, :], axis=1)  # [n, ep]
     pos = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1  # [n, ep]
@@ -189,7 +190,7 @@ def _all_to_all(cfg: Config, w_gate_up, w_down, x, ids, weights, ep: int, count:
         ep * cap, *a.shape[1:])
     recv_x, recv = a2a(send_x), a2a(jnp.concatenate([send_ids, bits], axis=1))  # [ep*cap, D], [ep*cap, 2k]
     recv_w = jax.lax.bitcast_convert_type(recv[:, k:], jnp.float32).astype(weights.dtype)
-    y = local_experts(cfg, w_gate_up, w_down, recv_x, recv[:, :k], recv_w, 0, count)  # [ep*cap, D]
+    y = local_experts(cfg, plan, w_gate_up, w_down, recv_x, recv[:, :k], recv_w, 0, count)  # [ep*cap, D]
     back = a2a(y)  # [ep*cap, D]: row (e, pos) = device e's partial sum for token src
     out = jnp.zeros((n, D), jnp.float32).at[src].add(back.astype(jnp.float32), mode="drop")
     copies = jnp.sum(dest[:, :, None] == jnp.arange(ep)[None, None, :], axis=1)  # [n, ep]
@@ -207,18 +208,18 @@ def _dest_hits(cfg: Config, ids, ep: int):
     return (dest[..., None] == np.arange(ep)).sum(axis=2)  # [ep, n, ep]
 
 
-def predicted_drops(cfg: Config, ids, ep: int = 8) -> int:
+def predicted_drops(cfg: Config, plan: ServingPlan, ids, ep: int = 8) -> int:
     """Copies all_to_all drops for routing `ids` [N, k] (N split over ep devices): for every source device and
     destination, the copies of the tokens past the first `a2a_cap` tokens that go there."""
     import numpy as np
 
     copies = _dest_hits(cfg, ids, ep)
-    cap = a2a_cap(cfg, copies.shape[1], ep)
+    cap = a2a_cap(cfg, plan, copies.shape[1], ep)
     order = np.cumsum(copies > 0, axis=1)  # [ep, n, ep]: 1-based rank of each token going there
     return int(copies[order > cap].sum())
 
 
-def predicted_rows(cfg: Config, ids, ep: int = 8):
+def predicted_rows(cfg: Config, plan: ServingPlan, ids, ep: int = 8):
     """Rows each device moves for routing `ids` [N, k] (N split over ep devices), numpy [ep]: replicate, the
     local copies its experts run (of the N·k gathered); all_to_all, the token rows it sends (one per token and
     destination device, at most `a2a_cap` per destination)."""
@@ -226,21 +227,22 @@ def predicted_rows(cfg: Config, ids, ep: int = 8):
 
     ids = np.asarray(ids)
     count = cfg.num_experts // ep
-    if cfg.routing == "replicate":
+    if plan.routing == "replicate":
         return np.bincount((ids // count).reshape(-1), minlength=ep)[:ep]
     hit = _dest_hits(cfg, ids, ep) > 0  # [ep, n, ep]
-    return np.minimum(hit.sum(axis=1), a2a_cap(cfg, hit.shape[1], ep)).sum(axis=1)
+    return np.minimum(hit.sum(axis=1), a2a_cap(cfg, plan, hit.shape[1], ep)).sum(axis=1)
 
 
-def run_layer(cfg: Config, weights: dict, x, mesh, group: int = 0, position: int = 0):
-    """`moe_ep` of one layer of the model's `weights` (placed on `mesh` under cfg.layout) on x [N, D]:
-    numpy (out [N, D] without the shared expert, dropped copies)."""
+def run_layer(cfg: Config, plan: ServingPlan, weights: dict, x, mesh, group: int = 0, position: int = 0):
+    """`moe_ep` of one layer of the model's `weights` (placed on `mesh` under the EP `plan`, bound here) on
+    x [N, D]: numpy (out [N, D] without the shared expert, dropped copies)."""
     import numpy as np
 
     from qwen35_lib.model.moe import route
     from qwen35_lib.parallel.layouts import shard_weights
 
-    layer = jax.tree.map(lambda a: a[group, position], shard_weights(cfg, weights, mesh)["layers"]["moe"])
+    plan = plan.bound(mesh, cfg)
+    layer = jax.tree.map(lambda a: a[group, position], shard_weights(cfg, plan, weights, mesh)["layers"]["moe"])
     with jax.set_mesh(mesh):
-        out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route))(layer, jnp.asarray(x))
+        out, dropped = jax.jit(lambda w, x: moe_ep(cfg, w, x, route, plan))(layer, jnp.asarray(x))
     return np.asarray(out), int(dropped)

@@ -5,26 +5,24 @@ the collective options, the kernel family (`plan.kernels`) and the cache dtypes;
 is bound to (`plan.mesh`: the `('chip', 'core')` mesh of any device count). The stage ladder (`plan.stages`) is a
 list of named plans, read by the engine, the ahead-of-time compiles, the cost model and the benchmarks alike.
 Every command that takes a plan reads the same flags (`add_arguments(parser)`, `from_args(args)`: `plan.cli`).
-This package imports nothing of `qwen35_lib` but `config`.
+This package imports nothing of `qwen35_lib` but `config` (for the type of the model it is checked against).
 
-    plan = get_stage("fused_ag")                      # dp8_ep8, replicate, fuse_allgather=True
-    lay = check_layout(plan.apply(config), make_mesh())   # bound to the devices present, or a clear refusal
+    plan = get_stage("fused_ag").bind(make_mesh(), config)   # dp8_ep8, replicate, fuse_allgather=True, bound to the
+                                                             # devices present (kernels resolved), or a clear refusal
 """
 
-from qwen35_lib.config import LAYOUTS, ROUTINGS
 from qwen35_lib.plan.cli import add_arguments, from_args
 from qwen35_lib.plan.kernels import FAMILIES, family_kernels
-from qwen35_lib.plan.layouts import GENERAL, INSTANCES, PLACEMENTS
+from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS
 from qwen35_lib.plan.mesh import ALL, AXES, abstract_mesh, axis_size, make_mesh
 from qwen35_lib.plan.record import (
     LAYOUT_PLANS,
+    SINGLE,
     ServingPlan,
-    check_layout,
     get_layout,
     kv_copies,
     kv_heads_per_device,
     micro_batches,
-    plan_of,
 )
 from qwen35_lib.plan.stages import (
     EXTRA,
@@ -35,12 +33,9 @@ from qwen35_lib.plan.stages import (
     any_stage,
     custom_stage,
     get_stage,
-    resolve_layout,
-    stage_config,
 )
 
 __all__ = ["ALL", "AXES", "EXTRA", "FAMILIES", "GENERAL", "GOOGLE_BASELINE", "INSTANCES", "LADDER", "LAYOUTS",
-           "LAYOUT_PLANS", "PLACEMENTS", "ROUTINGS", "STAGES", "TPU_INFERENCE_3050", "ServingPlan", "abstract_mesh",
-           "add_arguments", "any_stage", "axis_size", "check_layout", "custom_stage", "family_kernels", "from_args",
-           "get_layout", "get_stage", "kv_copies", "kv_heads_per_device", "make_mesh", "micro_batches", "plan_of",
-           "resolve_layout", "stage_config"]
+           "LAYOUT_PLANS", "PLACEMENTS", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050", "ServingPlan",
+           "abstract_mesh", "add_arguments", "any_stage", "axis_size", "custom_stage", "family_kernels", "from_args",
+           "get_layout", "get_stage", "kv_copies", "kv_heads_per_device", "make_mesh", "micro_batches"]

@@ -7,7 +7,7 @@ as one `ServingPlan`, and `devices(args)` says how many devices a layout asks fo
     --routing NAME          EP layouts: replicate | all_to_all
     --fuse-allgather        replicate: top-k ids and weights in one all-gather
     --hierarchical-rs       replicate: reduce-scatter within each chip, then across chips
-    --kernels FAMILY        xla | pallas; where a command has it (else the config's own kernels)
+    --kernels FAMILY        xla | pallas; where a command has it (else each slot the platform's default)
     --devices N             the mesh's devices; default: every device present for a general layout, 8 for an
                             8-device name ($QWEN35_DEVICES, where set, stands for --devices)
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from qwen35_lib.config import LAYOUTS, ROUTINGS
 from qwen35_lib.plan.kernels import FAMILIES
+from qwen35_lib.plan.layouts import LAYOUTS, ROUTINGS
 from qwen35_lib.plan.record import ServingPlan
 from qwen35_lib.plan.stages import EXTRA, STAGES, any_stage, custom_stage
 
@@ -59,7 +59,7 @@ def from_args(args: argparse.Namespace) -> ServingPlan:
     """The plan the flags describe: --layout with its routing, collective flags and kernels, else --stage.
 
     The flags are checked here (`custom_stage`: the collective flags need an EP layout with routing replicate);
-    the model and the mesh are checked where the plan meets them (`check_layout`)."""
+    the model and the mesh are checked where the plan meets them (`ServingPlan.bind(mesh, config)`)."""
     layout = getattr(args, "layout", None)
     if not layout:
         return any_stage(args.stage)
@@ -67,13 +67,6 @@ def from_args(args: argparse.Namespace) -> ServingPlan:
         raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
                          "--routing replicate; layout 'single' has no collectives")
     return custom_stage(layout, args.routing, args.fuse_allgather, args.hierarchical_rs, getattr(args, "kernels", None))
-
-
-def config_fields(plan: ServingPlan) -> dict:
-    """The Config fields of `plan`'s placement (layout, routing, collective flags), as `generate` and the multi-host
-    runner report them and build their configs from."""
-    return dict(layout=plan.layout, routing=plan.routing or "replicate", fuse_allgather=plan.fuse_allgather,
-                hierarchical_rs=plan.hierarchical_rs)
 
 
 def requested_devices(args: argparse.Namespace | None = None) -> int | None:
@@ -91,4 +84,4 @@ def requested_devices(args: argparse.Namespace | None = None) -> int | None:
     return n
 
 
-__all__ = ["DEVICES_ENV", "add_arguments", "config_fields", "from_args", "requested_devices"]
+__all__ = ["DEVICES_ENV", "add_arguments", "from_args", "requested_devices"]

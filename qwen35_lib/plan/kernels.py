@@ -11,8 +11,8 @@ which reads these tables.
 from __future__ import annotations
 
 SLOTS = ("attention", "gdn", "moe_matmul", "permute")
-CONFIG_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
-                 "permute": "permute_kernel"}  # slot -> Config field
+KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
+                 "permute": "permute_kernel"}  # slot -> ServingPlan field
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
 # except the MoE's `loop`, chosen from `bench engine` side by side with `capacity` (decode step 70.6 -> 45.7 ms):
 # the stored file predates `loop` and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
@@ -29,17 +29,17 @@ FAMILIES = ("xla", "pallas")
 
 
 def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
-    """The Config kernel fields of a kernel family on `backend` (default: JAX's default backend)."""
+    """The ServingPlan kernel fields of a kernel family on `backend` (default: JAX's default backend)."""
     if family not in FAMILIES:
         raise ValueError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
     if family == "pallas":
-        return dict.fromkeys(CONFIG_FIELDS.values(), "pallas")
+        return dict.fromkeys(KERNEL_FIELDS.values(), "pallas")
     if backend is None:
         import jax
 
         backend = jax.default_backend()
     moe = "loop" if backend == "cpu" else "ragged_dot"
-    return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in CONFIG_FIELDS.items()}
+    return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in KERNEL_FIELDS.items()}
 
 
-__all__ = ["BACKEND_DEFAULTS", "CONFIG_FIELDS", "FAMILIES", "SLOTS", "family_kernels"]
+__all__ = ["BACKEND_DEFAULTS", "KERNEL_FIELDS", "FAMILIES", "SLOTS", "family_kernels"]

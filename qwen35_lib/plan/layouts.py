@@ -15,8 +15,11 @@ same layouts as 8-device instances (`INSTANCES`): they refuse a mesh of another 
 
 from __future__ import annotations
 
-from qwen35_lib.config import LAYOUTS
 from qwen35_lib.plan.mesh import ALL
+
+# 8-device instances, then the general forms (sizes from the mesh)
+LAYOUTS = ("single", "tp8", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp", "tp_kvrep", "dp_tp2_ep", "dp_ep")
+ROUTINGS = ("replicate", "all_to_all")  # EP layouts: all-gather tokens | send tokens to their experts
 
 Axes = tuple[str, ...] | str | None
 

@@ -5,19 +5,19 @@ A `ServingPlan` names a layout (how attention, GDN and the MoE are placed: the l
 per backend by `plan.kernels.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they come
 from the mesh it is bound to (`plan.bind(mesh)`), so the general layouts run on any `('chip', 'core')` mesh whose
 sizes divide (1, 2, 4, 8, 16 devices). A plan's name is its layout's for a layout plan (`get_layout`), or a
-stage's (`plan.stages`). `plan.bind(mesh, config)` checks a plan against a model on a mesh, once, and binds it
-(`check_layout(config, mesh)`: the config's own plan, so bound), or refuses it naming the constraint and the fix.
+stage's (`plan.stages`). `plan.bind(mesh, config)` checks a plan against a model on a mesh, once, resolves each
+kernel slot for the mesh's platform and returns the bound plan, or refuses it naming the constraint and the fix;
+every entry point (the engine, the ahead-of-time compiles, the cost model) binds once and hands the bound plan down.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
-from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
-from qwen35_lib.plan.kernels import family_kernels
-from qwen35_lib.plan.layouts import GENERAL, INSTANCES, PLACEMENTS, Axes
+from qwen35_lib.config import Config
+from qwen35_lib.plan.kernels import BACKEND_DEFAULTS, FAMILIES, KERNEL_FIELDS, family_kernels
+from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS, Axes
 from qwen35_lib.plan.mesh import AXES, axis_size
 
 
@@ -27,17 +27,25 @@ class ServingPlan:
     mesh (`bind`), its sizes. Field order keeps `ServingPlan("baseline", "tp8_kvrep")` a complete stage."""
 
     name: str
-    layout: str  # one of config.LAYOUTS
+    layout: str  # one of plan.layouts.LAYOUTS
     routing: str | None = None  # EP layouts: "replicate" | "all_to_all"; None: the TP / local MoE
     fuse_allgather: bool = False  # replicate: top-k ids and weights in one all-gather (3 -> 2)
     hierarchical_rs: bool = False  # replicate: reduce-scatter over core, then chip
-    kernels: str | None = "xla"  # kernel family (`plan.kernels.FAMILIES`); None: as the config says
+    kernels: str | None = "xla"  # kernel family (`plan.kernels.FAMILIES`); None: each slot the platform's default
     kv_dtype: str | None = None  # paged KV cache, read by the cost model (an Engine takes EngineConfig.kv_dtype)
-    gdn_state_dtype: str | None = None  # recurrent GDN state (`apply` sets it in the config); None: the config's
+    gdn_state_dtype: str | None = None  # recurrent GDN state (`placed_config` sets it); None: the config's
     mesh_shape: tuple[tuple[str, int], ...] | None = None  # set by `bind`: the mesh the sizes come from
-    kv_whole: bool = False  # set by `check_layout`: tp_kvrep's KV heads neither divide nor duplicate evenly here,
+    kv_whole: bool = False  # set by `bind` with a config: tp_kvrep's KV heads neither divide nor duplicate evenly here,
     #                         so they stay whole on every device (the cache's flat [.., 2·Hkv·d] is never cut)
     rs_micro_batches: int | None = None  # hierarchical_rs: micro-batches; None: tpu-inference's rule by tokens
+    capacity_factor: float | None = None  # all_to_all: None = dropless; else slots per device = f * mean (drops)
+    # each kernel slot's implementation (`qwen35_lib.kernels`); None or "auto": the family's (`kernels`), else the
+    # platform's default (`plan.kernels.BACKEND_DEFAULTS`). `bind` resolves them for the mesh's platform.
+    attention_kernel: str | None = None
+    gdn_kernel: str | None = None
+    moe_kernel: str | None = None
+    permute_kernel: str | None = None
+    platform: str | None = None  # set by `bind`: the platform the kernels run on ("cpu", "tpu", "gpu")
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -47,6 +55,13 @@ class ServingPlan:
         if self.rs_micro_batches is not None and self.rs_micro_batches < 1:
             raise ValueError(f"rs_micro_batches must be None (tpu-inference's rule) or >= 1; got "
                              f"{self.rs_micro_batches}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be None (dropless) or > 0; got {self.capacity_factor}")
+        if self.kernels is not None and self.kernels not in FAMILIES:
+            raise ValueError(f"unknown kernel family {self.kernels!r}; use one of {FAMILIES}")
+
+    def replace(self, **changes) -> ServingPlan:
+        return dataclasses.replace(self, **changes)
 
     # --- placement (from the layout) ---
     @property
@@ -92,13 +107,59 @@ class ServingPlan:
         return self.axes("moe_ffn")
 
     # --- sizes (from a mesh) ---
-    def bind(self, mesh, config: Config | None = None) -> ServingPlan:
-        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh). With `config`, the one check of the plan
-        against a model on a mesh first (`_checked`: a ValueError naming the constraint it breaks and the fix), and
-        the plan as that model runs there (`kv_whole` where tp_kvrep's KV heads neither divide nor duplicate)."""
-        if config is not None:
-            return _checked(self, mesh, config)
-        return dataclasses.replace(self, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
+    def bind(self, mesh, config: Config | None = None, platform: str | None = None) -> ServingPlan:
+        """This plan with the sizes of `mesh` (a Mesh or AbstractMesh; None: one device) and the kernel of every
+        slot resolved for `platform` (default: the platform of the mesh's devices, else JAX's default backend).
+        With `config`, the one check of the plan against a model on a mesh first (`_checked`: a ValueError naming
+        the constraint it breaks and the fix), and the plan as that model runs there (`kv_whole` where tp_kvrep's
+        KV heads neither divide nor duplicate). Every entry point (the engine, the ahead-of-time compiles, the cost
+        model) binds once and hands the bound plan down."""
+        plan = self if config is None else _checked(self, mesh, config)
+        if mesh is not None and plan.mesh_shape is None:
+            plan = dataclasses.replace(plan, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
+        return plan.resolve_kernels(platform or _platform(mesh))
+
+    def bound(self, mesh, config: Config | None = None, platform: str | None = None) -> ServingPlan:
+        """This plan bound to `mesh`: itself when it is bound there already (an entry point bound it and handed it
+        down: nothing is derived twice), else `bind(mesh, config, platform)`."""
+        shape = None if mesh is None else tuple((a, int(n)) for a, n in dict(mesh.shape).items())
+        if (self.platform is not None and platform in (None, self.platform)
+                and (self.mesh_shape == shape or (self.layout == "single" and shape is None))):
+            return self
+        return self.bind(mesh, config, platform)
+
+    def resolve_kernels(self, platform: str) -> ServingPlan:
+        """This plan with every kernel slot named for `platform` ("auto" -> the family's, else the platform's
+        default implementation)."""
+        family = family_kernels(self.kernels, platform) if self.kernels is not None else {}
+        default = BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["cpu"])
+        return dataclasses.replace(self, platform=platform, **{
+            f: getattr(self, f) if getattr(self, f) not in (None, "auto") else family.get(f, default[slot])
+            for slot, f in KERNEL_FIELDS.items()})
+
+    def kernel(self, slot: str) -> str:
+        """The implementation name of kernel `slot` (`plan.kernels.SLOTS`) this plan runs: as bound, or, unbound,
+        resolved for JAX's default backend."""
+        plan = self if self.platform is not None else self.resolve_kernels(_platform(None))
+        return getattr(plan, KERNEL_FIELDS[slot])
+
+    @property
+    def kernel_names(self) -> dict[str, str]:
+        """{Config-style field (`attention_kernel`, ...): implementation} of every slot, as `kernel` resolves it."""
+        return {f: self.kernel(slot) for slot, f in KERNEL_FIELDS.items()}
+
+    def on_devices(self, devices: int) -> ServingPlan:
+        """This plan as it runs on `devices` devices (still unbound): one device is `single`, whatever the plan
+        says; an 8-device instance runs as its general form on another count (`dp8_ep8` on 4 devices is `dp_ep`:
+        DP4 x EP4)."""
+        if devices == 1:
+            return dataclasses.replace(self, layout="single", routing=None, fuse_allgather=False,
+                                       hierarchical_rs=False)
+        if devices % 2:
+            raise ValueError(f"{devices} devices do not form whole chips of 2 TensorCores; use an even device count")
+        if self.devices is not None and self.devices != devices:
+            return dataclasses.replace(self, layout=self.general)
+        return self
 
     def _size(self, axes: Axes, mesh=None) -> int:
         if mesh is None:
@@ -137,7 +198,10 @@ class ServingPlan:
 
     def placed_config(self, config: Config, mesh=None) -> Config:
         """The config the program runs: under `tp_kvrep`, Hkv duplicated heads x the replication factor (the
-        weights `shard_weights` places carry them), so the cache and projections split evenly."""
+        weights `shard_weights` places carry them), so the cache and projections split evenly; the plan's GDN
+        state dtype where it names one."""
+        if self.gdn_state_dtype is not None and self.gdn_state_dtype != config.gdn_state_dtype:
+            config = config.replace(gdn_state_dtype=self.gdn_state_dtype)
         r = self.kv_replication(config, mesh)
         return config if r == 1 else config.replace(num_kv_heads=config.num_kv_heads * r)
 
@@ -147,18 +211,6 @@ class ServingPlan:
         when None; 1 when the tokens each device keeps (tokens / devices) do not split into that many."""
         m = self.rs_micro_batches or micro_batches(tokens)
         return m if (tokens // devices) % m == 0 else 1
-
-    # --- stages ---
-    def kernel_fields(self, backend: str | None = None) -> dict[str, str]:
-        """The kernel of every Config slot field for `backend` (the family's table); {} when kernels is None."""
-        return {} if self.kernels is None else family_kernels(self.kernels, backend)
-
-    def apply(self, config: Config, backend: str | None = None) -> Config:
-        """`config` set up as this plan: layout, routing, collective flags, kernels for `backend`, GDN dtype."""
-        extra = {} if self.gdn_state_dtype is None else {"gdn_state_dtype": self.gdn_state_dtype}
-        return config.replace(layout=self.layout, routing=self.routing or "replicate",
-                              fuse_allgather=self.fuse_allgather, hierarchical_rs=self.hierarchical_rs,
-                              rs_micro_batches=self.rs_micro_batches, **self.kernel_fields(backend), **extra)
 
 
 def micro_batches(tokens: int) -> int:
@@ -184,11 +236,23 @@ def kv_heads_per_device(config: Config, ways: int, replicated: bool) -> int:
     return heads // ways if heads % ways == 0 else heads
 
 
+def _platform(mesh) -> str:
+    """The platform of `mesh`'s devices (a Mesh's; "cpu", "tpu", ...), else JAX's default backend (an
+    AbstractMesh or no mesh)."""
+    import jax
+
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+        return mesh.devices.flat[0].platform
+
+    return jax.default_backend()
+
+
 def _unbound(plan: ServingPlan) -> int:
     raise ValueError(f"plan {plan.name!r} has no mesh: bind it first (plan.bind(mesh)) or pass mesh=")
 
 
 LAYOUT_PLANS: dict[str, ServingPlan] = {name: ServingPlan(name, name, kernels=None) for name in LAYOUTS}
+SINGLE = LAYOUT_PLANS["single"]  # one device, each kernel slot the platform's default
 
 
 def get_layout(name: str) -> ServingPlan:
@@ -198,29 +262,6 @@ def get_layout(name: str) -> ServingPlan:
     return LAYOUT_PLANS[name]
 
 
-def plan_of(config: Config) -> ServingPlan:
-    """The plan `config` runs: its layout, routing (EP layouts) and collective flags; kernels as the config says.
-    One object per combination (the layout plan itself when there is no routing to add)."""
-    lay = get_layout(config.layout)
-    if lay.moe != "ep":  # collective flags only where set (a combination `bind` refuses, naming the fix)
-        return lay if not (config.fuse_allgather or config.hierarchical_rs) else \
-            _routed(lay, None, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
-    return _routed(lay, config.routing, config.fuse_allgather, config.hierarchical_rs, config.rs_micro_batches)
-
-
-@functools.cache
-def _routed(lay: ServingPlan, routing: str | None, fuse_allgather: bool, hierarchical_rs: bool,
-            rs_micro_batches: int | None) -> ServingPlan:
-    return dataclasses.replace(lay, routing=routing, fuse_allgather=fuse_allgather, hierarchical_rs=hierarchical_rs,
-                               rs_micro_batches=rs_micro_batches)
-
-
-def check_layout(config: Config, mesh) -> ServingPlan:
-    """The config's plan (layout, routing, flags) bound to `mesh` and checked against the model there
-    (`plan_of(config).bind(mesh, config)`), or a ValueError naming the constraint it breaks and the fix."""
-    return plan_of(config).bind(mesh, config)
-
-
 def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
     """`plan` bound to `mesh` once checked against the model `config` there (`ServingPlan.bind`'s check)."""
     lay = plan
@@ -228,7 +269,7 @@ def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
         return lay
     if mesh is None:
         raise ValueError(f"layout {lay.layout!r} needs a mesh: pass mesh=qwen35_lib.plan.make_mesh() (the devices "
-                         "as ('chip', 'core'))")
+                         "as ('chip', 'core')), or run it under `with jax.set_mesh(mesh):`")
     missing = set(AXES) - set(mesh.axis_names)
     if missing:
         raise ValueError(f"layout {lay.layout!r} needs mesh axes {AXES}; this mesh has {mesh.axis_names}: build it "
@@ -237,7 +278,7 @@ def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
     if lay.devices is not None and n != lay.devices:
         raise ValueError(f"layout {lay.layout!r} is the {lay.devices}-device instance of {lay.general!r}; this mesh "
                          f"has {n} devices: use layout {lay.general!r} (its sizes come from the mesh)")
-    lay = lay.bind(mesh)
+    lay = dataclasses.replace(lay, mesh_shape=tuple((a, int(n)) for a, n in dict(mesh.shape).items()))
     kv = axis_size(mesh, lay.axes("kv_heads"))
     heads = config.num_kv_heads * lay.kv_replication(config)
     if heads % kv and not lay.kv_replicated:  # tp_kvrep keeps what does not divide whole on every device
@@ -271,5 +312,5 @@ def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
     return lay
 
 
-__all__ = ["LAYOUT_PLANS", "ServingPlan", "check_layout", "get_layout", "kv_copies", "kv_heads_per_device",
-           "micro_batches", "plan_of"]
+__all__ = ["LAYOUT_PLANS", "SINGLE", "ServingPlan", "get_layout", "kv_copies", "kv_heads_per_device",
+           "micro_batches"]

@@ -12,20 +12,18 @@ flags + kernel family; its sizes come from the mesh it is bound to (`plan.bind(m
 | `kernels`   | dp8_ep8    | replicate   | as hier_rs                                             | Pallas  |
 
 Beside the ladder (`EXTRA`, `any_stage`): `google_baseline`, the TP8 baseline Google started from, and
-`tpu_inference_3050`, the plan tpu-inference's published Qwen3.5 figures ran. `resolve_layout(stage, config, n)`
-binds a stage to the mesh of n devices as the cost model reads it (checked as the engine checks a layout).
+`tpu_inference_3050`, the plan tpu-inference's published Qwen3.5 figures ran. A stage runs on n devices as
+`stage.on_devices(n)` (the cost model's systems), bound to a mesh and checked against a model by `bind`:
 
-    cfg = stage_config(get_config("qwen3.5-mini"), "fused_ag")   # dp8_ep8, replicate, fuse_allgather=True
+    plan = get_stage("fused_ag").bind(make_mesh(), config)   # dp8_ep8, replicate, fuse_allgather=True
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-from qwen35_lib.config import LAYOUTS, ROUTINGS, Config
 from qwen35_lib.plan.kernels import FAMILIES
-from qwen35_lib.plan.mesh import abstract_mesh
+from qwen35_lib.plan.layouts import LAYOUTS, ROUTINGS
 from qwen35_lib.plan.record import ServingPlan, get_layout
 
 STAGES: dict[str, ServingPlan] = {s.name: s for s in (
@@ -48,7 +46,7 @@ def get_stage(name: str) -> ServingPlan:
 def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather: bool = False,
                  hierarchical_rs: bool = False, kernels: str | None = "xla") -> ServingPlan:
     """A stage from parts (the plan flags: --layout, --routing, ...), checked: the collective flags need an EP
-    layout with routing 'replicate' (the engine's own rule, `check_layout`). kernels None: as the config says."""
+    layout with routing 'replicate' (`bind`'s own rule). kernels None: each slot the platform's default."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
     if routing is not None and routing not in ROUTINGS:
@@ -64,12 +62,6 @@ def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather:
                          f"routing={routing!r}")
     return ServingPlan(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None,
                        fuse_allgather, hierarchical_rs, kernels)
-
-
-def stage_config(config: Config, stage: str | ServingPlan, backend: str | None = None) -> Config:
-    """`config` set up as `stage`: layout, routing, collective flags and the kernel of every slot for `backend`
-    (`plan.kernels.family_kernels`: "xla" the XLA twins, "pallas" every slot's Pallas kernel)."""
-    return (get_stage(stage) if isinstance(stage, str) else stage).apply(config, backend)
 
 
 # The baseline Google started from, as we read it (issue 13, item 2): tpu-inference's TP8 before the DP/EP work:
@@ -95,27 +87,5 @@ def any_stage(name: str | ServingPlan) -> ServingPlan:
     return EXTRA[name] if name in EXTRA else get_stage(name)
 
 
-@functools.lru_cache(maxsize=1024)  # called for every simulated step; plans, configs are frozen
-def resolve_layout(stage: ServingPlan, config: Config, devices: int) -> ServingPlan:
-    """The stage bound to the mesh of `devices` devices, checked against the model by `bind(mesh, config)` (the
-    engine's own check: KV heads that do not divide, experts that do not divide the EP size).
-
-    One device is `single`, whatever the stage says; an 8-device instance runs as its general form on another
-    device count (`dp8_ep8` on 4 devices is `dp_ep`: DP4 x EP4). The result is `stage` itself, bound: its
-    `.dp`, `.tp`, `.ep`, `.moe` come from the mesh.
-    """
-    if devices == 1:
-        return dataclasses.replace(stage, layout="single", routing=None, fuse_allgather=False,
-                                   hierarchical_rs=False).bind(abstract_mesh(1))
-    if devices % 2:
-        raise ValueError(f"{devices} devices do not form whole chips of 2 TensorCores; use an even device count")
-    mesh = abstract_mesh(devices)
-    plan = stage
-    if stage.devices is not None and stage.devices != devices:
-        plan = dataclasses.replace(stage, layout=stage.general)
-    plan.bind(mesh, config)  # the engine's check, of the plan itself (its kernels do not change it)
-    return plan.bind(mesh)
-
-
 __all__ = ["EXTRA", "GOOGLE_BASELINE", "LADDER", "STAGES", "TPU_INFERENCE_3050", "any_stage", "custom_stage",
-           "get_stage", "resolve_layout", "stage_config"]
+           "get_stage"]

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     cli_generate.check_fp8(args.fp8, root)
     preset = args.model or "qwen3.5-tiny"
     shape = from_hf_config(root) if root else get_config(preset)
-    split, mesh = cli_generate.plan_split(args, shape)
+    plan, mesh = cli_generate.plan_split(args, shape)
     tok_dir = pathlib.Path(args.tokenizer) if args.tokenizer else root
     if args.tokenizer and not (tok_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     # 2. Weights, engine, loop, server.
     cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")
-    config, weights = cli_generate._load(root, preset, args.dtype, split, mesh, args.check_weights, fp8=args.fp8,
+    config, weights = cli_generate._load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
                                          name=cli_generate.hub_name(args.checkpoint))
-    engine = Engine(config, weights, ec, mesh=mesh)
+    engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     _log_to_stderr()
     warmup = [] if args.warmup == "none" else \
         [(d, t, p) for p in ((False, True) if args.warmup == "all" else (False,)) for d, t in all_buckets(engine)]

@@ -20,11 +20,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from qwen35_lib import hardware as hw
-from qwen35_lib.config import EXPERT_DTYPES, LAYOUTS, PRESETS, ROUTINGS, Config, get_config
+from qwen35_lib.config import EXPERT_DTYPES, PRESETS, Config, get_config
 from qwen35_lib.costmodel import traffic
 from qwen35_lib.costmodel.predict import token_budget
 from qwen35_lib.placement import Placement, fmt_range, placement
-from qwen35_lib.plan import custom_stage, get_layout, resolve_layout
+from qwen35_lib.plan import LAYOUTS, ROUTINGS, abstract_mesh, custom_stage, get_layout
 from qwen35_lib.viz.architecture import COLORS, GiB
 
 SUMMARY_CLASS = "qwen35-explorer-summary"
@@ -128,14 +128,15 @@ def step_collectives(config: Config, layout: str, devices: int = 8, routing: str
                      requests: int = 512, context_len: int = 8192, backend: str = "tpu") -> dict[str, dict]:
     """{step: {"tokens": per rank, "kinds": {kind: (ops run, bytes)}}} per device, for a decode and a prefill step.
 
-    1. the plan: `custom_stage(layout, routing)` bound to the mesh of `devices` (`plan.resolve_layout`;
-       its refusal, or the cost model's "no closed form", is raised as a ValueError);
+    1. the plan: `custom_stage(layout, routing)` as it runs on `devices` devices, bound to their mesh once
+       (`ServingPlan.on_devices`, `bind`; its refusal, or the cost model's "no closed form", is a ValueError);
     2. "decode": every request one token, ceil(requests / R) per rank; "prefill": the recipe's token budget for
        prompts of `context_len` (`costmodel.predict.token_budget`) per rank; each as `StepShape.of_compile`;
     3. `costmodel.traffic.collective_counts` of each (what the time model prices and the HLO test checks), the kinds
        that run only.
     """
-    plan = resolve_layout(custom_stage(layout, routing), config, 1 if layout == "single" else devices)
+    n = 1 if layout == "single" else devices
+    plan = custom_stage(layout, routing).on_devices(n).bind(abstract_mesh(n), config, platform=backend)
     tokens = dict(decode=-(-requests // plan.dp), prefill=token_budget(context_len, plan.dp))
     out = {}
     for step in STEPS:
