@@ -150,8 +150,9 @@ display(fig)
 # In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
 # them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
 # FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN's
-# decode moves 3.5 times fewer bytes under its kernel (no gather and scatter of the states), its prefill the same.
-# The permutes (no FLOPs at all: drawn at the left edge) move about twice XLA's bytes in this library's layer.
+# decode moves several times fewer bytes under its kernel (no gather and scatter of the states: the `mib` column),
+# its prefill the same. The permutes (no FLOPs at all: drawn at the left edge) move about twice XLA's bytes in this
+# library's layer.
 
 # %%
 mib = {(r["kernel"], r["case"], r["implementation"]): r["mib"] for r in roof}

@@ -183,11 +183,12 @@ assert all(v < 1 for v in google.values()), google  # slower than tpu-inference'
 # relaid out and dequantized before the matmul reads them). So the ratio depends on how costly the baseline's XLA
 # code is. Against `google_baseline` (tpu-inference's TP8 with its own Pallas kernels) the final stage is *slower*:
 # tpu-inference keeps a cache array per layer and updates it in place, where this engine's layer scan copies every
-# layer's cache pools five times a step (`cache_copies`), and its MoE layer moves the routed rows twice where this
-# library's moves them 8.3 times (`permute`); both read off the compiles (section 5). The printout above gives
-# both ratios. The labelled serving mechanisms of `data/costmodel_assumptions.json` (ranks stepping in lockstep, expert
-# imbalance, host time per step, overlap, kernel efficiency at serving shapes; each with its source and range) are
-# in every prediction here; `python -m qwen35_lib.costmodel predict --explain` prints them per component.
+# layer's cache pools out of the stacked cache and back on every step (`cache_copies`), and its MoE layer writes
+# and reads the routed rows once where this library's moves them several times over (`permute`); both read off the
+# compiles (section 5). The printout above gives both ratios. The labelled serving mechanisms of
+# `data/costmodel_assumptions.json` (ranks stepping in lockstep, expert imbalance, host time per step, overlap,
+# kernel efficiency at serving shapes; each with its source and range) are in every prediction here;
+# `python -m qwen35_lib.costmodel predict --explain` prints them per component.
 #
 # ### What each change buys, attributed
 #
@@ -395,10 +396,10 @@ assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] o
 # ### The model's bytes against the compiled step's
 #
 # **Measure.** XLA's `bytes accessed` is no measure of a step's HBM traffic: it counts a loop body once, and a
-# reduction's input and a dot's weight five times (`aot.validate.xla_bytes_accessed_factors`). The sweep keeps each
-# decode step's optimized HLO text (`data/aot/hlo/`), and `parallel.hlo.op_rows` reads what it moves: every op's
-# operands and result, loops times their trips. `costmodel.compiled.compare` sets the model's bytes for the same
-# work beside it (a Pallas stage's around its Mosaic calls, which the text counts by their operands) and XLA's
+# reduction's input and a dot's weight several times over (`aot.validate.xla_bytes_accessed_factors`). The sweep
+# keeps each decode step's optimized HLO text (`data/aot/hlo/`), and `parallel.hlo.op_rows` reads what it moves:
+# every op's operands and result, loops times their trips. `costmodel.compiled.compare` sets the model's bytes for
+# the same work beside it (a Pallas stage's around its Mosaic calls, which the text counts by their operands) and XLA's
 # FLOPs beside the model's. Where the compiled code moves more than the arithmetic, the model charges what the
 # compile moves, read off these texts: the engine's cache-pool copies, XLA's FP8 experts, attention and GDN state
 # (`data/costmodel_hardware.json`, each fact with its ops).
@@ -410,15 +411,17 @@ byte_rows = cm_compiled.compare(stored)
 print(cm_compiled.table(byte_rows))
 
 # %% [markdown]
-# **Check.** Every stage's decode bytes are within 25% of its compile's, and FLOPs within 5% for the DP stages (the
-# TP baseline's FLOPs are x0.87 of XLA's, not yet explained). The mixed steps compiled with their texts agree less
-# on bytes (the table).
+# **Check.** Every stage's decode bytes are within the tolerance issue 30 set (`DECODE_BYTES_TOLERANCE`, printed) of
+# its compile's, and the DP stages' FLOPs within `FLOPS_TOLERANCE` (the TP baseline's FLOPs fall short of XLA's, not
+# yet explained: the table). The mixed steps compiled with their texts agree less on bytes.
 
 # %%
+FLOPS_TOLERANCE = 0.05
+print(f"tolerances: decode bytes {cm_compiled.DECODE_BYTES_TOLERANCE:.0%}, FLOPs {FLOPS_TOLERANCE:.0%}")
 decode_rows = [r for r in byte_rows if r["step"] == "decode"]
 assert {r["stage"] for r in decode_rows} == set(STAGES)
 assert all(abs(r["bytes_ratio"] - 1) <= cm_compiled.DECODE_BYTES_TOLERANCE for r in decode_rows), decode_rows
-assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in byte_rows if r["stage"] != "baseline"), byte_rows
+assert all(abs(r["flops_ratio"] - 1) <= FLOPS_TOLERANCE for r in byte_rows if r["stage"] != "baseline"), byte_rows
 
 # %% [markdown]
 # ## 6. Validation (c): published measurements

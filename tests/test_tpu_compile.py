@@ -45,7 +45,7 @@ def test_topology_is_tpu7x_8(tpu7x):
 
 
 def test_mini_forward_compiles_for_tpu7x(tpu7x):
-    cfg = get_config("qwen3.5-mini", **XLA_KERNELS)
+    cfg = get_config("qwen3.5-mini")
     stats = model_stats(cfg)
     compiled = tpu7x["xla"]
     assert compiled["argument_bytes"] >= stats.weight_bytes
