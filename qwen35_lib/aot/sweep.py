@@ -60,7 +60,7 @@ class ServingShape:
 
 SERVING = ServingShape()
 # What a TPU compiler flag was seen to change in the compiled step (libtpu 0.0.42.1, jax 0.10.2; recorded in the
-# sweep document's xla_flags.notes when the flag is set; tests/test_tpu_overlap.py checks it).
+# sweep document's xla_flags.notes when the flag is set; tests/integration/test_tpu_overlap.py checks it).
 FLAG_NOTES = {
     "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter":
         "without the flag TPU7x already runs every reduce-scatter (and all-gather) of the step on the SparseCore, "

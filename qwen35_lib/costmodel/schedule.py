@@ -145,7 +145,7 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
        its stragglers, which a long run does not have).
     5. The benchmark = the steady cost of every request's expected tokens + the two excesses.
     All runs also advance runs of steps whose decodes take the whole budget together (`_play`'s `collapse`).
-    Measured against playing every request (tests/test_costmodel.py). Its cost grows with `cap`, not with
+    Measured against playing every request (tests/costmodel/test_schedule.py). Its cost grows with `cap`, not with
     `clients` or `prompts`.
     """
     cap = min(limit, max_batched_tokens + 1)

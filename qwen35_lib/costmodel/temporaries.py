@@ -1,6 +1,6 @@
 """The engine step's temporaries on one device (what XLA:TPU holds besides the step's arguments and outputs), in
 closed form from the serving plan, the config and the step's shape; never read from a compile
-(tests/test_costmodel_temporaries.py compares it with the stored sweep's `temp_bytes`).
+(tests/costmodel/test_temporaries.py compares it with the stored sweep's `temp_bytes`).
 
 What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, weights placed by `aot.mxu_format`):
 
@@ -20,7 +20,7 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
-Checked against the stored sweep's steps that compiled with memory to spare (tests/test_costmodel_temporaries.py):
+Checked against the stored sweep's steps that compiled with memory to spare (tests/costmodel/test_temporaries.py):
 the kernels stage's decode step is within 6% (397B, full depth); its mixed step (1,024 prefill tokens a rank) is
 under-estimated by a quarter: 4.3 GB against the compile's 5.83 GB (the MoE's row buffers at M = 87,040 rows, several
 layers' live at once in the compiled schedule, are what the table does not yet capture). The XLA stages (dp_ep to
@@ -30,7 +30,7 @@ rather than by the program (the compiler can trade memory for recomputation and 
 Reading a refusal. When a step does not fit, the TPU compiler refuses it with "the total memory required for HLO
 temporaries (N G) exceeds available HBM (M G)". N is not the temporaries: it is the program's whole footprint,
 its arguments included (G: GiB). A program of weights alone, with no temporaries to speak of, is refused with N
-equal to its argument bytes (tests/test_costmodel_temporaries.py compiles one). `refused_bytes` reads N; the
+equal to its argument bytes (tests/costmodel/test_temporaries.py compiles one). `refused_bytes` reads N; the
 temporaries of a refused step are N minus its arguments (`refused_temporaries`). The baseline's step at the
 serving shape is refused this way (notebook 01 reads it).
 """

@@ -65,3 +65,10 @@ def test_each_step_chapter_shows_a_figure_its_notebook_draws(step: str):
     assert names, f"{chapter.name} shows no figure of notebook {step}: add {{{{ figure: {step}.NAME }}}}"
     marked = run.FIGURE_MARK.findall(next(run.NOTEBOOKS.glob(f"{step}_*.py")).read_text())
     assert set(names) <= set(marked), (names, marked)
+
+
+def test_the_raw_markup_check_flags_a_placeholder_in_code() -> None:
+    from playbook import site
+
+    body = site.render_markdown("The preset `" + '<span class="pb-result" title="x">tp</span>' + "` and <b>bold</b>.")
+    assert site.raw_markup(body) == ['<span class="pb-result" title="x">', "</span>"]
