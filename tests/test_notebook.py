@@ -168,7 +168,7 @@ def test_setup_on_this_cpu_machine_starts_8_cpu_devices_in_a_fresh_process():
 
 
 def _installed(monkeypatch, versions: dict, jax_requires: list[str]) -> None:
-    monkeypatch.setattr(notebook, "_version", versions.get)
+    monkeypatch.setattr(notebook, "installed_version", versions.get)
     monkeypatch.setattr(notebook.importlib.metadata, "requires", lambda name: jax_requires)
 
 

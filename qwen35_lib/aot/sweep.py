@@ -100,7 +100,7 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
-def _resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
+def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
     """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share) under
     the bound `plan` (`cfg` as placed: tp_kvrep's duplicated KV heads)."""
     import jax
@@ -145,7 +145,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     R = plan.dp_size(mesh)
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **_resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
+                   **resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
     start = time.perf_counter()
     try:
         compiled = aot.compile_step(cfg, plan, mesh, requests=shape.requests, context_len=shape.context_len,

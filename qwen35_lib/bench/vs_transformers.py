@@ -162,7 +162,7 @@ def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dic
     lengths = np.full((B,), T, np.int32)
     names = prof.op_names(lower_forward(config, weights, ids, lengths, parallelism).compile().as_text())
     lines = prof.trace(lambda: jax.block_until_ready(forward(config, weights, ids, parallelism=parallelism)), calls=2)
-    module = "jit__forward"
+    module = "jit_forward_prepared"
     per_run = prof.component_times(lines, names, module)
     walls = prof.execution_walls(lines, module)
     runs = prof.execution_order(lines, module)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from qwen35_lib.bench.__main__ import main
-from qwen35_lib.bench.layouts import STAGE_NAMES, _options
+from qwen35_lib.bench.layouts import STAGE_NAMES, options
 
 
 def test_layouts_smoke(tmp_path, capsys):
@@ -40,6 +40,6 @@ def test_options_are_checked():
         stages = "baseline,nope"
 
     with pytest.raises(ValueError, match="nope"):
-        _options(Args())
+        options(Args())
     Args.stages = ",".join(STAGE_NAMES)
-    assert _options(Args())["stages"] == list(STAGE_NAMES)
+    assert options(Args())["stages"] == list(STAGE_NAMES)

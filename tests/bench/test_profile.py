@@ -11,7 +11,7 @@ from qwen35_lib.bench import profile as prof
 def test_op_names_are_classified_by_their_scopes():
     c = prof.component_of
     assert c("jit(engine_step)/model/layer_group_0/gdn/proj/dot_general") == "dense matmuls"
-    assert c("jit(_forward)/model/lm_head/btd,dv->btv/dot_general") == "dense matmuls"
+    assert c("jit(forward_prepared)/model/lm_head/btd,dv->btv/dot_general") == "dense matmuls"
     assert c("jit(engine_step)/model/layer_group_1/moe/while/body/dynamic_slice") == "MoE"
     assert c("jit(engine_step)/model/layer_group_1/gdn/while/body/mul") == "GDN"
     assert c("jit(engine_step)/model/layer_group_1/attention/while") == "attention"

@@ -70,11 +70,11 @@ def test_more_clients_than_can_run_only_wait(budget, max_running):
                                                    (5, 200, 64)])
 def test_median_queue_wait_is_the_median_of_every_requests_wait(clients, cap, prompts):
     """The closed form (bounded at any concurrency) against the median over every request's wait."""
-    from qwen35_lib.costmodel.schedule import _median_queue_wait
+    from qwen35_lib.costmodel.schedule import median_queue_wait
 
     first = np.maximum(np.arange(min(clients, prompts)) - cap, 0)
     later = np.full(prompts - first.size, max(clients - cap - 1, 0))
-    assert _median_queue_wait(clients, cap, prompts, 2.0) == float(np.median(np.concatenate([first, later]))) / 2.0
+    assert median_queue_wait(clients, cap, prompts, 2.0) == float(np.median(np.concatenate([first, later]))) / 2.0
 
 
 def toy(batch: Batch) -> tuple[float, dict[str, float]]:
@@ -102,11 +102,11 @@ def test_batched_prefill_dispatch_starts_the_ranks_prefills_together():
     """With DP_SCHED_BATCH_PREFILL new requests wait until 8 of them can go together, so the ranks prefill in
     the same steps: fewer steps carry any prompt work than when each request is routed as it comes."""
     lengths = schedule.draw_lengths(256, 512, 64)
-    F, *_ = schedule._play_dp(lengths, 8, 8, 512, 4, True)
+    F, *_ = schedule.play_dp(lengths, 8, 8, 512, 4, True)
     assert np.all(F[:, 0, 2] == [i for i, _ in lengths[:8]])  # step 0: one whole prompt on every rank
 
     def prompt_steps(batch: bool) -> int:
-        F, events, outputs, *_ = schedule._play_dp(lengths, 64, 8, 256, 16, batch)
+        F, events, outputs, *_ = schedule.play_dp(lengths, 64, 8, 256, 16, batch)
         assert len(events) == len(lengths) and sum(outputs) == sum(o for _, o in lengths)
         return int((F[..., 2].sum(axis=0) > 0).sum())
 

@@ -118,7 +118,7 @@ _FORWARD: dict = {}
 def _forward_fn(cfg, w):
     if id(w) not in _FORWARD:
         split = prepare_weights(cfg, w)
-        _FORWARD[id(w)] = jax.jit(lambda row, n: decoder._forward(cfg, LOCAL, split, row, n))
+        _FORWARD[id(w)] = jax.jit(lambda row, n: decoder.forward_prepared(cfg, LOCAL, split, row, n))
     return _FORWARD[id(w)]
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("huggingface_hub")
 
 from qwen35_lib import testing  # noqa: E402
 from qwen35_lib.__main__ import main  # noqa: E402
-from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint  # noqa: E402
+from qwen35_lib.checkpoint import load_hf_checkpoint, path_infos  # noqa: E402
 from qwen35_lib.cli_generate import is_hub_id, resolve_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.filterwarnings("ignore:.*falling back:UserWarning")]
@@ -70,7 +70,7 @@ def test_hub_id_resolves_to_the_cached_snapshot(cached):
     assert path == snapshots["org/tiny"] and (path / "model.safetensors").is_symlink()
     _, from_cache = load_hf_checkpoint(path)
     _, from_folder = load_hf_checkpoint(sources["org/tiny"])
-    for (p, a), (_, b) in zip(_leaves(from_cache), _leaves(from_folder), strict=True):
+    for (p, a), (_, b) in zip(path_infos(from_cache), path_infos(from_folder), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg="/".join(p))
     assert resolve_checkpoint(str(sources["org/tiny"])) == sources["org/tiny"]  # a folder stays a folder
 

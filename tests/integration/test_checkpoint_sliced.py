@@ -32,7 +32,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from qwen35_lib import testing  # noqa: E402
-from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint, sharded_place  # noqa: E402
+from qwen35_lib.checkpoint import load_hf_checkpoint, path_infos, sharded_place  # noqa: E402
 from qwen35_lib.plan import make_mesh  # noqa: E402
 
 pytestmark = [pytest.mark.reference, pytest.mark.filterwarnings("ignore:.*falling back:UserWarning")]
@@ -53,7 +53,7 @@ def rss_anon():
 
 import jax
 from qwen35_lib import safetensors_io
-from qwen35_lib.checkpoint import _leaves, load_hf_checkpoint, sharded_place
+from qwen35_lib.checkpoint import path_infos, load_hf_checkpoint, sharded_place
 from qwen35_lib.config import from_hf_config, read_json
 from qwen35_lib.plan import get_layout, make_mesh
 
@@ -86,7 +86,7 @@ weights = jax.block_until_ready(load())
 stop.set()
 thread.join()
 sample()
-final = sum(s.data.nbytes for _, leaf in _leaves(weights) for s in leaf.addressable_shards)
+final = sum(s.data.nbytes for _, leaf in path_infos(weights) for s in leaf.addressable_shards)
 print(json.dumps({"base": base, "peak": peak[0], "final": final}))
 """
 
@@ -120,7 +120,7 @@ def test_sliced_load_peak_host_memory(big):
 
 
 def assert_same_leaves(a, b) -> None:
-    la, lb = _leaves(a), _leaves(b)
+    la, lb = path_infos(a), path_infos(b)
     assert [p for p, _ in la] == [p for p, _ in lb]
     for (p, x), (_, y) in zip(la, lb, strict=True):
         assert (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding), p

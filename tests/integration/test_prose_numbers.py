@@ -33,7 +33,8 @@ COVERED = [p for p in prose.prose_files() if _key(p) in COVERED_STEPS]
 
 def test_every_prose_file_is_covered_or_listed_as_not_yet() -> None:
     unclassified = [p.name for p in prose.prose_files() if _key(p) not in COVERED_STEPS + NOT_YET_COVERED]
-    assert not unclassified, f"classify {unclassified} in tests/integration/test_prose_numbers.py: COVERED_STEPS or NOT_YET_COVERED"
+    assert not unclassified, (f"classify {unclassified} in tests/integration/test_prose_numbers.py: COVERED_STEPS or "
+                              "NOT_YET_COVERED")
     assert len(COVERED) == 21, [p.name for p in COVERED]  # chapters 00-08, introduction, primer, conclusion; notebooks
 
 

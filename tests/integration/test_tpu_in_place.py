@@ -54,7 +54,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
                          page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts=layouts)
     ma = c.memory_analysis()
-    resident = sweep._resident(cfg, plan, shape, mesh)
+    resident = sweep.resident(cfg, plan, shape, mesh)
     text = c.as_text()
     copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
     return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,

@@ -66,7 +66,7 @@ def test_unit_lower_inverse_is_stable_where_neumann_is_not():
     keys = keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)
     A = jnp.tril(0.999 * keys @ keys.T, -1)  # [C, C]
     L, eye = A + jnp.eye(C), jnp.eye(C)
-    np.testing.assert_allclose(gdn_pallas._unit_lower_inverse(A) @ L, eye, atol=1e-5)
+    np.testing.assert_allclose(gdn_pallas.unit_lower_inverse(A) @ L, eye, atol=1e-5)
     neumann, power = eye - A, A
     for _ in range(5):
         power = power @ power

@@ -39,15 +39,15 @@ def test_causal_prefix_logits_do_not_depend_on_later_tokens(tiny):
 def test_layers_run_as_one_scan(tiny):
     # The decoder is a scan over layer groups: the lowered program has one loop, not one copy per layer.
     cfg, w = tiny
-    from qwen35_lib.model.decoder import _forward
+    from qwen35_lib.model.decoder import forward_prepared
     from qwen35_lib.model.parallelism import LOCAL
 
     deep = cfg.replace(num_layers=12)
     wd = jax.eval_shape(lambda: init_weights(deep, 0))
     ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    text = _forward.lower(deep, LOCAL, wd, ids, jax.ShapeDtypeStruct((1,), jnp.int32)).as_text()
+    text = forward_prepared.lower(deep, LOCAL, wd, ids, jax.ShapeDtypeStruct((1,), jnp.int32)).as_text()
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-    shallow = _forward.lower(cfg, LOCAL, jax.eval_shape(lambda: w), ids, lengths).as_text()
+    shallow = forward_prepared.lower(cfg, LOCAL, jax.eval_shape(lambda: w), ids, lengths).as_text()
     assert text.count("stablehlo.while") == shallow.count("stablehlo.while") >= 1
     assert abs(len(text) - len(shallow)) < 0.05 * len(shallow)
 

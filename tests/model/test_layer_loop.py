@@ -19,7 +19,7 @@ def test_unrolled_forward_equals_the_scan(tiny):
     decoder.check_weights(cfg, split)  # the per-layer form is a valid weight tree
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40)).astype(np.int32)
     lengths = jnp.asarray([40, 23], jnp.int32)
-    scan = decoder._forward(cfg, LOCAL, w, jnp.asarray(ids), lengths)  # stacked weights: the scan
-    unrolled = decoder._forward(cfg, LOCAL, split, jnp.asarray(ids), lengths)
+    scan = decoder.forward_prepared(cfg, LOCAL, w, jnp.asarray(ids), lengths)  # stacked weights: the scan
+    unrolled = decoder.forward_prepared(cfg, LOCAL, split, jnp.asarray(ids), lengths)
     for b, n in enumerate([40, 23]):
         np.testing.assert_allclose(np.asarray(unrolled)[b, :n], np.asarray(scan)[b, :n], rtol=1e-5, atol=1e-5)

@@ -49,6 +49,6 @@ def test_fp8_experts_are_named_by_their_values_and_every_leaf_is_covered():
 def _paths(tree) -> list[str]:
     import jax
 
-    from qwen35_lib.parallel.notation import _key
+    from qwen35_lib.parallel.notation import dotted_key
 
-    return [_key(jax.tree_util.keystr(p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [dotted_key(jax.tree_util.keystr(p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]

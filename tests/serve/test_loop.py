@@ -168,13 +168,13 @@ def test_engine_loop_admits_a_bounded_number_of_requests_between_steps():
             Stub.added += 1
             return Stub.added
 
-    loop = EngineLoop(Stub(), max_adds_per_step=64)  # not started: _drain is called by hand
+    loop = EngineLoop(Stub(), max_adds_per_step=64)  # not started: drain is called by hand
     aio = asyncio.new_event_loop()
     for i in range(200):
         loop.submit([1], SamplingParams(), Sink(aio, asyncio.Queue(), i))
-    assert loop._drain() is True and Stub.added == 64
-    assert loop._drain() and loop._drain() and Stub.added == 192
-    assert loop._drain() is False and Stub.added == 200 and loop.prompt_tokens == 200
+    assert loop.drain() is True and Stub.added == 64
+    assert loop.drain() and loop.drain() and Stub.added == 192
+    assert loop.drain() is False and Stub.added == 200 and loop.prompt_tokens == 200
     aio.close()
 
 
