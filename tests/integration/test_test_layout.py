@@ -28,8 +28,7 @@ NOT_YET = {
     "playbook/run.py", "qwen35_lib/aot/__init__.py", "qwen35_lib/aot/hlo_checks.py", "qwen35_lib/aot/validate.py",
     "qwen35_lib/bench/costmodel.py", "qwen35_lib/bench/kernels_attention.py", "qwen35_lib/bench/kernels_gdn.py",
     "qwen35_lib/costmodel/cpu_bench.py", "qwen35_lib/costmodel/sensitivity.py", "qwen35_lib/costmodel/validate.py",
-    "qwen35_lib/parallel/layouts.py", "qwen35_lib/parallel/routing.py", "qwen35_lib/plan/cli.py",
-    "qwen35_lib/serve/cli.py", "qwen35_lib/serve/output.py", "qwen35_lib/testing.py",
+    "qwen35_lib/plan/cli.py", "qwen35_lib/serve/cli.py", "qwen35_lib/testing.py",
 }
 
 
