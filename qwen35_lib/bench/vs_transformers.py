@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
         hf.save_pretrained(tmp)
         ours, weights = load_hf_checkpoint(tmp, dtype="float32")
-    _check_same_model(config, ours)
+    check_same_model(config, ours)
     local = parallelism(SINGLE.replace(moe_kernel=args.moe_kernel))  # "auto": the platform's default
     moe_kernel = local.plan.kernel("moe_matmul")
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
@@ -244,7 +244,7 @@ def _hf_model(config: Config, seed: int, experts: str | None) -> Any:
     return model
 
 
-def _check_same_model(want: Config, got: Config) -> None:
+def check_same_model(want: Config, got: Config) -> None:
     """The loaded config must describe the preset's architecture (else the mapping above is wrong)."""
     same = lambda c: c.replace(name="", dtype="float32", eos_token_ids=(),
                                max_position_embeddings=1)
