@@ -20,14 +20,6 @@ EXEMPT = {
     "playbook/__init__.py",
 }
 
-# Modules with logic still without a test file at their path (most are exercised by integration/ suites or by other
-# modules' tests: aot by the TPU7x compile suites, parallel.layouts and routing by parallel/test_parallelism.py,
-# model.attention and deltanet by model/test_decoder.py, testing by every checkpoint test). Each owes a test: the
-# list only shrinks (`test_the_not_yet_list_only_shrinks`).
-NOT_YET = {
-    "playbook/run.py",
-}
-
 
 def mirrored(module: pathlib.Path) -> pathlib.PurePosixPath:
     """tests/... path of a module's test file, relative to tests/."""
@@ -43,7 +35,7 @@ def modules() -> list[pathlib.Path]:
 
 def test_every_module_with_logic_has_its_test_file():
     missing = [f"{m.relative_to(ROOT)} -> tests/{mirrored(m)}" for m in modules()
-               if m.relative_to(ROOT).as_posix() not in EXEMPT | NOT_YET and not (TESTS / mirrored(m)).is_file()]
+               if m.relative_to(ROOT).as_posix() not in EXEMPT and not (TESTS / mirrored(m)).is_file()]
     assert not missing, "modules without a test file at the mirrored path:\n" + "\n".join(missing)
 
 
@@ -62,13 +54,6 @@ def test_the_exemptions_exist_and_have_no_test_file():
         assert not (TESTS / mirrored(ROOT / name)).exists(), f"{name} has a test file: take it off EXEMPT"
 
 
-def test_the_not_yet_list_only_shrinks():
-    """A module of NOT_YET that is gone, or has its test file now, leaves the list."""
-    for name in NOT_YET:
-        assert (ROOT / name).is_file(), f"{name} is gone: take it off NOT_YET"
-        assert not (TESTS / mirrored(ROOT / name)).exists(), f"{name} has its test file: take it off NOT_YET"
-
-
 def test_the_rule_catches_a_new_module(tmp_path, monkeypatch):
     """A module added without a test file fails the check; its test file at the mirrored path passes it."""
     (tmp_path / "qwen35_lib" / "engine").mkdir(parents=True)
@@ -77,7 +62,6 @@ def test_the_rule_catches_a_new_module(tmp_path, monkeypatch):
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     monkeypatch.setattr(f"{__name__}.TESTS", tmp_path / "tests")
     monkeypatch.setattr(f"{__name__}.EXEMPT", set())
-    monkeypatch.setattr(f"{__name__}.NOT_YET", set())
     try:
         test_every_module_with_logic_has_its_test_file()
     except AssertionError as e:
