@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from qwen35_lib import get_config
 from qwen35_lib.bench.__main__ import main
-from qwen35_lib.bench.vs_transformers import parse_shapes
+from qwen35_lib.bench.vs_transformers import check_same_model, parse_shapes
 
 
 def test_parse_shapes():
@@ -13,6 +14,13 @@ def test_parse_shapes():
     for bad in ("", "512", "1x0", "axb"):
         with pytest.raises(ValueError):
             parse_shapes(bad)
+
+
+def test_check_same_model_ignores_names_dtypes_and_eos_only():
+    tiny = get_config("qwen3.5-tiny")
+    check_same_model(tiny, tiny.replace(name="loaded", dtype="float32", eos_token_ids=(2,)))
+    with pytest.raises(ValueError, match=r"loads as a different model than qwen3.5-tiny: \{'num_experts': \(8, 16\)\}"):
+        check_same_model(tiny, tiny.replace(num_experts=16))
 
 
 @pytest.mark.reference

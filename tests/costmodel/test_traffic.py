@@ -6,6 +6,7 @@ from today's code, so a change to the plan or the padding that the sweep has not
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from qwen35_lib import data
@@ -62,3 +63,29 @@ def test_an_async_collective_counts_its_result_not_its_context_scalars():
         "}"])
     got = [(c.kind, c.bytes) for c in hlo.collectives(text)]
     assert got == [("collective-permute", 136 * 4096 * 2), ("all-gather", 64 * 4096 * 2), ("all-reduce", 1)]
+
+
+def test_sizes_placed_and_per_device_bytes():
+    """The helpers `temporaries` shares: a bound plan's mesh sizes (an unbound one refused with the fix), the config
+    as the plan places it, and the bytes one device holds of each top-level part (qwen3.5-tiny, bf16, dp8_ep8:
+    everything replicated but the routed experts, 1 of 8 per device)."""
+    from jax.sharding import AbstractMesh
+
+    from qwen35_lib import get_config
+    from qwen35_lib.plan import AXES, get_layout
+    from qwen35_lib.weights import declare, is_info
+
+    mesh = AbstractMesh((4, 2), AXES)
+    tiny = get_config("qwen3.5-tiny")
+    ep = get_layout("dp8_ep8").bind(mesh, tiny)
+    assert traffic.sizes(ep) == (8, 4, 2)
+    with pytest.raises(ValueError, match="has no mesh: bind it first"):
+        traffic.sizes(get_layout("dp8_ep8"))
+    held = traffic.per_device(ep, declare(tiny))
+    full = {k: sum(i.nbytes for i in jax.tree.leaves(v, is_leaf=is_info))
+            for k, v in declare(tiny).items()}
+    routed = 4 * 8 * (64 * 2 * 32 + 32 * 64) * 2  # 4 layers x 8 experts x (gate_up + down) x 2 bytes
+    assert held == {**full, "layers": full["layers"] - routed + routed // 8}
+    wide = tiny.replace(num_q_heads=8)  # 4 query heads per KV head: tp8_kvrep keeps 4 copies of each
+    assert traffic.placed(get_layout("tp8_kvrep").bind(mesh, wide), wide).num_kv_heads == 8
+    assert traffic.placed(ep, tiny) == tiny

@@ -243,6 +243,35 @@ def test_unknown_fields_can_be_ignored_by_the_server_switch(server):
     assert e.value.param == "chat_template"
 
 
+def test_the_field_readers_the_app_shares():
+    """`get` reads a field of the kinds asked (null or absent: the default), `is_int` refuses bools, `chars_ok`
+    bounds a text before tokenizing, `encode` tokenizes one text (the tokenizer's failure is the input's 400)."""
+    import types
+
+    body = {"n": 3, "flag": True, "none": None}
+    assert protocol.get(body, "n", (int,)) == 3 and protocol.get(body, "none", (str,), "d") == "d"
+    assert protocol.get(body, "absent", (int,), 7) == 7 and protocol.get(body, "flag", (bool,)) is True
+    with pytest.raises(protocol.APIError, match="`flag` must be int, got a boolean") as e:
+        protocol.get(body, "flag", (int,))
+    assert e.value.param == "flag"
+    with pytest.raises(protocol.APIError, match="`n` must be str or list, got int"):
+        protocol.get(body, "n", (str, list))
+    assert protocol.is_int(0) and not protocol.is_int(True) and not protocol.is_int(3.0)
+    limits = protocol.Limits(max_model_len=8, max_prompt_chars=5)
+    protocol.chars_ok(5, limits, "prompt")
+    with pytest.raises(protocol.APIError, match="`messages` holds 6 characters, more than --max-prompt-chars 5"):
+        protocol.chars_ok(6, limits, "messages")
+    tok = types.SimpleNamespace(encode_batch=lambda texts, add_special_tokens: [
+        types.SimpleNamespace(ids=[len(t), int(add_special_tokens)]) for t in texts])
+    assert protocol.encode(types.SimpleNamespace(tokenizer=tok), "abc", True) == [3, 1]
+
+    def broken(texts, add_special_tokens):
+        raise RuntimeError("bad input")
+
+    with pytest.raises(protocol.APIError, match="could not encode the prompt: RuntimeError: bad input"):
+        protocol.encode(types.SimpleNamespace(tokenizer=types.SimpleNamespace(encode_batch=broken)), "x", False)
+
+
 def test_every_known_field_is_exercised():
     """No field is accepted without a test in this module sending it (honoured, neutral-only, or refused): every
     field the protocol knows is named, quoted, in this file."""
