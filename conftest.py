@@ -21,7 +21,8 @@ SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 # contiguous share and steals from the end of a queue: at the end of the list such a module finished the run alone
 # on one worker, or was split over both and its fixture compiled twice.
 # test_collective_hlo's items compile a mini step each (10-70 s): at the end they were the run's tail on both workers.
-FIRST = ("tests/test_tpu_in_place.py", "tests/test_tpu_overlap.py", "tests/test_collective_hlo.py")
+FIRST = ("tests/integration/test_tpu_in_place.py", "tests/integration/test_tpu_overlap.py",
+         "tests/integration/test_collective_hlo.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -444,7 +444,7 @@ for st, lp in pools.items():
 # %% [markdown]
 # **Reading the refusal.** The compiler's message names "HLO temporaries", but its figure is the program's whole
 # footprint, arguments included: notebook 00's program of weights alone, which has no temporaries to speak of, was
-# refused with a figure equal to its weights (`tests/test_costmodel_temporaries.py` asserts that they agree). So the
+# refused with a figure equal to its weights (`tests/costmodel/test_temporaries.py` asserts that they agree). So the
 # baseline's temporaries are the refusal's figure minus its weights and caches (`temporaries.refused_temporaries`).
 #
 # **Check.** Weights and caches fit under both layouts (the arithmetic above), but the baseline's whole step does

@@ -224,8 +224,8 @@ else:
 # %% [markdown]
 # **Check.** By default both phases run on the SparseCore and micro-batch 1 starts before micro-batch 0's second
 # phase is done: they overlap. With the offload off, each phase is a synchronous TensorCore op in program order,
-# and nothing overlaps: the split saves inter-chip bytes but no longer hides them. (`tests/test_tpu_overlap.py`
-# checks the same on the whole step, with a serialised control that must fail.)
+# and nothing overlaps: the split saves inter-chip bytes but no longer hides them.
+# (`tests/integration/test_tpu_overlap.py` checks the same on the whole step, with a serialised control that must fail.)
 
 # %%
 if schedules:

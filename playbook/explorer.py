@@ -7,7 +7,7 @@ in `explorer.html`, looked up by plain JavaScript controls (the browser computes
 
 1. memory: `placement.placement` of the 397B model for every hardware x layout x context length x KV dtype x
    expert dtype x GDN state dtype x requests; one placement per device count, each hardware's HBM and fit set on
-   that record as `placement(..., hardware=...)` sets them (tests/test_explorer.py checks they are equal);
+   that record as `placement(..., hardware=...)` sets them (tests/playbook/test_explorer.py checks they are equal);
 2. collectives per device per step: `viz.sharding_explorer.step_collectives` (the cost model's closed form,
    `costmodel.traffic.collective_counts`) for every device count x layout x routing x requests x context length;
 3. the ladder: `costmodel.ladder` (nominal assumptions, no roofline run) for every workload x concurrency.

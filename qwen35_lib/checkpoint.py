@@ -145,7 +145,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
         raise ConfigError(f"{config_path}: tie_word_embeddings is {tied!r}; it must be true or false")
 
     decl = declare(config)
-    infos = dict(_leaves(decl))
+    infos = dict(path_infos(decl))
     groups = _plan(config, prefix, tensors, tied)
     _check(root, config, tensors, groups, quant, infos)
     bar = _Progress(progress, root.name)
@@ -636,7 +636,7 @@ def _some(items: list[str], n: int = 10) -> str:
     return ", ".join(shown) + (f" ... and {len(items) - n} more" if len(items) > n else "")
 
 
-def _leaves(tree: Any) -> list[tuple[Path, ArrayInfo]]:
+def path_infos(tree: Any) -> list[tuple[Path, ArrayInfo]]:
     """(path, ArrayInfo) of every leaf, in `jax.tree` order; paths use dict keys and BlockFP8 field names."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
     return [(tuple(_key(k) for k in kp), info) for kp, info in flat]

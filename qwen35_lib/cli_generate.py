@@ -184,14 +184,14 @@ def run(args: argparse.Namespace) -> int:
     plan, mesh = plan_split(args, shape)
 
     # 2. Weights, engine, generation.
-    _progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
-    config, weights = _load(root, args.model or "qwen3.5-tiny", args.dtype, plan, mesh, args.check_weights,
+    progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
+    config, weights = load(root, args.model or "qwen3.5-tiny", args.dtype, plan, mesh, args.check_weights,
                             fp8=args.fp8, name=hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     if mesh is not None:
-        _progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
+        progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
                   f"{dict(mesh.shape)}: {engine.ec.ranks} data-parallel rank(s) of max_num_seqs={ec.max_num_seqs}")
-    _progress(f"{config.name}: {len(prompts)} request(s), {'greedy' if temperature == 0 else 'sampling'}, "
+    progress(f"{config.name}: {len(prompts)} request(s), {'greedy' if temperature == 0 else 'sampling'}, "
               f"EOS {list(config.eos_token_ids) if not args.ignore_eos else 'ignored'}")
     t0 = time.perf_counter()
     streams: dict = {}  # request id -> IncrementalDetokenizer
@@ -293,7 +293,7 @@ def _tokenizer(root: pathlib.Path | None, needed: bool) -> Any:
     return tokenizers.Tokenizer.from_file(str(path))
 
 
-def _load(root: pathlib.Path | None, preset: str, dtype: str | None, plan: Any, mesh: Any,
+def load(root: pathlib.Path | None, preset: str, dtype: str | None, plan: Any, mesh: Any,
           check_weights: bool = True, fp8: str = "dequantize", name: str | None = None) -> tuple[Any, dict]:
     """(config, weights): a checkpoint loads straight into its shards under `plan` on `mesh` (its
     weights checked finite unless `check_weights` is False, where the loader checks them; FP8 experts kept with
@@ -339,11 +339,12 @@ def profiled(directory: str | None) -> Any:
 
     if not directory:
         return contextlib.nullcontext()
-    _progress(f"profiling into {directory}")
+    progress(f"profiling into {directory}")
     return jax.profiler.trace(directory)
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
+    """`# message` on stderr, flushed: the CLI's progress lines."""
     print(f"# {message}", file=sys.stderr, flush=True)
 
 

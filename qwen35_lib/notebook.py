@@ -198,7 +198,7 @@ def installed_from_git() -> bool:
         return False
 
 
-def _version(name: str) -> str | None:
+def installed_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -215,15 +215,15 @@ def jax_plugin_requirement(accelerator: str, *, prefer_accelerator: bool = False
        JAX as it is.
     3. No accelerator: None.
     """
-    jax_version = _version("jax")
+    jax_version = installed_version("jax")
     if accelerator == "none" or jax_version is None or (accelerator == "gpu" and not prefer_accelerator):
         return None
     pins = [r for r in importlib.metadata.requires("jax") or [] if r.startswith("libtpu") and "tpu" in r]
     pin = re.match(r"libtpu\s*==\s*([\w.*]+)", pins[0]) if pins else None
-    libtpu = _version("libtpu")
+    libtpu = installed_version("libtpu")
     ok = libtpu is not None and (pin is None or fnmatch.fnmatch(libtpu, pin.group(1)))
     if accelerator == "gpu":
-        ok = ok and _version("jax-cuda12-plugin") == jax_version
+        ok = ok and installed_version("jax-cuda12-plugin") == jax_version
     extras = "tpu" if accelerator == "tpu" else "tpu,cuda12"
     return None if ok else f"jax[{extras}]=={jax_version}"
 

@@ -46,7 +46,7 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
-_NAMES = {dt: name for name, dt in DTYPES.items()}
+NAMES = {dt: name for name, dt in DTYPES.items()}
 MAX_HEADER = 100_000_000  # bytes; the reference reader's limit
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
@@ -290,11 +290,11 @@ def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata:
     for name in sorted(tensors):
         a = np.asarray(tensors[name])
         dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-        if dt not in _NAMES:
+        if dt not in NAMES:
             raise SafeTensorsError(f"tensor {name!r} has dtype {a.dtype}, which safetensors cannot store here; "
-                             f"use one of {', '.join(str(d) for d in _NAMES)}")
+                             f"use one of {', '.join(str(d) for d in NAMES)}")
         a = np.ascontiguousarray(a, dtype=dt)
-        header[name] = {"dtype": _NAMES[dt], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": NAMES[dt], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         arrays.append(a)
         offset += a.nbytes
     if metadata:

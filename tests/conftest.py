@@ -62,3 +62,13 @@ def _libtpu_stays_out():
     if MAPS.exists() and "/libtpu.so" in MAPS.read_text():
         pytest.fail("this test loaded libtpu into the pytest process: run its TPU compiles through "
                     "aot_subprocess.run (tests/aot_subprocess.py)", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """`qwen3.5-tiny` in float32 with no EOS (greedy runs go to their length) and its random weights (seed 0); a
+    module that needs another tiny model defines its own `tiny`."""
+    from qwen35_lib import get_config, init_weights
+
+    cfg = get_config("qwen3.5-tiny", dtype="float32", eos_token_ids=())
+    return cfg, init_weights(cfg, 0)

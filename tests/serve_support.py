@@ -19,12 +19,12 @@ import time
 import httpx
 import numpy as np
 import openai
-from test_text import make_tokenizer_dir
 
 from qwen35_lib.config import get_config
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.text import load_text
 from qwen35_lib.weights import init_weights
+from tests.test_text import make_tokenizer_dir
 
 EC = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=128)
 MODEL = "tiny-test"

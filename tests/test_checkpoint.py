@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from qwen35_lib import safetensors_io, testing  # noqa: E402
-from qwen35_lib.checkpoint import CheckpointError, _leaves, load_hf_checkpoint  # noqa: E402
+from qwen35_lib.checkpoint import CheckpointError, load_hf_checkpoint, path_infos  # noqa: E402
 from qwen35_lib.config import ConfigError, from_hf_config, get_config  # noqa: E402
 from qwen35_lib.safetensors_io import SafeTensorsError  # noqa: E402
 from qwen35_lib.weights import declare, dequantize_fp8  # noqa: E402
@@ -70,7 +70,7 @@ def expected_weights(model) -> dict[tuple[str, ...], np.ndarray]:
     """Our weight tree (float32, by path) computed from the HF model's modules."""
     hc = model.config
     c = from_hf_config({**hc.to_dict(), "dtype": "float32"})
-    out = {p: np.zeros(info.shape, np.float32) for p, info in _leaves(declare(c))}
+    out = {p: np.zeros(info.shape, np.float32) for p, info in path_infos(declare(c))}
     D, E, F, Fs = c.hidden_size, c.num_experts, c.moe_ffn, c.shared_ffn
     nk, nv, dk, dv, K = c.gdn_num_k_heads, c.gdn_num_v_heads, c.gdn_k_head_dim, c.gdn_v_head_dim, c.gdn_conv_kernel
     Hq, Hkv, hd, kd, vd = c.num_q_heads, c.num_kv_heads, c.head_dim, c.gdn_key_dim, c.gdn_value_dim
@@ -137,8 +137,8 @@ def expected_weights(model) -> dict[tuple[str, ...], np.ndarray]:
 
 def assert_weights_equal(config, weights, expected: dict, dtype=None) -> None:
     """Every leaf has its declared shape and dtype, and equals `expected` (cast to the leaf's dtype) exactly."""
-    declared = dict(_leaves(declare(config)))
-    got = dict(_leaves(weights))
+    declared = dict(path_infos(declare(config)))
+    got = dict(path_infos(weights))
     assert got.keys() == declared.keys() == expected.keys()
     for path, leaf in got.items():
         assert (leaf.shape, leaf.dtype) == (declared[path].shape, declared[path].dtype), path
@@ -180,7 +180,7 @@ def test_fp8_is_close_to_the_original(ckpts, model_type):
     config, weights = load_hf_checkpoint(ckpts(model_type, "fp8"))
     original = expected_weights(ckpts.model(model_type))
     changed = 0
-    for path, leaf in _leaves(weights):
+    for path, leaf in path_infos(weights):
         w, got = original[path], np.asarray(leaf, np.float32)
         assert np.abs(got - w).max() <= 2**-4 * np.abs(w).max(), path
         changed += not np.array_equal(got, w)
@@ -196,8 +196,8 @@ def test_fp8_keep(ckpts, model_type, fp8_block):
     assert config.expert_dtype == "float8_e4m3fn" and config.fp8_block_size == fp8_block
     plain_config, plain = load_hf_checkpoint(path)
     assert plain_config.expert_dtype is None
-    declared = dict(_leaves(declare(config)))
-    for p, leaf in _leaves(weights):
+    declared = dict(path_infos(declare(config)))
+    for p, leaf in path_infos(weights):
         assert (leaf.shape, leaf.dtype) == (declared[p].shape, declared[p].dtype), p
     for name in ("w_gate_up", "w_down"):
         dense = dequantize_fp8(weights["layers"]["moe"][name], fp8_block, jnp.float32)
@@ -234,7 +234,7 @@ def test_fp8_fused_experts(ckpts, tmp_path):
     for fp8 in ("dequantize", "keep"):
         _, a = load_hf_checkpoint(per_expert, fp8=fp8)
         _, b = load_hf_checkpoint(fused, fp8=fp8)
-        for (pa, la), (pb, lb) in zip(_leaves(a), _leaves(b), strict=True):
+        for (pa, la), (pb, lb) in zip(path_infos(a), path_infos(b), strict=True):
             assert pa == pb and la.dtype == lb.dtype
             np.testing.assert_array_equal(np.asarray(la, np.float32), np.asarray(lb, np.float32), err_msg=str(pa))
 
@@ -297,8 +297,8 @@ def test_place_callback(ckpts):
         return placed[path]
 
     config, weights = load_hf_checkpoint(ckpts("qwen3_next", "fp8"), fp8="keep", place=place)
-    leaves = _leaves(weights)
-    assert [p for p, _ in leaves] == [p for p, _ in _leaves(declare(config))]
+    leaves = path_infos(weights)
+    assert [p for p, _ in leaves] == [p for p, _ in path_infos(declare(config))]
     assert all(leaf is placed[p] for p, leaf in leaves)
 
 
@@ -467,7 +467,7 @@ def test_nonfinite_weights_are_refused(ckpts, tmp_path, name, index, value):
         load_hf_checkpoint(path)
     _one_line(e)
     _, weights = load_hf_checkpoint(path, check_weights=False)
-    assert sum(int((~np.isfinite(np.asarray(leaf, np.float32))).sum()) for _, leaf in _leaves(weights)) >= 1
+    assert sum(int((~np.isfinite(np.asarray(leaf, np.float32))).sum()) for _, leaf in path_infos(weights)) >= 1
 
 
 def test_nonfinite_fp8_scale_and_sharded_leaves(ckpts, tmp_path):
@@ -559,7 +559,7 @@ def test_symlinks_into_a_blob_store_load(ckpts, tmp_path):
         (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
     config, weights = load_hf_checkpoint(snapshot)
     _, want = load_hf_checkpoint(src)
-    for (p, a), (_, b) in zip(_leaves(weights), _leaves(want), strict=True):
+    for (p, a), (_, b) in zip(path_infos(weights), path_infos(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
 
 
@@ -675,7 +675,7 @@ def test_load_straight_into_shards(ckpts, layout, fp8):
     plan = get_layout(layout).bind(mesh, config)
     _, plain = load_hf_checkpoint(path, fp8=fp8, dtype="float32")
     want = weight_shardings(config, plan, mesh)
-    for (p, a), (_, b), (_, s) in zip(_leaves(sharded), _leaves(plain), _leaves(want)):
+    for (p, a), (_, b), (_, s) in zip(path_infos(sharded), path_infos(plain), path_infos(want)):
         assert a.sharding.is_equivalent_to(s, a.ndim), p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
     w_down = sharded["layers"]["moe"]["w_down"]  # [G, P, E, F, D]

@@ -254,3 +254,30 @@ def test_no_check_weights_reaches_a_loader_that_checks(config_only, monkeypatch,
     monkeypatch.setattr("qwen35_lib.checkpoint.load_hf_checkpoint", loader)
     assert main(["generate", "--checkpoint", str(config_only), "--prompt-ids", "1 2", *flags]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: stub loader: check_weights={passed}"
+
+
+# --- load and progress (shared with `serve`) -------------------------------------------------------------------
+def test_load_draws_the_seeded_preset_and_progress_is_a_comment_line(capsys):
+    """No checkpoint: the preset in the asked dtype with `init_weights` at the fixed seed (the same values under
+    every layout); a checkpoint goes to the loader with the plan and mesh."""
+    from qwen35_lib import cli_generate
+    from qwen35_lib.plan import SINGLE
+
+    config, weights = cli_generate.load(None, "qwen3.5-tiny", "float32", SINGLE, None)
+    assert config == get_config("qwen3.5-tiny", dtype="float32")
+    want = init_weights(config, cli_generate.RANDOM_WEIGHTS_SEED)
+    assert all((a == b).all() for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(want)))
+    cli_generate.progress("loading x")
+    assert capsys.readouterr().err == "# loading x\n"
+
+
+def test_load_hands_a_checkpoint_to_the_loader(monkeypatch, tmp_path):
+    from qwen35_lib import cli_generate
+
+    seen = {}
+    monkeypatch.setattr("qwen35_lib.checkpoint.load_hf_checkpoint", lambda path, **kw: seen.update(path=path, **kw)
+                        or ("config", "weights"))
+    assert cli_generate.load(tmp_path, "ignored", None, "plan", "mesh", False, fp8="keep", name="org/m") == (
+        "config", "weights")
+    assert seen == dict(path=tmp_path, dtype=None, mesh="mesh", layout="plan", fp8="keep", name="org/m",
+                        check_weights=False)

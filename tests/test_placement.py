@@ -1,8 +1,6 @@
-"""The arithmetic placement report against real shards (CPU size) and hand-checked 397B cases; the explorer."""
+"""The arithmetic placement report against real shards (CPU size) and hand-checked 397B cases."""
 
 from __future__ import annotations
-
-import io
 
 import jax
 import matplotlib
@@ -11,15 +9,12 @@ import pytest
 
 matplotlib.use("Agg")
 
-from widgets import by_label  # noqa: E402
-
 from qwen35_lib import budget  # noqa: E402
 from qwen35_lib.config import get_config  # noqa: E402
 from qwen35_lib.engine.cache import cache_shardings, init_cache  # noqa: E402
 from qwen35_lib.parallel import placed_config, shard_weights  # noqa: E402
 from qwen35_lib.placement import fmt_range, placement, shard_bytes_per_device  # noqa: E402
 from qwen35_lib.plan import LAYOUTS, get_layout, make_mesh  # noqa: E402
-from qwen35_lib.viz.sharding_explorer import SUMMARY_CLASS, placement_figure, sharding_explorer  # noqa: E402
 from qwen35_lib.weights import declare, init_weights, is_info  # noqa: E402
 
 BIG = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
@@ -116,19 +111,3 @@ def test_dp4_tp2_ep8_heads_over_core_requests_over_chip():
     assert (d0.holds["kv_heads"], d1.holds["kv_heads"]) == (range(0, 1), range(1, 2))
     assert d0.holds["requests"] == d1.holds["requests"] == range(0, 9, 4) and d2.holds["requests"] == range(1, 9, 4)
     assert p.copies["kv"] == 1 and p.cache_shape.num_slots == 4  # ceil(9 / 4) = 3 requests per rank + null slot
-
-
-def test_figure_and_explorer_headless():
-    fig = placement_figure(placement(BIG, "tp8"))
-    fig.savefig(io.BytesIO(), format="png")
-    box = sharding_explorer()
-    widgets = by_label(box)
-    assert {"model", "layout", "devices", "KV dtype", "requests", "HTML", "Output"} <= set(widgets)
-    summary = widgets["HTML"]
-    before = summary.value
-    assert SUMMARY_CLASS in before and "fits" in before and "REFUSED" not in before
-    widgets["layout"].value = "tp8"
-    assert summary.value != before and "REFUSED" in summary.value and "tp8_kvrep" in summary.value
-    assert "image/png" in widgets["Output"].outputs[0]["data"]
-    widgets["requests"].value = 8
-    assert "8 requests" in summary.value

@@ -2,10 +2,10 @@
 # Issue 16's crash: a test worker that has compiled thousands of programs holds 3 mappings (code, constants, data)
 # per XLA:CPU kernel that jax still caches; at vm.max_map_count the next compile's mmap fails and LLVM aborts the
 # process ("LLVM ERROR: Unable to allocate section memory!", "Fatal Python error: Aborted"). In `make test` that was
-# tests/test_ragged_step.py's first compile, in whichever worker reached it after ~290 tests.
-# Faster than a worker's whole history: tools/map_filler.py leaves only HEADROOM mappings free, tests/test_model.py
-# compiles (~3500 mappings), then tests/test_ragged_step.py compiles (~3300), in ONE pytest process, RUNS times.
-# Without tests/conftest.py's cache drop between modules this crashes at test_ragged_step; a crashed run's log is
+# tests/model/test_ragged.py's first compile, in whichever worker reached it after ~290 tests.
+# Faster than a worker's whole history: tools/map_filler.py leaves only HEADROOM mappings free, tests/model/test_decoder.py
+# compiles (~3500 mappings), then tests/model/test_ragged.py compiles (~3300), in ONE pytest process, RUNS times.
+# Without tests/conftest.py's cache drop between modules this crashes at tests/model/test_ragged.py; a crashed run's log is
 # kept in build/crash_repro/.
 # usage: tools/crash_repro.sh [RUNS=30] [extra pytest args...]   (HEADROOM=4500 by default)
 set -u
@@ -17,8 +17,8 @@ mkdir -p build/crash_repro
 crashed=0; start=$SECONDS
 for i in $(seq 1 "$RUNS"); do
   t0=$SECONDS; log=build/crash_repro/run-$i.log
-  $PY -m pytest -q -s -p no:xdist -p no:cacheprovider -p tools.map_filler "$@" tests/test_model.py \
-    tests/test_ragged_step.py >"$log" 2>&1; rc=$?
+  $PY -m pytest -q -s -p no:xdist -p no:cacheprovider -p tools.map_filler "$@" tests/model/test_decoder.py \
+    tests/model/test_ragged.py >"$log" 2>&1; rc=$?
   if [ $rc -gt 128 ] || grep -q "Fatal Python error" "$log"; then
     crashed=$((crashed + 1)); verdict="CRASH (rc $rc, log $log: $(grep -m1 'LLVM ERROR' "$log"))"
   else

@@ -7,7 +7,7 @@ plugin maps anonymous pages (held to the end, never touched) until only CRASH_RE
 that the compiles of the few modules that follow decide whether the process survives. It prints the mapping count at
 every module boundary.
 
-    python -m pytest -p tools.map_filler tests/test_model.py tests/test_ragged_step.py
+    python -m pytest -p tools.map_filler tests/model/test_decoder.py tests/model/test_ragged.py
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
     expert's gate_up [G, L, D, 2, F] is left as declared, its second-minor 2 failing the check: the loop still
     relayouts each group's slice of it, 2 x 64 MiB at 397B width.)
 
-    Measured (kernels stage, decode, TPU7x, tests/test_tpu_in_place.py): in the default layout (8 x 128) XLA
+    Measured (kernels stage, decode, TPU7x, tests/integration/test_tpu_in_place.py): in the default layout (8 x 128) XLA
     relayouts whole stacked output projections (GDN w_out, attention w_o, the shared expert's down) before the
     layer loop, a temporary that grows with depth; in 16 x 128 alone the loop still copies each group's slice of
     the input projections into the D-second-minor order (2 x 192 MiB for w_v and w_z at 397B width) and the
@@ -105,7 +105,7 @@ def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
     [G, L, E, F/128, D/128]) in the layout the Pallas grouped matmul reads each layer's slice in (gate_up: row-major
     in 2 x 128 tiles; down: its last two dims swapped, 8 x 128 tiles). In the compiler's default parameter layout
     XLA relayouts the whole stack before the layer loop every step, a temporary that grows with depth (22.5 MiB at
-    15 groups of the reduced 397B step in tests/test_tpu_in_place.py)."""
+    15 groups of the reduced 397B step in tests/integration/test_tpu_in_place.py)."""
     from jax.experimental.layout import Format, Layout
 
     order, tile = (tuple(range(a.ndim)), (2, 128)) if name == "w_gate_up" else \

@@ -60,7 +60,7 @@ class ServingShape:
 
 SERVING = ServingShape()
 # What a TPU compiler flag was seen to change in the compiled step (libtpu 0.0.42.1, jax 0.10.2; recorded in the
-# sweep document's xla_flags.notes when the flag is set; tests/test_tpu_overlap.py checks it).
+# sweep document's xla_flags.notes when the flag is set; tests/integration/test_tpu_overlap.py checks it).
 FLAG_NOTES = {
     "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter":
         "without the flag TPU7x already runs every reduce-scatter (and all-gather) of the step on the SparseCore, "
@@ -100,7 +100,7 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
-def _resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
+def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
     """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share) under
     the bound `plan` (`cfg` as placed: tp_kvrep's duplicated KV heads)."""
     import jax
@@ -145,7 +145,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     R = plan.dp_size(mesh)
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **_resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
+                   **resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
     start = time.perf_counter()
     try:
         compiled = aot.compile_step(cfg, plan, mesh, requests=shape.requests, context_len=shape.context_len,

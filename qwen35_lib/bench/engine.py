@@ -346,7 +346,7 @@ def hf_twin(config: Config, seed: int) -> tuple[Any, Config, dict]:
     The same construction as `vs-transformers`: `make_hf_model` with `hf_fields(config)`, `save_pretrained`,
     `load_hf_checkpoint`, and a check that the loaded config is the preset's architecture.
     """
-    from qwen35_lib.bench.vs_transformers import _check_same_model, hf_fields
+    from qwen35_lib.bench.vs_transformers import check_same_model, hf_fields
     from qwen35_lib.checkpoint import load_hf_checkpoint
     from qwen35_lib.testing import make_hf_model
 
@@ -354,7 +354,7 @@ def hf_twin(config: Config, seed: int) -> tuple[Any, Config, dict]:
     with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
         hf.save_pretrained(tmp)
         ours, weights = load_hf_checkpoint(tmp, dtype="float32")
-    _check_same_model(config, ours)
+    check_same_model(config, ours)
     return hf, ours, weights
 
 

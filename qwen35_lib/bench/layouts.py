@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, small batches")
 
 
-def _options(args: argparse.Namespace) -> dict:
+def options(args: argparse.Namespace) -> dict:
     base = QUICK if args.quick else DEFAULTS
     o = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     o["stages"] = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.weights import init_weights
 
-    opts = _options(args)
+    opts = options(args)
     mesh = layout_mesh()  # 8 devices; on CPU made here when no backend runs yet
     load_before = warn_if_busy()
     base = get_config(opts["model"], dtype=args.dtype)

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
         hf.save_pretrained(tmp)
         ours, weights = load_hf_checkpoint(tmp, dtype="float32")
-    _check_same_model(config, ours)
+    check_same_model(config, ours)
     local = parallelism(SINGLE.replace(moe_kernel=args.moe_kernel))  # "auto": the platform's default
     moe_kernel = local.plan.kernel("moe_matmul")
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
@@ -162,7 +162,7 @@ def _profile_forward(config: Config, weights: dict, ids: np.ndarray, result: dic
     lengths = np.full((B,), T, np.int32)
     names = prof.op_names(lower_forward(config, weights, ids, lengths, parallelism).compile().as_text())
     lines = prof.trace(lambda: jax.block_until_ready(forward(config, weights, ids, parallelism=parallelism)), calls=2)
-    module = "jit__forward"
+    module = "jit_forward_prepared"
     per_run = prof.component_times(lines, names, module)
     walls = prof.execution_walls(lines, module)
     runs = prof.execution_order(lines, module)
@@ -244,7 +244,7 @@ def _hf_model(config: Config, seed: int, experts: str | None) -> Any:
     return model
 
 
-def _check_same_model(want: Config, got: Config) -> None:
+def check_same_model(want: Config, got: Config) -> None:
     """The loaded config must describe the preset's architecture (else the mapping above is wrong)."""
     same = lambda c: c.replace(name="", dtype="float32", eos_token_ids=(),
                                max_position_embeddings=1)

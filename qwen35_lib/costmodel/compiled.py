@@ -9,7 +9,7 @@ How the compile is read:
   (the layer scan's 15 trips; the XLA attention's walk over a sequence's pages, whose trip count depends on the
   data, its whole pool's pages, as every sequence of the compiled step sits at the pool's full length). XLA:TPU's
   `bytes accessed` is no measure of HBM traffic: it counts a `while` body once, and a reduction's input and a dot's
-  right operand five times (`aot.validate.xla_bytes_accessed_factors`, held by tests/test_tpu_compile.py).
+  right operand five times (`aot.validate.xla_bytes_accessed_factors`, held by tests/integration/test_tpu_compile.py).
 - **FLOPs: `cost_analysis()`, one layer group.** XLA counts the layer scan's body once, so its FLOPs are one
   group's plus what runs outside the scan; the model's are taken for one group (`num_layers` = one group), with the
   grouped matmul counted as XLA counts `ragged_dot` (`ragged_dot_flops`).
@@ -18,7 +18,7 @@ How the compile is read:
   that is what they read.
 
 What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`; libtpu 0.0.42.1, the serving shape:
-512 requests, 9,216-token FP8 KV pools, 64 sequences a rank under DP8; tests/test_costmodel_compiled.py holds it):
+512 requests, 9,216-token FP8 KV pools, 64 sequences a rank under DP8; tests/costmodel/test_compiled.py holds it):
 
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|

@@ -145,7 +145,7 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
        its stragglers, which a long run does not have).
     5. The benchmark = the steady cost of every request's expected tokens + the two excesses.
     All runs also advance runs of steps whose decodes take the whole budget together (`_play`'s `collapse`).
-    Measured against playing every request (tests/test_costmodel.py). Its cost grows with `cap`, not with
+    Measured against playing every request (tests/costmodel/test_schedule.py). Its cost grows with `cap`, not with
     `clients` or `prompts`.
     """
     cap = min(limit, max_batched_tokens + 1)
@@ -171,7 +171,7 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
                                        drain.totals.breakdown.get(k, 0.0)) for k, v in b.breakdown.items()},
                    inp=prompts * mean_in, out=prompts * mean_out)
     ttft, tpot = _latencies(steady.finished[skip:skip + STEADY_WINDOW])  # the steady state's requests
-    ttft += _median_queue_wait(clients, cap, prompts, STEADY_WINDOW / (b.t - a.t))
+    ttft += median_queue_wait(clients, cap, prompts, STEADY_WINDOW / (b.t - a.t))
     return dataclasses.replace(full.result(dp), played=ramp.completed + steady.completed + drain.completed,
                                requests=prompts, median_ttft_s=ttft, median_tpot_s=tpot)
 
@@ -194,7 +194,7 @@ def _bounded_records(isl: int, osl: int, c: int, cap: int, dp: int, max_batched_
     return steady, ramp, drain
 
 
-def _median_queue_wait(clients: int, cap: int, prompts: int, rate: float) -> float:
+def median_queue_wait(clients: int, cap: int, prompts: int, rate: float) -> float:
     """Median wait in the queue before admission, beyond the steady run's (whose queue holds at most one), of a
     benchmark of `prompts` requests from `clients` clients at most `cap` of which run, completing `rate` requests
     per second: the first `clients` arrive together and the i-th waits for i - cap completions; each later one
@@ -449,7 +449,7 @@ def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> 
     return fields, firsts
 
 
-def _play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
+def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
              batch_prefills: bool) -> tuple[np.ndarray, list, list, float, float, float]:
     """`clients` clients over the slice, the DP scheduler of tpu-inference in front of `dp` rank schedulers: a new
     request goes to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
@@ -533,7 +533,7 @@ def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, pl
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
     if dispatch != "rank":
-        F, events, outputs, inp, out, run = _play_dp(
+        F, events, outputs, inp, out, run = play_dp(
             draw_lengths(prompts * dp, isl, osl, seed, range_ratio), played_clients * dp, dp, max_batched_tokens,
             limit, dispatch == "batch")
         cols = [F[k] for k in range(dp)]
@@ -566,7 +566,7 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     `padding`), so the MoE computes dp x that many rows. Requests per rank are capped at `EXACT_PROMPTS`
     (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
     state is reached long before).
-    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `_play_dp`, holding new ones
+    `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `play_dp`, holding new ones
     until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
     clients = max(1, round(concurrency / dp))
     requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
@@ -601,7 +601,7 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
 def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> SimResult:
     """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request. A
     benchmark longer than the played run is the played run's cost per request times its requests; clients who
-    could not run wait in the queue (`_median_queue_wait`, added to the TTFT)."""
+    could not run wait in the queue (`median_queue_wait`, added to the TTFT)."""
     seen: dict[Batch, tuple[float, dict[str, float]]] = {}
     timed = [seen.setdefault(b, step_fn(b)) if b not in seen else seen[b] for b in ls.batches]
     secs = np.array([t for t, _ in timed])
@@ -616,7 +616,7 @@ def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]
     ttft, tpot = _latencies(done)
     k = ls.requests / ls.played
     if ls.clients > ls.cap + 1:
-        ttft += _median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
+        ttft += median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
     return SimResult(float(cum[-1]) * k, round(steps * k), round(ls.input_tokens * k), round(ls.output_tokens * k),
                      {n: v * k for n, v in breakdown.items()}, ls.decodes / max(steps, 1), ls.running / max(steps, 1),
                      played=ls.played, requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)

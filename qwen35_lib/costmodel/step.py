@@ -204,7 +204,7 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
 
 
 # Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
-# is priced from the nominal breakdown instead of from the op costs again (exactly; tests/test_costmodel_assumptions)
+# is priced from the nominal breakdown instead of from the op costs again (exactly; tests/costmodel/test_assumptions)
 RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling", "collective_overlap",
             "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute", "moe_row_overhead_s")
 

@@ -1,6 +1,6 @@
 """The engine step's temporaries on one device (what XLA:TPU holds besides the step's arguments and outputs), in
 closed form from the serving plan, the config and the step's shape; never read from a compile
-(tests/test_costmodel_temporaries.py compares it with the stored sweep's `temp_bytes`).
+(tests/costmodel/test_temporaries.py compares it with the stored sweep's `temp_bytes`).
 
 What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, weights placed by `aot.mxu_format`):
 
@@ -20,7 +20,7 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
-Checked against the stored sweep's steps that compiled with memory to spare (tests/test_costmodel_temporaries.py):
+Checked against the stored sweep's steps that compiled with memory to spare (tests/costmodel/test_temporaries.py):
 the kernels stage's decode step is within 6% (397B, full depth); its mixed step (1,024 prefill tokens a rank) is
 under-estimated by a quarter: 4.3 GB against the compile's 5.83 GB (the MoE's row buffers at M = 87,040 rows, several
 layers' live at once in the compiled schedule, are what the table does not yet capture). The XLA stages (dp_ep to
@@ -30,7 +30,7 @@ rather than by the program (the compiler can trade memory for recomputation and 
 Reading a refusal. When a step does not fit, the TPU compiler refuses it with "the total memory required for HLO
 temporaries (N G) exceeds available HBM (M G)". N is not the temporaries: it is the program's whole footprint,
 its arguments included (G: GiB). A program of weights alone, with no temporaries to speak of, is refused with N
-equal to its argument bytes (tests/test_costmodel_temporaries.py compiles one). `refused_bytes` reads N; the
+equal to its argument bytes (tests/costmodel/test_temporaries.py compiles one). `refused_bytes` reads N; the
 temporaries of a refused step are N minus its arguments (`refused_temporaries`). The baseline's step at the
 serving shape is refused this way (notebook 01 reads it).
 """
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.costmodel.traffic import StepShape, _per_device, _placed, _sizes
+from qwen35_lib.costmodel.traffic import StepShape, per_device, placed, sizes
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.parallel.layouts import spec
 from qwen35_lib.plan import AXES, ServingPlan
@@ -56,7 +56,7 @@ IN_PLACE_MOE = ("pallas",)  # MoE kernels that read the stacked expert weights i
 
 
 def _ways(plan: ServingPlan, info) -> int:
-    _, chips, cores = _sizes(plan)
+    _, chips, cores = sizes(plan)
     split = spec(plan, AbstractMesh((chips, cores), AXES), info.logical_axes, info.shape)
     return math.prod(dict(plan.mesh_shape)[a] for e in split if e is not None
                      for a in ((e,) if isinstance(e, str) else e))
@@ -64,7 +64,7 @@ def _ways(plan: ServingPlan, info) -> int:
 
 def weight_slices(plan: ServingPlan, config: Config) -> float:
     """Bytes of the group slices the layer loop copies out of the stacked weights (the table's first row)."""
-    cfg = _placed(plan, config)
+    cfg = placed(plan, config)
     G = cfg.num_groups
     in_place = plan.kernel("moe_matmul") in IN_PLACE_MOE
     total = 0.0
@@ -85,16 +85,16 @@ def weight_slices(plan: ServingPlan, config: Config) -> float:
 
 def gdn_state_slice(plan: ServingPlan, config: Config, cache: CacheShape) -> float:
     """Bytes of one GDN layer's slice of the carried state (every slot's recurrent and conv state)."""
-    cfg = _placed(plan, config)
+    cfg = placed(plan, config)
     caches = declare_cache(cfg, cache)
-    per_device = _per_device(plan, caches)
+    held = per_device(plan, caches)
     # [G, GDN layers in a group, ...] each: one layer's share
-    return sum(v / math.prod(caches[k].shape[:2]) for k, v in per_device.items() if k not in ("kv", "kv_scale"))
+    return sum(v / math.prod(caches[k].shape[:2]) for k, v in held.items() if k not in ("kv", "kv_scale"))
 
 
 def sampling(plan: ServingPlan, config: Config, shape: StepShape) -> float:
     """Bytes of the sampled rows' f32 logits and of the sort over them (values and s32 indices)."""
-    cfg = _placed(plan, config)
+    cfg = placed(plan, config)
     head = declare(cfg)["lm_head"]
     return 3 * shape.seqs * cfg.vocab_size / _ways(plan, head) * 4
 
@@ -103,7 +103,7 @@ def moe_rows(plan: ServingPlan, config: Config, shape: StepShape) -> float:
     """Bytes of one MoE layer's row buffers (the table's last row): the M gathered rows in bf16 and their
     tile-padded copy, the grouped matmul's f32 output rows, the bf16 activations, and the f32 partial sums of the
     N_p tokens."""
-    n, _, _ = _sizes(plan)
+    n, _, _ = sizes(plan)
     cfg = config
     N = plan.dp * shape.tokens
     Np = N + (-N % n) if plan.moe == "ep" else N

@@ -80,7 +80,8 @@ def wire_itemsize(dtype: str, backend: str) -> int:
     return 4 if backend == "cpu" and size == 2 and jnp.issubdtype(jnp.dtype(dtype), jnp.floating) else size
 
 
-def _sizes(plan: ServingPlan) -> tuple[int, int, int]:
+def sizes(plan: ServingPlan) -> tuple[int, int, int]:
+    """(devices, chips, cores) of the mesh the bound `plan` is bound to."""
     if plan.mesh_shape is None:
         raise ValueError(f"plan {plan.name!r} has no mesh: bind it first (plan.bind(mesh))")
     shape = dict(plan.mesh_shape)
@@ -89,7 +90,7 @@ def _sizes(plan: ServingPlan) -> tuple[int, int, int]:
 
 def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backend: str = "tpu") -> list[Op]:
     """The collectives of one engine step on one device (the module doc's table)."""
-    n, chips, cores = _sizes(plan)
+    n, chips, cores = sizes(plan)
     if plan.layout == "single" or n == 1:
         return []
     D, L = config.hidden_size, config.num_layers
@@ -115,7 +116,7 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
 def moe_layer_ops(plan: ServingPlan, config: Config, tokens: float, backend: str = "tpu") -> list[Op]:
     """The collectives of one EP MoE layer on one device (the module doc's EP rows, `runs` per layer), with
     `tokens` in the step over all ranks (N; padded to N_p, a multiple of the devices)."""
-    n, chips, cores = _sizes(plan)
+    n, chips, cores = sizes(plan)
     if plan.moe != "ep":
         raise ValueError(f"layout {plan.layout!r} has no expert-parallel MoE layer: use an EP layout (dp8_ep8)")
     D, k = config.hidden_size, config.num_experts_per_tok
@@ -159,9 +160,9 @@ def collective_counts(plan: ServingPlan, config: Config, shape: StepShape, backe
     return out
 
 
-def _per_device(plan: ServingPlan, tree) -> dict[str, int]:
+def per_device(plan: ServingPlan, tree) -> dict[str, int]:
     """{top-level name: bytes one device holds} of a tree of declared arrays under the bound `plan`."""
-    _, chips, cores = _sizes(plan)
+    _, chips, cores = sizes(plan)
     mesh = AbstractMesh((chips, cores), AXES)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_info)
     out: dict[str, int] = {}
@@ -173,22 +174,23 @@ def _per_device(plan: ServingPlan, tree) -> dict[str, int]:
     return out
 
 
-def _placed(plan: ServingPlan, config: Config) -> Config:
-    _, chips, cores = _sizes(plan)
+def placed(plan: ServingPlan, config: Config) -> Config:
+    """`config` as the bound `plan` runs it (`ServingPlan.placed_config` on its abstract mesh)."""
+    _, chips, cores = sizes(plan)
     return plan.placed_config(config, AbstractMesh((chips, cores), AXES))
 
 
 def weight_bytes(plan: ServingPlan, config: Config) -> int:
     """Weight bytes one device holds under the bound `plan` (`tp_kvrep`: with its duplicated KV heads)."""
-    return sum(_per_device(plan, declare(_placed(plan, config))).values())
+    return sum(per_device(plan, declare(placed(plan, config))).values())
 
 
 def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict[str, int]:
     """{"weights", "kv", "gdn_state"}: bytes one device holds under the bound `plan` with caches of `cache`."""
-    caches = _per_device(plan, declare_cache(_placed(plan, config), cache))
+    caches = per_device(plan, declare_cache(placed(plan, config), cache))
     kv = caches.pop("kv", 0) + caches.pop("kv_scale", 0)
     return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}
 
 
-__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "resident_bytes",
-           "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]
+__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "per_device", "placed",
+           "resident_bytes", "sizes", "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]

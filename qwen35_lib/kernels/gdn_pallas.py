@@ -62,7 +62,7 @@ def _l2(x, axis):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-6)
 
 
-def _unit_lower_inverse(A):
+def unit_lower_inverse(A):
     """(I + A)⁻¹ for A [C, C] strictly lower triangular, C a power of two, by block doubling on the MXU.
 
     1. Start from X = I, the inverse of the 1x1 diagonal blocks of M = I + A.
@@ -123,7 +123,7 @@ def _chunk_kernel(slot_ref, flag_ref, q_ref, k_ref, v_ref, gb_ref, grow_ref, s_i
     gamma = jnp.where(causal, jnp.exp(jnp.where(causal, G - grow_ref[...], 0.0)), 0.0)  # [C, C], exponents <= 0
 
     A = jnp.where(row > col, beta * _dot_nt(k, k) * gamma, 0.0)  # [C, C]
-    T = _unit_lower_inverse(A)
+    T = unit_lower_inverse(A)
     eG = jnp.exp(G)  # [C, 1]
     U = _dot(T, beta * v)  # [C, dv]
     W = _dot(T, (beta * eG) * k)  # [C, dk]

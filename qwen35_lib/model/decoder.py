@@ -43,7 +43,9 @@ def _group(cfg: Config, parallelism, h: jax.Array, layers: list[LayerWeights], p
 
 
 @jax.jit(static_argnums=(0, 1))
-def _forward(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+def forward_prepared(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    """`forward`'s jitted program on weights as given (stacked: the layer scan; per-layer: unrolled), unchecked:
+    `forward` checks its arguments and prepares the weights for the plan first."""
     with jax.named_scope("model"):  # the profile's model part (`bench.profile`)
         return _forward_body(cfg, parallelism, weights, token_ids, lengths)
 
@@ -82,7 +84,8 @@ def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=
     lengths = _check_lengths(lengths, B, T)
     check_weights(config, weights)
     weights = prepare_weights(config, weights, parallelism.plan)
-    return _forward(config, parallelism, weights, jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    token_ids, lengths = jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    return forward_prepared(config, parallelism, weights, token_ids, lengths)
 
 
 def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism=None) -> jax.stages.Lowered:
@@ -93,7 +96,8 @@ def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism
         token_ids = jnp.asarray(_check_tokens(config, token_ids), jnp.int32)
         lengths = jnp.asarray(_check_lengths(lengths, *token_ids.shape), jnp.int32)
     parallelism = check_parallelism(config, parallelism)
-    return _forward.lower(config, parallelism, prepare_weights(config, weights, parallelism.plan), token_ids, lengths)
+    weights = prepare_weights(config, weights, parallelism.plan)
+    return forward_prepared.lower(config, parallelism, weights, token_ids, lengths)
 
 
 def _check_tokens(config: Config, token_ids):

@@ -51,7 +51,7 @@ def weight_notation(config: Config, plan: ServingPlan, mesh) -> dict[str, str]:
     shardings = dict(_flat(weight_shardings(config, plan, mesh)))
     out = {}
     for path, info in leaf_infos(placed_config(config, plan, mesh)):
-        key = _key(path)
+        key = dotted_key(path)
         if key.endswith(".scale"):
             continue
         key = key.removesuffix(".value")
@@ -70,7 +70,7 @@ def _flat(tree) -> list[tuple[str, object]]:
     return [(jax.tree_util.keystr(p), s) for p, s in flat]
 
 
-def _key(path: str) -> str:
+def dotted_key(path: str) -> str:
     """"['layers']['moe']['w_down'].value" -> 'layers.moe.w_down.value'."""
     return path.replace("']['", ".").replace("['", "").replace("']", "").lstrip(".")
 

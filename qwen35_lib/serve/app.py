@@ -200,14 +200,14 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise APIError("`prompt` must be a string (or send `messages`)", "prompt")
-            protocol._chars_ok(len(prompt), limits, "prompt")
-            ids = protocol._encode(text, prompt, protocol._get(body, "add_special_tokens", (bool,), True))
+            protocol.chars_ok(len(prompt), limits, "prompt")
+            ids = protocol.encode(text, prompt, protocol.get(body, "add_special_tokens", (bool,), True))
         return {"count": len(ids), "max_model_len": engine.ec.max_model_len, "tokens": ids, "token_strs": None}
 
     def detokenize(body: dict) -> dict:
         need_text()
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(protocol._is_int(t) and 0 <= t < text.vocab_size for t in ids):
+        if not isinstance(ids, list) or not all(protocol.is_int(t) and 0 <= t < text.vocab_size for t in ids):
             raise APIError(f"`tokens` must be a list of token ids in [0, {text.vocab_size})", "tokens")
         return {"prompt": text.decode(ids)}
 

@@ -1,7 +1,7 @@
 """`python -m qwen35_lib serve`: load a checkpoint (or a random preset) as `generate` does, start the engine loop,
 and serve the OpenAI API with uvicorn until interrupted.
 
-The model, layout and engine options are `generate`'s (its loading helpers are reused: `cli_generate._load`,
+The model, layout and engine options are `generate`'s (its loading helpers are reused: `cli_generate.load`,
 `plan_split`, `layout_mesh`; the plan flags are `qwen35_lib.plan.cli`'s). The tokenizer is the checkpoint's
 tokenizer.json (or `--tokenizer DIR`); without one the server takes token-id prompts only. The socket is bound
 before uvicorn starts, so `--port 0` picks a free port, printed on stderr as `# serving MODEL on http://HOST:PORT`.
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
 
     # 2. Weights, engine, loop, server.
-    cli_generate._progress(f"loading {root}" if root else f"random weights for {preset}")
-    config, weights = cli_generate._load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
+    cli_generate.progress(f"loading {root}" if root else f"random weights for {preset}")
+    config, weights = cli_generate.load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
                                          name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     _log_to_stderr()
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                     ignore_unknown_fields=args.ignore_unknown_fields,
                     trust_request_chat_template=args.trust_request_chat_template)
     host, port = sock.getsockname()[:2]
-    cli_generate._progress(f"serving {name} on http://{host}:{port} (layout {args.layout}, {engine.ec.ranks} "
+    cli_generate.progress(f"serving {name} on http://{host}:{port} (layout {args.layout}, {engine.ec.ranks} "
                            f"rank(s) of max_num_seqs={ec.max_num_seqs}; "
                            f"{'tokenizer ' + str(tok_dir) if text else 'no tokenizer: token-id prompts only'}; "
                            f"{len(warmup)} step shapes to compile before /health is ok)")

@@ -112,7 +112,7 @@ class EngineLoop:
             return
         last_log, last = time.perf_counter(), (0, 0)
         while not self._stopping.is_set():
-            more = self._drain()
+            more = self.drain()
             now = time.perf_counter()
             if self.log_interval_s and now - last_log >= self.log_interval_s:
                 last, last_log = self._log_stats(now - last_log, last), now
@@ -166,7 +166,7 @@ class EngineLoop:
                     s["running"], s["waiting"], used, s["preemptions"])
         return self.prompt_tokens, self.generated
 
-    def _drain(self) -> bool:
+    def drain(self) -> bool:
         """Apply up to `max_adds_per_step` commands; True if more are waiting."""
         for _ in range(self.max_adds_per_step):
             try:

@@ -139,7 +139,8 @@ def check_fields(body: dict, chat: bool, limits: Limits) -> None:
                            "--ignore-unknown-fields to ignore fields it does not know", name)
 
 
-def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+def get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
+    """`body[name]` (`default` when absent or null), refused with a 400 naming it unless of `kinds`."""
     v = body.get(name, default)
     if v is None:
         return default
@@ -150,19 +151,20 @@ def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     return v
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """An int that is not a bool (in Python a bool is an int: not a count or an id)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(_is_int(t) for t in x)
+    return isinstance(x, list) and len(x) > 0 and all(is_int(t) for t in x)
 
 
 def _ids(body: dict, name: str) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
         raise APIError(f"`{name}` must be a list of integer token ids", name)
     return v
 
@@ -195,7 +197,8 @@ def _check_text(s: str) -> None:
                        f"{e.start}: {s[e.start]!r})") from None
 
 
-def _chars_ok(n: int, limits: Limits, param: str) -> None:
+def chars_ok(n: int, limits: Limits, param: str) -> None:
+    """Refuse (a 400 naming `param`) a text of `n` characters over --max-prompt-chars."""
     if n > limits.max_prompt_chars:
         raise APIError(f"`{param}` holds {n} characters, more than --max-prompt-chars {limits.max_prompt_chars} (no "
                        f"prompt that long fits --max-model-len {limits.max_model_len}); shorten it", param)
@@ -210,7 +213,8 @@ def _encode_all(text: Any, texts: list[str], add_special_tokens: bool) -> list[l
         raise APIError(f"the tokenizer could not encode the prompt: {type(e).__name__}: {e}", "prompt") from None
 
 
-def _encode(text: Any, s: str, add_special_tokens: bool) -> list[int]:
+def encode(text: Any, s: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of one text (`_encode_all` of one)."""
     return _encode_all(text, [s], add_special_tokens)[0]
 
 
@@ -233,8 +237,8 @@ def completion_prompts(body: dict, text: Any, limits: Limits) -> list[list[int]]
         raise APIError("this server has no tokenizer, so `prompt` must be token ids (e.g. [1, 2, 3]); or start it "
                        "with --tokenizer DIR (a directory with tokenizer.json)", "prompt")
     for x in texts:
-        _chars_ok(len(x), limits, "prompt")
-    encoded = iter(_encode_all(text, texts, _get(body, "add_special_tokens", (bool,), True)) if texts else [])
+        chars_ok(len(x), limits, "prompt")
+    encoded = iter(_encode_all(text, texts, get(body, "add_special_tokens", (bool,), True)) if texts else [])
     return [next(encoded) if isinstance(x, str) else list(x) for x in items]
 
 
@@ -261,7 +265,7 @@ def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
     4. encoded without special tokens (the template wrote them) unless `add_special_tokens`."""
     from qwen35_lib.text import render_chat
 
-    template = _get(body, "chat_template", (str,))
+    template = get(body, "chat_template", (str,))
     if template is not None and not limits.trust_request_chat_template:
         raise APIError("a request's own `chat_template` is refused (a template is code the server runs); start the "
                        "server with --trust-request-chat-template to allow it", "chat_template")
@@ -276,10 +280,10 @@ def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string `role`", "messages")
         flat.append({**m, "content": _message_text(i, m.get("content"))})
-    _chars_ok(sum(len(m["content"]) for m in flat), limits, "messages")
-    kwargs = _get(body, "chat_template_kwargs", (dict,), {})
-    gen = _get(body, "add_generation_prompt", (bool,), True)
-    cont = _get(body, "continue_final_message", (bool,), False)
+    chars_ok(sum(len(m["content"]) for m in flat), limits, "messages")
+    kwargs = get(body, "chat_template_kwargs", (dict,), {})
+    gen = get(body, "add_generation_prompt", (bool,), True)
+    cont = get(body, "continue_final_message", (bool,), False)
     if gen and cont and "add_generation_prompt" in body:
         raise APIError("`add_generation_prompt` and `continue_final_message` cannot both be true",
                        "continue_final_message")
@@ -300,12 +304,12 @@ def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
             raise APIError("continue_final_message: the last message's content is not in the rendered template",
                            "continue_final_message")
         rendered = rendered[:cut + len(last)]
-    _chars_ok(len(rendered), limits, "messages")
-    return _encode(text, rendered, _get(body, "add_special_tokens", (bool,), False))
+    chars_ok(len(rendered), limits, "messages")
+    return encode(text, rendered, get(body, "add_special_tokens", (bool,), False))
 
 
 def _number(body: dict, name: str, default: float) -> float:
-    v = float(_get(body, name, (int, float), default))
+    v = float(get(body, name, (int, float), default))
     if v != v or v in (float("inf"), float("-inf")):
         raise APIError(f"`{name}` must be a finite number", name)
     return v
@@ -324,7 +328,7 @@ def _stop_strings(body: dict, text: Any) -> tuple[str, ...]:
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
-    v = _get(body, "logit_bias", (dict,))
+    v = get(body, "logit_bias", (dict,))
     if v is None:
         return None
     out = {}
@@ -351,7 +355,7 @@ def _bad_words(body: dict, text: Any) -> list[list[int]] | None:
     out = []
     for w in v:
         for variant in (w, " " + w.lstrip()):
-            ids = _encode(text, variant, False)
+            ids = encode(text, variant, False)
             if ids and ids not in out:
                 out.append(ids)
     return out
@@ -366,7 +370,7 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     check_body(body, limits)
     check_fields(body, chat, limits)
     for name in ("n", "best_of"):
-        v = _get(body, name, (int,), 1)
+        v = get(body, name, (int,), 1)
         if v < 1:
             raise APIError(f"`{name}` must be >= 1, got {v}", name)
         if v > 1:
@@ -377,16 +381,16 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     if body.get("echo") not in (None, False):
         raise APIError("`echo` is not supported by this server", "echo")
     stop = _stop_strings(body, text)
-    max_tokens = _get(body, "max_tokens", (int,))
+    max_tokens = get(body, "max_tokens", (int,))
     if chat:
-        max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
+        max_tokens = get(body, "max_completion_tokens", (int,), max_tokens)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"`{name}` must be >= 1, got {max_tokens}", name)
     if max_tokens is not None and max_tokens >= limits.max_model_len:
         raise APIError(f"`{name}` = {max_tokens} leaves no room for a prompt within --max-model-len "
                        f"{limits.max_model_len}; lower it", name)
-    truncate = _get(body, "truncate_prompt_tokens", (int,))
+    truncate = get(body, "truncate_prompt_tokens", (int,))
     if truncate is not None and truncate < 1 and truncate != -1:
         raise APIError(f"`truncate_prompt_tokens` must be >= 1 (or -1: --max-model-len), got {truncate}",
                        "truncate_prompt_tokens")
@@ -395,23 +399,23 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
         min_p=_number(body, "min_p", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        top_k=_get(body, "top_k", (int,), 0), min_tokens=_get(body, "min_tokens", (int,), 0),
-        ignore_eos=_get(body, "ignore_eos", (bool,), False), logit_bias=_logit_bias(body),
+        top_k=get(body, "top_k", (int,), 0), min_tokens=get(body, "min_tokens", (int,), 0),
+        ignore_eos=get(body, "ignore_eos", (bool,), False), logit_bias=_logit_bias(body),
         allowed_token_ids=_ids(body, "allowed_token_ids"), stop_token_ids=_ids(body, "stop_token_ids"),
         bad_words_ids=_bad_words(body, text))
     common["top_k"] = 0 if common["top_k"] == -1 else common["top_k"]
-    seed = _get(body, "seed", (int,))
+    seed = get(body, "seed", (int,))
     if seed is None:
         seed = random.randrange(2**32) if common["temperature"] > 0 else 0
-    stream = _get(body, "stream", (bool,), False)
-    opts = _get(body, "stream_options", (dict,), {})
-    include_usage = _get(opts, "include_usage", (bool,), False)
+    stream = get(body, "stream", (bool,), False)
+    opts = get(body, "stream_options", (dict,), {})
+    include_usage = get(opts, "include_usage", (bool,), False)
     for key, value in opts.items():
         if key != "include_usage" and value not in (None, False):
             raise APIError(f"`stream_options.{key}` is not supported (only include_usage)", "stream_options")
-    rid = _get(body, "request_id", (str,))
-    include_stop = _get(body, "include_stop_str_in_output", (bool,), False)
-    skip = _get(body, "skip_special_tokens", (bool,), True)
+    rid = get(body, "request_id", (str,))
+    include_stop = get(body, "include_stop_str_in_output", (bool,), False)
+    skip = get(body, "skip_special_tokens", (bool,), True)
     prompts = [chat_prompt(body, text, limits)] if chat else completion_prompts(body, text, limits)
     if truncate is not None:
         keep = limits.max_model_len if truncate == -1 else truncate

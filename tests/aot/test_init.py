@@ -1,0 +1,79 @@
+"""The ahead-of-time helpers that need no libtpu (TPU7x compiles are tests/integration/test_tpu_compile.py's):
+the chip-major mesh, the weight and scale layouts asked of the compiler, the refused layout option, and the
+resident bytes of a placed model against the sum of its shards (compiled for the 8 CPU devices)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen35_lib import aot, get_config
+from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
+from qwen35_lib.parallel.layouts import weight_shardings
+from qwen35_lib.plan import get_layout
+from qwen35_lib.weights import declare, is_info
+
+ONE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _sds(shape, dtype=jnp.bfloat16, sharding=ONE):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return aot.chip_core_mesh(jax.devices())
+
+
+def test_chip_core_mesh_is_chip_major():
+    mesh = aot.chip_core_mesh(jax.devices())
+    assert dict(mesh.shape) == {"chip": 4, "core": 2}
+    np.testing.assert_array_equal([[d.id for d in row] for row in mesh.devices], np.arange(8).reshape(4, 2))
+
+
+def test_mxu_format_tiles_bf16_16x128_and_puts_the_hidden_dim_second_minor():
+    w_q = aot.mxu_format(_sds((1, 3, 64, 16, 32)), hidden=64)  # [G, L, D, heads, d]
+    assert w_q.format.layout.major_to_minor == (0, 1, 3, 2, 4) and w_q.format.layout.tiling == ((16, 128), (2, 1))
+    w_o = aot.mxu_format(_sds((1, 3, 16, 32, 64)), hidden=64)  # D last: order kept
+    assert w_o.format.layout.major_to_minor == (0, 1, 2, 3, 4)
+    for unchanged in (_sds((1, 3, 64, 16, 32), jnp.float32), _sds((64,)), _sds((1, 3, 64, 8, 32)),
+                      _sds((16, 64), sharding=NamedSharding(aot.chip_core_mesh(jax.devices()), P(None, "core")))):
+        assert aot.mxu_format(unchanged, hidden=64) is unchanged  # not bf16, rank 1, 8 rows, split over the mesh
+
+
+def test_scale_format_tiles_as_the_grouped_matmul_reads():
+    gate_up = aot.scale_format(_sds((1, 2, 8, 4, 2, 2), jnp.float32), "w_gate_up").format.layout
+    assert gate_up.major_to_minor == tuple(range(6)) and gate_up.tiling == ((2, 128),)
+    down = aot.scale_format(_sds((1, 2, 8, 2, 4), jnp.float32), "w_down").format.layout
+    assert down.major_to_minor == (0, 1, 2, 4, 3) and down.tiling == ((8, 128),)  # last two dims swapped
+
+
+def test_an_unknown_weight_layout_is_refused(mesh):
+    cfg = get_config("qwen3.5-tiny")
+    with pytest.raises(ValueError, match="weight_layouts must be 'default' or 'mxu', got 'tiled'"):
+        aot.compile_step(cfg, get_layout("dp8_ep8"), mesh, requests=8, context_len=32, decode=1,
+                         weight_layouts="tiled")
+
+
+def test_resident_bytes_are_the_shards_of_the_weights_and_caches(mesh):
+    cfg = get_config("qwen3.5-tiny")
+    plan = get_layout("dp8_ep8").bind(mesh, cfg)
+    shape = CacheShape(ranks=8, num_pages=5, page_size=16, num_slots=3)
+    got, refused = aot.resident_bytes(cfg, plan, shape, mesh)
+
+    def shard_bytes(decl, shardings):
+        infos = jax.tree.leaves(decl, is_leaf=is_info)
+        return sum(math.prod(s.shard_shape(i.shape)) * jnp.dtype(i.dtype).itemsize
+                   for i, s in zip(infos, jax.tree.leaves(shardings)))
+
+    want = (shard_bytes(declare(cfg), weight_shardings(cfg, plan, mesh))
+            + shard_bytes(declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh)))
+    assert refused is None and got == want
+    assert want < shard_bytes(declare(cfg), jax.tree.map(lambda _: ONE, weight_shardings(cfg, plan, mesh))) + \
+        shard_bytes(declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh))  # experts split 8 ways

@@ -1,0 +1,154 @@
+"""The cost model's labelled serving mechanisms (issue 13): every assumption has a source, a quote and a range; the
+data-parallel ranks in lockstep; the band; `--explain`; one token budget for every stage; `google_baseline`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qwen35_lib import costmodel
+from qwen35_lib.costmodel import assumptions
+from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.ops import Batch
+from qwen35_lib.plan import LADDER
+
+SMALL = dict(isl=1024, osl=256, concurrency=16, roofline=False)
+
+
+def test_every_assumption_has_a_source_a_quote_and_a_range():
+    recs = assumptions.records()
+    assert {"dp_lockstep", "dp_batch_prefill", "moe_chunk", "host_step_overhead_s", "expert_imbalance",
+            "collective_overlap", "sparsecore_permute", "fp8_allgather", "mixed_step_attention",
+            "attention_kernel_efficiency", "gmm_tile_rows"} <= set(recs)
+    for name, rec in recs.items():
+        assert rec["source"].startswith("https://") and len(rec["quote"]) > 20, name
+        if rec["kind"] == "range":
+            assert rec["low"] <= rec["value"] <= rec["high"] and rec["low"] < rec["high"], name
+    # every field of Mechanisms is a record (no mechanism without its assumption)
+    assert {f for f in Mechanisms.__dataclass_fields__} <= set(recs)
+
+
+@pytest.mark.parametrize("field", assumptions.REQUIRED)
+def test_an_assumption_without_its_source_quote_or_range_is_refused(field):
+    rec = dict(assumptions.records()["expert_imbalance"])
+    del rec[field]
+    with pytest.raises(ValueError, match=f"lacks {field}"):
+        assumptions.check("x", rec)
+    with pytest.raises(ValueError, match="is not a URL"):
+        assumptions.check("x", dict(assumptions.records()["expert_imbalance"], source="my notes"))
+    with pytest.raises(ValueError, match="outside its range"):
+        assumptions.check("x", dict(assumptions.records()["expert_imbalance"], value=2.0))
+
+
+def test_the_model_without_mechanisms_is_the_old_model():
+    off = costmodel.predict(stage="kernels", mechanisms="off", **SMALL)
+    nominal = costmodel.predict(stage="kernels", **SMALL)
+    assert off["mechanisms"] == "off" and not off["dp_lockstep_applied"] and nominal["dp_lockstep_applied"]
+    assert off["breakdown_s"]["host"] == 0 and nominal["breakdown_s"]["host"] == pytest.approx(5e-4)
+    assert off["total_tokens_per_s"] != nominal["total_tokens_per_s"]
+
+
+def test_band_brackets_the_prediction_and_names_each_end():
+    r = costmodel.predict(stage="kernels", band=True, **SMALL)
+    b = r["band"]
+    lo, hi = b["total_tokens_per_s"]
+    assert lo <= r["total_tokens_per_s"] <= hi and b["high_over_low"] == pytest.approx(hi / lo)
+    swept = [n for n, rec in assumptions.records().items() if rec["kind"] in assumptions.SWEPT
+             and n != "host_step_time_sync_s"]  # async scheduling is on: the synchronous host time is not in force
+    assert sorted((x["assumption"], x["end"]) for x in b["extremes"]) == sorted(
+        (n, e) for n in swept for e in ("low", "high"))
+    tpot = {(x["assumption"], x["end"]): x["median_tpot_s"] for x in b["extremes"]}
+    assert tpot[("host_step_overhead_s", "high")] > r["median_tpot_s"] > tpot[("host_step_overhead_s", "low")]
+    # the joint corners: every swept assumption at its worse (better) end at once, outside every single extreme
+    c = {x["corner"]: x for x in b["corners"]}
+    singles = [x["total_tokens_per_s"] for x in b["extremes"]]
+    assert c["pessimistic"]["total_tokens_per_s"] <= min(singles) and max(singles) <= c["optimistic"][
+        "total_tokens_per_s"]
+    assert [lo, hi] == [c["pessimistic"]["total_tokens_per_s"], c["optimistic"]["total_tokens_per_s"]]
+    assert set(c["pessimistic"]["values"]) == set(swept)
+
+
+def test_async_scheduling_is_a_setup_switch_for_the_host_time():
+    on = costmodel.predict(stage="kernels", **SMALL)
+    off = costmodel.predict(stage="kernels", mechanisms=Mechanisms.nominal(async_scheduling=False), **SMALL)
+    recs = assumptions.records()
+    assert recs["async_scheduling"]["kind"] == "setup" and recs["async_scheduling"]["value"] is True
+    assert on["breakdown_s"]["host"] == pytest.approx(recs["host_step_overhead_s"]["value"])
+    assert off["breakdown_s"]["host"] == pytest.approx(recs["host_step_time_sync_s"]["value"])
+
+
+def test_cli_explain_json_gives_the_breakdown_the_band_and_every_assumption():
+    out = subprocess.run([sys.executable, "-m", "qwen35_lib.costmodel", "predict", "--isl", "1024", "--osl", "256",
+                          "--concurrency", "16", "--explain", "--json"], capture_output=True, text=True, check=True)
+    doc = json.loads(out.stdout)
+    e = doc["explain"]
+    assert sum(c["seconds"] for c in e["components"].values()) == pytest.approx(doc["mean_step_s"], rel=1e-6)
+    assert all(c["assumptions"] for c in e["components"].values())
+    applied = {k: m for k, m in e["mechanisms"].items() if m["applied"]}
+    assert {"dp_lockstep", "host_step_overhead_s", "collective_overlap"} <= set(applied)
+    assert all(m["assumption"]["source"].startswith("https://") for m in e["mechanisms"].values())
+    assert "moe_chunk" in e["other_assumptions"] and "band" in doc
+    text = subprocess.run([sys.executable, "-m", "qwen35_lib.costmodel", "predict", "--isl", "1024", "--osl",
+                           "256", "--concurrency", "16"], capture_output=True, text=True, check=True).stdout
+    assert "band" in text and "the labelled assumptions at their ends: one at a time, and all at once" in text
+
+
+@pytest.mark.parametrize("isl", [8192, 1024])
+def test_one_token_budget_for_every_stage(isl):
+    """The slice's token budget is the recipe's (8 x max(ISL / 8, 1024)) under every stage, TP or DP."""
+    for stage in (*LADDER, "google_baseline"):
+        r = costmodel.predict(stage=stage, isl=isl, osl=256, concurrency=8, roofline=False, mechanisms="off")
+        assert r["max_batched_tokens_per_rank"] * r["dp"] == 8 * max(isl // 8, 1024), stage
+
+
+def test_ladder_reports_ratios_against_google_baseline():
+    rows = costmodel.ladder(workloads=((1024, 256),), concurrency=16, stages=("baseline", "kernels"),
+                            mechanisms="off", roofline=False)
+    g = costmodel.predict(stage="google_baseline", isl=1024, osl=256, concurrency=16, mechanisms="off",
+                          roofline=False)
+    assert g["layout"] == "tp8_kvrep" and g["kernels"] == "pallas"
+    for r in rows:
+        assert r["vs_google_baseline"] == pytest.approx(r["total_tokens_per_s"] / g["total_tokens_per_s"])
+
+
+def test_acceptance_figures_from_comparison_rows():
+    from qwen35_lib.costmodel import validate
+
+    rows = [dict(acceptance=True, concurrency=c, ratio_kernels=r, tpot_ratio_kernels=t, inside_band=True,
+                 tpot_inside_band=True) for c, r, t in ((64, 1.1, 0.8), (128, 1.2, 0.9), (256, 1.3, 1.3))]
+    a = validate.acceptance(rows + [dict(acceptance=False, concurrency=64, ratio_kernels=9.0)], stage="kernels")
+    assert a["trend"] == pytest.approx(1.3 / 1.1 - 1) and not a["trend_ok"]
+    assert [p["within_25pct"] for p in a["points"]] == [True, True, False]
+    assert [p["tpot_within_25pct"] for p in a["points"]] == [True, True, False] and not a["all_within_25pct"]
+    assert a["all_inside_band"] and a["stage"] == "kernels"
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("qwen35_lib.costmodel.step", fromlist=["RESCALED"]).RESCALED
+                                  if assumptions.records()[n]["kind"] in assumptions.SWEPT])
+def test_a_rescaled_band_end_equals_the_step_timed_again(name):
+    """The band prices the ends of the RESCALED mechanisms from the nominal breakdown (`step.retimed`): exactly
+    what step_time gives when it times the step again, for decode, mixed and prefill steps of a Pallas and an
+    XLA stage, below and above the one-hot threshold."""
+    from qwen35_lib.costmodel import specs as specs_lib
+    from qwen35_lib.costmodel.predict import serving_model
+    from qwen35_lib.costmodel.step import retimed, step_time
+    from qwen35_lib.plan import any_stage
+
+    cfg, sp, nom = serving_model(), specs_lib.get("tpu7x-8"), Mechanisms.nominal()
+    rec = assumptions.records()[name]
+    batches = [Batch(decodes=512, decode_ctx=4000, max_ctx=9000), Batch(decodes=256, decode_ctx=3000,
+               prefill_tokens=4096, prefill_seqs=4, prefill_ctx=1000, max_ctx=9000),
+               Batch(prefill_tokens=8192, prefill_seqs=8, prefill_ctx=2048, max_ctx=9000)]
+    for stage in ("kernels", "fused_ag"):
+        st = any_stage(stage)
+        for b in batches:
+            base = step_time(cfg, sp, st, b, "float8_e4m3fn", mech=nom).breakdown
+            for end in ("low", "high"):
+                m = dataclasses.replace(nom, **{name: rec[end]})
+                fast = retimed(cfg, sp, st, b, base, nom, m)
+                full = step_time(cfg, sp, st, b, "float8_e4m3fn", mech=m).breakdown
+                assert fast is not None and fast == pytest.approx(full, rel=1e-9, abs=1e-15), (stage, b, end)

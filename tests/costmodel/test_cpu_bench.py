@@ -1,0 +1,30 @@
+"""The CPU micro-benchmarks: the median of timed runs after a warm-up (on a fake clock), and a real measurement
+returning every figure `specs` describes, positive and cached (no timed assertion: figures vary by machine)."""
+
+from __future__ import annotations
+
+import math
+
+from qwen35_lib.costmodel import cpu_bench
+
+
+class _Ready:
+    def block_until_ready(self):
+        return self
+
+
+def test_median_time_warms_up_then_takes_the_median(monkeypatch):
+    ticks = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # runs of 1, 3 and 2 seconds
+    monkeypatch.setattr(cpu_bench.time, "perf_counter", lambda: next(ticks))
+    runs = []
+    assert cpu_bench._median_time(lambda x: runs.append(x) or _Ready(), 7, repeats=3) == 2.0
+    assert runs == [7] * 4  # one warm-up (untimed), three timed
+
+
+def test_measure_returns_positive_figures_for_every_described_spec():
+    m = cpu_bench.measure(1)
+    assert set(m) == {"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s",
+                      "small_matmul_flops"}
+    assert all(v > 0 and math.isfinite(v) for v in m.values())
+    assert cpu_bench.measure(1) is m  # cached per process
+    assert {"op_overhead_s", "copy_bytes_per_s", "small_matmul_flops"} <= set(cpu_bench.DESCRIPTIONS)

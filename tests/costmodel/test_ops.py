@@ -1,0 +1,39 @@
+"""costmodel.ops: the roofline of one op (compute- or bytes-bound), the CPU regimes' measured rates, the sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen35_lib import get_config
+from qwen35_lib.costmodel import ops
+from tests.costmodel.toy import GB, toy
+
+
+def test_matmul_roofline():
+    s = toy()
+    # [M, K] x [K, N] in bf16: 2 M K N FLOPs; reads both operands and writes the output once
+    M, K, N = 4096, 8192, 8192
+    flops, nbytes = 2 * M * K * N, 2 * (M * K + K * N + M * N)
+    big = ops.Cost(mxu_flops=flops, bytes=nbytes)
+    assert ops.seconds(big, s) == pytest.approx(flops / (100e12 * 0.5))  # 10.99 ms of compute > 0.29 ms of bytes
+    M = 8  # a decode-sized matmul: the weights' bytes dominate
+    flops, nbytes = 2 * M * K * N, 2 * (M * K + K * N + M * N)
+    small = ops.Cost(mxu_flops=flops, bytes=nbytes)
+    assert ops.seconds(small, s) == pytest.approx(nbytes / (1e12 * 0.8))
+    assert ops.seconds(ops.Cost(), s.replace(op_overhead_s=1e-5)) == 0.0
+    assert ops.seconds(ops.Cost(launches=3), s.replace(op_overhead_s=1e-5)) == pytest.approx(3e-5)
+
+
+def test_mini_fits_cpu_sizes():
+    cfg = get_config("qwen3.5-mini", dtype="float32")
+    z = ops.sizes(cfg)
+    assert z["expert"] == 3 * 512 * 128 and z["act"] == 4
+    assert ops.capacity_slots(64, 64) == 8 and ops.capacity_slots(544, 64) == 24  # moe_xla.moe_capacity's rule
+
+
+def test_cpu_regimes_are_charged_at_their_measured_rates():
+    s = toy(chips=1, copy_bytes_per_s=10 * GB, small_matmul_flops=1e12)
+    c = ops.Cost(copy_bytes=20e6, small_mxu_flops=3e9)
+    # memory: 20 MB at 10 GB/s = 2 ms; compute: 3 GFLOP at 1 TFLOP/s = 3 ms
+    assert ops.seconds(c, s) == pytest.approx(3e-3)
+    assert ops.seconds(ops.Cost(copy_bytes=8e9), toy(chips=1)) == pytest.approx(8e9 / (1e12 * 0.8))  # HBM rate

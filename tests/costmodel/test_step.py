@@ -1,0 +1,51 @@
+"""costmodel.step: one decode step's HBM bytes against hand arithmetic, and what each collective stage changes per
+layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen35_lib import costmodel, model_stats
+from qwen35_lib.costmodel import collectives as cc
+from qwen35_lib.costmodel import ops, specs
+from qwen35_lib.costmodel.step import step_time
+from qwen35_lib.plan import STAGES
+from tests.costmodel.toy import toy
+
+
+def test_decode_step_hbm_bytes():
+    """One decode token of the 397B model on one device with the Pallas kernels: the weights it reads (every
+    dense weight of the layer scan three times: the scan's slice read, written and read by the dot; exactly k
+    experts per layer in FP8, read in place; the LM head once) plus its context's KV and GDN state."""
+    cfg = costmodel.serving_model()
+    st = model_stats(cfg).params_by_part
+    D, F, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts_per_tok, cfg.num_layers
+    dense = 3 * (st["attention"] + st["gdn"] + st["router"] + st["shared_experts"]) + st["lm_head"]
+    fp8 = 1 + 4 / 128**2  # one float32 scale per 128 x 128 block
+    ctx = 1000
+    kv = 15 * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * (1 + 4 / cfg.head_dim)  # FP8 KV with per-token scales
+    state = 45 * 2 * cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * 2  # bf16, read + written
+    hand = 2 * dense + L * k * 3 * D * F * fp8 + kv + state
+    one = toy(chips=1)
+    got = step_time(cfg, one, STAGES["kernels"], ops.Batch(decodes=1, decode_ctx=ctx, max_ctx=ctx),
+                    kv_dtype="float8_e4m3fn")
+    assert got.hbm_bytes == pytest.approx(hand, rel=0.01)  # activations are the rest
+    xla = step_time(cfg, one, STAGES["baseline"], ops.Batch(decodes=1, decode_ctx=ctx, max_ctx=ctx),
+                    kv_dtype="float8_e4m3fn")
+    assert xla.hbm_bytes > 3 * got.hbm_bytes  # XLA: every expert, dequantized copies, sliced weights
+
+
+def test_stage_collectives_per_layer():
+    """fused_ag saves one all-gather's launch and hops; it moves the weights as float32 bits packed beside the
+    int32 ids (8k bytes a token) where the unfused gathers send them in the model dtype (4k + 2k for bf16)."""
+    cfg = costmodel.serving_model()
+    s = specs.get("tpu7x-8")
+    b = ops.Batch(decodes=512, decode_ctx=2000, max_ctx=2000)
+    t = {n: step_time(cfg, s, STAGES[n], b, "float8_e4m3fn") for n in ("replicate", "fused_ag", "hier_rs")}
+    saved = t["replicate"].breakdown["all_gather"] - t["fused_ag"].breakdown["all_gather"]
+    k, n = cfg.num_experts_per_tok, 512 // 8  # tokens a device routes
+    ag = lambda nbytes: cc.all_gather(s, nbytes).seconds  # noqa: E731
+    assert saved == pytest.approx(cfg.num_layers * (ag(n * k * 4) + ag(n * k * 2) - ag(n * k * 8)), rel=1e-6)
+    assert saved < cfg.num_layers * (s.collective_launch_s + 7 * s.hop_latency_s)
+    assert t["fused_ag"].wire_bytes - t["replicate"].wire_bytes == pytest.approx(cfg.num_layers * 7 * n * k * 2)
+    assert t["hier_rs"].breakdown["reduce_scatter"] < t["fused_ag"].breakdown["reduce_scatter"]

@@ -1,0 +1,90 @@
+"""The cost model's validations, their arithmetic: a step case's Batch by hand, the MoE row constant recovered from
+cells built with it, the MoE comparison's roles and ratios, the published comparison's plumbing (on a fake
+`predict`) and the acceptance figures of hand-made rows."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from qwen35_lib.costmodel import validate
+from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.moe_layer import layer_time
+from qwen35_lib.costmodel.predict import serving_model
+from qwen35_lib.costmodel.specs import get
+
+M = validate.MEASURED_STAGE
+
+
+def test_case_batch_by_hand():
+    b = validate.case_batch(validate.StepCase("mix", (96, 32), ((64, 0), (16, 48))), D=2, T=98, S=8)
+    assert (b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx) == (2, 64.0, 80, 2, 24.0)
+    assert (b.max_ctx, b.padded_tokens, b.logit_rows) == (96, 98, 8)
+    only = validate.case_batch(validate.StepCase("prefill", (), ((64, 0),)), D=1, T=65, S=8)
+    assert (only.decodes, only.decode_ctx, only.max_ctx) == (0, 0.0, 64)
+    assert [c.name for c in validate.default_cases()] == ["decode x1", "decode x8", "mixed 4 + 64", "prefill 2 x 64"]
+
+
+def test_moe_row_overhead_recovers_the_constant_the_cells_were_made_with():
+    cfg, sp, k, c = serving_model(), get("tpu7x-8"), serving_model().num_experts_per_tok, 3e-8
+    mech = Mechanisms.nominal(moe_row_overhead_s=0.0)
+    cells = {n: layer_time(cfg, sp, n, mech).seconds + c * n * k for n in (64, 256, 1024, 4096)}
+    got = validate.moe_row_overhead(cells)
+    assert got["cells"] == [64, 256, 1024]  # the larger cell judges, it does not set
+    assert got["value"] == pytest.approx(c, rel=1e-9) and got["low"] == pytest.approx(c, rel=1e-9)
+    assert got["high"] == pytest.approx(c, rel=1e-9)
+    faster = validate.moe_row_overhead({n: t * 0.5 for n, t in cells.items()})
+    assert faster["value"] == 0.0 and faster["low"] == 0.0  # never below 0
+
+
+def test_moe_layer_comparison_roles_and_ratios():
+    rows = validate.moe_layer_comparison()
+    cells = validate.moe_measured()["cells_us"]
+    assert [r["tokens"] for r in rows] == sorted(int(n) for n in cells)
+    for r in rows:
+        assert r["measured_us"] == pytest.approx(cells[str(r["tokens"])])
+        assert r["ratio"] == pytest.approx(r["model_us"] / r["measured_us"])
+        assert r["within_25pct"] == (abs(r["ratio"] - 1) <= 0.25)
+        assert r["role"] == ("sets moe_row_overhead_s" if r["tokens"] <= validate.MOE_SET_FROM else "judges")
+        assert sum(r["breakdown_us"].values()) == pytest.approx(r["model_us"], rel=1e-6)
+
+
+def test_published_comparison_predicts_each_compared_row_under_its_setup(monkeypatch):
+    predict_mod = sys.modules["qwen35_lib.costmodel.predict"]  # the module (the package's `predict` is the function)
+    seen = []
+
+    def fake(model, hw, stage, isl, osl, conc, **kw):
+        seen.append((stage, isl, conc, kw))
+        out = dict(total_tokens_per_s=1000.0 * conc, median_tpot_s=0.05)
+        if kw["band"]:
+            out["band"] = dict(total_tokens_per_s=(0.0, 1e9), median_tpot_s=(0.0, 1e-6))
+        return out
+
+    monkeypatch.setattr(predict_mod, "predict", fake)
+    rows = validate.published_comparison(("kernels", M), band=True)
+    compared = [m for m in validate.published()["measurements"] if m.get("compare")]
+    assert len(rows) == len(compared) and len(seen) == 2 * len(compared)
+    for row, m in zip(rows, compared):
+        assert row[f"ratio_{M}"] == pytest.approx(1000.0 * m["concurrency"] / m["total_tokens_per_s"])
+        assert row["predicted_median_tpot_ms_kernels"] == pytest.approx(50.0)
+        assert row["inside_band"] and "band_total_tokens_per_s" in row  # the band: the measured stage only
+        assert row.get("tpot_inside_band") in (None, False)  # a TPOT band of [0, 1e-3 ms] holds no measurement
+    for stage, _, _, kw in seen:
+        assert kw["band"] == (stage == M) and kw["roofline"] is False
+    assert seen[0][3]["kv_dtype"] == compared[0]["setup"].get("kv_dtype", "float8_e4m3fn")
+
+
+def test_acceptance_figures_of_hand_made_rows():
+    rows = [dict(acceptance=True, concurrency=c, **{f"ratio_{M}": r, f"tpot_ratio_{M}": t}, inside_band=True,
+                 tpot_inside_band=True) for c, r, t in ((64, 1.0, 1.1), (128, 0.9, 1.0), (256, 1.1, 0.8))]
+    rows.append(dict(acceptance=False, concurrency=512, **{f"ratio_{M}": 5.0}))
+    got = validate.acceptance(rows)
+    assert [p["concurrency"] for p in got["points"]] == [64, 128, 256]
+    assert got["trend"] == pytest.approx(0.1) and got["trend_ok"]
+    assert got["all_within_25pct"] and got["all_inside_band"]
+    rows[2][f"tpot_ratio_{M}"] = 0.7  # 30 % off
+    rows[0]["inside_band"] = False
+    got = validate.acceptance(rows)
+    assert not got["all_within_25pct"] and not got["all_inside_band"]
+    assert [p["tpot_within_25pct"] for p in got["points"]] == [True, True, False]

@@ -1,0 +1,41 @@
+"""engine.cache: the caches' bytes per device, and the memory check (each accelerator alone, CPU devices
+together in host RAM)."""
+
+from qwen35_lib import get_config
+from qwen35_lib.engine import cache as cache_module
+from qwen35_lib.engine.cache import CacheShape, device_cache_bytes, memory_shortfall
+from qwen35_lib.plan import get_layout, make_mesh
+
+
+class FakeAccelerator:
+    platform, process_index = "gpu", 0
+
+    def __init__(self, i: int, limit: int, used: int):
+        self.id, self.stats = i, {"bytes_limit": limit, "bytes_in_use": used}
+
+    def memory_stats(self):
+        return self.stats
+
+    def __repr__(self):
+        return f"gpu:{self.id}"
+
+
+def test_accelerators_are_checked_each_on_its_own_and_cpu_devices_together(monkeypatch):
+    cfg, shape, gib = get_config("qwen3.5-tiny"), CacheShape(), 2**30
+    gpus = [FakeAccelerator(0, 16 * gib, 4 * gib), FakeAccelerator(1, 16 * gib, 7 * gib)]
+    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m, p=None: {g: 10 * gib for g in gpus})
+    assert memory_shortfall(cfg, shape) == "the caches need 10.00 GiB but 9.00 GiB is free (gpu memory of gpu:1)"
+    gpus[1].stats["bytes_in_use"] = 6 * gib
+    assert memory_shortfall(cfg, shape) is None  # 10 GiB on each of two devices with 12 and 10 free
+    cpus = make_mesh().devices.flat[:2]
+    monkeypatch.setattr(cache_module, "device_cache_bytes", lambda c, s, m, p=None: {d: 10 * gib for d in cpus})
+    monkeypatch.setattr(cache_module, "available_bytes", lambda d: (12 * gib, "host RAM, MemAvailable"))
+    assert memory_shortfall(cfg, shape) == "the caches need 20.00 GiB but 12.00 GiB is free (host RAM, MemAvailable)"
+
+
+def test_a_data_parallel_cache_counts_each_devices_shards():
+    cfg, mesh = get_config("qwen3.5-tiny"), make_mesh()
+    shape = CacheShape(ranks=8, num_pages=33, page_size=8, num_slots=5)
+    per_device = device_cache_bytes(cfg, shape, mesh, get_layout("dp8_ep8").bind(mesh, cfg))
+    (total,) = device_cache_bytes(cfg, shape).values()
+    assert len(per_device) == 8 and set(per_device.values()) == {total // 8}  # each device one rank's pools

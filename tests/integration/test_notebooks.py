@@ -1,0 +1,57 @@
+"""Every notebook's .ipynb twin is in sync and output-free, `pytest` executes each twin (nbmake), and its Colab
+links name the repository. The execution itself is nbmake's item `notebooks/NN_*.ipynb` (the root conftest.py
+sets its kernel's environment)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jupytext
+import nbformat
+import pytest
+
+from playbook import COLAB_URL, GITHUB_REPO
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def _ids(path: pathlib.Path) -> str:
+    return path.name
+
+
+def test_pytest_executes_every_notebook_once(pytestconfig: pytest.Config) -> None:
+    """`pytest` (so `make test`) collects each paired .ipynb exactly once for nbmake, with a per-cell timeout."""
+    assert pytestconfig.option.nbmake, "pytest runs the notebooks with nbmake: keep --nbmake in addopts"
+    assert pytestconfig.option.nbmake_timeout <= 300
+    collected = [p for pattern in pytestconfig.getini("testpaths") for p in sorted(ROOT.glob(pattern))]
+    ipynb = [p for p in collected if p.suffix == ".ipynb"]
+    assert ipynb == [p.with_suffix(".ipynb") for p in NOTEBOOKS], "testpaths must name notebooks/*.ipynb once"
+
+
+def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_ipynb_in_sync_and_without_outputs(path: pathlib.Path) -> None:
+    twin = path.with_suffix(".ipynb")
+    assert twin.exists(), f"{twin.name} is missing: run `jupytext --sync {path.relative_to(ROOT)}`"
+    ipynb = nbformat.read(twin, as_version=4)
+    assert _cells(jupytext.read(path)) == _cells(ipynb), \
+        f"{twin.name} differs from {path.name}: run `jupytext --sync {path.relative_to(ROOT)}`"
+    for cell in ipynb.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, f"{twin.name} has outputs: clear them"
+    assert ipynb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert "py:percent" in ipynb.metadata.get("jupytext", {}).get("formats", "")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_colab_badge_and_install_cell_name_the_repository(path: pathlib.Path) -> None:
+    text = path.read_text()
+    assert COLAB_URL.format(repo=GITHUB_REPO, name=path.stem) in text, "Colab badge missing or wrong"
+    assert re.search(rf'^REPO = os.environ.get\("QWEN35_REPO"\) or "{re.escape(GITHUB_REPO)}"$', text, re.M), \
+        "the install line must name the repository, $QWEN35_REPO overriding it"
+    assert not path.name.startswith("test_")

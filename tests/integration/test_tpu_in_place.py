@@ -1,0 +1,150 @@
+"""The kernels stage's engine step compiled for TPU7x-8 reads its weights and caches in place (issue 12, items 3
+and 4), at reduced size: Qwen3.5-397B's widths (hidden 4096, expert FFN 1024, its attention and GDN heads) with
+FP8 experts and a bf16 GDN state (the serving config), but 64 experts (8 a device) and a 4,096-token vocabulary,
+16 requests of 512 tokens in pages of 256 (2 a rank: the properties below do not depend on the count; libtpu
+compiled the 2-group step in 24 s at 16 requests, 40 s at 64), a decode step; each compile in `aot_subprocess`'s
+child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in VMEM, a regime the 397B step never sees.)
+
+- No weight copies: the layer loop holds no copy or fusion whose result is an expert weight (FP8 or bf16, with
+  the local experts, hidden and expert FFN dims): the Pallas grouped matmul reads the stacked FP8 weights whole,
+  the layer's (group, position) scalar-prefetched. The control, the step's MoE layers alone (routed and combined
+  over the 8 devices, the same Pallas grouped matmul) in a scan over the same 2 groups of stacks, with each layer's
+  slice handed to the kernel as the step did before `LayerOf`, must show such copies (24 of them): the check can
+  fail. (The whole step as the control compiled in about 40 s; this program in about 18 s.)
+- Depth: temporaries at 2 and 15 layer groups agree within 1%, with the weights placed as the step reads them
+  (`aot.mxu_format`: bf16 in 16 x 128 tiles, stacked input projections stored D second-minor; `aot.scale_format`:
+  the FP8 block scales in the grouped matmul's layout): 0.9408 / 0.9392 GB at 2 / 15 groups (libtpu 0.0.42.1, 16
+  requests; before the one-gather conv, 0.9447 / 0.9438 / 0.9434 GB at 2 / 3 / 15). How it got there, measured at 64
+  requests: in the default bf16 tiling (8 x 128) XLA relayouts the whole stacked output projections before the loop
+  (1.754 GB at 2 groups, 2.367 GB at 3); in 16 x 128 tiles with the declared dim order the loop copies each group's
+  slice of GDN w_v / w_z into D-second-minor order and the heap packs those copies differently at 2 groups (1.134
+  GB) than at 3 (1.439 GB) and 15 (1.457 GB); stored D second-minor, 0.967 GB at 2 and 3 groups but 0.986 GB at 15
+  (+1.9%: the FP8 scales' whole stacks relaid out before the loop, 1.5 MiB a group); with the scales placed too,
+  0.964 GB at 2 groups, 0.962 GB at 15. A scan of 1 group is unrolled, so 2 is the least depth that counts.
+- Donation: every cache byte is aliased from the step's input to its output.
+"""
+
+import pytest
+
+from tests import aot_subprocess
+
+pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(600)]  # the fixture: 3 compiles, one child process
+MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-397b-a17b", 16, 512, 256
+REDUCED = {"vocab_size": 4096, "num_experts": 64}
+DEPTHS = (2, 15)
+
+
+def _step(groups: int, layouts: str = "mxu") -> dict:
+    """The kernels stage's decode step at `groups` layer groups: memory, the loop's expert-weight copies."""
+    import dataclasses
+
+    import jax
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks, sweep
+    from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.plan import get_stage
+
+    moe_pallas.moe_pallas.reads_stacked = True  # what the kernels stage does (the control turns it off)
+    jax.clear_caches()  # the same config traced again: not from the trace cache
+    cfg = sweep.serving_config(MODEL, groups, **REDUCED)
+    mesh = aot.chip_core_mesh()
+    shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
+    plan = get_stage("kernels").bind(mesh, cfg)
+    c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
+                         page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts=layouts)
+    ma = c.memory_analysis()
+    resident = sweep.resident(cfg, plan, shape, mesh)
+    text = c.as_text()
+    copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
+    return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
+                cache=resident["kv_bytes"] + resident["gdn_state_bytes"], weights=resident["weight_bytes"],
+                copies=[(i.op, i.name, i.arrays) for i in copies], mosaic=_mosaic_slots(text))
+
+
+def _sliced_moe_loop() -> dict:
+    """The control: the kernels stage's MoE layers in a scan over 2 groups of stacked weights, each layer's slice
+    of the expert stacks handed to the Pallas kernel (`reads_stacked` off); the loop's expert-weight copies."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks, sweep
+    from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.model.moe import route, stacked_experts
+    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.parallel.routing import moe_ep
+    from qwen35_lib.plan import ALL, get_stage
+    from qwen35_lib.weights import abstract_weights
+
+    moe_pallas.moe_pallas.reads_stacked = False
+    jax.clear_caches()
+    mesh = aot.chip_core_mesh()
+    cfg = sweep.serving_config(MODEL, 2, **REDUCED)
+    plan = get_stage("kernels").bind(mesh, cfg)  # the TPU mesh: Pallas kernels lower for Mosaic
+    scanned, stacks = stacked_experts(cfg, abstract_weights(cfg, weight_shardings(cfg, plan, mesh))["layers"], plan)
+    assert not stacks  # the expert weights stay in the scanned tree: sliced per layer
+    x = jax.ShapeDtypeStruct((REQUESTS, cfg.hidden_size), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, PartitionSpec(ALL)))  # one decode token a request
+
+    def loop(moe, x):  # moe: leaves [G, P, ...]
+        def group(x, w):  # w: leaves [P, ...]
+            for p in range(len(cfg.layer_pattern)):
+                x = x + moe_ep(cfg, jax.tree.map(lambda a, p=p: a[p], w), x, route, plan)[0]
+            return x, None
+        return jax.lax.scan(group, x, moe)[0]
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(loop).lower(scanned["moe"], x).compile().as_text()
+    copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
+    return dict(copies=[(i.op, i.name, i.arrays) for i in copies])
+
+
+def _mosaic_slots(text: str) -> list[str]:
+    """The model slots (attention, gdn, moe) whose ops include a Mosaic kernel (a `tpu_custom_call`)."""
+    import re
+
+    calls = [ln for ln in text.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    return sorted({m.group(1) for ln in calls if (m := re.search(r'op_name="[^"]*?/(attention|gdn|moe)/', ln))})
+
+
+@pytest.fixture(scope="module")
+def tpu7x():
+    """The two depths and the control in one child (about 100 s of an idle machine in all, under the 600 s
+    timeout of the first test's setup)."""
+    return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)},
+                              timeout=570)
+
+
+@pytest.fixture(scope="module")
+def sliced(tpu7x):
+    return tpu7x["sliced"]
+
+
+def test_the_control_with_scanned_expert_weights_copies_them(sliced):
+    # the scan's slice of each FP8 stack goes to the custom call: XLA copies it every layer (and relays out the
+    # whole stack); the check finds them, so it can fail
+    assert len(sliced["copies"]) >= 2 * 4, sliced["copies"]  # >= gate_up + down per layer
+
+
+def test_every_pallas_kernel_of_the_stage_is_a_mosaic_custom_call(tpu7x):
+    # the kernels stage on TPU: Pallas attention (its KV write), GDN and MoE, each lowered by Mosaic
+    assert tpu7x["2 groups"]["mosaic"] == ["attention", "gdn", "moe"]
+
+
+def test_no_expert_weight_copies_in_the_layer_loop(tpu7x):
+    assert tpu7x["2 groups"]["copies"] == []
+
+
+def test_temporaries_do_not_grow_with_depth(tpu7x):
+    temp = {g: tpu7x[f"{g} groups"]["temp"] for g in DEPTHS}
+    for g in DEPTHS[1:]:
+        assert abs(temp[g] - temp[2]) <= 0.01 * temp[2], temp
+
+
+def test_the_caches_are_donated_and_updated_in_place(tpu7x):
+    for g in DEPTHS:
+        s = tpu7x[f"{g} groups"]
+        assert s["alias"] >= s["cache"] > 0, s  # every cache buffer is the output's buffer too
+        assert s["argument"] >= s["weights"] + s["cache"]

@@ -1,0 +1,91 @@
+"""The XLA attention twin against a NumPy re-statement of causal GQA softmax attention; the page write's lane layout
+and FP8 scales; paged attention over shuffled pages against the dense twin."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_lib.kernels.attention_xla import attention_xla, paged_attention_xla, write_kv_pages
+from qwen35_lib.weights import FP8_MAX
+
+RNG = np.random.default_rng(0)
+B, T, HQ, HKV, D = 2, 7, 4, 2, 8
+
+
+def _numpy_attention(q, k, v, lengths):
+    """Query head h of row b at t: softmax over keys s <= t, s < lengths[b], of KV head h // (HQ // HKV)."""
+    o = np.zeros_like(q)
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            for h in range(q.shape[2]):
+                kh = h // (q.shape[2] // k.shape[2])
+                keys = np.arange(q.shape[1])
+                keys = keys[(keys <= t) & (keys < lengths[b])]
+                s = k[b, keys, kh] @ q[b, t, h] / np.sqrt(q.shape[3])
+                p = np.exp(s - s.max())
+                o[b, t, h] = (p / p.sum()) @ v[b, keys, kh]
+    return o
+
+
+@pytest.fixture(scope="module")
+def qkv():
+    return [RNG.standard_normal(s).astype(np.float32) for s in ((B, T, HQ, D), (B, T, HKV, D), (B, T, HKV, D))]
+
+
+def test_dense_attention_is_causal_gqa_softmax(qkv):
+    q, k, v = qkv
+    lengths = np.array([7, 4])
+    got = np.asarray(jax.jit(attention_xla)(q, k, v, jnp.asarray(lengths)))
+    np.testing.assert_allclose(got, _numpy_attention(q, k, v, lengths), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:, 0], np.repeat(v[:, 0], HQ // HKV, axis=1), rtol=1e-6)  # one key: its value
+
+
+def test_write_puts_k_then_v_of_each_head_in_the_tokens_page_lanes(qkv):
+    _, k, v = qkv
+    k, v = k[0, :3], v[0, :3]  # 3 tokens
+    page, offset = jnp.array([2, 2, 0]), jnp.array([1, 3, 0])  # the last one padding: the null page
+    pages, scales = write_kv_pages(jnp.zeros((3, 4, 2 * HKV * D)), None, k, v, page, offset)
+    pages = np.asarray(pages)
+    assert scales is None
+    for t, (p, o) in enumerate([(2, 1), (2, 3)]):
+        for h in range(HKV):
+            np.testing.assert_array_equal(pages[p, o, 2 * h * D:(2 * h + 1) * D], k[t, h])
+            np.testing.assert_array_equal(pages[p, o, (2 * h + 1) * D:(2 * h + 2) * D], v[t, h])
+    untouched = np.ones(pages.shape[:2], bool)
+    untouched[[2, 2, 0], [1, 3, 0]] = False
+    assert not pages[untouched].any()
+
+
+def test_fp8_write_scales_each_token_and_head_to_the_full_range(qkv):
+    _, k, v = qkv
+    k, v = k[0, :2], v[0, :2]
+    pages, scales = write_kv_pages(jnp.zeros((2, 4, 2 * HKV * D), jnp.float8_e4m3fn), jnp.zeros((2, 2 * HKV, 4)),
+                                   k, v, jnp.array([1, 1]), jnp.array([0, 2]))
+    scales = np.asarray(scales)
+    kv = np.stack([k, v], axis=2).reshape(2, 2 * HKV, D)  # rows 2h (K) and 2h + 1 (V)
+    np.testing.assert_allclose(scales[1, :, [0, 2]], np.abs(kv).max(-1) / FP8_MAX, rtol=1e-6)
+    back = np.asarray(pages[1, [0, 2]].astype(jnp.float32)).reshape(2, 2 * HKV, D) * scales[1, :, [0, 2]][..., None]
+    np.testing.assert_allclose(back, kv, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
+    assert np.abs(np.asarray(pages[1, [0, 2]].astype(jnp.float32))).max() == FP8_MAX  # each row reaches 448
+
+
+def test_paged_attention_over_shuffled_pages_is_the_dense_attention(qkv):
+    """Two sequences (lengths 7 and 4) in pages of 3 at scattered page ids; every token as a query."""
+    q, k, v = qkv
+    lengths, ps = [7, 4], 3
+    page_table = jnp.array([[5, 1, 3], [2, 4, 0]])
+    tokens = [(b, t) for b in range(B) for t in range(lengths[b])]
+    seq, pos = np.array([b for b, _ in tokens]), np.array([t for _, t in tokens])
+    page = np.asarray(page_table)[seq, pos // ps]
+
+    @jax.jit
+    def paged(q, k, v):
+        kv, _ = write_kv_pages(jnp.zeros((6, ps, 2 * HKV * D)), None, k, v, page, pos % ps)
+        return paged_attention_xla(q, kv, None, page_table, seq, pos)
+
+    got = paged(q[seq, pos], k[seq, pos], v[seq, pos])
+    want = _numpy_attention(q, k, v, np.array(lengths))[seq, pos]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

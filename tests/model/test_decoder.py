@@ -1,0 +1,88 @@
+"""forward: padding, batching, input validation, the layer scan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_lib import forward, get_config, init_weights
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = get_config("qwen3.5-tiny", dtype="float32")
+    return cfg, init_weights(cfg, 0)
+
+
+def test_padded_rows_match_rows_alone(tiny):
+    cfg, w = tiny
+    rng = np.random.default_rng(0)
+    lengths = [70, 1, 33]
+    ids = rng.integers(0, cfg.vocab_size, (3, 70))
+    batched = np.asarray(forward(cfg, w, ids, lengths))
+    for b, n in enumerate(lengths):
+        alone = np.asarray(forward(cfg, w, ids[b : b + 1, :n]))[0]
+        np.testing.assert_allclose(batched[b, :n], alone, atol=2e-6)  # float32, same math, other shapes
+    assert np.isfinite(batched).all()
+
+
+def test_causal_prefix_logits_do_not_depend_on_later_tokens(tiny):
+    cfg, w = tiny
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 80))
+    other = ids.copy()
+    other[0, 50:] = (other[0, 50:] + 1) % cfg.vocab_size
+    a, b = np.asarray(forward(cfg, w, ids)), np.asarray(forward(cfg, w, other))
+    np.testing.assert_allclose(a[0, :50], b[0, :50], atol=1e-6)
+    assert np.abs(a[0, 50:] - b[0, 50:]).max() > 1e-3
+
+
+def test_layers_run_as_one_scan(tiny):
+    # The decoder is a scan over layer groups: the lowered program has one loop, not one copy per layer.
+    cfg, w = tiny
+    from qwen35_lib.model.decoder import forward_prepared
+    from qwen35_lib.model.parallelism import LOCAL
+
+    deep = cfg.replace(num_layers=12)
+    wd = jax.eval_shape(lambda: init_weights(deep, 0))
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    text = forward_prepared.lower(deep, LOCAL, wd, ids, jax.ShapeDtypeStruct((1,), jnp.int32)).as_text()
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    shallow = forward_prepared.lower(cfg, LOCAL, jax.eval_shape(lambda: w), ids, lengths).as_text()
+    assert text.count("stablehlo.while") == shallow.count("stablehlo.while") >= 1
+    assert abs(len(text) - len(shallow)) < 0.05 * len(shallow)
+
+
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        (np.array([[1.0, 2.0]]), TypeError, "integer array"),
+        (np.array([1, 2, 3]), ValueError, r"\[batch, seq\].*token_ids\[None\]"),
+        (np.array([[1, 256]]), ValueError, r"token id 256 is outside the vocabulary \[0, 256\)"),
+        (np.array([[-1, 2]]), ValueError, "token id -1 is outside"),
+        (np.zeros((1, 0), np.int32), ValueError, "no tokens"),
+    ],
+)
+def test_bad_token_ids_are_named(tiny, ids, error, match):
+    cfg, w = tiny
+    with pytest.raises(error, match=match):
+        forward(cfg, w, ids)
+
+
+def test_bad_lengths_and_weights_are_named(tiny):
+    cfg, w = tiny
+    ids = np.ones((2, 5), np.int32)
+    with pytest.raises(ValueError, match=r"each length must be in \[1, 5\]"):
+        forward(cfg, w, ids, [5, 6])
+    with pytest.raises(ValueError, match="lengths must be 2 integers"):
+        forward(cfg, w, ids, [5])
+    with pytest.raises(ValueError, match=r"\['embed'\] is float32\[256, 64\] but config .* declares float32\[512"):
+        forward(cfg.replace(vocab_size=512), w, ids)
+    with pytest.raises(ValueError, match="missing .*lm_head"):
+        forward(cfg, {k: v for k, v in w.items() if k != "lm_head"}, ids)
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        get_config("qwen3.5-tiny", num_q_heads=3)
+    with pytest.raises(ValueError, match="unknown model 'qwen9'"):
+        get_config("qwen9")

@@ -1,0 +1,105 @@
+"""The Gated DeltaNet layer of qwen3.5-tiny: the causal conv against NumPy, a row split in two steps giving the
+one-step outputs (conv history and state carried), right padding leaving the state alone, and the ragged layer
+(flat tokens, slot pools) giving the dense layer's outputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_lib.engine.batch import SeqWork, pack
+from qwen35_lib.model.deltanet import causal_conv, gdn_block, gdn_ragged_block, ragged_conv
+from qwen35_lib.model.parallelism import LOCAL
+
+RNG = np.random.default_rng(0)
+
+
+def _silu(y):
+    return y / (1 + np.exp(-y))
+
+
+def test_causal_conv_is_numpys_and_continues_from_its_history():
+    K, T = 4, 6
+    x = RNG.standard_normal((2, T, 3, 5)).astype(np.float32)
+    taps = RNG.standard_normal((K, 3, 5)).astype(np.float32)
+    hist = RNG.standard_normal((2, K - 1, 3, 5)).astype(np.float32)
+    y, new = causal_conv(x, taps, hist)
+    xp = np.concatenate([hist, x], axis=1)
+    want = _silu(sum(xp[:, j:j + T] * taps[j] for j in range(K)))  # taps[K-1] on the token itself
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(new, x[:, -(K - 1):])
+    y1, h1 = causal_conv(x[:, :2], taps, hist)  # 2 tokens, then the other 4 from the history they leave
+    y2, _ = causal_conv(x[:, 2:], taps, h1)
+    np.testing.assert_allclose(np.concatenate([y1, y2], axis=1), y, rtol=1e-6, atol=1e-7)
+
+
+def test_ragged_conv_gives_each_sequence_the_dense_conv():
+    """Sequence 0 decodes one token after 3 earlier ones (history in slot 2); sequence 1 is a fresh 5-token
+    prompt in slot 1, whose slot holds stale inputs that must not be read."""
+    K, H, d = 4, 2, 3
+    taps = RNG.standard_normal((K, H, d)).astype(np.float32)
+    a = RNG.standard_normal((4, H, d)).astype(np.float32)  # sequence 0's 4 inputs
+    b = RNG.standard_normal((5, H, d)).astype(np.float32)
+    _, meta = pack([SeqWork([0], 3, [1], 2)], [SeqWork([0] * 5, 0, [2], 1)], D=2, T=10, S=2, max_pages=1, chunk=8)
+    x = np.zeros((10, H, d), np.float32)
+    x[0], x[2:7] = a[3], b
+    hist = np.zeros((3, K - 1, H, d), np.float32)
+    hist[2], hist[1] = a[:3], 9.0
+    y, new = jax.jit(ragged_conv)(jnp.asarray(x), taps, jnp.asarray(hist), jax.tree.map(jnp.asarray, meta))
+    zeros = np.zeros((1, K - 1, H, d), np.float32)
+    want_a, _ = causal_conv(a[None], taps, zeros)
+    want_b, _ = causal_conv(b[None], taps, zeros)
+    np.testing.assert_allclose(y[0], want_a[0, 3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[2:7], want_b[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(new[2], a[1:])  # each slot keeps its sequence's last K - 1 inputs
+    np.testing.assert_array_equal(new[1], b[2:])
+
+
+@pytest.fixture(scope="module")
+def layer(tiny):
+    cfg, w = tiny
+    cfg = cfg.replace(gdn_chunk_size=8)
+    gw = jax.tree.map(lambda a: a[0, 0], w["layers"]["gdn"])
+    x = RNG.standard_normal((2, 7, cfg.hidden_size)).astype(np.float32)
+    block = jax.jit(lambda x, valid, hist, state: gdn_block(cfg, gw, x, valid, hist, state))
+    return cfg, gw, x, block
+
+
+def test_two_steps_are_one_and_padding_leaves_the_state(layer):
+    cfg, _, x, block = layer
+    full, hist, state = block(x, jnp.ones((2, 7), bool), None, None)
+    o1, h1, s1 = block(x[:, :4], jnp.ones((2, 4), bool), None, None)
+    o2, h2, s2 = block(x[:, 4:], jnp.ones((2, 3), bool), h1, s1)
+    np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), full, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(s2, state, rtol=1e-4, atol=1e-6)
+    assert state.dtype == jnp.float32 and state.shape == (2, 4, 16, 24)
+    # row 0 padded after 4 tokens (junk there): its first 4 outputs and its state are the 4-token step's
+    xp = x.copy()
+    xp[0, 4:] = 5.0
+    valid = jnp.asarray(np.arange(7)[None] < np.array([[4], [7]]))
+    padded, _, sp = block(xp, valid, None, None)
+    np.testing.assert_allclose(padded[0, :4], o1[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(sp[0], s1[0], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sp[1], state[1], rtol=1e-4, atol=1e-6)
+
+
+def test_ragged_layer_is_the_dense_layer(layer):
+    """Row 0 decodes its 5th token from slot 2 (conv history and state from the 4-token dense step); row 1's 7
+    tokens are a fresh prefill in slot 1; one rank, chunks of 8."""
+    cfg, gw, x, block = layer
+    full, _, state = block(x, jnp.ones((2, 7), bool), None, None)
+    _, h4, s4 = block(x[:, :4], jnp.ones((2, 4), bool), None, None)
+    _, meta = pack([SeqWork([0], 4, [1], 2)], [SeqWork([0] * 7, 0, [2], 1)], D=2, T=10, S=2, max_pages=1, chunk=8)
+    xr = np.zeros((1, 10, cfg.hidden_size), np.float32)
+    xr[0, 0], xr[0, 2:9] = x[0, 4], x[1]
+    cache = {f"conv_{n}": jnp.zeros((1, 3, *h4[n].shape[1:])).at[0, 2].set(h4[n][0]) for n in "qkv"}
+    cache["state"] = jnp.zeros((1, 3, *s4.shape[1:])).at[0, 2].set(s4[0])
+    meta = jax.tree.map(lambda a: jnp.asarray(a)[None], meta)
+    out, new = jax.jit(lambda x, cache: gdn_ragged_block(cfg, gw, x, meta, cache, LOCAL))(jnp.asarray(xr), cache)
+    np.testing.assert_allclose(out[0, 0], full[0, 4], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out[0, 2:9], full[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(new["state"][0, 1], state[1], rtol=1e-4, atol=1e-6)
+    _, _, s5 = block(x, jnp.asarray(np.arange(7) < 5)[None].repeat(2, 0), None, None)  # rows padded after 5
+    np.testing.assert_allclose(new["state"][0, 2], s5[0], rtol=1e-4, atol=1e-6)

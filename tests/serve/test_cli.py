@@ -1,0 +1,92 @@
+"""`serve`'s command line: its options and defaults, the checks made before any weight is loaded, the socket bound
+(or refused in one line) before uvicorn starts, the step shapes warmed up, and `run` wiring the engine, loop and
+app together for a random preset (uvicorn's server stubbed: the HTTP side is tests/serve/test_app.py's)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import types
+
+import pytest
+
+from qwen35_lib import cli_generate
+from qwen35_lib.serve import cli
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers())
+    return p.parse_args(["serve", *argv])
+
+
+def test_options_and_defaults():
+    a = _parse([])
+    assert (a.host, a.port, a.warmup, a.layout, a.max_num_seqs, a.max_model_len) == ("127.0.0.1", 8000, "all",
+                                                                                     "single", 8, 1024)
+    assert a.max_prompt_chars is None and a.max_request_bytes == 16 << 20 and a.run is cli.run
+    assert not a.ignore_unknown_fields and not a.trust_request_chat_template
+    with pytest.raises(SystemExit):
+        _parse(["--port", "70000"])
+
+
+def test_longest_token_and_every_step_shape():
+    vocab = {"a": 0, "hello": 1, "<|im_end|>": 2}
+    text = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda with_added_tokens: vocab))
+    assert cli.longest_token_chars(text) == len("<|im_end|>")
+    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64])
+    assert cli.all_buckets(engine) == [(1, 1), (1, 65), (4, 4), (4, 68)]
+
+
+def test_the_socket_is_bound_or_refused_in_one_line():
+    sock = cli._bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert port > 0
+        sock.listen()
+        with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port} \(.*\); pick another --port"):
+            cli._bind("127.0.0.1", port)  # in use
+    finally:
+        sock.close()
+    with pytest.raises(ValueError, match=r"cannot listen on 127.0.0.1:99999"):
+        cli._bind("127.0.0.1", 99999)
+
+
+@pytest.mark.parametrize("argv, error, message", [
+    (["--checkpoint", "x", "--model", "qwen3.5-tiny"], ValueError, "--checkpoint and --model are exclusive"),
+    (["--tokenizer", "/nonexistent"], FileNotFoundError, "--tokenizer /nonexistent has no tokenizer.json"),
+    (["--fp8", "keep"], ValueError, "--fp8 keep keeps an FP8 checkpoint's experts in FP8: give an FP8 --checkpoint"),
+    (["--layout", "tp8"], ValueError, "2 KV heads cannot be split over 8 devices"),
+    (["--host", "256.1.1.1"], ValueError, r"cannot listen on 256\.1\.1\.1:8000 \(.*\); pick another --port"),
+])
+def test_bad_input_fails_before_any_weight_is_loaded(monkeypatch, argv, error, message):
+    monkeypatch.setattr(cli_generate, "load", lambda *a, **k: pytest.fail("weights loaded before the checks"))
+    with pytest.raises(error, match=message):
+        cli.run(_parse(argv))
+
+
+def test_run_serves_a_random_preset(monkeypatch, capsys):
+    served = {}
+
+    class FakeServer:
+        def __init__(self, config):
+            served["app"], served["log_level"] = config.app, config.log_level
+
+        def run(self, sockets):
+            (sock,) = sockets
+            served["port"] = sock.getsockname()[1]
+            served["routes"] = {r.path for r in served["app"].routes}
+
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    assert cli.run(_parse(["--port", "0", "--warmup", "none", "--max-model-len", "64", "--served-model-name",
+                           "tiny"])) == 0
+    err = capsys.readouterr().err
+    assert "# random weights for qwen3.5-tiny" in err
+    assert f"# serving tiny on http://127.0.0.1:{served['port']} (layout single, 1 rank(s) of max_num_seqs=8; no " \
+           "tokenizer: token-id prompts only; 0 step shapes to compile" in err
+    assert {"/v1/completions", "/v1/chat/completions", "/health", "/v1/models"} <= served["routes"]
+    assert served["log_level"] == "warning"
+    with pytest.raises(OSError):  # the socket is closed once the server returns
+        socket.socket().connect(("127.0.0.1", served["port"]))

@@ -1,0 +1,283 @@
+"""Every request field is honoured (the output changes as its reference says) or refused with a 400 naming it.
+
+Token-level fields are checked against `reference_decode` (full forwards, the NumPy reference processing, argmax:
+`test_sampling_processing`), text-level ones against the tokenizer and template directly. The last test checks
+that every field the protocol knows is exercised here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from qwen35_lib.engine import SamplingParams  # noqa: E402
+from qwen35_lib.serve import protocol  # noqa: E402
+from qwen35_lib.text import render_chat  # noqa: E402
+from tests import serve_support  # noqa: E402
+from tests.engine.test_sampling import reference_decode  # noqa: E402
+from tests.serve_support import MODEL  # noqa: E402
+
+PROMPT = [40, 41, 42, 43, 44, 45, 46]
+N = 8
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    limits = protocol.Limits(max_model_len=serve_support.EC.max_model_len, trust_request_chat_template=True)
+    with serve_support.running(tmp_path_factory.mktemp("tok"), limits) as s:
+        yield s
+
+
+def post(server, body: dict, chat: bool = False) -> httpx.Response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return httpx.post(server.url + path, json={"model": MODEL} | body, timeout=120)
+
+
+def ids_of(server, body: dict, chat: bool = False) -> list[int]:
+    r = post(server, body, chat)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+# --- token-level fields: the engine's sampler against the reference decode ----------------------------------------
+TOKEN_FIELDS = [
+    ({"repetition_penalty": 0.2}, SamplingParams(repetition_penalty=0.2)),
+    ({"presence_penalty": -2.0}, SamplingParams(presence_penalty=-2.0)),
+    ({"frequency_penalty": -2.0}, SamplingParams(frequency_penalty=-2.0)),
+    ({"logit_bias": {"7": 100}}, SamplingParams(logit_bias={7: 100.0})),
+    ({"allowed_token_ids": [5, 9, 200]}, SamplingParams(allowed_token_ids=[5, 9, 200])),
+]
+
+
+def test_token_level_fields_follow_the_reference(server):
+    base = ids_of(server, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    cases = TOKEN_FIELDS + [
+        ({"bad_words": [server.text.decode([base[0]])]}, SamplingParams(bad_words_ids=[[base[0]]])),
+        ({"min_tokens": 4, "stop_token_ids": [base[0]]}, SamplingParams(min_tokens=4, stop_token_ids=[base[0]])),
+    ]
+    for body, p in cases:
+        got = ids_of(server, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True} | body)
+        ignore = p.stop_token_ids is None
+        ref = reference_decode(server.config, server.weights, PROMPT,
+                               SamplingParams(**{**_fields(p), "max_new_tokens": N, "ignore_eos": ignore}), N)
+        assert got == ref, body
+        assert got != base, f"{body} did not change the output"
+    # stop_token_ids without min_tokens: the first token stops it at once
+    assert ids_of(server, {"prompt": PROMPT, "max_tokens": N, "temperature": 0, "stop_token_ids": [base[0]]}) == \
+        [base[0]]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {f: getattr(p, f) for f in p.__dataclass_fields__}
+
+
+def test_min_p_one_keeps_only_the_argmax(server):
+    body = {"prompt": PROMPT, "max_tokens": N, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+    greedy = ids_of(server, body | {"temperature": 0})
+    sampled = ids_of(server, body)
+    assert sampled != greedy  # temperature 1 on a random model: the draw leaves the argmax
+    assert ids_of(server, body | {"min_p": 1.0}) == greedy
+    assert ids_of(server, body | {"top_k": 1}) == greedy and ids_of(server, body | {"top_p": 1e-6}) == greedy
+
+
+# --- text-level fields --------------------------------------------------------------------------------------------
+def test_stop_strings_and_include_stop_str_in_output(server):
+    letters = server.text.encode("abcdefgh")  # one token each: an ASCII text, so characters are whole tokens
+    body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "allowed_token_ids": letters}
+    full = post(server, body).json()["choices"][0]
+    text = full["text"]
+    i = next(i for i in range(3, len(text) - 2) if text.find(text[i:i + 2]) == i)
+    stop = text[i:i + 2]
+    cut = post(server, body | {"stop": stop}).json()["choices"][0]
+    assert cut["text"] == text[:i] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    kept = post(server, body | {"stop": [stop, "\x00never"], "include_stop_str_in_output": True}).json()["choices"][0]
+    assert kept["text"] == text[:i + 2] and len(kept["token_ids"]) < len(full["token_ids"])
+    # streamed: the same text, cut at the same place
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "stream": True, "stop": stop} | body) as r:
+        pieces = [protocol_json(line) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in pieces) == text[:i]
+    assert pieces[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def protocol_json(line: str) -> dict:
+    import json
+
+    return json.loads(line[len("data: "):])
+
+
+def test_skip_special_tokens(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {"254": 100}}
+    skipped = post(server, body).json()["choices"][0]
+    kept = post(server, body | {"skip_special_tokens": False}).json()["choices"][0]
+    assert skipped["token_ids"] == kept["token_ids"] == [254] * 3
+    assert skipped["text"] == "" and kept["text"] == "<|im_start|>" * 3
+
+
+def test_truncate_prompt_tokens_and_add_special_tokens(server):
+    long = list(range(60, 100))
+    r = post(server, {"prompt": long, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                      "truncate_prompt_tokens": 6}).json()
+    assert r["usage"]["prompt_tokens"] == 6 and r["choices"][0]["token_ids"] == server.alone(long[-6:], 4)
+    r = post(server, {"prompt": "hi", "max_tokens": 1, "temperature": 0, "add_special_tokens": False}).json()
+    assert r["usage"]["prompt_tokens"] == len(server.text.encode("hi"))  # this tokenizer adds none either way
+
+
+MESSAGES = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "Hel"}]
+
+
+def test_chat_template_options(server):
+    text = server.text
+    base = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    def prompt_tokens(body):
+        r = post(server, base | body, chat=True)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["token_ids"]
+
+    def encode(s):
+        return list(text.tokenizer.encode(s, add_special_tokens=False).ids)
+
+    user = MESSAGES[:1]
+    with_gen = encode(text.apply_chat_template(user))
+    without = encode(text.apply_chat_template(user, add_generation_prompt=False))
+    assert prompt_tokens({"messages": user}) == (len(with_gen), server.alone(with_gen, 3))
+    assert prompt_tokens({"messages": user, "add_generation_prompt": False}) == (len(without),
+                                                                                 server.alone(without, 3))
+    rendered = text.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    cont = encode(rendered[:rendered.rindex("Hel") + 3])
+    assert prompt_tokens({"messages": MESSAGES, "continue_final_message": True,
+                          "add_generation_prompt": False}) == (len(cont), server.alone(cont, 3))
+    tpl = "{{ greeting }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    for kwargs in ({"greeting": "Bonjour! "}, {"greeting": ""}):
+        want = encode(render_chat(tpl, user, True, **kwargs))
+        assert prompt_tokens({"messages": user, "chat_template": tpl, "chat_template_kwargs": kwargs})[0] == len(want)
+    # enable_thinking reaches the template as a variable (Qwen3.5's template reads it)
+    think = "{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}"
+    on = prompt_tokens({"messages": user, "chat_template": think, "chat_template_kwargs": {"enable_thinking": True}})
+    off = prompt_tokens({"messages": user, "chat_template": think, "chat_template_kwargs": {"enable_thinking": False}})
+    assert on[0] == off[0] + len(encode("<think>"))
+    r = post(server, base | {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+             chat=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_request_id_and_no_effect_fields(server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    plain = post(server, body).json()
+    labelled = post(server, body | {"request_id": "abc", "user": "u1", "metadata": {"k": "v"}, "store": False,
+                                    "service_tier": "auto", "cache_salt": "s", "return_token_ids": True,
+                                    "spaces_between_special_tokens": True}).json()
+    assert labelled["id"] == "cmpl-abc" and labelled["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    chat = post(server, {"messages": MESSAGES[:1], "max_tokens": 1, "parallel_tool_calls": True,
+                         "include_reasoning": True, "max_completion_tokens": 1, "top_logprobs": None,
+                         "logprobs": False, "echo": False, "n": 1, "best_of": 1, "stream": False,
+                         "stream_options": None, "top_k": -1}, chat=True)
+    assert chat.status_code == 200, chat.text
+
+
+# --- refusals -----------------------------------------------------------------------------------------------------
+REFUSALS = [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+    ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " "), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
+    ("length_penalty", 0.5), ("logits_processors", ["x"]), ("documents", [{"text": "d"}]), ("suffix", "end"),
+    ("prompt_logprobs", 1), ("priority", 1), ("return_tokens_as_token_ids", True), ("reasoning_effort", "low"),
+    ("modalities", ["audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
+    ("web_search_options", {}), ("mm_processor_kwargs", {"a": 1}), ("prompt_embeds", "AAAA"),
+    ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("logprobs", 2), ("echo", True), ("n", 2), ("best_of", 3), ("top_logprobs", 2),
+    ("no_such_field", 1),
+]
+
+
+@pytest.mark.parametrize("field, value", REFUSALS)
+def test_unsupported_fields_are_refused_naming_them(server, field, value):
+    for chat in (False, True):
+        body = {"messages": MESSAGES[:1]} if chat else {"prompt": PROMPT}
+        r = post(server, body | {"max_tokens": 1, field: value}, chat)
+        assert r.status_code == 400, (field, chat, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and f"`{field}`" in err["message"], err
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    body = {"prompt": PROMPT, "max_tokens": 1, "tools": None, "response_format": {"type": "text"},
+            "use_beam_search": False, "priority": 0, "suffix": None, "logits_processors": None, "documents": None}
+    assert post(server, body).status_code == 200
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 0}, "n"), ({"n": -3}, "n"), ({"min_p": 2}, "min_p"), ({"presence_penalty": 5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": 50, "max_tokens": 4}, "min_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"999": 1}}, "logit_bias"), ({"allowed_token_ids": []},
+                                                                                         "allowed_token_ids"),
+    ({"bad_words": [3]}, "bad_words"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**6}, "max_tokens"), ({"stop": [3]}, "stop"), ({"include_stop_str_in_output": 1},
+                                                                     "include_stop_str_in_output"),
+])
+def test_range_errors_name_their_field(server, body, param):
+    r = post(server, {"prompt": PROMPT} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_unknown_fields_can_be_ignored_by_the_server_switch(server):
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1, "frobnicate": True}
+    strict = protocol.Limits(max_model_len=128)
+    with pytest.raises(protocol.APIError, match="--ignore-unknown-fields") as e:
+        protocol.parse(body, server.text, False, strict)
+    assert e.value.param == "frobnicate"
+    lenient = protocol.Limits(max_model_len=128, ignore_unknown_fields=True)
+    assert protocol.parse(body, server.text, False, lenient).prompts == [[1, 2]]
+    chat = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages[0].content }}"}
+    with pytest.raises(protocol.APIError, match="--trust-request-chat-template") as e:
+        protocol.parse(chat, server.text, True, strict)
+    assert e.value.param == "chat_template"
+
+
+def test_the_field_readers_the_app_shares():
+    """`get` reads a field of the kinds asked (null or absent: the default), `is_int` refuses bools, `chars_ok`
+    bounds a text before tokenizing, `encode` tokenizes one text (the tokenizer's failure is the input's 400)."""
+    import types
+
+    body = {"n": 3, "flag": True, "none": None}
+    assert protocol.get(body, "n", (int,)) == 3 and protocol.get(body, "none", (str,), "d") == "d"
+    assert protocol.get(body, "absent", (int,), 7) == 7 and protocol.get(body, "flag", (bool,)) is True
+    with pytest.raises(protocol.APIError, match="`flag` must be int, got a boolean") as e:
+        protocol.get(body, "flag", (int,))
+    assert e.value.param == "flag"
+    with pytest.raises(protocol.APIError, match="`n` must be str or list, got int"):
+        protocol.get(body, "n", (str, list))
+    assert protocol.is_int(0) and not protocol.is_int(True) and not protocol.is_int(3.0)
+    limits = protocol.Limits(max_model_len=8, max_prompt_chars=5)
+    protocol.chars_ok(5, limits, "prompt")
+    with pytest.raises(protocol.APIError, match="`messages` holds 6 characters, more than --max-prompt-chars 5"):
+        protocol.chars_ok(6, limits, "messages")
+    tok = types.SimpleNamespace(encode_batch=lambda texts, add_special_tokens: [
+        types.SimpleNamespace(ids=[len(t), int(add_special_tokens)]) for t in texts])
+    assert protocol.encode(types.SimpleNamespace(tokenizer=tok), "abc", True) == [3, 1]
+
+    def broken(texts, add_special_tokens):
+        raise RuntimeError("bad input")
+
+    with pytest.raises(protocol.APIError, match="could not encode the prompt: RuntimeError: bad input"):
+        protocol.encode(types.SimpleNamespace(tokenizer=types.SimpleNamespace(encode_batch=broken)), "x", False)
+
+
+def test_every_known_field_is_exercised():
+    """No field is accepted without a test in this module sending it (honoured, neutral-only, or refused): every
+    field the protocol knows is named, quoted, in this file."""
+    import pathlib
+    import re
+
+    named = set(re.findall(r'"(\w+)"', pathlib.Path(__file__).read_text()))
+    known = protocol.CHAT | protocol.COMPLETION | protocol.NO_EFFECT | set(protocol.REFUSED)
+    assert known - named == set()

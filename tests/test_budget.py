@@ -1,0 +1,38 @@
+"""qwen35_lib.budget: the HBM budget's fit boundary, and its weight bytes per device against the TPU7x compile's."""
+
+from __future__ import annotations
+
+import pytest
+
+from qwen35_lib import budget
+from qwen35_lib.config import get_config
+from tests import aot_subprocess
+
+
+def test_max_concurrency_is_the_fit_boundary():
+    fp8 = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn", gdn_state_dtype="bfloat16")
+    n = budget.hbm_budget(fp8, "tpu7x-8", 1, 8192).max_concurrency
+    assert budget.hbm_budget(fp8, "tpu7x-8", n, 8192).fits
+    assert not budget.hbm_budget(fp8, "tpu7x-8", n + 1, 8192).fits
+
+
+def _compiled_weight_bytes(placement: str, expert_dtype: str | None) -> dict:  # in aot_subprocess's child
+    import dataclasses
+
+    config = get_config("qwen3.5-397b-a17b", expert_dtype=expert_dtype)
+    return dataclasses.asdict(budget.compiled_weight_bytes(config, placement))
+
+
+@pytest.mark.tpu_compile
+def test_compiled_weight_bytes_match_the_budget():
+    """XLA, compiling for tpu7x:2x2x1, puts as many weight bytes on each device as the budget predicts."""
+    fp8 = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
+    jobs = {p: (_compiled_weight_bytes, p, "float8_e4m3fn") for p in budget.PLACEMENTS}
+    compiled = aot_subprocess.run(jobs | {"refused": (_compiled_weight_bytes, "experts_sharded", None)})
+    for placement in budget.PLACEMENTS:
+        r = compiled[placement]
+        assert r["error"] is None, r
+        predicted = budget.weight_bytes_per_device(fp8, 8, placement)
+        assert abs(r["argument_bytes_per_device"] - predicted) <= 1e-3 * predicted, (placement, r, predicted)
+    refused = compiled["refused"]
+    assert refused["argument_bytes_per_device"] is None and "RESOURCE_EXHAUSTED" in refused["error"]
