@@ -108,14 +108,14 @@ def checkpoint_tensors(model: Any, form: str = "per_expert", fp8_block: int = FP
     keeps them fused; 3. FP8 forms: quantize (or round-trip) the linear weights; 4. the VL form: re-prefix and
     add the vision / MTP tensors.
     """
-    _check_form(model, form)
+    check_form(model, form)
     sd = {name: _to_numpy(t) for name, t in model.state_dict().items()}
     if form not in ("fused", "language_model"):
-        sd = _split_experts(sd)
+        sd = split_experts(sd)
     if form in ("fp8", "fp8_dequantized"):
         out = {}
         for name, w in sd.items():
-            if not _quantized(name, w):
+            if not is_quantized(name, w):
                 out[name] = w
                 continue
             q, scale = quantize_fp8_blocks(w.astype(np.float32), fp8_block)
@@ -138,7 +138,7 @@ def save_hf_checkpoint(model: Any, path: str | pathlib.Path, form: str = "per_ex
     Every form has config.json and generation_config.json. "per_expert" is `model.save_pretrained(path)` itself.
     """
     path = pathlib.Path(path)
-    _check_form(model, form)
+    check_form(model, form)
     if form == "per_expert":
         model.save_pretrained(path)
         return path
@@ -182,7 +182,7 @@ def fp8_round_trip(model: Any, fp8_block: int = FP8_BLOCK) -> Any:
 
     twin = copy.deepcopy(model)
     sd = checkpoint_tensors(model, "fp8_dequantized", fp8_block)
-    sd = _fuse_experts(sd)
+    sd = fuse_experts(sd)
     with torch.no_grad():
         for name, param in twin.state_dict().items():
             param.copy_(torch.from_numpy(np.asarray(sd[name], np.float32)).to(param.dtype))
@@ -244,7 +244,7 @@ def dequantize_fp8_blocks(q: np.ndarray, scale: np.ndarray, block: int) -> np.nd
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_form(model: Any, form: str) -> None:
+def check_form(model: Any, form: str) -> None:
     if form not in FORMS:
         raise ValueError(f"unknown checkpoint form {form!r}; forms: {', '.join(FORMS)}")
     if form == "language_model" and model.config.model_type == "qwen3_next":
@@ -260,7 +260,7 @@ def _to_numpy(t: Any) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _split_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def split_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Fused `experts.gate_up_proj [E, 2F, D]` / `experts.down_proj [E, D, F]` -> per-expert `.weight`s."""
     out = {}
     for name, w in sd.items():
@@ -276,8 +276,8 @@ def _split_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _fuse_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The inverse of `_split_experts` (what HF's conversion mapping does on load)."""
+def fuse_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of `split_experts` (what HF's conversion mapping does on load)."""
     out, experts = {}, {}
     for name, w in sd.items():
         head, sep, tail = name.partition(".mlp.experts.")
@@ -294,7 +294,7 @@ def _fuse_experts(sd: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _quantized(name: str, w: np.ndarray) -> bool:
+def is_quantized(name: str, w: np.ndarray) -> bool:
     """Whether the "fp8" form stores `name` in FP8: 2-D linear weights but the embedding, lm_head and router."""
     return (w.ndim == 2 and name.endswith(".weight")
             and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")))

@@ -40,13 +40,13 @@ def test_split_and_fuse_experts_are_inverses():
     fused = {"model.layers.0.mlp.experts.gate_up_proj": rng.standard_normal((E, 2 * F, D)),
              "model.layers.0.mlp.experts.down_proj": rng.standard_normal((E, D, F)),
              "model.norm.weight": rng.standard_normal(D)}
-    split = testing._split_experts(fused)
+    split = testing.split_experts(fused)
     assert len(split) == 3 * E + 1
     np.testing.assert_array_equal(split["model.layers.0.mlp.experts.1.up_proj.weight"],
                                   fused["model.layers.0.mlp.experts.gate_up_proj"][1, F:])
     np.testing.assert_array_equal(split["model.layers.0.mlp.experts.2.down_proj.weight"],
                                   fused["model.layers.0.mlp.experts.down_proj"][2])
-    back = testing._fuse_experts(split)
+    back = testing.fuse_experts(split)
     assert back.keys() == fused.keys()
     for k in fused:
         np.testing.assert_array_equal(back[k], fused[k])
@@ -54,21 +54,21 @@ def test_split_and_fuse_experts_are_inverses():
 
 def test_the_fp8_form_quantizes_linear_weights_but_embedding_head_and_router():
     m = np.zeros((4, 4))
-    assert testing._quantized("model.layers.0.mlp.experts.0.up_proj.weight", m)
-    assert testing._quantized("model.layers.3.self_attn.q_proj.weight", m)
+    assert testing.is_quantized("model.layers.0.mlp.experts.0.up_proj.weight", m)
+    assert testing.is_quantized("model.layers.3.self_attn.q_proj.weight", m)
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight"):
-        assert not testing._quantized(name, m)
-    assert not testing._quantized("model.layers.0.input_layernorm.weight", np.zeros(4))  # 1-D
-    assert not testing._quantized("model.layers.0.linear_attn.A_log", m)  # not a .weight
+        assert not testing.is_quantized(name, m)
+    assert not testing.is_quantized("model.layers.0.input_layernorm.weight", np.zeros(4))  # 1-D
+    assert not testing.is_quantized("model.layers.0.linear_attn.A_log", m)  # not a .weight
 
 
 def test_unknown_forms_and_a_vl_qwen3_next_are_refused():
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3_next"))
     with pytest.raises(ValueError, match="unknown checkpoint form 'gguf'; forms: per_expert, fused"):
-        testing._check_form(model, "gguf")
+        testing.check_form(model, "gguf")
     with pytest.raises(ValueError, match="Qwen3-Next has no vision-language checkpoint"):
-        testing._check_form(model, "language_model")
-    testing._check_form(model, "fp8")  # fine
+        testing.check_form(model, "language_model")
+    testing.check_form(model, "fp8")  # fine
 
 
 def test_raw_safetensors_round_trip_and_header_edits(tmp_path):

@@ -24,7 +24,7 @@ from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels import gdn_pallas, gdn_xla
 
 
-def _inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
+def gdn_inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
     """q, k [*lead, Hk, dk], v [*lead, Hv, dv] in `dtype`; g <= 0, beta in (0, 1) [*lead, Hv] float32."""
     Hk, Hv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
     ks = jax.random.split(jax.random.key(seed), 5)
@@ -36,13 +36,13 @@ def _inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
     return q, k, v, g, beta
 
 
-def _case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed: int):
+def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed: int):
     """(description, {impl: zero-arg callable}, mask of outputs to compare or None) for one case."""
     Hv, dk, dv = cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
     state = lambda n: 0.3 * jax.random.normal(jax.random.key(seed + 1), (n, Hv, dk, dv))
     if case in ("prefill", "decode"):
         B, T = (1, prefill_tokens) if case == "prefill" else (decode_batch, 1)
-        args = (*_inputs(cfg, (B, T), dtype, seed), state(B))
+        args = (*gdn_inputs(cfg, (B, T), dtype, seed), state(B))
         fns = {"xla": jax.jit(gdn_xla.gdn_xla), "pallas": jax.jit(gdn_pallas.gdn_dense_pallas)}
         return f"B={B} T={T}", {n: partial(f, *args) for n, f in fns.items()}, None
     if case != "mixed":
@@ -56,7 +56,7 @@ def _case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed: i
     _, meta = pack(decodes, prefills, D=D, T=T, S=D + 2, max_pages=1, chunk=64)
     meta = jax.tree.map(jnp.asarray, meta)
     valid = (meta.token_seq >= 0)[:, None]  # [T, 1]
-    q, k, v, g, beta = _inputs(cfg, (T,), dtype, seed)
+    q, k, v, g, beta = gdn_inputs(cfg, (T,), dtype, seed)
     args = (q, k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0), state(D + 3), meta)
     fns = {"xla": jax.jit(gdn_xla.gdn_ragged_xla), "pallas": jax.jit(gdn_pallas.gdn_ragged_pallas)}
     return (f"{D} decodes + prefills of {n1} (mid-sequence) and {n2} tokens, T={T}",
@@ -80,7 +80,7 @@ def gdn_rows(model: str = "qwen3.5-mini", cases: tuple[str, ...] = ("prefill", "
     interpret = jax.default_backend() != "tpu"
     rows = []
     for case in cases:
-        shape, candidates, mask = _case(cfg, case, prefill_tokens, decode_batch, dt, seed)
+        shape, candidates, mask = gdn_case(cfg, case, prefill_tokens, decode_batch, dt, seed)
         timings, outputs = measure(candidates, repeats=repeats, settle=settle, desc=f"gdn {case}")
         ref = outputs["xla"][0].astype(jnp.float32)
         for name, t in timings.items():

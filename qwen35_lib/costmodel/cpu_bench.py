@@ -29,7 +29,7 @@ DESCRIPTIONS = {
 }
 
 
-def _median_time(fn, *args, repeats: int = 5) -> float:
+def median_time(fn, *args, repeats: int = 5) -> float:
     fn(*args).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -41,7 +41,8 @@ def _median_time(fn, *args, repeats: int = 5) -> float:
 
 @functools.cache
 def measure(repeats: int = 5) -> dict[str, float]:
-    """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s"} of this machine (see the module doc)."""
+    """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s", "small_matmul_flops"} of this
+    machine (see the module doc)."""
     import jax
     import jax.numpy as jnp
 
@@ -55,9 +56,9 @@ def measure(repeats: int = 5) -> dict[str, float]:
             x = x @ a
         return x
 
-    t_mm = _median_time(matmuls, a, repeats=repeats)
+    t_mm = median_time(matmuls, a, repeats=repeats)
     big = jax.device_put(jnp.ones((16 * 2**20,), jnp.float32), cpu)  # 64 MiB
-    t_bw = _median_time(jax.jit(jnp.sum), big, repeats=repeats)
+    t_bw = median_time(jax.jit(jnp.sum), big, repeats=repeats)
 
     steps, ops_per_step = 256, 3
     w = jax.device_put(jnp.ones((64, 64), jnp.float32) / 64, cpu)
@@ -70,11 +71,11 @@ def measure(repeats: int = 5) -> dict[str, float]:
             return jax.lax.sort(y, dimension=1)  # op 3
         return jax.lax.fori_loop(0, steps, body, x)
 
-    t_ops = _median_time(tiny, jax.device_put(jnp.ones((8, 64), jnp.float32), cpu), repeats=repeats)
-    t_copy = _median_time(jax.jit(lambda x: x * 2 + 1), big, repeats=repeats)
+    t_ops = median_time(tiny, jax.device_put(jnp.ones((8, 64), jnp.float32), cpu), repeats=repeats)
+    t_copy = median_time(jax.jit(lambda x: x * 2 + 1), big, repeats=repeats)
     xs = jax.device_put(jnp.ones((64, 32, 512), jnp.float32), cpu)
     ws = jax.device_put(jnp.ones((64, 512, 256), jnp.float32) / 512, cpu)
-    t_small = _median_time(jax.jit(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)), xs, ws, repeats=repeats)
+    t_small = median_time(jax.jit(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)), xs, ws, repeats=repeats)
     return {"matmul_flops": 2 * n**3 * chain / t_mm, "memory_bytes_per_s": big.nbytes / t_bw,
             "op_overhead_s": t_ops / (steps * ops_per_step), "copy_bytes_per_s": 2 * big.nbytes / t_copy,
             "small_matmul_flops": 2 * 64 * 32 * 512 * 256 / t_small}

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
     text = load_text(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
     name = args.served_model_name or cli_generate.checkpoint_name(args.checkpoint, root) or preset
-    sock = _bind(args.host, args.port)
+    sock = bind_socket(args.host, args.port)
 
     # 2. Weights, engine, loop, server.
     cli_generate.progress(f"loading {root}" if root else f"random weights for {preset}")
@@ -151,7 +151,7 @@ def _log_to_stderr() -> None:
         log.propagate = False
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -13,7 +13,7 @@ from qwen35_lib.bench import kernels_gdn
 
 def test_inputs_have_the_models_shapes_and_valid_gates():
     cfg = get_config("qwen3.5-tiny")
-    q, k, v, g, beta = kernels_gdn._inputs(cfg, (3, 5), jnp.bfloat16, 0)
+    q, k, v, g, beta = kernels_gdn.gdn_inputs(cfg, (3, 5), jnp.bfloat16, 0)
     assert q.shape == k.shape == (3, 5, 2, 16) and v.shape == (3, 5, 4, 24) and g.shape == beta.shape == (3, 5, 4)
     assert q.dtype == jnp.bfloat16 and g.dtype == beta.dtype == jnp.float32
     assert (np.asarray(g) <= 0).all() and ((np.asarray(beta) > 0) & (np.asarray(beta) < 1)).all()
@@ -21,7 +21,7 @@ def test_inputs_have_the_models_shapes_and_valid_gates():
 
 def test_an_unknown_case_is_refused_with_the_cases():
     with pytest.raises(ValueError, match="unknown gdn bench case 'chunked'; cases are prefill, decode, mixed"):
-        kernels_gdn._case(get_config("qwen3.5-tiny"), "chunked", 96, 2, jnp.float32, 0)
+        kernels_gdn.gdn_case(get_config("qwen3.5-tiny"), "chunked", 96, 2, jnp.float32, 0)
 
 
 def test_rows_of_every_case_agree_with_the_xla_reference():

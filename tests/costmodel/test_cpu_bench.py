@@ -17,7 +17,7 @@ def test_median_time_warms_up_then_takes_the_median(monkeypatch):
     ticks = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # runs of 1, 3 and 2 seconds
     monkeypatch.setattr(cpu_bench.time, "perf_counter", lambda: next(ticks))
     runs = []
-    assert cpu_bench._median_time(lambda x: runs.append(x) or _Ready(), 7, repeats=3) == 2.0
+    assert cpu_bench.median_time(lambda x: runs.append(x) or _Ready(), 7, repeats=3) == 2.0
     assert runs == [7] * 4  # one warm-up (untimed), three timed
 
 

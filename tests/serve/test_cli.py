@@ -39,17 +39,17 @@ def test_longest_token_and_every_step_shape():
 
 
 def test_the_socket_is_bound_or_refused_in_one_line():
-    sock = cli._bind("127.0.0.1", 0)
+    sock = cli.bind_socket("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]
         assert port > 0
         sock.listen()
         with pytest.raises(ValueError, match=rf"cannot listen on 127.0.0.1:{port} \(.*\); pick another --port"):
-            cli._bind("127.0.0.1", port)  # in use
+            cli.bind_socket("127.0.0.1", port)  # in use
     finally:
         sock.close()
     with pytest.raises(ValueError, match=r"cannot listen on 127.0.0.1:99999"):
-        cli._bind("127.0.0.1", 99999)
+        cli.bind_socket("127.0.0.1", 99999)
 
 
 @pytest.mark.parametrize("argv, error, message", [
