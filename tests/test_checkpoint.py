@@ -428,7 +428,7 @@ def test_integer_tensors_for_float_weights_are_refused(ckpts, tmp_path, name, st
     src = ckpts("qwen3_5_moe", "per_expert")
     shape = safetensors_io.SafeTensorsFile(src / "model.safetensors").tensors[name].shape
     path = _edited(src, tmp_path / "int", add={name: np.ones(shape, stored)})
-    st_name = safetensors_io._NAMES[np.dtype(stored)]
+    st_name = safetensors_io.NAMES[np.dtype(stored)]
     with pytest.raises(CheckpointError, match=rf"1 tensors hold another kind of number than their weight: "
                                               rf"{re.escape(name)} is stored as {st_name} \((int|bool)s\), but its "
                                               rf"weight is float32\. A cast would make them garbage") as e:

@@ -19,7 +19,8 @@ a platform: compiled (Mosaic) on a TPU, interpret mode (numerics only) anywhere 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 
@@ -66,6 +67,23 @@ def register(slot: str, name: str, per_platform: bool = False) -> Callable[[Any]
         return impl
 
     return add
+
+
+@contextlib.contextmanager
+def registered(slot: str, name: str, impl: Any) -> Iterator[Any]:
+    """`impl` registered as `name` in `slot` inside a `with` block only (an experiment's kernel, a test's spy: other
+    code lists `available(slot)` and would run it), the slot as before after it."""
+    if slot not in _IMPLS:
+        raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
+    before = _IMPLS[slot].get(name)
+    _IMPLS[slot][name] = impl
+    try:
+        yield impl
+    finally:
+        if before is None:
+            del _IMPLS[slot][name]
+        else:
+            _IMPLS[slot][name] = before
 
 
 def available(slot: str) -> tuple[str, ...]:

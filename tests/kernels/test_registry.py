@@ -1,4 +1,5 @@
-"""kernels.registry: the kernels listed per slot, and unknown names or slots refused naming the choices."""
+"""kernels.registry: the kernels listed per slot, unknown names or slots refused naming the choices, a kernel
+registered for one block."""
 
 import pytest
 
@@ -11,3 +12,15 @@ def test_registry_lists_and_rejects():
         get("moe_matmul", "nope")
     with pytest.raises(ValueError, match="unknown kernel slot"):
         get("flash", "xla")
+
+
+def test_registered_lasts_for_its_block_only():
+    from qwen35_lib.kernels import registry
+
+    spy = lambda *a, **k: None  # noqa: E731
+    before = get("moe_matmul", "tiled")
+    with registry.registered("moe_matmul", "spy", spy), registry.registered("moe_matmul", "tiled", spy):
+        assert get("moe_matmul", "spy") is spy and get("moe_matmul", "tiled") is spy
+    assert "spy" not in available("moe_matmul") and get("moe_matmul", "tiled") is before
+    with pytest.raises(ValueError, match="unknown kernel slot"), registry.registered("flash", "x", spy):
+        pass

@@ -20,11 +20,12 @@ def _spy(x, group_sizes, w_gate_up, w_down, fp8_block=None):
 
 
 @pytest.fixture
-def spy_kernel(monkeypatch):
+def spy_kernel():
     """`_spy` registered as moe_matmul "test_spy" for one test only (other modules list the registry's kernels:
     `bench kernels` would run it under jit)."""
-    monkeypatch.setitem(registry._IMPLS["moe_matmul"], "test_spy", _spy)
     SEEN.clear()
+    with registry.registered("moe_matmul", "test_spy", _spy):
+        yield
 
 
 @pytest.mark.usefixtures("spy_kernel")
