@@ -19,7 +19,14 @@ Per component (`--profile-steps`, on by default): the run replayed under `jax.pr
 step's executable split by the model's named scopes into dense matmuls, attention, GDN, MoE, sampling and the
 rest (`bench.profile`), decode and prefill steps apart, each component beside its floors (its least bytes over
 the copy bandwidth, its FLOPs over the matmul peak, both measured in this run: `roofline.step_components`), with
-the measured run's host time per step.
+the measured run's host time per step. The profiler's per-thunk cost inflates steps of many small ops (a decode step
+of qwen3.5-mini: about 85 ms profiled against 48 ms measured), so the shares of small-op components read high there.
+
+The routed experts by ablation (`--ablate-experts`, on by default): the same requests run once more with the
+`moe_matmul` kernel replaced by one that returns zeros (`ZERO_EXPERTS`; routing, dispatch and combine kept), timed
+like the measured run; the difference in jitted step time (p50, per step kind) is what the grouped matmul costs
+unprofiled. On prefill steps the fused CPU kernel also does the dispatch and combine the zero kernel leaves to the
+permute slot, so there the difference is the grouped matmul less those two.
 
 Load: each measured run and the comparison record the load average before and after, this process's CPU share
 and the other processes' mean cores (`timing.BusyMonitor`); every ratio (decode scaling, ours / transformers) is
@@ -89,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "backend's, `loop` on CPU)")
     p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="replay each run under jax.profiler: time per component beside its floor (default: on)")
+    p.add_argument("--ablate-experts", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each workload again with the routed experts' grouped matmul replaced by zeros: what it "
+                        "costs per step kind, unprofiled (default: on)")
     p.add_argument("--quick", action="store_true",
                    help="a small end-to-end run (tiny model, concurrency 1,2, 1k/1k at 1/64, one repeat)")
 
@@ -522,9 +532,12 @@ def run(args: argparse.Namespace) -> dict:
             requests = wl.draw_requests(w, n, args.seed, config.vocab_size)
             m = measure_run(config, weights, ec, requests, f"{name} N={n}", machine, profile=args.profile_steps,
                             plan=plan)
+            if args.ablate_experts:
+                m["ablation"] = ablate_experts(config, weights, ec, requests, f"{name} N={n}", m, plan)
             runs.append({"workload": name, "concurrency": n} | m)
     _print_runs(runs)
     _print_profiles(runs)
+    _print_ablations(runs)
     scaling = decode_scaling(runs)
 
     comparison = None
@@ -604,6 +617,49 @@ def decode_scaling(runs: list[dict]) -> dict | None:
         if v["withheld"]:
             print(f"{k}: ratios withheld: {v['withheld']}")
     return out
+
+
+ZERO_EXPERTS = "bench_zero_experts"  # the ablation's moe_matmul: zeros, registered for the ablated run only
+
+
+def _zero_experts(x, group_sizes, w_gate_up, w_down, fp8_block=None):
+    """A `moe_matmul` that computes nothing: y_sorted = 0 [N, D]."""
+    import jax.numpy as jnp
+
+    return jnp.zeros_like(x)
+
+
+def ablate_experts(config: Config, weights: dict, ec, requests, label: str, measured: dict,
+                   plan: ServingPlan = SINGLE) -> dict:
+    """The run again with the grouped matmul replaced by zeros (`ZERO_EXPERTS`): per step kind, the jitted step's
+    p50 with and without it, the difference and its share of the step (`measured`: the run's `metrics`)."""
+    from qwen35_lib.kernels import registry
+
+    with registry.registered("moe_matmul", ZERO_EXPERTS, _zero_experts):
+        zero = measure_run(config, weights, ec, requests, f"{label} zero experts", profile=False,
+                           plan=plan.replace(moe_kernel=ZERO_EXPERTS))
+    out = {"load": zero["load"]}
+    for kind, split in measured["per_step"].items():
+        other = zero["per_step"].get(kind)
+        if not split or not other:
+            continue
+        with_ms, without_ms = split["jitted_ms"]["p50"], other["jitted_ms"]["p50"]
+        out[kind] = {"with_ms": with_ms, "without_ms": without_ms, "experts_ms": with_ms - without_ms,
+                     "share": (with_ms - without_ms) / with_ms}
+    return out
+
+
+def _print_ablations(runs: list[dict]) -> None:
+    rows = [[r["workload"], r["concurrency"], kind, f"{a[kind]['with_ms']:,.1f}", f"{a[kind]['without_ms']:,.1f}",
+             f"{a[kind]['experts_ms']:,.1f}", f"{100 * a[kind]['share']:.0f}%"]
+            for r in runs if (a := r.get("ablation")) for kind in ("decode", "prefill") if kind in a]
+    if not rows:
+        return
+    print("\nthe routed experts' grouped matmul by ablation (jitted step p50 with it, and with a kernel returning "
+          "zeros in its place; routing, dispatch and combine kept; prefill: less the dispatch and combine the fused "
+          "kernel does itself):")
+    print(format_table(["workload", "N", "steps", "step ms", "zero experts ms", "experts ms", "share"], rows))
+    sys.stdout.flush()
 
 
 def _print_runs(runs: list[dict]) -> None:

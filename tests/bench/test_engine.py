@@ -1,4 +1,5 @@
-"""The engine benchmark: the harness runs end to end at tiny size and writes its JSON and plot; the workloads.
+"""The engine benchmark: the harness runs end to end at tiny size (the zero-experts ablation included) and writes
+its JSON and plot; the workloads.
 
 No timing assertions (benchmarks measure, they do not judge): structure, exact lengths, and agreement only.
 """
@@ -7,7 +8,9 @@ import json
 
 import pytest
 
+from qwen35_lib.bench import engine as engine_bench
 from qwen35_lib.bench.__main__ import main
+from qwen35_lib.kernels import available
 
 RUN_KEYS = {"workload", "concurrency", "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "tpot_ms", "steps",
             "mean_tokens_per_step", "preemptions", "traces", "buckets", "decode_tokens_per_s", "time_s", "compile",
@@ -37,6 +40,9 @@ def _check_doc(doc, concurrency, plot):
             assert {"dense matmuls", "MoE", "GDN", "attention", "sampling", "host (measured run)"} <= set(rows)
             assert rows["dense matmuls"]["ms"] > 0 and rows["MoE"]["floor_ms"] > 0 and prof[kind]["floor_ms"] > 0
         assert r["load"]["cores"] >= 1 and "withhold_ratios" in r["load"]
+        for kind, a in ((k, v) for k, v in r.get("ablation", {}).items() if k != "load"):  # the zero-experts rerun
+            assert a["with_ms"] == r["per_step"][kind]["jitted_ms"]["p50"] and a["without_ms"] > 0
+            assert a["experts_ms"] == a["with_ms"] - a["without_ms"] and a["share"] < 1
         assert r["input_tokens"] == r["concurrency"] * 16 or 13 * r["concurrency"] <= r["input_tokens"]
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert doc["engine_configs"][str(r["concurrency"])]["max_num_seqs"] >= r["concurrency"]
@@ -51,6 +57,8 @@ def test_engine_bench_smoke(tmp_path):
     doc = json.loads(out.read_text())
     _check_doc(doc, [1, 2], plot)
     assert doc["vs_transformers"] is None
+    assert all({"decode", "prefill"} <= set(r["ablation"]) for r in doc["runs"])
+    assert engine_bench.ZERO_EXPERTS not in available("moe_matmul")  # registered for the ablated runs only
     assert doc["decode_scaling"]["1k/1k"]["low"] == 1 and doc["decode_scaling"]["1k/1k"]["high"] == 2
 
 
@@ -60,7 +68,7 @@ def test_engine_bench_vs_transformers_smoke(tmp_path):
     out = tmp_path / "engine.json"
     # one torch thread: two beside XLA's pool on a busy 2-core machine stalled generate ~100x (0.05 s -> 13 s)
     assert main(["engine", "--quick", "--concurrency", "2", "--vs-transformers", "--threads", "1",
-                 "--json", str(out)]) == 0
+                 "--no-ablate-experts", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     _check_doc(doc, [2], tmp_path / "engine.png")
     vs = doc["vs_transformers"]
