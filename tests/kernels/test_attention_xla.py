@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_lib.kernels.attention_xla import attention_xla, paged_attention_xla, write_kv_pages
+from qwen35_lib.kernels.attention_xla import attention_xla, paged_attention_xla, query_block, write_kv_pages
 from qwen35_lib.weights import FP8_MAX
 
 RNG = np.random.default_rng(0)
@@ -41,6 +41,19 @@ def test_dense_attention_is_causal_gqa_softmax(qkv):
     got = np.asarray(jax.jit(attention_xla)(q, k, v, jnp.asarray(lengths)))
     np.testing.assert_allclose(got, _numpy_attention(q, k, v, lengths), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[:, 0], np.repeat(v[:, 0], HQ // HKV, axis=1), rtol=1e-6)  # one key: its value
+
+
+def test_query_blocks_equal_the_whole_score_matrix():
+    """Rows past one query block (300 = 128 + 128 + 44 queries; a row of 170 real tokens ends inside the second)
+    against the NumPy statement, and the block size: 128, at most 32 blocks."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 300, h, 16)).astype(np.float32) for h in (HQ, HKV, HKV))
+    lengths = np.array([300, 170])
+    got = np.asarray(jax.jit(attention_xla)(q, k, v, jnp.asarray(lengths)))
+    want = _numpy_attention(q, k, v, lengths)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(got[1, :170], want[1, :170], rtol=2e-5, atol=2e-6)  # past a row's length: padding
+    assert [query_block(t) for t in (7, 300, 4096, 8192)] == [128, 128, 128, 256]
 
 
 def test_write_puts_k_then_v_of_each_head_in_the_tokens_page_lanes(qkv):
