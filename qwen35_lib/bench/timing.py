@@ -95,7 +95,10 @@ def warn_if_busy() -> float | None:
     return load
 
 
-OTHERS_MAX_CORES = 0.5  # other processes' mean CPU use (in cores) above which a ratio is withheld
+# Other processes' mean CPU use (in cores) above which a ratio is withheld. transformers' `generate` on 2 torch
+# threads is the sensitive side: with others at 0.3 of 2 cores it took 5.99 s where it takes 2.35-2.53 s with none
+# (`bench engine`'s comparison, qwen3.5-mini 1k/1k, 8 requests), while our engine moved 3%.
+OTHERS_MAX_CORES = 0.1
 
 
 def _busy_cpu_seconds() -> float | None:
