@@ -24,16 +24,21 @@ from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels import gdn_pallas, gdn_xla
 
 
-def gdn_inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
+def random_gdn_inputs(key, lead: tuple[int, ...], Hk: int, Hv: int, dk: int, dv: int, dtype=jnp.float32):
     """q, k [*lead, Hk, dk], v [*lead, Hv, dv] in `dtype`; g <= 0, beta in (0, 1) [*lead, Hv] float32."""
-    Hk, Hv, dk, dv = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
-    ks = jax.random.split(jax.random.key(seed), 5)
+    ks = jax.random.split(key, 5)
     q = jax.random.normal(ks[0], (*lead, Hk, dk)).astype(dtype)
     k = jax.random.normal(ks[1], (*lead, Hk, dk)).astype(dtype)
     v = jax.random.normal(ks[2], (*lead, Hv, dv)).astype(dtype)
     g = -jax.nn.softplus(jax.random.normal(ks[3], (*lead, Hv)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (*lead, Hv)))
     return q, k, v, g, beta
+
+
+def gdn_inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
+    """`random_gdn_inputs` at `cfg`'s GDN head counts and sizes."""
+    return random_gdn_inputs(jax.random.key(seed), lead, cfg.gdn_num_k_heads, cfg.gdn_num_v_heads,
+                             cfg.gdn_k_head_dim, cfg.gdn_v_head_dim, dtype)
 
 
 def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed: int):

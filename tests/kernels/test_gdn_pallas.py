@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from qwen35_lib import get_config, init_weights
+from qwen35_lib.bench.kernels_gdn import random_gdn_inputs
 from qwen35_lib.engine.batch import RaggedMeta, SeqWork, pack, stack_ranks
 from qwen35_lib.kernels import gdn_pallas, gdn_xla
 from tests import aot_subprocess
@@ -26,17 +27,6 @@ xla_ragged = jax.jit(jax.vmap(gdn_xla.gdn_ragged_xla))
 HEADS = dict(Hk=2, Hv=4, dk=16, dv=24)  # GVA: value head h reads key head h // 2
 
 
-def _inputs(key, lead, Hk, Hv, dk, dv, dtype=jnp.float32):
-    """Random q, k [*lead, Hk, dk], v [*lead, Hv, dv], g <= 0, beta in (0, 1) [*lead, Hv]."""
-    ks = jax.random.split(key, 5)
-    q = jax.random.normal(ks[0], (*lead, Hk, dk)).astype(dtype)
-    k = jax.random.normal(ks[1], (*lead, Hk, dk)).astype(dtype)
-    v = jax.random.normal(ks[2], (*lead, Hv, dv)).astype(dtype)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (*lead, Hv)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (*lead, Hv)))
-    return q, k, v, g, beta
-
-
 def _state(key, lead, Hv, dk, dv, dtype=jnp.float32, **_):
     return (0.3 * jax.random.normal(key, (*lead, Hv, dk, dv))).astype(dtype)
 
@@ -45,7 +35,7 @@ def _state(key, lead, Hv, dk, dv, dtype=jnp.float32, **_):
 def test_dense_matches_recurrent_and_chunked(T):
     """T = 1 runs the decode kernel, T = 100 (not a multiple of 64) the chunk kernel over 2 rows x 2 chunks
     (seen: 3e-7 on outputs and 4e-7 on states, the same as XLA's own chunked form vs its recurrence)."""
-    x = _inputs(jax.random.key(T), (2, T), **HEADS)
+    x = random_gdn_inputs(jax.random.key(T), (2, T), **HEADS)
     s0 = _state(jax.random.key(7), (2,), **HEADS)
     o, s = pallas_dense(*x, s0)
     o_r, s_r = xla_recurrent(*x, s0)
@@ -76,7 +66,7 @@ def test_unit_lower_inverse_is_stable_where_neumann_is_not():
 
 def test_dense_aligned_keys_stay_accurate():
     """The same near-aligned keys through the whole chunk kernel (beta -> 1, no decay) vs the recurrence."""
-    q, k, v, g, beta = _inputs(jax.random.key(3), (2, 100), **HEADS)
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(3), (2, 100), **HEADS)
     k = jnp.broadcast_to(k[:, :1], k.shape) + 1e-3 * k
     beta, g = jnp.full_like(beta, 0.999), jnp.zeros_like(g)
     s0 = _state(jax.random.key(4), (2,), **HEADS)
@@ -107,7 +97,7 @@ def test_ragged_matches_xla(dtype):
     meta = jax.tree.map(jnp.asarray, meta)
     R, T = meta.token_seq.shape
     valid = meta.token_seq >= 0  # [R, T]
-    q, k, v, g, beta = _inputs(jax.random.key(0), (R, T), **HEADS, dtype=dt)
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(0), (R, T), **HEADS, dtype=dt)
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
     states = _state(jax.random.key(1), (R, 6), **HEADS, dtype=dt)  # 6 slots per rank
     o, s = pallas_ragged(q, k, v, g, beta, states, meta)
@@ -130,7 +120,7 @@ def test_ragged_in_tpu_interpret_mode():
     meta = jax.tree.map(jnp.asarray, meta)
     R, T = meta.token_seq.shape
     valid = meta.token_seq >= 0
-    q, k, v, g, beta = _inputs(jax.random.key(0), (R, T), **HEADS)
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(0), (R, T), **HEADS)
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
     states = _state(jax.random.key(1), (R, 6), **HEADS)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")

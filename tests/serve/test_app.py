@@ -24,14 +24,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from tests import serve_support  # noqa: E402
 from tests.serve_support import EC, GREEDY, MODEL, Server, prompts, wait_idle  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve_support.running(tmp_path_factory.mktemp("tok")) as s:
-        yield s
 
 
 # --- endpoints ---------------------------------------------------------------------------------------------------

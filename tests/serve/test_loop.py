@@ -25,12 +25,6 @@ from tests import serve_support  # noqa: E402
 from tests.serve_support import EC, MODEL  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve_support.running(tmp_path_factory.mktemp("tok")) as s:
-        yield s
-
-
 def test_big_requests_do_not_stall_a_stream_or_health(server):
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "temperature": 0,
             "stream": True}
