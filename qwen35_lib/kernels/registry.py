@@ -73,17 +73,16 @@ def register(slot: str, name: str, per_platform: bool = False) -> Callable[[Any]
 def registered(slot: str, name: str, impl: Any) -> Iterator[Any]:
     """`impl` registered as `name` in `slot` inside a `with` block only (an experiment's kernel, a test's spy: other
     code lists `available(slot)` and would run it), the slot as before after it."""
-    if slot not in _IMPLS:
-        raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
-    before = _IMPLS[slot].get(name)
-    _IMPLS[slot][name] = impl
+    _load_all()  # the library's kernels first: loading them inside the block would replace `impl`
+    before, factory = _IMPLS.get(slot, {}).get(name), (slot, name) in _PER_PLATFORM
+    _PER_PLATFORM.discard((slot, name))
+    register(slot, name)(impl)  # refuses an unknown slot
     try:
         yield impl
     finally:
-        if before is None:
-            del _IMPLS[slot][name]
-        else:
-            _IMPLS[slot][name] = before
+        _IMPLS[slot].pop(name)
+        if before is not None:
+            register(slot, name, per_platform=factory)(before)
 
 
 def available(slot: str) -> tuple[str, ...]:

@@ -22,5 +22,10 @@ def test_registered_lasts_for_its_block_only():
     with registry.registered("moe_matmul", "spy", spy), registry.registered("moe_matmul", "tiled", spy):
         assert get("moe_matmul", "spy") is spy and get("moe_matmul", "tiled") is spy
     assert "spy" not in available("moe_matmul") and get("moe_matmul", "tiled") is before
+    pallas = get("moe_matmul", "pallas", "cpu")  # a per-platform factory's kernel (interpret mode off a TPU)
+    with registry.registered("moe_matmul", "pallas", spy):  # replaced by a plain kernel
+        assert get("moe_matmul", "pallas", "cpu") is spy
+    after = get("moe_matmul", "pallas", "cpu")  # the factory called again, not returned as the kernel
+    assert (after.func, after.keywords) == (pallas.func, pallas.keywords)
     with pytest.raises(ValueError, match="unknown kernel slot"), registry.registered("flash", "x", spy):
         pass
