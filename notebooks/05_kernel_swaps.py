@@ -221,8 +221,9 @@ if aot is not None:
 # ### 2b. Grouped GEMM (the MoE's experts)
 #
 # A few tokens (`tokens=16`) routed top-8 over 64 experts by a random router: their copies sorted by expert, most
-# groups empty or of one row. The backend's XLA `moe_matmul` (its default off a TPU, the row names it; on a TPU,
-# where the default is the Pallas kernel, `ragged_dot`) against the Pallas grouped GEMM, float32.
+# groups empty or of one row. The backend's default `moe_matmul` (the row names it: on the CPU `native`, a C++
+# handler XLA calls; on a TPU, where the default is the Pallas kernel, `ragged_dot`) against the Pallas grouped
+# GEMM, float32.
 
 # %%
 with float32():

@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-requests", type=int, help=f"requests in the comparison (default: {DEFAULTS['vs_requests']})")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     p.add_argument("--moe-kernel", default="auto", help="our moe_matmul implementation (default: %(default)s: the "
-                   "backend's, `loop` on CPU)")
+                   "backend's, `native` on CPU)")
     p.add_argument("--profile-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="replay each run under jax.profiler: time per component beside its floor (default: on)")
     p.add_argument("--ablate-experts", action=argparse.BooleanOptionalAction, default=True,

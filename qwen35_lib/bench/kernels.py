@@ -304,7 +304,7 @@ def _side_by_side(kernel: str, case: str, candidates: dict, repeats: int, settle
 
 def moe_rows(model: str = "qwen3.5-mini", tokens: int = 64, dtype: str = "float32", repeats: int = 3,
              settle: int = 1, seed: int = 0) -> list[dict]:
-    """The `moe_matmul` slot's XLA default (the backend's "auto" unless that is Pallas: then `ragged_dot`) vs the
+    """The `moe_matmul` slot's default (the backend's "auto" unless that is Pallas: then `ragged_dot`) vs the
     Pallas grouped GEMM on the same sorted token copies (routed by a random router, dispatched by `permute`).
     Row keys as `_side_by_side`, plus rows (token copies), useful_flops (2 * rows * 3 * D * F)."""
     cfg = get_config(model, dtype=dtype)

@@ -78,7 +78,7 @@ class Placement:
     moe: str = "local"  # "tp", "ep", "local"
     ep: int = 1
     attention: str = "xla"  # "xla" or "pallas"
-    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "loop", "gmm"
+    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "loop", "gmm", "native" (the CPU's C++ handler)
     kv_dtype: str | None = None  # None: the model dtype
     page_size: int = 256
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
@@ -264,6 +264,9 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
             tm = pl.gmm_tile_rows
             ideal *= touched * math.ceil(rows / touched / tm) * tm / rows
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
+    elif pl.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
+        touched = expected_distinct(b.tokens, E, k) * experts_dev / E
+        mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], 0.0
     elif pl.moe_impl == "loop":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0

@@ -4,7 +4,7 @@
     hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
     packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
     interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by
-    `cpu_bench`) with the CPU kernels (`loop` MoE, XLA attention and GDN), one device.
+    `cpu_bench`) with the CPU kernels (the `native` MoE, XLA attention and GDN), one device.
 (b) TPU7x ahead-of-time compiles against XLA's own counts: `qwen35_lib.aot.validate` (the compiler's package
     reads the cost model, not the other way round).
 (c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this

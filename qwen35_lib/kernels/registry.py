@@ -113,12 +113,13 @@ def for_plan(slot: str, plan: Any) -> Any:
 
 
 def _load_all() -> None:
-    """Import every implementation module (`kernels/*_xla.py`, `kernels/*_pallas.py`): importing registers them."""
+    """Import every implementation module (`kernels/*_xla.py`, `*_pallas.py`, `*_native.py`): importing registers
+    them."""
     import importlib
     import pkgutil
 
     import qwen35_lib.kernels as pkg
 
     for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name.endswith(("_xla", "_pallas")):
+        if mod.name.endswith(("_xla", "_pallas", "_native")):
             importlib.import_module(f"qwen35_lib.kernels.{mod.name}")

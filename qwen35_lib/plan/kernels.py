@@ -4,8 +4,13 @@ which reads these tables.
 
 | family   | attention | gdn  | moe_matmul                              | permute |
 |----------|-----------|------|-----------------------------------------|---------|
-| `xla`    | xla       | xla  | `loop` on CPU, `ragged_dot` elsewhere   | xla     |
+| `xla`    | xla       | xla  | `native` on CPU, `ragged_dot` elsewhere | xla     |
 | `pallas` | pallas    | pallas | pallas                                | pallas  |
+
+The one slot that is not XLA code in the `xla` family: on the CPU the MoE's grouped matmul is `native`, a C++ XLA FFI
+handler (`qwen35_lib/kernels/moe_native.py`) that XLA calls like any op; where it cannot be built it runs the XLA
+`loop`. XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each expert, which
+no formulation in XLA ops avoided (the `moe_xla` docstrings).
 """
 
 from __future__ import annotations
@@ -14,17 +19,19 @@ SLOTS = ("attention", "gdn", "moe_matmul", "permute")
 KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
                  "permute": "permute_kernel"}  # slot -> ServingPlan field
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
-# except the MoE's `loop`, chosen from `bench engine` side by side with `capacity` (decode step 70.6 -> 45.7 ms):
-# the stored file predates `loop` and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
+# except the MoE's, chosen from `bench engine --moe-kernel` side by side: `loop` over `capacity` (decode step 70.6 ->
+# 45.7 ms), then `native` (the C++ handler, `kernels/moe_native.py`; `loop` where it cannot be built) over `loop`
+# (qwen3.5-mini 1k/1k N=8, float32: decode step 50.2 -> 22.3 ms, prefill step 387.7 -> 326.1 ms). The stored file
+# predates both and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
 BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "loop", "permute": "xla"},
+    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "native", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
     "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
     "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
 }
-# A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul as XLA:CPU runs it fastest,
-# `loop`, and `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
+# A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul: the native handler on the
+# CPU, `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
 FAMILIES = ("xla", "pallas")
 
 
@@ -38,7 +45,7 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
         import jax
 
         backend = jax.default_backend()
-    moe = "loop" if backend == "cpu" else "ragged_dot"
+    moe = "native" if backend == "cpu" else "ragged_dot"
     return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in KERNEL_FIELDS.items()}
 
 

@@ -1,0 +1,99 @@
+"""kernels.moe_native: the C++ grouped SwiGLU against per-row math (empty groups, padding rows, groups longer than a
+work unit, widths that are not whole vectors), in float32 and bfloat16; the MoE layer against the dense reference;
+where it cannot run (FP8 experts, mixed dtypes) the XLA loop runs instead."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_lib import get_config, init_weights
+from qwen35_lib.kernels import get, moe_native, moe_xla, native, registry
+from qwen35_lib.model import moe
+from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import SINGLE
+from qwen35_lib.weights import quantize_fp8
+
+pytestmark = pytest.mark.skipif(native.load(moe_native.LIBRARY) is None,
+                                reason=f"native kernels unavailable: {native.unavailable(moe_native.LIBRARY)}")
+kernel = jax.jit(get("moe_matmul", "native"))
+
+
+def per_row(x, sizes, wgu, wd):
+    """Each row through its expert in float64 (NumPy): rows past the sum of the sizes are 0."""
+    x, wgu, wd = (np.asarray(a, np.float64) for a in (x, wgu, wd))
+    E, D, _, F = wgu.shape
+    expert = np.repeat(np.arange(E), sizes)
+    y = np.zeros_like(x)
+    for r, e in enumerate(expert):
+        h = x[r] @ wgu[e].reshape(D, 2 * F)
+        y[r] = (h[:F] / (1 + np.exp(-h[:F])) * h[F:]) @ wd[e]
+    return y
+
+
+@pytest.mark.parametrize("D,F", [(16, 8), (48, 24), (64, 40)])  # 2F and D: whole 16-float vectors or not
+@pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5], [0, 0, 0, 0, 0, 0], [0, 203, 0, 0, 7, 0]])
+def test_rows_equal_each_rows_expert(D, F, sizes):
+    E, N = 6, max(20, sum(sizes) + 3)  # padding rows after the groups; 203 rows: three work units of one expert
+    kx, kw, kd = jax.random.split(jax.random.key(D + sum(sizes)), 3)
+    x = jax.random.normal(kx, (N, D))
+    wgu = jax.random.normal(kw, (E, D, 2, F)) / np.sqrt(D)
+    wd = jax.random.normal(kd, (E, F, D)) / np.sqrt(F)
+    y = kernel(x, jnp.array(sizes, jnp.int32), wgu, wd)
+    np.testing.assert_allclose(y, per_row(x, sizes, wgu, wd), atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_equals_the_xla_loop():
+    """bf16 in and out, float32 accumulation, the activation rounded to bf16 between the matmuls, as `moe_loop`."""
+    E, D, F, sizes = 8, 64, 32, [4, 0, 11, 1, 0, 30, 2, 0]
+    kx, kw, kd = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (60, D), jnp.bfloat16)
+    wgu = (jax.random.normal(kw, (E, D, 2, F)) / 8).astype(jnp.bfloat16)
+    wd = (jax.random.normal(kd, (E, F, D)) / 6).astype(jnp.bfloat16)
+    sizes = jnp.array(sizes, jnp.int32)
+    y, want = kernel(x, sizes, wgu, wd), jax.jit(moe_xla.moe_loop)(x, sizes, wgu, wd)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), atol=0.02, rtol=0.02)
+    assert float(jnp.mean((y == want).astype(jnp.float32))) > 0.9  # the same rounding: most outputs bit-equal
+
+
+def test_the_native_handler_is_what_runs():
+    x, sizes = jnp.ones((8, 16)), jnp.array([8, 0], jnp.int32)
+    hlo = kernel.lower(x, sizes, jnp.ones((2, 16, 2, 16)), jnp.ones((2, 16, 16))).as_text()
+    assert moe_native.HANDLER in hlo
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    cfg = get_config("qwen3.5-tiny", dtype="float32")
+    w = jax.tree.map(lambda a: a[0, 0], init_weights(cfg, 3)["layers"]["moe"])
+    w["router"] = w["router"] * 50  # sharper routing: some experts get no tokens
+    return cfg, w
+
+
+moe_block = jax.jit(lambda cfg, w, x, plan: moe.moe_block(cfg, w, x, parallelism(plan)), static_argnums=(0, 3))
+
+
+@pytest.mark.parametrize("n", [1, 8, 333])
+def test_moe_layer_matches_dense(tiny_moe, n):
+    cfg, w = tiny_moe
+    x = jax.random.normal(jax.random.key(n), (n, cfg.hidden_size))
+    out = moe_block(cfg, w, x, SINGLE.replace(moe_kernel="native"))
+    np.testing.assert_allclose(out, jax.jit(moe.moe_dense_reference, static_argnums=0)(cfg, w, x), atol=1e-6,
+                               rtol=1e-5)  # float32; only summation order differs
+
+
+def test_fp8_experts_and_mixed_dtypes_run_the_xla_loop(tiny_moe):
+    cfg, w = tiny_moe
+    x = jax.random.normal(jax.random.key(2), (40, cfg.hidden_size))
+    w8 = dict(w, w_gate_up=quantize_fp8(w["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(w["w_down"], 16, (1, 2)))
+    assert moe_native.native_target(x, w8["w_gate_up"], w8["w_down"]) is None
+    assert moe_native.native_target(x.astype(jnp.bfloat16), w["w_gate_up"], w["w_down"]) is None
+    assert moe_native.native_target(x, w["w_gate_up"], w["w_down"]) == moe_native.HANDLER
+    cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16)
+    np.testing.assert_allclose(moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel="native")),
+                               moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel="loop")), atol=1e-6, rtol=1e-5)
+
+
+def test_the_cpu_default_is_native():
+    assert registry.default_name("moe_matmul", "cpu") == SINGLE.kernel("moe_matmul") == "native"
