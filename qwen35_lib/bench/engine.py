@@ -23,10 +23,11 @@ the measured run's host time per step. The profiler's per-thunk cost inflates st
 of qwen3.5-mini: about 85 ms profiled against 48 ms measured), so the shares of small-op components read high there.
 
 The routed experts by ablation (`--ablate-experts`, on by default): the same requests run once more with the
-`moe_matmul` kernel replaced by one that returns zeros (`ZERO_EXPERTS`; routing, dispatch and combine kept), timed
-like the measured run; the difference in jitted step time (p50, per step kind) is what the grouped matmul costs
-unprofiled. On prefill steps the fused CPU kernel also does the dispatch and combine the zero kernel leaves to the
-permute slot, so there the difference is the grouped matmul less those two.
+`moe_matmul` kernel replaced by one that returns zeros (`ZERO_EXPERTS`, routing kept), timed like the measured run;
+the difference in jitted step time (p50, per step kind) is what the routed experts cost unprofiled. Where the
+kernel fuses the dispatch and combine (`fuses`: the CPU's `native` kernel at every size, `loop` at prefill sizes),
+the zero kernel fuses them too and the difference counts all three; elsewhere the permute slot's dispatch and
+combine stay and the difference is the grouped matmul alone.
 
 Load: each measured run and the comparison record the load average before and after, this process's CPU share
 and the other processes' mean cores (`timing.BusyMonitor`); every ratio (decode scaling, ours / transformers) is
@@ -622,20 +623,29 @@ def decode_scaling(runs: list[dict]) -> dict | None:
 ZERO_EXPERTS = "bench_zero_experts"  # the ablation's moe_matmul: zeros, registered for the ablated run only
 
 
-def _zero_experts(x, group_sizes, w_gate_up, w_down, fp8_block=None):
-    """A `moe_matmul` that computes nothing: y_sorted = 0 [N, D]."""
+def zero_experts(kernel):
+    """A `moe_matmul` that computes nothing (y_sorted = 0 [N, D]) and fuses the dispatch and combine where `kernel`
+    does (then the routed experts' output is 0 [T, D], with no dispatch or combine either)."""
     import jax.numpy as jnp
 
-    return jnp.zeros_like(x)
+    def zeros(x, group_sizes, w_gate_up, w_down, fp8_block=None):
+        return jnp.zeros_like(x)
+
+    if hasattr(kernel, "fuses"):
+        zeros.fuses = kernel.fuses
+        zeros.fused = lambda x, ids, weights, num_groups, w_gate_up, w_down, fp8_block=None: jnp.zeros_like(x)
+    return zeros
 
 
 def ablate_experts(config: Config, weights: dict, ec, requests, label: str, measured: dict,
                    plan: ServingPlan = SINGLE) -> dict:
-    """The run again with the grouped matmul replaced by zeros (`ZERO_EXPERTS`): per step kind, the jitted step's
-    p50 with and without it, the difference and its share of the step (`measured`: the run's `metrics`)."""
+    """The run again with the grouped matmul replaced by zeros (`ZERO_EXPERTS`, fusing where the plan's kernel
+    fuses): per step kind, the jitted step's p50 with and without it, the difference and its share of the step
+    (`measured`: the run's `metrics`)."""
     from qwen35_lib.kernels import registry
 
-    with registry.registered("moe_matmul", ZERO_EXPERTS, _zero_experts):
+    kernel = registry.get("moe_matmul", plan.kernel("moe_matmul"))
+    with registry.registered("moe_matmul", ZERO_EXPERTS, zero_experts(kernel)):
         zero = measure_run(config, weights, ec, requests, f"{label} zero experts", profile=False,
                            plan=plan.replace(moe_kernel=ZERO_EXPERTS))
     out = {"load": zero["load"]}
@@ -655,9 +665,8 @@ def _print_ablations(runs: list[dict]) -> None:
             for r in runs if (a := r.get("ablation")) for kind in ("decode", "prefill") if kind in a]
     if not rows:
         return
-    print("\nthe routed experts' grouped matmul by ablation (jitted step p50 with it, and with a kernel returning "
-          "zeros in its place; routing, dispatch and combine kept; prefill: less the dispatch and combine the fused "
-          "kernel does itself):")
+    print("\nthe routed experts by ablation (jitted step p50 with them, and with a kernel returning zeros in the "
+          "grouped matmul's place; routing kept; the dispatch and combine too where the kernel does not fuse them):")
     print(format_table(["workload", "N", "steps", "step ms", "zero experts ms", "experts ms", "share"], rows))
     sys.stdout.flush()
 

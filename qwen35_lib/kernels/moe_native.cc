@@ -1,21 +1,29 @@
-// The grouped SwiGLU expert FFNs on the CPU, as an XLA FFI handler: the `moe_matmul` slot's protocol
-// (qwen35_lib/kernels/moe_xla.py) in native code, for float32 and bfloat16.
+// The grouped SwiGLU expert FFNs on the CPU, as XLA FFI handlers, for float32 and bfloat16
+// (qwen35_lib/kernels/moe_native.py calls them):
 //
+// qwen35_moe_grouped_swiglu, the `moe_matmul` slot's protocol (qwen35_lib/kernels/moe_xla.py):
 //   x [N, D] rows sorted by expert, group_sizes [E] int32, w_gate_up [E, D, 2, F], w_down [E, F, D] -> y [N, D]
+// qwen35_moe_grouped_swiglu_fused, dispatch and combine inside (as moe_xla.moe_loop_fused):
+//   x [T, D], ids [T, k] int32 (>= E: routed nowhere), weights [T, k], w_gate_up, w_down
+//   -> out [T, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), and copies [T * k, D] float32 (scratch)
 //
 // Work units are (expert, chunk of up to kChunk of its rows), for experts with rows only, handed out from an
-// atomic counter to this thread and to helpers on XLA's intra-op thread pool. A unit runs two register-blocked
-// matmuls straight from the expert's weights (each touched expert read in place, once per chunk):
+// atomic counter to this thread and to helpers on XLA's intra-op thread pool. A unit gathers its rows (converted
+// to float32) and runs two register-blocked matmuls straight from the expert's weights (each touched expert read
+// in place, once per chunk):
 //   h [m, 2F] = x_rows [m, D] @ w_gate_up[e]  (float32 accumulators)
 //   a [m, F] = silu(h_gate) * h_up, rounded to x's dtype (as moe_xla's _swiglu)
 //   y_rows [m, D] = a @ w_down[e], rounded to x's dtype
-// Rows past the sum of the group sizes (padding) are written 0.
+// Sorted: rows past the sum of the group sizes (padding) are written 0. Fused: each copy's rounded output times
+// its routing weight goes to its row of `copies`; a second parallel pass sums each token's k rows in slot order
+// (deterministic) and rounds the sum to x's dtype once.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -141,20 +149,36 @@ void matmul(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t M, int
 }
 
 struct Unit {
-  int64_t expert, row, rows;
+  int64_t expert, row, rows;  // rows [row, row + rows) of the expert-sorted order
 };
 
-// One unit: rows [row, row + rows) of x, all of one expert. Scratch: xs [kChunk, D], h [kChunk, 2F],
-// a [kChunk, F], o [kChunk, D], all float32.
+// Where a unit's rows come from and where its outputs go.
+// Sorted (the slot's protocol): row i is x[i]; y[i] = the expert's output in x's dtype.
+// Fused (dispatch and combine inside): sorted position i is copy c = order[i] of token c / k; the output, rounded
+// to x's dtype as the sorted path returns it, times the copy's routing weight goes to float32 row c of `copies`.
 template <typename T>
-void run_unit(const Unit& u, int64_t D, int64_t F, const T* x, const T* w_gate_up, const T* w_down, T* y,
+struct Rows {
+  const T* x;
+  const int32_t* order;  // nullptr: sorted
+  int64_t k;
+  const T* weights;  // [T * k] (fused)
+  T* y;              // [N, D] (sorted)
+  float* copies;     // [T * k, D] (fused)
+};
+
+// One unit, scratch xs [kChunk, D], h [kChunk, 2F], a [kChunk, F], o [kChunk, D], all float32.
+template <typename T>
+void run_unit(const Unit& u, int64_t D, int64_t F, const Rows<T>& io, const T* w_gate_up, const T* w_down,
               float* scratch) {
   const int64_t m = u.rows;
   float* xs = scratch;
   float* h = xs + kChunk * D;
   float* a = h + kChunk * 2 * F;
   float* o = a + kChunk * F;
-  for (int64_t i = 0; i < m * D; ++i) xs[i] = to_float(x[u.row * D + i]);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t src = io.order ? io.order[u.row + r] / io.k : u.row + r;
+    for (int64_t d = 0; d < D; ++d) xs[r * D + d] = to_float(io.x[src * D + d]);
+  }
   matmul(xs, D, w_gate_up + u.expert * D * 2 * F, 2 * F, m, D, 2 * F, h, 2 * F);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t f = 0; f < F; ++f) {
@@ -162,71 +186,164 @@ void run_unit(const Unit& u, int64_t D, int64_t F, const T* x, const T* w_gate_u
       a[r * F + f] = rounded<T>(g / (1.0f + std::exp(-g)) * up);
     }
   matmul(a, F, w_down + u.expert * F * D, D, m, F, D, o, D);
-  for (int64_t i = 0; i < m * D; ++i) y[u.row * D + i] = from_float<T>(o[i]);
+  for (int64_t r = 0; r < m; ++r) {
+    if (io.order) {
+      const int64_t c = io.order[u.row + r];
+      const float w = to_float(io.weights[c]);
+      for (int64_t d = 0; d < D; ++d) io.copies[c * D + d] = rounded<T>(o[r * D + d]) * w;
+    } else {
+      for (int64_t d = 0; d < D; ++d) io.y[(u.row + r) * D + d] = from_float<T>(o[r * D + d]);
+    }
+  }
 }
 
-struct Counter {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> busy{0};
-};
+// fn(i) for i in [0, n), spread over this thread and helpers on XLA's intra-op pool (fn runs concurrently: its
+// state must be per thread); returns when all are done. A helper that starts after the return finds the counter
+// spent and runs nothing.
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
+  struct Counter {
+    std::atomic<int64_t> next{0}, busy{0};
+  };
+  auto counter = std::make_shared<Counter>();
+  auto work = std::make_shared<std::function<void()>>([c = counter.get(), n, fn]() {
+    for (int64_t i; (i = c->next.fetch_add(1)) < n;) fn(i);
+  });
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t)
+    pool.Schedule([counter, work]() {
+      counter->busy.fetch_add(1);
+      (*work)();
+      counter->busy.fetch_sub(1);
+    });
+  (*work)();
+  while (counter->busy.load() != 0) std::this_thread::yield();
+}
+
+template <typename T>
+void run_units(ffi::ThreadPool& pool, const std::vector<Unit>& units, int64_t D, int64_t F, const Rows<T>& io,
+               const T* w_gate_up, const T* w_down) {
+  const size_t scratch = kChunk * (2 * D + 3 * F);
+  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
+    thread_local std::vector<float> buf;  // each thread's, kept between calls
+    if (buf.size() < scratch) buf.resize(scratch);
+    run_unit(units[i], D, F, io, w_gate_up, w_down, buf.data());
+  });
+}
+
+// The units of groups of the given sizes (negative: 0; clamped to `rows` in all), in order; returns the rows used.
+int64_t make_units(const int32_t* sizes, int64_t E, int64_t rows, std::vector<Unit>& units) {
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), rows - row);
+    for (int64_t i = 0; i < n; i += kChunk) units.push_back({e, row + i, std::min<int64_t>(kChunk, n - i)});
+    row += n;
+  }
+  return row;
+}
 
 template <typename T>
 void grouped(ffi::ThreadPool& pool, int64_t N, int64_t D, int64_t E, int64_t F, const T* x, const int32_t* sizes,
              const T* w_gate_up, const T* w_down, T* y) {
-  auto units = std::make_shared<std::vector<Unit>>();
-  int64_t row = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), N - row);
-    for (int64_t i = 0; i < n; i += kChunk) units->push_back({e, row + i, std::min<int64_t>(kChunk, n - i)});
-    row += n;
-  }
-  std::memset(static_cast<void*>(y + row * D), 0, sizeof(T) * (N - row) * D);  // padding rows
-  const int64_t scratch = kChunk * (2 * D + 3 * F);
-  auto counter = std::make_shared<Counter>();
-  // A helper that starts after this call returned finds the counter spent and touches no buffer.
-  auto work = [=](Counter* c) {
-    std::unique_ptr<float[]> s;
-    for (int64_t i; (i = c->next.fetch_add(1)) < int64_t(units->size());) {
-      if (!s) s.reset(new float[scratch]);
-      run_unit((*units)[i], D, F, x, w_gate_up, w_down, y, s.get());
+  std::vector<Unit> units;
+  const int64_t used = make_units(sizes, E, N, units);
+  std::memset(static_cast<void*>(y + used * D), 0, sizeof(T) * (N - used) * D);  // padding rows
+  run_units(pool, units, D, F, Rows<T>{x, nullptr, 1, nullptr, y, nullptr}, w_gate_up, w_down);
+}
+
+// out [Tn, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); ids >= E (or < 0): routed nowhere. `copies`
+// [Tn * k, D] float32 holds each copy's weighted output before the per-token sum (in j order).
+template <typename T>
+void grouped_fused(ffi::ThreadPool& pool, int64_t Tn, int64_t k, int64_t D, int64_t E, int64_t F, const T* x,
+                   const int32_t* ids, const T* weights, const T* w_gate_up, const T* w_down, T* out,
+                   float* copies) {
+  std::vector<int32_t> sizes(E, 0), order(Tn * k);
+  for (int64_t c = 0; c < Tn * k; ++c)
+    if (ids[c] >= 0 && ids[c] < E) ++sizes[ids[c]];
+  std::vector<int64_t> next(E, 0);
+  for (int64_t e = 1; e < E; ++e) next[e] = next[e - 1] + sizes[e - 1];
+  for (int64_t c = 0; c < Tn * k; ++c)  // a stable counting sort of the copies by expert
+    if (ids[c] >= 0 && ids[c] < E) order[next[ids[c]]++] = int32_t(c);
+  std::vector<Unit> units;
+  make_units(sizes.data(), E, Tn * k, units);
+  run_units(pool, units, D, F, Rows<T>{x, order.data(), k, weights, nullptr, copies}, w_gate_up, w_down);
+  constexpr int64_t kTokens = 16;  // tokens of a combine unit
+  parallel_for(pool, (Tn + kTokens - 1) / kTokens, [&](int64_t b) {
+    std::vector<float> acc(D);
+    for (int64_t t = b * kTokens; t < std::min(Tn, (b + 1) * kTokens); ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t c = t * k + j;
+        if (ids[c] < 0 || ids[c] >= E) continue;
+        for (int64_t d = 0; d < D; ++d) acc[d] += copies[c * D + d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] = from_float<T>(acc[d]);
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), int64_t(units->size())) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([counter, work]() {
-      counter->busy.fetch_add(1);
-      work(counter.get());
-      counter->busy.fetch_sub(1);
-    });
-  work(counter.get());
-  while (counter->busy.load() != 0) std::this_thread::yield();
+  });
+}
+
+struct Dims {
+  int64_t E, D, F;
+};
+
+// w_gate_up [E, D, 2, F], w_down [E, F, D], both of x's dtype; an error message or "" when they are
+const char* check_experts(ffi::AnyBuffer& w_gate_up, ffi::AnyBuffer& w_down, int64_t D, ffi::DataType t,
+                          Dims& dims) {
+  const auto gd = w_gate_up.dimensions(), dd = w_down.dimensions();
+  if (gd.size() != 4 || dd.size() != 3) return "moe_native: want w_gate_up [E, D, 2, F] and w_down [E, F, D]";
+  dims = {gd[0], gd[1], gd[3]};
+  if (gd[1] != D || gd[2] != 2 || dd[0] != dims.E || dd[1] != dims.F || dd[2] != D)
+    return "moe_native: shapes disagree (x [.., D], w_gate_up [E, D, 2, F], w_down [E, F, D])";
+  if (w_gate_up.element_type() != t || w_down.element_type() != t)
+    return "moe_native: x and the expert weights must share one dtype";
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return "moe_native: float32 or bfloat16 only";
+  return "";
+}
+
+template <typename T>
+const T* data(const ffi::AnyBuffer& b) {
+  return static_cast<const T*>(b.untyped_data());
 }
 
 ffi::Error GroupedSwiglu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes,
                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y) {
-  const auto xd = x.dimensions(), gd = w_gate_up.dimensions(), dd = w_down.dimensions();
-  if (xd.size() != 2 || gd.size() != 4 || dd.size() != 3 || group_sizes.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("moe_native: want x [N, D], group_sizes [E], w_gate_up [E, D, 2, F], "
-                                       "w_down [E, F, D]");
-  const int64_t N = xd[0], D = xd[1], E = gd[0], F = gd[3];
-  if (gd[1] != D || gd[2] != 2 || dd[0] != E || dd[1] != F || dd[2] != D || group_sizes.dimensions()[0] != E)
-    return ffi::Error::InvalidArgument("moe_native: shapes disagree (x [N, D], group_sizes [E], "
-                                       "w_gate_up [E, D, 2, F], w_down [E, F, D])");
-  const auto t = x.element_type();
-  if (w_gate_up.element_type() != t || w_down.element_type() != t || y->element_type() != t)
-    return ffi::Error::InvalidArgument("moe_native: x and the expert weights must share one dtype");
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || group_sizes.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("moe_native: want x [N, D] and group_sizes [E]");
+  Dims w;
+  if (const char* bad = check_experts(w_gate_up, w_down, xd[1], x.element_type(), w); *bad)
+    return ffi::Error::InvalidArgument(bad);
+  if (group_sizes.dimensions()[0] != w.E || y->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("moe_native: group_sizes [E] and y of x's dtype");
   const int32_t* gs = group_sizes.typed_data();
-  if (t == ffi::DataType::F32) {
-    grouped(pool, N, D, E, F, static_cast<const float*>(x.untyped_data()), gs,
-            static_cast<const float*>(w_gate_up.untyped_data()), static_cast<const float*>(w_down.untyped_data()),
+  if (x.element_type() == ffi::DataType::F32)
+    grouped(pool, xd[0], w.D, w.E, w.F, data<float>(x), gs, data<float>(w_gate_up), data<float>(w_down),
             static_cast<float*>(y->untyped_data()));
-  } else if (t == ffi::DataType::BF16) {
-    grouped(pool, N, D, E, F, static_cast<const bf16*>(x.untyped_data()), gs,
-            static_cast<const bf16*>(w_gate_up.untyped_data()), static_cast<const bf16*>(w_down.untyped_data()),
+  else
+    grouped(pool, xd[0], w.D, w.E, w.F, data<bf16>(x), gs, data<bf16>(w_gate_up), data<bf16>(w_down),
             static_cast<bf16*>(y->untyped_data()));
-  } else {
-    return ffi::Error::InvalidArgument("moe_native: float32 or bfloat16 only");
-  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedSwigluFused(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids,
+                              ffi::AnyBuffer weights, ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> copies) {
+  const auto xd = x.dimensions(), id = ids.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || weights.dimensions().size() != 2 ||
+      weights.dimensions()[0] != id[0] || weights.dimensions()[1] != id[1])
+    return ffi::Error::InvalidArgument("moe_native: want x [T, D], ids [T, k] and weights [T, k]");
+  Dims w;
+  if (const char* bad = check_experts(w_gate_up, w_down, xd[1], x.element_type(), w); *bad)
+    return ffi::Error::InvalidArgument(bad);
+  if (weights.element_type() != x.element_type() || out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("moe_native: weights and the output of x's dtype");
+  float* cp = copies->typed_data();
+  if (x.element_type() == ffi::DataType::F32)
+    grouped_fused(pool, xd[0], id[1], w.D, w.E, w.F, data<float>(x), ids.typed_data(), data<float>(weights),
+                  data<float>(w_gate_up), data<float>(w_down), static_cast<float*>(out->untyped_data()), cp);
+  else
+    grouped_fused(pool, xd[0], id[1], w.D, w.E, w.F, data<bf16>(x), ids.typed_data(), data<bf16>(weights),
+                  data<bf16>(w_gate_up), data<bf16>(w_down), static_cast<bf16*>(out->untyped_data()), cp);
   return ffi::Error::Success();
 }
 
@@ -240,3 +357,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_moe_grouped_swiglu, GroupedSwiglu,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_moe_grouped_swiglu_fused, GroupedSwigluFused,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

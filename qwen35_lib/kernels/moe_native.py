@@ -24,17 +24,17 @@ from qwen35_lib.kernels.moe_xla import moe_loop, moe_loop_fused
 from qwen35_lib.kernels.registry import register
 from qwen35_lib.weights import BlockFP8
 
-LIBRARY, HANDLER = "moe_native", "qwen35_moe_grouped_swiglu"
+LIBRARY, HANDLER, FUSED = "moe_native", "qwen35_moe_grouped_swiglu", "qwen35_moe_grouped_swiglu_fused"
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def native_target(x, w_gate_up, w_down) -> str | None:
-    """The handler's custom-call target where it takes these operands (None: `moe_loop` runs)."""
+def native_target(x, w_gate_up, w_down, handler: str = HANDLER) -> str | None:
+    """The handler's custom-call target where it takes these operands (None: the XLA loop runs)."""
     if any(isinstance(w, BlockFP8) for w in (w_gate_up, w_down)):
         return None
     if x.dtype not in DTYPES or w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         return None
-    return native.ffi_target(LIBRARY, HANDLER)
+    return native.ffi_target(LIBRARY, handler)
 
 
 @register("moe_matmul", "native")
@@ -48,6 +48,26 @@ def moe_native(x, group_sizes, w_gate_up, w_down, fp8_block=None):
     return jax.lax.platform_dependent(x, group_sizes.astype(jnp.int32), w_gate_up, w_down, cpu=call, default=xla)
 
 
-# Without the library, the XLA loop's fused form keeps its place at prefill sizes (`model.moe.routed_experts`).
-moe_native.fuses = lambda copies, num_experts: (native.load(LIBRARY) is None and moe_loop.fuses(copies, num_experts))
-moe_native.fused = moe_loop_fused
+def moe_native_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_block=None):
+    """Dispatch, grouped matmul and combine in one call: the routed experts' output [T, D] from the tokens x [T, D],
+    their expert ids [T, k] and routing weights [T, k] (ids >= the expert count: routed nowhere), as
+    `moe_xla.moe_loop_fused` computes it. The handler sorts the copies itself (a counting sort of [T*k] ids),
+    gathers each unit's rows as it converts them, and writes each copy's weighted output to a float32 [T*k, D]
+    buffer (the call's second result, dropped) that a last pass sums per token in slot order. No sorted copies of
+    the rows in XLA, no scatter. Where the handler does not take the operands, `moe_loop_fused` runs."""
+    target = native_target(x, w_gate_up, w_down, FUSED)
+    xla = lambda x, ids, weights, wgu, wd: moe_loop_fused(x, ids, weights, num_groups, wgu, wd, fp8_block)
+    if target is None:
+        return xla(x, ids, weights, w_gate_up, w_down)
+    T, k = ids.shape
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((T * k, x.shape[1]), jnp.float32))
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+    return jax.lax.platform_dependent(x, ids.astype(jnp.int32), weights.astype(x.dtype), w_gate_up, w_down,
+                                      cpu=lambda *a: call(*a)[0], default=xla)
+
+
+# `model.moe.routed_experts` runs the fused form wherever the library is built (every size: at 8 tokens it saves the
+# XLA dispatch and combine too); without it, the XLA loop's fused form where the loop fuses (prefill sizes).
+moe_native.fuses = lambda copies, num_experts: (native.load(LIBRARY) is not None
+                                                or moe_loop.fuses(copies, num_experts))
+moe_native.fused = moe_native_fused

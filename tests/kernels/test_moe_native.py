@@ -1,6 +1,7 @@
 """kernels.moe_native: the C++ grouped SwiGLU against per-row math (empty groups, padding rows, groups longer than a
-work unit, widths that are not whole vectors), in float32 and bfloat16; the MoE layer against the dense reference;
-where it cannot run (FP8 experts, mixed dtypes) the XLA loop runs instead."""
+work unit, widths that are not whole vectors), in float32 and bfloat16; its fused form (dispatch and combine
+inside) against the XLA fused loop; the MoE layer against the dense reference; where it cannot run (FP8 experts,
+mixed dtypes) the XLA loop runs instead."""
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,26 @@ def test_the_native_handler_is_what_runs():
     x, sizes = jnp.ones((8, 16)), jnp.array([8, 0], jnp.int32)
     hlo = kernel.lower(x, sizes, jnp.ones((2, 16, 2, 16)), jnp.ones((2, 16, 16))).as_text()
     assert moe_native.HANDLER in hlo
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [1, 8, 130])  # 130 tokens x top-3 over 4 experts: groups past one work unit
+def test_fused_equals_the_xla_fused_loop(T, dtype):
+    """Dispatch, grouped matmul and combine in one handler, against `moe_loop_fused`; tokens routed nowhere (id E:
+    the engine's padding tokens) contribute 0."""
+    E, D, F, k = 4, 48, 24, 3
+    kx, ki, kw, kg, kd = jax.random.split(jax.random.key(T), 5)
+    x = jax.random.normal(kx, (T, D)).astype(dtype)
+    ids = jax.random.randint(ki, (T, k), 0, E + 1)  # E: routed nowhere
+    weights = jax.random.uniform(kw, (T, k)).astype(dtype)
+    wgu = (jax.random.normal(kg, (E, D, 2, F)) / np.sqrt(D)).astype(dtype)
+    wd = (jax.random.normal(kd, (E, F, D)) / np.sqrt(F)).astype(dtype)
+    run = lambda f: jax.jit(f, static_argnums=3)(x, ids, weights, E + 1, wgu, wd)
+    got, want = run(moe_native.moe_native_fused), run(moe_xla.moe_loop_fused)
+    assert got.dtype == x.dtype and moe_native.FUSED in jax.jit(moe_native.moe_native_fused, static_argnums=3).lower(
+        x, ids, weights, E + 1, wgu, wd).as_text()
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
 @pytest.fixture(scope="module")
