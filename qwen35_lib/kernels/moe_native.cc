@@ -12,7 +12,7 @@
 // to float32) and runs two register-blocked matmuls straight from the expert's weights (each touched expert read
 // in place, once per chunk):
 //   h [m, 2F] = x_rows [m, D] @ w_gate_up[e]  (float32 accumulators)
-//   a [m, F] = silu(h_gate) * h_up, rounded to x's dtype (as moe_xla's _swiglu)
+//   a [m, F] = silu(h_gate) * h_up (a vectorised exp), rounded to x's dtype (as moe_xla's _swiglu)
 //   y_rows [m, D] = a @ w_down[e], rounded to x's dtype
 // Sorted: rows past the sum of the group sizes (padding) are written 0. Fused: each copy's rounded output times
 // its routing weight goes to its row of `copies`; a second parallel pass sums each token's k rows in slot order
@@ -83,6 +83,44 @@ inline v16 load16(const bf16* p) {
   v16 v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp of 16 floats (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), inputs clamped to
+// +-88.3 (exp's float range): the SwiGLU's sigmoid over whole vectors instead of one libm call per element
+inline v16 exp16(v16 x) {
+  x = x > 88.3762626647949f ? v16{} + 88.3762626647949f : x;
+  x = x < -88.3762626647949f ? v16{} - 88.3762626647949f : x;
+  const v16 t = x * 1.44269504088896341f + 0.5f;
+  v16 n = __builtin_convertvector(__builtin_convertvector(t, i32x16), v16);  // toward zero, then floor:
+  n = n > t ? n - 1.0f : n;
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 y = v16{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const i32x16 scale = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
+  v16 two_n;
+  std::memcpy(&two_n, &scale, sizeof two_n);
+  return y * two_n;
+}
+
+// a[F] = silu(h[:F]) * h[F:], rounded to T
+template <typename T>
+void swiglu(const float* h, int64_t F, float* a) {
+  int64_t f = 0;
+  for (; f + 16 <= F; f += 16) {
+    const v16 g = load16(h + f), up = load16(h + F + f);
+    const v16 out = g / (1.0f + exp16(-g)) * up;
+    std::memcpy(a + f, &out, sizeof out);
+  }
+  for (; f < F; ++f) a[f] = h[f] / (1.0f + std::exp(-h[f])) * h[F + f];
+  if constexpr (!std::is_same_v<T, float>)
+    for (f = 0; f < F; ++f) a[f] = rounded<T>(a[f]);
 }
 
 // C[MR, 16 NV] = A[MR, K] @ B[K, 16 NV]; A float32, B float32 or bfloat16; row strides lda, ldb, ldc
@@ -180,11 +218,7 @@ void run_unit(const Unit& u, int64_t D, int64_t F, const Rows<T>& io, const T* w
     for (int64_t d = 0; d < D; ++d) xs[r * D + d] = to_float(io.x[src * D + d]);
   }
   matmul(xs, D, w_gate_up + u.expert * D * 2 * F, 2 * F, m, D, 2 * F, h, 2 * F);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t f = 0; f < F; ++f) {
-      const float g = h[r * 2 * F + f], up = h[r * 2 * F + F + f];
-      a[r * F + f] = rounded<T>(g / (1.0f + std::exp(-g)) * up);
-    }
+  for (int64_t r = 0; r < m; ++r) swiglu<T>(h + r * 2 * F, F, a + r * F);
   matmul(a, F, w_down + u.expert * F * D, D, m, F, D, o, D);
   for (int64_t r = 0; r < m; ++r) {
     if (io.order) {
