@@ -64,6 +64,7 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
 
     from qwen35_lib.engine.batch import SeqWork, bucket, pack, stack_ranks
     from qwen35_lib.engine.engine import Engine, EngineConfig, engine_step
+    from qwen35_lib.model.layer_loop import prepare_weights
 
     cases = cases or default_cases()
     longest = max(max(c.decode_ctx, default=0) for c in cases) + max(sum(n for n, _ in c.chunks) for c in cases)
@@ -91,10 +92,12 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
                     position=np.zeros((1, S), np.int32))
         inputs.append((case, D, T, tokens, meta, samp))
 
+    step_weights = prepare_weights(eng.config, eng.weights, eng.plan)  # the form the engine's step takes
+
     def run(i: int) -> float:
         _, _, _, tokens, meta, samp = inputs[i]
         t = time.perf_counter()
-        out, eng.cache = engine_step(eng.config, eng.plan, eng.weights, eng.cache, tokens, meta, samp)
+        out, eng.cache = engine_step(eng.config, eng.plan, step_weights, eng.cache, tokens, meta, samp)
         jax.block_until_ready(out)
         return time.perf_counter() - t
 
