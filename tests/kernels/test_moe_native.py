@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import get, moe_native, moe_xla, native, registry
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
@@ -82,14 +81,6 @@ def test_fused_equals_the_xla_fused_loop(T, dtype):
         x, ids, weights, E + 1, wgu, wd).as_text()
     tol = 1e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-
-
-@pytest.fixture(scope="module")
-def tiny_moe():
-    cfg = get_config("qwen3.5-tiny", dtype="float32")
-    w = jax.tree.map(lambda a: a[0, 0], init_weights(cfg, 3)["layers"]["moe"])
-    w["router"] = w["router"] * 50  # sharper routing: some experts get no tokens
-    return cfg, w
 
 
 moe_block = jax.jit(lambda cfg, w, x, plan: moe.moe_block(cfg, w, x, parallelism(plan)), static_argnums=(0, 3))

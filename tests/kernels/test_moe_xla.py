@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import get, moe_xla
 from qwen35_lib.kernels.permute_xla import combine_xla, dispatch_xla
 from qwen35_lib.model import moe
@@ -19,14 +18,6 @@ moe_block = jax.jit(lambda cfg, w, x, plan=SINGLE: moe.moe_block(cfg, w, x, para
 
 
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_moe():
-    cfg = get_config("qwen3.5-tiny", dtype="float32")
-    w = jax.tree.map(lambda a: a[0, 0], init_weights(cfg, 3)["layers"]["moe"])
-    w["router"] = w["router"] * 50  # sharper routing: some experts get no tokens
-    return cfg, w
 
 
 @pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
