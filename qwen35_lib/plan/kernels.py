@@ -22,7 +22,8 @@ KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matm
 # except the MoE's, chosen from `bench engine --moe-kernel` side by side: `loop` over `capacity` (decode step 70.6 ->
 # 45.7 ms), then `native` (the C++ handler, `kernels/moe_native.py`; `loop` where it cannot be built) over `loop`
 # (qwen3.5-mini 1k/1k N=8, float32: decode step 50.2 -> 22.3 ms, prefill step 387.7 -> 326.1 ms). The stored file
-# predates both and still names `capacity`; rerun `bench kernels --write-choice` to refresh it.
+# (2026-12-04) names `native` overall; in bfloat16 at 512 and 4,096 tokens XLA's batched `capacity` beat it on
+# pre-sorted rows (54 vs 87 ms at 4,096), which the engine's fused path does not run.
 BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
     "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "native", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
