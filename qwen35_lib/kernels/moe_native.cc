@@ -175,6 +175,19 @@ void matmul(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t M, int
   const int64_t n16 = N / 16 * 16;
   for (int64_t n = 0; n < n16; n += 16 * kVecs) {
     const int nv = int(std::min<int64_t>(kVecs, (n16 - n) / 16));
+    if (!std::is_same_v<W, float> && M > kRows) {  // bf16: the panel converted once, not once per row block
+      thread_local std::vector<float> panel;
+      panel.resize(K * 16 * nv);
+      for (int64_t k = 0; k < K; ++k)
+        for (int j = 0; j < nv; ++j) {
+          const v16 b = load16(B + k * ldb + n + 16 * j);
+          std::memcpy(&panel[(k * nv + j) * 16], &b, sizeof b);
+        }
+      for (int64_t m = 0; m < M; m += kRows)
+        pick<float>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, panel.data(), 16 * nv, K,
+                                                              C + m * ldc + n, ldc);
+      continue;
+    }
     for (int64_t m = 0; m < M; m += kRows)
       pick<W>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, B + n, ldb, K, C + m * ldc + n, ldc);
   }
