@@ -154,6 +154,8 @@ def checkpoint_name(value: str | None, root: pathlib.Path | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
+
     from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 
     # 1. Everything that needs no weights first, so bad input fails before a long load.
@@ -207,10 +209,11 @@ def run(args: argparse.Namespace) -> int:
             item["text"] = tokenizer.decode(r.output_ids)
         requests.append(item)
     out_tokens = sum(len(r.output_ids) for r in results)
+    kv_pools = engine.cache.get("kv")  # a stacked pool, or per-layer ones (`model.layer_loop`)
     doc = dict(
         requests=requests, model=config.name, checkpoint=str(root) if root else None, dtype=config.dtype,
-        expert_dtype=config.expert_dtype or config.dtype, kv_cache_dtype=str(engine.cache["kv"].dtype)
-        if "kv" in engine.cache else None,
+        expert_dtype=config.expert_dtype or config.dtype, kv_cache_dtype=None if kv_pools is None
+        else str(jax.tree.leaves(kv_pools)[0].dtype),
         layout=args.layout, devices=1 if mesh is None else int(mesh.devices.size), routing=args.routing,
         fuse_allgather=args.fuse_allgather,
         hierarchical_rs=args.hierarchical_rs, eos_token_ids=list(config.eos_token_ids),

@@ -26,7 +26,7 @@ from qwen35_lib.engine.cache import (
 from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.model.decoder import check_weights
-from qwen35_lib.model.layer_loop import prepare_weights
+from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
@@ -140,8 +140,8 @@ class Engine:
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
                                       num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
-        if self.mesh is None:
-            self.cache = init_cache(config, self.cache_shape)
+        if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
+            self.cache = per_layer_cache(config, init_cache(config, self.cache_shape), plan)
         else:  # each device allocates only its own shards
             shardings = cache_shardings(config, plan, self.cache_shape, mesh)
             self.cache = jax.jit(partial(init_cache, config, self.cache_shape), out_shardings=shardings)()

@@ -145,7 +145,7 @@ def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
     return o.astype(v.dtype), S
 
 
-def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
+def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None):
     """The delta rule over one rank's flat ragged tokens, with per-sequence state slots.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv] (0 at padding); states: [NS, Hv, dk, dv] (slot 0: null).
@@ -155,6 +155,8 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
     - tokens [D, T) hold the other sequences' chunks, each starting at a multiple of C (so a C-chunk never
       spans two sequences): the chunked form, as one scan over all chunks whose state is reloaded from the
       slot (or zeroed, for a sequence's first step) at each sequence's first chunk, and stored after its last.
+    `decode` (default `gdn_decode_xla`) runs the decode region: another implementation of its protocol
+    (`gdn_native`'s handler) replaces it, the prefill region staying XLA's.
     Returns (o [T, Hv, dv] in v's dtype, states).
     """
     C = chunk_size
@@ -169,12 +171,11 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
 
     # 1. decode region: one recurrent step per sequence
     dseq = meta.decode_seq  # [D], -1 for padding
-    dq, dk_, dv, dg, db = (x[:D, None] for x in (q, k, v, g, beta))  # [D, 1, ...] as batch of 1-token rows
-    o_dec, S_dec = gdn_recurrent(dq, dk_, dv, dg, db, seq_state(dseq))  # [D, 1, Hv, dv], [D, Hv, dk, dv]
-    dslot = jnp.where(dseq >= 0, meta.slot[jnp.clip(dseq, 0)], 0)
-    states = states.at[dslot].set(S_dec.astype(states.dtype))
+    dslot = jnp.where(dseq >= 0, meta.slot[jnp.clip(dseq, 0)], -1)  # [D], -1: padding
+    start = (dseq >= 0) & ~fresh[jnp.clip(dseq, 0)]  # [D]: continues from its slot (else from zero)
+    o_dec, states = (decode or gdn_decode_xla)(*(x[:D] for x in (q, k, v, g, beta)), dslot, start, states)
     if T == D:
-        return o_dec[:, 0].astype(v.dtype), states
+        return o_dec.astype(v.dtype), states
 
     # 2. prefill region: chunks aligned to sequences
     n = (T - D) // C
@@ -198,7 +199,19 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64):
     states = states.at[pslot].set(S_after.astype(states.dtype))
     Hv, dv = o_pre.shape[1], o_pre.shape[3]
     o_pre = jnp.swapaxes(o_pre, 1, 2).reshape(T - D, Hv, dv)  # [n, Hv, C, dv] -> [T-D, Hv, dv]
-    return jnp.concatenate([o_dec[:, 0], o_pre]).astype(v.dtype), states
+    return jnp.concatenate([o_dec.astype(o_pre.dtype), o_pre]).astype(v.dtype), states
+
+
+def gdn_decode_xla(q, k, v, g, beta, slot, start, states):
+    """One recurrent step per row from its state slot: the decode region of `gdn_ragged_xla`.
+
+    q, k [D, Hk, dk]; v [D, Hv, dv]; g, beta [D, Hv]; slot [D] (-1: a padding row, written to the null slot 0);
+    start [D] bool (False, or a padding row: starts from a zero state); states [NS, Hv, dk, dv].
+    Returns (o [D, Hv, dv] float32, states with each row's new state in its slot).
+    """
+    S0 = jnp.where((start & (slot >= 0))[:, None, None, None], states[jnp.maximum(slot, 0)].astype(jnp.float32), 0.0)
+    o, S = gdn_recurrent(*(x[:, None] for x in (q, k, v, g, beta)), S0)  # [D, 1, Hv, dv], [D, Hv, dk, dv]
+    return o[:, 0], states.at[jnp.maximum(slot, 0)].set(S.astype(states.dtype))
 
 
 register("gdn", "xla")(GdnKernels(dense=gdn_xla, ragged=gdn_ragged_xla))

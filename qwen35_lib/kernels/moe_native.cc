@@ -19,23 +19,21 @@
 // (deterministic) and rounds the sum to x's dtype once.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "native_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;  // bfloat16 bits
+using qwen35::bf16;
+using qwen35::to_float;
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one AVX-512 register, two AVX2 ones
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -43,14 +41,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int kRows = 6;        // rows of a register block
 constexpr int kVecs = 4;        // 16-float vectors of a register block: 6 x 64 accumulators
 constexpr int64_t kChunk = 96;  // rows of a work unit
-
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) {
-  const uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 inline bf16 round_bf16(float f) {  // round to nearest even, as XLA's convert
   uint32_t u;
@@ -244,34 +234,11 @@ void run_unit(const Unit& u, int64_t D, int64_t F, const Rows<T>& io, const T* w
   }
 }
 
-// fn(i) for i in [0, n), spread over this thread and helpers on XLA's intra-op pool (fn runs concurrently: its
-// state must be per thread); returns when all are done. A helper that starts after the return finds the counter
-// spent and runs nothing.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct Counter {
-    std::atomic<int64_t> next{0}, busy{0};
-  };
-  auto counter = std::make_shared<Counter>();
-  auto work = std::make_shared<std::function<void()>>([c = counter.get(), n, fn]() {
-    for (int64_t i; (i = c->next.fetch_add(1)) < n;) fn(i);
-  });
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t)
-    pool.Schedule([counter, work]() {
-      counter->busy.fetch_add(1);
-      (*work)();
-      counter->busy.fetch_sub(1);
-    });
-  (*work)();
-  while (counter->busy.load() != 0) std::this_thread::yield();
-}
-
 template <typename T>
 void run_units(ffi::ThreadPool& pool, const std::vector<Unit>& units, int64_t D, int64_t F, const Rows<T>& io,
                const T* w_gate_up, const T* w_down) {
   const size_t scratch = kChunk * (2 * D + 3 * F);
-  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
+  qwen35::parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
     thread_local std::vector<float> buf;  // each thread's, kept between calls
     if (buf.size() < scratch) buf.resize(scratch);
     run_unit(units[i], D, F, io, w_gate_up, w_down, buf.data());
@@ -315,7 +282,7 @@ void grouped_fused(ffi::ThreadPool& pool, int64_t Tn, int64_t k, int64_t D, int6
   make_units(sizes.data(), E, Tn * k, units);
   run_units(pool, units, D, F, Rows<T>{x, order.data(), k, weights, nullptr, copies}, w_gate_up, w_down);
   constexpr int64_t kTokens = 16;  // tokens of a combine unit
-  parallel_for(pool, (Tn + kTokens - 1) / kTokens, [&](int64_t b) {
+  qwen35::parallel_for(pool, (Tn + kTokens - 1) / kTokens, [&](int64_t b) {
     std::vector<float> acc(D);
     for (int64_t t = b * kTokens; t < std::min(Tn, (b + 1) * kTokens); ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);

@@ -2,7 +2,8 @@
 machine's C++ compiler and cached, then registered with XLA as custom-call targets for the CPU.
 
 Why: XLA:CPU runs the MoE's few-row expert matmuls at about half the memory bandwidth and copies every gathered
-expert before its dot (`moe_xla.moe_loop`); a handler reads the touched experts in place (see `moe_native.cc`).
+expert before its dot (`moe_xla.moe_loop`); a handler reads the touched experts in place (see `moe_native.cc`). Its
+batched matrix-vector products of the GDN decode step are slow too (`gdn_native.cc`).
 
 - The library is built with `$CXX` (default `g++`, else `c++`), `-O3 -march=native` against jaxlib's FFI headers,
   into `$QWEN35_NATIVE_CACHE` (default `~/.cache/qwen35_lib/native`), under a name that hashes the source, the
@@ -54,10 +55,12 @@ def _cpu_flags() -> str:
 
 
 def library_path(name: str, cxx: str) -> Path:
-    """Where the build of `kernels/<name>.cc` with `cxx` lives in the cache (the name hashes all its inputs)."""
+    """Where the build of `kernels/<name>.cc` with `cxx` lives in the cache (the name hashes all its inputs, the
+    shared headers `kernels/*.h` included)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in ((SOURCE_DIR / f"{name}.cc").read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]  # what the sources include
+    for part in ((SOURCE_DIR / f"{name}.cc").read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(),
                  jax.__version__.encode(), _cpu_flags().encode()):
         key.update(part + b"\0")
     return cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"

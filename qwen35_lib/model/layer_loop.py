@@ -7,6 +7,11 @@ weights as their own arguments, 47 ms sliced inside jit, 62 ms in a scan; `bench
 sliced once outside jit, are read in place. On a TPU the scan's slices are free and it keeps the HLO one group
 long (the 60-layer 397B compiles once per group body), so TPU programs and ahead-of-time compiles keep the scan.
 
+The caches follow the weights: where `unrolled`, each stacked pool [G, n, ...] (`engine.cache`) is split once into
+per-layer buffers (`per_layer_cache`), so a layer's slot and page updates are in-place scatters into its own donated
+buffer; a stacked pool is sliced per layer, and XLA:CPU copies each slice out and writes it back (a GDN layer's state
+pool, qwen3.5-mini at 8 slots: 1.2 MB each way, every decode step).
+
 Weight forms (`weights["layers"]`):
 - stacked (the checkpoint's tree, `weights.abstract_weights`): leaves [G, n, ...] (n layers of a kind per group);
 - per-layer (`per_layer_weights`): a tuple of G groups, each a tuple of `len(layer_pattern)` `LayerWeights`.
@@ -71,6 +76,15 @@ def per_layer_weights(cfg: Config, weights: dict) -> dict:
 def _split(cfg: Config, layers: dict) -> tuple:
     """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer)."""
     return tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
+
+
+def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dict:
+    """The cache form `unrolled(cfg, plan)` wants: each stacked pool [G, n, ...] as G tuples of n per-layer arrays
+    (copies, made once: call it on a fresh cache), else `cache` as given."""
+    if not unrolled(cfg, plan):
+        return cache
+    split = lambda a: tuple(tuple(a[g, i] for i in range(a.shape[1])) for g in range(a.shape[0]))
+    return {name: pool if is_per_layer(pool) else split(pool) for name, pool in cache.items()}
 
 
 _CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, layer_pattern, per-layer groups)

@@ -34,6 +34,18 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
     h = weights["embed"][tokens]  # [R, T, D]
     valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
 
+    def get(cache, name, gi, i):  # layer [gi, i]'s pool: its own buffer (per-layer cache) or a stacked slice
+        pool = cache[name]
+        return pool[gi][i] if is_per_layer(pool) else pool[gi, i]
+
+    def put(cache, name, gi, i, value):
+        pool = cache[name]
+        if is_per_layer(pool):
+            pool = tuple(tuple(value if (g, j) == (gi, i) else a for j, a in enumerate(row))
+                         for g, row in enumerate(pool))
+            return dict(cache, **{name: pool})
+        return dict(cache, **{name: pool.at[gi, i].set(value)})
+
     def group(h, cache, layers, gi):
         """Group gi's layers; each reads and writes its own cache entry [gi, i] in place."""
         i_gdn = i_attn = 0
@@ -41,19 +53,21 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
             if kind == LINEAR:
                 def mixer(w, x, i=i_gdn):
                     nonlocal cache
-                    layer = {n: cache[n][gi, i] for n in ("conv_q", "conv_k", "conv_v", "state")}
+                    layer = {n: get(cache, n, gi, i) for n in ("conv_q", "conv_k", "conv_v", "state")}
                     x, layer = gdn_ragged_block(cfg, w, x, meta, layer, parallelism)
-                    cache = dict(cache, **{n: cache[n].at[gi, i].set(layer[n]) for n in layer})
+                    for n in layer:
+                        cache = put(cache, n, gi, i, layer[n])
                     return x
                 i_gdn += 1
             else:
                 def mixer(w, x, i=i_attn):
                     nonlocal cache
-                    scales = cache["kv_scale"][gi, i] if "kv_scale" in cache else None
-                    x, kv, scales = attention_ragged_block(cfg, w, x, meta, cache["kv"][gi, i], scales, parallelism)
-                    cache = dict(cache, kv=cache["kv"].at[gi, i].set(kv))
+                    scales = get(cache, "kv_scale", gi, i) if "kv_scale" in cache else None
+                    kv = get(cache, "kv", gi, i)
+                    x, kv, scales = attention_ragged_block(cfg, w, x, meta, kv, scales, parallelism)
+                    cache = put(cache, "kv", gi, i, kv)
                     if scales is not None:
-                        cache["kv_scale"] = cache["kv_scale"].at[gi, i].set(scales)
+                        cache = put(cache, "kv_scale", gi, i, scales)
                     return x
                 i_attn += 1
             h = residual_layer(cfg, parallelism, lw, h, mixer, valid)

@@ -2,15 +2,17 @@
 implementation of every slot ("auto"). The implementations themselves register in `qwen35_lib.kernels.registry`,
 which reads these tables.
 
-| family   | attention | gdn  | moe_matmul                              | permute |
-|----------|-----------|------|-----------------------------------------|---------|
-| `xla`    | xla       | xla  | `native` on CPU, `ragged_dot` elsewhere | xla     |
-| `pallas` | pallas    | pallas | pallas                                | pallas  |
+| family   | attention | gdn                              | moe_matmul                              | permute |
+|----------|-----------|----------------------------------|-----------------------------------------|---------|
+| `xla`    | xla       | `native` on CPU, `xla` elsewhere | `native` on CPU, `ragged_dot` elsewhere | xla     |
+| `pallas` | pallas    | pallas                           | pallas                                  | pallas  |
 
-The one slot that is not XLA code in the `xla` family: on the CPU the MoE's grouped matmul is `native`, a C++ XLA FFI
-handler (`qwen35_lib/kernels/moe_native.py`) that XLA calls like any op; where it cannot be built it runs the XLA
-`loop`. XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each expert, which
-no formulation in XLA ops avoided (the `moe_xla` docstrings).
+Where the `xla` family is not XLA code: on the CPU two C++ XLA FFI handlers that XLA calls like any op, each
+running its XLA twin where it cannot be built. The MoE's grouped matmul is `native` (`kernels/moe_native.py`;
+else the XLA `loop`): XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each
+expert, which no formulation in XLA ops avoided (the `moe_xla` docstrings). The GDN's decode step is `native`
+(`kernels/gdn_native.py`; its prefill chunks stay XLA's): XLA:CPU's batched matrix-vector products over the state
+cost about ten passes over it.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matm
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
 # except the MoE's, chosen from `bench engine --moe-kernel` side by side: `loop` over `capacity` (decode step 70.6 ->
 # 45.7 ms), then `native` (the C++ handler, `kernels/moe_native.py`; `loop` where it cannot be built) over `loop`
-# (qwen3.5-mini 1k/1k N=8, float32: decode step 50.2 -> 22.3 ms, prefill step 387.7 -> 326.1 ms). The stored file
+# (qwen3.5-mini 1k/1k N=8, float32: decode step 50.2 -> 22.3 ms, prefill step 387.7 -> 326.1 ms); the GDN's
+# `native` (its decode step a C++ handler, `kernels/gdn_native.py`) over `xla` from the engine's compiled decode
+# step alone (bench engine's configuration at 8 sequences: 21.5 -> 20.1 ms, 19.4 with `model.layer_loop`'s per-layer
+# caches, which the handler updates in place). The stored file
 # (2026-12-04) names `native` overall; in bfloat16 at 512 and 4,096 tokens XLA's batched `capacity` beat it on
 # pre-sorted rows (54 vs 87 ms at 4,096), which the engine's fused path does not run.
 BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "native", "permute": "xla"},
+    "cpu": {"attention": "xla", "gdn": "native", "moe_matmul": "native", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
     "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
@@ -46,8 +51,9 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
         import jax
 
         backend = jax.default_backend()
-    moe = "native" if backend == "cpu" else "ragged_dot"
-    return {f: (moe if slot == "moe_matmul" else "xla") for slot, f in KERNEL_FIELDS.items()}
+    cpu = backend == "cpu"
+    native = {"moe_matmul": "native" if cpu else "ragged_dot", "gdn": "native" if cpu else "xla"}
+    return {f: native.get(slot, "xla") for slot, f in KERNEL_FIELDS.items()}
 
 
 __all__ = ["BACKEND_DEFAULTS", "KERNEL_FIELDS", "FAMILIES", "SLOTS", "family_kernels"]

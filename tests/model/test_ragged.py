@@ -8,6 +8,7 @@ import pytest
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
 from qwen35_lib.engine.cache import CacheShape, init_cache
+from qwen35_lib.model import layer_loop
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE
@@ -26,11 +27,15 @@ def tiny():
     return cfg, w, A, B, ref
 
 
-def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE):
+def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE, per_layer=False):
     """A: a 100-token prompt in chunks of 70 and 30 (the second starts mid-sequence, next to a decode of B);
-    B: a 5-token prompt then decodes; then both decode (under the one-device `plan`: its kernels). Returns
-    [(logits, sequence, position)]."""
+    B: a 5-token prompt then decodes; then both decode (under the one-device `plan`: its kernels). per_layer: the
+    weights and caches in their per-layer form (the CPU engine's, `model.layer_loop`), else stacked (the scan).
+    Returns [(logits, sequence, position)]."""
     cache = init_cache(cfg, CacheShape(**SHAPE, kv_dtype=kv_dtype))
+    if per_layer:
+        w, cache = layer_loop.prepare_weights(cfg, w, plan), layer_loop.per_layer_cache(cfg, cache, plan)
+        assert layer_loop.is_per_layer(w["layers"]) and all(map(layer_loop.is_per_layer, cache.values()))
     pages = {"A": list(range(1, 16)), "B": list(range(16, 20))}
     seqs = {"A": A, "B": B}
     slots = {"A": 1, "B": 2}
@@ -46,10 +51,19 @@ def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE):
     return out
 
 
-def test_ragged_step_matches_forward(tiny):
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_ragged_step_matches_forward(tiny, per_layer):
     cfg, w, A, B, ref = tiny
-    for logits, name, pos in run_schedule(cfg, w, A, B):
+    for logits, name, pos in run_schedule(cfg, w, A, B, per_layer=per_layer):
         np.testing.assert_allclose(logits, ref[name][pos], atol=2e-6)  # float32; same math, other order
+
+
+def test_per_layer_pools_equal_the_stacked_ones_with_an_fp8_cache(tiny):
+    """The per-layer form carries the FP8 cache's scales too: the same logits as the stacked pools."""
+    cfg, w, A, B, _ = tiny
+    stacked = run_schedule(cfg, w, A, B, "float8_e4m3fn")
+    for (got, *_), (want, *_) in zip(run_schedule(cfg, w, A, B, "float8_e4m3fn", per_layer=True), stacked):
+        np.testing.assert_allclose(got, want, atol=2e-6)
 
 
 def test_fp8_kv_cache_stays_close(tiny):

@@ -9,6 +9,8 @@ from qwen35_lib.plan import kernels as plan_kernels
 def test_kernel_families_per_backend():
     assert plan_lib.family_kernels("xla", "cpu")["moe_kernel"] == "native"
     assert plan_lib.family_kernels("xla", "tpu")["moe_kernel"] == "ragged_dot"
+    assert plan_lib.family_kernels("xla", "cpu")["gdn_kernel"] == "native"
+    assert plan_lib.family_kernels("xla", "tpu")["gdn_kernel"] == "xla"
     assert set(plan_lib.family_kernels("pallas", "cpu").values()) == {"pallas"}
     assert set(plan_lib.family_kernels("xla", "tpu")) == set(plan_kernels.KERNEL_FIELDS.values())
     with pytest.raises(ValueError, match="kernel family"):

@@ -1,0 +1,161 @@
+// One decode step of the gated delta rule on the CPU, as an XLA FFI handler (qwen35_lib/kernels/gdn_native.py
+// calls it): the recurrent form of kernels/gdn_xla.py for one token per row, reading and writing each row's
+// state slot in place.
+//
+// qwen35_gdn_decode:
+//   q, k [D, Hk, dk] and v [D, Hv, dv] (float32 or bfloat16: the conv outputs, before the L2 norm);
+//   g, beta [D, Hv] float32; slot [D] int32 (< 0: a padding row); start [D] int32 (0: the row starts from a zero
+//   state, its sequence's first token; else from its slot); states [NS, Hv, dk, dv] float32
+//   -> o [D, Hv, dv] float32, and states (the input buffer, aliased) with each real row's new state in its slot.
+// Per row and value head h (key head h / (Hv / Hk)), in float32:
+//   q' = q / |q| dk^-1/2, k' = k / |k| (|x| = sqrt(sum x^2 + 1e-6)); S = e^g S; S += k' (beta (v - S^T k'));
+//   o = S^T q'.
+// Two passes over the dk x dv state (it stays in L1): S^T k' of the decayed state, then the update and o.
+// Padding rows start from a zero state, as in the XLA form, and write no slot (the XLA form writes the null one).
+// Rows must name distinct slots (the engine gives each running sequence its own).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "native_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using qwen35::bf16;
+using qwen35::to_float;
+
+// x[0:n] as float32, divided by its norm (sqrt(sum x^2 + 1e-6)) and scaled
+template <typename T>
+void l2_normed(const T* x, int64_t n, float scale, float* out) {
+  float ss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = to_float(x[i]);
+    ss += out[i] * out[i];
+  }
+  const float inv = scale / std::sqrt(ss + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+}
+
+struct Dims {
+  int64_t D, Hk, Hv, dk, dv, NS;
+};
+
+// row r, value head h; scratch: kn, qn [dk], kv, u [dv], a padding row's state [dk, dv]
+template <typename T>
+void head_step(const Dims& d, int64_t r, int64_t h, const T* q, const T* k, const T* v, const float* g,
+               const float* beta, const int32_t* slot, const int32_t* start, float* states, float* o,
+               float* scratch) {
+  const int64_t dk = d.dk, dv = d.dv, kh = h / (d.Hv / d.Hk);
+  float* out = o + (r * d.Hv + h) * dv;
+  const bool pad = slot[r] < 0, from_slot = !pad && start[r];
+  float* kn = scratch;
+  float* qn = kn + dk;
+  float* kv = qn + dk;
+  float* u = kv + dv;
+  l2_normed(k + (r * d.Hk + kh) * dk, dk, 1.0f, kn);
+  l2_normed(q + (r * d.Hk + kh) * dk, dk, 1.0f / std::sqrt(float(dk)), qn);
+  float* S = pad ? u + dv : states + (int64_t(slot[r]) * d.Hv + h) * dk * dv;  // [dk, dv]; padding: scratch
+  const float decay = std::exp(g[r * d.Hv + h]);
+  const float b = beta[r * d.Hv + h];
+  for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
+  if (from_slot)
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* row = S + i * dv;
+      const float w = kn[i];
+      for (int64_t j = 0; j < dv; ++j) kv[j] += row[j] * w;
+    }
+  const T* vr = v + (r * d.Hv + h) * dv;
+  for (int64_t j = 0; j < dv; ++j) {
+    u[j] = b * (to_float(vr[j]) - decay * kv[j]);
+    out[j] = 0.0f;
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float ki = kn[i], qi = qn[i];
+    if (from_slot)
+      for (int64_t j = 0; j < dv; ++j) {
+        const float s = decay * row[j] + ki * u[j];
+        row[j] = s;
+        out[j] += s * qi;
+      }
+    else  // a zero start: whatever the slot held is not read
+      for (int64_t j = 0; j < dv; ++j) {
+        const float s = ki * u[j];
+        row[j] = s;
+        out[j] += s * qi;
+      }
+  }
+}
+
+template <typename T>
+void decode(ffi::ThreadPool& pool, const Dims& d, const T* q, const T* k, const T* v, const float* g,
+            const float* beta, const int32_t* slot, const int32_t* start, float* states, float* o) {
+  const int64_t scratch = 2 * d.dk + 2 * d.dv + d.dk * d.dv;
+  auto run = [&](int64_t unit) {
+    thread_local std::vector<float> buf;
+    if (int64_t(buf.size()) < scratch) buf.resize(scratch);
+    head_step(d, unit / d.Hv, unit % d.Hv, q, k, v, g, beta, slot, start, states, o, buf.data());
+  };
+  constexpr int64_t kSerialFloats = 1 << 17;  // below half a MiB of states the pool's hand-off costs more
+  const int64_t units = d.D * d.Hv;
+  if (units * d.dk * d.dv < kSerialFloats)
+    for (int64_t i = 0; i < units; ++i) run(i);
+  else
+    qwen35::parallel_for(pool, units, run);
+}
+
+ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::S32> slot,
+                     ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> states, ffi::Result<ffi::Buffer<ffi::F32>> o,
+                     ffi::Result<ffi::Buffer<ffi::F32>> states_out) {
+  const auto qd = q.dimensions(), vd = v.dimensions(), sd = states.dimensions();
+  if (qd.size() != 3 || vd.size() != 3 || sd.size() != 4 || k.dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("gdn_native: want q, k [D, Hk, dk], v [D, Hv, dv], states [NS, Hv, dk, dv]");
+  const Dims d{qd[0], qd[1], vd[1], qd[2], vd[2], sd[0]};
+  if (vd[0] != d.D || k.dimensions()[0] != d.D || k.dimensions()[1] != d.Hk || k.dimensions()[2] != d.dk ||
+      d.Hv % d.Hk != 0 || sd[1] != d.Hv || sd[2] != d.dk || sd[3] != d.dv)
+    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [D, Hk, dk], v [D, Hv, dv], states "
+                                       "[NS, Hv, dk, dv], Hv a multiple of Hk)");
+  if (g.element_count() != d.D * d.Hv || beta.element_count() != d.D * d.Hv || slot.element_count() != d.D ||
+      start.element_count() != d.D)
+    return ffi::Error::InvalidArgument("gdn_native: want g, beta [D, Hv], slot and start [D]");
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+  const int32_t* slots = slot.typed_data();
+  for (int64_t r = 0; r < d.D; ++r)
+    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn_native: a slot beyond the state pool");
+  float* S = states_out->typed_data();  // aliased with `states`: updated in place
+  if (S != states.typed_data())
+    std::copy(states.typed_data(), states.typed_data() + states.element_count(), S);
+  if (q.element_type() == ffi::DataType::F32)
+    decode(pool, d, static_cast<const float*>(q.untyped_data()), static_cast<const float*>(k.untyped_data()),
+           static_cast<const float*>(v.untyped_data()), g.typed_data(), beta.typed_data(), slots,
+           start.typed_data(), S, o->typed_data());
+  else
+    decode(pool, d, static_cast<const bf16*>(q.untyped_data()), static_cast<const bf16*>(k.untyped_data()),
+           static_cast<const bf16*>(v.untyped_data()), g.typed_data(), beta.typed_data(), slots,
+           start.typed_data(), S, o->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_decode, GdnDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
