@@ -12,7 +12,8 @@
 //   o = S^T q'.
 // Two passes over the dk x dv state (it stays in L1): S^T k' of the decayed state, then the update and o.
 // Padding rows start from a zero state, as in the XLA form, and write no slot (the XLA form writes the null one).
-// Rows must name distinct slots (the engine gives each running sequence its own).
+// Rows must name distinct slots (the engine gives each running sequence its own). Under `jax.vmap` (the model's
+// data-parallel ranks) every operand gets a leading rank axis and each rank's rows update its own pool, one call.
 
 #include <algorithm>
 #include <cmath>
@@ -42,10 +43,10 @@ void l2_normed(const T* x, int64_t n, float scale, float* out) {
 }
 
 struct Dims {
-  int64_t D, Hk, Hv, dk, dv, NS;
+  int64_t B, D, Hk, Hv, dk, dv, NS;  // B: ranks (a vmapped call), each with its own D rows and NS-slot pool
 };
 
-// row r, value head h; scratch: kn, qn [dk], kv, u [dv], a padding row's state [dk, dv]
+// row r of the B * D rows, value head h; scratch: kn, qn [dk], kv, u [dv], a padding row's state [dk, dv]
 template <typename T>
 void head_step(const Dims& d, int64_t r, int64_t h, const T* q, const T* k, const T* v, const float* g,
                const float* beta, const int32_t* slot, const int32_t* start, float* states, float* o,
@@ -59,7 +60,8 @@ void head_step(const Dims& d, int64_t r, int64_t h, const T* q, const T* k, cons
   float* u = kv + dv;
   l2_normed(k + (r * d.Hk + kh) * dk, dk, 1.0f, kn);
   l2_normed(q + (r * d.Hk + kh) * dk, dk, 1.0f / std::sqrt(float(dk)), qn);
-  float* S = pad ? u + dv : states + (int64_t(slot[r]) * d.Hv + h) * dk * dv;  // [dk, dv]; padding: scratch
+  const int64_t pool = r / d.D * d.NS;  // the first slot of row r's rank
+  float* S = pad ? u + dv : states + ((pool + slot[r]) * d.Hv + h) * dk * dv;  // [dk, dv]; padding: scratch
   const float decay = std::exp(g[r * d.Hv + h]);
   const float b = beta[r * d.Hv + h];
   for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
@@ -102,7 +104,7 @@ void decode(ffi::ThreadPool& pool, const Dims& d, const T* q, const T* k, const 
     head_step(d, unit / d.Hv, unit % d.Hv, q, k, v, g, beta, slot, start, states, o, buf.data());
   };
   constexpr int64_t kSerialFloats = 1 << 17;  // below half a MiB of states the pool's hand-off costs more
-  const int64_t units = d.D * d.Hv;
+  const int64_t units = d.B * d.D * d.Hv;
   if (units * d.dk * d.dv < kSerialFloats)
     for (int64_t i = 0; i < units; ++i) run(i);
   else
@@ -113,22 +115,26 @@ ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::S32> slot,
                      ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> states, ffi::Result<ffi::Buffer<ffi::F32>> o,
                      ffi::Result<ffi::Buffer<ffi::F32>> states_out) {
-  const auto qd = q.dimensions(), vd = v.dimensions(), sd = states.dimensions();
-  if (qd.size() != 3 || vd.size() != 3 || sd.size() != 4 || k.dimensions().size() != 3)
+  // each operand as documented, or all with one leading rank axis B (`vmap_method="broadcast_all"`)
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = states.dimensions();
+  const size_t lead = qd.size() == 4 ? 1 : 0;
+  if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead)
     return ffi::Error::InvalidArgument("gdn_native: want q, k [D, Hk, dk], v [D, Hv, dv], states [NS, Hv, dk, dv]");
-  const Dims d{qd[0], qd[1], vd[1], qd[2], vd[2], sd[0]};
-  if (vd[0] != d.D || k.dimensions()[0] != d.D || k.dimensions()[1] != d.Hk || k.dimensions()[2] != d.dk ||
-      d.Hv % d.Hk != 0 || sd[1] != d.Hv || sd[2] != d.dk || sd[3] != d.dv)
+  const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
+  if ((lead && (kd[0] != d.B || vd[0] != d.B || sd[0] != d.B)) || vd[lead] != d.D || kd[lead] != d.D ||
+      kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 || sd[lead + 1] != d.Hv ||
+      sd[lead + 2] != d.dk || sd[lead + 3] != d.dv)
     return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [D, Hk, dk], v [D, Hv, dv], states "
                                        "[NS, Hv, dk, dv], Hv a multiple of Hk)");
-  if (g.element_count() != d.D * d.Hv || beta.element_count() != d.D * d.Hv || slot.element_count() != d.D ||
-      start.element_count() != d.D)
+  const int64_t rows = d.B * d.D;
+  if (g.element_count() != rows * d.Hv || beta.element_count() != rows * d.Hv || slot.element_count() != rows ||
+      start.element_count() != rows)
     return ffi::Error::InvalidArgument("gdn_native: want g, beta [D, Hv], slot and start [D]");
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
   const int32_t* slots = slot.typed_data();
-  for (int64_t r = 0; r < d.D; ++r)
+  for (int64_t r = 0; r < rows; ++r)
     if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn_native: a slot beyond the state pool");
   float* S = states_out->typed_data();  // aliased with `states`: updated in place
   if (S != states.typed_data())

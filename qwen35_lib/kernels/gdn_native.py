@@ -43,7 +43,9 @@ def gdn_decode_native(q, k, v, g, beta, slot, start, states):
         return gdn_decode_xla(q, k, v, g, beta, slot, start, states)
     D, Hv, dv = v.shape
     shapes = (jax.ShapeDtypeStruct((D, Hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, states.dtype))
-    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential", input_output_aliases={7: 1})
+    # vmapped (the model's ranks): one call over a leading rank axis, its pools updated in place ("sequential" would
+    # loop over the ranks, copying each rank's pool out and back)
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all", input_output_aliases={7: 1})
     args = (q, k.astype(q.dtype), v, g.astype(jnp.float32), beta.astype(jnp.float32), slot.astype(jnp.int32),
             start.astype(jnp.int32), states)
     xla = lambda q, k, v, g, beta, slot, start, states: gdn_decode_xla(q, k, v, g, beta, slot, start > 0, states)
