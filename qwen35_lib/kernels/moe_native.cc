@@ -3,6 +3,8 @@
 //
 // qwen35_moe_grouped_swiglu, the `moe_matmul` slot's protocol (qwen35_lib/kernels/moe_xla.py):
 //   x [N, D] rows sorted by expert, group_sizes [E] int32, w_gate_up [E, D, 2, F], w_down [E, F, D] -> y [N, D]
+//   (the weights may come packed instead, [E, D * 2F] and [E, F * D]: each expert's matrix as its 64-column
+//   panels one after another, so that a register block streams its panel contiguously; moe_native.pack_experts)
 // qwen35_moe_grouped_swiglu_fused, dispatch and combine inside (as moe_xla.moe_loop_fused):
 //   x [T, D], ids [T, k] int32 (>= E: routed nowhere), weights [T, k], w_gate_up, w_down
 //   -> out [T, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), and copies [T * k, D] float32 (scratch)
@@ -41,6 +43,7 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int kRows = 6;        // rows of a register block
 constexpr int kVecs = 4;        // 16-float vectors of a register block: 6 x 64 accumulators
 constexpr int64_t kChunk = 96;  // rows of a work unit
+constexpr int64_t kPanel = 16 * kVecs;  // columns of a packed weight panel
 
 inline bf16 round_bf16(float f) {  // round to nearest even, as XLA's convert
   uint32_t u;
@@ -158,33 +161,42 @@ Block<W> pick(int mr, int nv) {
   }
 }
 
-// C[M, N] = A[M, K] @ B[K, N]: register blocks over the whole 16-column vectors, a scalar loop over the rest
+// C[M, N] = A[M, K] @ B[K, N]: register blocks over the whole 16-column vectors, a scalar loop over the rest.
+// B row-major (row stride ldb), or packed: its kPanel-column panels one after another, each [K, width] row-major
+// (the last one narrower when N is not a multiple of kPanel), so that a block streams its panel contiguously.
 template <typename W>
 void matmul(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t M, int64_t K, int64_t N, float* C,
-            int64_t ldc) {
+            int64_t ldc, bool packed) {
   const int64_t n16 = N / 16 * 16;
-  for (int64_t n = 0; n < n16; n += 16 * kVecs) {
+  auto panel = [&](int64_t n) { return packed ? B + n * K : B + n; };  // n: a multiple of kPanel
+  auto stride = [&](int64_t n) { return packed ? std::min<int64_t>(kPanel, N - n) : ldb; };
+  for (int64_t n = 0; n < n16; n += kPanel) {
     const int nv = int(std::min<int64_t>(kVecs, (n16 - n) / 16));
+    const W* Bn = panel(n);
+    const int64_t ld = stride(n);
     if (!std::is_same_v<W, float> && M > kRows) {  // bf16: the panel converted once, not once per row block
-      thread_local std::vector<float> panel;
-      panel.resize(K * 16 * nv);
+      thread_local std::vector<float> converted;
+      converted.resize(K * 16 * nv);
       for (int64_t k = 0; k < K; ++k)
         for (int j = 0; j < nv; ++j) {
-          const v16 b = load16(B + k * ldb + n + 16 * j);
-          std::memcpy(&panel[(k * nv + j) * 16], &b, sizeof b);
+          const v16 b = load16(Bn + k * ld + 16 * j);
+          std::memcpy(&converted[(k * nv + j) * 16], &b, sizeof b);
         }
       for (int64_t m = 0; m < M; m += kRows)
-        pick<float>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, panel.data(), 16 * nv, K,
+        pick<float>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, converted.data(), 16 * nv, K,
                                                               C + m * ldc + n, ldc);
       continue;
     }
     for (int64_t m = 0; m < M; m += kRows)
-      pick<W>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, B + n, ldb, K, C + m * ldc + n, ldc);
+      pick<W>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, Bn, ld, K, C + m * ldc + n, ldc);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n16; n < N; ++n) {
+      const int64_t n0 = n / kPanel * kPanel;  // column n's panel
+      const W* Bn = packed ? panel(n0) + (n - n0) : B + n;
+      const int64_t ld = stride(n0);
       float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += A[m * lda + k] * to_float(B[k * ldb + n]);
+      for (int64_t k = 0; k < K; ++k) s += A[m * lda + k] * to_float(Bn[k * ld]);
       C[m * ldc + n] = s;
     }
 }
@@ -205,6 +217,7 @@ struct Rows {
   const T* weights;  // [T * k] (fused)
   T* y;              // [N, D] (sorted)
   float* copies;     // [T * k, D] (fused)
+  bool packed;       // the expert weights panel-major (see `matmul`)
 };
 
 // One unit, scratch xs [kChunk, D], h [kChunk, 2F], a [kChunk, F], o [kChunk, D], all float32.
@@ -220,9 +233,9 @@ void run_unit(const Unit& u, int64_t D, int64_t F, const Rows<T>& io, const T* w
     const int64_t src = io.order ? io.order[u.row + r] / io.k : u.row + r;
     for (int64_t d = 0; d < D; ++d) xs[r * D + d] = to_float(io.x[src * D + d]);
   }
-  matmul(xs, D, w_gate_up + u.expert * D * 2 * F, 2 * F, m, D, 2 * F, h, 2 * F);
+  matmul(xs, D, w_gate_up + u.expert * D * 2 * F, 2 * F, m, D, 2 * F, h, 2 * F, io.packed);
   for (int64_t r = 0; r < m; ++r) swiglu<T>(h + r * 2 * F, F, a + r * F);
-  matmul(a, F, w_down + u.expert * F * D, D, m, F, D, o, D);
+  matmul(a, F, w_down + u.expert * F * D, D, m, F, D, o, D, io.packed);
   for (int64_t r = 0; r < m; ++r) {
     if (io.order) {
       const int64_t c = io.order[u.row + r];
@@ -258,18 +271,18 @@ int64_t make_units(const int32_t* sizes, int64_t E, int64_t rows, std::vector<Un
 
 template <typename T>
 void grouped(ffi::ThreadPool& pool, int64_t N, int64_t D, int64_t E, int64_t F, const T* x, const int32_t* sizes,
-             const T* w_gate_up, const T* w_down, T* y) {
+             const T* w_gate_up, const T* w_down, bool packed, T* y) {
   std::vector<Unit> units;
   const int64_t used = make_units(sizes, E, N, units);
   std::memset(static_cast<void*>(y + used * D), 0, sizeof(T) * (N - used) * D);  // padding rows
-  run_units(pool, units, D, F, Rows<T>{x, nullptr, 1, nullptr, y, nullptr}, w_gate_up, w_down);
+  run_units(pool, units, D, F, Rows<T>{x, nullptr, 1, nullptr, y, nullptr, packed}, w_gate_up, w_down);
 }
 
 // out [Tn, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); ids >= E (or < 0): routed nowhere. `copies`
 // [Tn * k, D] float32 holds each copy's weighted output before the per-token sum (in j order).
 template <typename T>
 void grouped_fused(ffi::ThreadPool& pool, int64_t Tn, int64_t k, int64_t D, int64_t E, int64_t F, const T* x,
-                   const int32_t* ids, const T* weights, const T* w_gate_up, const T* w_down, T* out,
+                   const int32_t* ids, const T* weights, const T* w_gate_up, const T* w_down, bool packed, T* out,
                    float* copies) {
   std::vector<int32_t> sizes(E, 0), order(Tn * k);
   for (int64_t c = 0; c < Tn * k; ++c)
@@ -280,7 +293,7 @@ void grouped_fused(ffi::ThreadPool& pool, int64_t Tn, int64_t k, int64_t D, int6
     if (ids[c] >= 0 && ids[c] < E) order[next[ids[c]]++] = int32_t(c);
   std::vector<Unit> units;
   make_units(sizes.data(), E, Tn * k, units);
-  run_units(pool, units, D, F, Rows<T>{x, order.data(), k, weights, nullptr, copies}, w_gate_up, w_down);
+  run_units(pool, units, D, F, Rows<T>{x, order.data(), k, weights, nullptr, copies, packed}, w_gate_up, w_down);
   constexpr int64_t kTokens = 16;  // tokens of a combine unit
   qwen35::parallel_for(pool, (Tn + kTokens - 1) / kTokens, [&](int64_t b) {
     std::vector<float> acc(D);
@@ -298,16 +311,25 @@ void grouped_fused(ffi::ThreadPool& pool, int64_t Tn, int64_t k, int64_t D, int6
 
 struct Dims {
   int64_t E, D, F;
+  bool packed;
 };
 
-// w_gate_up [E, D, 2, F], w_down [E, F, D], both of x's dtype; an error message or "" when they are
+// w_gate_up [E, D, 2, F], w_down [E, F, D], or both packed ([E, D * 2F] and [E, F * D]: each expert's matrix as
+// its panels, see `matmul`), of x's dtype; an error message or "" when they are
 const char* check_experts(ffi::AnyBuffer& w_gate_up, ffi::AnyBuffer& w_down, int64_t D, ffi::DataType t,
                           Dims& dims) {
   const auto gd = w_gate_up.dimensions(), dd = w_down.dimensions();
-  if (gd.size() != 4 || dd.size() != 3) return "moe_native: want w_gate_up [E, D, 2, F] and w_down [E, F, D]";
-  dims = {gd[0], gd[1], gd[3]};
-  if (gd[1] != D || gd[2] != 2 || dd[0] != dims.E || dd[1] != dims.F || dd[2] != D)
-    return "moe_native: shapes disagree (x [.., D], w_gate_up [E, D, 2, F], w_down [E, F, D])";
+  if (gd.size() == 2 && dd.size() == 2) {
+    dims = {gd[0], D, D > 0 ? gd[1] / (2 * D) : 0, true};
+    if (D <= 0 || gd[1] != 2 * D * dims.F || dd[0] != dims.E || dd[1] != dims.F * D)
+      return "moe_native: packed shapes disagree (x [.., D], w_gate_up [E, D * 2F], w_down [E, F * D])";
+  } else if (gd.size() == 4 && dd.size() == 3) {
+    dims = {gd[0], gd[1], gd[3], false};
+    if (gd[1] != D || gd[2] != 2 || dd[0] != dims.E || dd[1] != dims.F || dd[2] != D)
+      return "moe_native: shapes disagree (x [.., D], w_gate_up [E, D, 2, F], w_down [E, F, D])";
+  } else {
+    return "moe_native: want w_gate_up [E, D, 2, F] and w_down [E, F, D] (or both packed: [E, D * 2F], [E, F * D])";
+  }
   if (w_gate_up.element_type() != t || w_down.element_type() != t)
     return "moe_native: x and the expert weights must share one dtype";
   if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return "moe_native: float32 or bfloat16 only";
@@ -332,10 +354,10 @@ ffi::Error GroupedSwiglu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int32_t* gs = group_sizes.typed_data();
   if (x.element_type() == ffi::DataType::F32)
     grouped(pool, xd[0], w.D, w.E, w.F, data<float>(x), gs, data<float>(w_gate_up), data<float>(w_down),
-            static_cast<float*>(y->untyped_data()));
+            w.packed, static_cast<float*>(y->untyped_data()));
   else
     grouped(pool, xd[0], w.D, w.E, w.F, data<bf16>(x), gs, data<bf16>(w_gate_up), data<bf16>(w_down),
-            static_cast<bf16*>(y->untyped_data()));
+            w.packed, static_cast<bf16*>(y->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -354,10 +376,12 @@ ffi::Error GroupedSwigluFused(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffe
   float* cp = copies->typed_data();
   if (x.element_type() == ffi::DataType::F32)
     grouped_fused(pool, xd[0], id[1], w.D, w.E, w.F, data<float>(x), ids.typed_data(), data<float>(weights),
-                  data<float>(w_gate_up), data<float>(w_down), static_cast<float*>(out->untyped_data()), cp);
+                  data<float>(w_gate_up), data<float>(w_down), w.packed, static_cast<float*>(out->untyped_data()),
+                  cp);
   else
     grouped_fused(pool, xd[0], id[1], w.D, w.E, w.F, data<bf16>(x), ids.typed_data(), data<bf16>(weights),
-                  data<bf16>(w_gate_up), data<bf16>(w_down), static_cast<bf16*>(out->untyped_data()), cp);
+                  data<bf16>(w_gate_up), data<bf16>(w_down), w.packed, static_cast<bf16*>(out->untyped_data()),
+                  cp);
   return ffi::Error::Success();
 }
 

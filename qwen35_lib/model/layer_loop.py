@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 
 from qwen35_lib.config import LINEAR, Config
+from qwen35_lib.kernels import for_plan
+from qwen35_lib.model.moe import EXPERT_WEIGHTS
 from qwen35_lib.plan import SINGLE, ServingPlan
 
 MAX_UNROLLED_LAYERS = 16  # deeper models scan on every backend: an unrolled HLO grows (and compiles) per layer
@@ -73,9 +75,14 @@ def per_layer_weights(cfg: Config, weights: dict) -> dict:
     return dict(weights, layers=_split(cfg, layers))
 
 
-def _split(cfg: Config, layers: dict) -> tuple:
-    """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer)."""
-    return tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
+def _split(cfg: Config, layers: dict, pack=None) -> tuple:
+    """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer); `pack`
+    (the MoE kernel's, if any) re-lays each layer's routed expert stacks for it."""
+    groups = tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
+    if pack is None:
+        return groups
+    packed = lambda moe: dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS})
+    return tuple(tuple(lw._replace(moe=packed(lw.moe)) for lw in group) for group in groups)
 
 
 def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dict:
@@ -87,22 +94,25 @@ def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dic
     return {name: pool if is_per_layer(pool) else split(pool) for name, pool in cache.items()}
 
 
-_CACHE: dict[tuple, tuple] = {}  # ids of the stacked leaves -> (weakrefs to them, layer_pattern, per-layer groups)
+_CACHE: dict[tuple, tuple] = {}  # (ids of the stacked leaves, packed) -> (weakrefs to them, layer_pattern, groups)
 
 
 def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> dict:
     """The weight form `unrolled(cfg, plan)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
-    and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through."""
+    and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through.
+    Where the plan's MoE kernel has a `pack` (the CPU's `native`: `moe_native.PanelPacked`), the per-layer routed
+    expert stacks are stored in its layout."""
     layers = weights["layers"]
     if is_per_layer(layers) or not unrolled(cfg, plan):
         return weights
     leaves = jax.tree.leaves(layers)
     if any(isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) for a in leaves):
         return weights
-    key = tuple(map(id, leaves))
+    pack = getattr(for_plan("moe_matmul", plan), "pack", None)
+    key = (*map(id, leaves), pack is not None)
     hit = _CACHE.get(key)
     if hit is None or hit[1] != cfg.layer_pattern or any(r() is not a for r, a in zip(hit[0], leaves)):
         drop = lambda _: _CACHE.pop(key, None)
-        hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg.layer_pattern, _split(cfg, layers))
+        hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg.layer_pattern, _split(cfg, layers, pack))
         _CACHE[key] = hit
     return dict(weights, layers=hit[2])

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qwen35_lib import init_weights
 from qwen35_lib.kernels import get, moe_native, moe_xla, native, registry
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
@@ -114,3 +115,69 @@ def test_fp8_experts_and_mixed_dtypes_run_the_xla_loop(tiny_moe):
 
 def test_the_cpu_default_is_native():
     assert registry.default_name("moe_matmul", "cpu") == SINGLE.kernel("moe_matmul") == "native"
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 2, 8), (3, 48, 2, 24), (2, 40, 70), (2, 64, 128)])  # N: whole panels or not
+def test_packing_round_trips(shape):
+    w = jax.random.normal(jax.random.key(len(shape)), shape)
+    packed = moe_native.pack_experts(w)
+    assert packed.shape == shape and packed.dtype == w.dtype and packed.data.shape == (shape[0], w.size // shape[0])
+    np.testing.assert_array_equal(moe_native.unpack_experts(packed), w)
+    E, K = shape[:2]
+    first_panel = np.asarray(w).reshape(E, K, -1)[:, :, :moe_native.PANEL]
+    np.testing.assert_array_equal(packed.data[:, :first_panel[0].size], first_panel.reshape(E, -1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("D,F", [(16, 8), (48, 24), (64, 40)])
+def test_packed_experts_give_the_same_bits(D, F, dtype):
+    """The handler reading panel-packed stacks (`PanelPacked`, what `prepare_weights` stores on the CPU) equals it
+    reading row-major ones, bit for bit: the same products in the same order. Off the handler (here: its target
+    made unavailable), the XLA loop runs on the unpacked stacks."""
+    E, T, k = 5, 37, 3
+    ks = jax.random.split(jax.random.key(D + F), 5)
+    x = jax.random.normal(ks[0], (T, D)).astype(dtype)
+    ids = jax.random.randint(ks[1], (T, k), 0, E + 1)
+    weights = jax.random.uniform(ks[2], (T, k)).astype(dtype)
+    wgu = (jax.random.normal(ks[3], (E, D, 2, F)) / np.sqrt(D)).astype(dtype)
+    wd = (jax.random.normal(ks[4], (E, F, D)) / np.sqrt(F)).astype(dtype)
+    pgu, pd = moe_native.pack_experts(wgu), moe_native.pack_experts(wd)
+    fused = jax.jit(moe_native.moe_native_fused, static_argnums=3)
+    np.testing.assert_array_equal(fused(x, ids, weights, E + 1, pgu, pd), fused(x, ids, weights, E + 1, wgu, wd))
+    sizes = jnp.array([4, 0, 11, 1, 9], jnp.int32)
+    xs = x[:28]
+    np.testing.assert_array_equal(kernel(xs, sizes, pgu, pd), kernel(xs, sizes, wgu, wd))
+
+
+def test_packed_experts_off_the_handler_run_the_xla_loop_unpacked(monkeypatch):
+    E, D, F, T, k = 4, 16, 8, 9, 2
+    ks = jax.random.split(jax.random.key(0), 5)
+    x, ids = jax.random.normal(ks[0], (T, D)), jax.random.randint(ks[1], (T, k), 0, E)
+    weights = jax.random.uniform(ks[2], (T, k))
+    wgu, wd = jax.random.normal(ks[3], (E, D, 2, F)), jax.random.normal(ks[4], (E, F, D))
+    monkeypatch.setattr(moe_native.native, "ffi_target", lambda *a: None)
+    assert moe_native.native_target(x, wgu, wd) is None
+    got = moe_native.moe_native_fused(x, ids, weights, E, moe_native.pack_experts(wgu), moe_native.pack_experts(wd))
+    np.testing.assert_allclose(got, moe_xla.moe_loop_fused(x, ids, weights, E, wgu, wd), atol=1e-5, rtol=1e-5)
+    sizes = jnp.array([5, 0, 9, 4], jnp.int32)
+    x18 = jax.random.normal(ks[0], (18, D))
+    got = moe_native.moe_native(x18, sizes, moe_native.pack_experts(wgu), moe_native.pack_experts(wd))
+    np.testing.assert_allclose(got, moe_xla.moe_loop(x18, sizes, wgu, wd), atol=1e-5, rtol=1e-5)
+
+
+def test_prepare_weights_packs_the_cpu_experts(tiny_moe):
+    """On the CPU with the native kernel, the per-layer routed expert stacks are `PanelPacked` (the weight check
+    reads their logical shapes); under another MoE kernel they stay arrays; FP8 stacks are never packed."""
+    from qwen35_lib.model import decoder, layer_loop
+
+    cfg, _ = tiny_moe
+    w = init_weights(cfg, 0)
+    packed = layer_loop.prepare_weights(cfg, w)
+    lw = packed["layers"][0][0]
+    assert all(isinstance(lw.moe[n], moe_native.PanelPacked) for n in ("w_gate_up", "w_down"))
+    assert lw.moe["w_gate_up"].shape == w["layers"]["moe"]["w_gate_up"].shape[2:]
+    decoder.check_weights(cfg, packed)
+    plain = layer_loop.prepare_weights(cfg, w, SINGLE.replace(moe_kernel="loop"))
+    assert isinstance(plain["layers"][0][0].moe["w_gate_up"], jax.Array)
+    fp8 = quantize_fp8(w["layers"]["moe"]["w_gate_up"][0, 0], 16, (1, 3))
+    assert moe_native.moe_native.pack(fp8) is fp8
