@@ -21,69 +21,18 @@ Where it cannot run, `moe_loop` (or `moe_loop_fused`) runs, with the same result
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
 from qwen35_lib.kernels import native
 from qwen35_lib.kernels.moe_xla import moe_loop, moe_loop_fused
+from qwen35_lib.kernels.packed import PanelPacked, pack_panels, unpack_panels
 from qwen35_lib.kernels.registry import register
 from qwen35_lib.weights import BlockFP8
 
 LIBRARY, HANDLER, FUSED = "moe_native", "qwen35_moe_grouped_swiglu", "qwen35_moe_grouped_swiglu_fused"
 DTYPES = (jnp.float32, jnp.bfloat16)
-PANEL = 64  # columns of a packed panel: the handler's register block (moe_native.cc kPanel)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PanelPacked:
-    """An expert stack [E, K, ...] (the model's `w_gate_up` [E, D, 2, F] or `w_down` [E, F, D]) stored for the
-    native kernel: each expert's [K, N] matrix (N the trailing dims merged) as its PANEL-column panels one after
-    another, each [K, width] row-major, the last one narrower where N is not a multiple of PANEL.
-
-    Why: the handler's register blocks read 64 columns of every row of the matrix; row-major, that is 256 bytes
-    every N * 4, which the CPU's prefetchers follow worse than one stream (qwen3.5-mini, float32, 8 chained
-    layers, random routing: 8 tokens 1.39 -> 1.29 ms a layer, 512 tokens 9.4 -> 8.9). `layer_loop.prepare_weights`
-    packs the per-layer experts where the plan's MoE kernel is this one and the library loads; the XLA fallbacks
-    unpack."""
-
-    data: jax.Array  # [E, K * N]
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))  # the logical [E, K, ...]
-
-    @property
-    def dtype(self):
-        return self.data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-
-def _panels(N: int) -> list[tuple[int, int]]:
-    """(first column, width) of each panel of an N-column matrix."""
-    return [(n, min(PANEL, N - n)) for n in range(0, N, PANEL)]
-
-
-def pack_experts(w: jax.Array) -> PanelPacked:
-    """[E, K, ...] -> `PanelPacked` (a copy)."""
-    E, K, N = w.shape[0], w.shape[1], math.prod(w.shape[2:])
-    m = w.reshape(E, K, N)
-    return PanelPacked(jnp.concatenate([m[:, :, n:n + width].reshape(E, K * width) for n, width in _panels(N)], 1),
-                       tuple(w.shape))
-
-
-def unpack_experts(w):
-    """The logical [E, K, ...] array of a `PanelPacked` (anything else as given)."""
-    if not isinstance(w, PanelPacked):
-        return w
-    E, K, N = w.shape[0], w.shape[1], math.prod(w.shape[2:])
-    starts = [K * n for n, _ in _panels(N)]
-    parts = [w.data[:, s:s + K * width].reshape(E, K, width) for s, (_, width) in zip(starts, _panels(N))]
-    return jnp.concatenate(parts, 2).reshape(w.shape)
-
-
 def native_target(x, w_gate_up, w_down, handler: str = HANDLER) -> str | None:
     """The handler's custom-call target where it takes these operands (None: the XLA loop runs; packed weights
     unpacked)."""
@@ -113,8 +62,17 @@ def _buffers(*ws):
 
 def _logical(ws, bufs):
     """`bufs` (`_buffers(*ws)`, traced) as the logical stacks the XLA kernels take."""
-    return tuple(unpack_experts(dataclasses.replace(w, data=b)) if isinstance(w, PanelPacked) else b
+    return tuple(unpack_panels(dataclasses.replace(w, data=b)) if isinstance(w, PanelPacked) else b
                  for w, b in zip(ws, bufs))
+
+
+def pack_experts(w: jax.Array) -> PanelPacked:
+    """An expert stack [E, K, ...] (`w_gate_up` [E, D, 2, F], `w_down` [E, F, D]) in the handler's packed layout:
+    each expert's [K, N] matrix as its panels (`packed.PanelPacked`; a copy). Why: the register blocks read 64
+    columns of every row; row-major, that is 256 bytes every N * 4, which the CPU's prefetchers follow worse than
+    one stream (qwen3.5-mini, float32, 8 chained layers, random routing: 8 tokens 1.39 -> 1.29 ms a layer, 512
+    tokens 9.4 -> 8.9)."""
+    return pack_panels(w, lead=1, k_dims=1)
 
 
 def moe_native_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_block=None):

@@ -27,6 +27,7 @@ import jax
 
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.kernels import for_plan
+from qwen35_lib.kernels.dense_native import pack_dense
 from qwen35_lib.model.moe import EXPERT_WEIGHTS
 from qwen35_lib.plan import SINGLE, ServingPlan
 
@@ -81,8 +82,20 @@ def _split(cfg: Config, layers: dict, pack=None) -> tuple:
     groups = tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
     if pack is None:
         return groups
-    packed = lambda moe: dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS})
-    return tuple(tuple(lw._replace(moe=packed(lw.moe)) for lw in group) for group in groups)
+    return tuple(tuple(_packed(lw, pack) for lw in group) for group in groups)
+
+
+# the dense projections `linear` reads, by weight name: how many leading dims it contracts
+PROJECTIONS = {"w_q": 1, "w_k": 1, "w_v": 1, "w_z": 1, "w_gate": 1, "w_out": 2, "w_o": 2, "router": 1,
+               "shared_gate_up": 1, "shared_down": 1}
+
+
+def _packed(lw: LayerWeights, pack) -> LayerWeights:
+    """One layer with its routed expert stacks re-laid by `pack` and its projections by `dense_native.pack_dense`
+    (each as it was where its handler cannot take it)."""
+    dense = lambda tree: {n: pack_dense(a, PROJECTIONS[n]) if n in PROJECTIONS else a for n, a in tree.items()}
+    moe = dense(lw.moe)
+    return lw._replace(mixer=dense(lw.mixer), moe=dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS}))
 
 
 def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dict:
@@ -100,8 +113,8 @@ _CACHE: dict[tuple, tuple] = {}  # (ids of the stacked leaves, packed) -> (weakr
 def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> dict:
     """The weight form `unrolled(cfg, plan)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
     and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through.
-    Where the plan's MoE kernel has a `pack` (the CPU's `native`: `moe_native.PanelPacked`), the per-layer routed
-    expert stacks are stored in its layout."""
+    Where the plan's MoE kernel has a `pack` (the CPU's `native`), the per-layer routed expert stacks are stored in
+    its layout, and the projections in `dense_native`'s where that library loads (`kernels.packed.PanelPacked`)."""
     layers = weights["layers"]
     if is_per_layer(layers) or not unrolled(cfg, plan):
         return weights

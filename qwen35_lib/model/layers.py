@@ -5,6 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen35_lib.kernels.dense_native import linear_packed
+from qwen35_lib.kernels.packed import PanelPacked
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """Zero-centred RMSNorm: x / rms(x) * (1 + w), computed in float32, returned in x's dtype."""
@@ -36,8 +39,11 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 
 
 def linear(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-    """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32."""
+    """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32. A weight the
+    CPU engine packed (`kernels.packed.PanelPacked`) runs `dense_native.linear_packed`."""
     xd = tuple(range(x.ndim - contract, x.ndim))
     with jax.named_scope("proj"):  # the profile's "dense matmuls" (`bench.profile`)
+        if isinstance(w, PanelPacked):
+            return linear_packed(x, w, contract)
         y = jax.lax.dot_general(x, w, ((xd, tuple(range(contract))), ((), ())), preferred_element_type=jnp.float32)
         return y.astype(x.dtype)

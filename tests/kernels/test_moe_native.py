@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qwen35_lib import init_weights
-from qwen35_lib.kernels import get, moe_native, moe_xla, native, registry
+from qwen35_lib.kernels import get, moe_native, moe_xla, native, packed, registry
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE
@@ -120,12 +120,12 @@ def test_the_cpu_default_is_native():
 @pytest.mark.parametrize("shape", [(3, 16, 2, 8), (3, 48, 2, 24), (2, 40, 70), (2, 64, 128)])  # N: whole panels or not
 def test_packing_round_trips(shape):
     w = jax.random.normal(jax.random.key(len(shape)), shape)
-    packed = moe_native.pack_experts(w)
-    assert packed.shape == shape and packed.dtype == w.dtype and packed.data.shape == (shape[0], w.size // shape[0])
-    np.testing.assert_array_equal(moe_native.unpack_experts(packed), w)
+    stack = moe_native.pack_experts(w)
+    assert stack.shape == shape and stack.dtype == w.dtype and stack.data.shape == (shape[0], w.size // shape[0])
+    np.testing.assert_array_equal(packed.unpack_panels(stack), w)
     E, K = shape[:2]
-    first_panel = np.asarray(w).reshape(E, K, -1)[:, :, :moe_native.PANEL]
-    np.testing.assert_array_equal(packed.data[:, :first_panel[0].size], first_panel.reshape(E, -1))
+    first_panel = np.asarray(w).reshape(E, K, -1)[:, :, :packed.PANEL]
+    np.testing.assert_array_equal(stack.data[:, :first_panel[0].size], first_panel.reshape(E, -1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -172,11 +172,11 @@ def test_prepare_weights_packs_the_cpu_experts(tiny_moe):
 
     cfg, _ = tiny_moe
     w = init_weights(cfg, 0)
-    packed = layer_loop.prepare_weights(cfg, w)
-    lw = packed["layers"][0][0]
+    prepared = layer_loop.prepare_weights(cfg, w)
+    lw = prepared["layers"][0][0]
     assert all(isinstance(lw.moe[n], moe_native.PanelPacked) for n in ("w_gate_up", "w_down"))
     assert lw.moe["w_gate_up"].shape == w["layers"]["moe"]["w_gate_up"].shape[2:]
-    decoder.check_weights(cfg, packed)
+    decoder.check_weights(cfg, prepared)
     plain = layer_loop.prepare_weights(cfg, w, SINGLE.replace(moe_kernel="loop"))
     assert isinstance(plain["layers"][0][0].moe["w_gate_up"], jax.Array)
     fp8 = quantize_fp8(w["layers"]["moe"]["w_gate_up"][0, 0], 16, (1, 3))

@@ -1,0 +1,59 @@
+"""The decode step's dense projections on the CPU: a few rows times a panel-packed weight, by a native handler.
+
+`model.layers.linear` calls `linear_packed` for a weight that `model.layer_loop.prepare_weights` packed
+(`packed.PanelPacked`, on the CPU where this library loads: `pack_dense`). Up to MAX_ROWS rows (decode batches),
+the C++ handler of `dense_native.cc` streams each 64-column panel once per register block; XLA:CPU's dot read the
+row-major weight at 13-23 GB/s at 8 rows, the handler its packed panels at 20-30 (qwen3.5-mini's projections,
+16 weights chained, K = 512, N = 256-4,096; at K = 128 it is slower, 11.8 against 14.4). More rows (prefill
+chunks) run XLA's dot on the weight unpacked inside the step (a copy of it: the engine's prefill step of 512
+tokens, 8 sequences, took about 9 ms longer, against 1.2 ms less for each decode step of 8). Both accumulate in
+float32.
+
+Where the handler cannot run (the library not built, `QWEN35_NATIVE=0`, a dtype other than float32 / bfloat16, a
+platform other than the CPU), the XLA form runs on the same panels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_lib.kernels import native
+from qwen35_lib.kernels.packed import PANEL, PanelPacked, pack_panels, unpack_panels
+
+LIBRARY, HANDLER = "dense_native", "qwen35_dense_rows"
+MAX_ROWS = 16  # rows the handler takes; more run XLA's dot (its GEMM nears the matmul peak at prefill sizes)
+
+
+def pack_dense(w: jax.Array, contract: int = 1):
+    """w [*K, *N] (`contract` K dims) packed for `linear_packed` where the handler loads and the weight is float32
+    or bfloat16 with whole panels (N a multiple of PANEL); else `w` as given."""
+    N = math.prod(w.shape[contract:])
+    if native.load(LIBRARY) is None or w.dtype not in (jnp.float32, jnp.bfloat16) or w.ndim <= contract or N % PANEL:
+        return w
+    return pack_panels(w, lead=0, k_dims=contract)
+
+
+def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1) -> jax.Array:
+    """x [..., *K] @ w over the last `contract` dims of x -> [..., *N] in x's dtype, accumulated in float32."""
+    if w.lead or w.k_dims != contract:
+        raise ValueError(f"a packed weight of {w.k_dims} contracted dims (lead {w.lead}) used with contract={contract}")
+    K, N = w.kn
+    lead, out = x.shape[:x.ndim - contract], w.shape[contract:]
+    rows = math.prod(lead)
+    x2 = x.reshape(rows, K)
+
+    def xla(x2, data):  # the weight unpacked (a copy of it), then XLA's dot
+        return jnp.dot(x2, unpack_panels(PanelPacked(data, w.shape, 0, contract)).reshape(K, N),
+                       preferred_element_type=jnp.float32)
+
+    target = native.ffi_target(LIBRARY, HANDLER) if x.dtype == w.dtype and x.dtype in (jnp.float32, jnp.bfloat16) \
+        else None
+    if target is None or rows > MAX_ROWS:
+        y = xla(x2, w.data)
+    else:
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, N), jnp.float32), vmap_method="sequential")
+        y = jax.lax.platform_dependent(x2, w.data, cpu=call, default=xla)
+    return y.reshape(*lead, *out).astype(x.dtype)
