@@ -12,6 +12,9 @@ per-layer buffers (`per_layer_cache`), so a layer's slot and page updates are in
 buffer; a stacked pool is sliced per layer, and XLA:CPU copies each slice out and writes it back (a GDN layer's state
 pool, qwen3.5-mini at 8 slots: 1.2 MB each way, every decode step).
 
+Where the native CPU kernels load, the per-layer weights they read are also re-laid for them once, here: the routed
+expert stacks and the projections as 64-column panels (`kernels.packed.PanelPacked`), each a contiguous stream.
+
 Weight forms (`weights["layers"]`):
 - stacked (the checkpoint's tree, `weights.abstract_weights`): leaves [G, n, ...] (n layers of a kind per group);
 - per-layer (`per_layer_weights`): a tuple of G groups, each a tuple of `len(layer_pattern)` `LayerWeights`.
