@@ -10,7 +10,8 @@ the slots around them.
 Where it cannot run, `gdn_decode_xla` runs, with the same result up to rounding:
 - the C++ library could not be built (`native.unavailable("gdn_native")` says why) or `QWEN35_NATIVE=0`;
 - a state pool other than float32, or q, k, v not float32 / bfloat16;
-- a platform other than the CPU (`lax.platform_dependent`: a plan bound for a TPU lowers the XLA form).
+- a platform other than the CPU (`lax.platform_dependent`: a plan bound for a TPU lowers the XLA form);
+- a step that XLA partitions over several devices (a multi-device layout: the handler would not be split).
 Unlike the XLA form it leaves the null slot 0 alone (padding rows write nothing), which no sequence reads.
 """
 
@@ -35,11 +36,19 @@ def native_target(q, v, states) -> str | None:
     return native.ffi_target(LIBRARY, HANDLER)
 
 
+def _partitioned() -> bool:
+    """True when traced under a mesh that XLA partitions (a multi-device layout's step: `parallel.ranks.per_rank`
+    leaves the XLA GDN to the SPMD partitioner). A custom call there would have its operands gathered whole onto
+    every device; inside a `shard_map` (every axis manual) or on one device it runs per device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.size > 1 and not mesh.are_all_axes_manual
+
+
 def gdn_decode_native(q, k, v, g, beta, slot, start, states):
     """`gdn_decode_xla`'s protocol (q, k [D, Hk, dk], v [D, Hv, dv], g, beta [D, Hv], slot [D] with -1 for padding,
     start [D] bool, states [NS, Hv, dk, dv]) -> (o [D, Hv, dv] float32, states), by the C++ handler."""
     target = native_target(q, v, states)
-    if target is None:
+    if target is None or _partitioned():
         return gdn_decode_xla(q, k, v, g, beta, slot, start, states)
     D, Hv, dv = v.shape
     shapes = (jax.ShapeDtypeStruct((D, Hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, states.dtype))

@@ -116,3 +116,15 @@ def test_the_cpu_default_is_native():
     from qwen35_lib.plan import SINGLE
 
     assert for_plan("gdn", SINGLE.bound(None)).ragged.keywords["decode"] is gdn_native.gdn_decode_native
+
+
+def test_a_step_xla_partitions_runs_the_xla_form():
+    """Under a multi-device mesh (a layout's step, partitioned by XLA) the handler would have its operands gathered
+    onto every device: the XLA form runs there instead."""
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(8), (4,), **HEADS)
+    states = _state(jax.random.key(9), (5,), **HEADS)
+    slot, start = jnp.array([1, 2, 3, 4], jnp.int32), jnp.array([True, True, False, True])
+    args = (q, k, v, g, beta, slot, start, states)
+    assert gdn_native.HANDLER in decode.lower(*args).as_text()
+    with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("x",))):
+        assert gdn_native.HANDLER not in jax.jit(gdn_native.gdn_decode_native).lower(*args).as_text()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qwen35_lib import init_weights
-from qwen35_lib.kernels import get, moe_native, moe_xla, native, packed, registry
+from qwen35_lib.kernels import get, moe_native, moe_xla, native, registry
 from qwen35_lib.model import moe
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE
@@ -115,17 +115,6 @@ def test_fp8_experts_and_mixed_dtypes_run_the_xla_loop(tiny_moe):
 
 def test_the_cpu_default_is_native():
     assert registry.default_name("moe_matmul", "cpu") == SINGLE.kernel("moe_matmul") == "native"
-
-
-@pytest.mark.parametrize("shape", [(3, 16, 2, 8), (3, 48, 2, 24), (2, 40, 70), (2, 64, 128)])  # N: whole panels or not
-def test_packing_round_trips(shape):
-    w = jax.random.normal(jax.random.key(len(shape)), shape)
-    stack = moe_native.pack_experts(w)
-    assert stack.shape == shape and stack.dtype == w.dtype and stack.data.shape == (shape[0], w.size // shape[0])
-    np.testing.assert_array_equal(packed.unpack_panels(stack), w)
-    E, K = shape[:2]
-    first_panel = np.asarray(w).reshape(E, K, -1)[:, :, :packed.PANEL]
-    np.testing.assert_array_equal(stack.data[:, :first_panel[0].size], first_panel.reshape(E, -1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
