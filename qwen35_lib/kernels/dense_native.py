@@ -5,9 +5,9 @@
 the C++ handler of `dense_native.cc` streams each 64-column panel once per register block; XLA:CPU's dot read the
 row-major weight at 13-23 GB/s at 8 rows, the handler its packed panels at 20-30 (qwen3.5-mini's projections,
 16 weights chained, K = 512, N = 256-4,096; at K = 128 it is slower, 11.8 against 14.4). More rows (prefill
-chunks) run XLA's dot on the weight unpacked inside the step (a copy of it: the engine's prefill step of 512
-tokens, 8 sequences, took about 9 ms longer, against 1.2 ms less for each decode step of 8). Both accumulate in
-float32.
+chunks) run XLA's dot on the row-major weight, which `pack_dense` keeps beside the panels (unpacking it inside the
+step instead made the engine's prefill step of 512 tokens about 9 ms longer; the decode step of 8 is 1.2 ms
+shorter). Both accumulate in float32.
 
 Where the handler cannot run (the library not built, `QWEN35_NATIVE=0`, a dtype other than float32 / bfloat16, a
 platform other than the CPU), the XLA form runs on the same panels.
@@ -15,6 +15,7 @@ platform other than the CPU), the XLA form runs on the same panels.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -29,11 +30,12 @@ MAX_ROWS = 16  # rows the handler takes; more run XLA's dot (its GEMM nears the 
 
 def pack_dense(w: jax.Array, contract: int = 1):
     """w [*K, *N] (`contract` K dims) packed for `linear_packed` where the handler loads and the weight is float32
-    or bfloat16 with whole panels (N a multiple of PANEL); else `w` as given."""
+    or bfloat16 with whole panels (N a multiple of PANEL), `w` itself kept beside the panels for XLA's dot at more
+    rows (twice the bytes of the projections); else `w` as given."""
     N = math.prod(w.shape[contract:])
     if native.load(LIBRARY) is None or w.dtype not in (jnp.float32, jnp.bfloat16) or w.ndim <= contract or N % PANEL:
         return w
-    return pack_panels(w, lead=0, k_dims=contract)
+    return dataclasses.replace(pack_panels(w, lead=0, k_dims=contract), row_major=w)
 
 
 def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1) -> jax.Array:
@@ -45,9 +47,10 @@ def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1) -> jax.Array:
     rows = math.prod(lead)
     x2 = x.reshape(rows, K)
 
-    def xla(x2, data):  # the weight unpacked (a copy of it), then XLA's dot
-        return jnp.dot(x2, unpack_panels(PanelPacked(data, w.shape, 0, contract)).reshape(K, N),
-                       preferred_element_type=jnp.float32)
+    def xla(x2, data):  # XLA's dot on the row-major weight (kept, or unpacked: a copy of it)
+        full = w.row_major if w.row_major is not None else unpack_panels(PanelPacked(data, w.shape, lead=0,
+                                                                                    k_dims=contract))
+        return jnp.dot(x2, full.reshape(K, N), preferred_element_type=jnp.float32)
 
     target = native.ffi_target(LIBRARY, HANDLER) if x.dtype == w.dtype and x.dtype in (jnp.float32, jnp.bfloat16) \
         else None

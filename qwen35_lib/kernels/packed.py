@@ -27,6 +27,7 @@ class PanelPacked:
 
     data: jax.Array  # [*lead, K * N]
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    row_major: jax.Array | None = None  # the logical array too, where a caller keeps it (`dense_native.pack_dense`)
     lead: int = dataclasses.field(default=0, metadata=dict(static=True))  # leading batch dims
     k_dims: int = dataclasses.field(default=1, metadata=dict(static=True))  # contracted dims after them
 
@@ -52,7 +53,7 @@ def panels(N: int) -> list[tuple[int, int]]:
 
 def pack_panels(w: jax.Array, lead: int = 0, k_dims: int = 1) -> PanelPacked:
     """w [*lead, *K, *N] -> `PanelPacked` (a copy)."""
-    out = PanelPacked(None, tuple(w.shape), lead, k_dims)
+    out = PanelPacked(None, tuple(w.shape), lead=lead, k_dims=k_dims)
     K, N = out.kn
     m = w.reshape(*w.shape[:lead], K, N)
     data = jnp.concatenate([m[..., n:n + width].reshape(*w.shape[:lead], K * width) for n, width in panels(N)], -1)
