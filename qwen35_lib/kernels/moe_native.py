@@ -33,6 +33,8 @@ from qwen35_lib.weights import BlockFP8
 
 LIBRARY, HANDLER, FUSED = "moe_native", "qwen35_moe_grouped_swiglu", "qwen35_moe_grouped_swiglu_fused"
 DTYPES = (jnp.float32, jnp.bfloat16)
+
+
 def native_target(x, w_gate_up, w_down, handler: str = HANDLER) -> str | None:
     """The handler's custom-call target where it takes these operands (None: the XLA loop runs; packed weights
     unpacked)."""

@@ -80,8 +80,8 @@ def per_layer_weights(cfg: Config, weights: dict) -> dict:
 
 
 def _split(cfg: Config, layers: dict, pack=None) -> tuple:
-    """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer); `pack`
-    (the MoE kernel's, if any) re-lays each layer's routed expert stacks for it."""
+    """Stacked layer leaves [G, n, ...] -> G tuples of LayerWeights (eagerly: each slice its own buffer). With
+    `pack` given (the MoE kernel's, or None to leave the experts) the per-layer weights are re-laid (`_packed`)."""
     groups = tuple(tuple(group_layers(cfg, jax.tree.map(lambda a, g=g: a[g], layers))) for g in range(cfg.num_groups))
     if pack is None:
         return groups
@@ -94,11 +94,15 @@ PROJECTIONS = {"w_q": 1, "w_k": 1, "w_v": 1, "w_z": 1, "w_gate": 1, "w_out": 2, 
 
 
 def _packed(lw: LayerWeights, pack) -> LayerWeights:
-    """One layer with its routed expert stacks re-laid by `pack` and its projections by `dense_native.pack_dense`
+    """One layer with its projections re-laid by `dense_native.pack_dense` and its routed expert stacks by `pack`
     (each as it was where its handler cannot take it)."""
     dense = lambda tree: {n: pack_dense(a, PROJECTIONS[n]) if n in PROJECTIONS else a for n, a in tree.items()}
     moe = dense(lw.moe)
     return lw._replace(mixer=dense(lw.mixer), moe=dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS}))
+
+
+def _as_is(w):
+    return w
 
 
 def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dict:
@@ -116,16 +120,18 @@ _CACHE: dict[tuple, tuple] = {}  # (ids of the stacked leaves, packed) -> (weakr
 def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> dict:
     """The weight form `unrolled(cfg, plan)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
     and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through.
-    Where the plan's MoE kernel has a `pack` (the CPU's `native`), the per-layer routed expert stacks are stored in
-    its layout, and the projections in `dense_native`'s where that library loads (`kernels.packed.PanelPacked`)."""
+    The per-layer projections are stored in `dense_native`'s layout where that library loads, and the routed expert
+    stacks in the plan's MoE kernel's where it has a `pack` (the CPU's `native`; `kernels.packed.PanelPacked`)."""
     layers = weights["layers"]
     if is_per_layer(layers) or not unrolled(cfg, plan):
         return weights
     leaves = jax.tree.leaves(layers)
     if any(isinstance(a, (jax.core.Tracer, jax.ShapeDtypeStruct)) for a in leaves):
         return weights
-    pack = getattr(for_plan("moe_matmul", plan), "pack", None)
-    key = (*map(id, leaves), pack is not None)
+    # the projections are packed whatever the MoE kernel (`linear` reads either form); the experts for a kernel
+    # that packs them
+    pack = getattr(for_plan("moe_matmul", plan), "pack", _as_is)
+    key = (*map(id, leaves), pack)
     hit = _CACHE.get(key)
     if hit is None or hit[1] != cfg.layer_pattern or any(r() is not a for r, a in zip(hit[0], leaves)):
         drop = lambda _: _CACHE.pop(key, None)

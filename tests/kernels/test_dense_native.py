@@ -11,6 +11,7 @@ from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import dense_native, native, packed
 from qwen35_lib.model import decoder, layer_loop
 from qwen35_lib.model.layers import linear
+from qwen35_lib.plan import SINGLE
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler: the native kernel cannot be built")
 
@@ -65,3 +66,5 @@ def test_prepare_weights_packs_the_cpu_projections():
     assert not isinstance(gdn["w_v"], packed.PanelPacked)  # [64 | 4, 24]: 96 columns
     assert isinstance(attn["w_q"], packed.PanelPacked) and isinstance(attn["w_o"], packed.PanelPacked)
     assert not isinstance(prepared["lm_head"], packed.PanelPacked)
+    other_moe = layer_loop.prepare_weights(cfg, w, SINGLE.replace(moe_kernel="loop"))  # not tied to the MoE kernel
+    assert isinstance(other_moe["layers"][0][3].mixer["w_q"], packed.PanelPacked)

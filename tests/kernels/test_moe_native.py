@@ -166,7 +166,10 @@ def test_prepare_weights_packs_the_cpu_experts(tiny_moe):
     assert all(isinstance(lw.moe[n], moe_native.PanelPacked) for n in ("w_gate_up", "w_down"))
     assert lw.moe["w_gate_up"].shape == w["layers"]["moe"]["w_gate_up"].shape[2:]
     decoder.check_weights(cfg, prepared)
-    plain = layer_loop.prepare_weights(cfg, w, SINGLE.replace(moe_kernel="loop"))
+    loop = SINGLE.replace(moe_kernel="loop")
+    plain = layer_loop.prepare_weights(cfg, w, loop)
     assert isinstance(plain["layers"][0][0].moe["w_gate_up"], jax.Array)
+    assert layer_loop.prepare_weights(cfg, w, loop)["layers"] is plain["layers"]  # split once per kernel choice
+    assert layer_loop.prepare_weights(cfg, w)["layers"] is prepared["layers"]
     fp8 = quantize_fp8(w["layers"]["moe"]["w_gate_up"][0, 0], 16, (1, 3))
     assert moe_native.moe_native.pack(fp8) is fp8
