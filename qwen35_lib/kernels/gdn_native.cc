@@ -14,6 +14,14 @@
 // Padding rows start from a zero state, as in the XLA form, and write no slot (the XLA form writes the null one).
 // Rows must name distinct slots (the engine gives each running sequence its own). Under `jax.vmap` (the model's
 // data-parallel ranks) every operand gets a leading rank axis and each rank's rows update its own pool, one call.
+//
+// qwen35_gdn_prefill: the same step token after token, for whole sequences (prefill chunks, the dense form):
+//   q, k [N, Hk, dk], v [N, Hv, dv], g, beta [N, Hv] as above; first, len, slot, start [S] int32: sequence s is
+//   tokens [first, first + len) (len 0: no sequence), starting from slot `slot` (start != 0) or a zero state
+//   (start 0), its final state written to that slot; states [NS, Hv, dk, dv] float32
+//   -> o [N, Hv, dv] float32 (0 at tokens of no sequence), and states (aliased) updated in place.
+// Work units are (sequence, value head): each runs its tokens in order on its slot's state, which stays in L1
+// (16 KiB at dk = dv = 64). The chunked form (gdn_xla.gdn_chunked) computes the same recurrence in another order.
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +29,7 @@
 #include <vector>
 
 #include "native_common.h"
+#include "native_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -46,58 +55,91 @@ struct Dims {
   int64_t B, D, Hk, Hv, dk, dv, NS;  // B: ranks (a vmapped call), each with its own D rows and NS-slot pool
 };
 
-// row r of the B * D rows, value head h; scratch: kn, qn [dk], kv, u [dv], a padding row's state [dk, dv]
+// One token on one head's state S [dk, dv], in place: S = e^g S (zero: S = 0); S += kn (beta (v - S^T kn));
+// out = S^T qn. kn, qn [dk] normalised; vf [dv] float32. DV: dv / 16 when dv is 16, 32, 48 or 64, else 0 (scalar).
+template <int NV>
+void update(float* S, int64_t dk, int64_t dv, const float* kn, const float* qn, const float* vf, float decay,
+            float b, bool zero, float* out) {
+  using qwen35::load16;
+  using qwen35::v16;
+  if constexpr (NV > 0) {
+    v16 kv[NV], u[NV], o[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = o[j] = v16{};
+    if (!zero)
+      for (int64_t i = 0; i < dk; ++i) {
+        const float* row = S + i * dv;
+        for (int j = 0; j < NV; ++j) kv[j] += load16(row + 16 * j) * kn[i];
+      }
+    for (int j = 0; j < NV; ++j) u[j] = b * (load16(vf + 16 * j) - decay * kv[j]);
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = S + i * dv;
+      for (int j = 0; j < NV; ++j) {
+        const v16 s = zero ? kn[i] * u[j] : decay * load16(row + 16 * j) + kn[i] * u[j];
+        std::memcpy(row + 16 * j, &s, sizeof s);
+        o[j] += s * qn[i];
+      }
+    }
+    std::memcpy(out, o, sizeof o);
+  } else {
+    std::vector<float> kv(dv, 0.0f), u(dv);
+    if (!zero)
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) kv[j] += S[i * dv + j] * kn[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      u[j] = b * (vf[j] - decay * kv[j]);
+      out[j] = 0.0f;
+    }
+    for (int64_t i = 0; i < dk; ++i)
+      for (int64_t j = 0; j < dv; ++j) {
+        const float s = (zero ? 0.0f : decay * S[i * dv + j]) + kn[i] * u[j];
+        S[i * dv + j] = s;
+        out[j] += s * qn[i];
+      }
+  }
+}
+
+using Update = void (*)(float*, int64_t, int64_t, const float*, const float*, const float*, float, float, bool,
+                        float*);
+inline Update pick_update(int64_t dv) {
+  switch (dv) {
+    case 16: return update<1>;
+    case 32: return update<2>;
+    case 48: return update<3>;
+    case 64: return update<4>;
+    default: return update<0>;
+  }
+}
+
+// Token t's step for value head h (key head h / (Hv / Hk)) on state S; scratch: kn, qn [dk], vf [dv]
+template <typename T>
+void token_step(const Dims& d, Update up, int64_t t, int64_t h, const T* q, const T* k, const T* v, const float* g,
+                const float* beta, float* S, bool zero, float* o, float* scratch) {
+  const int64_t dk = d.dk, dv = d.dv, kh = h / (d.Hv / d.Hk);
+  float* kn = scratch;
+  float* qn = kn + dk;
+  float* vf = qn + dk;
+  l2_normed(k + (t * d.Hk + kh) * dk, dk, 1.0f, kn);
+  l2_normed(q + (t * d.Hk + kh) * dk, dk, 1.0f / std::sqrt(float(dk)), qn);
+  const T* vr = v + (t * d.Hv + h) * dv;
+  for (int64_t j = 0; j < dv; ++j) vf[j] = to_float(vr[j]);
+  up(S, dk, dv, kn, qn, vf, std::exp(g[t * d.Hv + h]), beta[t * d.Hv + h], zero, o + (t * d.Hv + h) * dv);
+}
+
+// row r of the B * D rows, value head h; scratch: kn, qn [dk], vf [dv], a padding row's state [dk, dv]
 template <typename T>
 void head_step(const Dims& d, int64_t r, int64_t h, const T* q, const T* k, const T* v, const float* g,
                const float* beta, const int32_t* slot, const int32_t* start, float* states, float* o,
                float* scratch) {
-  const int64_t dk = d.dk, dv = d.dv, kh = h / (d.Hv / d.Hk);
-  float* out = o + (r * d.Hv + h) * dv;
   const bool pad = slot[r] < 0, from_slot = !pad && start[r];
-  float* kn = scratch;
-  float* qn = kn + dk;
-  float* kv = qn + dk;
-  float* u = kv + dv;
-  l2_normed(k + (r * d.Hk + kh) * dk, dk, 1.0f, kn);
-  l2_normed(q + (r * d.Hk + kh) * dk, dk, 1.0f / std::sqrt(float(dk)), qn);
   const int64_t pool = r / d.D * d.NS;  // the first slot of row r's rank
-  float* S = pad ? u + dv : states + ((pool + slot[r]) * d.Hv + h) * dk * dv;  // [dk, dv]; padding: scratch
-  const float decay = std::exp(g[r * d.Hv + h]);
-  const float b = beta[r * d.Hv + h];
-  for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
-  if (from_slot)
-    for (int64_t i = 0; i < dk; ++i) {
-      const float* row = S + i * dv;
-      const float w = kn[i];
-      for (int64_t j = 0; j < dv; ++j) kv[j] += row[j] * w;
-    }
-  const T* vr = v + (r * d.Hv + h) * dv;
-  for (int64_t j = 0; j < dv; ++j) {
-    u[j] = b * (to_float(vr[j]) - decay * kv[j]);
-    out[j] = 0.0f;
-  }
-  for (int64_t i = 0; i < dk; ++i) {
-    float* row = S + i * dv;
-    const float ki = kn[i], qi = qn[i];
-    if (from_slot)
-      for (int64_t j = 0; j < dv; ++j) {
-        const float s = decay * row[j] + ki * u[j];
-        row[j] = s;
-        out[j] += s * qi;
-      }
-    else  // a zero start: whatever the slot held is not read
-      for (int64_t j = 0; j < dv; ++j) {
-        const float s = ki * u[j];
-        row[j] = s;
-        out[j] += s * qi;
-      }
-  }
+  float* S = pad ? scratch + 2 * d.dk + d.dv : states + ((pool + slot[r]) * d.Hv + h) * d.dk * d.dv;
+  token_step(d, pick_update(d.dv), r, h, q, k, v, g, beta, S, !from_slot, o, scratch);
 }
 
 template <typename T>
 void decode(ffi::ThreadPool& pool, const Dims& d, const T* q, const T* k, const T* v, const float* g,
             const float* beta, const int32_t* slot, const int32_t* start, float* states, float* o) {
-  const int64_t scratch = 2 * d.dk + 2 * d.dv + d.dk * d.dv;
+  const int64_t scratch = 2 * d.dk + d.dv + d.dk * d.dv;
   auto run = [&](int64_t unit) {
     thread_local std::vector<float> buf;
     if (int64_t(buf.size()) < scratch) buf.resize(scratch);
@@ -109,6 +151,28 @@ void decode(ffi::ThreadPool& pool, const Dims& d, const T* q, const T* k, const 
     for (int64_t i = 0; i < units; ++i) run(i);
   else
     qwen35::parallel_for(pool, units, run);
+}
+
+// Sequences: per rank b, S of them; unit (b, s, h) runs sequence s's tokens on value head h from its slot.
+template <typename T>
+void prefill(ffi::ThreadPool& pool, const Dims& d, int64_t S, const T* q, const T* k, const T* v, const float* g,
+             const float* beta, const int32_t* first, const int32_t* len, const int32_t* slot,
+             const int32_t* start, float* states, float* o) {
+  const int64_t scratch = 2 * d.dk + d.dv + d.dk * d.dv;
+  const Update up = pick_update(d.dv);
+  std::fill(o, o + d.B * d.D * d.Hv * d.dv, 0.0f);  // tokens of no sequence
+  auto run = [&](int64_t unit) {
+    const int64_t h = unit % d.Hv, bs = unit / d.Hv, b = bs / S;
+    if (len[bs] <= 0) return;
+    thread_local std::vector<float> buf;
+    if (int64_t(buf.size()) < scratch) buf.resize(scratch);
+    float* st = slot[bs] < 0 ? buf.data() + 2 * d.dk + d.dv  // no slot: a scratch state, not kept
+                             : states + ((b * d.NS + slot[bs]) * d.Hv + h) * d.dk * d.dv;
+    const int64_t t0 = b * d.D + first[bs];  // d.D: the tokens of a rank
+    for (int64_t t = t0; t < t0 + len[bs]; ++t)
+      token_step(d, up, t, h, q, k, v, g, beta, st, t == t0 && (!start[bs] || slot[bs] < 0), o, buf.data());
+  };
+  qwen35::parallel_for(pool, d.B * S * d.Hv, run);
 }
 
 ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -150,6 +214,49 @@ ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   return ffi::Error::Success();
 }
 
+ffi::Error GdnPrefill(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::S32> first,
+                      ffi::Buffer<ffi::S32> len, ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> start,
+                      ffi::Buffer<ffi::F32> states, ffi::Result<ffi::Buffer<ffi::F32>> o,
+                      ffi::Result<ffi::Buffer<ffi::F32>> states_out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = states.dimensions(),
+             fd = first.dimensions();
+  const size_t lead = qd.size() == 4 ? 1 : 0;  // a leading rank axis (`vmap_method="broadcast_all"`)
+  if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead ||
+      fd.size() != 1 + lead)
+    return ffi::Error::InvalidArgument("gdn_native: want q, k [N, Hk, dk], v [N, Hv, dv], first [S], states "
+                                       "[NS, Hv, dk, dv]");
+  const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
+  if ((lead && (kd[0] != d.B || vd[0] != d.B || sd[0] != d.B || fd[0] != d.B)) || vd[lead] != d.D ||
+      kd[lead] != d.D || kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 || sd[lead + 1] != d.Hv ||
+      sd[lead + 2] != d.dk || sd[lead + 3] != d.dv)
+    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [N, Hk, dk], v [N, Hv, dv], states "
+                                       "[NS, Hv, dk, dv], Hv a multiple of Hk)");
+  const int64_t S = fd[lead], seqs = d.B * S;
+  if (g.element_count() != d.B * d.D * d.Hv || beta.element_count() != d.B * d.D * d.Hv ||
+      len.element_count() != seqs || slot.element_count() != seqs || start.element_count() != seqs)
+    return ffi::Error::InvalidArgument("gdn_native: want g, beta [N, Hv], and first, len, slot, start [S]");
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+  const int32_t *fs = first.typed_data(), *ls = len.typed_data(), *ss = slot.typed_data();
+  for (int64_t i = 0; i < seqs; ++i)
+    if (ls[i] > 0 && (fs[i] < 0 || int64_t(fs[i]) + ls[i] > d.D || ss[i] >= d.NS))
+      return ffi::Error::InvalidArgument("gdn_native: a sequence beyond the tokens, or a slot beyond the pool");
+  float* St = states_out->typed_data();  // aliased with `states`: updated in place
+  if (St != states.typed_data())
+    std::copy(states.typed_data(), states.typed_data() + states.element_count(), St);
+  if (q.element_type() == ffi::DataType::F32)
+    prefill(pool, d, S, static_cast<const float*>(q.untyped_data()), static_cast<const float*>(k.untyped_data()),
+            static_cast<const float*>(v.untyped_data()), g.typed_data(), beta.typed_data(), fs, ls, ss,
+            start.typed_data(), St, o->typed_data());
+  else
+    prefill(pool, d, S, static_cast<const bf16*>(q.untyped_data()), static_cast<const bf16*>(k.untyped_data()),
+            static_cast<const bf16*>(v.untyped_data()), g.typed_data(), beta.typed_data(), fs, ls, ss,
+            start.typed_data(), St, o->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_decode, GdnDecode,
@@ -160,6 +267,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_decode, GdnDecode,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_prefill, GdnPrefill,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -145,7 +145,7 @@ def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
     return o.astype(v.dtype), S
 
 
-def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None):
+def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None, prefill=None):
     """The delta rule over one rank's flat ragged tokens, with per-sequence state slots.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv] (0 at padding); states: [NS, Hv, dk, dv] (slot 0: null).
@@ -155,19 +155,17 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
     - tokens [D, T) hold the other sequences' chunks, each starting at a multiple of C (so a C-chunk never
       spans two sequences): the chunked form, as one scan over all chunks whose state is reloaded from the
       slot (or zeroed, for a sequence's first step) at each sequence's first chunk, and stored after its last.
-    `decode` (default `gdn_decode_xla`) runs the decode region: another implementation of its protocol
-    (`gdn_native`'s handler) replaces it, the prefill region staying XLA's.
+    `decode` (default `gdn_decode_xla`) runs the decode region and `prefill` the prefill region: another
+    implementation of their protocols (`gdn_native`'s handlers) replaces either. `prefill(q, k, v, g, beta, first,
+    length, slot, start, states, fallback)` takes the region's tokens and, per sequence, its tokens [first,
+    first + length) of the region (length 0: not in it), slot and start (False: a zero state); `fallback` (the
+    chunked form here, same arguments) runs where it cannot.
     Returns (o [T, Hv, dv] in v's dtype, states).
     """
     C = chunk_size
     D = meta.decode_seq.shape[0]
     T = q.shape[0]
     fresh = meta.kv_len == meta.q_len  # [S]: no context before this step -> zero state
-
-    def seq_state(seq):  # state a sequence starts from: [..., Hv, dk, dv], float32
-        s = jnp.clip(seq, 0)  # the slots gathered, then converted: not the whole pool (issue 30)
-        return jnp.where((fresh[s] | (seq < 0))[..., None, None, None], 0.0,
-                         states[meta.slot[s]].astype(jnp.float32))
 
     # 1. decode region: one recurrent step per sequence
     dseq = meta.decode_seq  # [D], -1 for padding
@@ -178,8 +176,29 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
         return o_dec.astype(v.dtype), states
 
     # 2. prefill region: chunks aligned to sequences
-    n = (T - D) // C
-    pq, pk, pv, pg, pb = _prepare(*(x[None, D:] for x in (q, k, v, g, beta)))  # [1, Hv, T-D, .]
+    region = meta.q_start >= D  # [S]: the sequences of the prefill region (unused ones have length 0)
+    seqs = (meta.q_start - D, jnp.where(region, meta.q_len, 0), meta.slot, ~fresh)
+
+    def chunked(q, k, v, g, beta, first, length, slot, start, states):  # the XLA form: chunks, with meta's layout
+        return _prefill_chunked(q, k, v, g, beta, states, meta, fresh, D, C)
+
+    o_pre, states = (prefill or (lambda *a, fallback: fallback(*a)))(
+        *(x[D:] for x in (q, k, v, g, beta)), *seqs, states, fallback=chunked)
+    return jnp.concatenate([o_dec.astype(o_pre.dtype), o_pre]).astype(v.dtype), states
+
+
+def _prefill_chunked(q, k, v, g, beta, states, meta, fresh, D: int, C: int):
+    """The prefill region [T-D, ...] of `gdn_ragged_xla` in the chunked form: one scan over all its C-chunks, the
+    state reloaded at each sequence's first chunk (zero where `fresh` [S]) and stored to its slot after its last.
+    Returns (o [T-D, Hv, dv] float32, states)."""
+
+    def seq_state(seq):  # state a sequence starts from: [..., Hv, dk, dv], float32
+        s = jnp.clip(seq, 0)  # the slots gathered, then converted: not the whole pool (issue 30)
+        return jnp.where((fresh[s] | (seq < 0))[..., None, None, None], 0.0,
+                         states[meta.slot[s]].astype(jnp.float32))
+
+    n = q.shape[0] // C
+    pq, pk, pv, pg, pb = _prepare(*(x[None] for x in (q, k, v, g, beta)))  # [1, Hv, T-D, .]
     terms = [jnp.moveaxis(t[0], 1, 0) for t in _chunk_terms(pq, pk, pv, pg, pb, C)]  # each [n, Hv, ...]
     first_tok = D + jnp.arange(n) * C
     cseq = meta.token_seq[first_tok]  # [n] sequence of each chunk, -1 for padding chunks
@@ -198,8 +217,7 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
     pslot = jnp.where(is_last, meta.slot[cs], 0)
     states = states.at[pslot].set(S_after.astype(states.dtype))
     Hv, dv = o_pre.shape[1], o_pre.shape[3]
-    o_pre = jnp.swapaxes(o_pre, 1, 2).reshape(T - D, Hv, dv)  # [n, Hv, C, dv] -> [T-D, Hv, dv]
-    return jnp.concatenate([o_dec.astype(o_pre.dtype), o_pre]).astype(v.dtype), states
+    return jnp.swapaxes(o_pre, 1, 2).reshape(n * C, Hv, dv), states  # [n, Hv, C, dv] -> [T-D, Hv, dv]
 
 
 def gdn_decode_xla(q, k, v, g, beta, slot, start, states):

@@ -19,6 +19,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int kRows = 6;        // rows of a register block
 constexpr int kVecs = 4;        // 16-float vectors of a register block: 6 x 64 accumulators
 constexpr int64_t kPanel = 16 * kVecs;  // columns of a packed weight panel
+constexpr int64_t kDepth = 128;  // rows of a panel a register block streams at a time: 128 x 64 floats, 32 KiB, stay
+                                 // in L1 for the next row block (a whole panel, 128 KiB at K = 512, came from L2)
 
 inline v16 load16(const float* p) {
   v16 v;
@@ -35,21 +37,22 @@ inline v16 load16(const bf16* p) {
 }
 
 
-// C[MR, 16 NV] = A[MR, K] @ B[K, 16 NV]; A float32, B float32 or bfloat16; row strides lda, ldb, ldc
-template <int MR, int NV, typename W>
+// C[MR, 16 NV] (+)= A[MR, K] @ B[K, 16 NV] (ACC: added to C); A float32, B float32 or bfloat16; row strides lda,
+// ldb, ldc
+template <int MR, int NV, typename W, bool ACC>
 void block(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t K, float* C, int64_t ldc) {
   v16 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = v16{};
+    for (int j = 0; j < NV; ++j) acc[r][j] = ACC ? load16(C + r * ldc + 16 * j) : v16{};
   for (int64_t k = 0; k < K; ++k) {
     v16 b[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) b[j] = load16(B + k * ldb + 16 * j);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const v16 a = v16{} + A[r * lda + k];
+      const float a = A[r * lda + k];  // broadcast by the vector ops (`v16{} + a` would cost an add)
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
     }
@@ -63,21 +66,40 @@ void block(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t K, floa
 template <typename W>
 using Block = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t);
 
-template <int MR, typename W>
+template <int MR, typename W, bool ACC>
 Block<W> with_vecs(int nv) {
-  return nv == 1 ? block<MR, 1, W> : nv == 2 ? block<MR, 2, W> : nv == 3 ? block<MR, 3, W> : block<MR, 4, W>;
+  return nv == 1 ? block<MR, 1, W, ACC> : nv == 2 ? block<MR, 2, W, ACC> : nv == 3 ? block<MR, 3, W, ACC>
+                                                                                   : block<MR, 4, W, ACC>;
+}
+
+template <typename W, bool ACC>
+Block<W> with_rows(int mr, int nv) {
+  switch (mr) {
+    case 1: return with_vecs<1, W, ACC>(nv);
+    case 2: return with_vecs<2, W, ACC>(nv);
+    case 3: return with_vecs<3, W, ACC>(nv);
+    case 4: return with_vecs<4, W, ACC>(nv);
+    case 5: return with_vecs<5, W, ACC>(nv);
+    default: return with_vecs<6, W, ACC>(nv);
+  }
 }
 
 template <typename W>
-Block<W> pick(int mr, int nv) {
-  switch (mr) {
-    case 1: return with_vecs<1, W>(nv);
-    case 2: return with_vecs<2, W>(nv);
-    case 3: return with_vecs<3, W>(nv);
-    case 4: return with_vecs<4, W>(nv);
-    case 5: return with_vecs<5, W>(nv);
-    default: return with_vecs<6, W>(nv);
-  }
+Block<W> pick(int mr, int nv, bool acc) {
+  return acc ? with_rows<W, true>(mr, nv) : with_rows<W, false>(mr, nv);
+}
+
+// C[M, 16 nv] = A[M, K] @ B[K, 16 nv]. Over one row block, B streams once; over several, kDepth rows of B at a
+// time, every row block over them (the second one on reads them from L1), each block's sums carried in C from one
+// depth to the next (the same order of additions).
+template <typename W>
+void blocks(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t M, int64_t K, int nv, float* C,
+            int64_t ldc) {
+  const int64_t depth = M > kRows ? kDepth : K;
+  for (int64_t k = 0; k < K; k += depth)
+    for (int64_t m = 0; m < M; m += kRows)
+      pick<W>(int(std::min<int64_t>(kRows, M - m)), nv, k > 0)(A + m * lda + k, lda, B + k * ldb, ldb,
+                                                              std::min<int64_t>(depth, K - k), C + m * ldc, ldc);
 }
 
 // C[M, N] = A[M, K] @ B[K, N]: register blocks over the whole 16-column vectors, a scalar loop over the rest.
@@ -101,13 +123,10 @@ void matmul(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t M, int
           const v16 b = load16(Bn + k * ld + 16 * j);
           std::memcpy(&converted[(k * nv + j) * 16], &b, sizeof b);
         }
-      for (int64_t m = 0; m < M; m += kRows)
-        pick<float>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, converted.data(), 16 * nv, K,
-                                                              C + m * ldc + n, ldc);
+      blocks<float>(A, lda, converted.data(), 16 * nv, M, K, nv, C + n, ldc);
       continue;
     }
-    for (int64_t m = 0; m < M; m += kRows)
-      pick<W>(int(std::min<int64_t>(kRows, M - m)), nv)(A + m * lda, lda, Bn, ld, K, C + m * ldc + n, ldc);
+    blocks<W>(A, lda, Bn, ld, M, K, nv, C + n, ldc);
   }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n16; n < N; ++n) {

@@ -1,6 +1,8 @@
 """kernels.gdn_native: the C++ GDN decode step against per-row float64 math (continuing, fresh and padding rows,
-untouched slots, float32 and bfloat16 inputs); the ragged protocol against the XLA twin on a mixed batch of two
-ranks; where it cannot run (a bfloat16 state pool) the XLA form runs; the engine's CPU default runs the handler.
+untouched slots, float32 and bfloat16 inputs); the prefill handler against per-token float64 math (sequences from
+a slot or from zero, tokens of no sequence, the scalar and the vectorised head sizes) and its dense form against
+XLA's chunked and recurrent forms; the ragged protocol against the XLA twin on a mixed batch of two ranks; where it
+cannot run (a bfloat16 state pool, a partitioned step) the XLA form runs; the engine's CPU default runs the handler.
 
 Tolerances: float32 against float64 the rounding of a 64-term sum (1e-5 on O(1) values); the mixed batch as in
 test_gdn_pallas (the same maths in another order)."""
@@ -79,9 +81,58 @@ def test_decode_equals_the_xla_form_and_updates_the_pool_in_place():
     assert compiled.memory_analysis().alias_size_in_bytes >= states.nbytes
 
 
+def per_sequence(q, k, v, g, beta, first, length, slot, start, states):
+    """The prefill protocol in float64 (NumPy): each sequence's tokens in order through `per_row`'s step."""
+    o = np.zeros(v.shape)
+    states = np.asarray(states, np.float64)
+    for f, n, sl, st in zip(first, length, slot, start):
+        for t in range(f, f + n):
+            rows = [np.asarray(x, np.float64)[t:t + 1] for x in (q, k, v, g, beta)]
+            o_t, states = per_row(*rows, [sl], [st or t > f], states)
+            o[t] = o_t[0]
+    return o, states
+
+
+@pytest.mark.parametrize("heads", [HEADS, dict(Hk=2, Hv=4, dk=64, dv=64)], ids=["scalar", "vectorised"])
+def test_prefill_equals_per_token_math(heads):
+    """Sequences continuing from their slot and starting fresh, one of no tokens, tokens of no sequence (their
+    output 0); slots no sequence names keep their contents; the pool is updated in place when donated."""
+    N, NS = 40, 7
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(10), (N,), **heads)
+    states = _state(jax.random.key(11), (NS,), **heads)
+    first, length = np.array([0, 13, 30, 5]), np.array([13, 9, 7, 0])
+    slot, start = np.array([2, 5, 1, 3]), np.array([True, False, True, True])
+    nothing = lambda q, k, v, *rest: (jnp.zeros(v.shape, jnp.float32), rest[-1])  # off the CPU (traced only)
+    prefill = jax.jit(lambda *a: gdn_native.gdn_prefill_native(*a, fallback=nothing), donate_argnums=9)
+    args = (q, k, v, g, beta, *map(jnp.asarray, (first, length, slot, start)))
+    want_o, want_s = per_sequence(q, k, v, g, beta, first, length, slot, start, states)
+    compiled = prefill.lower(*args, states).compile()
+    assert gdn_native.PREFILL in compiled.as_text()
+    assert compiled.memory_analysis().alias_size_in_bytes >= states.nbytes
+    o, s = prefill(*args, jnp.copy(states))
+    np.testing.assert_allclose(o, want_o, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(o)[22:30], 0.0)
+    np.testing.assert_allclose(s, want_s, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(s)[[0, 3, 4, 6]], np.asarray(states)[[0, 3, 4, 6]])
+
+
+@pytest.mark.parametrize("heads", [HEADS, dict(Hk=2, Hv=4, dk=64, dv=64)], ids=["scalar", "vectorised"])
+def test_dense_matches_chunked_and_recurrent(heads):
+    """The `native` dense kernel (each row a sequence through the prefill handler) against XLA's chunked form
+    (what runs off the CPU) and its recurrence, 2 rows of 100 tokens from a state."""
+    x = random_gdn_inputs(jax.random.key(12), (2, 100), **heads)
+    s0 = _state(jax.random.key(13), (2,), **heads)
+    lowered = jax.jit(get("gdn", "native").dense).lower(*x, s0)
+    assert gdn_native.PREFILL in lowered.as_text()
+    o, s = lowered.compile()(*x, s0)
+    for o_x, s_x in (jax.jit(gdn_xla.gdn_chunked)(*x, s0), jax.jit(gdn_xla.gdn_recurrent)(*x, s0)):
+        np.testing.assert_allclose(o, o_x, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(s, s_x, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_ragged_matches_xla(dtype):
-    """The `native` ragged kernel (its decode region the handler, its prefill region XLA's) against `xla` on two
+    """The `native` ragged kernel (both regions the handlers) against `xla` on two
     ranks of decodes (continuing, a new 1-token sequence, padding) and prefill chunks; the state pool float32."""
     _, meta = _meta(RANKS)
     meta = jax.tree.map(jnp.asarray, meta)
@@ -100,6 +151,8 @@ def test_ragged_matches_xla(dtype):
 
 def test_a_bfloat16_pool_runs_the_xla_form():
     q, k, v, g, beta = random_gdn_inputs(jax.random.key(6), (4,), **HEADS)
+    assert gdn_native.native_target(q, v, _state(jax.random.key(7), (5,), **HEADS, dtype=jnp.bfloat16),
+                                     gdn_native.PREFILL) is None
     states = _state(jax.random.key(7), (5,), **HEADS, dtype=jnp.bfloat16)
     slot, start = jnp.array([1, 2, 3, 4], jnp.int32), jnp.array([True, True, False, True])
     assert gdn_native.native_target(q, v, states) is None
@@ -115,7 +168,10 @@ def test_the_cpu_default_is_native():
     from qwen35_lib.kernels import for_plan
     from qwen35_lib.plan import SINGLE
 
-    assert for_plan("gdn", SINGLE.bound(None)).ragged.keywords["decode"] is gdn_native.gdn_decode_native
+    kernels = for_plan("gdn", SINGLE.bound(None))
+    assert kernels.ragged.keywords["decode"] is gdn_native.gdn_decode_native
+    assert kernels.ragged.keywords["prefill"] is gdn_native.gdn_prefill_native
+    assert kernels.dense is gdn_native.gdn_dense_native
 
 
 def test_a_step_xla_partitions_runs_the_xla_form():
@@ -126,5 +182,8 @@ def test_a_step_xla_partitions_runs_the_xla_form():
     slot, start = jnp.array([1, 2, 3, 4], jnp.int32), jnp.array([True, True, False, True])
     args = (q, k, v, g, beta, slot, start, states)
     assert gdn_native.HANDLER in decode.lower(*args).as_text()
+    x = random_gdn_inputs(jax.random.key(10), (2, 8), **HEADS)
+    s0 = _state(jax.random.key(11), (2,), **HEADS)
     with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("x",))):
         assert gdn_native.HANDLER not in jax.jit(gdn_native.gdn_decode_native).lower(*args).as_text()
+        assert gdn_native.PREFILL not in jax.jit(gdn_native.gdn_dense_native).lower(*x, s0).as_text()
