@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "native_common.h"
@@ -26,11 +27,17 @@ void rows(ffi::ThreadPool& pool, const W* x, const W* w, int64_t M, int64_t K, i
   const int64_t panels = (N + kPanel - 1) / kPanel;
   qwen35::parallel_for(pool, panels, [&](int64_t p) {
     const int64_t n = p * kPanel, width = std::min<int64_t>(kPanel, N - n);
-    thread_local std::vector<float> a, c;  // x as float32 [M, K]; the panel's outputs [M, width]
-    a.resize(M * K);
+    thread_local std::vector<float> a, c;  // x as float32 [M, K] (bfloat16 x); the panel's outputs [M, width]
+    const float* xf;
+    if constexpr (std::is_same_v<W, float>) {
+      xf = x;
+    } else {
+      a.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) a[i] = qwen35::to_float(x[i]);
+      xf = a.data();
+    }
     c.resize(M * kPanel);
-    for (int64_t i = 0; i < M * K; ++i) a[i] = qwen35::to_float(x[i]);
-    qwen35::matmul(a.data(), K, w + n * K, width, M, K, width, c.data(), width, false);
+    qwen35::matmul(xf, K, w + n * K, width, M, K, width, c.data(), width, false);
     for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + n, c.data() + m * width, sizeof(float) * width);
   });
 }
