@@ -238,7 +238,8 @@ assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 
 # ### 2c. Chunked gated delta rule
 #
 # The ragged protocol the engine uses: 4 decodes from their state slots next to two prompts in chunks of 64, one
-# of them continuing mid-sequence from its slot, float32.
+# of them continuing mid-sequence from its slot, float32. On the CPU a third row times the native kernels, the CPU
+# default (`kernels/gdn_native.py`: C++ handlers that run the recurrence token after token on each state in place).
 
 # %%
 from qwen35_lib.bench.kernels_gdn import gdn_rows
@@ -250,6 +251,7 @@ print(compiled("gdn"))
 
 # %%
 assert gdn[1]["implementation"] == "pallas" and gdn[1]["max_abs_diff_vs_xla"] < 1e-5, gdn
+assert all(r["max_abs_diff_vs_xla"] < 1e-5 for r in gdn[2:]), gdn  # the native row, on the CPU
 
 # %% [markdown]
 # ### 2d. Gather/scatter permutes

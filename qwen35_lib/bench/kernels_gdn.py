@@ -1,4 +1,5 @@
-"""The `gdn` slot side by side: Pallas kernels vs the XLA reference, at CPU size (and TPU7x compile costs).
+"""The `gdn` slot side by side: Pallas kernels (and on the CPU the native C++ ones, `gdn_native`) vs the XLA
+reference, at CPU size (and TPU7x compile costs).
 
 `gdn_rows` times both implementations on the same inputs in one run (interleaved, medians; see `timing`):
 - `prefill`: the dense protocol over rows of `prefill_tokens` tokens (chunk kernel vs XLA's chunked scan);
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from qwen35_lib.bench.timing import measure
 from qwen35_lib.config import get_config
 from qwen35_lib.engine.batch import SeqWork, pack
-from qwen35_lib.kernels import gdn_pallas, gdn_xla
+from qwen35_lib.kernels import gdn_native, gdn_pallas, gdn_xla, get, native
 
 
 def random_gdn_inputs(key, lead: tuple[int, ...], Hk: int, Hv: int, dk: int, dv: int, dtype=jnp.float32):
@@ -41,6 +42,11 @@ def gdn_inputs(cfg, lead: tuple[int, ...], dtype, seed: int):
                              cfg.gdn_k_head_dim, cfg.gdn_v_head_dim, dtype)
 
 
+def _native_here() -> bool:
+    """The CPU handlers (`gdn_native`) run here: a CPU backend and the library built."""
+    return jax.default_backend() == "cpu" and native.load(gdn_native.LIBRARY) is not None
+
+
 def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed: int):
     """(description, {impl: zero-arg callable}, mask of outputs to compare or None) for one case."""
     Hv, dk, dv = cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
@@ -49,6 +55,8 @@ def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed
         B, T = (1, prefill_tokens) if case == "prefill" else (decode_batch, 1)
         args = (*gdn_inputs(cfg, (B, T), dtype, seed), state(B))
         fns = {"xla": jax.jit(gdn_xla.gdn_xla), "pallas": jax.jit(gdn_pallas.gdn_dense_pallas)}
+        if _native_here():
+            fns["native"] = jax.jit(gdn_native.gdn_dense_native)
         return f"B={B} T={T}", {n: partial(f, *args) for n, f in fns.items()}, None
     if case != "mixed":
         raise ValueError(f"unknown gdn bench case {case!r}; cases are prefill, decode, mixed")
@@ -64,6 +72,8 @@ def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed
     q, k, v, g, beta = gdn_inputs(cfg, (T,), dtype, seed)
     args = (q, k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0), state(D + 3), meta)
     fns = {"xla": jax.jit(gdn_xla.gdn_ragged_xla), "pallas": jax.jit(gdn_pallas.gdn_ragged_pallas)}
+    if _native_here():
+        fns["native"] = jax.jit(get("gdn", "native").ragged)
     return (f"{D} decodes + prefills of {n1} (mid-sequence) and {n2} tokens, T={T}",
             {n: partial(f, *args) for n, f in fns.items()}, meta.token_seq >= 0)
 
@@ -71,7 +81,8 @@ def gdn_case(cfg, case: str, prefill_tokens: int, decode_batch: int, dtype, seed
 def gdn_rows(model: str = "qwen3.5-mini", cases: tuple[str, ...] = ("prefill", "decode", "mixed"),
              prefill_tokens: int = 512, decode_batch: int = 32, dtype: str = "bfloat16", repeats: int = 3,
              settle: int = 1, seed: int = 0) -> list[dict]:
-    """Time the Pallas GDN kernels against the XLA reference, side by side, one row per (case, implementation).
+    """Time the Pallas GDN kernels (and on the CPU the native ones) against the XLA reference, side by side, one row
+    per (case, implementation).
 
     1. For each case build inputs at `model`'s GDN shapes (q, k, v in `dtype`; g, beta and state float32).
     2. `measure` both implementations interleaved (warm-up compiles first; `repeats` timed calls, median).
@@ -91,7 +102,7 @@ def gdn_rows(model: str = "qwen3.5-mini", cases: tuple[str, ...] = ("prefill", "
         for name, t in timings.items():
             diff = jnp.abs(outputs[name][0].astype(jnp.float32) - ref)
             diff = diff if mask is None else diff[mask]
-            mode = name if name == "xla" else (
+            mode = name if name == "xla" else "native (C++ on the CPU)" if name == "native" else (
                 "pallas interpret (numerics only, not a TPU time)" if interpret else "pallas compiled")
             rows.append({
                 "kernel": "gdn", "case": case, "shape": shape, "implementation": name, "mode": mode,

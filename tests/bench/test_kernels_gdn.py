@@ -9,6 +9,7 @@ import pytest
 
 from qwen35_lib import get_config
 from qwen35_lib.bench import kernels_gdn
+from qwen35_lib.kernels import gdn_native, native
 
 
 def test_inputs_have_the_models_shapes_and_valid_gates():
@@ -27,8 +28,9 @@ def test_an_unknown_case_is_refused_with_the_cases():
 def test_rows_of_every_case_agree_with_the_xla_reference():
     rows = kernels_gdn.gdn_rows("qwen3.5-tiny", prefill_tokens=96, decode_batch=2, dtype="float32", repeats=1,
                                 settle=0)
+    impls = ("xla", "pallas", "native") if native.load(gdn_native.LIBRARY) is not None else ("xla", "pallas")
     assert [(r["case"], r["implementation"]) for r in rows] == [
-        (c, i) for c in ("prefill", "decode", "mixed") for i in ("xla", "pallas")]
+        (c, i) for c in ("prefill", "decode", "mixed") for i in impls]
     shapes = {r["case"]: r["shape"] for r in rows}
     # mixed: 2 decodes, prompts of 96 / 2 + 5 = 53 (from position 64) and 96 / 2 - 40 = 8 tokens, each rounded up
     # to a 64-token chunk: T = 2 + 64 + 64
@@ -39,6 +41,8 @@ def test_rows_of_every_case_agree_with_the_xla_reference():
         assert r["max_abs_diff_vs_xla"] < 1e-4  # float32: the same math in another order
         if r["implementation"] == "xla":
             assert r["speedup_vs_xla"] == 1.0 and r["max_abs_diff_vs_xla"] == 0.0 and r["mode"] == "xla"
+        elif r["implementation"] == "native":
+            assert r["mode"] == "native (C++ on the CPU)"
         else:
             assert r["mode"] == "pallas interpret (numerics only, not a TPU time)"
         assert r["min_ms"] <= r["median_ms"]
