@@ -110,8 +110,13 @@ def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dic
     (copies, made once: call it on a fresh cache), else `cache` as given."""
     if not unrolled(cfg, plan):
         return cache
-    split = lambda a: tuple(tuple(a[g, i] for i in range(a.shape[1])) for g in range(a.shape[0]))
-    return {name: pool if is_per_layer(pool) else split(pool) for name, pool in cache.items()}
+    return {name: pool if is_per_layer(pool) else _split_pool(pool) for name, pool in cache.items()}
+
+
+@jax.jit
+def _split_pool(a: jax.Array) -> tuple:
+    """[G, n, ...] -> G tuples of n arrays [...], in one dispatch (op by op, the engine's init took ~9 ms)."""
+    return tuple(tuple(a[g, i] for i in range(a.shape[1])) for g in range(a.shape[0]))
 
 
 _CACHE: dict[tuple, tuple] = {}  # (ids of the stacked leaves, packed) -> (weakrefs to them, layer_pattern, groups)
