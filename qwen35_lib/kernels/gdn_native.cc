@@ -259,32 +259,31 @@ ffi::Error GdnPrefill(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 }  // namespace
 
+// q, k, v, g, beta: the operands both handlers start with
+inline auto BindRecurrence() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_decode, GdnDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              BindRecurrence()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // states
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_prefill, GdnPrefill,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              BindRecurrence()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // first
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // states
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
