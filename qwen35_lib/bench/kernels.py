@@ -232,7 +232,8 @@ def _attention_and_gdn(model: str, on_tpu: bool, args) -> dict:
         rows = gdn_rows(model, prefill_tokens=prefill, decode_batch=batch, repeats=args.repeats,
                         settle=args.settle, seed=args.seed)
         out["gdn"] = {"slot": "gdn", "reference": "xla", "note": INTERPRET_NOTE, "rows": rows}
-        print(f"\ngdn: Pallas chunk and decode kernels vs the XLA gated delta rule, {model}")
+        native = " (and the native C++ ones, on the CPU)" if any(r["implementation"] == "native" for r in rows) else ""
+        print(f"\ngdn: Pallas chunk and decode kernels{native} vs the XLA gated delta rule, {model}")
         print(format_table(["case", "shape", "implementation", "mode", "median ms", "vs xla", "max|Δ| vs xla"],
                            [[r["case"], r["shape"], r["implementation"], r["mode"], r["median_ms"],
                              r["speedup_vs_xla"], r["max_abs_diff_vs_xla"]] for r in rows]))

@@ -16,7 +16,7 @@ import pytest
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.bench.kernels_gdn import random_gdn_inputs
 from qwen35_lib.engine.batch import RaggedMeta, SeqWork, pack, stack_ranks
-from qwen35_lib.kernels import gdn_pallas, gdn_xla
+from qwen35_lib.kernels import gdn_native, gdn_pallas, gdn_xla, native
 from tests import aot_subprocess
 
 pallas_dense = jax.jit(gdn_pallas.gdn_dense_pallas, static_argnames="chunk_size")
@@ -221,5 +221,6 @@ def test_bench_rows_smoke():
     from qwen35_lib.bench.kernels_gdn import gdn_rows
 
     rows = gdn_rows("qwen3.5-tiny", cases=("decode",), decode_batch=2, dtype="float32", repeats=1, settle=0)
-    assert [r["implementation"] for r in rows] == ["xla", "pallas"]
+    native_row = ["native"] if native.load(gdn_native.LIBRARY) is not None else []  # the CPU's C++ kernels
+    assert [r["implementation"] for r in rows] == ["xla", "pallas", *native_row]
     assert "interpret" in rows[1]["mode"] and rows[1]["max_abs_diff_vs_xla"] < 1e-5
