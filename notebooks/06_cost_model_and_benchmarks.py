@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -238,13 +238,14 @@ assert not memory["baseline"]["fits"] and memory["kernels"]["fits"], memory
 # <details><summary><b>Pop quiz.</b> The cost model prices a TPU from its specs. Given this CPU's measured specs
 # instead, how close should it come to the engine's step timed on this CPU?</summary>
 #
-# Within a small factor, if it charges what a CPU does slowly: a launched op's fixed cost, the copies XLA:CPU
-# materializes, matmuls with few rows. Not exactly, and not reliably: a shared 2-core machine's timings move with
-# its load. The cells below print each ratio beside the target and the load average; no timing is asserted.
+# Within a small factor, if it charges what a CPU does differently: a launched op's fixed cost, matmuls with few
+# rows, vector work on the same cores as the matmuls rather than on a slower unit. Not exactly, and not reliably:
+# a shared 2-core machine's timings move with its load. The cells below print each ratio beside the target and the
+# load average; no timing is asserted.
 # </details>
 #
 # **Measure** this CPU's specs: micro-benchmarks of matmul FLOP/s, streaming-read bandwidth, the cost of one
-# launched op, the rate of a materialized copy, a batched matmul with few rows.
+# launched op, the rate of a materialized copy, a batched matmul with few rows, element-wise multiply-adds.
 
 # %%
 from qwen35_lib.costmodel import cpu_bench
@@ -283,14 +284,14 @@ if cpu_rows or bench:
 
 # %% [markdown]
 # **Check.** The target is every case's ratio within `TARGET` of one (printed with the ratios, with whether all
-# meet it). What the CPU model charges: each weight byte read, written and read again at the measured rates
-# (`xla_weight_passes`: the copy XLA:CPU makes of a scanned layer group's weights), the MoE's touched experts
-# once at the matmul peak (the CPU's `native` kernel), each launched op its measured fixed cost. The engine's CPU
-# step no longer scans: it reads per-layer weights in place (`model.layer_loop`), so the copy charge describes a
-# step this engine does not run on the CPU; on decode steps it stands in for costs the model does not itemize, and
-# steps with a prompt chunk, where the copies weigh less, are where the ratios fall furthest below one. Timings on
-# a shared 2-core machine move with its load, which is printed with the ratios; no timing is asserted
-# (benchmarks report, they do not assert).
+# meet it). What the CPU model charges: the engine's CPU step is an unrolled loop over per-layer weights and caches
+# (`model.layer_loop.unrolled`), so each weight byte is read once at the measured read rate and no cache is copied;
+# the MoE's touched experts once, their FLOPs at the matmul peak (the CPU's `native` kernel); the GDN's prompt
+# tokens as one state update each (the `native` handler) at the measured element-wise rate; each launched op its
+# measured fixed cost. The model is a roofline at rates measured in
+# isolation, so a ratio below one is time the step spends above that roofline: `python -m qwen35_lib.bench engine`
+# prints the step's profile, component by component, beside each floor. Timings on a shared 2-core machine move
+# with its load, which is printed with the ratios; no timing is asserted (benchmarks report, they do not assert).
 
 # %%
 import os

@@ -10,7 +10,10 @@ The CPU runs of the engine compute in float32 on one XLA:CPU device; so do these
 4. `copy_bytes_per_s`: `x * 2 + 1` over the same 64 MiB into a fresh output (bytes read + bytes written /
    seconds): what a materialized copy (a sliced weight, a gathered tensor) costs, page faults included;
 5. `small_matmul_flops`: a batched matmul with few rows per batch, [64, 32, 512] x [64, 512, 256] (the shape of
-   the CPU MoE kernel's expert slots), FLOPs / seconds.
+   the CPU MoE kernel's expert slots), FLOPs / seconds;
+6. `vector_flops`: element-wise multiply-adds on a cache-resident [64, 1024] float32 array, 16 a step in one
+   fusion, 64 steps in a `fori_loop` (the vector work of norms, softmax and the GDN recurrence, which runs on
+   the same cores as the matmuls), FLOPs / seconds.
 Each runs jitted, warmed up once, then timed `repeats` times; the median is kept.
 """
 
@@ -26,6 +29,7 @@ DESCRIPTIONS = {
     "op_overhead_s": "per-op time of a fori_loop of tiny dependent ops on [8,64] (qwen35_lib.costmodel.cpu_bench)",
     "copy_bytes_per_s": "x*2+1 over 64 MiB into a fresh output, read + write (qwen35_lib.costmodel.cpu_bench)",
     "small_matmul_flops": "float32 [64,32,512]x[64,512,256] batched matmul (qwen35_lib.costmodel.cpu_bench)",
+    "vector_flops": "element-wise multiply-adds on a cache-resident float32 [64,1024] (qwen35_lib.costmodel.cpu_bench)",
 }
 
 
@@ -41,8 +45,8 @@ def median_time(fn, *args, repeats: int = 5) -> float:
 
 @functools.cache
 def measure(repeats: int = 5) -> dict[str, float]:
-    """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s", "small_matmul_flops"} of this
-    machine (see the module doc)."""
+    """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s", "small_matmul_flops",
+    "vector_flops"} of this machine (see the module doc)."""
     import jax
     import jax.numpy as jnp
 
@@ -76,6 +80,19 @@ def measure(repeats: int = 5) -> dict[str, float]:
     xs = jax.device_put(jnp.ones((64, 32, 512), jnp.float32), cpu)
     ws = jax.device_put(jnp.ones((64, 512, 256), jnp.float32) / 512, cpu)
     t_small = median_time(jax.jit(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)), xs, ws, repeats=repeats)
+    v_steps, fmas = 64, 16
+
+    @jax.jit
+    def fma_chain(x):
+        def body(i, x):
+            for _ in range(fmas):
+                x = x * 0.999 + 0.001
+            return x
+        return jax.lax.fori_loop(0, v_steps, body, x)
+
+    vec = jax.device_put(jnp.ones((64, 1024), jnp.float32), cpu)
+    t_vec = median_time(fma_chain, vec, repeats=repeats)
     return {"matmul_flops": 2 * n**3 * chain / t_mm, "memory_bytes_per_s": big.nbytes / t_bw,
             "op_overhead_s": t_ops / (steps * ops_per_step), "copy_bytes_per_s": 2 * big.nbytes / t_copy,
-            "small_matmul_flops": 2 * 64 * 32 * 512 * 256 / t_small}
+            "small_matmul_flops": 2 * 64 * 32 * 512 * 256 / t_small,
+            "vector_flops": 2 * fmas * v_steps * vec.size / t_vec}

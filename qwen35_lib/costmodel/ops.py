@@ -104,6 +104,8 @@ class Placement:
     gdn_pool_bytes: float = 0.0  # one GDN layer's local state pool
     gdn_state_passes: float = 2.0  # passes over each decoding sequence's GDN state a step (read, write; XLA:TPU's
     # gather and scatter: kernels.xla_tpu_gdn_state_passes)
+    gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
+    # form) or "recurrent" (the CPU's native handler, `kernels.gdn_native`: one state update per token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +200,8 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 
 
 def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
-    """One Gated DeltaNet layer: projections + conv, and the delta rule (recurrent for decodes, chunked for
+    """One Gated DeltaNet layer: projections + conv, and the delta rule (recurrent for decodes; for prompt tokens
+    recurrent too where `pl.gdn_prefill` says so, ~7 dk dv vector FLOPs a token and head, else chunked for
     prompt chunks: per chunk of C tokens and head ~ 2 C^2 (3 dk + 2 dv) + 6 C dk dv MXU FLOPs, plus the chunk's
     (I + A)^-1 by block doubling on whole [C, C] matrices as the Pallas kernel computes it: log2 C steps of two
     C x C x C matmuls, 4 C^3 log2 C FLOPs; the XLA twin `gdn_xla.unit_lower_inverse` now inverts the diagonal
@@ -215,6 +218,11 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     pre_seqs = b.prefill_seqs / pl.dp
     chunks = math.ceil(max(b.computed - b.decodes, 0) / pl.dp / C)  # the prefill region, C-aligned
     recurrent = Cost(vector_flops=7 * dk * dv * hv * dec, bytes=pl.gdn_state_passes * state * dec, launches=6)
+    if pl.gdn_prefill == "recurrent":  # every prompt token one update of its sequence's state, held in cache
+        tokens = b.prefill_tokens / pl.dp  # the real ones: the handler skips padding
+        return {"gdn_proj": proj, "gdn_core": recurrent + Cost(vector_flops=7 * dk * dv * hv * tokens,
+                                                                bytes=2 * state * pre_seqs),
+                "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
     inverse = 4 * C**3 * math.log2(C)
     chunked = Cost(mxu_flops=chunks * hv * (2 * C * C * (3 * dk + 2 * dv) + 6 * C * dk * dv + inverse),
                    bytes=2 * state * pre_seqs + chunks * C * hv * (dk + dv) * 4 * 2,

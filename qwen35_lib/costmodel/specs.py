@@ -122,6 +122,10 @@ def get(name: str, cpu_measured: dict | None = None) -> Specs:
             sources[k] = f"measured: {cpu_bench.DESCRIPTIONS[k]}"
         eff = dict(eff, matmul_flops=1.0, hbm_bytes=1.0)
         sources["matmul_flops"] = sources["hbm_bytes"] = "measured: the CPU peaks are measured, so no efficiency factor"
+        if "vector_flops" in m:  # the cores run vector work and matmuls alike: no MXU/VPU split to assume
+            eff["vector_flops_fraction"] = m["vector_flops"] / m["matmul_flops"]
+            sources["vector_flops_fraction"] = (f"measured: {cpu_bench.DESCRIPTIONS['vector_flops']}, over the "
+                                                "matmul peak")
     return Specs(
         name=name, kind=base.kind, chip=base.chip, chips=base.chips, devices_per_chip=n,
         peak_flops=peak / n, hbm_bytes_per_s=bw / n, hbm_bytes=base.hbm_bytes_per_chip // n,

@@ -29,6 +29,7 @@ from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
+from qwen35_lib.model.layer_loop import unrolled
 from qwen35_lib.plan import ServingPlan, abstract_mesh, family_kernels
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "cache_copies", "router", "shared_expert",
@@ -88,10 +89,12 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
     expert_passes = facts[f"{stage.kernels}_weight_passes"]["value"]
     # the dense projections: XLA dots on the layer scan's sliced inputs in every family of this engine; another
-    # engine's unscanned layers are read in place
-    passes = expert_passes if stage.name in OTHER_ENGINE else facts["xla_weight_passes"]["value"]
+    # engine's unscanned layers, and this engine's unrolled loop (`layer_loop.unrolled`: per-layer weights and
+    # caches), are read in place
+    in_place = unrolled(cfg, lay)
+    passes = expert_passes if stage.name in OTHER_ENGINE else 1.0 if in_place else facts["xla_weight_passes"]["value"]
     fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
-    ours = pools is not None and stage.name not in OTHER_ENGINE
+    ours = pools is not None and stage.name not in OTHER_ENGINE and not in_place
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
     gdn_xla = kernels["gdn_kernel"] == "xla" and specs.kind == "tpu"
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
@@ -105,6 +108,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          cache_copy_passes=facts["stacked_cache_copy_passes"]["value"] if ours else 0.0,
                          kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
+                         gdn_prefill="recurrent" if kernels["gdn_kernel"] == "native" else "chunked",
                          kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"]
                          if attention == "xla" and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn" else 0.0)
 

@@ -24,7 +24,7 @@ def test_median_time_warms_up_then_takes_the_median(monkeypatch):
 def test_measure_returns_positive_figures_for_every_described_spec():
     m = cpu_bench.measure(1)
     assert set(m) == {"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s",
-                      "small_matmul_flops"}
+                      "small_matmul_flops", "vector_flops"}
     assert all(v > 0 and math.isfinite(v) for v in m.values())
     assert cpu_bench.measure(1) is m  # cached per process
-    assert {"op_overhead_s", "copy_bytes_per_s", "small_matmul_flops"} <= set(cpu_bench.DESCRIPTIONS)
+    assert {"op_overhead_s", "copy_bytes_per_s", "small_matmul_flops", "vector_flops"} <= set(cpu_bench.DESCRIPTIONS)

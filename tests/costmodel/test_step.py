@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from qwen35_lib import costmodel, model_stats
+from qwen35_lib import costmodel, get_config, model_stats
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, specs
-from qwen35_lib.costmodel.step import step_time
-from qwen35_lib.plan import STAGES
+from qwen35_lib.costmodel.step import Pools, step_costs, step_time
+from qwen35_lib.plan import STAGES, ServingPlan
 from tests.costmodel.toy import toy
 
 
@@ -49,3 +49,27 @@ def test_stage_collectives_per_layer():
     assert saved < cfg.num_layers * (s.collective_launch_s + 7 * s.hop_latency_s)
     assert t["fused_ag"].wire_bytes - t["replicate"].wire_bytes == pytest.approx(cfg.num_layers * 7 * n * k * 2)
     assert t["hier_rs"].breakdown["reduce_scatter"] < t["fused_ag"].breakdown["reduce_scatter"]
+
+
+def test_cpu_engine_step_reads_weights_and_caches_in_place_and_runs_the_native_gdn():
+    """On one CPU device the engine's step is an unrolled loop over per-layer weights and caches
+    (`layer_loop.unrolled`): each dense weight byte is read once and no cache pool is copied; its native GDN handler
+    gives every prompt token one state update (~7 dk dv vector FLOPs a head). The same plan on a TPU scans: the
+    sliced weights' copies, the stacked caches' copies and the chunked form (MXU FLOPs)."""
+    cfg = get_config("qwen3.5-mini", dtype="float32")
+    plan = ServingPlan("single", "tp8_kvrep")
+    pools = Pools(kv=1e6, gdn=2e6)
+    decode = ops.Batch(decodes=8, decode_ctx=96, max_ctx=96)
+    cpu, tpu = (step_costs(cfg, toy(chips=1, kind=kind), plan, decode, pools=pools) for kind in ("cpu", "tpu"))
+    dense = ("attn_proj", "gdn_proj", "router", "shared_expert")
+    assert all(cpu[c].copy_bytes == 0 for c in dense) and all(tpu[c].copy_bytes > 0 for c in dense)
+    z = ops.sizes(cfg)
+    assert tpu["gdn_proj"].copy_bytes == pytest.approx(2 * z["n_gdn"] * z["gdn"] * 4)  # written and read again
+    assert cpu["cache_copies"].copy_bytes == 0
+    assert tpu["cache_copies"].copy_bytes == pytest.approx(5 * (z["n_attn"] * 1e6 + z["n_gdn"] * 2e6))
+
+    prompt = ops.Batch(prefill_tokens=64, prefill_seqs=1, max_ctx=64)
+    cpu, tpu = (step_costs(cfg, toy(chips=1, kind=kind), plan, prompt) for kind in ("cpu", "tpu"))
+    per_token = 7 * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * cfg.gdn_num_v_heads
+    assert cpu["gdn_core"].vector_flops == pytest.approx(z["n_gdn"] * 64 * per_token)
+    assert cpu["gdn_core"].mxu_flops == 0 and tpu["gdn_core"].mxu_flops > 0
