@@ -25,6 +25,7 @@ from qwen35_lib.engine.cache import (
 )
 from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
+from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
@@ -122,6 +123,7 @@ class Engine:
                  plan: ServingPlan | None = None, **knobs):
         check_weights(config, weights)
         plan = (SINGLE if plan is None else plan).bound(mesh, config)  # the one check and binding
+        kernel_registry.check_plan(plan)  # a kernel name no slot has: refused here, not at the first step's trace
         config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads
         ec = engine_config or EngineConfig(**knobs)
         self.mesh = None if plan.layout == "single" else mesh

@@ -106,6 +106,13 @@ def get(slot: str, name: str, platform: str | None = None) -> Any:
     return impl(pallas_interpret(platform)) if (slot, name) in _PER_PLATFORM else impl
 
 
+def check_plan(plan: Any) -> None:
+    """Refuse a plan that names a kernel no slot has (before anything is traced): `get`'s one-line error, naming
+    the slot's implementations."""
+    for slot in SLOTS:
+        get(slot, plan.kernel(slot), plan.platform)
+
+
 def for_plan(slot: str, plan: Any) -> Any:
     """The implementation a serving plan runs in `slot` (`ServingPlan.kernel(slot)`, on the platform it was bound
     for)."""

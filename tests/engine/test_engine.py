@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from qwen35_lib import forward
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine import cache as cache_module
+from qwen35_lib.plan import SINGLE
 
 # One engine shape for the whole module: the jitted step is compiled once per bucket and shared.
 EC = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=160)
@@ -114,6 +115,14 @@ def test_invalid_sampling_parameters_are_named(kwargs, match):
 def test_engine_config_that_cannot_hold_one_request():
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len=160"):
         _ = EngineConfig(max_model_len=160, page_size=8, num_pages=10).pages
+
+
+def test_a_plan_naming_an_unknown_kernel_is_refused_when_the_engine_is_built(tiny):
+    """A kernel name no slot has is refused by `Engine(...)` in one line naming the slot's implementations, not at
+    the first step's trace (where every queued request would fail with it)."""
+    cfg, w = tiny
+    with pytest.raises(ValueError, match="no 'gdn' kernel named 'bogus'; available: .*xla"):
+        Engine(cfg, w, SMALL_EC, plan=SINGLE.replace(gdn_kernel="bogus"))
 
 
 @pytest.mark.reference
