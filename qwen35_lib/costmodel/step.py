@@ -148,6 +148,12 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
     specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     if weight_passes is not None:
         pl = dataclasses.replace(pl, weight_passes=weight_passes)
+    return _costs(cfg, specs, pl, batch, kv_dtype, page_size, ideal)
+
+
+def _costs(cfg: Config, specs: Specs, pl: ops.Placement, batch: ops.Batch, kv_dtype: str | None, page_size: int,
+           ideal: bool) -> dict[str, ops.Cost]:
+    """`step_costs` on the placement already resolved."""
     z = ops.sizes(cfg)
     if ideal:  # every byte of dense weights once over the slice, not once per data-parallel rank
         dense = ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices, attention="pallas",
@@ -160,12 +166,29 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
         moe["shared_expert"] = ops.moe_block(cfg, batch, dense)["shared_expert"]
         moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
         head = ops.embed_and_head(cfg, batch, dense)
-    else:
-        attn, gdn = ops.attention_block(cfg, batch, pl), ops.gdn_block(cfg, batch, pl)
-        moe, head = ops.moe_block(cfg, batch, pl), ops.embed_and_head(cfg, batch, pl)
+    else:  # the attention core reads the contexts; the rest depends on the token counts only
+        out = {name: c * z["n_attn"] for name, c in ops.attention_block(cfg, batch, pl).items()}
+        counted = dataclasses.replace(batch, decode_ctx=0.0, prefill_ctx=0.0, max_ctx=0)
+        for name, c in _by_counts(cfg, pl, counted).items():
+            out[name] = out[name] + c if name in out else c
+        return out
     out: dict[str, ops.Cost] = {}
     for costs, times in ((attn, z["n_attn"]), (gdn, z["n_gdn"]), (moe, cfg.num_layers),
                          ({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers), ({"embed_lm_head": head}, 1)):
+        for name, c in costs.items():
+            out[name] = out[name] + c * times if name in out else c * times
+    return out
+
+
+@functools.lru_cache(maxsize=4096)  # a schedule's steps differ mostly in their contexts: ~6x fewer token counts
+def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch) -> dict[str, ops.Cost]:
+    """`step_costs` of every layer but the attention layers (GDN, MoE, norms, embedding and LM head), which read
+    `batch`'s token and sequence counts, not its contexts."""
+    z = ops.sizes(cfg)
+    out: dict[str, ops.Cost] = {}
+    for costs, times in ((ops.gdn_block(cfg, batch, pl), z["n_gdn"]), (ops.moe_block(cfg, batch, pl), cfg.num_layers),
+                         ({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers),
+                         ({"embed_lm_head": ops.embed_and_head(cfg, batch, pl)}, 1)):
         for name, c in costs.items():
             out[name] = out[name] + c * times if name in out else c * times
     return out
@@ -178,8 +201,8 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
     pools on one device (`Pools`; None: their copies are not charged)."""
     if ideal:
         mech = None
-    costs = step_costs(cfg, specs, stage, batch, kv_dtype, page_size, ideal, mech, pools=pools)
     specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
+    costs = _costs(cfg, specs, pl, batch, kv_dtype, page_size, ideal)
     s = _ideal_specs(specs) if ideal else specs
     out = dict.fromkeys(COMPONENTS, 0.0)
     for name, c in costs.items():
@@ -213,13 +236,18 @@ RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling",
             "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute", "moe_row_overhead_s")
 
 
+@functools.lru_cache(maxsize=256)  # asked once per step of a schedule, for the same two mechanisms
+def _rescaled_only(old: Mechanisms, new: Mechanisms) -> bool:
+    return all(getattr(old, f) == getattr(new, f) for f in old.__dataclass_fields__ if f not in RESCALED)
+
+
 def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, breakdown: dict[str, float],
             old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
     """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
     (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
     (1 - overlap) ratio, the attention core by its efficiency and mixed-step ratios, the SparseCore permute share,
     and the per-row MoE overhead."""
-    if any(getattr(old, f) != getattr(new, f) for f in old.__dataclass_fields__ if f not in RESCALED):
+    if not _rescaled_only(old, new):
         return None
     out = dict(breakdown)
     out["host"] = new.host_step_overhead_s if new.async_scheduling else new.host_step_time_sync_s
