@@ -443,8 +443,8 @@ def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> 
     for r in firsts:
         r.done_output = 1
     pre = sum(c[0] for c in chunks)
-    fields = (n_dec, float(np.mean(ctx)) if ctx else 0.0, pre, len(chunks),
-              float(np.mean([c[1] for c in chunks])) if chunks else 0.0,
+    fields = (n_dec, sum(ctx) / len(ctx) if ctx else 0.0, pre, len(chunks),  # exact sums: np.mean's value
+              sum(c[1] for c in chunks) / len(chunks) if chunks else 0.0,
               max([c[0] + c[1] for c in chunks] + ctx + [0]))
     return fields, firsts
 
@@ -489,7 +489,7 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
             for k in range(dp):
                 dec = [q for q in running[k] if q.done_prompt == q.prompt][:budget]
                 ctx = [q.prompt + q.done_output + (k_steps + 1) / 2 for q in dec]
-                rows[k].append(((len(dec), float(np.mean(ctx)) if ctx else 0.0, 0, 0, 0.0,
+                rows[k].append(((len(dec), sum(ctx) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
                                  int(max(ctx) + k_steps / 2) if ctx else 0), k_steps))
                 for q in dec:
                     q.done_output += k_steps

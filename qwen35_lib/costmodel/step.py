@@ -153,42 +153,39 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
 
 def _costs(cfg: Config, specs: Specs, pl: ops.Placement, batch: ops.Batch, kv_dtype: str | None, page_size: int,
            ideal: bool) -> dict[str, ops.Cost]:
-    """`step_costs` on the placement already resolved."""
+    """`step_costs` on the placement already resolved: the attention layers here (their core reads the contexts),
+    the rest by the step's token counts (`_by_counts`)."""
     z = ops.sizes(cfg)
-    if ideal:  # every byte of dense weights once over the slice, not once per data-parallel rank
-        dense = ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices, attention="pallas",
-                              moe_impl="gmm", kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
-        attn = ops.attention_block(cfg, batch, pl)
+    # ideal: every byte of dense weights once over the slice, not once per data-parallel rank
+    dense = None if not ideal else ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices,
+                                                 attention="pallas", moe_impl="gmm", kv_dtype=kv_dtype,
+                                                 page_size=page_size, static_buffers=False)
+    attn = ops.attention_block(cfg, batch, pl)
+    if dense is not None:
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
-        gdn = ops.gdn_block(cfg, batch, pl)
-        gdn["gdn_proj"] = ops.gdn_block(cfg, batch, dense)["gdn_proj"]
-        moe = ops.moe_block(cfg, batch, pl)
-        moe["shared_expert"] = ops.moe_block(cfg, batch, dense)["shared_expert"]
-        moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
-        head = ops.embed_and_head(cfg, batch, dense)
-    else:  # the attention core reads the contexts; the rest depends on the token counts only
-        out = {name: c * z["n_attn"] for name, c in ops.attention_block(cfg, batch, pl).items()}
-        counted = dataclasses.replace(batch, decode_ctx=0.0, prefill_ctx=0.0, max_ctx=0)
-        for name, c in _by_counts(cfg, pl, counted).items():
-            out[name] = out[name] + c if name in out else c
-        return out
-    out: dict[str, ops.Cost] = {}
-    for costs, times in ((attn, z["n_attn"]), (gdn, z["n_gdn"]), (moe, cfg.num_layers),
-                         ({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers), ({"embed_lm_head": head}, 1)):
-        for name, c in costs.items():
-            out[name] = out[name] + c * times if name in out else c * times
+    out = {name: c * z["n_attn"] for name, c in attn.items()}
+    b = batch
+    counted = ops.Batch(b.decodes, 0.0, b.prefill_tokens, b.prefill_seqs, 0.0, 0, b.padded_tokens, b.logit_rows)
+    for name, c in _by_counts(cfg, pl, counted, dense).items():
+        out[name] = out[name] + c if name in out else c
     return out
 
 
 @functools.lru_cache(maxsize=4096)  # a schedule's steps differ mostly in their contexts: ~6x fewer token counts
-def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch) -> dict[str, ops.Cost]:
+def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch, dense: ops.Placement | None) -> dict[str, ops.Cost]:
     """`step_costs` of every layer but the attention layers (GDN, MoE, norms, embedding and LM head), which read
-    `batch`'s token and sequence counts, not its contexts."""
+    `batch`'s token and sequence counts, not its contexts; `dense`: the ideal roofline's placement of the dense
+    weights (None: `pl`'s)."""
     z = ops.sizes(cfg)
+    gdn, moe = ops.gdn_block(cfg, batch, pl), ops.moe_block(cfg, batch, pl)
+    head = ops.embed_and_head(cfg, batch, dense or pl)
+    if dense is not None:
+        gdn["gdn_proj"] = ops.gdn_block(cfg, batch, dense)["gdn_proj"]
+        moe["shared_expert"] = ops.moe_block(cfg, batch, dense)["shared_expert"]
+        moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
     out: dict[str, ops.Cost] = {}
-    for costs, times in ((ops.gdn_block(cfg, batch, pl), z["n_gdn"]), (ops.moe_block(cfg, batch, pl), cfg.num_layers),
-                         ({"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers),
-                         ({"embed_lm_head": ops.embed_and_head(cfg, batch, pl)}, 1)):
+    norms, L = {"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers
+    for costs, times in ((gdn, z["n_gdn"]), (moe, L), (norms, L), ({"embed_lm_head": head}, 1)):
         for name, c in costs.items():
             out[name] = out[name] + c * times if name in out else c * times
     return out
