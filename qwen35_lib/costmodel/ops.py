@@ -61,6 +61,12 @@ class Batch:
     def seqs(self) -> int:
         return self.decodes + self.prefill_seqs
 
+    def counts(self) -> Batch:
+        """This batch without its contexts (`decode_ctx`, `prefill_ctx`, `max_ctx`): all that every op cost but the
+        attention core reads (`step` caches those costs by it)."""
+        return Batch(decodes=self.decodes, prefill_tokens=self.prefill_tokens, prefill_seqs=self.prefill_seqs,
+                     padded_tokens=self.padded_tokens, logit_rows=self.logit_rows)
+
     @property
     def attention_pairs(self) -> float:
         """(query, key) pairs of causal attention: decodes see their context, chunks their past + causal part."""

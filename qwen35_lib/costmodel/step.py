@@ -164,9 +164,7 @@ def _costs(cfg: Config, specs: Specs, pl: ops.Placement, batch: ops.Batch, kv_dt
     if dense is not None:
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
     out = {name: c * z["n_attn"] for name, c in attn.items()}
-    b = batch
-    counted = ops.Batch(b.decodes, 0.0, b.prefill_tokens, b.prefill_seqs, 0.0, 0, b.padded_tokens, b.logit_rows)
-    for name, c in _by_counts(cfg, pl, counted, dense).items():
+    for name, c in _by_counts(cfg, pl, batch.counts(), dense).items():
         out[name] = out[name] + c if name in out else c
     return out
 

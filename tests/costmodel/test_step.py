@@ -3,12 +3,14 @@ layer."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from qwen35_lib import costmodel, get_config, model_stats
 from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, specs
-from qwen35_lib.costmodel.step import Pools, step_costs, step_time
+from qwen35_lib.costmodel.step import Pools, placement, step_costs, step_time
 from qwen35_lib.plan import STAGES, ServingPlan
 from tests.costmodel.toy import toy
 
@@ -73,3 +75,29 @@ def test_cpu_engine_step_reads_weights_and_caches_in_place_and_runs_the_native_g
     per_token = 7 * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * cfg.gdn_num_v_heads
     assert cpu["gdn_core"].vector_flops == pytest.approx(z["n_gdn"] * 64 * per_token)
     assert cpu["gdn_core"].mxu_flops == 0 and tpu["gdn_core"].mxu_flops > 0
+
+
+@pytest.mark.parametrize("stage", ["baseline", "kernels"])
+def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
+    """`step` caches the GDN, MoE, norm and head costs by `Batch.counts()`: the same counts with other contexts must
+    give the same costs there (and different ones in the attention core, so the check can tell), and step_costs
+    must equal the ops summed by hand, on the real placement and on the ideal one."""
+    cfg = costmodel.serving_model()
+    s = specs.get("tpu7x-8")
+    short = ops.Batch(decodes=64, decode_ctx=300, prefill_tokens=512, prefill_seqs=2, prefill_ctx=100, max_ctx=900)
+    long = dataclasses.replace(short, decode_ctx=7000, prefill_ctx=4000, max_ctx=8000)
+    assert long.counts() == short.counts() and short.counts().max_ctx == 0
+    for ideal in (False, True):
+        a, b = (step_costs(cfg, s, STAGES[stage], x, "float8_e4m3fn", ideal=ideal) for x in (short, long))
+        assert a["attn_core"] != b["attn_core"]
+        assert {k: v for k, v in a.items() if k != "attn_core"} == {k: v for k, v in b.items() if k != "attn_core"}
+    pl = placement(cfg, s, STAGES[stage], "float8_e4m3fn")
+    z = ops.sizes(cfg)
+    hand = {}
+    for costs, times in ((ops.attention_block(cfg, long, pl), z["n_attn"]), (ops.gdn_block(cfg, long, pl), z["n_gdn"]),
+                         (ops.moe_block(cfg, long, pl), cfg.num_layers),
+                         ({"norms": ops.norms(cfg, long, pl)}, cfg.num_layers),
+                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl)}, 1)):
+        for name, c in costs.items():
+            hand[name] = hand[name] + c * times if name in hand else c * times
+    assert step_costs(cfg, s, STAGES[stage], long, "float8_e4m3fn") == hand
