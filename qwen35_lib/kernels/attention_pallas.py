@@ -455,8 +455,9 @@ def paged_attention_write_pallas(q, k, v, kv_pages, kv_scales, page, offset, pag
 
 
 @register("attention", "pallas", per_platform=True)
-def _kernels(interpret: bool) -> AttentionKernels:
-    """The slot's kernels compiled for a TPU (interpret False) or in interpret mode."""
+def _kernels(platform: str) -> AttentionKernels:
+    """The slot's kernels compiled for a TPU, or in interpret mode on another platform."""
+    interpret = pallas_interpret(platform)
     return AttentionKernels(dense=attention_xla, paged=functools.partial(paged_attention_pallas, interpret=interpret),
                             write=functools.partial(write_kv_pages_pallas, interpret=interpret),
                             paged_write=functools.partial(paged_attention_write_pallas, interpret=interpret))

@@ -16,7 +16,8 @@ The chunked form computes the same recurrence in another order (outputs agree to
 Where it cannot run, `gdn_decode_xla` runs, with the same result up to rounding:
 - the C++ library could not be built (`native.unavailable("gdn_native")` says why) or `QWEN35_NATIVE=0`;
 - a state pool other than float32, or q, k, v not float32 / bfloat16;
-- a platform other than the CPU (`lax.platform_dependent`: a plan bound for a TPU lowers the XLA form);
+- a platform other than the CPU (a plan bound for a TPU runs the XLA form; called directly, without the plan's
+  platform, `native.on_cpu` leaves the choice to the lowering);
 - a step that XLA partitions over several devices (a multi-device layout: the handler would not be split).
 Unlike the XLA form it leaves the null slot 0 alone (padding rows write nothing), which no sequence reads.
 """
@@ -50,9 +51,10 @@ def _partitioned() -> bool:
     return not mesh.empty and mesh.size > 1 and not mesh.are_all_axes_manual
 
 
-def gdn_decode_native(q, k, v, g, beta, slot, start, states):
+def gdn_decode_native(q, k, v, g, beta, slot, start, states, *, platform: str | None = None):
     """`gdn_decode_xla`'s protocol (q, k [D, Hk, dk], v [D, Hv, dv], g, beta [D, Hv], slot [D] with -1 for padding,
-    start [D] bool, states [NS, Hv, dk, dv]) -> (o [D, Hv, dv] float32, states), by the C++ handler."""
+    start [D] bool, states [NS, Hv, dk, dv]) -> (o [D, Hv, dv] float32, states), by the C++ handler; `platform`:
+    the plan's (`native.on_cpu`)."""
     target = native_target(q, v, states)
     if target is None or _partitioned():
         return gdn_decode_xla(q, k, v, g, beta, slot, start, states)
@@ -64,14 +66,16 @@ def gdn_decode_native(q, k, v, g, beta, slot, start, states):
     args = (q, k.astype(q.dtype), v, g.astype(jnp.float32), beta.astype(jnp.float32), slot.astype(jnp.int32),
             start.astype(jnp.int32), states)
     xla = lambda q, k, v, g, beta, slot, start, states: gdn_decode_xla(q, k, v, g, beta, slot, start > 0, states)
-    return jax.lax.platform_dependent(*args, cpu=lambda *a: tuple(call(*a)), default=xla)
+    return native.on_cpu(platform, args, lambda *a: tuple(call(*a)), xla)
 
 
-def gdn_prefill_native(q, k, v, g, beta, first, length, slot, start, states, fallback):
+def gdn_prefill_native(q, k, v, g, beta, first, length, slot, start, states, fallback, *,
+                       platform: str | None = None):
     """`gdn_ragged_xla`'s prefill protocol (q, k [N, Hk, dk], v [N, Hv, dv], g, beta [N, Hv]; per sequence s: its
     tokens [first, first + length), its slot and start, bool: False starts from a zero state; states [NS, Hv, dk,
     dv]) -> (o [N, Hv, dv] float32, 0 at tokens of no sequence; states, each sequence's final state in its slot),
-    by the C++ handler, token after token; `fallback` (same arguments) where the handler cannot run."""
+    by the C++ handler, token after token; `fallback` (same arguments) where the handler cannot run; `platform`:
+    the plan's (`native.on_cpu`)."""
     target = native_target(q, v, states, PREFILL)
     args = (q, k.astype(q.dtype), v, g.astype(jnp.float32), beta.astype(jnp.float32),
             *(x.astype(jnp.int32) for x in (first, length, slot, start)), states)
@@ -80,10 +84,10 @@ def gdn_prefill_native(q, k, v, g, beta, first, length, slot, start, states, fal
     N, Hv, dv = v.shape
     shapes = (jax.ShapeDtypeStruct((N, Hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, states.dtype))
     call = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all", input_output_aliases={9: 1})
-    return jax.lax.platform_dependent(*args, cpu=lambda *a: tuple(call(*a)), default=fallback)
+    return native.on_cpu(platform, args, lambda *a: tuple(call(*a)), fallback)
 
 
-def gdn_dense_native(q, k, v, g, beta, state, chunk_size: int = 64):
+def gdn_dense_native(q, k, v, g, beta, state, chunk_size: int = 64, *, platform: str | None = None):
     """`gdn_xla`'s protocol (q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv], state [B, Hv, dk, dv]):
     each row a sequence of T tokens from its state, by the prefill handler. Output o in v's dtype."""
     B, T, Hv, dv = v.shape
@@ -95,9 +99,11 @@ def gdn_dense_native(q, k, v, g, beta, state, chunk_size: int = 64):
         return flat(o).astype(jnp.float32), S
 
     o, S = gdn_prefill_native(*map(flat, (q, k, v, g, beta)), rows * T, jnp.full((B,), T), rows,
-                              jnp.ones((B,), bool), state.astype(jnp.float32), fallback=xla)
+                              jnp.ones((B,), bool), state.astype(jnp.float32), fallback=xla, platform=platform)
     return o.reshape(B, T, Hv, dv).astype(v.dtype), S
 
 
-register("gdn", "native")(GdnKernels(dense=gdn_dense_native, ragged=partial(gdn_ragged_xla, decode=gdn_decode_native,
-                                                                           prefill=gdn_prefill_native)))
+register("gdn", "native", per_platform=True)(lambda platform: GdnKernels(
+    dense=partial(gdn_dense_native, platform=platform),
+    ragged=partial(gdn_ragged_xla, decode=partial(gdn_decode_native, platform=platform),
+                   prefill=partial(gdn_prefill_native, platform=platform))))

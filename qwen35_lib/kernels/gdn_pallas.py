@@ -336,5 +336,6 @@ def gdn_ragged_pallas(q, k, v, g, beta, states, meta, chunk_size: int = 64, *, i
     return fn(q, k, v, g, beta, states, meta)
 
 
-register("gdn", "pallas", per_platform=True)(lambda interpret: GdnKernels(
-    dense=partial(gdn_dense_pallas, interpret=interpret), ragged=partial(gdn_ragged_pallas, interpret=interpret)))
+register("gdn", "pallas", per_platform=True)(lambda platform: GdnKernels(
+    dense=partial(gdn_dense_pallas, interpret=pallas_interpret(platform)),
+    ragged=partial(gdn_ragged_pallas, interpret=pallas_interpret(platform))))

@@ -15,12 +15,14 @@ Where it cannot run, `moe_loop` (or `moe_loop_fused`) runs, with the same result
 - the C++ library could not be built (a warning once; `native.unavailable("moe_native")` says why) or
   `QWEN35_NATIVE=0`;
 - FP8 expert weights, or x and the weights in different dtypes, or a dtype other than float32 / bfloat16;
-- a platform other than the CPU (`lax.platform_dependent`: a plan bound for a TPU lowers the XLA loop).
+- a platform other than the CPU (a plan bound for a TPU runs the XLA loop; called directly, without the plan's
+  platform, `native.on_cpu` leaves the choice to the lowering).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +47,15 @@ def native_target(x, w_gate_up, w_down, handler: str = HANDLER) -> str | None:
     return native.ffi_target(LIBRARY, handler)
 
 
-@register("moe_matmul", "native")
-def moe_native(x, group_sizes, w_gate_up, w_down, fp8_block=None):
-    """y_sorted [N, D] from x_sorted [N, D], group_sizes [E], w_gate_up [E, D, 2, F], w_down [E, F, D]."""
+def moe_native(x, group_sizes, w_gate_up, w_down, fp8_block=None, *, platform: str | None = None):
+    """y_sorted [N, D] from x_sorted [N, D], group_sizes [E], w_gate_up [E, D, 2, F], w_down [E, F, D]; `platform`:
+    the plan's (`native.on_cpu`)."""
     target = native_target(x, w_gate_up, w_down)
     xla = lambda x, sizes, wgu, wd: moe_loop(x, sizes, *_logical((w_gate_up, w_down), (wgu, wd)), fp8_block)
     if target is None:
         return xla(x, group_sizes, *_buffers(w_gate_up, w_down))
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
-    return jax.lax.platform_dependent(x, group_sizes.astype(jnp.int32), *_buffers(w_gate_up, w_down), cpu=call,
-                                      default=xla)
+    return native.on_cpu(platform, (x, group_sizes.astype(jnp.int32), *_buffers(w_gate_up, w_down)), call, xla)
 
 
 def _buffers(*ws):
@@ -77,7 +78,8 @@ def pack_experts(w: jax.Array) -> PanelPacked:
     return pack_panels(w, lead=1, k_dims=1)
 
 
-def moe_native_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_block=None):
+def moe_native_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_block=None, *,
+                     platform: str | None = None):
     """Dispatch, grouped matmul and combine in one call: the routed experts' output [T, D] from the tokens x [T, D],
     their expert ids [T, k] and routing weights [T, k] (ids >= the expert count: routed nowhere), as
     `moe_xla.moe_loop_fused` computes it. The handler sorts the copies itself (a counting sort of [T*k] ids),
@@ -94,8 +96,8 @@ def moe_native_fused(x, ids, weights, num_groups: int, w_gate_up, w_down, fp8_bl
     T, k = ids.shape
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((T * k, x.shape[1]), jnp.float32))
     call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
-    return jax.lax.platform_dependent(x, ids.astype(jnp.int32), weights.astype(x.dtype), *_buffers(w_gate_up, w_down),
-                                      cpu=lambda *a: call(*a)[0], default=xla)
+    return native.on_cpu(platform, (x, ids.astype(jnp.int32), weights.astype(x.dtype), *_buffers(w_gate_up, w_down)),
+                         lambda *a: call(*a)[0], xla)
 
 
 # `model.moe.routed_experts` runs the fused form wherever the library is built (every size: at 8 tokens it saves the
@@ -106,3 +108,12 @@ moe_native.fused = moe_native_fused
 # `layer_loop.prepare_weights` packs the per-layer expert stacks with this where the library loads
 moe_native.pack = lambda w: (pack_experts(w) if native.load(LIBRARY) is not None and not isinstance(w, BlockFP8)
                              and w.dtype in DTYPES else w)
+
+
+@register("moe_matmul", "native", per_platform=True)
+def _moe_native_for(platform: str):
+    """`moe_native`, and its fused form, for a plan bound for `platform` (`native.on_cpu`)."""
+    fn = functools.partial(moe_native, platform=platform)
+    fn.fuses, fn.pack, fn.fused = moe_native.fuses, moe_native.pack, functools.partial(moe_native_fused,
+                                                                                        platform=platform)
+    return fn

@@ -300,9 +300,9 @@ moe_pallas.reads_stacked = True  # takes `LayerOf` views: the layer scan hands i
 
 
 @register("moe_matmul", "pallas", per_platform=True)
-def _moe_pallas_for(interpret: bool):
-    """`moe_pallas` compiled for a TPU (interpret False) or in interpret mode."""
-    fn = functools.partial(moe_pallas, interpret=interpret)
+def _moe_pallas_for(platform: str):
+    """`moe_pallas` compiled for a TPU, or in interpret mode on another platform."""
+    fn = functools.partial(moe_pallas, interpret=pallas_interpret(platform))
     fn.reads_stacked = moe_pallas.reads_stacked
     return fn
 

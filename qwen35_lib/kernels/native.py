@@ -122,6 +122,16 @@ def ffi_target(name: str, symbol: str) -> str | None:
     return symbol
 
 
+def on_cpu(platform: str | None, args: tuple, cpu, default):
+    """`cpu(*args)` (a handler's call) where the program is lowered for the CPU, else `default(*args)` (its XLA
+    twin). `platform`: the one the plan was bound for (`registry.get`'s factories pass it): the one branch is traced.
+    None (unknown: a direct call) traces both and lets the lowering choose (`lax.platform_dependent`); tracing the
+    twin too cost the CPU engine's step about a sixth of its trace and compile (the GDN's chunked prefill form)."""
+    if platform is None:
+        return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+    return cpu(*args) if platform == "cpu" else default(*args)
+
+
 if __name__ == "__main__":  # python -m qwen35_lib.kernels.native: build every native kernel now
     for source in sorted(SOURCE_DIR.glob("*.cc")):
         built = load(source.stem) is not None

@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from qwen35_lib.kernels.moe_pallas import interpret_default, out_struct, run_pallas
 from qwen35_lib.kernels.permute_xla import Permute
-from qwen35_lib.kernels.registry import register
+from qwen35_lib.kernels.registry import pallas_interpret, register
 
 
 def _gather_kernel(src_ref, x_hbm, o_hbm, sem, *, rows: int, n: int):
@@ -134,5 +134,6 @@ def combine_pallas(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, *,
     return gather_reduce(y_sorted, inv, weights, interpret=interpret)
 
 
-register("permute", "pallas", per_platform=True)(lambda interpret: Permute(
-    functools.partial(dispatch_pallas, interpret=interpret), functools.partial(combine_pallas, interpret=interpret)))
+register("permute", "pallas", per_platform=True)(lambda platform: Permute(
+    functools.partial(dispatch_pallas, interpret=pallas_interpret(platform)),
+    functools.partial(combine_pallas, interpret=pallas_interpret(platform))))

@@ -44,7 +44,7 @@ class GdnKernels(NamedTuple):
 
 
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}
-_PER_PLATFORM: set[tuple[str, str]] = set()  # (slot, name) registered as a factory `impl(interpret: bool)`
+_PER_PLATFORM: set[tuple[str, str]] = set()  # (slot, name) registered as a factory `impl(platform: str)`
 
 
 def pallas_interpret(platform: str | None = None) -> bool:
@@ -55,8 +55,9 @@ def pallas_interpret(platform: str | None = None) -> bool:
 
 def register(slot: str, name: str, per_platform: bool = False) -> Callable[[Any], Any]:
     """Decorator: `@register("moe_matmul", "ragged_dot")` adds an implementation to a slot. per_platform: what is
-    registered is a factory, `impl(interpret: bool)` -> the implementation (a Pallas kernel: interpret mode off a
-    TPU), called by `get` for the platform asked."""
+    registered is a factory, `impl(platform: str)` -> the implementation for that platform (a Pallas kernel:
+    interpret mode off a TPU; a native handler: called directly on the CPU, its XLA twin elsewhere), called by
+    `get` for the platform asked."""
     if slot not in _IMPLS:
         raise ValueError(f"unknown kernel slot {slot!r}; slots are {SLOTS}")
 
@@ -103,7 +104,7 @@ def get(slot: str, name: str, platform: str | None = None) -> Any:
     if name not in _IMPLS[slot]:
         raise ValueError(f"no {slot!r} kernel named {name!r}; available: {', '.join(_IMPLS[slot])}")
     impl = _IMPLS[slot][name]
-    return impl(pallas_interpret(platform)) if (slot, name) in _PER_PLATFORM else impl
+    return impl(platform or jax.default_backend()) if (slot, name) in _PER_PLATFORM else impl
 
 
 def check_plan(plan: Any) -> None:

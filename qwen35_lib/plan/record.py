@@ -123,6 +123,7 @@ class ServingPlan:
         """This plan bound to `mesh`: itself when it is bound there already (an entry point bound it and handed it
         down: nothing is derived twice), else `bind(mesh, config, platform)`."""
         shape = None if mesh is None else tuple((a, int(n)) for a, n in dict(mesh.shape).items())
+        platform = platform or (_platform(mesh) if _concrete(mesh) else None)  # a mesh of other devices: rebound
         if (self.platform is not None and platform in (None, self.platform)
                 and (self.mesh_shape == shape or (self.layout == "single" and shape is None))):
             return self
@@ -236,12 +237,19 @@ def kv_heads_per_device(config: Config, ways: int, replicated: bool) -> int:
     return heads // ways if heads % ways == 0 else heads
 
 
+def _concrete(mesh) -> bool:
+    """A Mesh of devices (not an AbstractMesh, not None): its devices' platform is known."""
+    import jax
+
+    return isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size > 0
+
+
 def _platform(mesh) -> str:
     """The platform of `mesh`'s devices (a Mesh's; "cpu", "tpu", ...), else JAX's default backend (an
     AbstractMesh or no mesh)."""
     import jax
 
-    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    if _concrete(mesh):
         return mesh.devices.flat[0].platform
 
     return jax.default_backend()

@@ -164,14 +164,26 @@ def test_a_bfloat16_pool_runs_the_xla_form():
     np.testing.assert_array_equal(s, s_x)
 
 
-def test_the_cpu_default_is_native():
+def test_the_cpu_default_is_native_and_traces_the_handler_alone():
+    """A plan bound for the CPU gets the handlers told so: the program holds the custom call and no conditional
+    over platforms (whose XLA branch, the chunked prefill form, was traced and lowered for nothing); called without
+    a platform (directly), the lowering chooses, and a plan bound for another platform runs the XLA form."""
     from qwen35_lib.kernels import for_plan
     from qwen35_lib.plan import SINGLE
 
     kernels = for_plan("gdn", SINGLE.bound(None))
-    assert kernels.ragged.keywords["decode"] is gdn_native.gdn_decode_native
-    assert kernels.ragged.keywords["prefill"] is gdn_native.gdn_prefill_native
-    assert kernels.dense is gdn_native.gdn_dense_native
+    for fn, want in ((kernels.ragged.keywords["decode"], gdn_native.gdn_decode_native),
+                     (kernels.ragged.keywords["prefill"], gdn_native.gdn_prefill_native),
+                     (kernels.dense, gdn_native.gdn_dense_native)):
+        assert fn.func is want and fn.keywords == {"platform": "cpu"}
+    B, T = 2, 8
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(0), (B, T), **HEADS, dtype=jnp.float32)
+    state = _state(jax.random.key(1), (B,), **HEADS)
+    program = {p: str(jax.make_jaxpr(lambda *a, p=p: gdn_native.gdn_dense_native(*a, platform=p))(
+        q, k, v, g, beta, state)) for p in ("cpu", None, "gpu")}
+    assert gdn_native.PREFILL in program["cpu"] and "platform_index" not in program["cpu"]
+    assert gdn_native.PREFILL in program[None] and "platform_index" in program[None]
+    assert gdn_native.PREFILL not in program["gpu"] and "platform_index" not in program["gpu"]
 
 
 def test_a_step_xla_partitions_runs_the_xla_form():
