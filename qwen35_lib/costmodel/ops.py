@@ -143,13 +143,14 @@ class Cost:
         return self.bytes + self.copy_bytes
 
 
-def seconds(c: Cost, s: Specs) -> float:
-    """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads."""
+def seconds(c: Cost, s: Specs, maximum=max) -> float:
+    """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads (`maximum=np.maximum`
+    for a `Cost` of arrays: the times of many steps, [n])."""
     compute = c.mxu_flops / (s.peak_flops * s.eff_matmul) + c.vector_flops / (s.peak_flops * s.vector_fraction) + \
         c.small_mxu_flops / (s.small_matmul_flops or s.peak_flops * s.eff_matmul)
     memory = c.bytes / (s.hbm_bytes_per_s * s.eff_hbm) + \
         c.copy_bytes / (s.copy_bytes_per_s or s.hbm_bytes_per_s * s.eff_hbm)
-    return max(compute, memory) + c.launches * s.op_overhead_s + c.seconds
+    return maximum(compute, memory) + c.launches * s.op_overhead_s + c.seconds
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,13 +20,15 @@ import dataclasses
 import numbers
 from typing import Any
 
+import numpy as np
+
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import Pools, bind_to, retimed, step_time
+from qwen35_lib.costmodel.step import Pools, bind_to, retimed_many, step_times
 from qwen35_lib.engine.cache import CacheShape
 from qwen35_lib.plan import ServingPlan, any_stage
 
@@ -152,18 +154,21 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     pools = engine_pools(cfg, sp, st, min(max_running, seqs), isl + osl, kv_dtype, page_size)
     doc["cache_pool_bytes_per_layer"] = dataclasses.asdict(pools)
 
-    nominal: dict[ops.Batch, dict[str, float]] = {}  # each step of `mech` timed, for the band's rescaled ends
+    # the distinct steps of a schedule under `mech`, timed: {batches: {component: seconds [n]}}, for the band's
+    # rescaled ends (a rescaled mechanism never changes the schedule)
+    nominal: dict[tuple[ops.Batch, ...], dict[str, np.ndarray]] = {}
 
-    def fn(ideal: bool, m: Mechanisms | None = mech):
-        def run(b: ops.Batch):
-            if not ideal and m is not mech and b in nominal:
-                fast = retimed(cfg, sp, lay, b, nominal[b], mech, m)
+    def fn(ideal: bool, m: Mechanisms | None = mech):  # a schedule's distinct steps timed at once (`StepsFn`)
+        def run(batches: tuple[ops.Batch, ...]):
+            if not ideal and m is not mech and batches in nominal:
+                fast = retimed_many(cfg, sp, lay, batches, nominal[batches], mech, m)
                 if fast is not None:
                     return sum(fast.values()), fast
-            r = step_time(cfg, sp, lay, b, kv_dtype, page_size, ideal=ideal, overlap=overlap, mech=m, pools=pools)
+            secs, parts = step_times(cfg, sp, lay, batches, kv_dtype, page_size, ideal=ideal, overlap=overlap,
+                                     mech=m, pools=pools)
             if not ideal and m is mech:
-                nominal[b] = r.breakdown
-            return r.seconds, r.breakdown
+                nominal[batches] = parts
+            return secs, parts
         return run
 
     def use_lockstep(m: Mechanisms) -> bool:  # beyond LOCKSTEP_RUNNING running a rank fills its budget every step
@@ -173,10 +178,10 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
                       padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each")
-        sim = price(ls, fn(False))
+        sim = price(ls, steps_fn=fn(False))
     else:
-        sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                       range_ratio)
+        sim = simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                       range_ratio, steps_fn=fn(False))
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -188,8 +193,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:
-        ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                   range_ratio)
+        ideal = simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                         range_ratio, steps_fn=fn(True))
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
@@ -198,9 +203,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding,
-                                  dispatch="batch" if m.dp_batch_prefill else "each"), fn(False, m))
-        return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts,
-                        seed, range_ratio)
+                                  dispatch="batch" if m.dp_batch_prefill else "each"), steps_fn=fn(False, m))
+        return simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                        range_ratio, steps_fn=fn(False, m))
 
     if band:
         doc["band"] = band_of(sim, mech, rerun)

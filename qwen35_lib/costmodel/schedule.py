@@ -31,6 +31,22 @@ import numpy as np
 
 from qwen35_lib.costmodel.ops import Batch
 
+StepFn = Callable[[Batch], tuple[float, dict[str, float]]]  # one step: (seconds, {component: seconds})
+StepsFn = Callable[[tuple[Batch, ...]], tuple[np.ndarray, dict[str, np.ndarray]]]  # n steps at once: (seconds [n],
+# {component: seconds [n]}), the floats a StepFn gives for each
+
+
+def each_step(step_fn: StepFn) -> StepsFn:
+    """A `StepsFn` calling `step_fn` on each batch in turn (components in the order they first appear; one a step
+    lacks: 0)."""
+    def steps_fn(batches: tuple[Batch, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        timed = [step_fn(b) for b in batches]
+        names = list(dict.fromkeys(k for _, parts in timed for k in parts))
+        return (np.array([t for t, _ in timed], dtype=np.float64),
+                {k: np.array([p.get(k, 0.0) for _, p in timed], dtype=np.float64) for k in names})
+    return steps_fn
+
+
 EXACT_PROMPTS = 2048  # requests per rank played one by one (concurrency 8192 at DP 8, 1024 at DP 1)
 STEADY_WINDOW = 512  # completions over which the bounded run measures the steady state, at least
 
@@ -92,10 +108,11 @@ def _low(n: int, range_ratio: float) -> int:
     return max(1, int(np.ceil(range_ratio * n)))
 
 
-def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, concurrency: int,
-             dp: int, max_batched_tokens: int, max_seqs: int, max_running: int, num_prompts: int | None = None,
-             seed: int = 0, range_ratio: float = 0.8) -> SimResult:
-    """Play the benchmark on one rank (see the module doc). `step_fn(batch) -> (seconds, breakdown)`.
+def simulate(step_fn: StepFn | None, isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int,
+             max_seqs: int, max_running: int, num_prompts: int | None = None, seed: int = 0,
+             range_ratio: float = 0.8, steps_fn: StepsFn | None = None) -> SimResult:
+    """Play the benchmark on one rank (see the module doc). `step_fn(batch) -> (seconds, breakdown)`, or
+    `steps_fn` (`StepsFn`: every distinct step of the play timed at once).
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
     bound the running sequences per rank; `max_batched_tokens` is the rank's token budget per step.
@@ -105,11 +122,12 @@ def simulate(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
     prompts = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
     if prompts > EXACT_PROMPTS:
-        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio)
+        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
+                           steps_fn)
         if bounded is not None:
             return bounded
     play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio),
-                    step_fn)
+                    step_fn, steps_fn)
     return play.result(dp)
 
 
@@ -120,9 +138,9 @@ def _exact_record(isl: int, osl: int, clients: int, prompts: int, dp: int, max_b
     return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit),)
 
 
-def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: int, osl: int, clients: int,
-             prompts: int, dp: int, max_batched_tokens: int, limit: int, seed: int,
-             range_ratio: float) -> SimResult | None:
+def _bounded(step_fn: StepFn | None, isl: int, osl: int, clients: int, prompts: int, dp: int,
+             max_batched_tokens: int, limit: int, seed: int, range_ratio: float,
+             steps_fn: StepsFn | None = None) -> SimResult | None:
     """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
     `clients` (None when the three runs would be about the whole benchmark).
 
@@ -154,7 +172,7 @@ def _bounded(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], isl: in
         return None
     skip = min(c, limit, max_batched_tokens, STEADY_WINDOW)  # `warm` in `_bounded_records`
     records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW)
-    steady, ramp, drain = _replay(records, step_fn)
+    steady, ramp, drain = _replay(records, step_fn, steps_fn)
     (_, a), (_, b) = steady.snapshots
     mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
     work = prompts * (mean_in + mean_out - 1)  # tokens computed: the first output token is the prefill's
@@ -341,10 +359,16 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
     return _Record(pid, steps, snapshots, done, running)
 
 
-def _replay(records: tuple[_Record, ...], step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> list[_Play]:
-    """Recorded plays (in the order they were recorded) timed by `step_fn`: each step's seconds and breakdown summed
-    as `_play` sums them, its `_At` times in seconds (a later play's requests may carry an earlier one's)."""
-    seen: dict[Batch, tuple[float, dict[str, float]]] = {}
+def _replay(records: tuple[_Record, ...], step_fn: StepFn | None, steps_fn: StepsFn | None = None) -> list[_Play]:
+    """Recorded plays (in the order they were recorded) timed by `step_fn` (or every distinct step at once by
+    `steps_fn`): each step's seconds and breakdown summed as `_play` sums them, its `_At` times in seconds (a later
+    play's requests may carry an earlier one's)."""
+    batches = tuple(dict.fromkeys(st.batch for rec in records for st in rec.steps))  # distinct, in order
+    secs, parts = (steps_fn or each_step(step_fn))(batches) if batches else (np.zeros(0), {})
+    index = {b: i for i, b in enumerate(batches)}
+    seconds = secs.tolist()
+    names = list(parts)
+    per = np.column_stack([parts[k] for k in names]) if names else np.zeros((len(batches), 0))  # [distinct, names]
     times: dict[int, list[float]] = {}
 
     def sec(v):
@@ -359,26 +383,28 @@ def _replay(records: tuple[_Record, ...], step_fn: Callable[[Batch], tuple[float
         snap = next(snaps, None)
         snapshots: list[tuple[int, _Totals]] = []
         done = 0
+        steps = [index[st.batch] for st in rec.steps]
+        n = np.array([st.n for st in rec.steps], dtype=np.float64)
+        # the breakdown after each step [steps, names]: each step's parts times its n, summed in step order
+        sums = np.cumsum(per[steps] * n[:, None], axis=0)
         for i, st in enumerate(rec.steps, 1):
-            if st.batch not in seen:
-                seen[st.batch] = step_fn(st.batch)
-            s, parts = seen[st.batch]
+            s = seconds[steps[i - 1]]
             tot.dec_sum += st.dec
             tot.work += st.work
             tot.t += s * st.n
             at.append(tot.t)
             tot.steps += st.n
             tot.run_sum += st.run
-            for name, v in parts.items():
-                tot.breakdown[name] = tot.breakdown.get(name, 0.0) + v * st.n
             for r, arrived, first in st.finished:
                 done += 1
                 tot.inp += r.prompt
                 tot.out += r.output
                 finished.append((sec(arrived), sec(first), tot.t, r.output))
             while snap is not None and snap[1] == i:
+                tot.breakdown = dict(zip(names, sums[i - 1].tolist()))
                 snapshots.append((snap[0], tot.snapshot()))
                 snap = next(snaps, None)
+        tot.breakdown = dict(zip(names, sums[-1].tolist())) if len(sums) else {}
         out.append(_Play(tot, snapshots, rec.completed, rec.running, finished))
     return out
 
@@ -402,6 +428,13 @@ class Lockstep:
     requests: int  # requests per rank in the benchmark
     clients: int = 0  # clients per rank in the benchmark (more than played: the rest only wait in the queue)
     cap: int = 0  # requests a rank runs at once, at most
+
+    @functools.cached_property
+    def distinct(self) -> tuple[tuple[Batch, ...], np.ndarray]:
+        """The distinct batches, in order of first appearance, and the index of each step's among them [steps]."""
+        index: dict[Batch, int] = {}
+        at = [index.setdefault(b, len(index)) for b in self.batches]
+        return tuple(index), np.array(at, dtype=np.int64)
 
 
 LOCKSTEP_PROMPTS = 1024  # requests per rank the lockstep plays at most (8,192 on 8 ranks); beyond, scaled
@@ -598,15 +631,16 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
                     float(F[..., 0].sum()), run / dp, prompts, requests, clients, cap)
 
 
-def price(ls: Lockstep, step_fn: Callable[[Batch], tuple[float, dict[str, float]]]) -> SimResult:
-    """The lockstep schedule timed by `step_fn`: seconds, breakdown, and the latencies of every request. A
-    benchmark longer than the played run is the played run's cost per request times its requests; clients who
-    could not run wait in the queue (`median_queue_wait`, added to the TTFT)."""
-    seen: dict[Batch, tuple[float, dict[str, float]]] = {}
-    timed = [seen.setdefault(b, step_fn(b)) if b not in seen else seen[b] for b in ls.batches]
-    secs = np.array([t for t, _ in timed])
-    names = sorted({k for _, parts in seen.values() for k in parts})
-    parts = np.array([[p.get(k, 0.0) for k in names] for _, p in timed]).reshape(len(timed), len(names))
+def price(ls: Lockstep, step_fn: StepFn | None = None, steps_fn: StepsFn | None = None) -> SimResult:
+    """The lockstep schedule timed by `step_fn` (or its distinct steps at once by `steps_fn`): seconds, breakdown,
+    and the latencies of every request. A benchmark longer than the played run is the played run's cost per
+    request times its requests; clients who could not run wait in the queue (`median_queue_wait`, added to the
+    TTFT)."""
+    batches, at = ls.distinct
+    secs, by_name = (steps_fn or each_step(step_fn))(batches)  # [distinct], {component: [distinct]}
+    names = sorted(by_name)
+    secs = secs[at]  # [steps]
+    parts = np.column_stack([by_name[k] for k in names])[at] if names else np.zeros((len(at), 0))  # [steps, names]
     breakdown = dict(zip(names, (ls.counts @ parts).tolist()))
     per_step = np.repeat(secs, ls.counts)
     cum = np.concatenate([[0.0], np.cumsum(per_step)])

@@ -23,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
+from collections.abc import Sequence
+
+import numpy as np
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
@@ -148,18 +152,15 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
     specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     if weight_passes is not None:
         pl = dataclasses.replace(pl, weight_passes=weight_passes)
-    return _costs(cfg, specs, pl, batch, kv_dtype, page_size, ideal)
+    return _costs(cfg, specs.devices, pl, batch, kv_dtype, page_size, ideal)
 
 
-def _costs(cfg: Config, specs: Specs, pl: ops.Placement, batch: ops.Batch, kv_dtype: str | None, page_size: int,
+def _costs(cfg: Config, devices: int, pl: ops.Placement, batch: ops.Batch, kv_dtype: str | None, page_size: int,
            ideal: bool) -> dict[str, ops.Cost]:
-    """`step_costs` on the placement already resolved: the attention layers here (their core reads the contexts),
-    the rest by the step's token counts (`_by_counts`)."""
+    """`step_costs` on the placement already resolved (`devices`: the system's): the attention layers here (their
+    core reads the contexts), the rest by the step's token counts (`_by_counts`)."""
     z = ops.sizes(cfg)
-    # ideal: every byte of dense weights once over the slice, not once per data-parallel rank
-    dense = None if not ideal else ops.Placement(dp=specs.devices, tp=specs.devices, moe="ep", ep=specs.devices,
-                                                 attention="pallas", moe_impl="gmm", kv_dtype=kv_dtype,
-                                                 page_size=page_size, static_buffers=False)
+    dense = _dense(devices, kv_dtype, page_size) if ideal else None
     attn = ops.attention_block(cfg, batch, pl)
     if dense is not None:
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
@@ -167,6 +168,13 @@ def _costs(cfg: Config, specs: Specs, pl: ops.Placement, batch: ops.Batch, kv_dt
     for name, c in _by_counts(cfg, pl, batch.counts(), dense).items():
         out[name] = out[name] + c if name in out else c
     return out
+
+
+def _dense(devices: int, kv_dtype: str | None, page_size: int) -> ops.Placement:
+    """The ideal roofline's placement of the dense weights: every byte once over the slice, not once per
+    data-parallel rank."""
+    return ops.Placement(dp=devices, tp=devices, moe="ep", ep=devices, attention="pallas", moe_impl="gmm",
+                         kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
 
 
 @functools.lru_cache(maxsize=4096)  # a schedule's steps differ mostly in their contexts: ~6x fewer token counts
@@ -197,7 +205,7 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
     if ideal:
         mech = None
     specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
-    costs = _costs(cfg, specs, pl, batch, kv_dtype, page_size, ideal)
+    costs = _costs(cfg, specs.devices, pl, batch, kv_dtype, page_size, ideal)
     s = _ideal_specs(specs) if ideal else specs
     out = dict.fromkeys(COMPONENTS, 0.0)
     for name, c in costs.items():
@@ -213,16 +221,114 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
             out[name] += comm.seconds * hidden
             wire += comm.wire_bytes
     if mech is not None:
-        if mech.attention_kernel_efficiency:
-            out["attn_core"] *= s.eff_hbm / mech.attention_kernel_efficiency
-        if batch.decodes and batch.prefill_tokens:
-            out["attn_core"] *= mech.mixed_step_attention
-        if pl.moe_impl == "gmm" and pl.production_moe and \
-                batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold:
-            out["permute"] *= mech.sparsecore_permute  # production's SparseCore gathers (`moe_layer`); XLA's
-            # permutes, and the one-hot matmuls below the threshold, stay on the TensorCore
-        out["host"] += mech.host_step_overhead_s if mech.async_scheduling else mech.host_step_time_sync_s
+        _mechanism_rules(out, cfg, s, pl, batch, mech)
     return StepTime(sum(out.values()), out, flops, hbm, wire)
+
+
+def _mechanism_rules(out: dict, cfg: Config, s: Specs, pl: ops.Placement, batch: ops.Batch | _Steps,
+                     mech: Mechanisms) -> None:
+    """`mech`'s rules on the seconds of `out` ({component: seconds}, or [n] arrays of n steps with `_Steps`), in
+    place (new values, never arrays changed in place)."""
+    if mech.attention_kernel_efficiency:
+        out["attn_core"] = out["attn_core"] * (s.eff_hbm / mech.attention_kernel_efficiency)
+    mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
+    out["attn_core"] = _where(mixed, out["attn_core"] * mech.mixed_step_attention, out["attn_core"])
+    if pl.moe_impl == "gmm" and pl.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
+        # and the one-hot matmuls below the threshold, stay on the TensorCore
+        big = batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold
+        out["permute"] = _where(big, out["permute"] * mech.sparsecore_permute, out["permute"])
+    out["host"] = out["host"] + (mech.host_step_overhead_s if mech.async_scheduling else mech.host_step_time_sync_s)
+
+
+def _where(cond, x, y):
+    """x where `cond` holds, else y: `cond` a bool (one step) or a bool array [n] (n steps)."""
+    return np.where(cond, x, y) if isinstance(cond, np.ndarray) else x if cond else y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+    """The fields of n batches that the mechanism rules read, as [n] arrays."""
+
+    decodes: np.ndarray
+    prefill_tokens: np.ndarray
+    computed: np.ndarray
+
+    @staticmethod
+    @functools.lru_cache(maxsize=8)  # a band asks it of the same schedule for every mechanism
+    def of(batches: tuple[ops.Batch, ...]) -> _Steps:
+        return _Steps(*np.array([(b.decodes, b.prefill_tokens, b.computed) for b in batches],
+                                dtype=np.int64).reshape(-1, 3).T)
+
+
+_COST_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(ops.Cost)))
+
+
+def _stacked(each: list[dict[str, ops.Cost]]) -> dict[str, ops.Cost]:
+    """n {component: Cost} as {component: a `Cost` of [n] arrays} (0 where one lacks the component)."""
+    names = list(dict.fromkeys(name for costs in each for name in costs))
+    zero = ops.Cost()
+    rows = np.array([[_COST_FIELDS(c.get(name, zero)) for name in names] for c in each], dtype=np.float64)
+    rows = rows.reshape(len(each), len(names), -1)  # [n, components, Cost fields]
+    return {name: ops.Cost(*rows[:, i].T) for i, name in enumerate(names)}
+
+
+@functools.lru_cache(maxsize=8)  # a band re-times one schedule under a few placements (8 x ~3 MB at 4k steps)
+def _cost_table(cfg: Config, devices: int, pl: ops.Placement, batches: tuple[ops.Batch, ...], kv_dtype: str | None,
+                page_size: int, ideal: bool) -> dict[str, ops.Cost]:
+    """`_costs` of every batch at once, as {component: a `Cost` of [n] arrays}, in `_costs`' order of operations:
+    the attention layers' (`_attention_table`, shared by placements that differ in their MoE only) plus the rest,
+    per distinct token counts (`_by_counts`)."""
+    z = ops.sizes(cfg)
+    dense = _dense(devices, kv_dtype, page_size) if ideal else None
+    moe_free = dataclasses.replace(pl, expert_imbalance=1.0, gmm_tile_rows=0, onehot_threshold=0, row_overhead_s=0.0)
+    out = {name: c * z["n_attn"] for name, c in _attention_table(cfg, moe_free, dense, batches).items()}
+    index: dict[ops.Batch, int] = {}
+    at = np.array([index.setdefault(b.counts(), len(index)) for b in batches], dtype=np.int64)  # [n]
+    for name, c in _stacked([_by_counts(cfg, pl, counts, dense) for counts in index]).items():
+        c = ops.Cost(*(v[at] for v in _COST_FIELDS(c)))
+        out[name] = out[name] + c if name in out else c
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _attention_table(cfg: Config, pl: ops.Placement, dense: ops.Placement | None,
+                     batches: tuple[ops.Batch, ...]) -> dict[str, ops.Cost]:
+    """One attention layer of every batch (`_costs`' `attn`), as {component: a `Cost` of [n] arrays}."""
+    each = []
+    for b in batches:
+        attn = ops.attention_block(cfg, b, pl)
+        if dense is not None:
+            attn["attn_proj"] = ops.attention_block(cfg, b, dense)["attn_proj"]
+        each.append(attn)
+    return _stacked(each)
+
+
+def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[ops.Batch],
+               kv_dtype: str | None = None, page_size: int = 256, ideal: bool = False, overlap: bool = True,
+               mech: Mechanisms | None = None, pools: Pools | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`step_time` of every one of `batches` at once, the same floats: (seconds [n], {component: seconds [n]});
+    the op costs are kept per placement (`_cost_table`), so that mechanisms changing only the efficiencies re-price
+    them without computing them again."""
+    if ideal:
+        mech = None
+    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
+    batches = tuple(batches)
+    n = len(batches)
+    s = _ideal_specs(specs) if ideal else specs
+    out = {name: np.zeros(n) for name in COMPONENTS}
+    for name, c in _cost_table(cfg, specs.devices, pl, batches, kv_dtype, page_size, ideal).items():
+        out[name] = out[name] + ops.seconds(c, s, np.maximum)
+    if not ideal:
+        hidden = 1.0 - (mech.collective_overlap if mech else 0.0)
+        fp8 = bool(mech and mech.fp8_allgather)
+        keys = [(b.computed, b.logit_rows or max(b.seqs, 1)) for b in batches]  # what a step's collectives read
+        first = dict(zip(keys, batches))
+        comms = {k: step_comms(cfg, specs, stage, b, overlap, fp8_allgather=fp8) for k, b in first.items()}
+        for name in COMM:
+            out[name] = out[name] + np.array([comms[k][name].seconds for k in keys], dtype=np.float64) * hidden
+    if mech is not None:
+        _mechanism_rules(out, cfg, s, pl, _Steps.of(batches), mech)
+    return sum(out.values()), out
 
 
 # Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
@@ -236,7 +342,7 @@ def _rescaled_only(old: Mechanisms, new: Mechanisms) -> bool:
     return all(getattr(old, f) == getattr(new, f) for f in old.__dataclass_fields__ if f not in RESCALED)
 
 
-def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, breakdown: dict[str, float],
+def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | _Steps, breakdown: dict[str, float],
             old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
     """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
     (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
@@ -245,29 +351,39 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, bre
     if not _rescaled_only(old, new):
         return None
     out = dict(breakdown)
-    out["host"] = new.host_step_overhead_s if new.async_scheduling else new.host_step_time_sync_s
+    host = new.host_step_overhead_s if new.async_scheduling else new.host_step_time_sync_s
+    out["host"] = np.full_like(out["host"], host) if isinstance(out["host"], np.ndarray) else host
     if new.collective_overlap != old.collective_overlap:
         if old.collective_overlap >= 1:
             return None
         f = (1 - new.collective_overlap) / (1 - old.collective_overlap)
         for name in COMM:
-            out[name] *= f
+            out[name] = out[name] * f
     if new.attention_kernel_efficiency != old.attention_kernel_efficiency:
         if not (old.attention_kernel_efficiency and new.attention_kernel_efficiency):
             return None
-        out["attn_core"] *= old.attention_kernel_efficiency / new.attention_kernel_efficiency
-    if batch.decodes and batch.prefill_tokens and new.mixed_step_attention != old.mixed_step_attention:
-        out["attn_core"] *= new.mixed_step_attention / old.mixed_step_attention
+        out["attn_core"] = out["attn_core"] * (old.attention_kernel_efficiency / new.attention_kernel_efficiency)
+    if new.mixed_step_attention != old.mixed_step_attention:
+        mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
+        out["attn_core"] = _where(mixed, out["attn_core"] * (new.mixed_step_attention / old.mixed_step_attention),
+                                  out["attn_core"])
     if new.sparsecore_permute != old.sparsecore_permute:
         pl = placement(cfg, specs, stage)
-        if pl.moe_impl == "gmm" and pl.production_moe and \
-                batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold:
-            out["permute"] *= new.sparsecore_permute / old.sparsecore_permute
+        if pl.moe_impl == "gmm" and pl.production_moe:
+            big = batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold
+            out["permute"] = _where(big, out["permute"] * (new.sparsecore_permute / old.sparsecore_permute),
+                                    out["permute"])
     if new.moe_row_overhead_s != old.moe_row_overhead_s:
         if not old.moe_row_overhead_s:
             return None
-        out["moe_rows"] *= new.moe_row_overhead_s / old.moe_row_overhead_s
+        out["moe_rows"] = out["moe_rows"] * (new.moe_row_overhead_s / old.moe_row_overhead_s)
     return out
+
+
+def retimed_many(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[ops.Batch],
+                 breakdown: dict[str, np.ndarray], old: Mechanisms, new: Mechanisms) -> dict[str, np.ndarray] | None:
+    """`retimed` of every one of `batches` at once: `breakdown` {component: seconds [n]} (as `step_times` gives)."""
+    return retimed(cfg, specs, stage, _Steps.of(tuple(batches)), breakdown, old, new)
 
 
 def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:
