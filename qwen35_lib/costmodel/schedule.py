@@ -51,7 +51,7 @@ EXACT_PROMPTS = 2048  # requests per rank played one by one (concurrency 8192 at
 STEADY_WINDOW = 512  # completions over which the bounded run measures the steady state, at least
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Req:
     prompt: int
     output: int
@@ -452,27 +452,36 @@ def _pad(n: np.ndarray, lo: int, hi: int) -> np.ndarray:
 def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> tuple[tuple, list[_Req]]:
     """One step of one rank's scheduler (the module doc's 1-3): its batch fields (decodes, decode ctx, prompt
     tokens, prompt chunks, prompt ctx, longest ctx) and the requests whose first token it samples."""
-    decoders = [r for r in running if r.done_prompt == r.prompt]
+    # every running request decodes but one part-way through its prompt (at most one, the last: prompts are
+    # chunked in order and admitted at the end)
+    decoders = running[:-1] if running and running[-1].done_prompt < running[-1].prompt else running
     n_dec = min(len(decoders), budget)
-    ctx = [r.prompt + r.done_output + 1 for r in decoders[:n_dec]]
-    for r in decoders[:n_dec]:
+    dec = decoders[:n_dec] if n_dec < len(decoders) else decoders
+    for r in dec:
         r.done_output += 1
+    ctx = [r.prompt + r.done_output for r in dec]  # after its decode
     budget -= n_dec
-    chunks: list[tuple[int, int]] = []
-    for r in running:
-        if r.done_prompt < r.prompt and budget > 0:
-            n = min(r.prompt - r.done_prompt, budget)
-            chunks.append((n, r.done_prompt))
-            r.done_prompt += n
-            budget -= n
+    chunks: list[tuple[int, int]] = []  # (tokens, ctx before)
+    chunked: list[_Req] = []  # in running order
+    if budget > 0 and len(decoders) < len(running):
+        r = running[-1]
+        n = min(r.prompt - r.done_prompt, budget)
+        chunks.append((n, r.done_prompt))
+        chunked.append(r)
+        r.done_prompt += n
+        budget -= n
     while waiting and budget > 0 and len(running) < limit:
         r = waiting.popleft()
         running.append(r)
         n = min(r.prompt, budget)
         chunks.append((n, 0))
+        chunked.append(r)
         r.done_prompt += n
         budget -= n
-    firsts = [r for r in running if r.done_prompt == r.prompt and r.done_output == 0]
+    if n_dec < len(decoders) and any(r.done_output == 0 for r in decoders[n_dec:]):  # a decoder left undecoded
+        firsts = [r for r in running if r.done_prompt == r.prompt and r.done_output == 0]
+    else:  # else only a prompt completed now is at its first token
+        firsts = [r for r in chunked if r.done_prompt == r.prompt and r.done_output == 0]
     for r in firsts:
         r.done_output = 1
     pre = sum(c[0] for c in chunks)
@@ -498,32 +507,41 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
     events, outputs = [], []
     t, inp, out, run, idle = 0, 0.0, 0.0, 0.0, dp
 
-    def route(r: _Req) -> None:
-        def key(k: int):
-            pend = sum(q.prompt - q.done_prompt for q in running[k]) + sum(q.prompt for q in waiting[k])
-            rem = min((q.output - q.done_output for q in running[k]), default=0)
-            return pend, len(running[k]) + len(waiting[k]), rem
-        waiting[min(range(dp), key=key)].append(r)
+    def route(rs: list[_Req]) -> None:
+        # per rank: (pending prompt tokens, requests in flight, fewest output tokens left to a running request)
+        keys = [(sum(q.prompt - q.done_prompt for q in running[k]) + sum(q.prompt for q in waiting[k]),
+                 len(running[k]) + len(waiting[k]), min((q.output - q.done_output for q in running[k]), default=0))
+                for k in range(dp)]
+        for r in rs:
+            k = min(range(dp), key=keys.__getitem__)
+            waiting[k].append(r)
+            pend, n, rem = keys[k]
+            keys[k] = (pend + r.prompt, n + 1, rem)
 
     def arrive(r: _Req) -> None:
-        (held.append if batch_prefills else route)(r)
+        if batch_prefills:
+            held.append(r)
+        else:
+            route([r])
 
     for _ in range(min(clients, len(queue))):
         arrive(queue.popleft())
     while held or any(running) or any(waiting):
         if held and (not batch_prefills or len(held) >= dp or idle >= len(held)):
-            for r in held:
-                route(r)
+            route(held)
             held = []
-        work = [bool(waiting[k]) and len(running[k]) < limit or any(q.done_prompt < q.prompt for q in running[k])
-                for k in range(dp)]
+        # prompt work per rank: a request to admit, or one part-way through its prompt (at most one: the last
+        # running, as prompts are chunked in order and admitted at the end)
+        work = [bool(rr) and rr[-1].done_prompt < rr[-1].prompt or bool(w) and len(rr) < limit
+                for rr, w in zip(running, waiting)]
         if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
-            k_steps = min(q.output - q.done_output for rr in running for q in rr)
+            k_steps = min([q.output - q.done_output for rr in running for q in rr])
+            mid = (k_steps + 1) / 2  # the run's middle step, past each context
             for k in range(dp):
-                dec = [q for q in running[k] if q.done_prompt == q.prompt][:budget]
-                ctx = [q.prompt + q.done_output + (k_steps + 1) / 2 for q in dec]
-                rows[k].append(((len(dec), sum(ctx) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
-                                 int(max(ctx) + k_steps / 2) if ctx else 0), k_steps))
+                dec = running[k][:budget]  # no prompt part-way: every running request decodes
+                ctx = [q.prompt + q.done_output for q in dec]  # ints: sum(ctx) + n mid is the exact float sum
+                rows[k].append(((len(dec), (sum(ctx) + len(ctx) * mid) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
+                                 int(max(ctx) + mid + k_steps / 2) if ctx else 0), k_steps))
                 for q in dec:
                     q.done_output += k_steps
             n_steps, idle = k_steps, sum(1 for k in range(dp) if not running[k])
