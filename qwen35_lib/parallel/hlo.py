@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 
 import numpy as np
@@ -32,6 +33,15 @@ _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<kind>" 
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(?:(?P<list>\{\{[\d,]*\}[^ ]*\})|\[(?P<iota>[\d,]+)\]<=|"
                      r"mesh\[(?P<mesh>[^\]]*)\]\s*\{(?P<axes>[^}]*)\}|(?P<empty>\{\}))")
+# `%x = f32[2]{0} add(%a, %b), ...`: (ROOT, x, f32[2]{0}, add, %a, %b)
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)")
+_VAR = re.compile(r"%([\w.\-]+)")
+_FUSION_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_COND = re.compile(r"condition=%?([\w.\-]+)")
+_KNOWN_TRIPS = re.compile(r'known_trip_count":\{"n":"(\d+)"')
+_ENTRY = re.compile(r"^ENTRY %?([\w.\-]+)", re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +82,11 @@ def collectives(hlo_text: str) -> list[Collective]:
     return out
 
 
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
 def _partitions(hlo_text: str) -> int:
-    m = re.search(r"num_partitions=(\d+)", hlo_text[:4000])
+    m = _PARTITIONS.search(hlo_text[:4000])
     return int(m[1]) if m else 1
 
 
@@ -95,7 +108,7 @@ def layer_body(hlo_text: str) -> str | None:
     """The name of the layer scan's loop body: of the `while` bodies, the one whose computations (it and those
     it calls) hold the most collectives. None when there is no loop with collectives (XLA unrolls a scan of
     length 1: give the model two layer groups)."""
-    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+    bodies = set(_BODY.findall(hlo_text))
     ops = collectives(hlo_text)
     reach = {b: called(hlo_text, b) for b in bodies}
     counts = {b: sum(c.computation in reach[b] for c in ops) for b in bodies}
@@ -153,19 +166,27 @@ def _call_graph(hlo_text: str) -> dict[str, list[str]]:
 
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?\s([\w\-]+)\((.*?)\)(?:, |$)")
+_INT = re.compile(r"-?\d+")
+_INDEX = re.compile(r"index=(\d+)")
+_INIT = re.compile(r"while\(%([\w.\-]+)\)")
 
 
-def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str, body: str) -> list[str] | None:
+def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str, body: str,
+                  memo: dict | None = None) -> list[str] | None:
     """[_, trips] of a `while` without XLA's known_trip_count (TPU's scheduled text leaves it out) when it is a
     counted loop: an s32 tuple element k starts at constant 0, the body adds constant 1 to it, and the condition is
-    `k < constant N` (copies and bitcasts looked through); else None."""
-    def defs(comp: str) -> dict[str, tuple[str, str, str]]:
-        out = {}
-        for ln in comps.get(comp, ()):
-            m = _DEF.match(ln)
-            if m:
-                out[m[1]] = (m[2], m[3], ln)
-        return out
+    `k < constant N` (copies and bitcasts looked through); else None. `memo`: {computation: its definitions}, kept
+    between the loops of one text."""
+    memo = {} if memo is None else memo
+
+    def defs(comp: str) -> dict[str, tuple[str, str, str]]:  # {name: (op, operands, line)}
+        if comp not in memo:
+            memo[comp] = {}
+            for ln in comps.get(comp, ()):
+                m = _DEF.match(ln)
+                if m:
+                    memo[comp][m[1]] = (m[2], m[3], ln)
+        return memo[comp]
 
     def resolve(d: dict, name: str) -> tuple[str, str, str] | None:
         while name in d and d[name][0] in ("copy", "bitcast"):
@@ -174,11 +195,11 @@ def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str,
 
     def constant(d: dict, name: str) -> int | None:
         r = resolve(d, name.strip().lstrip("%"))
-        return int(r[1]) if r and r[0] == "constant" and re.fullmatch(r"-?\d+", r[1]) else None
+        return int(r[1]) if r and r[0] == "constant" and _INT.fullmatch(r[1]) else None
 
     def element(d: dict, name: str) -> int | None:  # the tuple index a get-tuple-element of the parameter reads
         r = resolve(d, name.strip().lstrip("%"))
-        m = re.search(r"index=(\d+)", r[2]) if r and r[0] == "get-tuple-element" else None
+        m = _INDEX.search(r[2]) if r and r[0] == "get-tuple-element" else None
         return int(m[1]) if m else None
 
     c, b, w = defs(cond), defs(body), defs(where)
@@ -188,7 +209,7 @@ def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str,
         return None
     lhs, rhs = m[3].split(",")[:2]
     k, n = element(c, lhs), constant(c, rhs)
-    init = re.search(r"while\(%([\w.\-]+)\)", line)
+    init = _INIT.search(line)
     tup = resolve(w, init[1]) if init else None
     broot = next((ln for ln in comps.get(body, ()) if ln.lstrip().startswith("ROOT")), "")
     bm = _DEF.match(broot)
@@ -230,6 +251,7 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
         return holds[name]
 
     runs: dict[str, int] = {}
+    loop_defs: dict[str, dict] = {}  # `_counted_loop`'s memo
 
     def visit(name: str, times: int) -> None:
         runs[name] = runs.get(name, 0) + times
@@ -238,10 +260,9 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
             if not targets:
                 continue
             if " while(" in line:
-                body = re.search(r"body=%?([\w.\-]+)", line)[1]
-                cond = re.search(r"condition=%?([\w.\-]+)", line)[1]
-                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) or _counted_loop(comps, name, line, cond,
-                                                                                            body)
+                body = _BODY.search(line)[1]
+                cond = _COND.search(line)[1]
+                trips = _KNOWN_TRIPS.search(line) or _counted_loop(comps, name, line, cond, body, loop_defs)
                 if trips is None:
                     if has(body) or has(cond):
                         raise ValueError(f"collectives inside the loop {body!r}, whose trip count XLA does not know: "
@@ -257,7 +278,7 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
                 for t in targets:
                     visit(t, times)
 
-    visit(re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)[1], 1)
+    visit(_ENTRY.search(hlo_text)[1], 1)
     out: dict[str, dict[str, int]] = {}
     for name, times in runs.items():
         for c in ops.get(name, ()):
@@ -270,18 +291,18 @@ def step_counts(hlo_text: str) -> dict[str, dict[str, int]]:
 # ops that move no HBM bytes of their own (views, control, tuples) or whose work is counted inside what they call
 _NO_BYTES = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call", "conditional",
              "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency"}
+_PARAM = re.compile(r"parameter\((\d+)\)")
 _NAMED = re.compile(r"([\w.\-]+): ((?:\w+\[[\d,]*\][^,)]*)|\([^)]*\))")
 BLOCKS = ("attention", "gdn", "moe", "embed", "lm_head", "sample", "other")
 
 
 def _shape_bytes(text: str) -> int:
-    return sum(_BYTES.get(dt, 0) * int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-               for dt, dims in _SHAPE.findall(text))
+    return sum(_BYTES.get(dt, 0) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(text))
 
 
 def _block(line: str) -> str:
     """The model block an op belongs to, from its op_name (the jax name stack: `closed_call/moe/...`)."""
-    name = re.search(r'op_name="([^"]*)"', line)
+    name = _OP_NAME.search(line)
     name = name[1] if name else ""
     for block in ("attention", "gdn", "moe"):
         if f"/{block}/" in name:
@@ -308,6 +329,46 @@ class OpBytes:
     jax_name: str  # its op_name metadata
 
 
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*?)\) -> ")
+_CALL_TARGETS = re.compile(r"(?:to_apply|branch_computations|true_computation|false_computation)="
+                           r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)")
+
+
+@dataclasses.dataclass
+class _Program:
+    """What `op_rows` reads of one text, whatever its `trips`."""
+
+    comps: dict[str, list[str]]  # `_computations`
+    headers: dict[str, str]  # computation -> its parameters, `p: f32[2]{0}, q: s32[]`
+    fused: set[str]  # computations called by fusions
+    access: dict[str, tuple[list[int | None], int] | None]  # fused computation -> `_fused_access`
+    defs: dict[str, dict]  # `_counted_loop`'s memo
+    instrs: dict[str, tuple | None]  # line -> `_top_level_instr`, as `op_rows` reads them
+
+
+@functools.lru_cache(maxsize=2)  # `costmodel.compiled.text_side` reads each text twice (its loops, then their trips)
+def _program(hlo_text: str) -> _Program:
+    comps = _computations(hlo_text)
+    headers = {m[1]: m[2] for line in hlo_text.split("\n") if (m := _HEADER.match(line))}
+    fused = {t for lines in comps.values() for ln in lines if " fusion(" in ln for t in _FUSION_CALLS.findall(ln)}
+    access: dict = {}  # filled with nested fusions on the way
+    for n in fused & comps.keys():
+        if n not in access:
+            access[n] = _fused_access(comps[n], headers.get(n, ""), comps, headers, access)
+    return _Program(comps, headers, fused, access, {}, {})
+
+
+def _top_level_instr(line: str) -> tuple | None:
+    """(name, shape, op, shape bytes, operands, fusion's computation, block, jax name) of an instruction line."""
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    _, var, shape, op, args = m.groups()
+    jax_name = _OP_NAME.search(line)
+    return (var, shape, op, _shape_bytes(shape), _VAR.findall(args),
+            _FUSION_CALLS.search(line)[1] if op == "fusion" else None, _block(line), jax_name[1] if jax_name else "")
+
+
 def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[OpBytes], list[str]]:
     """The HBM bytes one run of the program moves per device, op by op, as the text states them, costliest first,
     and the loop bodies counted once (their trip count unknown). Every top-level op (of the entry, loop bodies and
@@ -320,29 +381,24 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
     This, not XLA:TPU's `cost_analysis()["bytes accessed"]`, is the compile's count to compare a model with: that
     counts a `while` body once, and a reduction's input and a dot's right operand five times
     (`aot.validate.xla_bytes_accessed_factors`, measured on single-op programs)."""
-    comps = _computations(hlo_text)
-    headers = {m[1]: m[2] for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) \((.*?)\) -> ", hlo_text, re.M)}
-    fused = {t for lines in comps.values() for ln in lines for t in re.findall(r"calls=%?([\w.\-]+)", ln)
-             if " fusion(" in ln}
-    access = {n: _fused_access(comps[n], headers.get(n, ""), comps, headers) for n in fused if n in comps}
+    prog = _program(hlo_text)
+    comps, headers, fused, access = prog.comps, prog.headers, prog.fused, prog.access
     once: list[str] = []
 
     def visit(name: str, times: int, runs: dict[str, int]) -> None:
         runs[name] = runs.get(name, 0) + times
         for line in comps.get(name, ()):
             if " while(" in line:
-                body = re.search(r"body=%?([\w.\-]+)", line)[1]
-                known = re.search(r'known_trip_count":\{"n":"(\d+)"', line) or _counted_loop(
-                    comps, name, line, re.search(r"condition=%?([\w.\-]+)", line)[1], body)
+                body = _BODY.search(line)[1]
+                known = _KNOWN_TRIPS.search(line) or _counted_loop(comps, name, line, _COND.search(line)[1], body,
+                                                                 prog.defs)
                 n = int(known[1]) if known else (trips or {}).get(body)
                 if n is None and body not in once:
                     once.append(body)
                 visit(body, times * (n or 1), runs)
             elif " call(" in line or " conditional(" in line:
-                targets = [t for item in re.findall(
-                    r"(?:to_apply|branch_computations|true_computation|false_computation)="
-                    r"\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)", line) for t in item.replace("%", "").split(", ")
-                    if t not in fused]
+                targets = [t for item in _CALL_TARGETS.findall(line) for t in item.replace("%", "").split(", ")
+                           if t not in fused]
                 if " conditional(" in line and len(targets) > 1:  # one branch runs: the costliest
                     def total(t: str) -> int:
                         r: dict[str, int] = {}
@@ -357,29 +413,27 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
         for name, times in runs.items():
             sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(headers.get(name, ""))}
             for line in comps.get(name, ()):
-                m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", line)
-                if not m:
+                if line not in prog.instrs:
+                    prog.instrs[line] = _top_level_instr(line)
+                if prog.instrs[line] is None:
                     continue
-                var, shape, op, args = m.groups()
-                sizes[var] = 0 if op.endswith("-start") else _shape_bytes(shape)
+                var, shape, op, nbytes, operands, callee, block, jax_name = prog.instrs[line]
+                sizes[var] = 0 if op.endswith("-start") else nbytes
                 if op in _NO_BYTES:
                     continue
-                operands = re.findall(r"%([\w.\-]+)", args)
                 write = sizes[var]
                 if op.endswith("-done"):
                     read = 0
-                elif op == "fusion" and (acc := access.get(re.search(r"calls=%?([\w.\-]+)", line)[1])):
+                elif op == "fusion" and (acc := access.get(callee)):
                     reads, write = acc
                     read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
                 else:
                     read = sum(sizes.get(a, 0) for a in operands)
-                jax_name = re.search(r'op_name="([^"]*)"', line)
-                out.append(OpBytes(times * (read + write), times, _block(line), op, var, shape,
-                                   jax_name[1] if jax_name else ""))
+                out.append(OpBytes(times * (read + write), times, block, op, var, shape, jax_name))
         return out
 
     runs: dict[str, int] = {}
-    visit(re.search(r"^ENTRY %?([\w.\-]+)", hlo_text, re.M)[1], 1, runs)
+    visit(_ENTRY.search(hlo_text)[1], 1, runs)
     return sorted(rows_of(runs), key=lambda r: -r.bytes), once
 
 
@@ -393,28 +447,32 @@ def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, ob
     return {"bytes": out, "loops_counted_once": once}
 
 
-def _fused_access(lines: list[str], header: str, comps: dict | None = None, headers: dict | None = None
-                  ) -> tuple[list[int | None], int] | None:
+def _fused_access(lines: list[str], header: str, comps: dict | None = None, headers: dict | None = None,
+                  memo: dict | None = None) -> tuple[list[int | None], int] | None:
     """How much of each operand a fusion reads, and what it writes, when that is less than whole: a parameter used
     only through slices (`slice`, `dynamic-slice`, `gather`) reads what they take; the buffer a root
     `dynamic-update-slice` or `scatter` updates in place is not read, and only the update is written. A parameter
     is followed through views of it: `bitcast`s and the nested in-place relayouts XLA:TPU wraps around a sliced or
     updated stacked array (a one-operand fusion with `output_to_operand_aliasing`); a nested fusion that slices
     its first operand (`comps`, `headers`: the program's computations) is a slice of it. ([bytes read per operand,
-    None: whole], bytes written), or None when the fusion reads and writes whole arrays."""
+    None: whole], bytes written), or None when the fusion reads and writes whole arrays. `memo`: {computation:
+    its answer}, filled with the nested fusions'."""
+    memo = {} if memo is None else memo
     params = [p for p, _ in _NAMED.findall(header)]
     defs, users = {}, {}
     for ln in lines:
-        m = re.match(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*?)\)(?:, |$)", ln)
+        m = _INSTR.match(ln)
         if not m:
             continue
         root, var, shape, op, args = m.groups()
-        ops_ = re.findall(r"%([\w.\-]+)", args)
+        ops_ = _VAR.findall(args)
         view = op == "bitcast" or (op == "fusion" and len(ops_) == 1 and "output_to_operand_aliasing" in ln)
         inner_reads = None  # a nested fusion: the bytes it reads of each operand it only slices
         if op == "fusion" and not view and comps is not None:
-            inner = re.search(r"calls=%?([\w.\-]+)", ln)[1]
-            acc = _fused_access(comps.get(inner, []), (headers or {}).get(inner, ""), comps, headers)
+            inner = _FUSION_CALLS.search(ln)[1]
+            if inner not in memo:
+                memo[inner] = _fused_access(comps.get(inner, []), (headers or {}).get(inner, ""), comps, headers, memo)
+            acc = memo[inner]
             inner_reads = acc[0] if acc else None
         defs[var] = (op, shape, ops_, bool(root), view, inner_reads)
         for i, a in enumerate(ops_):
@@ -422,7 +480,7 @@ def _fused_access(lines: list[str], header: str, comps: dict | None = None, head
     pnames = {}
     for var, d in defs.items():
         if d[0] == "parameter":
-            idx = re.search(r"parameter\((\d+)\)", next(ln for ln in lines if f"%{var} =" in ln))
+            idx = _PARAM.search(next(ln for ln in lines if f"%{var} =" in ln))
             pnames[int(idx[1])] = var
     root = next(((v, d) for v, d in defs.items() if d[3]), None)
     if root is None:
