@@ -178,10 +178,10 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
                       padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each")
-        sim = price(ls, steps_fn=fn(False))
+        sim = price(ls, fn(False))
     else:
-        sim = simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                       range_ratio, steps_fn=fn(False))
+        sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                       range_ratio)
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -193,8 +193,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:
-        ideal = simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                         range_ratio, steps_fn=fn(True))
+        ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                         range_ratio)
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
@@ -203,9 +203,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding,
-                                  dispatch="batch" if m.dp_batch_prefill else "each"), steps_fn=fn(False, m))
-        return simulate(None, isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                        range_ratio, steps_fn=fn(False, m))
+                                  dispatch="batch" if m.dp_batch_prefill else "each"), fn(False, m))
+        return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
+                        range_ratio)
 
     if band:
         doc["band"] = band_of(sim, mech, rerun)

@@ -1,6 +1,6 @@
 """Throughput from a simulation of the scheduler, not from one step.
 
-`simulate(step_fn, ...)` plays a closed-loop benchmark (the InferenceX protocol: `concurrency` clients, each
+`simulate(steps_fn, ...)` plays a closed-loop benchmark (the InferenceX protocol: `concurrency` clients, each
 sending its next request when the last one ends, `num_prompts` in all, lengths uniform in [r L, L], r = 0.8 by
 default, seeded) against one data-parallel rank; ranks are balanced, so the slice does `dp` times the rank's work
 per step.
@@ -8,11 +8,12 @@ Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's
 1. every running request past its prompt decodes one token;
 2. requests part-way through their prompt continue with the next chunk, within the token budget;
 3. waiting requests are admitted while the budget, `max_seqs` and the memory cap (`max_running`) allow.
-A request finishes after its output length; a new one arrives at once while prompts remain. The step's time is
-`step_fn(batch)` for the whole-slice `ops.Batch`. Runs of pure-decode steps (no prompt work anywhere) are
+A request finishes after its output length; a new one arrives at once while prompts remain. A step's time is
+what `steps_fn` (a `StepsFn`) gives its whole-slice `ops.Batch`: every distinct step of a play is timed in one call
+(`each_step(step_fn)` wraps a function of one batch). Runs of pure-decode steps (no prompt work anywhere) are
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
 No scheduling decision reads a step's time, so each play is recorded once (`_record`, cached by its arguments) and
-timed by each step function (`_replay`): a band's reruns and a sweep's specs re-time the same recording.
+timed by each timing function (`_replay`): a band's reruns and a sweep's specs re-time the same recording.
 
 The work is bounded whatever the concurrency: up to `EXACT_PROMPTS` requests per rank, every request is
 played; beyond, every request's tokens at the steady-state cost per token (measured on a run started in
@@ -108,11 +109,10 @@ def _low(n: int, range_ratio: float) -> int:
     return max(1, int(np.ceil(range_ratio * n)))
 
 
-def simulate(step_fn: StepFn | None, isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int,
+def simulate(steps_fn: StepsFn, isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int,
              max_seqs: int, max_running: int, num_prompts: int | None = None, seed: int = 0,
-             range_ratio: float = 0.8, steps_fn: StepsFn | None = None) -> SimResult:
-    """Play the benchmark on one rank (see the module doc). `step_fn(batch) -> (seconds, breakdown)`, or
-    `steps_fn` (`StepsFn`: every distinct step of the play timed at once).
+             range_ratio: float = 0.8) -> SimResult:
+    """Play the benchmark on one rank (see the module doc); `steps_fn` (`StepsFn`) times the play's distinct steps.
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
     bound the running sequences per rank; `max_batched_tokens` is the rank's token budget per step.
@@ -122,12 +122,11 @@ def simulate(step_fn: StepFn | None, isl: int, osl: int, concurrency: int, dp: i
     prompts = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
     if prompts > EXACT_PROMPTS:
-        bounded = _bounded(step_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
-                           steps_fn)
+        bounded = _bounded(steps_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio)
         if bounded is not None:
             return bounded
     play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio),
-                    step_fn, steps_fn)
+                    steps_fn)
     return play.result(dp)
 
 
@@ -138,9 +137,8 @@ def _exact_record(isl: int, osl: int, clients: int, prompts: int, dp: int, max_b
     return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit),)
 
 
-def _bounded(step_fn: StepFn | None, isl: int, osl: int, clients: int, prompts: int, dp: int,
-             max_batched_tokens: int, limit: int, seed: int, range_ratio: float,
-             steps_fn: StepsFn | None = None) -> SimResult | None:
+def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, dp: int,
+             max_batched_tokens: int, limit: int, seed: int, range_ratio: float) -> SimResult | None:
     """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
     `clients` (None when the three runs would be about the whole benchmark).
 
@@ -172,7 +170,7 @@ def _bounded(step_fn: StepFn | None, isl: int, osl: int, clients: int, prompts: 
         return None
     skip = min(c, limit, max_batched_tokens, STEADY_WINDOW)  # `warm` in `_bounded_records`
     records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW)
-    steady, ramp, drain = _replay(records, step_fn, steps_fn)
+    steady, ramp, drain = _replay(records, steps_fn)
     (_, a), (_, b) = steady.snapshots
     mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
     work = prompts * (mean_in + mean_out - 1)  # tokens computed: the first output token is the prefill's
@@ -262,7 +260,7 @@ class _Play:
                                    median_ttft_s=ttft, median_tpot_s=tpot)
 
 
-def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: list[tuple[int, int]], clients: int,
+def _play(step_fn: StepFn, lengths: list[tuple[int, int]], clients: int,
           dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
           start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None) -> _Play:
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
@@ -273,7 +271,7 @@ def _play(step_fn: Callable[[Batch], tuple[float, dict[str, float]]], lengths: l
     rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse)
     if trace is not None:
         trace += [(st.batch, st.n) for st in rec.steps]
-    return _replay((rec,), step_fn)[0]
+    return _replay((rec,), each_step(step_fn))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,12 +357,12 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
     return _Record(pid, steps, snapshots, done, running)
 
 
-def _replay(records: tuple[_Record, ...], step_fn: StepFn | None, steps_fn: StepsFn | None = None) -> list[_Play]:
-    """Recorded plays (in the order they were recorded) timed by `step_fn` (or every distinct step at once by
-    `steps_fn`): each step's seconds and breakdown summed as `_play` sums them, its `_At` times in seconds (a later
-    play's requests may carry an earlier one's)."""
+def _replay(records: tuple[_Record, ...], steps_fn: StepsFn) -> list[_Play]:
+    """Recorded plays (in the order they were recorded) timed by `steps_fn` (every distinct step at once): each
+    step's seconds and breakdown summed as `_play` sums them, its `_At` times in seconds (a later play's requests
+    may carry an earlier one's)."""
     batches = tuple(dict.fromkeys(st.batch for rec in records for st in rec.steps))  # distinct, in order
-    secs, parts = (steps_fn or each_step(step_fn))(batches) if batches else (np.zeros(0), {})
+    secs, parts = steps_fn(batches) if batches else (np.zeros(0), {})
     index = {b: i for i, b in enumerate(batches)}
     seconds = secs.tolist()
     names = list(parts)
@@ -649,13 +647,13 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
                     float(F[..., 0].sum()), run / dp, prompts, requests, clients, cap)
 
 
-def price(ls: Lockstep, step_fn: StepFn | None = None, steps_fn: StepsFn | None = None) -> SimResult:
-    """The lockstep schedule timed by `step_fn` (or its distinct steps at once by `steps_fn`): seconds, breakdown,
+def price(ls: Lockstep, steps_fn: StepsFn) -> SimResult:
+    """The lockstep schedule timed by `steps_fn` (its distinct steps at once): seconds, breakdown,
     and the latencies of every request. A benchmark longer than the played run is the played run's cost per
     request times its requests; clients who could not run wait in the queue (`median_queue_wait`, added to the
     TTFT)."""
     batches, at = ls.distinct
-    secs, by_name = (steps_fn or each_step(step_fn))(batches)  # [distinct], {component: [distinct]}
+    secs, by_name = steps_fn(batches)  # [distinct], {component: [distinct]}
     names = sorted(by_name)
     secs = secs[at]  # [steps]
     parts = np.column_stack([by_name[k] for k in names])[at] if names else np.zeros((len(at), 0))  # [steps, names]

@@ -41,9 +41,9 @@ def linear_step(batch) -> tuple[float, dict[str, float]]:
 def test_time_to_first_token_and_per_output_token_by_hand():
     """One client, one request of 64 prompt tokens and 5 output tokens, budget 256: the prompt's step samples the
     first token (TTFT = that step); four decode steps follow, each reading the context so far."""
-    from qwen35_lib.costmodel.schedule import draw_lengths, simulate
+    from qwen35_lib.costmodel.schedule import draw_lengths, each_step, simulate
 
-    r = simulate(linear_step, 64, 5, 1, 1, 256, 8, 8, num_prompts=1, seed=0)
+    r = simulate(each_step(linear_step), 64, 5, 1, 1, 256, 8, 8, num_prompts=1, seed=0)
     ((prompt, output),) = draw_lengths(1, 64, 5, 0)
     assert r.median_ttft_s == pytest.approx(1e-3 + 1e-6 * prompt, rel=1e-9)
     decodes = [1e-3 + 1e-6 + 1e-9 * (prompt + i) for i in range(2, output + 1)]  # the i-th token reads prompt + i
@@ -54,15 +54,15 @@ def test_time_to_first_token_and_per_output_token_by_hand():
 def test_more_clients_than_can_run_only_wait(budget, max_running):
     """The claim the bounded simulation rests on: with more clients than `min(max_running, budget + 1)` the
     queue never empties before the last request, so the run is the same with any number of them."""
-    from qwen35_lib.costmodel.schedule import simulate
+    from qwen35_lib.costmodel.schedule import each_step, simulate
 
     cap = min(max_running, budget + 1)
-    runs = [simulate(linear_step, 64, 32, clients, 1, budget, 10**9, max_running, num_prompts=300)
+    runs = [simulate(each_step(linear_step), 64, 32, clients, 1, budget, 10**9, max_running, num_prompts=300)
             for clients in (cap + 1, 3 * cap, 300)]
     same = [dataclasses.replace(r, median_ttft_s=0.0) for r in runs]  # waiting longer is all they change
     assert same[0] == same[1] == same[2]
     assert runs[0].median_ttft_s < runs[1].median_ttft_s < runs[2].median_ttft_s
-    fewer = simulate(linear_step, 64, 32, cap // 2, 1, budget, 10**9, max_running, num_prompts=300)
+    fewer = simulate(each_step(linear_step), 64, 32, cap // 2, 1, budget, 10**9, max_running, num_prompts=300)
     assert fewer.seconds != runs[0].seconds  # (well below the cap, clients matter)
 
 
@@ -90,11 +90,11 @@ def test_lockstep_counts_every_request_and_charges_the_busiest_rank(dispatch):
     # each slice step computes 4 x the busiest rank's padded slot: a power of two, at least the min slot
     slots = np.array([b.computed // 4 for b in ls.batches])
     assert np.all(slots >= 4) and np.all(slots & (slots - 1) == 0)
-    r = schedule.price(ls, toy)
+    r = schedule.price(ls, schedule.each_step(toy))
     assert r.steps == steps and r.seconds == pytest.approx(sum(toy(b)[0] * n for b, n in zip(ls.batches, ls.counts)))
     assert 0 < r.median_tpot_s and 0 < r.median_ttft_s
     # the ranks run together: no faster than one rank's own schedule priced the same way
-    one = schedule.simulate(toy, 512, 64, 32, 4, 256, 16, 10**6, 64, 0, 0.8)
+    one = schedule.simulate(schedule.each_step(toy), 512, 64, 32, 4, 256, 16, 10**6, 64, 0, 0.8)
     assert r.seconds >= 0.99 * one.seconds * ls.input_tokens / one.input_tokens
 
 
