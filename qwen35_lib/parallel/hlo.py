@@ -165,7 +165,6 @@ def _call_graph(hlo_text: str) -> dict[str, list[str]]:
             for n, lines in _computations(hlo_text).items()}
 
 
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=.*?\s([\w\-]+)\((.*?)\)(?:, |$)")
 _INT = re.compile(r"-?\d+")
 _INDEX = re.compile(r"index=(\d+)")
 _INIT = re.compile(r"while\(%([\w.\-]+)\)")
@@ -183,9 +182,9 @@ def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str,
         if comp not in memo:
             memo[comp] = {}
             for ln in comps.get(comp, ()):
-                m = _DEF.match(ln)
+                m = _INSTR.match(ln)
                 if m:
-                    memo[comp][m[1]] = (m[2], m[3], ln)
+                    memo[comp][m[2]] = (m[4], m[5], ln)
         return memo[comp]
 
     def resolve(d: dict, name: str) -> tuple[str, str, str] | None:
@@ -204,19 +203,19 @@ def _counted_loop(comps: dict[str, list[str]], where: str, line: str, cond: str,
 
     c, b, w = defs(cond), defs(body), defs(where)
     root = next((ln for ln in comps.get(cond, ()) if ln.lstrip().startswith("ROOT")), "")
-    m = _DEF.match(root)
-    if not m or m[2] != "compare" or "direction=LT" not in root:
+    m = _INSTR.match(root)
+    if not m or m[4] != "compare" or "direction=LT" not in root:
         return None
-    lhs, rhs = m[3].split(",")[:2]
+    lhs, rhs = m[5].split(",")[:2]
     k, n = element(c, lhs), constant(c, rhs)
     init = _INIT.search(line)
     tup = resolve(w, init[1]) if init else None
     broot = next((ln for ln in comps.get(body, ()) if ln.lstrip().startswith("ROOT")), "")
-    bm = _DEF.match(broot)
-    if k is None or n is None or tup is None or tup[0] != "tuple" or not bm or bm[2] != "tuple":
+    bm = _INSTR.match(broot)
+    if k is None or n is None or tup is None or tup[0] != "tuple" or not bm or bm[4] != "tuple":
         return None
     start = constant(w, tup[1].split(",")[k])
-    step = resolve(b, bm[3].split(",")[k].strip().lstrip("%"))
+    step = resolve(b, bm[5].split(",")[k].strip().lstrip("%"))
     if start != 0 or step is None or step[0] != "add":
         return None
     x, y = step[1].split(",")[:2]
