@@ -6,6 +6,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
@@ -24,6 +25,13 @@ def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.
     T = x.shape[1]
     y = sum(xp[:, j : j + T].astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
     return jax.nn.silu(y).astype(x.dtype), xp[:, T:]
+
+
+def _qk(w: dict, name: str) -> jax.Array:
+    """`w[name_q]` and `w[name_k]` joined on their last axis: q and k share their heads (and the heads' placement),
+    so their causal convs run as one. v, on its own heads, runs alone: joined to q and k under tensor parallelism
+    its heads would be moved between devices."""
+    return jnp.concatenate([w[f"{name}_q"], w[f"{name}_k"]], -1)
 
 
 def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: dict | None = None,
@@ -46,35 +54,40 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
             conv_hist = {n: jnp.zeros((B, K - 1, *w[f"conv_{n}"].shape[1:]), x.dtype) for n in "qkv"}
         if state is None:
             state = jnp.zeros((B, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim), jnp.float32)
-        conv_out, new_hist = {}, {}
-        for n in "qkv":
-            conv_out[n], new_hist[n] = causal_conv(linear(x, w[f"w_{n}"]), w[f"conv_{n}"], conv_hist[n])
+        dk = cfg.gdn_k_head_dim
+        qk, qk_hist = causal_conv(jnp.concatenate([linear(x, w["w_q"]), linear(x, w["w_k"])], -1), _qk(w, "conv"),
+                                  jnp.concatenate([conv_hist["q"], conv_hist["k"]], -1))  # [B, T, Hk, 2 dk]
+        v, v_hist = causal_conv(linear(x, w["w_v"]), w["conv_v"], conv_hist["v"])
+        conv_out = (qk[..., :dk], qk[..., dk:], v)
+        new_hist = dict(q=qk_hist[..., :dk], k=qk_hist[..., dk:], v=v_hist)
         z = linear(x, w["w_z"])  # [B, T, Hv, dv]
         beta = jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32))  # [B, T, Hv]
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"])  # [B, T, Hv], <= 0
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-        o, state = for_plan("gdn", plan).dense(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
+        o, state = for_plan("gdn", plan).dense(*conv_out, g, beta, state,
                                                chunk_size=cfg.gdn_chunk_size)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)  # [B, T, Hv, dv]
         return linear(o, w["w_out"], contract=2), new_hist, state.astype(jnp.dtype(cfg.gdn_state_dtype))
 
 
-def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
+def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], meta) -> tuple[jax.Array, tuple]:
     """Causal conv + SiLU over one rank's flat ragged tokens, continuing each sequence from its slot.
 
-    x: [T, H, d]; taps: [K, H, d]; hist: [NS, K-1, H, d] slot pool of previous inputs; meta: RaggedMeta.
+    x: [T, H, C]; taps: [K, H, C]; hists: slot pools of previous inputs, [NS, K-1, H, c_i] each, whose last axes
+    joined are C (the layer's q and k pools: one conv, one gather for both); meta: RaggedMeta.
     Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
     same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step). Every input
     is one row of `ext` = [each sequence's history (S * (K-1) rows); x (T rows)], read by a single gather (the
     former gathers per tap and per source, about 20 per projection, traced about a third slower; same outputs).
-    Returns (y [T, H, d], hist with each sequence's last K - 1 inputs stored in its slot).
+    Returns (y [T, H, C], each pool with each sequence's last K - 1 inputs stored in its slot).
     """
     K, T, S = taps.shape[0], x.shape[0], meta.q_start.shape[0]
     fresh = meta.kv_len == meta.q_len  # [S]
-    seq_hist = jnp.where(fresh[:, None, None, None], 0, hist[meta.slot]).astype(x.dtype)  # [S, K-1, H, d]
-    ext = jnp.concatenate([seq_hist.reshape(S * (K - 1), *x.shape[1:]), x])  # [S*(K-1) + T, H, d]
+    seq_hist = jnp.concatenate([h[meta.slot].astype(x.dtype) for h in hists], axis=-1)  # [S, K-1, H, C]
+    seq_hist = jnp.where(fresh[:, None, None, None], 0, seq_hist)
+    ext = jnp.concatenate([seq_hist.reshape(S * (K - 1), *x.shape[1:]), x])  # [S*(K-1) + T, H, C]
 
     def source(idx, s):  # row of `ext` holding input number idx (flat index space) of sequence s
         start = meta.q_start[s]
@@ -90,7 +103,9 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[j
     inputs, new = rows[:T * K].reshape(T, K, *x.shape[1:]), rows[T * K:].reshape(S, K - 1, *x.shape[1:])
     y = sum(inputs[:, j].astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
     slots = jnp.where(meta.q_len > 0, meta.slot, 0)
-    return jax.nn.silu(y).astype(x.dtype), hist.at[slots].set(new.astype(hist.dtype))
+    ends = np.cumsum([h.shape[-1] for h in hists])[:-1]
+    return jax.nn.silu(y).astype(x.dtype), tuple(h.at[slots].set(part.astype(h.dtype))
+                                                 for h, part in zip(hists, jnp.split(new, ends, axis=-1)))
 
 
 def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, parallelism) -> tuple[jax.Array, dict]:
@@ -99,16 +114,17 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
     with jax.named_scope("gdn"):
         valid = meta.token_seq >= 0  # [R, T]
         x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
-        conv_out, new_cache = {}, {}
-        for n in "qkv":
-            conv_out[n], new_cache[f"conv_{n}"] = jax.vmap(ragged_conv, (0, None, 0, 0))(
-                linear(x, w[f"w_{n}"]), w[f"conv_{n}"], cache[f"conv_{n}"], meta)
+        conv = jax.vmap(ragged_conv, (0, None, 0, 0))
+        qk, (conv_q, conv_k) = conv(jnp.concatenate([linear(x, w["w_q"]), linear(x, w["w_k"])], -1), _qk(w, "conv"),
+                                    (cache["conv_q"], cache["conv_k"]), meta)  # [R, T, Hk, 2 dk]
+        v, (conv_v,) = conv(linear(x, w["w_v"]), w["conv_v"], (cache["conv_v"],), meta)
+        q, k = qk[..., :cfg.gdn_k_head_dim], qk[..., cfg.gdn_k_head_dim:]
         z = linear(x, w["w_z"])
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
         ragged = partial(for_plan("gdn", parallelism.plan).ragged, chunk_size=cfg.gdn_chunk_size)
-        o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, conv_out["q"], conv_out["k"], conv_out["v"],
-                                                     g, beta, cache["state"], meta)
+        o, state = parallelism.per_rank(cfg, "gdn", ragged, q, k, v, g, beta, cache["state"], meta)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
+        new_cache = dict(conv_q=conv_q, conv_k=conv_k, conv_v=conv_v, state=state)
         return linear(o, w["w_out"], contract=2), new_cache

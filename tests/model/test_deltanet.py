@@ -37,7 +37,7 @@ def test_causal_conv_is_numpys_and_continues_from_its_history():
 
 def test_ragged_conv_gives_each_sequence_the_dense_conv():
     """Sequence 0 decodes one token after 3 earlier ones (history in slot 2); sequence 1 is a fresh 5-token
-    prompt in slot 1, whose slot holds stale inputs that must not be read."""
+    prompt in slot 1, whose slot holds stale inputs that must not be read; the history split over two pools."""
     K, H, d = 4, 2, 3
     taps = RNG.standard_normal((K, H, d)).astype(np.float32)
     a = RNG.standard_normal((4, H, d)).astype(np.float32)  # sequence 0's 4 inputs
@@ -47,7 +47,8 @@ def test_ragged_conv_gives_each_sequence_the_dense_conv():
     x[0], x[2:7] = a[3], b
     hist = np.zeros((3, K - 1, H, d), np.float32)
     hist[2], hist[1] = a[:3], 9.0
-    y, new = jax.jit(ragged_conv)(jnp.asarray(x), taps, jnp.asarray(hist), jax.tree.map(jnp.asarray, meta))
+    meta = jax.tree.map(jnp.asarray, meta)
+    y, (new,) = jax.jit(ragged_conv)(jnp.asarray(x), taps, (jnp.asarray(hist),), meta)
     zeros = np.zeros((1, K - 1, H, d), np.float32)
     want_a, _ = causal_conv(a[None], taps, zeros)
     want_b, _ = causal_conv(b[None], taps, zeros)
@@ -55,6 +56,12 @@ def test_ragged_conv_gives_each_sequence_the_dense_conv():
     np.testing.assert_allclose(y[2:7], want_b[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(new[2], a[1:])  # each slot keeps its sequence's last K - 1 inputs
     np.testing.assert_array_equal(new[1], b[2:])
+    # the same inputs held in two pools (channels 0 and 1-2, as q, k and v are): the same outputs, each pool its part
+    y2, (new_a, new_b) = jax.jit(ragged_conv)(jnp.asarray(x), taps, (jnp.asarray(hist[..., :1]), jnp.asarray(
+        hist[..., 1:])), meta)
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_array_equal(new_a, new[..., :1])
+    np.testing.assert_array_equal(new_b, new[..., 1:])
 
 
 @pytest.fixture(scope="module")
