@@ -27,11 +27,32 @@ def causal_conv(x: jax.Array, taps: jax.Array, history: jax.Array) -> tuple[jax.
     return jax.nn.silu(y).astype(x.dtype), xp[:, T:]
 
 
-def _qk(w: dict, name: str) -> jax.Array:
-    """`w[name_q]` and `w[name_k]` joined on their last axis: q and k share their heads (and the heads' placement),
-    so their causal convs run as one. v, on its own heads, runs alone: joined to q and k under tensor parallelism
-    its heads would be moved between devices."""
-    return jnp.concatenate([w[f"{name}_q"], w[f"{name}_k"]], -1)
+def conv_groups(plan: ServingPlan) -> tuple[str, ...]:
+    """Which of q, k and v run one causal conv together, joined on their last axis (one gather, one tap sum): all
+    three, each k head beside the r = Hv / Hk v heads it serves (the checkpoint's one conv1d over q, k, v), unless
+    `plan` splits the v heads over devices (tensor parallelism): joined, v heads would move between devices where
+    Hk does not split as Hv does (13-25 all-gathers in a qwen3.5-mini step), so q and k (the same heads) together
+    and v alone."""
+    return ("qkv",) if plan.axes("gdn_v_heads") is None else ("qk", "v")
+
+
+def _by_k_head(cfg: Config, group: str, n: str, a: jax.Array) -> jax.Array:
+    """`a` [..., H, d] of name `n` as it joins `group`: v [..., Hv, dv] -> [..., Hk, r dv] beside q and k."""
+    if n != "v" or group == "v":
+        return a
+    return a.reshape(*a.shape[:-2], cfg.gdn_num_k_heads, cfg.gdn_num_v_heads // cfg.gdn_num_k_heads * a.shape[-1])
+
+
+def _join(cfg: Config, group: str, arrays: dict) -> jax.Array:
+    """`arrays[n]` [..., H_n, d_n] of the names in `group`, joined on the last axis: [..., Hk, sum of widths]."""
+    return jnp.concatenate([_by_k_head(cfg, group, n, arrays[n]) for n in group], axis=-1)
+
+
+def _split(group: str, x: jax.Array, like: dict) -> dict:
+    """The inverse of `_join`: the last axis of `x` [..., H, C] cut into `group`'s arrays, shaped as `like`'s."""
+    widths = [like[n].shape[-1] * like[n].shape[-2] // x.shape[-2] for n in group]
+    parts = jnp.split(x, np.cumsum(widths)[:-1], axis=-1)
+    return {n: p.reshape(*p.shape[:-2], *like[n].shape[-2:]) for n, p in zip(group, parts)}
 
 
 def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: dict | None = None,
@@ -54,19 +75,19 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
             conv_hist = {n: jnp.zeros((B, K - 1, *w[f"conv_{n}"].shape[1:]), x.dtype) for n in "qkv"}
         if state is None:
             state = jnp.zeros((B, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim), jnp.float32)
-        dk = cfg.gdn_k_head_dim
-        qk, qk_hist = causal_conv(jnp.concatenate([linear(x, w["w_q"]), linear(x, w["w_k"])], -1), _qk(w, "conv"),
-                                  jnp.concatenate([conv_hist["q"], conv_hist["k"]], -1))  # [B, T, Hk, 2 dk]
-        v, v_hist = causal_conv(linear(x, w["w_v"]), w["conv_v"], conv_hist["v"])
-        conv_out = (qk[..., :dk], qk[..., dk:], v)
-        new_hist = dict(q=qk_hist[..., :dk], k=qk_hist[..., dk:], v=v_hist)
+        inputs, taps = {n: linear(x, w[f"w_{n}"]) for n in "qkv"}, {n: w[f"conv_{n}"] for n in "qkv"}
+        conv_out, new_hist = {}, {}
+        for group in conv_groups(plan):
+            y, hist = causal_conv(_join(cfg, group, inputs), _join(cfg, group, taps), _join(cfg, group, conv_hist))
+            conv_out |= _split(group, y, inputs)
+            new_hist |= _split(group, hist, conv_hist)
         z = linear(x, w["w_z"])  # [B, T, Hv, dv]
         beta = jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32))  # [B, T, Hv]
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"])  # [B, T, Hv], <= 0
         beta = jnp.where(valid[..., None], beta, 0.0)
         g = jnp.where(valid[..., None], g, 0.0)
-        o, state = for_plan("gdn", plan).dense(*conv_out, g, beta, state,
+        o, state = for_plan("gdn", plan).dense(conv_out["q"], conv_out["k"], conv_out["v"], g, beta, state,
                                                chunk_size=cfg.gdn_chunk_size)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)  # [B, T, Hv, dv]
         return linear(o, w["w_out"], contract=2), new_hist, state.astype(jnp.dtype(cfg.gdn_state_dtype))
@@ -76,7 +97,7 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], met
     """Causal conv + SiLU over one rank's flat ragged tokens, continuing each sequence from its slot.
 
     x: [T, H, C]; taps: [K, H, C]; hists: slot pools of previous inputs, [NS, K-1, H, c_i] each, whose last axes
-    joined are C (the layer's q and k pools: one conv, one gather for both); meta: RaggedMeta.
+    joined are C (the pools of a GDN layer's `conv_groups`); meta: RaggedMeta.
     Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
     same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step). Every input
     is one row of `ext` = [each sequence's history (S * (K-1) rows); x (T rows)], read by a single gather (the
@@ -114,17 +135,21 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
     with jax.named_scope("gdn"):
         valid = meta.token_seq >= 0  # [R, T]
         x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
-        conv = jax.vmap(ragged_conv, (0, None, 0, 0))
-        qk, (conv_q, conv_k) = conv(jnp.concatenate([linear(x, w["w_q"]), linear(x, w["w_k"])], -1), _qk(w, "conv"),
-                                    (cache["conv_q"], cache["conv_k"]), meta)  # [R, T, Hk, 2 dk]
-        v, (conv_v,) = conv(linear(x, w["w_v"]), w["conv_v"], (cache["conv_v"],), meta)
-        q, k = qk[..., :cfg.gdn_k_head_dim], qk[..., cfg.gdn_k_head_dim:]
+        inputs, taps = {n: linear(x, w[f"w_{n}"]) for n in "qkv"}, {n: w[f"conv_{n}"] for n in "qkv"}
+        pools = {n: cache[f"conv_{n}"] for n in "qkv"}  # [R, NS, K-1, H, d]
+        out, new_cache = {}, {}
+        for group in conv_groups(parallelism.plan):
+            hists = tuple(_by_k_head(cfg, group, n, pools[n]) for n in group)
+            y, joined = jax.vmap(ragged_conv, (0, None, 0, 0))(_join(cfg, group, inputs), _join(cfg, group, taps),
+                                                                hists, meta)
+            out |= _split(group, y, inputs)
+            new_cache |= {f"conv_{n}": pool.reshape(pools[n].shape) for n, pool in zip(group, joined)}
         z = linear(x, w["w_z"])
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
         ragged = partial(for_plan("gdn", parallelism.plan).ragged, chunk_size=cfg.gdn_chunk_size)
-        o, state = parallelism.per_rank(cfg, "gdn", ragged, q, k, v, g, beta, cache["state"], meta)
+        o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, out["q"], out["k"], out["v"], g, beta,
+                                                     cache["state"], meta)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
-        new_cache = dict(conv_q=conv_q, conv_k=conv_k, conv_v=conv_v, state=state)
         return linear(o, w["w_out"], contract=2), new_cache

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from qwen35_lib.engine.batch import SeqWork, pack
-from qwen35_lib.model.deltanet import causal_conv, gdn_block, gdn_ragged_block, ragged_conv
+from qwen35_lib.model.deltanet import causal_conv, conv_groups, gdn_block, gdn_ragged_block, ragged_conv
 from qwen35_lib.model.parallelism import LOCAL
+from qwen35_lib.plan import SINGLE, get_layout
 
 RNG = np.random.default_rng(0)
 
@@ -90,6 +91,21 @@ def test_two_steps_are_one_and_padding_leaves_the_state(layer):
     np.testing.assert_allclose(padded[0, :4], o1[0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(sp[0], s1[0], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(sp[1], state[1], rtol=1e-4, atol=1e-6)
+
+
+def test_v_joined_to_q_and_k_or_apart_is_the_same_layer(layer):
+    """`conv_groups`: one causal conv over q, k and v where the plan keeps the v heads whole, q and k then v where it
+    splits them over devices (tensor parallelism): the same outputs, conv history and state."""
+    cfg, gw, x, _ = layer
+    tp = get_layout("tp8_kvrep")
+    assert conv_groups(SINGLE) == ("qkv",) and conv_groups(tp) == ("qk", "v")
+    hist = {n: RNG.standard_normal((2, 3, *gw[f"conv_{n}"].shape[1:])).astype(np.float32) for n in "qkv"}
+    valid = jnp.ones((2, 7), bool)
+    joined = jax.jit(lambda x, h: gdn_block(cfg, gw, x, valid, h, plan=SINGLE))(x, hist)
+    apart = jax.jit(lambda x, h: gdn_block(cfg, gw, x, valid, h, plan=tp))(x, hist)
+    assert jax.tree.structure(joined) == jax.tree.structure(apart)
+    for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(apart)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_ragged_layer_is_the_dense_layer(layer):
