@@ -25,6 +25,24 @@ FIRST = ("tests/integration/test_tpu_in_place.py", "tests/integration/test_tpu_o
          "tests/integration/test_collective_hlo.py")
 
 
+def _own_cores() -> None:
+    """Under pytest-xdist, each worker on its own share of the cores (of 2 cores and 2 workers: one each), and so
+    every process it starts (notebook kernels, CLI and TPU7x-compile children). XLA's and libtpu's thread pools
+    otherwise spread each process over every core, in each worker at once."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+    if not worker or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 1 < count <= len(cpus):
+        return
+    mine = set(cpus[int(worker.removeprefix("gw")) % count::count])
+    for tid in os.listdir("/proc/self/task"):  # threads started so far; later ones inherit it
+        os.sched_setaffinity(int(tid), mine)
+
+
+_own_cores()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules of FIRST, then everything in collection order (the notebooks next: testpaths)."""
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in FIRST)  # stable: the rest keep their order
