@@ -35,10 +35,11 @@ venv: $(STAMP)
 playbook: $(STAMP)
 	$(PY) -m playbook.build --out build/playbook
 
-# Two workers over tests/ and the notebooks (testpaths; nbmake runs each .ipynb once). worksteal hands each worker a
-# contiguous half of the items (a file mostly stays on one, its compiled fixtures shared) and, after a crash,
-# reports it and goes on (loadfile waited forever for the crashed worker's file: the CI timeout). A crashed worker
-# fails the run. build/test.log keeps the output.
+# Two workers over tests/ and the notebooks (testpaths; nbmake runs each .ipynb once), each on its own share of the
+# cores with every process it starts (conftest.py's _own_cores). worksteal hands each worker a contiguous half of the
+# items (a file mostly stays on one, its compiled fixtures shared) and, after a crash, reports it and goes on
+# (loadfile waited forever for the crashed worker's file: the CI timeout). A crashed worker fails the run.
+# build/test.log keeps the output.
 test: $(STAMP) lint
 	@mkdir -p build
 	$(PY) -m pytest -q -n 2 --dist worksteal 2>&1 | tee build/test.log; exit $${PIPESTATUS[0]}
