@@ -35,7 +35,7 @@ def _own_cores() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if not 1 < count <= len(cpus):
         return
-    mine = set(cpus[int(worker.removeprefix("gw")) % count::count])
+    mine = set(cpus[int(worker.removeprefix("gw"))::count])
     for tid in os.listdir("/proc/self/task"):  # threads started so far; later ones inherit it
         os.sched_setaffinity(int(tid), mine)
 
