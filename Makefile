@@ -43,8 +43,10 @@ playbook: $(STAMP)
 # jemalloc, where installed (Debian's libjemalloc2; .ci/run installs it), for the test processes and every process they
 # start: XLA's and libtpu's compiles spend about a tenth of their time in glibc's malloc and free. Measured on this
 # 2-core machine, each variant pinned to its own core and then swapped: test_engine with test_decoder 51.8 / 54.0 s
-# against 54.9 / 57.7 s, a TPU7x step compile 15.4 / 15.8 s against 16.9 / 18.1 s. Nothing computed changes. Its heap
-# in transparent huge pages (MALLOC_CONF, unless set): the same pairs 4-20% shorter again in 4 of 4 (a noisy host).
+# against 54.9 / 57.7 s, a TPU7x step compile 15.4 / 15.8 s against 16.9 / 18.1 s; the whole clean-clone `.ci/run`
+# 746 s against 922 s the run before (user CPU 22m14 against 27m56). Nothing computed changes. Its heap in transparent
+# huge pages (MALLOC_CONF, unless set): the same pairs 4-20% shorter again in 4 of 4; the whole run with it (and
+# tests/conftest.py's GC thresholds) took 790 s, within this host's spread from run to run.
 JEMALLOC := $(firstword $(wildcard /usr/lib/*/libjemalloc.so.2 /usr/lib/libjemalloc.so.2 /usr/local/lib/libjemalloc.so.2))
 MALLOC_CONF ?= thp:always,metadata_thp:always
 PRELOAD := $(if $(JEMALLOC),LD_PRELOAD="$(strip $(JEMALLOC) $(LD_PRELOAD))" MALLOC_CONF="$(MALLOC_CONF)")
