@@ -38,8 +38,9 @@ def pack_dense(w: jax.Array, contract: int = 1):
     return dataclasses.replace(pack_panels(w, lead=0, k_dims=contract), row_major=w)
 
 
-def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1) -> jax.Array:
-    """x [..., *K] @ w over the last `contract` dims of x -> [..., *N] in x's dtype, accumulated in float32."""
+def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1, dtype=None) -> jax.Array:
+    """x [..., *K] @ w over the last `contract` dims of x -> [..., *N] in `dtype` (default: x's), accumulated in
+    float32."""
     if w.lead or w.k_dims != contract:
         raise ValueError(f"a packed weight of {w.k_dims} contracted dims (lead {w.lead}) used with contract={contract}")
     K, N = w.kn
@@ -59,4 +60,4 @@ def linear_packed(x: jax.Array, w: PanelPacked, contract: int = 1) -> jax.Array:
     else:
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, N), jnp.float32), vmap_method="sequential")
         y = jax.lax.platform_dependent(x2, w.data, cpu=call, default=xla)
-    return y.reshape(*lead, *out).astype(x.dtype)
+    return y.reshape(*lead, *out).astype(dtype or x.dtype)

@@ -10,7 +10,7 @@ from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_block
 from qwen35_lib.model.deltanet import gdn_block
 from qwen35_lib.model.layer_loop import LayerWeights, group_layers, is_per_layer, per_layer_weights, prepare_weights
-from qwen35_lib.model.layers import rms_norm
+from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.moe import moe_block
 from qwen35_lib.model.parallelism import check_parallelism
 from qwen35_lib.weights import abstract_weights
@@ -66,7 +66,7 @@ def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array,
         h, _ = jax.lax.scan(body, h, weights["layers"])
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
-        return jnp.einsum("btd,dv->btv", h, weights["lm_head"], preferred_element_type=jnp.float32)  # [B, T, V]
+        return linear(h, weights["lm_head"], dtype=jnp.float32)  # [B, T, V]
 
 
 def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=None) -> jax.Array:

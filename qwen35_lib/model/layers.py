@@ -38,12 +38,13 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-def linear(x: jax.Array, w: jax.Array, contract: int = 1) -> jax.Array:
-    """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32. A weight the
-    CPU engine packed (`kernels.packed.PanelPacked`) runs `dense_native.linear_packed`."""
+def linear(x: jax.Array, w: jax.Array, contract: int = 1, dtype=None) -> jax.Array:
+    """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32, returned in
+    `dtype` (default: x's). A weight the CPU engine packed (`kernels.packed.PanelPacked`) runs
+    `dense_native.linear_packed`."""
     xd = tuple(range(x.ndim - contract, x.ndim))
     with jax.named_scope("proj"):  # the profile's "dense matmuls" (`bench.profile`)
         if isinstance(w, PanelPacked):
-            return linear_packed(x, w, contract)
+            return linear_packed(x, w, contract, dtype)
         y = jax.lax.dot_general(x, w, ((xd, tuple(range(contract))), ((), ())), preferred_element_type=jnp.float32)
-        return y.astype(x.dtype)
+        return y.astype(dtype or x.dtype)

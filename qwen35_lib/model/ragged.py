@@ -10,7 +10,7 @@ from qwen35_lib.model.attention import attention_ragged_block
 from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.deltanet import gdn_ragged_block
 from qwen35_lib.model.layer_loop import group_layers, is_per_layer
-from qwen35_lib.model.layers import rms_norm
+from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.moe import stacked_experts, with_experts
 from qwen35_lib.model.parallelism import check_parallelism
 
@@ -90,5 +90,5 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
     h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
-        logits = jnp.einsum("rsd,dv->rsv", h, weights["lm_head"], preferred_element_type=jnp.float32)
+        logits = linear(h, weights["lm_head"], dtype=jnp.float32)  # [R, S, V]
     return logits, cache

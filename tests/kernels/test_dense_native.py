@@ -38,6 +38,16 @@ def test_packed_linear_equals_the_row_major_one(shape, contract, rows, dtype):
     assert (dense_native.HANDLER in hlo) == (rows <= dense_native.MAX_ROWS)
 
 
+@pytest.mark.parametrize("rows", [8, 40])
+def test_the_lm_heads_logits_are_float32_from_bfloat16_rows(rows):
+    w = (jax.random.normal(jax.random.key(0), (64, 256)) / 8).astype(jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(1), (1, rows, 64)).astype(jnp.bfloat16)
+    got = jax.jit(lambda h, w: linear(h, w, dtype=jnp.float32))(h, dense_native.pack_dense(w))
+    want = jnp.einsum("rsd,dv->rsv", h, w, preferred_element_type=jnp.float32)  # the head before it was packed
+    assert got.dtype == jnp.float32 and got.shape == (1, rows, 256)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 both: no bf16 rounding of the logits
+
+
 def test_off_the_handler_xla_reads_the_panels(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (64, 128))
     x = jax.random.normal(jax.random.key(1), (8, 64))
@@ -65,6 +75,7 @@ def test_prepare_weights_packs_the_cpu_projections():
     assert isinstance(gdn["w_out"], packed.PanelPacked) and gdn["w_out"].k_dims == 2  # [4, 24 | 64]
     assert not isinstance(gdn["w_v"], packed.PanelPacked)  # [64 | 4, 24]: 96 columns
     assert isinstance(attn["w_q"], packed.PanelPacked) and isinstance(attn["w_o"], packed.PanelPacked)
-    assert not isinstance(prepared["lm_head"], packed.PanelPacked)
+    head = prepared["lm_head"]  # [64 | 256]: the decode step's LM head on a few rows
+    assert isinstance(head, packed.PanelPacked) and head.row_major is w["lm_head"]  # no copy kept for XLA's dot
     other_moe = layer_loop.prepare_weights(cfg, w, SINGLE.replace(moe_kernel="loop"))  # not tied to the MoE kernel
     assert isinstance(other_moe["layers"][0][3].mixer["w_q"], packed.PanelPacked)
