@@ -20,6 +20,7 @@ a platform: compiled (Mosaic) on a TPU, interpret mode (numerics only) anywhere 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
@@ -120,9 +121,11 @@ def for_plan(slot: str, plan: Any) -> Any:
     return get(slot, plan.kernel(slot), plan.platform)
 
 
+@functools.cache
 def _load_all() -> None:
     """Import every implementation module (`kernels/*_xla.py`, `*_pallas.py`, `*_native.py`): importing registers
-    them."""
+    them. Once: the engine looks kernels up every step, and listing the package took about 1 ms a step under the
+    profiler."""
     import importlib
     import pkgutil
 
