@@ -22,7 +22,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # of this 2-core machine's install; Python compiles the modules a process imports, once, on first use.
 PIP := $(PY) -m pip install --quiet --no-compile
 # The project and its extras are installed by uv (itself from PyPI, by pip): on this 2-core machine, from a clean
-# clone with cold caches, the whole setup took 37 s against pip's 80 s, to the same packages. torch comes first, by
+# clone with cold caches, `make venv` took 39 s against pip's 80 s, to the same packages. torch comes first, by
 # pip, which reads pip.conf (where a machine keeps its local CPU wheel; uv does not read it) and uv keeps the
 # installed torch, which satisfies the `reference` extra. `make test UV=` installs everything with pip.
 UV ?= $(VENV)/bin/uv
