@@ -8,11 +8,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA:CPU compiles fast here (FAST_COMPILE): a test's time is mostly compiles of tiny models. LLVM at -O0 makes them
 # about a third shorter; the legacy (pre-MLIR) fusion emitters about 40% shorter again (measured on one engine run of
 # qwen3.5-tiny: 31.7 s -> 20.3 s cold, and a 2-group qwen3.5-mini step: 10.6 s -> 5.9 s; greedy tokens identical).
+# No YNNPACK fusions (an empty fusion-type list): dots run as XLA's own, and no YNNPACK executable is built per
+# fusion (its slinky pipeline simplification was 9% of a perf profile of tests/plan/test_mesh.py); pinned pairs of
+# test_mesh with test_engine, 105.4 / 106.9 s against 108.3 / 110.0 s.
 # -O0 leaves the optimized HLO as it is; the legacy emitters fuse a little differently. The tiny forward's logits
 # agree with the defaults' to float32 rounding (4e-7 at logits of 0.6). What runs is slower than the library's
 # default, so no time measured under pytest stands for the library's speed (nothing is recorded). A flag set in
 # $XLA_FLAGS wins; TPU compiles (aot_subprocess.py) get the defaults.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                "--xla_cpu_experimental_ynn_fusion_type=")
 _flags = os.environ.get("XLA_FLAGS", "")
 _flags = " ".join([_flags] + [f for f in FAST_COMPILE if f.split("=")[0] + "=" not in _flags])
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

@@ -70,6 +70,15 @@ def _latencies(done: list[tuple[float | None, float, float, int]]) -> tuple[floa
     return (float(np.median(ttft)) if ttft else float("nan"), float(np.median(tpot)) if tpot else float("nan"))
 
 
+def _latencies_of(times: np.ndarray, outputs: np.ndarray) -> tuple[float, float]:
+    """`_latencies` of requests that all arrived in the run, as arrays: times [n, 3] (arrived, first, finished),
+    outputs [n]; the same floats, without a Python tuple per request (a 1k/8k play finishes thousands)."""
+    many = outputs > 1
+    ttft = float(np.median(times[:, 1] - times[:, 0])) if len(times) else float("nan")
+    tpot = float(np.median((times[many, 2] - times[many, 1]) / (outputs[many] - 1))) if many.any() else float("nan")
+    return ttft, tpot
+
+
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     seconds: float
@@ -661,9 +670,8 @@ def price(ls: Lockstep, steps_fn: StepsFn) -> SimResult:
     per_step = np.repeat(secs, ls.counts)
     cum = np.concatenate([[0.0], np.cumsum(per_step)])
     steps = int(ls.counts.sum())
-    at = cum[np.clip(np.rint(ls.events).astype(np.int64), 0, steps)]
-    done = [(a, f, e, o) for (a, f, e), o in zip(at, ls.outputs)]
-    ttft, tpot = _latencies(done)
+    at = cum[np.clip(np.rint(ls.events).astype(np.int64), 0, steps)]  # [finished, 3] seconds
+    ttft, tpot = _latencies_of(at, ls.outputs)
     k = ls.requests / ls.played
     if ls.clients > ls.cap + 1:
         ttft += median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
