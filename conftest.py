@@ -12,11 +12,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
 DEVICES = "--xla_force_host_platform_device_count=8"
-# XLA:CPU compiling fast, as in tests/conftest.py (-O0, the legacy fusion emitters, no YNNPACK fusions). The chapters'
-# timings (06's CPU validation) then measure slower code than a reader's run: nothing is recorded here
-# ($QWEN35_RESULTS_DIR is unset), and `make playbook` executes the chapters at the defaults.
+# XLA:CPU compiling fast, as in tests/conftest.py (-O0, the legacy fusion emitters, no YNNPACK fusions, one LLVM
+# module a program). The chapters' timings (06's CPU validation) then measure slower code than a reader's run: nothing
+# is recorded here ($QWEN35_RESULTS_DIR is unset), and `make playbook` executes the chapters at the defaults.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                "--xla_cpu_experimental_ynn_fusion_type=")
+                "--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_parallel_codegen_split_count=1")
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
 # Modules whose one module fixture compiles for TPU7x for 130-190 s. xdist's worksteal deals each worker a
 # contiguous share and steals from the end of a queue: at the end of the list such a module finished the run alone
