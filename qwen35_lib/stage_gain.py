@@ -55,29 +55,32 @@ def stage_gain(stage: str, previous: str | None = "ladder", concurrency: int = 5
                predictions: dict[tuple[str, str], dict] | None = None, **kwargs: Any) -> dict:
     """The module doc's record for `stage` over `previous` ("ladder": the stage before it; None: none).
     `predictions` maps (stage, workload) to `predict` documents already made (reused, not recomputed; the ones made
-    here are added to it, so that stages sharing one dict predict each stage once); `kwargs` go to `predict`."""
+    here are added to it, so that stages sharing one dict predict each stage once); `kwargs` go to `predict`.
+    Only `stage`'s own predictions carry the band (unless `band=False`): the previous stage's are read for their
+    throughput and breakdown, and a band re-prices the schedule at both ends of every swept assumption."""
     from qwen35_lib.costmodel import predict
 
     previous = previous_stage(stage) if previous == "ladder" else previous
     made = predictions if predictions is not None else {}
+    band = kwargs.pop("band", True)
 
-    def get(st: str, wl: str) -> dict:
-        if (st, wl) not in made:
+    def get(st: str, wl: str, with_band: bool) -> dict:
+        if (st, wl) not in made or (with_band and "band" not in made[st, wl]):
             isl, osl = WORKLOADS[wl]
-            made[st, wl] = predict(model, hardware, st, isl, osl, concurrency, roofline=False,
-                                   **{"band": True, **kwargs})
+            made[st, wl] = predict(model, hardware, st, isl, osl, concurrency, roofline=False, band=with_band,
+                                   **kwargs)
         return made[st, wl]
 
     out: dict[str, Any] = dict(stage=stage, previous=previous, concurrency=concurrency, model=model,
                                hardware=hardware)
     for wl in WORKLOADS:
-        after = get(stage, wl)
+        after = get(stage, wl, band)
         row = {k: after[k] for k in KEPT}
         row["ms_per_1k_tokens"] = ms_per_1k_tokens(after)
         if "band" in after:
             row["band_total_tokens_per_s"] = after["band"]["total_tokens_per_s"]
         if previous is not None:
-            before = get(previous, wl)
+            before = get(previous, wl, False)
             row["previous_total_tokens_per_s"] = before["total_tokens_per_s"]
             row["gain"] = after["total_tokens_per_s"] / before["total_tokens_per_s"]
             row["change"] = row["gain"] - 1

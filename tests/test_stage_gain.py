@@ -66,7 +66,7 @@ def test_a_stage_that_does_not_fit_is_refused() -> None:
 
 
 def test_baseline_record_has_no_previous(made: dict, replicate: dict) -> None:  # replicate: fills `made`
-    rec = stage_gain("baseline", concurrency=CONCURRENCY,
+    rec = stage_gain("baseline", concurrency=CONCURRENCY, band=False,  # made["dp_ep", *]: no band (the previous)
                      predictions={("baseline", wl): made["dp_ep", wl] for wl in WORKLOADS})
     assert rec["previous"] is None
     assert all("gain" not in rec[wl] and set(rec[wl]["ms_per_1k_tokens"]) == set(GROUPS) for wl in WORKLOADS)
@@ -77,3 +77,15 @@ def test_each_stage_carries_its_band(replicate: dict) -> None:
         lo, hi = replicate[wl]["band_total_tokens_per_s"]
         assert lo <= replicate[wl]["total_tokens_per_s"] <= hi and lo < hi
     assert "(band " in gain_table(replicate)
+
+
+def test_only_the_stage_itself_carries_the_band(made: dict, replicate: dict) -> None:
+    for wl in WORKLOADS:
+        assert "band" in made["replicate", wl] and "band_total_tokens_per_s" in replicate[wl]
+        assert "band" not in made["dp_ep", wl]  # the previous stage: throughput and breakdown only
+    mine = dict(made)
+    dp_ep = stage_gain("dp_ep", concurrency=CONCURRENCY, predictions=mine)  # now the stage: its band is made
+    for wl in WORKLOADS:
+        assert "band" in mine["dp_ep", wl] and dp_ep[wl]["band_total_tokens_per_s"] == \
+            mine["dp_ep", wl]["band"]["total_tokens_per_s"]
+        assert mine["dp_ep", wl]["total_tokens_per_s"] == made["dp_ep", wl]["total_tokens_per_s"]
