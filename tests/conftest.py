@@ -48,6 +48,14 @@ import pytest  # noqa: E402
 # Makefile's jemalloc, pinned pairs of test_engine with test_decoder: 50.8 / 50.9 s against 54.4 / 53.7 s.
 gc.set_threshold(20_000, 20, 20)
 
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything alive once the tests are collected (jax, transformers and this package imported, the items) moves to
+    the collector's permanent generation: its full collections no longer walk it. Pinned pairs of test_engine,
+    test_mesh and test_parallelism: 173.0 / 184.4 / 187.5 s against 190.6 / 201.9 / 194.8 s."""
+    gc.freeze()
+
+
 MAPS = pathlib.Path("/proc/self/maps")  # Linux: one line per memory mapping of this process
 MAX_MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")  # Linux: the most mappings a process may hold (65530)
 
