@@ -12,9 +12,22 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
 DEVICES = "--xla_force_host_platform_device_count=8"
-# XLA:CPU compiling fast, as in tests/conftest.py (-O0, the legacy fusion emitters, no YNNPACK fusions, one LLVM
-# module a program). The chapters' timings (06's CPU validation) then measure slower code than a reader's run: nothing
-# is recorded here ($QWEN35_RESULTS_DIR is unset), and `make playbook` executes the chapters at the defaults.
+# XLA:CPU compiles fast in the tests and the notebook kernels they run (FAST_COMPILE; tests/conftest.py sets it in
+# $XLA_FLAGS before jax is imported): a test's time is mostly compiles of tiny models. LLVM at -O0 makes them about a
+# third shorter; the legacy (pre-MLIR) fusion emitters about 40% shorter again (measured on one engine run of
+# qwen3.5-tiny: 31.7 s -> 20.3 s cold, and a 2-group qwen3.5-mini step: 10.6 s -> 5.9 s; greedy tokens identical).
+# No YNNPACK fusions (an empty fusion-type list): dots run as XLA's own, and no YNNPACK executable is built per
+# fusion (its slinky pipeline simplification was 9% of a perf profile of tests/plan/test_mesh.py); pinned pairs of
+# test_mesh with test_engine, 105.4 / 106.9 s against 108.3 / 110.0 s.
+# One LLVM module a program instead of 32 split parts (XLA:CPU's default, for compiling on a thread pool: each worker
+# has one core): the same code, emitted once. Pinned pairs of an engine run under dp8_ep8 and a tp8_kvrep forward
+# (qwen3.5-tiny, 8 layers), backend compile 11.2-16.1 s against 13.5-18.4 s, shorter in 7 of 8 pairs (median 0.86x).
+# -O0 leaves the optimized HLO as it is; the legacy emitters fuse a little differently. The tiny forward's logits
+# agree with the defaults' to float32 rounding (4e-7 at logits of 0.6). What runs is slower than the library's
+# default, so no time measured under pytest stands for the library's speed (nothing is recorded). A flag set in
+# $XLA_FLAGS wins; TPU compiles (aot_subprocess.py) get the defaults. The chapters' timings (06's CPU validation)
+# then measure slower code than a reader's run: nothing is recorded here ($QWEN35_RESULTS_DIR is unset), and
+# `make playbook` executes the chapters at the defaults.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
                 "--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_parallel_codegen_split_count=1")
 SAVED = pytest.StashKey[pytest.MonkeyPatch]()
@@ -60,7 +73,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     env.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     flags = os.environ.get("XLA_FLAGS", "")
     flags = flags if DEVICES in flags else f"{flags} {DEVICES}".strip()
-    # tests/conftest.py's FAST_COMPILE is in $XLA_FLAGS when tests/ is run too; a flag already set wins
+    # FAST_COMPILE is in $XLA_FLAGS already when tests/conftest.py ran; a flag already set wins
     flags = " ".join([f for f in FAST_COMPILE if f.split("=")[0] + "=" not in flags] + [flags]).strip()
     env.setenv("XLA_FLAGS", with_patient_collectives(flags))
     env.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")

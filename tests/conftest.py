@@ -5,21 +5,8 @@ import os
 # Before anything imports jax: it reads JAX_PLATFORMS once, and without "cpu" its first backend also starts the TPU
 # plugin, loading libtpu into this process (see _libtpu_stays_out).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU compiles fast here (FAST_COMPILE): a test's time is mostly compiles of tiny models. LLVM at -O0 makes them
-# about a third shorter; the legacy (pre-MLIR) fusion emitters about 40% shorter again (measured on one engine run of
-# qwen3.5-tiny: 31.7 s -> 20.3 s cold, and a 2-group qwen3.5-mini step: 10.6 s -> 5.9 s; greedy tokens identical).
-# No YNNPACK fusions (an empty fusion-type list): dots run as XLA's own, and no YNNPACK executable is built per
-# fusion (its slinky pipeline simplification was 9% of a perf profile of tests/plan/test_mesh.py); pinned pairs of
-# test_mesh with test_engine, 105.4 / 106.9 s against 108.3 / 110.0 s.
-# One LLVM module a program instead of 32 split parts (XLA:CPU's default, for compiling on a thread pool: each worker
-# has one core): the same code, emitted once. Pinned pairs of an engine run under dp8_ep8 and a tp8_kvrep forward
-# (qwen3.5-tiny, 8 layers), backend compile 11.2-16.1 s against 13.5-18.4 s, shorter in 7 of 8 pairs (median 0.86x).
-# -O0 leaves the optimized HLO as it is; the legacy emitters fuse a little differently. The tiny forward's logits
-# agree with the defaults' to float32 rounding (4e-7 at logits of 0.6). What runs is slower than the library's
-# default, so no time measured under pytest stands for the library's speed (nothing is recorded). A flag set in
-# $XLA_FLAGS wins; TPU compiles (aot_subprocess.py) get the defaults.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                "--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_parallel_codegen_split_count=1")
+from conftest import FAST_COMPILE  # noqa: E402  (the root conftest.py's: the notebook kernels get the same)
+
 _flags = os.environ.get("XLA_FLAGS", "")
 _flags = " ".join([_flags] + [f for f in FAST_COMPILE if f.split("=")[0] + "=" not in _flags])
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
@@ -52,7 +39,8 @@ gc.set_threshold(20_000, 20, 20)
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Everything alive once the tests are collected (jax, transformers and this package imported, the items) moves to
     the collector's permanent generation: its full collections no longer walk it. Pinned pairs of test_engine,
-    test_mesh and test_parallelism: 173.0 / 184.4 / 187.5 s against 190.6 / 201.9 / 194.8 s."""
+    test_mesh and test_parallelism: 173.0 / 184.4 / 187.5 s against 190.6 / 201.9 / 194.8 s. (`gc.get_referrers` no
+    longer sees frozen referrers: Hypothesis may warn that trio's random generator could be collected.)"""
     gc.freeze()
 
 

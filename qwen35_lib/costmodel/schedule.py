@@ -65,14 +65,14 @@ class _Req:
 def _latencies(done: list[tuple[float | None, float, float, int]]) -> tuple[float, float]:
     """(median time to first token, median time per output token after the first) over finished requests
     (arrived, first, finished, output), as `vllm bench serve` reports them; NaN when none qualifies."""
-    ttft = [f - a for a, f, _, _ in done if a is not None]
-    tpot = [(e - f) / (o - 1) for a, f, e, o in done if a is not None and o > 1]
-    return (float(np.median(ttft)) if ttft else float("nan"), float(np.median(tpot)) if tpot else float("nan"))
+    kept = [d for d in done if d[0] is not None]
+    return _latencies_of(np.array([d[:3] for d in kept], dtype=np.float64).reshape(-1, 3),
+                         np.array([d[3] for d in kept], dtype=np.int64))
 
 
 def _latencies_of(times: np.ndarray, outputs: np.ndarray) -> tuple[float, float]:
     """`_latencies` of requests that all arrived in the run, as arrays: times [n, 3] (arrived, first, finished),
-    outputs [n]; the same floats, without a Python tuple per request (a 1k/8k play finishes thousands)."""
+    outputs [n] (`price` holds them so: a 1k/8k play finishes thousands)."""
     many = outputs > 1
     ttft = float(np.median(times[:, 1] - times[:, 0])) if len(times) else float("nan")
     tpot = float(np.median((times[many, 2] - times[many, 1]) / (outputs[many] - 1))) if many.any() else float("nan")
