@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.7
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -288,9 +288,11 @@ if cpu_rows or bench:
 # **Check.** The target is every case's ratio within `TARGET` of one (printed with the ratios, with whether all
 # meet it). What the CPU model charges: the engine's CPU step is an unrolled loop over per-layer weights and caches
 # (`model.layer_loop.unrolled`), so each weight byte is read once at the measured read rate and no cache is copied;
-# the MoE's touched experts once, their FLOPs at the matmul peak (the CPU's `native` kernel); the GDN's prompt
-# tokens as one state update each (the `native` handler) at the measured element-wise rate; each launched op its
-# measured fixed cost. The model is a roofline at rates measured in
+# the attention's longest context once per item (a run of one sequence's tokens inside a block of `ITEM_BLOCK`)
+# where a step has a prompt chunk (the CPU's `items`), else once per token; the MoE's touched experts once, their
+# FLOPs at the matmul peak (the CPU's `native` kernel); the GDN's prompt tokens as one state update each (the
+# `native` handler) at the measured element-wise rate; each launched op its measured fixed cost. The model is a
+# roofline at rates measured in
 # isolation, so a ratio below one is time the step spends above that roofline: `python -m qwen35_lib.bench engine`
 # prints the step's profile, component by component, beside each floor. Timings on a shared 2-core machine move
 # with its load, which is printed with the ratios; no timing is asserted (benchmarks report, they do not assert).

@@ -222,7 +222,8 @@ def _attention_and_gdn(model: str, on_tpu: bool, args) -> dict:
         rows = attention_rows(model, cases=None if on_tpu else ATTENTION_CASES_INTERPRET, repeats=args.repeats,
                               seed=args.seed)
         out["attention"] = {"slot": "attention", "reference": "xla", "note": INTERPRET_NOTE, "rows": rows}
-        print(f"\nattention (paged): Pallas ragged paged attention vs paged_attention_xla, {model}")
+        print(f"\nattention (paged): Pallas ragged paged attention and the XLA one by items vs paged_attention_xla, "
+              f"{model}")
         print(format_table(["case", "implementation", "mode", "median ms", "vs xla", "max|Δ| vs xla"],
                            [[r["case"], r["implementation"], r["mode"], r["median_ms"], r["throughput_ratio_vs_xla"],
                              r["max_abs_diff_vs_xla"]] for r in rows]))

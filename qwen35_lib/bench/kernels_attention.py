@@ -1,6 +1,7 @@
-"""Attention side of `python -m qwen35_lib.bench kernels`: the Pallas ragged paged attention vs its XLA twin.
+"""Attention side of `python -m qwen35_lib.bench kernels`: the Pallas ragged paged attention and the CPU's XLA
+attention by items vs their XLA twin.
 
-`attention_rows(...)` times both `paged` implementations of the `attention` slot side by side on ragged batches
+`attention_rows(...)` times the three `paged` implementations of the `attention` slot side by side on ragged batches
 packed by the engine's `pack` at the model's attention shapes, and returns one row per (case, implementation).
 Off a TPU the Pallas kernel runs in interpret mode: its time is then a numerics-only figure (a Python-level
 emulation of the TPU program), labelled so in every row, and says nothing about TPU speed.
@@ -16,7 +17,7 @@ from qwen35_lib.bench.timing import measure
 from qwen35_lib.config import get_config
 from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels.attention_pallas import paged_attention_pallas
-from qwen35_lib.kernels.attention_xla import paged_attention_xla
+from qwen35_lib.kernels.attention_xla import paged_attention_items, paged_attention_xla
 
 # name -> (decode context lengths, prefill chunks (start position, new tokens))
 CASES = {
@@ -28,11 +29,12 @@ CASES = {
 def attention_rows(model: str = "qwen3.5-mini", cases: dict | None = None, page_size: int = 16,
                    kv_dtype: str | None = None, repeats: int = 3, seed: int = 0) -> list[dict]:
     """Rows {kernel, case, implementation, mode, tokens, keys_attended, median_ms, tokens_per_s,
-    useful_gflop_per_s, throughput_ratio_vs_xla, max_abs_diff_vs_xla, ...}, two per case (xla, pallas).
+    useful_gflop_per_s, throughput_ratio_vs_xla, max_abs_diff_vs_xla, ...}, three per case (xla, items, pallas).
 
     1. pack each case's decodes and prefill chunks into one ragged batch (shuffled pages, a random cache,
        `kv_dtype` None = the model dtype, "float8_e4m3fn" = FP8 with per-token scales)
-    2. time `paged_attention_xla` and `paged_attention_pallas` interleaved (`timing.measure`)
+    2. time `paged_attention_xla`, `paged_attention_items` and `paged_attention_pallas` interleaved
+       (`timing.measure`)
     3. useful FLOPs = 4 * Hq * d * (keys each query sees, causal): the same count for both implementations.
     """
     cfg = get_config(model)
@@ -64,24 +66,25 @@ def attention_rows(model: str = "qwen3.5-mini", cases: dict | None = None, page_
         else:
             kv = kv.astype(kv_dtype or dt)
         args = (q, kv, scales, *(jnp.asarray(a) for a in (meta.page_table, meta.token_seq, meta.positions)))
-        fns = {"xla": jax.jit(paged_attention_xla), "pallas": paged_attention_pallas}
+        fns = {"xla": jax.jit(paged_attention_xla), "items": jax.jit(paged_attention_items),
+               "pallas": paged_attention_pallas}
         timings, outs = measure({k: (lambda f=f, a=args: f(*a)) for k, f in fns.items()}, repeats=repeats,
                                 desc=f"attention {name}")
         valid = meta.token_seq >= 0
-        diff = float(np.max(np.abs(np.asarray(outs["pallas"], np.float32)[valid]
-                                   - np.asarray(outs["xla"], np.float32)[valid])))
+        diff = {k: float(np.max(np.abs(np.asarray(outs[k], np.float32)[valid]
+                                       - np.asarray(outs["xla"], np.float32)[valid]))) for k in fns}
         seen = int(np.sum(meta.positions[valid] + 1))  # keys the valid queries attend to
         flops = 4 * Hq * d * seen
         for impl in fns:
             sec = timings[impl].median
             rows.append({
                 "kernel": "attention", "case": name, "implementation": impl,
-                "mode": mode if impl == "pallas" else f"XLA ({jax.default_backend()})",
+                "mode": mode if impl == "pallas" else f"XLA ({backend})",
                 "model": model, "dtype": str(dt), "kv_dtype": str(kv.dtype), "page_size": ps,
                 "tokens": int(valid.sum()), "sequences": len(works), "keys_attended": seen,
                 "median_ms": 1e3 * sec, "tokens_per_s": float(valid.sum() / sec),
                 "useful_gflop_per_s": flops / sec / 1e9,
                 "throughput_ratio_vs_xla": timings["xla"].median / sec,
-                "max_abs_diff_vs_xla": 0.0 if impl == "xla" else diff,
+                "max_abs_diff_vs_xla": diff[impl],
             })
     return rows

@@ -7,7 +7,11 @@ function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
-  batch and scores against it; `pallas` (ragged paged attention): each sequence's context is read once;
+  batch and scores against it; `items` (the CPU's, `paged_attention_items`): where ITEM_COST x its items (runs of
+  a sequence's tokens in blocks of ITEM_BLOCK, at most blocks + S: every one computed) is fewer than its tokens,
+  each item reads the longest context once, in steps of ITEM_KEYS keys, and scores its block's rows against it,
+  else as `xla`;
+  `pallas` (ragged paged attention): each sequence's context is read once;
 - MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
   dequantized to a bf16 copy first: on TPU, the bytes per parameter the compiled step moves
   (`Placement.expert_bytes_per_param`: the scan's slice and its relayouts, a float32 scale broadcast, the
@@ -31,6 +35,7 @@ from qwen35_lib import plan
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS
 from qwen35_lib.stats import model_stats
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -83,7 +88,7 @@ class Placement:
     tp: int = 1
     moe: str = "local"  # "tp", "ep", "local"
     ep: int = 1
-    attention: str = "xla"  # "xla" or "pallas"
+    attention: str = "xla"  # "xla", "items" or "pallas"
     moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "loop", "gmm", "native" (the CPU's C++ handler)
     kv_dtype: str | None = None  # None: the model dtype
     page_size: int = 256
@@ -198,12 +203,24 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         keys = (b.decodes * b.decode_ctx + b.prefill_seqs * (b.prefill_ctx + chunk)) / pl.dp  # each context once
         pairs = b.attention_pairs / pl.dp
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, keys * tok_bytes + new + qo, 2)
+    elif pl.attention == "items" and ITEM_COST * (items := attention_items(b, pl.dp)) < T:
+        per_step = max(1, ITEM_KEYS // pl.page_size) * pl.page_size  # whole pages a step
+        steps = math.ceil(b.max_ctx / per_step)  # up to the longest context
+        keys = steps * per_step
+        pairs = items * ITEM_BLOCK * keys  # every item's block of rows against every key of the loop
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, items * keys * tok_bytes + new + qo, 4 * steps + 2)
     else:
         pairs = T * b.max_ctx  # every token scores (and reads) the longest context
         pages = math.ceil(b.max_ctx / pl.page_size)
         read = 2 * kvh * hd * pl.kv_read_bytes if pl.kv_read_bytes else tok_bytes  # per (token, key) pair
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * read + new + qo, 4 * pages + 2)
     return {"attn_proj": proj, "attn_core": core, "cache_copies": cache_copies(pl, pl.kv_pool_bytes)}
+
+
+def attention_items(b: Batch, dp: int) -> int:
+    """Items `paged_attention_items` computes on a rank: blocks of ITEM_BLOCK computed tokens + the page table's
+    rows (as many as the engine's logit rows, `logit_rows`; else the batch's sequences)."""
+    return math.ceil(b.computed / dp / ITEM_BLOCK) + math.ceil((b.logit_rows or b.seqs) / dp)
 
 
 def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:

@@ -67,8 +67,18 @@ def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
     return kv_pages.at[page, offset].set(q), kv_scales.at[page, :, offset].set(scale)
 
 
+def _page_kv(kv_pages, kv_scales, pages, d: int):
+    """K and V of `pages` [N] in float32, dequantized: [N, ps, Hkv, d] each."""
+    N, (ps, H2d) = pages.shape[0], kv_pages.shape[1:]
+    kv = kv_pages[pages].reshape(N, ps, H2d // d, d).astype(jnp.float32)  # [N, ps, 2*Hkv, d]
+    if kv_scales is not None:
+        kv = kv * kv_scales[pages].transpose(0, 2, 1)[..., None]  # [N, ps, 2*Hkv, 1]
+    return kv[:, :, 0::2], kv[:, :, 1::2]
+
+
 def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions):
-    """Attention of flat ragged tokens over the paged KV cache (the new tokens' K/V already written).
+    """Attention of flat ragged tokens over the paged KV cache (the new tokens' K/V already written): the slot's
+    reference twin, token by token.
 
     q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] (+ kv_scales [P, 2*Hkv, ps] for FP8, else None);
     page_table: [S, max_pages] (page ids of each sequence); token_seq, positions: [T] (a token sees its
@@ -86,10 +96,7 @@ def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions
 
     def body(j, carry):
         m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, d]
-        kv = kv_pages[pages_of_token[:, j]].reshape(T, ps, 2 * Hkv, d).astype(jnp.float32)  # [T, ps, 2*Hkv, d]
-        if kv_scales is not None:
-            kv = kv * kv_scales[pages_of_token[:, j]].transpose(0, 2, 1)[..., None]  # [T, ps, 2*Hkv, 1]
-        k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [T, ps, Hkv, d]
+        k, v = _page_kv(kv_pages, kv_scales, pages_of_token[:, j], d)  # [T, ps, Hkv, d]
         s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
         kv_pos = j * ps + jnp.arange(ps)
         s = jnp.where((kv_pos[None, :] <= positions[:, None])[:, None, None, :], s, -jnp.inf)
@@ -103,4 +110,82 @@ def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions
     return (acc / l[..., None]).reshape(T, Hq, d).astype(q.dtype)
 
 
+ITEM_BLOCK = 16  # query tokens per item of `paged_attention_items`
+ITEM_KEYS = 64  # keys per step of its loop (whole pages)
+# what an item costs in tokens of the twin: items run where ITEM_COST x items < tokens. Measured 2.4 (qwen3.5-mini's
+# attention shapes, float32: 64 decodes + a 64-token chunk, 73 items 66.0 ms against 128 tokens 47.6 ms)
+ITEM_COST = 3
+
+
+def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positions, block: int = ITEM_BLOCK,
+                          keys: int = ITEM_KEYS):
+    """`paged_attention_xla` by items (implementation "items", the CPU's): a page is read once per item, not
+    once per token. An item is a run of consecutive tokens of one sequence inside one block of `block` tokens (a
+    prefill chunk of L tokens is about L / block items, a decode token one of its own); a step has at most
+    blocks + S items where each sequence's tokens are consecutive (the engine's `pack`; more runs give NaN, not a
+    silently wrong answer). An item costs about ITEM_COST tokens of the twin (its block's rows computed whole), so
+    where ITEM_COST x items is not fewer than the tokens (a decode step, or decodes with a short chunk) the twin runs
+    instead. Equal to the twin up to float32 rounding.
+
+    1. runs: a valid token starts one where its predecessor is another sequence or in another block; each run's
+       block and sequence by scatter                                            # [W], W = blocks + S
+    2. loop over steps of `keys` keys (whole pages): each item's pages of the step, the scores of its block's
+       rows against them                                                        # [W, Hkv, block*G, keys]
+       masked to (row in the run) & (key position <= row position); online softmax with a finite mask value
+    3. token t takes row t % block of its run; padding tokens get 0.
+    """
+    if ITEM_COST * (-(-q.shape[0] // block) + page_table.shape[0]) >= q.shape[0]:  # items would cost more
+        return paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions)
+    T, Hq, d = q.shape
+    ps, Hkv = kv_pages.shape[1], kv_pages.shape[2] // (2 * d)
+    G, S = Hq // Hkv, page_table.shape[0]
+    Tp = -(-T // block) * block
+    nb, W = Tp // block, Tp // block + S
+    seq_t = jnp.pad(token_seq.astype(jnp.int32), (0, Tp - T), constant_values=-1)  # [Tp]
+    pos_t = jnp.pad(positions.astype(jnp.int32), (0, Tp - T))
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    valid = seq_t >= 0
+    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), seq_t[:-1]])
+    start = valid & ((t % block == 0) | (seq_t != prev))
+    n_runs = jnp.sum(start, dtype=jnp.int32)
+    run = jnp.where(valid, jnp.cumsum(start, dtype=jnp.int32) - 1, W)  # [Tp]; W: no item (dropped)
+    lo = jnp.full((W,), Tp, jnp.int32).at[run].min(t, mode="drop")
+    item_block = jnp.minimum(lo // block, nb - 1)  # [W]; unused items: the last block, fully masked
+    item_seq = jnp.zeros((W,), jnp.int32).at[run].max(seq_t, mode="drop")
+    pps = max(1, keys // ps)  # pages a step
+    n = page_table.shape[1]
+    item_pages = jnp.pad(page_table, ((0, 0), (0, -n % pps)))[item_seq]  # [W, steps*pps]; past the end: page 0
+
+    qb = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(nb, block, Hkv, G, d).astype(jnp.float32) * d**-0.5
+    qi = qb[item_block].transpose(0, 2, 1, 3, 4).reshape(W, Hkv, block * G, d)  # [W, Hkv, R, d], R = block*G
+    rows = item_block[:, None] * block + jnp.arange(block)[None, :]  # [W, block]: each row's flat token
+    in_run = jnp.repeat(run[jnp.minimum(rows, Tp - 1)] == jnp.arange(W)[:, None], G, axis=1)  # [W, R]
+    row_pos = jnp.repeat(pos_t[jnp.minimum(rows, Tp - 1)], G, axis=1)  # [W, R]
+    n_steps = jnp.max(jnp.where(valid, pos_t, 0)) // (pps * ps) + 1
+    neg = jnp.finfo(jnp.float32).min
+
+    def body(j, carry):
+        m, l, acc = carry  # [W, Hkv, R], [W, Hkv, R], [W, Hkv, R, d]
+        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * pps, pps, axis=1).reshape(W * pps)
+        k, v = (a.reshape(W, pps * ps, Hkv, d) for a in _page_kv(kv_pages, kv_scales, pages, d))  # [W, K, Hkv, d]
+        s = jnp.einsum("wkrd,wskd->wkrs", qi, k)  # [W, Hkv, R, K], K = pps*ps keys
+        key_pos = j * pps * ps + jnp.arange(pps * ps)
+        mask = (in_run[..., None] & (key_pos <= row_pos[..., None]))[:, None]  # [W, 1, R, K]
+        s = jnp.where(mask, s, neg)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("wkrs,wskd->wkrd", p, v)
+
+    init = (jnp.full((W, Hkv, block * G), neg), jnp.zeros((W, Hkv, block * G)), jnp.zeros((W, Hkv, block * G, d)))
+    m, l, acc = jax.lax.fori_loop(0, n_steps, body, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [W, Hkv, R, d]
+    o = o.reshape(W, Hkv, block, G, d).transpose(0, 2, 1, 3, 4)  # [W, block, Hkv, G, d]
+    out = o[jnp.minimum(run, W - 1), t % block]  # [Tp, Hkv, G, d]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    out = jnp.where(n_runs > W, jnp.nan, out)  # more runs than items: NaN, not a silently wrong answer
+    return out[:T].reshape(T, Hq, d).astype(q.dtype)
+
+
 register("attention", "xla")(AttentionKernels(dense=attention_xla, paged=paged_attention_xla, write=write_kv_pages))
+register("attention", "items")(AttentionKernels(dense=attention_xla, paged=paged_attention_items, write=write_kv_pages))

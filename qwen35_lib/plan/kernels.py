@@ -2,17 +2,22 @@
 implementation of every slot ("auto"). The implementations themselves register in `qwen35_lib.kernels.registry`,
 which reads these tables.
 
-| family   | attention | gdn                              | moe_matmul                              | permute |
-|----------|-----------|----------------------------------|-----------------------------------------|---------|
-| `xla`    | xla       | `native` on CPU, `xla` elsewhere | `native` on CPU, `ragged_dot` elsewhere | xla     |
-| `pallas` | pallas    | pallas                           | pallas                                  | pallas  |
+| family   | attention                  | gdn                         | moe_matmul                         | permute |
+|----------|----------------------------|-----------------------------|------------------------------------|---------|
+| `xla`    | `items` on CPU, else `xla` | `native` on CPU, else `xla` | `native` on CPU, else `ragged_dot` | xla     |
+| `pallas` | pallas                     | pallas                      | pallas                             | pallas  |
 
 Where the `xla` family is not XLA code: on the CPU two C++ XLA FFI handlers that XLA calls like any op, each
 running its XLA twin where it cannot be built. The MoE's grouped matmul is `native` (`kernels/moe_native.py`;
 else the XLA `loop`): XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each
 expert, which no formulation in XLA ops avoided (the `moe_xla` docstrings). The GDN's decode step is `native`
 (`kernels/gdn_native.py`; its prefill chunks stay XLA's): XLA:CPU's batched matrix-vector products over the state
-cost about ten passes over it.
+cost about ten passes over it. The attention is XLA's either way: on the CPU by items (`attention_xla.
+paged_attention_items`: a page read once per run of a sequence's tokens in a block of 16, not once per token; the
+twin where that would cost more, as at decode). qwen3.5-mini's attention shapes, float32, pages of 16, one layer's
+paged attention alone, twin -> items in one run (decodes at context 1000): 7 decodes + a 128-token chunk at
+position 512 45.4 -> 14.1 ms, 4 decodes + a 512-token prompt 138.0 -> 30.2 ms, 32 decodes + a 2,048-token prompt
+2,267 -> 326 ms; 64 decodes + a 64-token chunk 47.6 -> 66.0 ms, where the twin runs (`ITEM_COST`).
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matm
 # (2026-12-04) names `native` overall; in bfloat16 at 512 and 4,096 tokens XLA's batched `capacity` beat it on
 # pre-sorted rows (54 vs 87 ms at 4,096), which the engine's fused path does not run.
 BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "xla", "gdn": "native", "moe_matmul": "native", "permute": "xla"},
+    "cpu": {"attention": "items", "gdn": "native", "moe_matmul": "native", "permute": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
     "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
     "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
 }
-# A stage's kernel family, slot by slot: "xla" the XLA twins (the MoE's grouped matmul: the native handler on the
-# CPU, `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel (interpret mode off a TPU).
+# A stage's kernel family, slot by slot: "xla" the XLA twins (on the CPU the attention by items, the GDN decode and
+# the MoE's grouped matmul the native handlers; `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel
+# (interpret mode off a TPU).
 FAMILIES = ("xla", "pallas")
 
 
@@ -52,7 +58,8 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
 
         backend = jax.default_backend()
     cpu = backend == "cpu"
-    native = {"moe_matmul": "native" if cpu else "ragged_dot", "gdn": "native" if cpu else "xla"}
+    native = {"moe_matmul": "native" if cpu else "ragged_dot", "gdn": "native" if cpu else "xla",
+              "attention": "items" if cpu else "xla"}
     return {f: native.get(slot, "xla") for slot, f in KERNEL_FIELDS.items()}
 
 

@@ -23,12 +23,13 @@ def test_kernels_smoke(tmp_path):
     assert "pallas" not in doc["implementations"] and doc["numerics_only"] == ["pallas", "megablox gmm"]
     assert set(doc["throughput_ratio_vs_dense"]) == set(doc["implementations"]) | {"tiled m=16"}
     assert doc["default_implementation"] in doc["implementations"] and doc["acceptance"]["tokens"] == 8
-    # the attention and GDN sections: Pallas next to its XLA twin, labelled interpret mode, computing the same (the
-    # GDN's native CPU kernels beside them where they build)
+    # the attention and GDN sections: Pallas (labelled interpret mode) and the CPU's kernels (attention by items, the
+    # GDN's native ones where they build) next to their XLA twin, computing the same
     native_gdn = {"native"} if native.load(gdn_native.LIBRARY) is not None else set()
-    for slot, impls in (("attention", {"xla", "pallas"}), ("gdn", {"xla", "pallas"} | native_gdn)):
+    for slot, impls in (("attention", {"xla", "items", "pallas"}), ("gdn", {"xla", "pallas"} | native_gdn)):
         rows = doc[slot]["rows"]
         assert rows and {r["implementation"] for r in rows} == impls, slot
         for r in rows:
-            assert r["median_ms"] > 0 and (r["implementation"] in ("xla", "native") or "interpret" in r["mode"]), r
+            assert r["median_ms"] > 0 and (r["implementation"] in ("xla", "items", "native")
+                                           or "interpret" in r["mode"]), r
             assert r["max_abs_diff_vs_xla"] < 2e-2, r  # bf16 (the tiny model's dtype): one rounding of O(1) outputs

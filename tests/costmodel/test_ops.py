@@ -37,3 +37,21 @@ def test_cpu_regimes_are_charged_at_their_measured_rates():
     # memory: 20 MB at 10 GB/s = 2 ms; compute: 3 GFLOP at 1 TFLOP/s = 3 ms
     assert ops.seconds(c, s) == pytest.approx(3e-3)
     assert ops.seconds(ops.Cost(copy_bytes=8e9), toy(chips=1)) == pytest.approx(8e9 / (1e12 * 0.8))  # HBM rate
+
+
+def test_items_attention_reads_the_longest_context_once_per_item():
+    """`items` (the CPU's paged attention): a step with a prefill reads the longest context once per item (blocks
+    of ITEM_BLOCK tokens + the page table's S rows, as `paged_attention_items` computes them), not once per token;
+    a decode step (ITEM_COST x items not fewer than tokens: the kernel runs the twin) costs what `xla` costs."""
+    cfg = get_config("qwen3.5-mini", dtype="float32")
+    items, xla = (ops.Placement(attention=a, page_size=16) for a in ("items", "xla"))
+    tok_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of a token, float32
+    mixed = ops.Batch(decodes=4, decode_ctx=256, prefill_tokens=512, prefill_seqs=1, max_ctx=512, padded_tokens=516,
+                      logit_rows=8)
+    n = ops.attention_items(mixed, 1)
+    assert n == -(-516 // ops.ITEM_BLOCK) + 8 == 41
+    core = {p.attention: ops.attention_block(cfg, mixed, p)["attn_core"] for p in (items, xla)}
+    assert core["xla"].bytes - core["items"].bytes == pytest.approx((516 - n) * 512 * tok_bytes)
+    assert core["items"].mxu_flops == pytest.approx(4 * cfg.head_dim * cfg.num_q_heads * n * ops.ITEM_BLOCK * 512)
+    decode = ops.Batch(decodes=8, decode_ctx=300, max_ctx=300, padded_tokens=8, logit_rows=8)
+    assert ops.attention_block(cfg, decode, items) == ops.attention_block(cfg, decode, xla)

@@ -1,14 +1,23 @@
 """The XLA attention twin against a NumPy re-statement of causal GQA softmax attention; the page write's lane layout
-and FP8 scales; paged attention over shuffled pages against the dense twin."""
+and FP8 scales; paged attention over shuffled pages against the dense twin, token by token and by items."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_lib.kernels.attention_xla import attention_xla, paged_attention_xla, query_block, write_kv_pages
+from qwen35_lib.engine.batch import SeqWork, pack
+from qwen35_lib.kernels.attention_xla import (
+    attention_xla,
+    paged_attention_items,
+    paged_attention_xla,
+    query_block,
+    write_kv_pages,
+)
 from qwen35_lib.weights import FP8_MAX
 
 RNG = np.random.default_rng(0)
@@ -85,8 +94,13 @@ def test_fp8_write_scales_each_token_and_head_to_the_full_range(qkv):
     assert np.abs(np.asarray(pages[1, [0, 2]].astype(jnp.float32))).max() == FP8_MAX  # each row reaches 448
 
 
-def test_paged_attention_over_shuffled_pages_is_the_dense_attention(qkv):
-    """Two sequences (lengths 7 and 4) in pages of 3 at scattered page ids; every token as a query."""
+@pytest.mark.parametrize("paged", [paged_attention_xla, paged_attention_items,
+                                   functools.partial(paged_attention_items, block=4, keys=6)],
+                         ids=["xla", "items", "items-of-4"])
+def test_paged_attention_over_shuffled_pages_is_the_dense_attention(qkv, paged):
+    """Two sequences (lengths 7 and 4) in pages of 3 at scattered page ids; every token as a query (by items: one
+    block of 16 tokens, a page a step; blocks of 4, where the second sequence starts inside one, two pages a
+    step)."""
     q, k, v = qkv
     lengths, ps = [7, 4], 3
     page_table = jnp.array([[5, 1, 3], [2, 4, 0]])
@@ -95,10 +109,47 @@ def test_paged_attention_over_shuffled_pages_is_the_dense_attention(qkv):
     page = np.asarray(page_table)[seq, pos // ps]
 
     @jax.jit
-    def paged(q, k, v):
+    def attend(q, k, v):
         kv, _ = write_kv_pages(jnp.zeros((6, ps, 2 * HKV * D)), None, k, v, page, pos % ps)
-        return paged_attention_xla(q, kv, None, page_table, seq, pos)
+        return paged(q, kv, None, page_table, seq, pos)
 
-    got = paged(q[seq, pos], k[seq, pos], v[seq, pos])
+    got = attend(q[seq, pos], k[seq, pos], v[seq, pos])
     want = _numpy_attention(q, k, v, np.array(lengths))[seq, pos]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("block, keys", [(16, 64), (5, 6)])
+def test_items_equal_the_twin_over_an_engine_batch(kv_dtype, block, keys):
+    """The engine's packing (3 decodes, then prefill chunks aligned to 16 tokens, padding between and after), pages
+    of 3 at shuffled ids, an FP8 cache too: items (blocks of 16 or 5, runs cut by sequence and block) give every
+    token what the token-by-token twin gives, and padding tokens 0."""
+    rng, ps, num_pages = np.random.default_rng(1), 3, 64
+    free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]
+    works = [SeqWork([1] * n, start, [free.pop() for _ in range(-(-(start + n) // ps))], 0)
+             for start, n in ((4, 1), (12, 1), (0, 1), (0, 20), (9, 13), (2, 5))]
+    _, meta = pack(works[:3], works[3:], D=4, T=4 + 3 * 32, S=7, max_pages=8, chunk=16)
+    k, v = (rng.standard_normal((num_pages * ps, HKV, D)).astype(np.float32) for _ in range(2))
+    every = np.repeat(np.arange(num_pages), ps), np.tile(np.arange(ps), num_pages)
+    scales = jnp.ones((num_pages, 2 * HKV, ps)) if kv_dtype == jnp.float8_e4m3fn else None
+    kv, scales = write_kv_pages(jnp.zeros((num_pages, ps, 2 * HKV * D), kv_dtype), scales, k, v, *every)
+    q = jnp.asarray(rng.standard_normal((meta.token_seq.size, HQ, D)), jnp.float32)
+    args = (q, kv, scales, *(jnp.asarray(a) for a in (meta.page_table, meta.token_seq, meta.positions)))
+    want = np.asarray(paged_attention_xla(*args))
+    got = np.asarray(paged_attention_items(*args, block=block, keys=keys))
+    valid = meta.token_seq >= 0
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6)
+    assert not got[~valid].any() and (~valid).sum() > 20
+
+
+def test_items_give_nan_for_more_runs_than_items():
+    """Tokens of two sequences interleaved (64 runs for 4 blocks + 2 sequences: not the engine's packing) give NaN,
+    not a wrong answer."""
+    rng, ps = np.random.default_rng(2), 4
+    kv = jnp.asarray(rng.standard_normal((20, ps, 2 * HKV * D)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((64, HQ, D)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, 17)).reshape(2, 8))
+    out = paged_attention_items(q, kv, None, table, jnp.arange(64) % 2, jnp.arange(64) // 2)
+    assert np.isnan(np.asarray(out)).all()
+    ordered = paged_attention_items(q, kv, None, table, jnp.arange(64) // 32, jnp.arange(64) % 32)  # 4 runs
+    assert np.isfinite(np.asarray(ordered)).all()
