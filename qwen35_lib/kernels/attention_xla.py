@@ -159,8 +159,8 @@ def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positio
     qb = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(nb, block, Hkv, G, d).astype(jnp.float32) * d**-0.5
     qi = qb[item_block].transpose(0, 2, 1, 3, 4).reshape(W, Hkv, block * G, d)  # [W, Hkv, R, d], R = block*G
     rows = item_block[:, None] * block + jnp.arange(block)[None, :]  # [W, block]: each row's flat token
-    in_run = jnp.repeat(run[jnp.minimum(rows, Tp - 1)] == jnp.arange(W)[:, None], G, axis=1)  # [W, R]
-    row_pos = jnp.repeat(pos_t[jnp.minimum(rows, Tp - 1)], G, axis=1)  # [W, R]
+    in_run = jnp.repeat(run[rows] == jnp.arange(W)[:, None], G, axis=1)  # [W, R]
+    row_pos = jnp.repeat(pos_t[rows], G, axis=1)  # [W, R]
     n_steps = jnp.max(jnp.where(valid, pos_t, 0)) // (pps * ps) + 1
     neg = jnp.finfo(jnp.float32).min
 
