@@ -9,10 +9,12 @@
 3. Render the chapters `playbook/chapters/*.md`, filling each `{{ result: ... }}` from this run's results
    (playbook/results.py), and write the results page, `index.html` and `results.json` (playbook/site.py).
 4. Print a summary: each notebook's status and time, and the key results (the values the conclusion quotes).
-   The exit status is 1 when a notebook failed or a chapter quotes a result that was not produced.
+   The exit status is 1 when a notebook failed (a claim it checks does not hold, among others), a chapter quotes a
+   result or claim that was not produced, or a chapter's box compares with no claim behind it (playbook/claims.py).
 
 `results.json` is `{"build": {...}, "jax": version, "python": version, "notebooks": [{"name", "title", "status":
-"ok"|"failed", "seconds", "cells", "html", "error", "results": {stem: document}}]}`.
+"ok"|"failed", "seconds", "cells", "html", "error", "results": {stem: document}}]}`; a notebook's claims are its
+`results["claims"]`: {name: {statement, text, holds, relation, values}}.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import platform
 import sys
 import time
 
-from playbook import run, site
+from playbook import claims, run, site
 
 
 def run_notebooks(paths: list[pathlib.Path], out: pathlib.Path, timeout: int, jobs: int) -> list[dict]:
@@ -53,6 +55,14 @@ def summary(entries: list[dict], key_values: list[site.Value], errors: list[str]
     return "\n".join(lines)
 
 
+def failed_claims(entries: list[dict]) -> list[str]:
+    """Each recorded claim that does not hold, as `claim NN.name does not hold: text` (a notebook that raised for it
+    failed already; this also catches one that went on)."""
+    return [f"claim {e['name'][:2]}.{name} does not hold: {c.get('text')}"
+            for e in entries for name, c in ((e.get("results") or {}).get(claims.CLAIMS_KEY) or {}).items()
+            if not c.get("holds")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m playbook.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/playbook", help="output folder (default: build/playbook)")
@@ -71,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     out.joinpath("results.json").write_text(json.dumps(dict(build=build, **versions, notebooks=entries), indent=2)
                                             + "\n")
     key_values, errors = site.write_site(out, entries, build, checkout)
+    errors += failed_claims(entries)
     print(summary(entries, key_values, errors, out, time.perf_counter() - start))
     return 0 if not errors and all(e["status"] == "ok" for e in entries) else 1
 

@@ -13,6 +13,10 @@ Filling a placeholder:
 3. The notebook ran and did not produce the value: an error, raised by `fill` after all placeholders are seen,
    naming each one and what the notebook did produce.
 
+A claim placeholder, `{{ claim: STEP.NAME }}`, renders the sentence of a comparison the step's notebook checked
+(`qwen35_lib.notebook.claim`, recorded in its `claims` results; playbook/claims.py), by the same rules; a recorded claim
+that does not hold is an error.
+
 A figure placeholder, `{{ figure: STEP.NAME }}`, shows the PNG that the step's notebook drew in the cell marked
 `# figure: NAME` (playbook/run.py), linked to the executed notebook; it is filled by the same rules.
 """
@@ -23,6 +27,8 @@ import dataclasses
 import html
 import re
 from typing import Any
+
+from playbook.claims import CLAIM, CLAIMS_KEY, render
 
 PLACEHOLDER = re.compile(r"\{\{\s*result:\s*([\w.\-/]+)\s*(?:\|\s*([^}]*?)\s*)?\}\}")
 FIGURE = re.compile(r"\{\{\s*figure:\s*(\w+)\.([\w\-]+)\s*\}\}")
@@ -128,6 +134,25 @@ class Results:
         raise PlaceholderError(f"figure {step}.{name}: notebook {entry['name']} ran but drew no cell marked "
                                f"'# figure: {name}'; its figures: {', '.join(sorted(figures)) or 'none'}")
 
+    def claim(self, step: str, name: str) -> str:
+        """The HTML of claim `name` of `step`'s notebook (`playbook.claims.render`), or why it is missing;
+        PlaceholderError for an unknown step, a notebook that ran without recording it, or a claim that does not
+        hold."""
+        if step not in self.steps:
+            raise PlaceholderError(f"claim {step}.{name}: no step {step!r} (steps: {', '.join(sorted(self.steps))})")
+        entry = self.by_step.get(step)
+        recorded = ((entry or {}).get("results") or {}).get(CLAIMS_KEY) or {}
+        if name in recorded:
+            if not recorded[name].get("holds"):
+                raise PlaceholderError(f"claim {step}.{name} does not hold in this run: {recorded[name].get('text')}")
+            return render(step, name, recorded[name])
+        if entry is None or entry["status"] != "ok":
+            reason = (f"notebook {step} did not run in this build" if entry is None
+                      else f"notebook {entry['name']} failed")
+            return f'<span class="pb-missing" title="{html.escape(reason)}">claim {name} missing ({reason})</span>'
+        raise PlaceholderError(f"claim {step}.{name}: notebook {entry['name']} ran but checked no such claim; its "
+                               f"claims: {', '.join(sorted(recorded)) or 'none'}")
+
     def fill(self, text: str, where: str) -> tuple[str, list[Value]]:
         """Replace each placeholder in `text` with its value's HTML; raise PlaceholderError listing every bad one."""
         values: list[Value] = []
@@ -149,7 +174,14 @@ class Results:
                 errors.append(f"{where}: {e}")
                 return match.group(0)
 
-        filled = FIGURE.sub(replace_figure, PLACEHOLDER.sub(replace, text))
+        def replace_claim(match: re.Match) -> str:
+            try:
+                return self.claim(match.group(1), match.group(2))
+            except PlaceholderError as e:
+                errors.append(f"{where}: {e}")
+                return match.group(0)
+
+        filled = CLAIM.sub(replace_claim, FIGURE.sub(replace_figure, PLACEHOLDER.sub(replace, text)))
         if errors:
             raise PlaceholderError("\n".join(errors))
         return filled, values

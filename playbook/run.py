@@ -27,6 +27,7 @@ from playbook import RESULTS_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of an IPython traceback, dropped from the error we report
 FIGURE_MARK = re.compile(r"^# figure: ([\w\-]+)\s*$", re.M)  # in a code cell: its first PNG output is figure NAME
 
 
@@ -124,7 +125,7 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
     try:
         client.execute(env=kernel_env(results_dir))
     except Exception as e:  # a failing cell: keep the partial notebook, report the error
-        lines = str(e).strip().splitlines()
+        lines = ANSI.sub("", str(e)).strip().splitlines()
         error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
     results = {}
     for f in sorted(results_dir.glob("*.json")):

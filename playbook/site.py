@@ -14,7 +14,7 @@ import shutil
 import time
 from typing import Any
 
-from playbook import COLAB_URL, GITHUB_REPO, explorer, facts
+from playbook import COLAB_URL, GITHUB_REPO, claims, explorer, facts
 from playbook.page import Page, nav, page_html
 from playbook.results import PlaceholderError, Results, Value, flatten, format_value
 
@@ -98,6 +98,15 @@ def results_body(entries: list[dict[str, Any]]) -> str:
         status = "ok" if e["status"] == "ok" else f"failed: {e['error']}"
         parts.append(f'<h2><a href="{e["html"]}">{html.escape(e["name"])}</a></h2>'
                      f"<p>{html.escape(status)}, {e['seconds']:.1f} s, {e['cells']} code cells</p>")
+        recorded = (e.get("results") or {}).get(claims.CLAIMS_KEY) or {}
+        if recorded:
+            rows = "".join(
+                f'<tr id="claim-{step_of(e)}-{html.escape(n)}"><td><code>{step_of(e)}.{html.escape(n)}</code></td>'
+                f'<td>{"holds" if c.get("holds") else "<b>does not hold</b>"}</td><td>{html.escape(c.get("text", ""))}'
+                f'</td><td><code>{html.escape(c.get("relation", ""))}</code></td></tr>' for n, c in recorded.items())
+            parts.append("<p>Claims this notebook checked (a chapter states each as <code>{{ claim: STEP.NAME }}"
+                         "</code>):</p><table><tr><th>claim</th><th>in this run</th><th>statement</th>"
+                         f"<th>compared</th></tr>{rows}</table>")
         values = flatten(e.get("results") or {})
         if not values:
             parts.append("<p>No results recorded.</p>")
@@ -107,6 +116,10 @@ def results_body(entries: list[dict[str, Any]]) -> str:
                        for k, v in values.items())
         parts.append(f"<table><tr><th>path</th><th>value</th></tr>{rows}</table>")
     return "\n".join(parts)
+
+
+def step_of(entry: dict[str, Any]) -> str:
+    return entry["name"][:2]
 
 
 def _full(value: Any) -> str:
@@ -169,6 +182,11 @@ def chapter_body(page: Page, results: Results, entries: list[dict[str, Any]], by
     except PlaceholderError as e:
         error, values = str(e), []
         text = f'<pre class="pb-missing">Results quoted here do not exist:\n{html.escape(error)}</pre>\n\n{source}'
+    unbacked, _ = claims.unbacked_comparisons(source, page.source.name)
+    if unbacked:
+        error = "\n".join(filter(None, [error, "a box compares with no claim behind it (state it as {{ claim: "
+                                         "STEP.NAME }}, checked by the notebook; playbook/claims.py):",
+                                         *unbacked]))
     body = render_markdown(link_sources(text))
     if page.step:
         entry = next((e for e in entries if e["name"][:2] == page.step), None)

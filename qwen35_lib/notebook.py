@@ -302,3 +302,84 @@ def save_results(name: str, record: dict[str, Any]) -> pathlib.Path | None:
     path = pathlib.Path(folder, f"{name}.json")
     path.write_text(json.dumps(record, indent=2))
     return path
+
+
+# -- claims: a comparison a chapter states, checked by the run (DESIGN principle 7) --
+
+CLAIMS_FILE = "claims"  # `$QWEN35_RESULTS_DIR/claims.json`: every claim the notebook checked, quoted `{{ claim: }}`
+_CLAIMS: dict[str, dict[str, Any]] = {}
+_NAME = re.compile(r"^[A-Za-z_][\w\-]*$")
+
+
+class ClaimFailed(AssertionError):
+    """A comparison the chapter states does not hold in this run: the notebook (and `make playbook`) fails."""
+
+
+def _number(value: Any) -> Any:
+    """A JSON-able scalar (numpy and JAX scalars to Python's)."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    item = getattr(value, "item", None)
+    if item is None:
+        raise TypeError(f"a claim's value must be a number or a string, not {type(value).__name__}")
+    return item()
+
+
+def claim(name: str, statement: str, holds: bool, relation: str = "", **values: Any) -> dict[str, Any]:
+    """Check one comparison a chapter states and record it; the record.
+
+        notebook.claim("gdn_small", "GDN adds {gdn:.0f} ms where attention saves {attn:.0f}", gdn < attn,
+                       "gdn < attn", gdn=g, attn=a)
+
+    1. `statement` is the sentence as the chapter shows it (a clause, no final period), its `{field:spec}` fields
+       filled from `values` (`str.format`): the run's numbers, never typed ones; `relation` says what was compared.
+    2. The record `{statement, text, holds, relation, values}` joins this kernel's claims and, when the playbook
+       builder runs the notebook, `$QWEN35_RESULTS_DIR/claims.json` (every claim so far, a failing one included):
+       `results.json` keeps them, and a chapter renders one as `{{ claim: NN.name }}` (playbook/claims.py).
+    3. It prints `claim NAME holds: TEXT`, or raises ClaimFailed naming the claim when it does not hold: the cell
+       fails, so does the notebook, its test and `make playbook`.
+    """
+    if not _NAME.match(name):
+        raise ValueError(f"claim name {name!r}: letters, digits, '_' and '-' only")
+    values = {k: _number(v) for k, v in values.items()}
+    try:
+        text = statement.format(**values)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"claim {name!r}: its statement does not format with {sorted(values)}: {e!r}") from None
+    record = dict(statement=statement, text=text, holds=bool(holds), relation=relation, values=values)
+    _CLAIMS[name] = record
+    folder = os.environ.get(RESULTS_ENV)
+    if folder:
+        pathlib.Path(folder, f"{CLAIMS_FILE}.json").write_text(json.dumps(_CLAIMS, indent=2))
+    if not holds:
+        raise ClaimFailed(f"claim {name!r} does not hold ({relation or 'false'}; {values}): {text}")
+    print(f"claim {name} holds: {text}")
+    return record
+
+
+def claims() -> dict[str, dict[str, Any]]:
+    """The claims this kernel checked, by name (the content of claims.json)."""
+    return dict(_CLAIMS)
+
+
+def claim_greater(name: str, statement: str, factor: float = 1.0, **values: Any) -> dict[str, Any]:
+    """`claim` that the first keyword value is more than `factor` times the second (Python keeps keyword order):
+    `claim_greater("attn_first", "attention ({a:.0f}) costs more than the MoE ({m:.0f})", a=attn, m=moe)`. Later
+    keyword values are context for the statement."""
+    (a, x), (b, y) = list(values.items())[:2]
+    relation = f"{a} > {b}" if factor == 1.0 else f"{a} > {factor:g} x {b}"
+    return claim(name, statement, x > factor * y, relation, **values)
+
+
+def claim_largest(name: str, statement: str, parts: dict[str, float], largest: str, **context: Any
+                  ) -> dict[str, Any]:
+    """`claim` that `parts[largest]` is the largest of `parts` (its fields: each part's name, and `context`)."""
+    top = max(parts, key=parts.get)
+    relation = f"{largest} is the largest of {', '.join(parts)} (largest: {top})"
+    return claim(name, statement, top == largest, relation, **parts, **context)
+
+
+def claim_within(name: str, statement: str, lo: float, hi: float, **values: Any) -> dict[str, Any]:
+    """`claim` that the first keyword value lies in [lo, hi]; the bounds are fields `lo` and `hi` too."""
+    key, x = next(iter(values.items()))
+    return claim(name, statement, lo <= x <= hi, f"{lo:g} <= {key} <= {hi:g}", lo=lo, hi=hi, **values)
