@@ -36,10 +36,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 using qwen35::bf16;
-using qwen35::load16;
+using qwen35::ivec;
+using qwen35::kLanes;
+using qwen35::loadv;
 using qwen35::matmul;
+using qwen35::storev;
 using qwen35::to_float;
-using qwen35::v16;
+using qwen35::vec;
 constexpr int64_t kChunk = 96;  // rows of a work unit
 inline bf16 round_bf16(float f) {  // round to nearest even, as XLA's convert
   uint32_t u;
@@ -60,26 +63,24 @@ inline float rounded(float f) {  // f as x's dtype holds it
   return to_float(from_float<T>(f));
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp of 16 floats (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), inputs clamped to
+// exp of a vector (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial; ~1 ulp), inputs clamped to
 // +-88.3 (exp's float range): the SwiGLU's sigmoid over whole vectors instead of one libm call per element
-inline v16 exp16(v16 x) {
-  x = x > 88.3762626647949f ? v16{} + 88.3762626647949f : x;
-  x = x < -88.3762626647949f ? v16{} - 88.3762626647949f : x;
-  const v16 t = x * 1.44269504088896341f + 0.5f;
-  v16 n = __builtin_convertvector(__builtin_convertvector(t, i32x16), v16);  // toward zero, then floor:
+inline vec expv(vec x) {
+  x = x > 88.3762626647949f ? vec{} + 88.3762626647949f : x;
+  x = x < -88.3762626647949f ? vec{} - 88.3762626647949f : x;
+  const vec t = x * 1.44269504088896341f + 0.5f;
+  vec n = __builtin_convertvector(__builtin_convertvector(t, ivec), vec);  // toward zero, then floor:
   n = n > t ? n - 1.0f : n;
   x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 y = v16{} + 1.9875691500e-4f;
+  vec y = vec{} + 1.9875691500e-4f;
   y = y * x + 1.3981999507e-3f;
   y = y * x + 8.3334519073e-3f;
   y = y * x + 4.1665795894e-2f;
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * x * x + x + 1.0f;
-  const i32x16 scale = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
-  v16 two_n;
+  const ivec scale = (__builtin_convertvector(n, ivec) + 127) << 23;  // 2^n
+  vec two_n;
   std::memcpy(&two_n, &scale, sizeof two_n);
   return y * two_n;
 }
@@ -88,10 +89,9 @@ inline v16 exp16(v16 x) {
 template <typename T>
 void swiglu(const float* h, int64_t F, float* a) {
   int64_t f = 0;
-  for (; f + 16 <= F; f += 16) {
-    const v16 g = load16(h + f), up = load16(h + F + f);
-    const v16 out = g / (1.0f + exp16(-g)) * up;
-    std::memcpy(a + f, &out, sizeof out);
+  for (; f + kLanes <= F; f += kLanes) {
+    const vec g = loadv(h + f), up = loadv(h + F + f);
+    storev(a + f, g / (1.0f + expv(-g)) * up);
   }
   for (; f < F; ++f) a[f] = h[f] / (1.0f + std::exp(-h[f])) * h[F + f];
   if constexpr (!std::is_same_v<T, float>)

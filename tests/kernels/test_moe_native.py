@@ -107,7 +107,7 @@ def test_fp8_experts_and_mixed_dtypes_run_the_xla_loop(tiny_moe):
     w8 = dict(w, w_gate_up=quantize_fp8(w["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(w["w_down"], 16, (1, 2)))
     assert moe_native.native_target(x, w8["w_gate_up"], w8["w_down"]) is None
     assert moe_native.native_target(x.astype(jnp.bfloat16), w["w_gate_up"], w["w_down"]) is None
-    assert moe_native.native_target(x, w["w_gate_up"], w["w_down"]) == moe_native.HANDLER
+    assert moe_native.native_target(x, w["w_gate_up"], w["w_down"]).startswith(moe_native.HANDLER)
     cfg8 = cfg.replace(expert_dtype="float8_e4m3fn", fp8_block_size=16)
     np.testing.assert_allclose(moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel="native")),
                                moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel="loop")), atol=1e-6, rtol=1e-5)
