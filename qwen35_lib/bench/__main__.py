@@ -24,7 +24,7 @@ import platform
 import sys
 
 from qwen35_lib import cli_errors
-from qwen35_lib.bench import BENCHMARKS, default_json_path, load
+from qwen35_lib.bench import BENCHMARKS, default_json_path, isa, load
 from qwen35_lib.bench.timing import write_json
 
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--settle", type=int, default=1, help="untimed calls before each timed one (default: 1)")
         p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the benchmark to DIR "
                                                         "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf)")
+        p.add_argument("--native-isa", metavar="LIST", help=isa.HELP)
         module.add_arguments(p)
     cli_errors.add_debug_flag(parser)
     return parser
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.command_line = " ".join(["python -m qwen35_lib.bench", *argv])
+    args.argv = list(argv)
     return cli_errors.guard(lambda: _run(args), debug=args.debug)
 
 
@@ -100,8 +102,11 @@ def _run(args: argparse.Namespace) -> int:
                       "path") from e
     from qwen35_lib.cli_generate import profiled
 
-    with profiled(args.profile):
-        doc = load(args.benchmark).run(args)
+    if args.native_isa:  # once per native ISA variant, each in its own process, then side by side
+        doc = isa.run_variants(args.benchmark, args.argv, args.json, isa.variants(args.native_isa))
+    else:
+        with profiled(args.profile):
+            doc = load(args.benchmark).run(args)
     path = write_json(args.json, {**doc, "command": args.command_line})
     print(f"wrote {path}", file=sys.stderr)
     return 0

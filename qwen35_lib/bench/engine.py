@@ -59,6 +59,7 @@ from qwen35_lib.bench.timing import (
     environment,
     format_table,
     measure,
+    native_isa_text,
     progress,
     ratio_text,
     warn_if_busy,
@@ -517,7 +518,7 @@ def run(args: argparse.Namespace) -> dict:
                                                 round(wl.max_num_batched_tokens() * wl.parse_factor(scale)))
     configs = {n: engine_config(n, max_len, budget, args.page_size) for n in opts["concurrency"]}
     print(f"engine benchmark: {config.name} ({'the HF twin, ' if vs else ''}random weights, seed {args.seed}), "
-          f"{config.dtype}, moe_matmul={_moe_kernel(plan)}; lengths x{scale}: "
+          f"{config.dtype}, moe_matmul={_moe_kernel(plan)}, native kernels {native_isa_text()}; lengths x{scale}: "
           + ", ".join(f"{n} -> {w.input_len}/{w.output_len}" for n, w in loads.items())
           + f" (each uniform in [{next(iter(loads.values())).range_ratio} L, L]); closed loop, all N requests at t=0, "
           "ignore_eos")

@@ -200,9 +200,31 @@ def environment(**extra: Any) -> dict:
         "platform": platform.platform(),
         "loadavg_1m_after": _loadavg(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # huge pages or not (`bench.__main__`)
+        "native_isa": native_isa(),  # the native CPU kernels' variant that ran (`kernels.native`; None: XLA's)
     }
     env.update(extra)
     return env
+
+
+def native_isa() -> str | None:
+    """The ISA variant of the native CPU kernels this process runs (`kernels.native.isa()`; None: none runs, or
+    they are off, `QWEN35_NATIVE=0`, or the backend is not the CPU)."""
+    from qwen35_lib.kernels import native
+
+    if jax.default_backend() != "cpu" or os.environ.get("QWEN35_NATIVE", "1") == "0":
+        return None
+    return native.isa()
+
+
+def native_isa_text() -> str:
+    """"x86-64-v3 (AVX2 + FMA, 16 registers of 8 floats)", or why the XLA kernels run instead."""
+    from qwen35_lib.kernels import native
+
+    if jax.default_backend() != "cpu":
+        return f"off (backend {jax.default_backend()})"
+    if os.environ.get("QWEN35_NATIVE", "1") == "0":
+        return "off (QWEN35_NATIVE=0: the XLA kernels)"
+    return native.describe() if native.isa() else f"none, the XLA kernels run ({native.isa_problem()})"
 
 
 def _version(package: str) -> str | None:

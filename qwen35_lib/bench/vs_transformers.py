@@ -26,6 +26,7 @@ from qwen35_lib.bench.timing import (
     environment,
     format_table,
     measure,
+    native_isa_text,
     ratio_text,
     warn_if_busy,
     xla_cpu_threads,
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> dict:
     moe_kernel = local.plan.kernel("moe_matmul")
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
     print(f"prefill, float32 on both sides, {config.name} random weights (seed {args.seed}); ours: jitted forward, "
-          f"moe_matmul={moe_kernel}; transformers {_version('transformers')} eager (torch {torch.__version__}, "
+          f"moe_matmul={moe_kernel}, native kernels {native_isa_text()}; transformers {_version('transformers')} "
+          f"eager (torch {torch.__version__}, "
           f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); ours on "
           f"{xla_cpu_threads()} XLA:CPU threads; "
           f"median of {args.repeats}, interleaved, {args.settle} untimed call(s) before each")
