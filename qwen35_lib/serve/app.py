@@ -13,13 +13,21 @@ A generation request:
    choice with its `finish_reason`, a `usage` event if `stream_options.include_usage`, then `data: [DONE]`;
    a choice ended by a stop string aborts its engine request;
 4. a client that goes away (the stream cancelled, or `http.disconnect` while waiting) aborts its unfinished
-   engine requests, which frees their pages and slots.
+   engine requests, which frees their pages and slots; one that goes while its request is still being parsed is
+   not waited for, and nothing of it is submitted;
+5. log-probabilities (`logprobs`, `prompt_logprobs`) are computed once a choice is done, by a scoring forward over
+   its prompt and output (`scoring.Scorer`) on a thread of their own.
+With `api_key`, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise), as vLLM's --api-key. A body must
+be JSON (`Content-Type: application/json`, or none): a web page's form or text/plain post is refused (415), so a
+page in a browser cannot make a local server generate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -30,9 +38,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
+from qwen35_lib.engine import SamplingParams
 from qwen35_lib.engine.engine import validate_request
-from qwen35_lib.serve import protocol
+from qwen35_lib.serve import protocol, scoring
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput
 from qwen35_lib.serve.protocol import FINISH, APIError, Limits
@@ -50,14 +60,31 @@ def version() -> str:
         return "0+unknown"
 
 
-def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits | None = None) -> FastAPI:
+class _Gone(Exception):
+    """The client closed the connection before its answer was ready: nobody to answer."""
+
+
+def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits | None = None,
+             api_key: str | None = None) -> FastAPI:
     """The FastAPI app over a started `EngineLoop`; `text` (a `qwen35_lib.text.Text`) enables text prompts,
-    text outputs and chat; `limits` bounds a request (default: `Limits` at the engine's max_model_len)."""
+    text outputs and chat; `limits` bounds a request (default: `Limits` at the engine's max_model_len);
+    `api_key`: the key every /v1 request must bear."""
     engine = loop.engine
     limits = limits or Limits(max_model_len=engine.ec.max_model_len)
+    if not limits.eos_token_ids:  # stop_token_ids add to these
+        limits = dataclasses.replace(limits, eos_token_ids=tuple(engine.config.eos_token_ids))
     created = int(time.time())
     app = FastAPI(title="qwen35_lib serve", description="OpenAI-compatible server over the qwen35_lib engine")
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwen35-parse")
+    score_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-score")
+    scorer: list = []  # the Scorer, made on first use (its compiles are paid only by requests that ask for logprobs)
+
+    def score(ids: list[int]) -> scoring.Scores:
+        if not scorer:
+            scorer.append(scoring.Scorer(engine, limits.max_logprobs))
+        return scorer[0].score(ids)
     try:
         from qwen35_lib.serve.metrics import Metrics
 
@@ -77,12 +104,30 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
     async def _validation_error(_, e: RequestValidationError):
         return JSONResponse(protocol.error_body(str(e), 400), status_code=400)
 
+    @app.exception_handler(_Gone)
+    async def _gone(_, e: _Gone):
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(Exception)
     async def _server_error(_, e: Exception):  # a bug of ours: still the OpenAI shape
         return JSONResponse(protocol.error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def off_loop_unless_gone(request: Request, fn, *args):
+        """`fn(*args)` on the parse pool; if the client goes away first, `_Gone` at once (a job not yet started is
+        cancelled; one running is bounded by the request limits and its result dropped)."""
+        job = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not job.done():
+            job.cancel()
+            raise _Gone()
+        return job.result()
 
     @app.get("/health")
     async def health():
@@ -152,9 +197,9 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
     def parse_generation(chat: bool):
         def fn(body: dict) -> protocol.Parsed:
             parsed = protocol.parse(body, text, chat, limits)
-            for p, sp in zip(parsed.prompts, parsed.params):
+            for i, sp in enumerate(parsed.params):  # a choice with nothing to generate: its prompt checked
                 try:
-                    validate_request(engine.config, engine.ec, p, sp)
+                    validate_request(engine.config, engine.ec, parsed.prompt_of(i), sp or SamplingParams(1))
                 except ValueError as e:
                     raise APIError(str(e), _param_of_engine_error(str(e), chat)) from None
             return parsed
@@ -165,20 +210,27 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
     async def generate(request: Request, chat: bool):
         t0 = time.perf_counter()
         raw = await _read_body(request, limits.max_request_bytes)
-        parsed = await off_loop(parse_chat if chat else parse_completion, raw)
+        parsed = await off_loop_unless_gone(request, parse_chat if chat else parse_completion, raw)
+        if parsed.scored and engine.mesh is not None:
+            name = "logprobs" if parsed.logprobs is not None else "prompt_logprobs"
+            raise APIError(f"`{name}` is computed under --layout single only; drop it or serve with --layout single",
+                           name)
         if not loop.alive:
             raise APIError(loop.error or "the engine loop is not running", status=503)
         events: asyncio.Queue = asyncio.Queue()
-        sinks = [Sink(asyncio.get_running_loop(), events, i) for i in range(len(parsed.prompts))]
-        for p, sp, sink in zip(parsed.prompts, parsed.params, sinks):
-            loop.submit(p, sp, sink)
-            if metrics is not None:
-                metrics.prompt_tokens.inc(len(p))
+        sinks = [None if sp is None else Sink(asyncio.get_running_loop(), events, i)
+                 for i, sp in enumerate(parsed.params)]
+        for i, (sp, sink) in enumerate(zip(parsed.params, sinks)):
+            if sink is not None:
+                loop.submit(parsed.prompt_of(i), sp, sink)
+        if metrics is not None:
+            metrics.prompt_tokens.inc(sum(map(len, parsed.prompts)))
         run = _Run(loop, sinks, events, parsed, text, metrics, t0)
         rid = protocol.new_id(chat, parsed.request_id)
         if parsed.stream:
             return StreamingResponse(_stream(run, rid, model_name), media_type="text/event-stream")
-        return await _collect(run, rid, model_name, request)
+        await _collect(run, request)
+        return await _respond(run, rid, model_name, score if parsed.scored else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -215,13 +267,63 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
 
     @app.post("/tokenize")
     async def post_tokenize(request: Request):
-        return await off_loop(tokenize_guarded, await _read_body(request, limits.max_request_bytes))
+        raw = await _read_body(request, limits.max_request_bytes)
+        return await off_loop_unless_gone(request, tokenize_guarded, raw)
 
     @app.post("/detokenize")
     async def post_detokenize(request: Request):
-        return await off_loop(detokenize_guarded, await _read_body(request, limits.max_request_bytes))
+        raw = await _read_body(request, limits.max_request_bytes)
+        return await off_loop_unless_gone(request, detokenize_guarded, raw)
+
+    async def _respond(run: _Run, rid: str, model: str, score) -> dict:
+        """The whole response once every choice is done; log-probabilities scored on their own thread."""
+        parsed, chat = run.parsed, run.parsed.chat
+        scores: dict[int, scoring.Scores] = {}
+        if score is not None:
+            aio = asyncio.get_running_loop()
+            for i, o in enumerate(run.outs):
+                ids = parsed.prompt_of(i) + o.ids
+                scores[i] = await aio.run_in_executor(score_pool, score, ids)
+        choices = []
+        for i, o in enumerate(run.outs):
+            prompt = parsed.prompt_of(i)
+            body = (run.prompt_text(i) if parsed.echo else "") + o.text
+            lp = plp = None
+            if parsed.logprobs is not None:
+                ids, k = prompt + o.ids, parsed.logprobs
+                if chat:
+                    lp = scoring.chat_logprobs(text, ids, scores[i], len(prompt), k)
+                else:
+                    start = 0 if parsed.echo else len(prompt)
+                    lp = scoring.completion_logprobs(text, ids, scores[i], start, k, first_none=parsed.echo)
+            if parsed.prompt_logprobs is not None:
+                plp = scoring.prompt_logprobs(text, prompt, scores[i], parsed.prompt_logprobs)
+            choices.append(protocol.choice(i, chat, body, o.ids, *run.finish[i], logprobs=lp,
+                                           prompt_logprobs=None if chat else plp))
+        use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
+        doc = protocol.response(rid, model, chat, choices, use)
+        if chat and parsed.prompt_logprobs is not None:  # vLLM's chat response carries them once, at the top
+            doc["prompt_logprobs"] = scoring.prompt_logprobs(text, parsed.prompts[0], scores[0],
+                                                             parsed.prompt_logprobs)
+        return doc
 
     return app
+
+
+class _ApiKey:
+    """ASGI middleware: every /v1 request bears `Authorization: Bearer KEY` (compared in constant time), else 401."""
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, b"Bearer " + key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.want):
+                body = protocol.error_body("Unauthorized: send the server's --api-key as `Authorization: Bearer "
+                                           "KEY`", 401)
+                return await JSONResponse(body, status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 ENGINE_PARAMS = {"stop token": "stop_token_ids", "allowed_token_ids": "allowed_token_ids",
@@ -233,16 +335,34 @@ def _param_of_engine_error(message: str, chat: bool) -> str:
     return next((f for head, f in ENGINE_PARAMS.items() if message.startswith(head)), "messages" if chat else "prompt")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it is known to be longer than `limit` bytes (Content-Length, then counted)."""
+READ_TIMEOUT_S = 60.0  # the longest wait for the next piece of a request body (a half-open client)
+
+
+async def _read_body(request: Request, limit: int, timeout: float = READ_TIMEOUT_S) -> bytes:
+    """The body, refused as soon as it is known to be longer than `limit` bytes (Content-Length, then counted); a
+    body that is not JSON (Content-Type) is refused before it is read (415), a client that stops sending for
+    `timeout` seconds gets a 408, one that goes away mid-body is dropped quietly (`_Gone`)."""
     def too_long(n: str) -> APIError:
         return APIError(f"the request body is {n} bytes, more than --max-request-bytes {limit}")
 
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(f"the request body must be JSON: send `Content-Type: application/json`, not {ctype[:60]!r}",
+                       status=415)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_long(length)
     chunks, n = [], 0
-    async for c in request.stream():
+    it = request.stream().__aiter__()
+    while True:
+        try:
+            c = await asyncio.wait_for(it.__anext__(), timeout)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive: nothing for {timeout:.0f} s", status=408) from None
+        except ClientDisconnect:
+            raise _Gone() from None
         n += len(c)
         if n > limit:
             raise too_long(f"over {limit}")
@@ -261,20 +381,28 @@ def _sse(doc: dict) -> str:
 
 
 class _Run:
-    """The engine requests of one HTTP request: their outputs, metrics, and the event each becomes."""
+    """The choices of one HTTP request (an engine request each, or none: echo with max_tokens 0): their outputs,
+    metrics, and the event each becomes."""
 
-    def __init__(self, loop: EngineLoop, sinks: list[Sink], events: asyncio.Queue, parsed: protocol.Parsed,
+    def __init__(self, loop: EngineLoop, sinks: list[Sink | None], events: asyncio.Queue, parsed: protocol.Parsed,
                  text: Any, metrics: Any, t0: float):
         self.loop, self.sinks, self.events, self.parsed, self.metrics, self.t0 = \
             loop, sinks, events, parsed, metrics, t0
+        self.text = text
         self.outs = [ChoiceOutput(text, parsed.stop, parsed.include_stop_str_in_output, parsed.skip_special_tokens)
                      for _ in sinks]
         self.last = [0.0] * len(sinks)
-        self.finish: dict[int, tuple[str, str | int | None]] = {}  # index -> (finish_reason, stop_reason)
+        # index -> (finish_reason, stop_reason); a choice with nothing to generate is done from the start
+        self.finish: dict[int, tuple[str, str | int | None]] = {i: ("length", None)
+                                                                for i, s in enumerate(sinks) if s is None}
 
     @property
     def pending(self) -> bool:
         return len(self.finish) < len(self.sinks)
+
+    def prompt_text(self, index: int) -> str:
+        """The prompt of a choice as text (`echo`): decoded from its ids; "" without a tokenizer."""
+        return self.text.decode(self.parsed.prompt_of(index), skip_special_tokens=False) if self.text else ""
 
     async def next(self) -> tuple[int, str | None, list[int]] | None:
         """The next (index, text piece, token ids) of an unfinished choice; a choice that finishes has its entry
@@ -295,9 +423,9 @@ class _Run:
             return index, piece, [value]
         if kind == "done":
             piece = out.finish()
-            stop_ids = self.parsed.params[index].stop_token_ids or ()
-            reason = value.output_ids[-1] if value.finish_reason == "eos" and value.output_ids[-1] in stop_ids \
-                else None
+            last = value.output_ids[-1] if value.output_ids else None
+            # vLLM: a stop token of the request's own names itself in stop_reason; the model's EOS gives None
+            reason = last if value.finish_reason == "eos" and last in self.parsed.stop_ids else None
             self._done(index, FINISH[value.finish_reason], reason)
             return index, piece, []
         raise APIError(value, status=500 if self.loop.error else 400)
@@ -309,15 +437,16 @@ class _Run:
             self.metrics.finished(finish)
 
     def abort_rest(self) -> None:
-        for s in self.sinks:
-            if s.index not in self.finish:
+        for i, s in enumerate(self.sinks):
+            if s is not None and i not in self.finish:
                 self.loop.abort(s)
-                self.finish[s.index] = ("abort", None)
+                self.finish[i] = ("abort", None)
                 if self.metrics is not None:
                     self.metrics.finished("abort")
 
 
-async def _collect(run: _Run, rid: str, model: str, request: Request) -> dict:
+async def _collect(run: _Run, request: Request) -> None:
+    """Every choice to its end; `_Gone` if the client goes away first (its engine requests aborted)."""
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         while run.pending:
@@ -325,23 +454,23 @@ async def _collect(run: _Run, rid: str, model: str, request: Request) -> dict:
             done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if get not in done:  # the client went away: nobody to answer; `finally` frees the pages
                 get.cancel()
-                return {}
+                raise _Gone()
             get.result()
     finally:
         gone.cancel()
         run.abort_rest()
-    parsed = run.parsed
-    choices = [protocol.choice(i, parsed.chat, o.text, o.ids, *run.finish[i]) for i, o in enumerate(run.outs)]
-    use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
-    return protocol.response(rid, model, parsed.chat, choices, use)
 
 
 async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
-    chat = run.parsed.chat
+    chat, parsed = run.parsed.chat, run.parsed
     try:
-        if chat:
-            for i in range(len(run.sinks)):
+        for i in range(len(run.sinks)):
+            if chat:
                 yield _sse(protocol.chunk(rid, model, True, i, "", [], None, role=True))
+            elif parsed.echo or run.sinks[i] is None:  # the prompt first (echo); a choice with nothing to generate
+                finish = "length" if run.sinks[i] is None else None
+                yield _sse(protocol.chunk(rid, model, False, i, run.prompt_text(i) if parsed.echo else "", [],
+                                          finish))
         while run.pending:
             try:
                 item = await run.next()
@@ -355,8 +484,8 @@ async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
             if finish is not None and not ids:
                 piece = piece or (None if chat else "")
             yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason))
-        if run.parsed.include_usage:
-            use = protocol.usage(sum(map(len, run.parsed.prompts)), sum(len(o.ids) for o in run.outs))
+        if parsed.include_usage:
+            use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
             yield _sse(protocol.usage_chunk(rid, model, chat, use))
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the stream was cancelled) or an error ended it: free what is left

@@ -5,11 +5,18 @@ The model, layout and engine options are `generate`'s (its loading helpers are r
 `plan_split`, `layout_mesh`; the plan flags are `qwen35_lib.plan.cli`'s). The tokenizer is the checkpoint's
 tokenizer.json (or `--tokenizer DIR`); without one the server takes token-id prompts only. The socket is bound
 before uvicorn starts, so `--port 0` picks a free port, printed on stderr as `# serving MODEL on http://HOST:PORT`.
+
+Start-up (`--warmup background`, the default): /health is ok once the step shapes of one short request are compiled
+(two: its prefill and its decode); every other shape (`all_buckets`, plain first, then with logits processing)
+compiles on a background thread while the server serves (`loop.EngineLoop`). SIGTERM (or Ctrl-C) stops accepting,
+lets the open requests finish for at most --shutdown-timeout seconds, then exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
 import socket
 
@@ -23,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve /v1/completions, /v1/chat/completions (streamed or not), /v1/models, "
                                    "/health, /ping, /version, /metrics (Prometheus), /tokenize and /detokenize; one "
                                    "engine loop batches all open requests continuously.",
-                       epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. Every step shape is "
-                              "compiled before /health reports ok (--warmup all).")
+                       epilog="Needs the serve extra: pip install 'qwen35-playbook[serve]'. /health reports ok "
+                              "once the shapes of a short request are compiled; the rest compile in the background "
+                              "(--warmup).")
     src = cli_generate.add_model_options(p)
     src.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (and tokenizer_config.json "
                                                         "for chat); default: the checkpoint's")
@@ -39,16 +47,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--page-size", type=positive, default=16, metavar="N", help="tokens per KV-cache page (16)")
     eng.add_argument("--max-model-len", type=positive, default=1024, metavar="N",
                      help="prompt + max_tokens of one request (1024); longer requests get a 400")
-    eng.add_argument("--warmup", choices=("all", "plain", "none"), default="all",
-                     help="all (default): compile the step for every batch shape this configuration can form, with "
-                          "and without logits processing (penalties, logit_bias, ...), before /health reports ok "
-                          "(progress in the log); plain: without logits processing only (a processed step compiles "
-                          "on first use); none: compile each on first use")
+    eng.add_argument("--warmup", choices=("background", "all", "plain", "none"), default="background",
+                     help="background (default): compile the step shapes of one short request before /health "
+                          "reports ok, then every other shape this configuration can form (without, then with logits "
+                          "processing: penalties, logit_bias, ...) on a background thread while serving; all: every "
+                          "shape, both variants, before /health reports ok; plain: every shape without logits "
+                          "processing before ok (a processed step compiles on first use); none: each on first use")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
     net.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    net.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+    net.add_argument("--api-key", metavar="KEY", default=os.environ.get("VLLM_API_KEY"),
+                     help="every /v1 request must send `Authorization: Bearer KEY` (401 otherwise), as vLLM's "
+                          "--api-key (default: $VLLM_API_KEY; none: open)")
+    net.add_argument("--shutdown-timeout", type=non_negative, default=10.0, metavar="S",
+                     help="on SIGTERM or Ctrl-C, seconds the open requests may take to finish before the server "
+                          "exits anyway (10)")
+    net.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                     help="auto (default, as vLLM): a request's missing sampling fields (temperature, top_p, top_k, "
+                          "min_p, repetition_penalty) default to the checkpoint's generation_config.json; vllm: "
+                          "OpenAI's defaults (temperature 1, no truncation)")
+    net.add_argument("--log-stats-interval", type=non_negative, default=10.0, metavar="S",
                      help="log throughput, queue and KV-cache stats every S seconds, as vLLM does (10; 0: never)")
     lim = p.add_argument_group("request bounds (each refusal is a 400 naming the option)")
     lim.add_argument("--max-prompts-per-request", type=positive, default=1024, metavar="N",
@@ -59,6 +78,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="characters of a text prompt (or of a chat's messages), checked before tokenizing "
                           "(default: 2 x max-model-len x the tokenizer's longest token, which no prompt that fits "
                           "can exceed)")
+    lim.add_argument("--max-stop-strings", type=positive, default=256, metavar="N",
+                     help="`stop` strings in one request (256)")
+    lim.add_argument("--max-bad-words", type=positive, default=256, metavar="N",
+                     help="`bad_words` in one request (256)")
+    lim.add_argument("--max-logit-bias", type=positive, default=1024, metavar="N",
+                     help="`logit_bias` entries in one request (1024)")
+    lim.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
+                     help="the largest `logprobs`, `top_logprobs` and `prompt_logprobs` (20, as vLLM)")
     lim.add_argument("--ignore-unknown-fields", action="store_true",
                      help="ignore request fields this server does not know (default: a 400 naming the field, as a "
                           "strict OpenAI server answers); fields it knows but does not support are refused anyway")
@@ -66,6 +93,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="accept a request's own `chat_template` (a template is code the server runs; default: "
                           "refused)")
     p.set_defaults(run=run)
+
+
+def non_negative(value: str) -> float:
+    """An argparse type: a number of seconds >= 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
+    return x
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 0")
+    return n
+
+
+def generation_defaults(root: pathlib.Path | None) -> tuple[tuple[str, float], ...]:
+    """The sampling defaults of a checkpoint's generation_config.json (vLLM's --generation-config auto): the fields
+    of `protocol.DEFAULT_FIELDS` it sets to numbers; () without a checkpoint or a file."""
+    from qwen35_lib.serve.protocol import DEFAULT_FIELDS
+
+    path = root / "generation_config.json" if root is not None else None
+    if path is None or not path.is_file():
+        return ()
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix it or start with --generation-config vllm") from None
+    if not isinstance(doc, dict):
+        return ()
+    return tuple((k, float(doc[k])) for k in DEFAULT_FIELDS
+                 if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool))
 
 
 def longest_token_chars(text) -> int:
@@ -113,26 +180,45 @@ def run(args: argparse.Namespace) -> int:
                                          name=cli_generate.hub_name(args.checkpoint))
     engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     _log_to_stderr()
-    warmup = [] if args.warmup == "none" else \
-        [(d, t, p) for p in ((False, True) if args.warmup == "all" else (False,)) for d, t in all_buckets(engine)]
-    loop = EngineLoop(engine, warmup=warmup, log_interval_s=args.log_stats_interval).start()
+    warmup, background = warmup_shapes(engine, args.warmup)
+    loop = EngineLoop(engine, warmup=warmup, background=background, log_interval_s=args.log_stats_interval).start()
     chars = args.max_prompt_chars or 2 * ec.max_model_len * (longest_token_chars(text) if text else 1)
     limits = Limits(max_model_len=ec.max_model_len, max_prompts_per_request=args.max_prompts_per_request,
                     max_prompt_chars=chars, max_request_bytes=args.max_request_bytes,
                     ignore_unknown_fields=args.ignore_unknown_fields,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
+                    max_logit_bias=args.max_logit_bias, max_logprobs=args.max_logprobs,
+                    eos_token_ids=tuple(config.eos_token_ids),
+                    defaults=generation_defaults(root) if args.generation_config == "auto" else ())
     host, port = sock.getsockname()[:2]
     cli_generate.progress(f"serving {name} on http://{host}:{port} (layout {args.layout}, {engine.ec.ranks} "
                            f"rank(s) of max_num_seqs={ec.max_num_seqs}; "
                            f"{'tokenizer ' + str(tok_dir) if text else 'no tokenizer: token-id prompts only'}; "
-                           f"{len(warmup)} step shapes to compile before /health is ok)")
-    server = uvicorn.Server(uvicorn.Config(make_app(loop, name, text, limits), log_level=args.log_level))
+                           f"{len(warmup)} step shapes to compile before /health is ok, {len(background)} in the "
+                           "background after)")
+    server = uvicorn.Server(uvicorn.Config(make_app(loop, name, text, limits, api_key=args.api_key),
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout or None))
     try:
         server.run(sockets=[sock])
     finally:
         loop.stop()
         sock.close()
     return 0
+
+
+def warmup_shapes(engine, mode: str) -> tuple[list, list]:
+    """(shapes compiled before /health is ok, shapes compiled in the background after) as (D, T, processing)."""
+    every = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
+    if mode == "all":
+        return every, []
+    if mode == "plain":
+        return [s for s in every if not s[2]], []
+    if mode == "none":
+        return [], []
+    first = [(d, t, False) for d, t in engine.workload_buckets([1], 2)]  # one short request: its prefill, its decode
+    return first, [s for s in every if s not in first]
 
 
 def all_buckets(engine) -> list[tuple[int, int]]:

@@ -4,8 +4,11 @@ request.
 1. HTTP handlers (asyncio) `submit` a request: a command goes on a thread-safe queue, with a `Sink` (the
    handler's asyncio queue and the choice index) that will receive its events;
 2. the thread first compiles the step for the shapes it was given (`warmup`: (D, T, with logits processing);
-   `ready` turns true after, and
-   /health answers "starting" until then), then loops: between steps it drains at most `max_adds_per_step`
+   `ready` turns true after, and /health answers "starting" until then); the shapes of `background` are then
+   compiled by a thread of their own (`_compile_background`, smallest first) while the engine serves: a step of a
+   shape compiled already never waits, one whose shape is being compiled waits for that compile (never compiles it
+   a second time beside it), any other compiles on first use as before. The engine thread then loops: between
+   steps it drains at most `max_adds_per_step`
    commands (`add_request` for a submission, its ValueError going back to the sink as an error with the engine
    untouched; an abort for a request whose client went away), so a request with thousands of prompts delays
    running streams by a bounded amount, not by all its prompts;
@@ -28,7 +31,13 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import numpy as np
+
 from qwen35_lib.engine import Engine, SamplingParams
+from qwen35_lib.engine.batch import pack, stack_ranks
+from qwen35_lib.engine.sampling import processing_arrays
+from qwen35_lib.engine.scheduler import Plan
 
 log = logging.getLogger("qwen35_lib.serve")
 
@@ -54,10 +63,15 @@ class EngineLoop:
     """`EngineLoop(engine).start()`; `submit(prompt_ids, params, sink)`, `abort(sink)`; `stop()`."""
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int, bool]] = (),
-                 max_adds_per_step: int = 64, log_interval_s: float = 0.0):
+                 background: Sequence[tuple[int, int, bool]] = (), max_adds_per_step: int = 64,
+                 log_interval_s: float = 0.0):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self.warmup = list(warmup)
+        self.background = [s for s in background if s not in set(self.warmup)]
+        self.compiled_in_background = 0  # background shapes compiled so far
+        self._compiler = threading.Thread(target=self._compile_background, name="qwen35-compile", daemon=True)
+        self._steps: _WaitingStep | None = None
         self.max_adds_per_step = max_adds_per_step
         self.log_interval_s = log_interval_s  # 0: no periodic stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -75,6 +89,9 @@ class EngineLoop:
 
     # --- called from any thread ------------------------------------------------------------------------------
     def start(self) -> EngineLoop:
+        if self.background:  # the engine's step waits for a shape the background thread is compiling
+            self._steps = _WaitingStep(self.engine.step_fn, self.engine)
+            self.engine.step_fn = self._steps
         self._thread.start()
         return self
 
@@ -110,6 +127,8 @@ class EngineLoop:
             self.error = f"warm-up failed: {type(e).__name__}: {e}"
             traceback.print_exc()
             return
+        if self.background and not self._stopping.is_set():
+            self._compiler.start()
         last_log, last = time.perf_counter(), (0, 0)
         while not self._stopping.is_set():
             more = self.drain()
@@ -152,6 +171,30 @@ class EngineLoop:
                         D, T, ", logits processing" if processing else "", time.perf_counter() - start)
         self.ready = True
 
+    def _compile_background(self) -> None:
+        """Compile each background shape (the jitted step's own cache: the engine's later dispatch of that shape
+        finds it compiled), logging progress; a shape that fails is left to compile on first use."""
+        start, steps = time.perf_counter(), self._steps
+        for D, T, processing in self.background:
+            if self._stopping.is_set():
+                return
+            key = steps.claim(D, T, processing)
+            if key is None:  # the engine compiled it on first use meanwhile
+                continue
+            try:
+                steps.compile(D, T, processing)
+                self.compiled_in_background += 1
+                log.info("background compile: step shape (D=%d, T=%d%s) ready, %d/%d, %.1f s so far", D, T,
+                         ", logits processing" if processing else "", self.compiled_in_background,
+                         len(self.background), time.perf_counter() - start)
+            except Exception as e:  # noqa: BLE001 - it compiles on first use instead (and fails there, visibly)
+                log.warning("background compile of step shape (D=%d, T=%d) failed: %s: %s", D, T, type(e).__name__,
+                            e)
+            finally:
+                steps.release(key)
+        log.warning("background compile: %d step shapes ready in %.1f s", self.compiled_in_background,
+                    time.perf_counter() - start)
+
     def _log_stats(self, seconds: float, last: tuple[int, int]) -> tuple[int, int]:
         """vLLM's periodic line: prompt and generation throughput since the last one, queue, KV pages."""
         s = self.stats()
@@ -188,3 +231,69 @@ class EngineLoop:
                 if rid is not None and self._sinks.pop(rid, None) is not None:
                     self.aborted += self.engine.abort_request(rid)
         return not self._commands.empty()
+
+
+def _shape_key(tokens, meta, samp) -> tuple:
+    """What selects a compiled step: the shapes of its arrays and whether logits processing is on."""
+    return tuple(np.shape(x) for x in jax.tree.leaves((tokens, meta))) + ("proc" in samp,)
+
+
+class _WaitingStep:
+    """The engine's `step_fn`, except that a step (or the memory check's `lower`) of a shape the background thread
+    is compiling waits for that compile, then runs from the compiled cache."""
+
+    def __init__(self, step, engine: Engine):
+        self.step, self.engine = step, engine
+        self._lock = threading.Lock()
+        self._pending: dict[tuple, threading.Event] = {}
+        self._seen: set[tuple] = set()  # shapes compiled (or being compiled) by either thread
+        # the cache's shapes, read once here: the engine thread replaces (donates) the arrays at every step
+        self._cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                   engine.cache)
+
+    def _wait(self, tokens, meta, samp) -> None:
+        key = _shape_key(tokens, meta, samp)
+        with self._lock:
+            event = self._pending.get(key)
+            self._seen.add(key)
+        if event is not None:
+            event.wait()
+
+    def __call__(self, cfg, plan, weights, cache, tokens, meta, samp):
+        self._wait(tokens, meta, samp)
+        return self.step(cfg, plan, weights, cache, tokens, meta, samp)
+
+    def lower(self, cfg, plan, weights, cache, tokens, meta, samp):
+        self._wait(tokens, meta, samp)
+        return self.step.lower(cfg, plan, weights, cache, tokens, meta, samp)
+
+    def _args(self, D: int, T: int, processing: bool):
+        """A step of padding only at bucket (D, T), as `Engine.precompile` builds it."""
+        e = self.engine
+        R, S = e.ec.ranks, e.ec.max_num_seqs
+        tokens, meta = stack_ranks([pack([], [], D, T, S, e.ec.pages_per_seq, e.chunk)] * R)
+        samp = e._sampling_arrays([Plan([], [])] * R, S)
+        if processing:
+            samp["proc"] = processing_arrays((R, S), e.config.vocab_size)
+        return tokens, meta, samp
+
+    def claim(self, D: int, T: int, processing: bool) -> tuple | None:
+        """Mark a shape as being compiled; None if either thread has it already."""
+        key = _shape_key(*self._args(D, T, processing))
+        with self._lock:
+            if key in self._seen:
+                return None
+            self._seen.add(key)
+            self._pending[key] = threading.Event()
+        return key
+
+    def release(self, key: tuple) -> None:
+        with self._lock:
+            event = self._pending.pop(key)
+        event.set()
+
+    def compile(self, D: int, T: int, processing: bool) -> None:
+        e = self.engine
+        with e._on_mesh():
+            tokens, meta, samp = jax.tree.map(e._place, self._args(D, T, processing))
+            self.step.lower(e.config, e.plan, e._step_weights(), self._cache, tokens, meta, samp).compile()

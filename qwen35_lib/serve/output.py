@@ -2,9 +2,10 @@
 
 1. each token goes through the incremental detokenizer (with or without special tokens) and its text is added
    to the choice's text;
-2. with stop strings, the text is searched from where the last search could not yet see a whole match; the
-   earliest match ends the choice: the text is cut before the stop string (or after it, with
-   `include_stop_str_in_output`) and `stopped` names it;
+2. with stop strings, only the text that could hold a match not seen before is searched: for each stop string s,
+   from `len(s) - 1` characters before the text the last search saw (vLLM's window), so a token costs
+   O(stop strings + their characters), never the whole text again; the earliest match ends the choice: the text
+   is cut before the stop string (or after it, with `include_stop_str_in_output`) and `stopped` names it;
 3. what is sent is the text up to the last `longest stop string - 1` characters (those could still begin a
    match), all of it once the choice ends.
 """
@@ -25,6 +26,7 @@ class ChoiceOutput:
         self.text = ""  # the choice's text so far (cut at a stop string once one is seen)
         self.sent = 0  # characters of `text` already sent
         self.stopped: str | None = None  # the stop string that ended the choice
+        self.scanned = 0  # characters of `text` the last stop-string search saw
 
     def push(self, token: int) -> str:
         """Add a token; returns the text now safe to send."""
@@ -42,8 +44,8 @@ class ChoiceOutput:
 
     def _emit(self, final: bool) -> str:
         if self.stop and self.stopped is None:
-            start = max(0, self.sent - self.hold)
-            found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            seen, self.scanned = self.scanned, len(self.text)
+            found = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, seen - len(s) + 1))) >= 0]
             if found:
                 i, s = min(found)
                 self.stopped = s

@@ -5,16 +5,21 @@ Every field a request may carry is either honoured or refused; none is accepted 
 Honoured (as vLLM honours them): `prompt` as text, a list of texts, token ids, or a list of token-id lists
 (`/v1/completions`); `messages` through the chat template (`/v1/chat/completions`) with `chat_template`,
 `chat_template_kwargs`, `add_generation_prompt`, `continue_final_message`; `max_tokens` (chat also
-`max_completion_tokens`), `temperature` (default 1, as OpenAI), `top_p`, `top_k` (-1 or 0 = off), `min_p`, `seed`,
+`max_completion_tokens`; 0 with `echo`: the prompt scored, nothing generated), `temperature` (default 1, as OpenAI,
+or the checkpoint's generation_config.json), `top_p`, `top_k` (-1 or 0 = off), `min_p`, `seed` (64-bit, as vLLM),
 `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`,
-`min_tokens`, `stop` (strings, cut from the text; `include_stop_str_in_output`), `stop_token_ids`, `ignore_eos`,
-`skip_special_tokens`, `add_special_tokens`, `truncate_prompt_tokens`, `stream`, `stream_options.include_usage`,
-`request_id` (the response id), and fields with no effect on the output (`user`, `metadata`, ...: `NO_EFFECT`).
-Refused with a 400 naming the field, unless sent with their neutral value (null, false, the default): `n` /
-`best_of` > 1, `logprobs`, `top_logprobs`, `prompt_logprobs`, `echo`, `suffix`, `response_format` other than
-text, guided decoding and structured outputs, beam search, tools, `logits_processors`, `documents`, `priority`
-and the rest of `REFUSED`. A field the server does not know is refused (400) unless the server runs with
-`--ignore-unknown-fields`. Each choice carries `token_ids` (its output ids), a vLLM-style extension.
+`min_tokens`, `stop` (strings, cut from the text; `include_stop_str_in_output`), `stop_token_ids` (added to the
+model's EOS ids, as vLLM), `ignore_eos` (ignores the EOS ids only), `skip_special_tokens`, `add_special_tokens`,
+`truncate_prompt_tokens`, `stream`, `stream_options.include_usage`, `request_id` (the response id), `n` (choices per
+prompt), `logprobs` / `top_logprobs` (the raw model's log-probabilities of each output token and of the most likely
+ones, vLLM's default `raw_logprobs`), `echo` and `prompt_logprobs` (the prompt's tokens scored; completions), and
+fields with no effect on the output (`user`, `metadata`, ...: `NO_EFFECT`).
+Refused with a 400 naming the field, unless sent with their neutral value (null, false, the default): `best_of` > 1,
+`suffix`, `response_format` other than text, guided decoding and structured outputs, beam search, tools,
+`logits_processors`, `documents`, `priority` and the rest of `REFUSED`; log-probabilities with `stream`. A field the
+server does not know is refused (400) unless the server runs with `--ignore-unknown-fields`. Each choice carries
+`token_ids` (its output ids), a vLLM-style extension. List fields are bounded (`Limits`: stop strings, bad words,
+logit_bias entries), so no request's parsing, or its per-token work later, grows without a limit.
 
 `parse` runs on a worker thread (tokenizing and template rendering are CPU work); every failure is an `APIError`.
 """
@@ -33,7 +38,8 @@ from qwen35_lib.engine import SamplingParams
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error",
              500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
@@ -60,14 +66,21 @@ class Limits:
     max_json_depth: int = 64  # nesting of the body's JSON
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own `chat_template`
+    max_stop_strings: int = 256  # --max-stop-strings: `stop` entries (each is scanned at every token)
+    max_bad_words: int = 256  # --max-bad-words: `bad_words` entries (each is matched at every step)
+    max_logit_bias: int = 1024  # --max-logit-bias: `logit_bias` entries
+    max_logprobs: int = 20  # --max-logprobs: `logprobs`, `top_logprobs`, `prompt_logprobs` (vLLM's default 20)
+    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (`stop_token_ids` add to them)
+    defaults: tuple[tuple[str, float], ...] = ()  # sampling defaults (generation_config.json): (field, value)
 
 
 @dataclasses.dataclass
 class Parsed:
-    """One HTTP request: its prompts (token ids, one engine request each), sampling, and response options."""
+    """One HTTP request: its prompts (token ids), one choice per (prompt, sample) with its SamplingParams (None: nothing
+    to generate, `echo` with max_tokens 0), and response options."""
 
     prompts: list[list[int]]
-    params: list[SamplingParams]
+    params: list[SamplingParams | None]  # one per choice, choice i = prompt i // n, sample i % n
     stream: bool
     include_usage: bool
     chat: bool
@@ -75,13 +88,27 @@ class Parsed:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = None
+    n: int = 1
+    logprobs: int | None = None  # top log-probabilities per output token (0: the chosen token's only); None: none
+    echo: bool = False  # the prompt is part of the choice's text (and of its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-k per prompt token); None: none
+    stop_ids: tuple[int, ...] = ()  # the request's own stop_token_ids (a finish on one names it in stop_reason)
+
+    @property
+    def scored(self) -> bool:
+        """Whether the choices need the model's log-probabilities (a scoring forward after generation)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
 
 
 # --- the fields ------------------------------------------------------------------------------------------------
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "stream_options", "n",
           "best_of", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
-          "skip_special_tokens", "add_special_tokens", "truncate_prompt_tokens", "request_id", "logprobs", "echo"}
+          "skip_special_tokens", "add_special_tokens", "truncate_prompt_tokens", "request_id", "logprobs", "echo",
+          "prompt_logprobs"}
 COMPLETION = COMMON | {"prompt"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "chat_template", "chat_template_kwargs",
                  "add_generation_prompt", "continue_final_message", "top_logprobs"}
@@ -90,7 +117,6 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "cache_salt", "return_
              "include_reasoning", "spaces_between_special_tokens"}
 # refused unless neutral: field -> (neutral values, what to do instead)
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "prompt_logprobs": ((None, 0), "logprobs are not computed by this server"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
     "response_format": ((None, {"type": "text"}), "structured outputs are not supported; only {\"type\": \"text\"}"),
     "guided_json": ((None,), "guided decoding is not supported"),
@@ -109,7 +135,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "documents": ((None, []), "documents (RAG templates) are not supported"),
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "priority": ((None, 0), "priority scheduling is not enabled (requests run first come, first served)"),
-    "return_tokens_as_token_ids": ((None, False), "it shapes logprobs, which are not computed"),
+    "return_tokens_as_token_ids": ((None, False), "logprobs name tokens by their text (or token_id:N without a "
+                                                  "tokenizer)"),
     "reasoning_effort": ((None,), "reasoning effort is not supported; use chat_template_kwargs"),
     "modalities": ((None, ["text"]), "only text output is supported"),
     "audio": ((None,), "audio output is not supported"),
@@ -315,78 +342,137 @@ def _number(body: dict, name: str, default: float) -> float:
     return v
 
 
-def _stop_strings(body: dict, text: Any) -> tuple[str, ...]:
+def _stop_strings(body: dict, text: Any, limits: Limits) -> tuple[str, ...]:
+    """The stop strings, at most --max-stop-strings of them and --max-prompt-chars characters in all (a token's stop
+    search reads at most that many: `output.ChoiceOutput`); duplicates dropped."""
     stop = body.get("stop")
     if stop is None or stop == "" or stop == []:
         return ()
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise APIError("`stop` must be a non-empty string or a list of non-empty strings", "stop")
+    if len(items) > limits.max_stop_strings:
+        raise APIError(f"`stop` holds {len(items)} strings, more than --max-stop-strings {limits.max_stop_strings}; "
+                       "send fewer", "stop")
+    total = sum(map(len, items))
+    if total > limits.max_prompt_chars:
+        raise APIError(f"the `stop` strings hold {total} characters, more than --max-prompt-chars "
+                       f"{limits.max_prompt_chars}; shorten them", "stop")
     if text is None:
         raise APIError("`stop` strings need a tokenizer (this server has none); use `stop_token_ids`", "stop")
-    return tuple(items)
+    return tuple(dict.fromkeys(items))
 
 
-def _logit_bias(body: dict) -> dict[int, float] | None:
+def _logit_bias(body: dict, limits: Limits) -> dict[int, float] | None:
     v = get(body, "logit_bias", (dict,))
     if v is None:
         return None
+    if len(v) > limits.max_logit_bias:
+        raise APIError(f"`logit_bias` holds {len(v)} entries, more than --max-logit-bias {limits.max_logit_bias}; "
+                       "send fewer", "logit_bias")
     out = {}
     for k, b in v.items():
         try:
             t = int(k)
         except ValueError:
-            raise APIError(f"`logit_bias` keys must be token ids (as strings), got {k!r}", "logit_bias") from None
+            raise APIError(f"`logit_bias` keys must be token ids (as strings), got {k[:40]!r}", "logit_bias") from None
         if not isinstance(b, (int, float)) or isinstance(b, bool):
-            raise APIError(f"`logit_bias` values must be numbers, got {b!r} for {k!r}", "logit_bias")
+            raise APIError(f"`logit_bias` values must be numbers, got {str(b)[:40]!r} for {k[:40]!r}", "logit_bias")
         out[t] = float(b)
     return out
 
 
-def _bad_words(body: dict, text: Any) -> list[list[int]] | None:
-    """Each bad word's token ids, as written and with a leading space (as vLLM tokenizes them)."""
+def _bad_words(body: dict, text: Any, limits: Limits) -> list[list[int]] | None:
+    """Each bad word's token ids, as written and with a leading space (as vLLM tokenizes them): at most
+    --max-bad-words words, each at most --max-prompt-chars long, tokenized in one batch, duplicates dropped in
+    linear time (a dict of tuples)."""
     v = body.get("bad_words")
     if v is None or v == []:
         return None
     if not isinstance(v, list) or not all(isinstance(w, str) and w for w in v):
         raise APIError("`bad_words` must be a list of non-empty strings", "bad_words")
+    if len(v) > limits.max_bad_words:
+        raise APIError(f"`bad_words` holds {len(v)} words, more than --max-bad-words {limits.max_bad_words}; send "
+                       "fewer", "bad_words")
     if text is None:
         raise APIError("`bad_words` need a tokenizer (this server has none)", "bad_words")
-    out = []
     for w in v:
-        for variant in (w, " " + w.lstrip()):
-            ids = encode(text, variant, False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
+        chars_ok(len(w), limits, "bad_words")
+    variants = [x for w in dict.fromkeys(v) for x in (w, " " + w.lstrip())]
+    unique = dict.fromkeys(tuple(ids) for ids in _encode_all(text, variants, False) if ids)
+    return [list(ids) for ids in unique]
+
+
+def _count(body: dict, name: str, limits: Limits, low: int = 0) -> int | None:
+    """An optional count field (logprobs, top_logprobs, prompt_logprobs) in [low, --max-logprobs]."""
+    v = get(body, name, (int,))
+    if v is not None and not low <= v <= limits.max_logprobs:
+        raise APIError(f"`{name}` must be in [{low}, {limits.max_logprobs}] (--max-logprobs), got {v}", name)
+    return v
+
+
+def _seed(body: dict) -> int | None:
+    """vLLM takes any 64-bit seed; the sampler keys on 32 bits: a seed below 2**32 is itself, a larger (or negative)
+    one folds its two halves together (deterministic: the same seed draws the same tokens)."""
+    seed = get(body, "seed", (int,))
+    if seed is None:
+        return None
+    if not -2**63 <= seed < 2**64:
+        raise APIError(f"`seed` must be a 64-bit integer, got {seed}", "seed")
+    seed %= 2**64
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """The seed of sample j of a request with `n` > 1 (sample 0 keeps the request's seed)."""
+    return seed if j == 0 else (seed * 0x9E3779B1 + j * 0x85EBCA77) & 0xFFFFFFFF
 
 
 # sampling-parameter fields as the request names them
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "bad_words_ids": "bad_words"}
+# generation_config.json keys a server takes as request defaults (vLLM's --generation-config auto)
+DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
 
 
 def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     """A request body into prompts and sampling parameters, or an APIError naming the field."""
     check_body(body, limits)
     check_fields(body, chat, limits)
-    for name in ("n", "best_of"):
-        v = get(body, name, (int,), 1)
-        if v < 1:
-            raise APIError(f"`{name}` must be >= 1, got {v}", name)
-        if v > 1:
-            raise APIError(f"`{name}` > 1 is not supported; send one request per sample", name)
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0) or body.get(name) is True:
-            raise APIError(f"`{name}` is not supported by this server (logprobs are not computed)", name)
-    if body.get("echo") not in (None, False):
-        raise APIError("`echo` is not supported by this server", "echo")
-    stop = _stop_strings(body, text)
+    n = get(body, "n", (int,), 1)
+    if n < 1:
+        raise APIError(f"`n` must be >= 1, got {n}", "n")
+    best_of = get(body, "best_of", (int,), n)
+    if best_of < 1:
+        raise APIError(f"`best_of` must be >= 1, got {best_of}", "best_of")
+    if best_of != n:
+        raise APIError("`best_of` other than `n` is not supported (vLLM's V1 engine refuses it too); send `n`",
+                       "best_of")
+    stream = get(body, "stream", (bool,), False)
+    if chat:
+        want = get(body, "logprobs", (bool,), False)
+        top = _count(body, "top_logprobs", limits)
+        if top is not None and not want:
+            raise APIError("`top_logprobs` needs `logprobs`: true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+        echo = get(body, "echo", (bool,), False)
+        if echo:
+            raise APIError("`echo` is not supported for chat by this server; use /v1/completions", "echo")
+    else:
+        logprobs = _count(body, "logprobs", limits)
+        echo = get(body, "echo", (bool,), False)
+    prompt_logprobs = _count(body, "prompt_logprobs", limits)
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and stream:
+            raise APIError(f"`{name}` with `stream`: true is not supported by this server; send stream: false",
+                           name)
+    stop = _stop_strings(body, text, limits)
     max_tokens = get(body, "max_tokens", (int,))
     if chat:
         max_tokens = get(body, "max_completion_tokens", (int,), max_tokens)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"`{name}` must be >= 1, got {max_tokens}", name)
+    if max_tokens is not None and (max_tokens < 0 or (max_tokens == 0 and not echo)):
+        raise APIError(f"`{name}` must be >= 1 (0 only with `echo`), got {max_tokens}", name)
     if max_tokens is not None and max_tokens >= limits.max_model_len:
         raise APIError(f"`{name}` = {max_tokens} leaves no room for a prompt within --max-model-len "
                        f"{limits.max_model_len}; lower it", name)
@@ -394,20 +480,26 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     if truncate is not None and truncate < 1 and truncate != -1:
         raise APIError(f"`truncate_prompt_tokens` must be >= 1 (or -1: --max-model-len), got {truncate}",
                        "truncate_prompt_tokens")
+    defaults = dict(limits.defaults)
     common = dict(
-        temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-        min_p=_number(body, "min_p", 0.0), presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0),
-        top_k=get(body, "top_k", (int,), 0), min_tokens=get(body, "min_tokens", (int,), 0),
-        ignore_eos=get(body, "ignore_eos", (bool,), False), logit_bias=_logit_bias(body),
-        allowed_token_ids=_ids(body, "allowed_token_ids"), stop_token_ids=_ids(body, "stop_token_ids"),
-        bad_words_ids=_bad_words(body, text))
+        temperature=_number(body, "temperature", defaults.get("temperature", 1.0)),
+        top_p=_number(body, "top_p", defaults.get("top_p", 1.0)),
+        min_p=_number(body, "min_p", defaults.get("min_p", 0.0)),
+        presence_penalty=_number(body, "presence_penalty", defaults.get("presence_penalty", 0.0)),
+        frequency_penalty=_number(body, "frequency_penalty", defaults.get("frequency_penalty", 0.0)),
+        repetition_penalty=_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
+        top_k=get(body, "top_k", (int,), int(defaults.get("top_k", 0))), min_tokens=get(body, "min_tokens", (int,), 0),
+        logit_bias=_logit_bias(body, limits), allowed_token_ids=_ids(body, "allowed_token_ids"),
+        bad_words_ids=_bad_words(body, text, limits))
     common["top_k"] = 0 if common["top_k"] == -1 else common["top_k"]
-    seed = get(body, "seed", (int,))
+    # vLLM's stop semantics: stop_token_ids add to the model's EOS ids; ignore_eos drops the EOS ids only
+    stop_ids = tuple(dict.fromkeys(_ids(body, "stop_token_ids") or ()))
+    ignore_eos = get(body, "ignore_eos", (bool,), False)
+    eos = () if ignore_eos else tuple(t for t in limits.eos_token_ids if t not in stop_ids)
+    common["stop_token_ids"] = stop_ids + eos if stop_ids or ignore_eos else None  # None: the model's EOS ids
+    seed = _seed(body)
     if seed is None:
         seed = random.randrange(2**32) if common["temperature"] > 0 else 0
-    stream = get(body, "stream", (bool,), False)
     opts = get(body, "stream_options", (dict,), {})
     include_usage = get(opts, "include_usage", (bool,), False)
     for key, value in opts.items():
@@ -417,21 +509,30 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     include_stop = get(body, "include_stop_str_in_output", (bool,), False)
     skip = get(body, "skip_special_tokens", (bool,), True)
     prompts = [chat_prompt(body, text, limits)] if chat else completion_prompts(body, text, limits)
+    if len(prompts) * n > limits.max_prompts_per_request:
+        raise APIError(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices in one request, more than "
+                       f"--max-prompts-per-request {limits.max_prompts_per_request}; lower n or split the request",
+                       "n")
     if truncate is not None:
         keep = limits.max_model_len if truncate == -1 else truncate
         prompts = [p[-keep:] for p in prompts]
-    params = []
+    params: list[SamplingParams | None] = []
     for p in prompts:
-        n = max_tokens if max_tokens is not None else (limits.max_model_len - len(p) if chat else 16)
-        if len(p) + max(n, 1) > limits.max_model_len:
-            raise APIError(f"prompt of {len(p)} tokens + {name}={n} = {len(p) + n} exceeds --max-model-len "
+        k = max_tokens if max_tokens is not None else (limits.max_model_len - len(p) if chat else 16)
+        if len(p) + max(k, 1) > limits.max_model_len:
+            raise APIError(f"prompt of {len(p)} tokens + {name}={k} = {len(p) + k} exceeds --max-model-len "
                            f"{limits.max_model_len}: shorten the prompt (or set truncate_prompt_tokens) or lower "
                            f"{name}", "messages" if chat else "prompt")
-        try:
-            params.append(SamplingParams(max_new_tokens=max(n, 1), seed=seed, **common))
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e), _param_of(str(e))) from None
-    return Parsed(prompts, params, stream, include_usage, chat, stop, include_stop, skip, rid)
+        for j in range(n):
+            if k == 0:  # echo only: the prompt, scored if asked; nothing generated
+                params.append(None)
+                continue
+            try:
+                params.append(SamplingParams(max_new_tokens=k, seed=sample_seed(seed, j), **common))
+            except (ValueError, TypeError) as e:
+                raise APIError(str(e), _param_of(str(e))) from None
+    return Parsed(prompts, params, stream, include_usage, chat, stop, include_stop, skip, rid, n, logprobs, echo,
+                  prompt_logprobs, stop_ids)
 
 
 def _param_of(message: str) -> str | None:
@@ -454,9 +555,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choice(index: int, chat: bool, text: str, token_ids: list[int], finish: str | None,
-           stop_reason: str | int | None = None) -> dict:
-    base: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, stop_reason=stop_reason,
+           stop_reason: str | int | None = None, logprobs: dict | None = None,
+           prompt_logprobs: list | None = None) -> dict:
+    base: dict[str, Any] = dict(index=index, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
                                 token_ids=token_ids)
+    if prompt_logprobs is not None:
+        base["prompt_logprobs"] = prompt_logprobs
     if chat:
         return base | dict(message=dict(role="assistant", content=text))
     return base | dict(text=text)

@@ -121,7 +121,7 @@ def _raw(server: Server, path: str, body) -> httpx.Response:
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 500}, 400, "max_tokens"),  # > max_model_len
     ("/v1/completions", {"model": MODEL, "prompt": list(range(2, 100)), "max_tokens": 100}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [1], "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1], "n": 2, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": MODEL, "prompt": [1], "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": [1], "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "gpt-4", "prompt": [1]}, 404, "model"),

@@ -22,12 +22,29 @@ def _parse(argv):
 
 def test_options_and_defaults():
     a = _parse([])
-    assert (a.host, a.port, a.warmup, a.layout, a.max_num_seqs, a.max_model_len) == ("127.0.0.1", 8000, "all",
-                                                                                     "single", 8, 1024)
+    assert (a.host, a.port, a.warmup, a.layout, a.max_num_seqs, a.max_model_len) == ("127.0.0.1", 8000,
+                                                                                     "background", "single", 8, 1024)
     assert a.max_prompt_chars is None and a.max_request_bytes == 16 << 20 and a.run is cli.run
     assert not a.ignore_unknown_fields and not a.trust_request_chat_template
-    with pytest.raises(SystemExit):
-        _parse(["--port", "70000"])
+    assert (a.max_stop_strings, a.max_bad_words, a.max_logit_bias, a.max_logprobs) == (256, 256, 1024, 20)
+    assert a.shutdown_timeout == 10 and a.generation_config == "auto"
+    for bad in (["--port", "70000"], ["--log-stats-interval", "-5"], ["--shutdown-timeout", "nan"],
+                ["--max-logprobs", "-1"]):
+        with pytest.raises(SystemExit):
+            _parse(bad)
+
+
+def test_warmup_modes_split_the_shapes():
+    """background: the shapes of one short request first (before /health is ok), every other after; all: every
+    shape of both variants first; plain: those without logits processing; none: nothing."""
+    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64],
+                                   workload_buckets=lambda lengths, out: [(1, 65), (1, 1)])
+    first, later = cli.warmup_shapes(engine, "background")
+    assert first == [(1, 65, False), (1, 1, False)]
+    assert sorted(first + later) == sorted(cli.warmup_shapes(engine, "all")[0]) and len(later) == 6
+    assert later[:2] == [(4, 4, False), (4, 68, False)]  # plain shapes before processed ones
+    assert cli.warmup_shapes(engine, "plain") == ([(1, 1, False), (1, 65, False), (4, 4, False), (4, 68, False)], [])
+    assert cli.warmup_shapes(engine, "none") == ([], [])
 
 
 def test_longest_token_and_every_step_shape():

@@ -187,11 +187,11 @@ REFUSALS = [
     ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
     ("guided_whitespace_pattern", " "), ("structured_outputs", {"choice": ["a"]}), ("use_beam_search", True),
     ("length_penalty", 0.5), ("logits_processors", ["x"]), ("documents", [{"text": "d"}]), ("suffix", "end"),
-    ("prompt_logprobs", 1), ("priority", 1), ("return_tokens_as_token_ids", True), ("reasoning_effort", "low"),
+    ("priority", 1), ("return_tokens_as_token_ids", True), ("reasoning_effort", "low"),
     ("modalities", ["audio"]), ("audio", {"voice": "x"}), ("prediction", {"type": "content"}),
     ("web_search_options", {}), ("mm_processor_kwargs", {"a": 1}), ("prompt_embeds", "AAAA"),
     ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("logprobs", 2), ("echo", True), ("n", 2), ("best_of", 3), ("top_logprobs", 2),
+    ("best_of", 3),
     ("no_such_field", 1),
 ]
 
@@ -281,3 +281,187 @@ def test_every_known_field_is_exercised():
     named = set(re.findall(r'"(\w+)"', pathlib.Path(__file__).read_text()))
     known = protocol.CHAT | protocol.COMPLETION | protocol.NO_EFFECT | set(protocol.REFUSED)
     assert known - named == set()
+
+
+# --- log-probabilities, echo, n, seeds, stop ids: against the model's forward and the engine run directly ----------
+def _reference_logprobs(server, ids: list[int]):
+    """log-softmax (float64) of the model's full forward over `ids`: row t scores token t + 1."""
+    import numpy as np
+
+    from qwen35_lib.model.decoder import forward
+
+    logits = np.asarray(forward(server.config, server.weights, np.asarray([ids], np.int32)), np.float64)[0]
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def test_logprobs_echo_and_prompt_logprobs_follow_the_model(server):
+    import numpy as np
+
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = post(server, body | {"logprobs": 3, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    out = c["token_ids"]
+    assert out == server.alone(PROMPT, 5)
+    ids = PROMPT + out
+    ref = _reference_logprobs(server, ids)
+    lp = c["logprobs"]
+    want = [ref[len(PROMPT) + i - 1, t] for i, t in enumerate(out)]
+    np.testing.assert_allclose(lp["token_logprobs"], want, atol=2e-3)
+    assert lp["tokens"] == [server.text.decode([t], skip_special_tokens=False) for t in out]
+    for i in range(len(out)):  # greedy: the chosen token is the most likely one, among the 3 most likely
+        top = lp["top_logprobs"][i]  # keyed by text, as vLLM: tokens of one text (a partial byte) share a key
+        best = np.sort(ref[len(PROMPT) + i - 1])[::-1][:3]
+        assert 1 <= len(top) <= 3 and max(top.values()) == top[lp["tokens"][i]]
+        assert all(np.abs(best - v).min() < 2e-3 for v in top.values())
+    assert lp["text_offset"][0] == 0 and all(b >= a for a, b in zip(lp["text_offset"], lp["text_offset"][1:]))
+    plp = c["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(PROMPT)
+    for i in range(1, len(PROMPT)):
+        entry = plp[i][str(PROMPT[i])]
+        assert abs(entry["logprob"] - ref[i - 1, PROMPT[i]]) < 2e-3
+        assert entry["rank"] == 1 + int((ref[i - 1] > ref[i - 1, PROMPT[i]] + 1e-6).sum())
+
+    # echo (lm-eval's loglikelihood request: echo, logprobs=1, max_tokens 1; and max_tokens 0)
+    for max_tokens in (0, 1):
+        e = post(server, {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "echo": True,
+                          "logprobs": 1}).json()["choices"][0]
+        assert e["text"].startswith(server.text.decode(PROMPT, skip_special_tokens=False))
+        assert len(e["token_ids"]) == max_tokens and e["finish_reason"] == "length"
+        got = e["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(PROMPT) + max_tokens
+        np.testing.assert_allclose(got[1:len(PROMPT)], [ref[i - 1, PROMPT[i]] for i in range(1, len(PROMPT))],
+                                   atol=2e-3)
+    # logprobs=0: the chosen token's log-probability, no others (vLLM)
+    z = post(server, body | {"logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert [list(d) for d in z["top_logprobs"]] == [[t] for t in z["tokens"]]
+    # streamed logprobs are refused naming the field; echo streams the prompt first
+    r = post(server, body | {"logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "stream": True, "echo": True} | body) as s:
+        pieces = [protocol_json(line) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(p["choices"][0]["text"] for p in pieces) == server.text.decode(PROMPT, skip_special_tokens=False) \
+        + server.text.decode(out)
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+    import numpy as np
+
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(server, {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                      "top_logprobs": 2}, chat=True)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    prompt = server.text.encode_chat(messages)
+    assert c["token_ids"] == server.alone(prompt, 4)
+    ref = _reference_logprobs(server, prompt + c["token_ids"])
+    content = c["logprobs"]["content"]
+    assert [e["token"] for e in content] == [server.text.decode([t], skip_special_tokens=False)
+                                             for t in c["token_ids"]]
+    for i, (e, t) in enumerate(zip(content, c["token_ids"])):
+        assert abs(e["logprob"] - ref[len(prompt) + i - 1, t]) < 2e-3 and e["bytes"] == list(e["token"].encode())
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+    r = post(server, {"messages": messages, "max_tokens": 1, "top_logprobs": 2}, chat=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(server, {"messages": messages, "max_tokens": 1, "logprobs": True, "top_logprobs": 21}, chat=True)
+    assert r.status_code == 400 and "--max-logprobs" in r.json()["error"]["message"]
+    np.testing.assert_equal(len(content), 4)
+
+
+def test_n_choices_and_64_bit_seeds_match_the_engine(server):
+    two = [PROMPT, [50, 51, 52]]
+    r = post(server, {"prompt": two, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in r["choices"]] == [server.alone(p, 4) for p in two for _ in range(2)]
+    assert r["usage"]["completion_tokens"] == 16
+    for seed in (7, 2**40 + 5, -3):
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 2, "seed": seed}
+        got = [c["token_ids"] for c in post(server, body).json()["choices"]]
+        folded = protocol._seed({"seed": seed})
+        want = [server.alone(PROMPT, 6, temperature=1.0, seed=protocol.sample_seed(folded, j)) for j in range(2)]
+        assert got == want and got[0] != got[1], seed
+    assert protocol._seed({"seed": 7}) == 7  # a 32-bit seed is itself: the same draws as before
+    r = post(server, {"prompt": PROMPT, "max_tokens": 1, "seed": 2**64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_stop_token_ids_add_to_eos_and_ignore_eos_ignores_only_eos(server):
+    eos = server.config.eos_token_ids[0]
+    force_eos = {"logit_bias": {str(eos): 100}}  # the first token is EOS
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    c = post(server, body | force_eos | {"stop_token_ids": [200]}).json()["choices"][0]
+    assert c["token_ids"] == [eos] and c["finish_reason"] == "stop" and c["stop_reason"] is None
+    c = post(server, body | force_eos | {"ignore_eos": True}).json()["choices"][0]
+    assert c["token_ids"] == [eos] * 4 and c["finish_reason"] == "length"
+    first = server.alone(PROMPT, 1)[0]
+    c = post(server, body | {"ignore_eos": True, "stop_token_ids": [first]}).json()["choices"][0]
+    assert c["token_ids"] == [first] and c["finish_reason"] == "stop" and c["stop_reason"] == first
+    # the engine's own rule, run directly: the stop set of the request is the EOS ids plus its own
+    want = server.alone(PROMPT, 4, ignore_eos=False, stop_token_ids=(200, eos), logit_bias={eos: 100.0})
+    assert want == [eos]
+
+
+def test_list_fields_are_bounded_and_huge_ones_refused_fast(server):
+    """20k bad words, 1M stop strings, 2k logit_bias entries: a 400 naming the field and the limit, answered in
+    seconds, while /health keeps answering at once (the parsing is off the event loop)."""
+    import threading
+    import time
+
+    cases = [({"bad_words": [f"w{i}" for i in range(20_000)]}, "bad_words", "--max-bad-words"),
+             ({"stop": ["x"] * 1_000_000}, "stop", "--max-stop-strings"),
+             ({"logit_bias": {str(i): 1 for i in range(2000)}}, "logit_bias", "--max-logit-bias"),
+             ({"stop": ["y" * 1_100_000]}, "stop", "--max-prompt-chars")]
+    for extra, field, option in cases:
+        slow: list[float] = []
+        done = threading.Event()
+
+        def probe(done=done, slow=slow):
+            while not done.is_set():
+                t = time.perf_counter()
+                assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+                slow.append(time.perf_counter() - t)
+                time.sleep(0.05)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        t = time.perf_counter()
+        r = post(server, {"prompt": PROMPT, "max_tokens": 2} | extra)
+        done.set()
+        prober.join()
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and option in r.json()["error"]["message"]
+        assert time.perf_counter() - t < 30 and max(slow) < 1.0, (field, max(slow))
+    # at the limit: 256 bad words (with duplicates) parse in linear time, each as written and with a space
+    words = [f"w{i % 200}" for i in range(256)]
+    parsed = protocol.parse({"prompt": PROMPT, "bad_words": words}, server.text, False,
+                            protocol.Limits(max_model_len=128))
+    assert len(parsed.params[0].bad_words_ids) == len({tuple(server.text.encode(v)) for w in set(words)
+                                                       for v in (w, " " + w)})
+
+
+def test_api_key_content_type_and_generation_defaults(server, tmp_path):
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from qwen35_lib.serve.app import make_app
+    from qwen35_lib.serve.cli import generation_defaults
+
+    with TestClient(make_app(server.loop, MODEL, server.text, api_key="sk-1")) as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sk-2"}).status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sk-1"}).status_code == 200
+        assert client.get("/health").status_code == 200  # as vLLM: only /v1 needs the key
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": [1]}),
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                                                                 "eos_token_id": [1], "do_sample": True}))
+    defaults = generation_defaults(tmp_path)
+    assert dict(defaults) == {"temperature": 0.6, "top_k": 20.0, "top_p": 0.95}
+    limits = protocol.Limits(max_model_len=128, defaults=defaults)
+    p = protocol.parse({"prompt": PROMPT}, server.text, False, limits).params[0]
+    assert (p.temperature, p.top_k, p.top_p) == (0.6, 20, 0.95)
+    p = protocol.parse({"prompt": PROMPT, "temperature": 0, "top_k": -1}, server.text, False, limits).params[0]
+    assert (p.temperature, p.top_k, p.top_p) == (0.0, 0, 0.95)
