@@ -107,9 +107,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         with profiled(args.profile):
             doc = load(args.benchmark).run(args)
+    status = int(doc.pop("exit_status", 0)) if isinstance(doc, dict) else 0  # e.g. serve: requests failed
     path = write_json(args.json, {**doc, "command": args.command_line})
     print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -6,13 +6,19 @@ For each workload (`--workloads`, scaled by `--scale`) and each `--concurrency` 
    uniform in [ceil(r L), L], prompt ids uniform in [2, --vocab-size), seeded; the prompts go out as token ids
    (vLLM's completions endpoint takes them too), with max_tokens = the drawn output length, EOS ignored, greedy;
 2. send `--num-warmups` requests (default 2 x C) first, untimed;
-3. send all requests with at most C in flight (request rate inf), each streamed with `include_usage`; per request:
-   TTFT (first token), ITL (each gap between two chunks with tokens), E2EL (whole request), TPOT
-   ((E2EL - TTFT) / (output tokens - 1));
-4. report mean / median / std / p99 of each in ms, and request, output and total token throughput over the run's
-   duration, with `vllm bench serve --save-result`'s keys; with `--result-dir`, one such file per run (with the
-   metadata `workload`, `scale`, `concurrency`), which `python -m qwen35_lib recipe --result FILE` reads.
-A progress bar goes to stderr; `--plot PATH` draws TTFT, TPOT and output throughput against concurrency.
+3. send all requests with at most C in flight (`--max-concurrency`, vLLM's name, is the same option), at
+   `--request-rate` requests per second (inf: all at once; else Poisson arrivals, or gamma with `--burstiness`, as
+   vLLM draws them), each streamed with `include_usage`, to the completions endpoint (token-id prompts) or the chat
+   endpoint (`--endpoint /v1/chat/completions` or `--backend openai-chat`: the prompt ids as text, decoded by
+   `--tokenizer DIR` when given, else one word per id); per request: TTFT (first token), ITL (each gap between two
+   chunks with tokens), E2EL (whole request), TPOT ((E2EL - TTFT) / (output tokens - 1));
+4. report mean / median / std and the `--metric-percentiles` (99) of each in ms, request, output and total token
+   throughput over the run's duration, and with `--goodput ttft:MS tpot:MS e2el:MS` the requests per second that
+   met every bound (`request_goodput`), under `vllm bench serve --save-result`'s keys; with `--save-result` (in
+   `--result-dir`, default .) or `--result-dir`, one such file per run (with the metadata `workload`, `scale`,
+   `concurrency`, `--metadata KEY=VALUE`), which `python -m qwen35_lib recipe --result FILE` reads.
+A progress bar goes to stderr; `--plot PATH` draws TTFT, TPOT and output throughput against concurrency. A run in
+which any request failed makes the command exit non-zero (after writing what it measured), naming the first error.
 """
 
 from __future__ import annotations
@@ -32,16 +38,35 @@ DESCRIPTION = "the playbook's workloads against an OpenAI-compatible server (vll
 PERCENTILES = (99,)
 
 
+CHAT = "/v1/chat/completions"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", help="completions endpoint (default: %(default)s)")
+    p.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="the server's host when no --base-url (%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="the server's port when no --base-url (%(default)s)")
+    p.add_argument("--endpoint", default=None, help="/v1/completions (default) or /v1/chat/completions")
+    p.add_argument("--backend", choices=("openai", "vllm", "openai-chat"), default=None,
+                   help="openai or vllm: the completions endpoint; openai-chat: the chat endpoint")
     p.add_argument("--model", help="the model to ask for (default: the first of GET /v1/models)")
+    p.add_argument("--served-model-name", help="vllm bench serve's name for --model")
+    p.add_argument("--tokenizer", metavar="DIR", help="a tokenizer.json folder: chat prompts are the prompt ids "
+                                                      "decoded by it (default: one word per id)")
     p.add_argument("--workloads", default="1k/1k", help="comma-separated workload names (default: %(default)s; "
                                                        "all: 8k/1k,1k/8k,1k/1k)")
     p.add_argument("--scale", default=None, help="length factor (default: the CPU scale of data/workloads.json, "
                                                  "1/16; 1 for the published lengths)")
-    p.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 8], metavar="N",
-                   help="requests in flight, one run each (default: 1 8)")
+    p.add_argument("--concurrency", "--max-concurrency", type=_positive, nargs="+", default=[1, 8], metavar="N",
+                   dest="concurrency", help="requests in flight at most, one run each (default: 1 8)")
+    p.add_argument("--request-rate", type=_rate, default=float("inf"), metavar="R",
+                   help="requests per second (default inf: all at once, bounded by the concurrency)")
+    p.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="gamma shape of the arrivals at --request-rate (1: Poisson, as vLLM)")
+    p.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                   help="SLOs (ttft, tpot, e2el in ms): request_goodput counts the requests that met all of them")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics whose percentiles are reported (default: %(default)s)")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles (default: 99)")
     p.add_argument("--num-prompts", type=_positive, help="requests per run (default: 10 x concurrency)")
     p.add_argument("--num-warmups", type=int, help="untimed requests before each run (default: 2 x concurrency)")
     p.add_argument("--vocab-size", type=_positive, default=256,
@@ -49,10 +74,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
     p.add_argument("--result-dir", help="also write one vllm-bench-serve-style result file per run here")
+    p.add_argument("--save-result", action="store_true", help="write the result files (in --result-dir, default .)")
+    p.add_argument("--result-filename", help="the file name of the result (a run's tag is added when there are "
+                                            "several runs)")
+    p.add_argument("--metadata", nargs="+", metavar="KEY=VALUE", default=[], help="added to each result")
+    p.add_argument("--label", help="the result's backend label")
+    p.add_argument("--ignore-eos", action="store_true", help="accepted: EOS is always ignored here (vLLM's flag)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (vLLM's name for --no-progress)")
     p.add_argument("--save-detailed", action="store_true",
                    help="keep per-request figures and outputs (token ids) in the JSON")
     p.add_argument("--plot", metavar="PATH", help="a PNG of TTFT, TPOT and throughput against concurrency")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _rate(value: str) -> float:
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0 (inf: all at once)")
+    return x
+
+
+def _positive_float(value: str) -> float:
+    x = float(value)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return x
+
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """`--goodput ttft:500 tpot:50` as {"ttft": 500.0, ...} (ms), refused in one line when malformed."""
+    out = {}
+    for item in items or ():
+        key, _, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if key not in GOODPUT_KEYS or not ms >= 0:
+            raise ValueError(f"--goodput {item!r}: give KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)} and MS >= 0")
+        out[key] = ms
+    return out
 
 
 def _positive(value: str) -> int:
@@ -78,11 +142,16 @@ class Output:
     start: float = 0.0  # perf_counter at send
 
 
-async def send(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> Output:
-    """One streamed completion: its timings, tokens and text (`token_ids` when the server sends them)."""
+async def send(client, url: str, model: str, prompt: list[int], max_tokens: int, timeout: float,
+               chat_text: str | None = None) -> Output:
+    """One streamed completion (or chat completion, with `chat_text` as the user message): its timings, tokens and
+    text (`token_ids` when the server sends them)."""
     out = Output(len(prompt))
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
                 stream_options={"include_usage": True})
+    if chat_text is not None:
+        body = {k: v for k, v in body.items() if k != "prompt"} | dict(
+            messages=[{"role": "user", "content": chat_text}], max_completion_tokens=max_tokens)
     out.start = last = time.perf_counter()
     usage = None
     try:
@@ -102,7 +171,9 @@ async def send(client, url: str, model: str, prompt: list[int], max_tokens: int,
                     return out
                 usage = doc.get("usage") or usage
                 for c in doc.get("choices", []):
-                    ids, piece = c.get("token_ids") or [], c.get("text") or ""
+                    ids = c.get("token_ids") or []
+                    piece = (c.get("delta") or {}).get("content") or "" if chat_text is not None else \
+                        c.get("text") or ""
                     if not ids and not piece:
                         continue
                     now = time.perf_counter()
@@ -123,8 +194,10 @@ async def send(client, url: str, model: str, prompt: list[int], max_tokens: int,
 
 
 async def run_batch(base: str, endpoint: str, model: str, requests: list[tuple[list[int], int]], concurrency: int,
-                    timeout: float, progress: bool, label: str) -> tuple[list[Output], float]:
-    """All requests with at most `concurrency` in flight; (outputs in request order, wall seconds)."""
+                    timeout: float, progress: bool, label: str, rate: float = float("inf"), burstiness: float = 1.0,
+                    seed: int = 0, chat_texts: list[str] | None = None) -> tuple[list[Output], float]:
+    """All requests with at most `concurrency` in flight, sent at `rate` per second (gamma arrivals of shape
+    `burstiness`, mean 1 / rate, as vLLM; inf: at once); (outputs in request order, wall seconds)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -133,16 +206,23 @@ async def run_batch(base: str, endpoint: str, model: str, requests: list[tuple[l
     bar = _Bar(len(requests), label) if progress else None
 
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as client:
-        async def one(prompt, n):
+        rng = np.random.default_rng(seed)
+        gaps = np.zeros(len(requests)) if rate == float("inf") else \
+            rng.gamma(burstiness, 1.0 / (rate * burstiness), size=len(requests))
+        at = np.cumsum(gaps) - gaps[0] if len(gaps) else gaps  # the first request goes at once
+
+        async def one(i, prompt, n):
+            await asyncio.sleep(max(0.0, start + at[i] - time.perf_counter()))
             async with sem:
-                o = await send(client, endpoint, model, prompt, n, timeout)
+                o = await send(client, endpoint, model, prompt, n, timeout,
+                               chat_texts[i] if chat_texts is not None else None)
             done[0] += 1
             if bar:
                 bar.update(done[0])
             return o
 
         start = time.perf_counter()
-        outs = await asyncio.gather(*(one(p, n) for p, n in requests))
+        outs = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(requests)))
         duration = time.perf_counter() - start
     if bar:
         bar.close()
@@ -174,8 +254,10 @@ class _Bar:
             print(file=sys.stderr)
 
 
-def metrics(outs: list[Output], duration: float) -> dict:
-    """`vllm bench serve`'s result keys from the outputs of one run."""
+def metrics(outs: list[Output], duration: float, goodput: dict[str, float] | None = None,
+            percentiles: tuple[float, ...] = PERCENTILES, which: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+            ) -> dict:
+    """`vllm bench serve`'s result keys from the outputs of one run (`request_goodput` with SLOs in ms)."""
     ok = [o for o in outs if o.success]
     ms = lambda xs: np.asarray(xs, np.float64) * 1000 if len(xs) else np.zeros(1)
     ttft = ms([o.ttft for o in ok])
@@ -191,8 +273,15 @@ def metrics(outs: list[Output], duration: float) -> dict:
         doc[f"mean_{name}_ms"] = float(np.mean(xs))
         doc[f"median_{name}_ms"] = float(np.median(xs))
         doc[f"std_{name}_ms"] = float(np.std(xs))
-        for p in PERCENTILES:
-            doc[f"p{p}_{name}_ms"] = float(np.percentile(xs, p))
+        for p in (percentiles if name in which else ()):
+            doc[f"p{p:g}_{name}_ms"] = float(np.percentile(xs, p))
+    if goodput:
+        def good(o: Output) -> bool:
+            tpot_ms = (o.latency - o.ttft) / (o.output_tokens - 1) * 1000 if o.output_tokens > 1 else 0.0
+            got = {"ttft": o.ttft * 1000, "tpot": tpot_ms, "e2el": o.latency * 1000}
+            return all(got[k] <= v for k, v in goodput.items())
+
+        doc["request_goodput"] = sum(good(o) for o in ok) / duration
     return doc
 
 
@@ -219,10 +308,38 @@ def first_model(base: str) -> str:
     return r.json()["data"][0]["id"]
 
 
+def _chat_texts(prompts: list[list[int]], tokenizer: str | None) -> list[str]:
+    """The chat endpoint's user messages for token-id prompts: decoded by the tokenizer, or one word per id."""
+    if tokenizer:
+        from qwen35_lib.text import load_text
+
+        text = load_text(tokenizer)
+        return [text.decode(p) for p in prompts]
+    return [" ".join(f"w{t}" for t in p) for p in prompts]
+
+
 def run(args: argparse.Namespace) -> dict:
     from qwen35_lib.bench import workloads
 
-    base = args.base_url.rstrip("/")
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint = args.endpoint or (CHAT if args.backend == "openai-chat" else "/v1/completions")
+    if endpoint not in ("/v1/completions", CHAT):
+        raise ValueError(f"--endpoint {endpoint}: give /v1/completions or {CHAT}")
+    chat = endpoint == CHAT
+    goodput = parse_goodput(args.goodput)
+    try:
+        percentiles = tuple(float(x) for x in args.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: give numbers, e.g. 50,90,99") from None
+    which = tuple(x.strip() for x in args.percentile_metrics.split(","))
+    meta = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metadata {item!r}: give KEY=VALUE")
+        meta[key] = value
+    result_dir = args.result_dir or ("." if args.save_result or args.result_filename else None)
+    args.model = args.model or args.served_model_name
     try:
         model = args.model or first_model(base)
     except Exception as e:  # noqa: BLE001 - one line naming the server
@@ -238,15 +355,24 @@ def run(args: argparse.Namespace) -> dict:
             warm = 2 * conc if args.num_warmups is None else args.num_warmups
             reqs = workloads.draw_requests(w, n + warm, seed=args.seed, vocab_size=args.vocab_size)
             label = f"{name} x{conc}"
+            texts = _chat_texts([p for p, _ in reqs], args.tokenizer) if chat else None
             if warm:
-                asyncio.run(run_batch(base, args.endpoint, model, reqs[n:], conc, args.timeout, False, label))
-            outs, duration = asyncio.run(run_batch(base, args.endpoint, model, reqs[:n], conc, args.timeout,
-                                                   not args.no_progress, label))
-            doc = dict(date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), backend="openai",
-                       endpoint=args.endpoint, base_url=base, model_id=model, num_prompts=n, num_warmups=warm,
-                       request_rate="inf", burstiness=1.0, max_concurrency=conc, workload=name, scale=w.scale,
-                       concurrency=conc, input_range=list(w.bounds(w.input_len)),
-                       output_range=list(w.bounds(w.output_len))) | metrics(outs, duration)
+                asyncio.run(run_batch(base, endpoint, model, reqs[n:], conc, args.timeout, False, label,
+                                      chat_texts=texts[n:] if texts else None))
+            outs, duration = asyncio.run(run_batch(base, endpoint, model, reqs[:n], conc, args.timeout,
+                                                   not (args.no_progress or args.disable_tqdm), label,
+                                                   args.request_rate, args.burstiness, args.seed,
+                                                   texts[:n] if texts else None))
+            rate = "inf" if args.request_rate == float("inf") else args.request_rate
+            doc = dict(date=datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+                       backend=args.label or args.backend or ("openai-chat" if chat else "openai"),
+                       endpoint=endpoint, base_url=base, model_id=model, num_prompts=n, num_warmups=warm,
+                       request_rate=rate, burstiness=args.burstiness, max_concurrency=conc, workload=name,
+                       scale=w.scale, concurrency=conc, input_range=list(w.bounds(w.input_len)),
+                       output_range=list(w.bounds(w.output_len))) | meta | \
+                metrics(outs, duration, goodput, percentiles, which)
+            if goodput:
+                doc["goodput"] = goodput
             errors = sorted({o.error for o in outs if not o.success})
             if errors:
                 doc["errors"] = errors[:5]
@@ -256,18 +382,29 @@ def run(args: argparse.Namespace) -> dict:
                             generated_texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
                             prompts=[p for p, _ in reqs[:n]], max_tokens=[m for _, m in reqs[:n]])
             runs.append(doc)
-            if args.result_dir:
-                _write_result(args.result_dir, doc)
+            if result_dir:
+                _write_result(result_dir, doc, args.result_filename,
+                              several=len(names) * len(args.concurrency) > 1)
     print(format_table(runs))
     if args.plot:
         plot(runs, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    return dict(benchmark="serve", base_url=base, model=model, runs=runs)
+    out = dict(benchmark="serve", base_url=base, model=model, runs=runs)
+    failed = sum(r["failed"] for r in runs)
+    if failed:  # the caller (bench's main) writes the results, then exits non-zero
+        first = next(r["errors"][0] for r in runs if r.get("errors"))
+        print(f"error: bench serve: {failed} of {sum(r['num_prompts'] for r in runs)} requests failed (first: "
+              f"{first[:300]})", file=sys.stderr)
+        out["exit_status"] = 1
+    return out
 
 
-def _write_result(folder: str, doc: dict) -> pathlib.Path:
+def _write_result(folder: str, doc: dict, filename: str | None = None, several: bool = False) -> pathlib.Path:
     tag = f"qwen35_{doc['workload'].replace('/', '')}_conc{doc['concurrency']}" + \
         ("" if doc["scale"] == "1" else f"_scale{doc['scale'].replace('/', '-')}")
+    if filename:
+        stem = filename[:-5] if filename.endswith(".json") else filename
+        tag = f"{stem}_{tag}" if several else stem
     path = pathlib.Path(folder) / f"{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))

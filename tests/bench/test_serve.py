@@ -46,3 +46,32 @@ def test_bench_serve_against_our_server(tmp_path, capsys):
     assert len(files) == 2
     loaded = recipe.load_result(files[0])  # read as a vllm bench serve --save-result file
     assert loaded["workload"] == "1k/1k" and loaded["max_concurrency"] in (1, 8)
+
+
+def test_bench_serve_takes_vllm_flags_drives_chat_and_fails_when_requests_fail(tmp_path, capsys):
+    """vllm bench serve's flags (--max-concurrency, --request-rate, --burstiness, --goodput, --metric-percentiles,
+    --save-result, --result-filename, --metadata, --disable-tqdm, --ignore-eos, --backend openai-chat), the chat
+    endpoint's outputs equal to the engine's on the chat-templated prompts; every request failing exits non-zero."""
+    with serve_support.running(tmp_path / "tok") as s:
+        out, results = tmp_path / "chat.json", tmp_path / "res"
+        argv = ["serve", "--base-url", s.url, "--backend", "openai-chat", "--max-concurrency", "2", "--request-rate",
+                "40", "--burstiness", "2", "--workloads", "1k/1k", "--scale", "1/128", "--num-prompts", "3",
+                "--num-warmups", "0", "--goodput", "ttft:600000", "e2el:600000", "--metric-percentiles", "50,99",
+                "--save-result", "--result-dir", str(results), "--result-filename", "mine.json", "--metadata",
+                "run=ci", "--disable-tqdm", "--ignore-eos", "--save-detailed", "--tokenizer", str(tmp_path / "tok"),
+                "--json", str(out)]
+        assert main(argv) == 0
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["completed"] == 3 and run["request_rate"] == 40 and run["max_concurrency"] == 2
+        assert run["request_goodput"] > 0 and "p50_ttft_ms" in run and "p99_e2el_ms" in run and run["run"] == "ci"
+        assert run["endpoint"] == "/v1/chat/completions" and (results / "mine.json").is_file()
+        for ids, m, got in zip(run["prompts"], run["max_tokens"], run["token_ids"]):
+            prompt = s.text.encode_chat([{"role": "user", "content": s.text.decode(ids)}])
+            assert got == s.alone(prompt, m)
+        capsys.readouterr()
+        bad = ["serve", "--base-url", s.url, "--model", "no-such-model", "--concurrency", "1", "--num-prompts", "2",
+               "--num-warmups", "0", "--scale", "1/128", "--disable-tqdm", "--json", str(tmp_path / "bad.json")]
+        assert main(bad) == 1
+        err = capsys.readouterr().err
+        assert "2 of 2 requests failed" in err and "404" in err
+        assert json.loads((tmp_path / "bad.json").read_text())["runs"][0]["failed"] == 2
