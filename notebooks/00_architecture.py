@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -71,6 +71,19 @@ print(f"Gated DeltaNet: {c.gdn_num_k_heads} key heads of {c.gdn_k_head_dim}, {c.
 print(f"MoE: {c.num_experts} experts of FFN {c.moe_ffn}, top-{c.num_experts_per_tok}, "
       f"+ a shared expert of FFN {c.shared_ffn}")
 viz.plot_layer_pattern(cfg)
+
+# %% [markdown]
+# **The mesh the chapters place work on.** `notebook.setup` built it: the devices as `('chip', 'core')`, the two
+# TensorCores of each chip along `core` and the chips along `chip`, which on a TPU7x-8 are joined in a ring of
+# ICI links (each chip has two neighbours). On this machine the devices are simulated CPU devices with the same
+# ids and axes; the figure is the primer's.
+
+# %%
+# figure: mesh
+from qwen35_lib.viz.teaching import plot_mesh
+
+print(dict(mesh.shape))
+plot_mesh([[d.id for d in chip] for chip in mesh.devices])
 
 # %% [markdown]
 # ## 2. Parameters: total and active
@@ -270,8 +283,18 @@ for (dtype, placement), (m, r) in compiled.items():
 
 # %%
 bf16_full, bf16_1k, fp8_full, fp8_1k = budgets
-assert bf16_1k.weights_fit and not bf16_1k.fits and bf16_1k.free_bytes < bf16_1k.gdn_state_bytes
-assert fp8_full.fits and fp8_1k.fits
+assert bf16_1k.weights_fit and not bf16_1k.fits
+GiB = 2**30
+notebook.claim_greater("gdn_exceeds_bf16_room", "with bf16 weights the slice has {free:.1f} GiB left for caches, "
+                       "less than the {gdn:.1f} GiB of GDN state 512 requests need alone",
+                       gdn=bf16_1k.gdn_state_bytes / GiB, free=bf16_1k.free_bytes / GiB)
+notebook.claim("fp8_fits", "with FP8 experts the slice has {free:.1f} GiB left, room for both caches of 512 requests "
+               "of {context:,} tokens ({caches:.1f} GiB)", fp8_full.fits and fp8_1k.fits, "fp8 fits, both contexts",
+               free=fp8_full.free_bytes / GiB, caches=fp8_full.cache_bytes / GiB, context=fp8_full.context_len)
+routed_share = stats.params_by_part["routed_experts"] / stats.total_params
+active_routed_share = predicted_routed * k // E / stats.active_params
+notebook.claim_greater("experts_most_bytes", "the routed experts are {share:.0%} of the parameters but "
+                       "{active:.0%} of those a token uses", share=routed_share, active=active_routed_share)
 for (dtype, placement), (m, r) in compiled.items():
     predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
     if r.error is None:

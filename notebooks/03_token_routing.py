@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -67,6 +67,13 @@ for wl in ("8k/1k", "1k/8k"):
     change = stages["replicate"][wl]["component_change"]
     assert all(abs(change[g]) < 1e-9 for g in ("attention", "gdn", "moe")), (wl, change)
     assert change["collectives"] < 0 and stages["replicate"][wl]["gain"] > 1, (wl, change)
+r = {wl: stages["replicate"][wl] for wl in ("8k/1k", "1k/8k")}
+notebook.claim_greater("prefill_gains_more", "the prefill-heavy workload gains more, {prefill:.2%} against "
+                       "{decode:.2%}: its steps are large, and there the collectives move bytes", prefill=r["8k/1k"][
+                           "change"], decode=r["1k/8k"]["change"])
+notebook.claim_largest("moe_dominates_decode", "on 1k/8k the time per token is the MoE's above all ({moe:.0f} ms "
+                       "per 1,000 tokens, attention {attention:.0f}, collectives {collectives:.1f}), and routing does "
+                       "not change it", r["1k/8k"]["ms_per_1k_tokens"], "moe")
 
 # %% [markdown]
 # ## 1. What moves, device by device
@@ -102,6 +109,18 @@ token_no = np.arange(8 * n, dtype=np.int32)[:, None]  # [N, 1]: token t's row ho
 print("token: its top-3 expert ids -> their devices")
 for first in range(0, 8 * n, 4):
     print("  " + ";  ".join(f"{t:>2}: {ids_demo[t].tolist()} -> {dest[t].tolist()}" for t in range(first, first + 4)))
+
+# %% [markdown]
+# **Step by step.** Before the library's collectives run below, the two strategies drawn with these very routes:
+# each device a box, each token a square in the colour of the device it came from. Replication all-gathers every
+# token to every device, and each device then computes the copies its own experts were chosen for; dispatch sends
+# each token only to the devices of its experts, and a second all-to-all brings the results back.
+
+# %%
+# figure: collective_steps
+from qwen35_lib.viz.teaching import plot_collective_steps
+
+plot_collective_steps(dest.reshape(8, n, k_demo).tolist())
 
 # %% [markdown]
 # ### Replication: all-gather, local experts, reduce-scatter
@@ -284,6 +303,8 @@ print(f"distinct devices a token's {k} experts reach, on average: {ragged_rows(5
 # `k = 10` also the capped one (`ceil(f·n·k/8)` exceeds `n`), moves as much as replication.
 
 # %%
+notebook.claim_greater("token_reaches_most_devices", "a token's top-{k} experts reach {reached:.2f} of the 8 "
+                       "devices on average, most of them", reached=ragged_rows(512) / (512 // 8), half=4, k=k)
 for N in (512, 8 * 2048):
     rep_b = wire(dict(routing="replicate"), N)
     static_b = wire(dict(routing="all_to_all"), N)

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -201,6 +201,19 @@ for wl in WORKLOADS:
         assert k["fits"] and ("refused" in b) == (name in few_blocks), (name, wl, b)
         assert name == MODELS[0] or k["total_tokens_per_s"] > big, (name, wl)
         assert "refused" in b or k["total_tokens_per_s"] > b["total_tokens_per_s"], (name, wl)
+tps = {(name, wl): predicted[name, "kernels", wl]["total_tokens_per_s"] for name in MODELS for wl in WORKLOADS}
+others = [tps[name, wl] / tps[MODELS[0], wl] for name in MODELS[1:] for wl in WORKLOADS]
+notebook.claim_greater("smaller_models_serve_more", "under the `kernels` stage every smaller model serves more tokens "
+                       "per second than the 397B model, at least {least:.2f}x its throughput on either workload",
+                       least=min(others), one=1.0)
+beats = [predicted[name, "kernels", wl]["total_tokens_per_s"] / predicted[name, "baseline", wl]["total_tokens_per_s"]
+         for name in MODELS for wl in WORKLOADS if "refused" not in predicted[name, "baseline", wl]]
+notebook.claim_greater("kernels_beat_baseline", "where the baseline runs, the ladder's end beats it for every model "
+                       "and workload, by {least:.1f}x at the least", least=min(beats), one=1.0)
+refused = sorted({name for name in MODELS for wl in WORKLOADS if "refused" in predicted[name, "baseline", wl]})
+notebook.claim("baseline_refused_few_blocks", "the TP baseline is refused for exactly the models whose experts hold "
+               "fewer FP8 scale blocks along the FFN than there are devices ({names})", refused == sorted(few_blocks),
+               "refused baselines == few_fp8_blocks", names=", ".join(refused))
 
 # %% [markdown]
 # ## 4. The same code: a checkpoint of each shape

@@ -383,3 +383,20 @@ def claim_within(name: str, statement: str, lo: float, hi: float, **values: Any)
     """`claim` that the first keyword value lies in [lo, hi]; the bounds are fields `lo` and `hi` too."""
     key, x = next(iter(values.items()))
     return claim(name, statement, lo <= x <= hi, f"{lo:g} <= {key} <= {hi:g}", lo=lo, hi=hi, **values)
+
+
+def add_totals(gain: dict[str, Any], workloads: tuple[str, ...] = ("8k/1k", "1k/8k")) -> dict[str, Any]:
+    """A `stage_gain` record with each workload's component total (`ms_per_1k_tokens_total`, and
+    `previous_ms_per_1k_tokens_total` where it has a previous stage): the sum of every component the cost model
+    charges, the cache copies included, which is one over the throughput (checked: a chapter's table adds up)."""
+    for wl in workloads:
+        row = gain[wl]
+        for prefix, rate in (("", "total_tokens_per_s"), ("previous_", "previous_total_tokens_per_s")):
+            if f"{prefix}ms_per_1k_tokens" not in row:
+                continue
+            total = sum(row[f"{prefix}ms_per_1k_tokens"].values())
+            if abs(total - 1e6 / row[rate]) > 1e-6 * total:
+                raise AssertionError(f"{gain['stage']} {wl}: the components sum to {total} ms per 1,000 tokens, not "
+                                     f"one over the throughput ({1e6 / row[rate]}): a component is missing")
+            row[f"{prefix}ms_per_1k_tokens_total"] = total
+    return gain

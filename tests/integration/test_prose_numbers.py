@@ -143,12 +143,13 @@ def test_the_reported_gains_are_quoted_with_their_provenance() -> None:
 def test_every_placeholder_in_a_chapter_is_well_formed() -> None:
     """A `{{` that starts no result, figure or source placeholder (one broken over a quoted line, a typo) would be
     printed as it stands."""
+    from playbook.claims import CLAIM
     from playbook.results import FIGURE
     from playbook.site import SOURCE
 
     for path in sorted(prose.CHAPTERS.glob("*.md")):
         text = path.read_text()
-        starts = {m.start() for pattern in (PLACEHOLDER, FIGURE, SOURCE) for m in pattern.finditer(text)}
+        starts = {m.start() for pattern in (PLACEHOLDER, FIGURE, SOURCE, CLAIM) for m in pattern.finditer(text)}
         broken = [text[i:i + 40] for i in (m.start() for m in re.finditer(r"\{\{", text)) if i not in starts]
         assert not broken, f"{path.name}: placeholders that do not parse: {broken}"
 
