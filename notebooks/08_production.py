@@ -211,6 +211,8 @@ for row in bench:
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 record = dict(stages={s: c for s, c in changes.items()}, concurrency=list(CONCURRENCY),
               curve={str(c): v for c, v in curve.items()}, curve_3050={str(c): v for c, v in curve_3050.items()},
+              rise=dict(throughput=tput[-1] / tput[0], tpot=tpot[-1] / tpot[0],
+                        requests=CONCURRENCY[-1] / CONCURRENCY[0]),
               published=[dict(concurrency=m["concurrency"], total_tokens_per_s=m["total_tokens_per_s"],
                               median_tpot_ms=m["median_tpot_ms"]) for m in measured],
               bench_workloads=[row["workload"] for row in bench])
