@@ -35,6 +35,12 @@ constexpr int64_t kAhead = 32;  // rows of B a block prefetches ahead (8 KiB of 
 constexpr int64_t kDepth = 128;  // rows of a panel a row block streams at a time: 128 x 64 floats, 32 KiB, stay
                                  // in L1 for the next row block (a whole panel, 128 KiB at K = 512, came from L2)
 
+#if defined(__aarch64__)
+#define QWEN35_IN_REGISTER(v) asm("" : "+w"(v))
+#else
+#define QWEN35_IN_REGISTER(v) asm("" : "+v"(v))
+#endif
+
 // The vectors of a register block of mr rows (see the top)
 constexpr int vecs_for(int mr) {
   int nv = kPanelVecs;
@@ -62,7 +68,10 @@ void block(const float* A, int64_t lda, const W* B, int64_t ldb, int64_t K, floa
     } else {
       vec b[NV];
 #pragma GCC unroll 16
-      for (int j = 0; j < NV; ++j) b[j] = loadv(B + k * ldb + kLanes * j);
+      for (int j = 0; j < NV; ++j) {
+        b[j] = loadv(B + k * ldb + kLanes * j);
+        QWEN35_IN_REGISTER(b[j]);  // else GCC loads it again for each row's FMA (AVX2 6 x 16: 18 loads a k)
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const float a = A[r * lda + k];  // broadcast by the vector ops (`vec{} + a` would cost an add)
