@@ -1,8 +1,9 @@
 """The grouped SwiGLU expert FFNs as a native CPU kernel: the `moe_matmul` slot's `native` implementation.
 
 Same protocol as `moe_xla` (`fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`), computed by
-the C++ handler of `moe_native.cc` (built on first use, `kernels.native`): units of (expert, up to 96 of its
-rows) over XLA's intra-op threads, each two register-blocked matmuls that read the expert's weights in place.
+the C++ handler of `moe_native.cc` (built on first use for this CPU's ISA, `kernels.native`): units of (expert, up
+to 96 of its rows) over XLA's intra-op threads, each two register-blocked matmuls that read the expert's weights in
+place.
 What it removes on XLA:CPU: `moe_loop` copies each touched expert before few-row dots that run at about half
 the memory bandwidth. qwen3.5-mini, float32, 8 layers chained (each layer's weights its own arrays), ms a layer:
 at 8 tokens (64 copies) `moe_loop` 4.6 -> 1.4; the fused form (`moe_native_fused`, what the model runs) against

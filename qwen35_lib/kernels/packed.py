@@ -2,11 +2,12 @@
 
 `PanelPacked` holds a weight of logical shape [*lead, *K, *N] (lead: batch dims such as the experts; K: the
 contracted dims; N: the output dims) as data [*lead, K * N]: the [K, N] matrix's panels of PANEL columns one after
-another, each [K, width] row-major, the last one narrower where N is not a multiple of PANEL. A register block of
-the handlers (`native_gemm.h`) reads 64 columns of every row: row-major, that is 256 bytes every N * 4, which the
-CPU's prefetchers follow worse than one stream. `model.layer_loop.prepare_weights` packs per-layer weights for the
-CPU where the native kernels load (`moe_native.pack_experts`, `dense_native.pack_dense`); the XLA paths unpack,
-or read the panels with a batched dot.
+another, each [K, width] row-major, the last one narrower where N is not a multiple of PANEL. The handlers
+(`native_gemm.h`) read a panel's 64 columns of every row (one AVX-512 register block, four AVX2 or NEON ones side by
+side): row-major, that is 256 bytes every N * 4, which the CPU's prefetchers follow worse than one stream. The
+layout is the same for every ISA variant of the handlers (`native.ISAS`). `model.layer_loop.prepare_weights`
+packs per-layer weights for the CPU where the native kernels load (`moe_native.pack_experts`,
+`dense_native.pack_dense`); the XLA paths unpack, or read the panels with a batched dot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-PANEL = 64  # columns of a panel: the handlers' register block (native_gemm.h kPanel)
+PANEL = 64  # columns of a panel (native_gemm.h kPanel), whatever the ISA
 
 
 @jax.tree_util.register_dataclass
