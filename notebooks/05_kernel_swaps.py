@@ -28,15 +28,15 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/qwen35-playbook/qwen35-playbook/blob/main/notebooks/05_kernel_swaps.ipynb)
 
 # %%
-# Colab: pip-install the library from GitHub (a fork: set $QWEN35_REPO); where `qwen35_lib` imports, nothing happens.
-import importlib.util
-import os
-import sys
+import importlib.util, os, subprocess, sys  # noqa: E401, I001 (one line: the setup stays short)
 
 sys.path.append(os.path.dirname(os.getcwd()))  # from a checkout's notebooks/ folder: its library, not installed
-REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"
-if importlib.util.find_spec("qwen35_lib") is None:
-    os.system(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'")
+REPO = os.environ.get("QWEN35_REPO") or "qwen35-playbook/qwen35-playbook"  # a fork: set $QWEN35_REPO
+if importlib.util.find_spec("qwen35_lib") is None:  # Colab: pip-install it from GitHub (elsewhere: nothing happens)
+    pip = subprocess.run(f"{sys.executable} -m pip install -q 'qwen35-playbook[reference] @ git+https://github.com/{REPO}'",
+                         shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if pip.returncode:  # pip's exit status, and its last lines: why it failed
+        raise RuntimeError(f"pip failed ({pip.returncode}):\n" + "\n".join(pip.stdout.splitlines()[-20:]))
 
 # %% [markdown]
 # **What runs where.** This chapter places no layout, so it keeps an accelerator even when it has fewer devices

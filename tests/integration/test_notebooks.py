@@ -50,8 +50,49 @@ def test_ipynb_in_sync_and_without_outputs(path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
 def test_colab_badge_and_install_cell_name_the_repository(path: pathlib.Path) -> None:
+    """`playbook.GITHUB_REPO` is the one place the repository is named: the badge opens this notebook there, and the
+    install cell pip-installs from it (`$QWEN35_REPO`, a fork, overriding); the badge names no other repository."""
     text = path.read_text()
     assert COLAB_URL.format(repo=GITHUB_REPO, name=path.stem) in text, "Colab badge missing or wrong"
-    assert re.search(rf'^REPO = os.environ.get\("QWEN35_REPO"\) or "{re.escape(GITHUB_REPO)}"$', text, re.M), \
+    badges = re.findall(r"colab\.research\.google\.com/github/([\w.\-]+/[\w.\-]+)/", text)
+    assert badges and set(badges) == {GITHUB_REPO}, badges
+    assert re.search(rf'^REPO = os.environ.get\("QWEN35_REPO"\) or "{re.escape(GITHUB_REPO)}"(  #.*)?$', text, re.M), \
         "the install line must name the repository, $QWEN35_REPO overriding it"
+    assert "@ git+https://github.com/{REPO}'" in text, "the install URL must be built from REPO"
     assert not path.name.startswith("test_")
+
+
+def _install_cell(path: pathlib.Path) -> str:
+    return next(c.source for c in jupytext.read(path).cells if c.cell_type == "code" and "pip install" in c.source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_the_install_cell_checks_pips_exit_status_and_shows_its_tail(path: pathlib.Path, monkeypatch, tmp_path):
+    """On a runtime without the library (Colab) a failed pip stops the notebook there, with pip's exit status and
+    its last lines; a pip that succeeds goes on silently, and a runtime with the library runs no pip at all."""
+    import importlib.util
+    import subprocess
+
+    calls = []
+
+    def pip(returncode):
+        def run(cmd, **kw):
+            calls.append(cmd)
+            assert kw["stderr"] == subprocess.STDOUT  # pip's errors in its output, in order
+            out = "".join(f"line {i}\n" for i in range(40)) + ("ERROR: No matching distribution\n" * bool(returncode))
+            return subprocess.CompletedProcess(cmd, returncode, out, None)
+        return run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QWEN35_REPO", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(subprocess, "run", pip(1))
+    with pytest.raises(RuntimeError, match=r"pip failed \(1\):\n(?s:.*)line 39\nERROR: No matching distribution") as e:
+        exec(_install_cell(path), {})
+    assert "line 20" not in str(e.value)  # its tail only
+    assert f"git+https://github.com/{GITHUB_REPO}" in calls[-1]
+    monkeypatch.setattr(subprocess, "run", pip(0))
+    exec(_install_cell(path), {})
+    monkeypatch.setenv("QWEN35_REPO", "someone/fork")
+    exec(_install_cell(path), {})
+    assert "git+https://github.com/someone/fork'" in calls[-1] and len(calls) == 3
