@@ -33,11 +33,16 @@ HERE = pathlib.Path(__file__).resolve().parent
 FILE = "explorer.html"
 TITLE = "Explorers: placement, collectives and the ladder, without a kernel"
 MODEL = "qwen3.5-397b-a17b"
+WORKLOADS = ((8192, 1024), (1024, 8192))  # the playbook's two workloads (input, output tokens)
+WHOLE_CONTEXT = max(i + o for i, o in WORKLOADS)  # a request's whole context in either: the chapters' serving shape
 SHARDING = dict(hardware=tuple(n for n in hardware_names() if hw.get(n).devices > 1),
-                layouts=("tp", "tp_kvrep", "dp_tp2_ep", "dp_ep"), contexts=CONTEXT_LENS,
+                layouts=("tp", "tp_kvrep", "dp_tp2_ep", "dp_ep"),
+                contexts=tuple(sorted({*CONTEXT_LENS, WHOLE_CONTEXT})),
                 kv_dtypes=("bfloat16", "float8_e4m3fn"), expert_dtypes=("bfloat16", "float8_e4m3fn"),
                 gdn_state_dtypes=GDN_DTYPES, requests=(128, 512), routings=ROUTINGS)
-LADDER = dict(hardware="tpu7x-8", workloads=((8192, 1024), (1024, 8192)), concurrencies=(64, 128, 256, 512))
+LADDER = dict(hardware="tpu7x-8", workloads=WORKLOADS, concurrencies=(64, 128, 256, 512))
+CORNERS = {("TP (tp8_kvrep)", "XLA"): "baseline", ("TP (tp8_kvrep)", "Pallas"): "google_baseline",
+           ("DP + EP (dp8_ep8)", "XLA"): "hier_rs", ("DP + EP (dp8_ep8)", "Pallas"): "kernels"}  # the 2 x 2
 PARTS = ("attention", "GDN", "routed experts", "other")  # DevicePlacement.weight_bytes_by_part keys
 
 
@@ -104,20 +109,27 @@ def sharding_grid(model: str = MODEL, **grid) -> dict:
 
 
 def ladder_grid(model: str = MODEL, **grid) -> dict:
-    """points {workload|concurrency: [one row per stage]} of `costmodel.ladder`; `grid` overrides LADDER's."""
+    """points {workload|concurrency: [one row per stage]} of `costmodel.ladder`, and corners {workload|concurrency:
+    {stage: total tokens/s}} of the 2 x 2 (layout x kernels, CORNERS: `costmodel.attribution`'s corners, the
+    `google_baseline` plan predicted beside the ladder); `grid` overrides LADDER's."""
     from qwen35_lib.costmodel import ladder
     from qwen35_lib.plan import LADDER as STAGES
 
     g = {**LADDER, **grid}
     keep = ("stage", "fits", "total_tokens_per_s", "output_tokens_per_s", "mean_step_s", "median_tpot_s", "gain",
             "vs_baseline")
-    points, workloads = {}, {}
+    points, workloads, corners = {}, {}, {}
     for (isl, osl), conc in itertools.product(g["workloads"], g["concurrencies"]):
-        rows = ladder(model, g["hardware"], ((isl, osl),), conc, google_baseline=False, roofline=False)
+        rows = ladder(model, g["hardware"], ((isl, osl),), conc, google_baseline=True, roofline=False)
         workloads[rows[0]["workload"]] = [isl, osl]  # "8k/1k": ladder's own name
         points[key(rows[0]["workload"], conc)] = [{k: r.get(k) for k in keep} for r in rows]
+        by_stage = {r["stage"]: r for r in rows}
+        corners[key(rows[0]["workload"], conc)] = {
+            st: (by_stage[st]["total_tokens_per_s"] if by_stage[st]["fits"] else None) if st in by_stage
+            else by_stage["kernels"].get("google_baseline_total_tokens_per_s") for st in CORNERS.values()}
     return dict(model=model, hardware=g["hardware"], stages=list(STAGES), concurrencies=list(g["concurrencies"]),
-                workloads=workloads, points=points)
+                workloads=workloads, points=points, corners=corners,
+                corner_axes=[[layout, kernels, st] for (layout, kernels), st in CORNERS.items()])
 
 
 def page_body(sharding: dict, ladder: dict, seconds: float) -> str:
@@ -127,7 +139,9 @@ def page_body(sharding: dict, ladder: dict, seconds: float) -> str:
     note = (f"{n:,} grid points computed by <code>qwen35_lib</code> when this site was built ({seconds:.1f} s): "
             f"<code>placement.placement</code>, <code>costmodel.traffic.collective_counts</code>, "
             f"<code>costmodel.ladder</code>. Model: <code>{html.escape(sharding['model'])}</code>.")
-    return (HERE / "templates" / "explorer.html").read_text().replace("__NOTE__", note).replace("__DATA__", data)
+    page = (HERE / "templates" / "explorer.html").read_text().replace("__NOTE__", note)
+    default = WHOLE_CONTEXT if WHOLE_CONTEXT in sharding["axes"]["contexts"] else sharding["axes"]["contexts"][0]
+    return page.replace("__CONTEXT__", str(default)).replace("__DATA__", data)
 
 
 def write_page(out: pathlib.Path, sharding: dict | None = None, ladder: dict | None = None) -> pathlib.Path:

@@ -237,6 +237,7 @@ def test_static_explorer_page_without_a_kernel(tmp_path: pathlib.Path):
         value = WebDriverWait(browser, 20, 0.2).until(lambda b: shown(b, bar, "data-value") != before
                                                        and shown(b, bar, "data-value"))
         assert float(value) == kernels and browser.find_element(By.ID, "concurrency-value").text == "16 requests"
+        assert float(shown(browser, "#two-by-two-table [data-stage=kernels]", "data-value")) == kernels  # the 2 x 2
         browser.save_screenshot(str(ARTIFACTS / "static_explorer.png"))
     except Exception:
         browser.save_screenshot(str(ARTIFACTS / "static_explorer_failed.png"))

@@ -76,6 +76,24 @@ def test_ladder_grid_is_predict():
     assert [r["stage"] for r in rows] == lad["stages"]
     r = predict(MODEL, "tpu7x-8", "replicate", 1024, 1024, 16, roofline=False)
     assert rows[lad["stages"].index("replicate")]["total_tokens_per_s"] == r["total_tokens_per_s"]
+    # the 2 x 2: attribution's corners, each the prediction of its stage
+    from qwen35_lib.costmodel.attribution import CORNERS
+
+    corners = lad["corners"]["1k/1k|16"]
+    assert set(corners) == set(CORNERS.values()) == {st for _, _, st in lad["corner_axes"]}
+    for st in ("google_baseline", "kernels"):
+        assert corners[st] == predict(MODEL, "tpu7x-8", st, 1024, 1024, 16, roofline=False)["total_tokens_per_s"]
+
+
+def test_the_explorer_offers_the_whole_context_first():
+    """The chapters' serving shape, a request's whole context (9,216 tokens: 8k in + 1k out), is on the grid and the
+    page's default."""
+    assert explorer.WHOLE_CONTEXT == 8192 + 1024 and explorer.WHOLE_CONTEXT in explorer.SHARDING["contexts"]
+    body = explorer.page_body(dict(model=MODEL, axes=dict(contexts=[8192, explorer.WHOLE_CONTEXT]), memory={},
+                                   collectives={}),
+                              dict(points={}), 0.0)
+    assert f", {explorer.WHOLE_CONTEXT}, renderSharding)" in body and "__CONTEXT__" not in body
+    assert 'id="two-by-two-table"' in body and "renderCorners()" in body
 
 
 def test_page_embeds_the_grid(tmp_path: pathlib.Path):
