@@ -412,3 +412,26 @@ notebook.save_results("architecture", record)
 #    Compare `budget.hbm_budget(fp8, tpu, 512, 8192).max_concurrency` with the whole context's: more fit, though
 #    fewer than a ninth more: the KV cache shrinks by a ninth, the GDN state not at all.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+n = serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token
+notebook.answer(1, "At {n:,} tokens: a request's GDN state ({gdn:.1f} MiB) equals that many tokens of KV cache "
+                "({kv:,} bytes a token); below it the GDN layers cost more.", n=n,
+                gdn=serve_stats.gdn_state_bytes_per_seq / 2**20, kv=serve_stats.kv_bytes_per_token)
+rep = budget.hbm_budget(fp8, tpu, 512, CONTEXT, placement="experts_sharded")
+notebook.answer(2, "{extra:.1f} GiB of extra copies over the slice; {free:.1f} GiB left for caches; 512 requests of "
+                "{ctx:,} tokens fit: {fits}.", extra=(rep.weight_bytes_on_devices - rep.weight_bytes) / GiB,
+                free=rep.free_bytes / GiB, ctx=CONTEXT, fits=rep.fits)
+notebook.answer(3, "{n:,} requests of {ctx:,} tokens with a float32 GDN state (against {was:,} with bf16).",
+                n=budget.hbm_budget(fp8.replace(gdn_state_dtype="float32"), tpu, 512, CONTEXT).max_concurrency,
+                ctx=CONTEXT, was=fp8_full.max_concurrency)
+other = {name: budget.hbm_budget(fp8, hardware.get(name), 512, CONTEXT) for name in ("h200-8", "v5p-8")}
+notebook.answer(4, "h200-8: fits {h}, at most {hn:,} requests of {ctx:,} tokens; v5p-8: fits {v}, at most {vn:,}.",
+                h=other["h200-8"].fits, hn=other["h200-8"].max_concurrency, v=other["v5p-8"].fits,
+                vn=other["v5p-8"].max_concurrency, ctx=CONTEXT)
+notebook.answer(5, "{n:,} requests with only the 8k input cached, against {was:,} with the whole context: {more:.1%} "
+                "more.", n=budget.hbm_budget(fp8, tpu, 512, 8192).max_concurrency, was=fp8_full.max_concurrency,
+                more=budget.hbm_budget(fp8, tpu, 512, 8192).max_concurrency / fp8_full.max_concurrency - 1)

@@ -603,3 +603,28 @@ notebook.save_results("naive_tp", record)
 #    The ratio is `(8n + 1) / (2 (n + 1))` for `n` pages per sequence (8 sequences on one head against one
 #    sequence on both heads): `n = 349` pages, `349 * 16` tokens, gives 3.99.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+lo, hi = 0, 512  # the largest request count whose bf16-cache placement fits: a bisection
+while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if placement(big, "tp8_kvrep", requests=mid, context_len=CONTEXT).fits else (lo, mid - 1)
+notebook.answer(1, "{n} requests of {ctx:,} tokens with a bf16 KV cache under tp8_kvrep (dp8_ep8 fits all 512: "
+                "{dp}).", n=lo, ctx=CONTEXT, dp=bf16_plans["dp8_ep8"].fits)
+four = tiny.replace(num_kv_heads=4, num_q_heads=8)
+try:
+    get_layout("tp8").bind(mesh, four)
+    said = "nothing: it binds"
+except ValueError as e:
+    said = str(e).split(";")[0]
+notebook.answer(2, "tp8 refuses: \"{said}\"; tp8_kvrep replicates each of the 4 KV heads {r} times (8 / 4), the "
+                "smallest replication that works.", said=said, r=get_layout("tp8_kvrep").kv_replication(four, mesh))
+c = placement(big, "tp8_kvrep").copies
+notebook.answer(3, "weights {w:.2f} copies, KV cache {kv:.2f}, GDN state {g:.2f}.", w=c["weights"], kv=c["kv"],
+                g=c["gdn_state"])
+n_pages = next(n for n in range(1, 10_000) if (8 * n + 1) / (2 * (n + 1)) >= 3.99)
+notebook.answer(4, "{n} pages a sequence ({tokens:,} tokens at {ps} a page): (8 x {n} + 1) / (2 x ({n} + 1)) = "
+                "{ratio:.4f}.", n=n_pages, ps=ps, tokens=ps * n_pages, ratio=(8 * n_pages + 1) / (2 * (n_pages + 1)))

@@ -474,3 +474,30 @@ notebook.save_results("dp_ep", record)
 #    Per MoE layer, three all-gathers (hidden states, top-k ids, top-k weights: every device sees every token) and
 #    one reduce-scatter of the partial outputs; notebook 03 compares the two strategies.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+mid = placement(big, "dp4_tp2_ep8", requests=512, context_len=8192 + 1024, kv_dtype=FP8_KV)
+dense = {k: v for k, v in p.per_device[0].weight_bytes_by_part.items() if k != "routed experts"}
+dense_mid = {k: v for k, v in mid.per_device[0].weight_bytes_by_part.items() if k != "routed experts"}
+notebook.answer(1, "{d:.2f} GiB a device of weights that are not routed experts under dp8_ep8, {m:.2f} GiB under "
+                "dp4_tp2_ep8: it saves {saved:.2f} GiB a device.", d=sum(dense.values()) / 2**30,
+                m=sum(dense_mid.values()) / 2**30, saved=(sum(dense.values()) - sum(dense_mid.values())) / 2**30)
+a2a = sorted({op.bytes for op in body_ops["CPU"] if op.kind == "all-to-all"})
+notebook.answer(2, "the packed ids and weights: {small:,} bytes against {large:,} for the token rows and outputs "
+                "(on the CPU compile), {ratio:.0f}x fewer: 2k values a row against D.", small=a2a[0], large=a2a[-1],
+                ratio=a2a[-1] / a2a[0])
+ranks, requests_ = 8, 8 + 1
+slots = ranks * -(-requests_ // ranks)  # every rank runs the same step shape: the busiest rank's
+notebook.answer(3, "{slots} request slots run for {n} requests: {pad} of them padding, {frac:.0%} of the step, on "
+                "the {idle} ranks that hold one request.", slots=slots, n=requests_, pad=slots - requests_,
+                frac=(slots - requests_) / slots, idle=ranks - 1)
+rep_counts = collective_counts(get_stage("replicate").bind(make_mesh()), step_cfg, shape, "tpu")
+notebook.answer(4, "per step {ag} all-gathers and {rs} reduce-scatters (the cost model's count for the same step), "
+                "{a2a} all-to-alls: {per} all-gathers and {rs_layer} reduce-scatter a MoE layer.",
+                ag=rep_counts.get("all-gather", (0, 0))[0], rs=rep_counts.get("reduce-scatter", (0, 0))[0],
+                a2a=rep_counts.get("all-to-all", (0, 0))[0],
+                per=rep_counts.get("all-gather", (0, 0))[0] // step_cfg.num_layers,
+                rs_layer=rep_counts.get("reduce-scatter", (0, 0))[0] // step_cfg.num_layers)

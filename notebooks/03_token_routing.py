@@ -596,3 +596,28 @@ notebook.save_results("token_routing", record)
 #    padded rows per destination: the bytes become what the routing needs, no worst-case padding. XLA:CPU does
 #    not implement it, which is why the library pads here.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+def wire_k(kw, top_k, N=512):  # one MoE layer's wire bytes per device, for the model with top-k routing
+    m = big.replace(num_experts_per_tok=top_k)
+    return traffic.wire_bytes(traffic.moe_layer_ops(EP.replace(**kw).bind(abstract_mesh(8), m), m, N))
+
+
+K = big.num_experts_per_tok
+capped_wire = {top_k: wire_k(STRATEGIES["all_to_all (f = 1.25)"], top_k) for top_k in range(1, K + 1)}
+replicate_wire = {top_k: wire_k(STRATEGIES["replicate"], top_k) for top_k in range(1, K + 1)}
+last = max((t for t in capped_wire if capped_wire[t] < replicate_wire[t]), default=0)
+notebook.answer(1, "the capped all-to-all (f = 1.25) moves fewer bytes than replication for k up to {last}, and more "
+                "from k = {first_more}; at Qwen3.5's k = {k}: {a2a:.2f} MiB against {rep:.2f} MiB a layer.",
+                last=last, first_more=last + 1, k=K, a2a=capped_wire[K] / 2**20, rep=replicate_wire[K] / 2**20)
+factor = next(f / 4 for f in range(4, 8 * 4 * 8 + 1) if routing.predicted_drops(
+    tiny, EP.replace(routing="all_to_all", capacity_factor=f / 4), ids["skewed"]) == 0)
+notebook.answer(2, "f = {f:.2f} (searched in steps of 0.25): the skewed batch drops nothing from there on, against "
+                "{d} dropped at f = 1.", f=factor, d=routing.predicted_drops(tiny, capped[1.0], ids["skewed"]))
+notebook.answer(3, "at N = 512 a ragged all-to-all would put {ragged:.2f} MiB a layer on a device's links against "
+                "{static:.2f} MiB for the padded dropless buffer: {ratio:.0%} of it.", ragged=ragged_wire(512) / 2**20,
+                static=wire(STRATEGIES["all_to_all (dropless)"], 512) / 2**20,
+                ratio=ragged_wire(512) / wire(STRATEGIES["all_to_all (dropless)"], 512))

@@ -474,3 +474,23 @@ notebook.save_results("collective_fusion", record)
 #    Solve `N·k·2 · 7/8 / (2 · bw) = latency` for `N` with those figures: the answer is far beyond any step here
 #    (compare the token budget of a step), so fusing always pays.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+from qwen35_lib.costmodel import collectives as cm_collectives
+
+notebook.answer(1, "block 2c + j, no permute; but the chip phase sends 3/4 of N·D·b = {cross:.2f} MiB a device "
+                "across chips and the core phase 1/8 = {inside:.2f} MiB inside one (397B, N = 512), where the permuted "
+                "order sends {perm:.2f} MiB across chips.", cross=3 * Nb / 4 / 2**20, inside=Nb / 8 / 2**20,
+                perm=per_phase["inter-chip (chip)"] / 2**20)
+rs = {m: cm_collectives.hierarchical_reduce_scatter(tpu7x, Nb, m).seconds * 1e6 for m in (1, 2, 4, 8)}
+notebook.answer(2, "for the 397B layer at N = 512 on TPU7x-8 the cost model gives {m1:.1f} us unsplit, {m2:.1f} with 2 "
+                "micro-batches, {m4:.1f} with 4 and {m8:.1f} with 8 (the shorter phase hidden behind the longer, "
+                "a fixed latency added per micro-batch).", m1=rs[1], m2=rs[2], m4=rs[4], m8=rs[8])
+latency = tpu7x.collective_launch_s + 7 * tpu7x.hop_latency_s
+bw = tpu7x.ring_link_bytes_per_s * tpu7x.eff_ici
+n_even = latency * 2 * bw / (big.num_experts_per_tok * 2 * 7 / 8)
+notebook.answer(3, "N = {n:,.0f} tokens a step, from a latency of {lat:.1f} us and a ring link of {bw:.0f} GB/s: far "
+                "beyond any step's token budget, so fusing always pays.", n=n_even, lat=latency * 1e6, bw=bw / 1e9)

@@ -400,3 +400,22 @@ def add_totals(gain: dict[str, Any], workloads: tuple[str, ...] = ("8k/1k", "1k/
                                      f"one over the throughput ({1e6 / row[rate]}): a component is missing")
             row[f"{prefix}ms_per_1k_tokens_total"] = total
     return gain
+
+
+def answer(exercise: int | str, text: str, **values: Any) -> str:
+    """Show the numeric answer to exercise `exercise`, folded (`<details>`) so a reader tries first, its figures
+    from this run: `text` formatted with `values` (`str.format`). In a notebook it displays as HTML (the rendered
+    notebook and Colab fold it), elsewhere it prints; the text is returned."""
+    import html as html_
+
+    shown = text.format(**{k: _number(v) for k, v in values.items()})
+    summary = f"Answer to exercise {exercise}, computed by this run"
+    try:
+        from IPython.display import display
+    except ImportError:
+        print(f"{summary}: {shown}")
+        return shown
+    display({"text/plain": f"{summary}: {shown}",
+             "text/html": f"<details><summary>{html_.escape(summary)}</summary><p>{html_.escape(shown)}</p></details>"},
+            raw=True)
+    return shown
