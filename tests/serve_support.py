@@ -55,7 +55,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(tok_dir: pathlib.Path, limits=None, warmup=()):
+def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_compiled=None):
     import uvicorn
 
     from qwen35_lib.serve.app import make_app
@@ -70,7 +70,12 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=()):
         from qwen35_lib.serve.cli import all_buckets
 
         warmup = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
-    loop = EngineLoop(engine, warmup=warmup).start()
+    later = []
+    if background:  # `serve --warmup background`: every step shape (both variants) compiled behind the server
+        from qwen35_lib.serve.cli import all_buckets
+
+        later = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
+    loop = EngineLoop(engine, warmup=warmup, background=later, on_compiled=on_compiled).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(make_app(loop, MODEL, text, limits), log_level="warning"))

@@ -10,6 +10,14 @@ Start-up (`--warmup background`, the default): /health is ok once the step shape
 (two: its prefill and its decode); every other shape (`all_buckets`, plain first, then with logits processing)
 compiles on a background thread while the server serves (`loop.EngineLoop`). SIGTERM (or Ctrl-C) stops accepting,
 lets the open requests finish for at most --shutdown-timeout seconds, then exits.
+
+Compile cache (`--compile-cache`, on by default, under the user's cache folder): the server process only reads JAX's
+persistent compilation cache (entries are written only for compiles of at least 10^9 s, i.e. never), so a restart
+loads every program it compiled before instead of compiling it. The entries are written by a child process
+(`--fill-compile-cache`, niced, started once the server has compiled everything and only if it missed the cache),
+which compiles the same programs again with writing on: jaxlib 0.10.2 segfaulted now and then while serializing an
+XLA:CPU executable into the cache (the Makefile's note), and a crash there now ends only the child, never the
+server (a parent-death signal ends the child with the server).
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import socket
+import subprocess
+import sys
 
 from qwen35_lib import cli_generate
 from qwen35_lib.cli_errors import port, positive
@@ -53,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "processing: penalties, logit_bias, ...) on a background thread while serving; all: every "
                           "shape, both variants, before /health reports ok; plain: every shape without logits "
                           "processing before ok (a processed step compiles on first use); none: each on first use")
+    eng.add_argument("--compile-cache", metavar="DIR|off", default=None,
+                     help="JAX's persistent compilation cache, read by the server and filled by a child process "
+                          "(default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/qwen35_lib/jax or "
+                          "~/.cache/qwen35_lib/jax; off: none)")
+    eng.add_argument("--fill-compile-cache", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=port, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -135,6 +151,72 @@ def generation_defaults(root: pathlib.Path | None) -> tuple[tuple[str, float], .
                  if isinstance(doc.get(k), (int, float)) and not isinstance(doc.get(k), bool))
 
 
+def compile_cache_dir(value: str | None) -> pathlib.Path | None:
+    """--compile-cache as a folder (None: off)."""
+    if value == "off":
+        return None
+    if value:
+        return pathlib.Path(value).expanduser()
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return pathlib.Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "qwen35_lib" / "jax"
+
+
+MISSES = [0]  # persistent-cache misses of this process (jax's monitoring events)
+
+
+def use_compile_cache(path: pathlib.Path, write: bool) -> None:
+    """JAX's persistent compilation cache in `path`: read always, written only when `write` (the filling child)."""
+    import jax
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--compile-cache {path}: cannot create it ({e.strerror or e}); give a writable folder or "
+                      "'off'") from None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if write else 1e9)
+
+    def count(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_misses":
+            MISSES[0] += 1
+
+    if not write:
+        jax.monitoring.register_event_listener(count)
+
+
+def _child_args(args: argparse.Namespace) -> dict:
+    """The options of this server as JSON (the filling child rebuilds the same engine from them)."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+
+
+def spawn_cache_filler(args: argparse.Namespace) -> subprocess.Popen | None:
+    """The child that fills the compile cache (niced; ended with this process), when this one missed the cache."""
+    if not MISSES[0]:
+        return None
+    code = "import sys; from qwen35_lib.serve.cli import fill_from_json; sys.exit(fill_from_json(sys.argv[1]))"
+    cli_generate.progress(f"the compile cache missed {MISSES[0]} programs: a child process fills it for the next "
+                          "start")
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(_child_args(args))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def fill_from_json(doc: str) -> int:
+    """The filling child: lowest priority, SIGTERM when its server dies (Linux), then `run` in fill mode."""
+    os.nice(19)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    args = argparse.Namespace(**json.loads(doc))
+    args.fill_compile_cache = True
+    return run(args)
+
+
 def longest_token_chars(text) -> int:
     """The most characters one token of the tokenizer stands for (vocabulary entries and added tokens)."""
     vocab = text.tokenizer.get_vocab(with_added_tokens=True)
@@ -172,7 +254,20 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--tokenizer {tok_dir} has no tokenizer.json")
     text = load_text(tok_dir) if tok_dir is not None and (tok_dir / "tokenizer.json").is_file() else None
     name = args.served_model_name or cli_generate.checkpoint_name(args.checkpoint, root) or preset
+    cache = compile_cache_dir(args.compile_cache)
+    if args.fill_compile_cache:  # the child: compile every program the server runs, writing the cache; no socket
+        if cache is None:
+            raise ValueError("--fill-compile-cache needs a --compile-cache folder")
+        use_compile_cache(cache, write=True)
+        config, weights = cli_generate.load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
+                                             name=cli_generate.hub_name(args.checkpoint))
+        engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
+        for d, t, processing in warmup_shapes(engine, "all")[0]:
+            engine.precompile(buckets=[(d, t)], processing=processing)
+        return 0
     sock = bind_socket(args.host, args.port)
+    if cache is not None:
+        use_compile_cache(cache, write=False)
 
     # 2. Weights, engine, loop, server.
     cli_generate.progress(f"loading {root}" if root else f"random weights for {preset}")
@@ -181,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
     _log_to_stderr()
     warmup, background = warmup_shapes(engine, args.warmup)
-    loop = EngineLoop(engine, warmup=warmup, background=background, log_interval_s=args.log_stats_interval).start()
+    filler: list = []
+    loop = EngineLoop(engine, warmup=warmup, background=background, log_interval_s=args.log_stats_interval,
+                      on_compiled=(lambda: filler.append(spawn_cache_filler(args))) if cache else None).start()
     chars = args.max_prompt_chars or 2 * ec.max_model_len * (longest_token_chars(text) if text else 1)
     limits = Limits(max_model_len=ec.max_model_len, max_prompts_per_request=args.max_prompts_per_request,
                     max_prompt_chars=chars, max_request_bytes=args.max_request_bytes,
@@ -199,12 +296,15 @@ def run(args: argparse.Namespace) -> int:
                            "background after)")
     server = uvicorn.Server(uvicorn.Config(make_app(loop, name, text, limits, api_key=args.api_key),
                                            log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.shutdown_timeout or None))
+                                           timeout_graceful_shutdown=max(args.shutdown_timeout, 0.01)))
     try:
         server.run(sockets=[sock])
     finally:
         loop.stop()
         sock.close()
+        for child in filler:
+            if child is not None and child.poll() is None:
+                child.terminate()
     return 0
 
 

@@ -64,7 +64,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int, bool]] = (),
                  background: Sequence[tuple[int, int, bool]] = (), max_adds_per_step: int = 64,
-                 log_interval_s: float = 0.0):
+                 log_interval_s: float = 0.0, on_compiled: Any = None):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self.warmup = list(warmup)
@@ -72,6 +72,7 @@ class EngineLoop:
         self.compiled_in_background = 0  # background shapes compiled so far
         self._compiler = threading.Thread(target=self._compile_background, name="qwen35-compile", daemon=True)
         self._steps: _WaitingStep | None = None
+        self.on_compiled = on_compiled  # called (on a loop thread) once the warm-up and background compiles are done
         self.max_adds_per_step = max_adds_per_step
         self.log_interval_s = log_interval_s  # 0: no periodic stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -129,6 +130,8 @@ class EngineLoop:
             return
         if self.background and not self._stopping.is_set():
             self._compiler.start()
+        elif self.on_compiled is not None:
+            self.on_compiled()
         last_log, last = time.perf_counter(), (0, 0)
         while not self._stopping.is_set():
             more = self.drain()
@@ -194,6 +197,8 @@ class EngineLoop:
                 steps.release(key)
         log.warning("background compile: %d step shapes ready in %.1f s", self.compiled_in_background,
                     time.perf_counter() - start)
+        if self.on_compiled is not None and not self._stopping.is_set():
+            self.on_compiled()
 
     def _log_stats(self, seconds: float, last: tuple[int, int]) -> tuple[int, int]:
         """vLLM's periodic line: prompt and generation throughput since the last one, queue, KV pages."""

@@ -199,7 +199,7 @@ def test_cli_serve_subprocess():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-m", "qwen35_lib", "serve", "--port", "0", "--max-num-seqs", "1",
            "--max-num-batched-tokens", "64", "--max-model-len", "64", "--page-size", "8", "--dtype", "float32",
-           "--warmup", "plain"]
+           "--warmup", "plain", "--compile-cache", "off", "--shutdown-timeout", "2"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -227,9 +227,26 @@ def test_cli_serve_subprocess():
         assert len(r.choices[0].token_ids) == 1 and r.choices[0].text == ""  # a random preset has no tokenizer
         with pytest.raises(openai.BadRequestError, match="no tokenizer"):
             client.completions.create(model="qwen3.5-tiny", prompt="text", max_tokens=1)
+        # SIGTERM while a stream is open: it may finish for --shutdown-timeout (2 s), then the server exits
+        opened = threading.Event()
+
+        def stream():
+            try:
+                body = {"model": "qwen3.5-tiny", "prompt": [3, 4], "max_tokens": 60, "ignore_eos": True,
+                        "stream": True}
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        opened.set()
+            except httpx.HTTPError:
+                pass
+
+        threading.Thread(target=stream, daemon=True).start()
+        assert opened.wait(60)
     finally:
+        t = time.time()
         proc.terminate()
         assert proc.wait(60) == -signal.SIGTERM
+        assert time.time() - t < 30
 
 
 @pytest.mark.parametrize("flags, message", [

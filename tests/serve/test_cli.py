@@ -98,7 +98,7 @@ def test_run_serves_a_random_preset(monkeypatch, capsys):
 
     monkeypatch.setattr(uvicorn, "Server", FakeServer)
     assert cli.run(_parse(["--port", "0", "--warmup", "none", "--max-model-len", "64", "--served-model-name",
-                           "tiny"])) == 0
+                           "tiny", "--compile-cache", "off"])) == 0
     err = capsys.readouterr().err
     assert "# random weights for qwen3.5-tiny" in err
     assert f"# serving tiny on http://127.0.0.1:{served['port']} (layout single, 1 rank(s) of max_num_seqs=8; no " \
@@ -107,3 +107,17 @@ def test_run_serves_a_random_preset(monkeypatch, capsys):
     assert served["log_level"] == "warning"
     with pytest.raises(OSError):  # the socket is closed once the server returns
         socket.socket().connect(("127.0.0.1", served["port"]))
+
+
+def test_compile_cache_folder(monkeypatch, tmp_path):
+    """--compile-cache: a folder, 'off', or by default $JAX_COMPILATION_CACHE_DIR, else the user's cache folder."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.compile_cache_dir(None) == tmp_path / "qwen35_lib" / "jax"
+    assert cli.compile_cache_dir("off") is None and cli.compile_cache_dir(str(tmp_path / "c")) == tmp_path / "c"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "j"))
+    assert cli.compile_cache_dir(None) == tmp_path / "j"
+    args = _parse(["--max-model-len", "64"])
+    child = cli._child_args(args)  # what the cache-filling child rebuilds its engine from: plain JSON values
+    assert child["max_model_len"] == 64 and "run" not in child
+    assert cli.spawn_cache_filler(args) is None  # nothing missed the cache: no child

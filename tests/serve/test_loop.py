@@ -185,3 +185,22 @@ def test_warmup_compiles_every_step_shape_before_health_is_ok(tmp_path):
                                                                         "max_tokens": 3, **extra})
             assert r.status_code == 200, r.text
         assert s.engine.stats.traces == traces  # nothing compiled while serving
+
+
+def test_background_compiles_serve_without_a_second_compile(tmp_path):
+    """`--warmup background`: /health is ok before any shape is compiled here (no warm-up list), a background thread
+    compiles the given shapes, and a request of those shapes then steps without tracing the step again; its tokens
+    are the engine's run alone. `on_compiled` is called once the background is done (the compile-cache filler's
+    cue)."""
+    from qwen35_lib.engine import engine as engine_module
+
+    called = threading.Event()
+    with serve_support.running(tmp_path / "tok", background=True, on_compiled=called.set) as s:
+        assert s.health()["status"] == "ok"
+        assert called.wait(600) and s.loop.compiled_in_background + len(s.loop._steps._seen) >= 1
+        assert not s.loop._steps._pending  # every claimed shape released
+        traces = engine_module.TRACES[0]
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3,
+                                                        "temperature": 0, "ignore_eos": True}, timeout=120).json()
+        assert engine_module.TRACES[0] == traces  # every shape of the request was compiled already
+        assert r["choices"][0]["token_ids"] == s.alone([5, 6, 7], 3)

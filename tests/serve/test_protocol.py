@@ -333,6 +333,16 @@ def test_logprobs_echo_and_prompt_logprobs_follow_the_model(server):
         assert got[0] is None and len(got) == len(PROMPT) + max_tokens
         np.testing.assert_allclose(got[1:len(PROMPT)], [ref[i - 1, PROMPT[i]] for i in range(1, len(PROMPT))],
                                    atol=2e-3)
+    # lm-eval's local-completions loglikelihood, as it reads the answer: context PROMPT[:4], continuation
+    # PROMPT[4:]; the sum of token_logprobs[ctxlen:-1] (its last entry is the generated token's) and is_greedy
+    lm = post(server, {"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1,
+                       "seed": 1234}).json()["choices"][0]["logprobs"]
+    ctxlen = 4
+    loglik = sum(lm["token_logprobs"][ctxlen:-1])
+    assert abs(loglik - sum(ref[i - 1, PROMPT[i]] for i in range(ctxlen, len(PROMPT)))) < 5e-3
+    greedy = all(max(top, key=top.get) == tok for tok, top in zip(lm["tokens"][ctxlen:-1],
+                                                                   lm["top_logprobs"][ctxlen:-1]))
+    assert greedy == all(int(np.argmax(ref[i - 1])) == PROMPT[i] for i in range(ctxlen, len(PROMPT)))
     # logprobs=0: the chosen token's log-probability, no others (vLLM)
     z = post(server, body | {"logprobs": 0}).json()["choices"][0]["logprobs"]
     assert [list(d) for d in z["top_logprobs"]] == [[t] for t in z["tokens"]]
