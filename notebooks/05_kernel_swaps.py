@@ -492,3 +492,37 @@ notebook.save_results("kernel_swaps", record)
 #    charges both the same `2 * state` bytes per sequence plus the chunk's inputs, so adding XLA's per-chunk state
 #    traffic (64 heads x 128 x 128 x 4 B per chunk) to the `xla` family would be the change.
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+from qwen35_lib.costmodel import ops, specs
+from qwen35_lib.costmodel.predict import serving_model
+from qwen35_lib.costmodel.step import placement as stage_placement
+from qwen35_lib.plan import get_stage
+
+ridge = roof[0]["ridge"]
+cfg_s, tpu_s = serving_model(), specs.get("tpu7x-8")
+copies = 512 * cfg_s.num_experts_per_tok / cfg_s.num_experts  # token copies per expert, a decode step of 512
+notebook.answer(1, "the ridge is {ridge:.0f} FLOPs a byte: compute-bound from about {fp8:.0f} token copies per expert "
+                "with FP8 weights ({ridge:.0f} / 2) and {bf16:.0f} with bf16; a decode step at 512 requests gives "
+                "{copies:.0f}, memory-bound by {factor:.0f}x.", ridge=ridge, fp8=ridge / 2, bf16=ridge,
+                copies=copies, factor=ridge / 2 / copies)
+attn = {}
+for st in ("hier_rs", "kernels"):
+    pl = stage_placement(cfg_s, tpu_s, get_stage(st), kv_dtype="float8_e4m3fn")
+    attn[st] = [ops.attention_block(cfg_s, ops.Batch(decodes=512, decode_ctx=ctx, max_ctx=9216), pl)[
+        "attn_core"].hbm_bytes for ctx in (4608, 922)]
+notebook.answer(2, "XLA's attention moves {x0:.2f} GiB a device at a mean context of half the longest and {x1:.2f} "
+                "GiB at a tenth (unchanged: it reads the longest); the Pallas kernel {p0:.2f} GiB then {p1:.2f} "
+                "GiB ({ratio:.0%} of it).", x0=attn["hier_rs"][0] / 2**30, x1=attn["hier_rs"][1] / 2**30,
+                p0=attn["kernels"][0] / 2**30, p1=attn["kernels"][1] / 2**30,
+                ratio=attn["kernels"][1] / attn["kernels"][0])
+notebook.answer(3, "nothing: on this runtime the Pallas kernels ran in {mode} mode on {where}; the TPU7x figures are "
+                "the cost model's and the Mosaic compile's.", mode=RT.pallas, where=RT.twins.upper())
+chunk_state = cfg_s.gdn_num_v_heads * cfg_s.gdn_k_head_dim * cfg_s.gdn_v_head_dim * 4
+notebook.answer(4, "XLA's chunked scan would add about {mib:.2f} MiB of state traffic per chunk of a sequence in each "
+                "GDN layer ({heads} value heads x {dk} x {dv} x 4 bytes, written and read once per chunk).",
+                mib=2 * chunk_state / 2**20, heads=cfg_s.gdn_num_v_heads, dk=cfg_s.gdn_k_head_dim,
+                dv=cfg_s.gdn_v_head_dim)

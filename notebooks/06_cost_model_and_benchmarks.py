@@ -720,3 +720,37 @@ notebook.save_results("costmodel", record)
 #    (`layout_with_pallas` below one) but is what fits: under `tp8_kvrep` every device keeps a replicated KV head of
 #    every request, and the TP baseline's compile is refused at the serving shape (section 5).
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them.
+
+# %%
+from qwen35_lib.costmodel import collectives as cm_collectives
+from qwen35_lib.costmodel.predict import predict as cm_predict
+
+at = {c: cm_predict(stage="kernels", isl=1024, osl=8192, concurrency=c, roofline=False) for c in (64, 512)}
+notebook.answer(1, "{t64:,.0f} tokens/s at 64 requests and {t512:,.0f} at 512: {ratio:.2f}x for 8x the requests (mean "
+                "step {s64:.1f} ms, then {s512:.1f} ms).", t64=at[64]["total_tokens_per_s"],
+                t512=at[512]["total_tokens_per_s"], ratio=at[512]["total_tokens_per_s"] / at[64]["total_tokens_per_s"],
+                s64=at[64]["mean_step_s"] * 1e3, s512=at[512]["mean_step_s"] * 1e3)
+ag = {st: made[st, "1k/8k"]["breakdown_s"]["all_gather"] * 1e3 for st in ("replicate", "fused_ag")}
+notebook.answer(2, "the all-gathers of a mean 1k/8k step: {before:.3f} ms under `replicate`, {after:.3f} ms under "
+                "`fused_ag`, {saved:.3f} ms saved; the formula, 60 x (launch + 7 hops), gives {formula:.3f} ms.",
+                before=ag["replicate"], after=ag["fused_ag"], saved=ag["replicate"] - ag["fused_ag"],
+                formula=60 * (tpu.collective_launch_s + 7 * tpu.hop_latency_s) * 1e3)
+flat = cm_collectives.reduce_scatter(tpu, 64e6).seconds
+crossing = next((b for b in (2.0 ** e for e in range(26, 42))  # the slowest core link at which it still wins
+                 if cm_collectives.hierarchical_reduce_scatter(tpu.replace(core_link_bytes_per_s=b), 64e6, 8).seconds
+                 < flat), None)
+notebook.answer(3, "below about {b:.0f} GB/s core to core (powers of two searched; the assumed link is {now:.0f} "
+                "GB/s) the hierarchical reduce-scatter of 64 MB stops beating the flat one ({flat:.1f} us).",
+                b=(crossing or float("nan")) / 1e9, now=tpu.core_link_bytes_per_s / 1e9, flat=flat * 1e6)
+others = {h: cm_predict(hardware=h, stage="kernels", isl=8192, osl=1024, concurrency=512, roofline=False)
+          for h in ("v5p-8", "h200-8")}
+notebook.answer(4, "v5p-8: fits {v}{vt}; h200-8: fits {h}{ht}.", v=others["v5p-8"]["fits"], h=others["h200-8"]["fits"],
+                vt=f", {others['v5p-8']['total_tokens_per_s']:,.0f} tokens/s" if others["v5p-8"]["fits"] else "",
+                ht=f", {others['h200-8']['total_tokens_per_s']:,.0f} tokens/s" if others["h200-8"]["fits"] else "")
+notebook.answer(5, "on 8k/1k TP8 with Pallas kernels gains {t8:.1f}x over the baseline against the ladder's {e8:.1f}x "
+                "({r8:.0%}); on 1k/8k {t1:.1f}x against {e1:.1f}x ({r1:.0%}).", t8=a8["kernels_under_tp"],
+                e8=a8["end_to_end"], r8=a8["kernels_under_tp"] / a8["end_to_end"], t1=a1["kernels_under_tp"],
+                e1=a1["end_to_end"], r1=a1["kernels_under_tp"] / a1["end_to_end"])

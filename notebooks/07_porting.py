@@ -378,3 +378,34 @@ notebook.save_results("porting", record)
 #    The same loop over all of `served`: both load into `dp8_ep8` shards and match transformers to float32
 #    rounding, like the 397B twin (the same format, other head and expert counts).
 #    </details>
+
+# %% [markdown]
+# **The answers, computed.** Exercises 1 and 2's numbers, from this run, folded until you open them (exercise 3 is
+# the loop of section 4 over the other models: run it).
+
+# %%
+small = serving_config("qwen3.5-35b-a3b")
+
+
+def most_requests(c, layout, n, top=4096):  # the largest request count of 9,216 tokens whose placement fits
+    lo, hi = 0, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = placement(c, layout, n, kv_dtype=FP8_KV, requests=mid, context_len=CONTEXT, page_size=PAGE).fits
+        lo, hi = (mid, hi) if ok else (lo, mid - 1)
+    return lo
+
+
+four = {layout: placement(small, layout, 4, kv_dtype=FP8_KV, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
+        for layout in ("tp_kvrep", "dp_tp2_ep", "dp_ep")}
+notebook.answer(1, "on 4 devices: " + "; ".join(f"{layout} accepted {p.problem is None}, at most "
+                                                 f"{most_requests(small, layout, 4) if p.problem is None else 0:,} "
+                                                 "requests of {ctx:,} tokens" for layout, p in four.items()),
+                ctx=CONTEXT)
+bf16_small = small.replace(expert_dtype=None)
+tp = {name: placement(c, "tp8_kvrep", 8, kv_dtype=FP8_KV, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
+      for name, c in (("bf16", bf16_small), ("fp8", small))}
+notebook.answer(2, "bf16 experts under tp8_kvrep: accepted {ok}; {w:.2f} GiB of weights a device, against {w8:.2f} GiB "
+                "with FP8 experts (where it is refused: {refused}).", ok=tp["bf16"].problem is None,
+                w=tp["bf16"].weight_bytes_per_device / 2**30, w8=tp["fp8"].weight_bytes_per_device / 2**30,
+                refused=tp["fp8"].problem is not None)
