@@ -4,7 +4,11 @@ runs (an AVX-512 machine runs the AVX2 build too) checked against the XLA twins:
 fused, float32 and bfloat16, row-major and packed; row counts that take every register block, widths that are not
 whole vectors), the GDN decode and prefill steps, the dense rows handler; the variants' float32 matmuls equal bit
 for bit (the same products added in the same order, whatever the block); the aarch64 build compiles where a cross
-compiler is installed."""
+compiler is installed, and its inner loops pass `native_check.cc` under qemu-aarch64 where that is installed too."""
+
+import pathlib
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +191,41 @@ def test_each_variant_gdn_decode_and_prefill_equal_the_xla_forms(variant, dv):
     want_o, want_S = jax.jit(gdn_xla.gdn_xla)(q, k, v, g, beta, s0)
     np.testing.assert_allclose(o, want_o, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(S, want_S, atol=2e-5, rtol=1e-4)
+
+
+CHECK = pathlib.Path(__file__).with_name("native_check.cc")
+EMULATOR = {"aarch64": "qemu-aarch64"}  # apt-get install qemu-user
+
+
+def _runnable_checks():
+    """(variant, how to run a program built for it): this CPU's variants natively, aarch64 under qemu where its
+    cross compiler and qemu are installed."""
+    out = [(v, ()) for v in native.host_isas()]
+    for v, emulator in EMULATOR.items():
+        if v not in native.host_isas() and native.compiler(v) and shutil.which(emulator):
+            out.append((v, (emulator,)))
+    return out or [(None, ())]
+
+
+def _id(x) -> str:
+    return (" ".join(x) or "natively") if isinstance(x, tuple) else str(x)
+
+
+@pytest.mark.parametrize("variant,runner", _runnable_checks(), ids=_id)
+@pytest.mark.parametrize("which", ["moe", "gdn"])
+def test_each_variants_inner_loops_as_a_program(tmp_path, variant, runner, which):
+    """native_check.cc, built for the variant (statically, with its flags) and run (aarch64 under qemu-aarch64):
+    the matmul's register blocks and the exp (moe), the GDN update's column blocks (gdn) against double precision."""
+    if variant is None or native.compiler(variant) is None:
+        pytest.skip("no variant to build a check program for here")
+    exe = tmp_path / f"check_{which}"
+    cmd = [native.compiler(variant), *[f for f in native.flags(variant) if f not in ("-shared", "-fPIC")], "-static",
+           *(["-DCHECK_GDN"] if which == "gdn" else []), "-I", str(native.SOURCE_DIR), "-I", jax.ffi.include_dir(),
+           str(CHECK), "-o", str(exe)]
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    done = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == f"{variant} ok", done.stdout + done.stderr
 
 
 @pytest.mark.skipif(native._machine() == "aarch64" or native.compiler("aarch64") is None,
