@@ -245,3 +245,20 @@ def test_a_notebook_opens_with_at_most_10_lines_of_setup(path):
     assert len(lines) <= SETUP_LINES, f"{path.name}: {len(lines)} lines before its first section:\n" + "\n".join(lines)
     code = "\n".join(lines)
     assert code.count("notebook.setup(") == 1 and code.count("pip install") == 1, code
+
+
+def test_an_answer_is_shown_folded_with_the_runs_figures(capsys):
+    shown = notebook.answer(2, "{n:,} requests, {f:.1%} more", n=1234, f=0.05)
+    assert shown == "1,234 requests, 5.0% more"
+    out = capsys.readouterr().out  # outside a notebook kernel IPython's display prints the plain text
+    assert "Answer to exercise 2, computed by this run: 1,234 requests, 5.0% more" in out
+
+
+def test_add_totals_sums_every_component_and_refuses_a_missing_one():
+    row = dict(total_tokens_per_s=1e6 / 30, previous_total_tokens_per_s=1e6 / 60,
+               ms_per_1k_tokens=dict(a=10.0, b=20.0), previous_ms_per_1k_tokens=dict(a=40.0, b=20.0))
+    gain = notebook.add_totals(dict(stage="s", w=row), workloads=("w",))
+    assert gain["w"]["ms_per_1k_tokens_total"] == 30.0 and gain["w"]["previous_ms_per_1k_tokens_total"] == 60.0
+    row["ms_per_1k_tokens"] = dict(a=10.0)  # a component left out: the table would not add up
+    with pytest.raises(AssertionError, match="a component is missing"):
+        notebook.add_totals(dict(stage="s", w=row), workloads=("w",))
