@@ -139,9 +139,9 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     from qwen35_lib import aot
     from qwen35_lib.parallel import hlo
     from qwen35_lib.parallel.layouts import placed_config
-    from qwen35_lib.plan import get_stage
+    from qwen35_lib.plan import any_stage
 
-    plan = get_stage(stage).bind(mesh, cfg)  # checked; kernels for the mesh's platform
+    plan = any_stage(stage).bind(mesh, cfg)  # checked; kernels for the mesh's platform
     R = plan.dp_size(mesh)
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
@@ -237,11 +237,11 @@ def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = No
     from tqdm.auto import tqdm
 
     from qwen35_lib import aot
-    from qwen35_lib.plan import LADDER, get_stage
+    from qwen35_lib.plan import LADDER, any_stage
 
     stages = list(stages or LADDER)
     for s in stages:
-        get_stage(s)  # an unknown name fails before any compile
+        any_stage(s)  # an unknown name fails before any compile
     for st in steps:
         if st not in STEP_NAMES:
             raise ValueError(f"unknown step {st!r}; steps: {', '.join(STEP_NAMES)}")
@@ -370,7 +370,10 @@ def table(doc: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qwen35_lib.aot sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3.5-397b-a17b")
-    p.add_argument("--stages", help="comma-separated stage names (default: the whole ladder)")
+    p.add_argument("--stages", help="comma-separated stage names (default: the whole ladder; also google_baseline, "
+                                    "tpu_inference_3050 and the layouts tp8_ep8, dp4_tp2_ep8: plan.LAYOUT_STAGES)")
+    p.add_argument("--requests", type=int, default=SERVING.requests,
+                   help="concurrent requests of the serving shape (default: %(default)s)")
     p.add_argument("--steps", help=f"comma-separated steps (default: all of {', '.join(STEP_NAMES)})")
     p.add_argument("--groups", type=int, help="layer groups to compile (default: the model's own depth)")
     p.add_argument("--json", help="write (and resume) the sweep document here")
@@ -396,7 +399,8 @@ def main(argv=None) -> int:
         k, v = kv.split("=", 1)
         options[k] = v
     steps = a.steps.split(",") if a.steps else STEP_NAMES
-    doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, steps=steps,
+    shape = dataclasses.replace(SERVING, requests=a.requests)
+    doc = sweep(a.model, a.stages.split(",") if a.stages else None, a.groups, a.json, options, shape=shape, steps=steps,
                 weight_layouts=a.weight_layouts, largest=not a.no_largest_pool, hlo_dir=a.hlo_dir)
     print(table(doc))
     return 0

@@ -119,10 +119,16 @@ def hierarchical_reduce_scatter(s: Specs, input_bytes: float, micro_batches: int
 hierrs_micro_batches = micro_batches  # tpu-inference's rule (`plan.micro_batches`); a plan's count: rs_slices
 
 
+def within_chip(s: Specs) -> Specs:
+    """The system as a collective over the cores of one chip sees it: the core-to-core link alone (a `traffic.Op`
+    over "core": `dp_tp2_ep`'s head all-reduces); unchanged where a chip has one core."""
+    return s.replace(chips=1) if s.devices_per_chip > 1 and s.core_link_bytes_per_s else s
+
+
 def steps_latency(s: Specs, n: int) -> float:
     """Latency part of one flat ring collective over n devices (no bytes)."""
     return s.collective_launch_s + (n - 1) * s.hop_latency_s if n > 1 else 0.0
 
 
 __all__ = ["Comm", "all_gather", "all_reduce", "all_to_all", "hierarchical_reduce_scatter", "hierrs_micro_batches",
-           "reduce_scatter", "ring_hops_sum", "steps_latency"]
+           "reduce_scatter", "ring_hops_sum", "steps_latency", "within_chip"]

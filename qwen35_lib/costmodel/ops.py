@@ -274,7 +274,7 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     copies = pl.weight_passes - 1  # a sliced copy: written once and read once more
     router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
                   z["router"] * z["act"] * copies)
-    shared_w = z["shared"] / (pl.tp if pl.moe == "tp" else 1)
+    shared_w = z["shared"] / pl.tp  # its FFN split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores)
     shared = Cost(2 * T_dev * shared_w, 0, shared_w * z["act"] + T_dev * D * z["act"] * 3, 4,
                   shared_w * z["act"] * copies)
     if pl.moe == "ep":

@@ -441,7 +441,10 @@ def _comms(cfg: Config, specs: Specs, stage: ServingPlan, computed: int, rows: i
 
 def op_comm(specs: Specs, op: traffic.Op) -> cc.Comm:
     """One run of a flat collective `op` (a `traffic.Op`) by its kind's formula in `collectives`: an all-gather of
-    `bytes` output as `bytes / group` shards, a reduce-scatter of `bytes` input, an all-reduce, an all-to-all."""
+    `bytes` output as `bytes / group` shards, a reduce-scatter of `bytes` input, an all-reduce, an all-to-all; an op
+    over the cores of one chip (`op.over == "core"`) on the core-to-core link."""
+    if op.over == "core":
+        specs = cc.within_chip(specs)
     if op.kind == "all-gather":
         return cc.all_gather(specs, op.bytes / op.group, op.group)
     if op.kind == "reduce-scatter":

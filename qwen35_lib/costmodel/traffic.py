@@ -22,6 +22,12 @@ backend "cpu"):
 |                    |            | hierarchical, m micro-batches: over core (m·L)      | N_p·D·b / m          |
 |                    |            | then over chip (m·L)                                | N_p·D·b / (m·cores)  |
 | EP + all_to_all    | each layer | dispatch, packed ids+weights, return (3L)           | n·c·D·b, n·c·2k·4, n·c·D·b |
+| `tp_ep` + replicate| as TP      | as TP (local experts + shared slice, one all-reduce)| N·D·b                |
+| `tp_ep` + a2a      | as TP      | + EP + all_to_all's rows, routed output AG (L)      | N_p·D·b              |
+| `dp_tp2_ep`        | each layer | EP rows of N = R·T; over a chip's cores (group 2):  |                      |
+|                    |            | all-reduce after the mixer (L)                      | T·D·b                |
+|                    |            | all-gather of the routed output (L)                 | N_p / chips·D·b      |
+|                    |            | all-reduce of the shared expert's slices (L)        | T·D·b                |
 | ranks over devices | sampling   | all-reduce "every row greedy" (1), pred             | 1                    |
 |                    |            | all-gather of the next tokens (1; TPU: all-reduce)  | R·S·4                |
 
@@ -72,6 +78,7 @@ class Op:
     runs: int  # times it runs per step
     group: int  # devices in its group
     part: str  # "embed" | "mixer" | "moe" | "moe_rs_core" | "moe_rs_chip" | "logits" | "sample"
+    over: str = "all"  # the devices of its group: "all" (a flat ring through every device) | "core" (one chip's)
 
 
 def wire_itemsize(dtype: str, backend: str) -> int:
@@ -98,14 +105,26 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
     R = plan.dp
     N = R * shape.tokens
     out: list[Op] = []
-    if plan.moe == "tp":
-        out += [Op("all-reduce", N * D * b, 1, n, "embed"), Op("all-reduce", N * D * b, L, n, "mixer"),
-                Op("all-reduce", N * D * b, L, n, "moe"), Op("all-gather", R * shape.seqs * config.vocab_size * 4, 1,
-                                                             n, "logits")]
-        return out
-    if plan.moe != "ep" or plan.batch_axes != ALL:
+    logits = Op("all-gather", R * shape.seqs * config.vocab_size * 4, 1, n, "logits")
+    if plan.moe == "tp" or (plan.moe == "ep" and plan.batch_axes is None and plan.routing != "all_to_all"):
+        # tp, tp_kvrep; tp_ep + replicate: local experts on every token and the shared expert's slice, one all-reduce
+        return [Op("all-reduce", N * D * b, 1, n, "embed"), Op("all-reduce", N * D * b, L, n, "mixer"),
+                Op("all-reduce", N * D * b, L, n, "moe"), logits]
+    if plan.moe == "ep" and plan.batch_axes is None:  # tp_ep + all_to_all: from each device's 1/n of the tokens
+        Np = N + (-N % n)
+        return [Op("all-reduce", N * D * b, 1, n, "embed"), Op("all-reduce", N * D * b, L, n, "mixer"),
+                *(dataclasses.replace(op, runs=op.runs * L) for op in moe_layer_ops(plan, config, N, backend)),
+                Op("all-gather", Np * D * b, L, n, "moe"),  # the routed output back on every device
+                Op("all-reduce", N * D * b, L, n, "moe"), logits]  # the shared expert's F/n slices
+    if plan.moe != "ep" or plan.batch_axes not in (ALL, "chip"):
         raise ValueError(f"no closed form for the collectives of layout {plan.layout!r}: the cost model covers the "
-                         "TP layouts and dp_ep (the stage ladder's)")
+                         "TP layouts, tp_ep, dp_tp2_ep and dp_ep")
+    if plan.batch_axes == "chip":  # dp_tp2_ep: heads over the cores of a chip, a rank's T tokens on both
+        T = shape.tokens
+        Tp = N + (-N % n)  # the rank's tokens as the EP MoE splits them over its chip's cores: N_p / chips
+        out += [Op("all-reduce", T * D * b, L, cores, "mixer", "core"),  # the heads' partial sums
+                Op("all-gather", Tp / chips * D * b, L, cores, "moe", "core"),  # routed output back to both cores
+                Op("all-reduce", T * D * b, L, cores, "moe", "core")]  # the shared expert's F/2 slices
     out += [dataclasses.replace(op, runs=op.runs * L) for op in moe_layer_ops(plan, config, N, backend)]
     if R > 1:  # XLA:TPU runs the next tokens' all-gather as an all-reduce of the zero-padded [R, S] (the compile)
         gather = "all-reduce" if backend == "tpu" else "all-gather"

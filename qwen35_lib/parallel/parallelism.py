@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
 from qwen35_lib.model import decoder
@@ -23,7 +24,8 @@ from qwen35_lib.plan import SINGLE, ServingPlan
 @dataclasses.dataclass(frozen=True)
 class MeshParallelism:
     """A multi-device plan on the context mesh (`jax.set_mesh`): the MoE as a `shard_map` of its mode
-    (`tp`: expert FFN split + all-reduce; `ep`: experts split, tokens routed as the plan says)."""
+    (`tp`: expert FFN split + all-reduce; `ep`: experts split, tokens routed as the plan says; `ep` with every token
+    on every device, `tp_ep`: local experts on all tokens + all-reduce, or all_to_all from each device's 1/n)."""
 
     plan: ServingPlan
 
@@ -33,7 +35,15 @@ class MeshParallelism:
         if jax.sharding.get_abstract_mesh().empty:
             raise ValueError(f"plan {self.plan.name!r} runs on a mesh: call it under `with jax.set_mesh(mesh):` "
                              "with mesh = qwen35_lib.plan.make_mesh() (the Engine does this when given mesh=...)")
+        if self.plan.moe == "ep" and self.plan.batch_axes is None and self.plan.routing != "all_to_all":
+            weights, ids = route(cfg, w["router"], x)  # tp_ep: every token on every device, routed everywhere
+            return routing.moe_ep_everywhere(cfg, w, x, ids, weights, shared_expert, self.plan)
         if self.plan.moe == "ep":
+            if self.plan.batch_axes is None:  # tp_ep + all_to_all: the tokens stay on every device around the
+                # routing (a slice in, an all-gather out), else XLA carries its token split into the mixers
+                x = jax.lax.with_sharding_constraint(x, P())
+                y = jax.lax.with_sharding_constraint(routing.moe_ep(cfg, w, x, route, self.plan)[0], P())
+                return y + shared_expert(w, x)
             return routing.moe_ep(cfg, w, x, route, self.plan)[0] + shared_expert(w, x)
         weights, ids = route(cfg, w["router"], x)
         return routing.moe_tp(cfg, w, x, ids, weights, shared_expert, self.plan)

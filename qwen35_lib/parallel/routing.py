@@ -14,6 +14,10 @@ cross-device shared memory deadlocks 8 simulated devices on 2 cores):
   2. each device runs its E/ep local experts on the token copies routed to them, and only those
      (`local_experts`: a buffer of N·min(k, E/ep) rows, the worst case; the rows used are the local copies);
   3. reduce-scatter the partial outputs back to the token shards (flat, or `hierarchical_rs`).
+- `ep` with every token on every device (`tp_ep`) + `replicate`: no all-gather; each device runs its local experts
+  and its F_s/ep slice of the shared expert on all tokens, one all-reduce sums them (`moe_ep_everywhere`);
+  + `all_to_all`: each device takes its 1/n of the tokens (a slice, no collective) into the routing below, and
+  the output is all-gathered back to every device.
 - `ep` + `all_to_all`: each device sends each of its tokens once to every device owning one of its experts
   (deduplicated: a token with 3 experts on one device is one row there), with that device's expert ids and
   weights, in a buffer of `cap` rows per destination (dropless: cap = n, every token could go to one device;
@@ -104,6 +108,38 @@ def moe_tp(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Arra
     shared_specs = dict(shared_gate_up=P(None, None, tp), shared_down=P(tp, None), shared_gate=P())
     return jax.shard_map(body, in_specs=(P(), P(), P(), _spec_like(w["w_gate_up"], f),
                                          _spec_like(w["w_down"], P(None, tp, None)), shared_specs),
+                         out_specs=P(), check_vma=False)(x, ids, weights, w["w_gate_up"], w["w_down"], shared)
+
+
+def moe_ep_everywhere(cfg: Config, w: dict, x: jax.Array, ids: jax.Array, weights: jax.Array, shared_fn,
+                      plan: ServingPlan) -> jax.Array:
+    """Routed + shared experts under expert parallelism with every token on every device (`tp_ep` + `replicate`,
+    tpu-inference's TP8_EP): the full MoE output [N, D].
+
+    1. the routing (ids, weights [N, k]) is the same on every device (the router is replicated, so are the tokens):
+       no all-gather;
+    2. each device runs its E/ep local experts on the copies routed to them (`local_experts`), and the shared
+       expert on its F_s/ep slice (`ffn` is split as the attention heads are; whole on device 0 alone where F_s does
+       not divide);
+    3. one all-reduce (`psum` over every device) sums the partial outputs.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    ep = math.prod(mesh.shape[a] for a in ALL)
+    count = cfg.num_experts // ep
+    split = cfg.shared_ffn % ep == 0
+    ffn = ALL if split else None
+
+    def body(x, ids, weights, w_gate_up, w_down, shared):
+        me = jax.lax.axis_index(ALL)
+        y = local_experts(cfg, plan, w_gate_up, w_down, x, ids, weights, me * count, count)  # [N, D]
+        s = shared_fn(shared, x)  # [N, D]: its F_s/ep slice's partial sum (or the whole of it)
+        y = y + (s if split else jnp.where(me == 0, s, jnp.zeros_like(s)))
+        return jax.lax.psum(y, ALL)
+
+    shared = {n: w[n] for n in ("shared_gate_up", "shared_down", "shared_gate")}
+    shared_specs = dict(shared_gate_up=P(None, None, ffn), shared_down=P(ffn, None), shared_gate=P())
+    return jax.shard_map(body, in_specs=(P(), P(), P(), _spec_like(w["w_gate_up"], P(ALL)),
+                                         _spec_like(w["w_down"], P(ALL)), shared_specs),
                          out_specs=P(), check_vma=False)(x, ids, weights, w["w_gate_up"], w["w_down"], shared)
 
 

@@ -28,6 +28,7 @@ from qwen35_lib.plan.stages import (
     EXTRA,
     GOOGLE_BASELINE,
     LADDER,
+    LAYOUT_STAGES,
     STAGES,
     TPU_INFERENCE_3050,
     any_stage,
@@ -36,6 +37,7 @@ from qwen35_lib.plan.stages import (
 )
 
 __all__ = ["ALL", "AXES", "EXTRA", "FAMILIES", "GENERAL", "GOOGLE_BASELINE", "INSTANCES", "LADDER", "LAYOUTS",
-           "LAYOUT_PLANS", "PLACEMENTS", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050", "ServingPlan",
+           "LAYOUT_PLANS", "LAYOUT_STAGES", "PLACEMENTS", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050",
+           "ServingPlan",
            "abstract_mesh", "add_arguments", "any_stage", "axis_size", "custom_stage", "family_kernels", "from_args",
            "get_layout", "get_stage", "kv_copies", "kv_heads_per_device", "make_mesh", "micro_batches"]

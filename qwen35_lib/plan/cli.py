@@ -20,31 +20,34 @@ import os
 from qwen35_lib.plan.kernels import FAMILIES
 from qwen35_lib.plan.layouts import LAYOUTS, ROUTINGS
 from qwen35_lib.plan.record import ServingPlan
-from qwen35_lib.plan.stages import EXTRA, STAGES, any_stage, custom_stage
+from qwen35_lib.plan.stages import EXTRA, LAYOUT_STAGES, STAGES, any_stage, custom_stage
 
 DEVICES_ENV = "QWEN35_DEVICES"
 
 
 def add_arguments(p, *, layout: str | None = "single", stage: str | None = None, kernels: bool = False,
-                  devices: bool = True, what: str = "") -> None:
+                  devices: bool = True, what: str = "", auto: bool = False) -> None:
     """The plan flags on `p` (a parser or an argument group). layout: --layout's default (None: a stage unless
     --layout is given); stage: --stage's default (None: no --stage flag); kernels: add --kernels; devices: add
-    --devices; what: a prefix for --layout's help."""
+    --devices; what: a prefix for --layout's help; auto: --layout also takes `auto` (the command chooses the
+    layout itself: `costmodel predict`; `from_args` refuses it)."""
     if stage is not None:
-        p.add_argument("--stage", default=stage, choices=(*STAGES, *EXTRA),
-                       help=f"a stage of the ladder, or one of {', '.join(EXTRA)} (default: %(default)s)")
-    p.add_argument("--layout", choices=LAYOUTS, default=layout,
+        p.add_argument("--stage", default=stage, choices=(*STAGES, *EXTRA, *LAYOUT_STAGES),
+                       help=f"a stage of the ladder, or one of {', '.join((*EXTRA, *LAYOUT_STAGES))} (default: "
+                            "%(default)s)")
+    p.add_argument("--layout", choices=(*LAYOUTS, "auto") if auto else LAYOUTS, default=layout,
                    help=f"{what}how the model is split over the ('chip', 'core') mesh"
                         + (" (default: single, one device): " if layout == "single" else
                            " (default: %(default)s): " if layout else ", instead of --stage: ")
-                        + "tp8, tp8_kvrep, dp4_tp2_ep8, dp8_ep8 on 8 devices, or the general tp, tp_kvrep, dp_tp2_ep, "
-                          "dp_ep on every device present (or --devices)")
+                        + "tp8, tp8_kvrep, tp8_ep8, dp4_tp2_ep8, dp8_ep8 on 8 devices, or the general tp, tp_kvrep, "
+                          "tp_ep, dp_tp2_ep, dp_ep on every device present (or --devices)"
+                        + ("; auto: the one the cost model prices best" if auto else ""))
     if devices:
         p.add_argument("--devices", type=int, metavar="N",
                        help="devices of the mesh for a multi-device layout: 1 or an even count (default: every device "
                             f"present for a general layout, 8 for an 8-device name; ${DEVICES_ENV} where set)")
     p.add_argument("--routing", choices=ROUTINGS, default="replicate",
-                   help="MoE token routing of the EP layouts (dp_tp2_ep, dp_ep and their 8-device names; "
+                   help="MoE token routing of the EP layouts (tp_ep, dp_tp2_ep, dp_ep and their 8-device names; "
                         "default: replicate)")
     p.add_argument("--fuse-allgather", action="store_true",
                    help="replicate routing: top-k ids and weights in one all-gather")
@@ -63,6 +66,9 @@ def from_args(args: argparse.Namespace) -> ServingPlan:
     layout = getattr(args, "layout", None)
     if not layout:
         return any_stage(args.stage)
+    if layout == "auto":
+        raise ValueError("--layout auto is the command's own choice (costmodel predict prices every layout); name a "
+                         "layout here")
     if layout == "single" and (args.fuse_allgather or args.hierarchical_rs):
         raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
                          "--routing replicate; layout 'single' has no collectives")

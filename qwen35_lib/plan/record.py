@@ -314,6 +314,10 @@ def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
     if lay.moe == "ep" and (lay.hierarchical_rs or lay.fuse_allgather) and lay.routing != "replicate":
         raise ValueError("fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
                          f"routing={lay.routing!r}")
+    if lay.moe == "ep" and lay.batch_axes is None and (lay.hierarchical_rs or lay.fuse_allgather):
+        raise ValueError(f"fuse_allgather and hierarchical_rs apply to data-parallel EP layouts ('dp_ep', "
+                         f"'dp_tp2_ep'); layout {lay.layout!r} has every token on every device: no all-gather and "
+                         "no reduce-scatter to fuse or split (its MoE ends in one all-reduce)")
     if lay.moe != "ep" and (lay.hierarchical_rs or lay.fuse_allgather):
         raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; "
                          f"layout {lay.layout!r} is not one")

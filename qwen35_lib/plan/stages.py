@@ -57,6 +57,9 @@ def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather:
     if (fuse_allgather or hierarchical_rs) and not ep:
         raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; layout "
                          f"{layout!r} is not one")
+    if (fuse_allgather or hierarchical_rs) and get_layout(layout).batch_axes is None:
+        raise ValueError(f"fuse_allgather and hierarchical_rs apply to data-parallel EP layouts (dp_ep, dp_tp2_ep); "
+                         f"layout {layout!r} has every token on every device (no all-gather to fuse)")
     if (fuse_allgather or hierarchical_rs) and routing != "replicate":
         raise ValueError(f"fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
                          f"routing={routing!r}")
@@ -77,15 +80,21 @@ GOOGLE_BASELINE = dataclasses.replace(custom_stage("tp8_kvrep", None, kernels="p
 # reduce-scatter offload off: tests/e2e/benchmarking/inferencex/qwen3.5/server.sh at 6a873c307). The published
 # comparison predicts this plan; the ladder keeps its own `kernels` stage.
 TPU_INFERENCE_3050 = dataclasses.replace(STAGES["kernels"], name="tpu_inference_3050", hierarchical_rs=False)
+# The layouts tpu-inference's sharding table serves Qwen3.5-397B with below c64 (issue 55; PRs #3079, #3116): TP8_EP
+# (attention and GDN tensor-parallel with the KV heads duplicated, experts EP8) and DP4TP2_EP, as this engine runs them
+# (token replication, XLA kernels): the ahead-of-time sweep compiles them beside the ladder, `predict --layout auto`
+# prices them beside dp8_ep8.
+LAYOUT_STAGES = {s.name: s for s in (ServingPlan("tp8_ep8", "tp8_ep8", "replicate"),
+                                     ServingPlan("dp4_tp2_ep8", "dp4_tp2_ep8", "replicate"))}
 EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE, TPU_INFERENCE_3050.name: TPU_INFERENCE_3050}
 
 
 def any_stage(name: str | ServingPlan) -> ServingPlan:
-    """A ladder stage or one of `EXTRA` (`google_baseline`, `tpu_inference_3050`)."""
+    """A ladder stage or one of `EXTRA` (`google_baseline`, `tpu_inference_3050`, the `LAYOUT_STAGES`)."""
     if isinstance(name, ServingPlan):
         return name
-    return EXTRA[name] if name in EXTRA else get_stage(name)
+    return EXTRA.get(name) or LAYOUT_STAGES.get(name) or get_stage(name)
 
 
-__all__ = ["EXTRA", "GOOGLE_BASELINE", "LADDER", "STAGES", "TPU_INFERENCE_3050", "any_stage", "custom_stage",
-           "get_stage"]
+__all__ = ["EXTRA", "GOOGLE_BASELINE", "LADDER", "LAYOUT_STAGES", "STAGES", "TPU_INFERENCE_3050", "any_stage",
+           "custom_stage", "get_stage"]

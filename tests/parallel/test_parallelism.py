@@ -13,13 +13,14 @@ from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import local_moe, route
 from qwen35_lib.parallel import shard_weights
 from qwen35_lib.parallel.routing import moe_ep, predicted_drops
-from qwen35_lib.plan import ServingPlan, get_stage
+from qwen35_lib.plan import ROUTINGS, ServingPlan, get_stage
 
 # Every valid (routing, fuse_allgather, hierarchical_rs) under dp8_ep8 (the flags apply to EP + replicate only); under
-# dp4_tp2_ep8, whose MoE runs the same EP code, each routing with the flags off and on.
+# dp4_tp2_ep8, whose MoE runs the same EP code, each routing with the flags off and on; tp8_ep8 (every token on every
+# device: nothing to fuse) with each routing.
 EP_SETTINGS = [("replicate", f, h) for f in (False, True) for h in (False, True)] + [("all_to_all", False, False)]
 SETTINGS = [("tp8_kvrep", "replicate", False, False)] + [("dp8_ep8", *s) for s in EP_SETTINGS] + [
-    ("dp4_tp2_ep8", *s) for s in EP_SETTINGS if s[1] == s[2]]
+    ("dp4_tp2_ep8", *s) for s in EP_SETTINGS if s[1] == s[2]] + [("tp8_ep8", r, False, False) for r in ROUTINGS]
 # 2 layer groups, so the layer scan stays a loop in the compiled HLO
 BASE = get_config("qwen3.5-tiny", dtype="float32", num_layers=8)
 
@@ -40,6 +41,8 @@ def test_layouts_that_cannot_work_are_refused_with_the_fix(mesh, weights):
         _plan("dp8_ep8").bind(mesh, BASE.replace(num_experts=12))
     with pytest.raises(ValueError, match="routing='replicate' only"):
         _plan("dp8_ep8", "all_to_all", fuse=True).bind(mesh, BASE)
+    with pytest.raises(ValueError, match="'tp8_ep8' has every token on every device: no all-gather"):
+        _plan("tp8_ep8", fuse=True).bind(mesh, BASE)
     with pytest.raises(ValueError, match="needs a mesh"):
         _plan("dp8_ep8").bind(None, BASE)
     with pytest.raises(ValueError, match="set_mesh"):  # a layout used without a mesh says how to give one
@@ -101,11 +104,12 @@ def reference_tokens(weights):
 
 
 @pytest.mark.parametrize("layout,routing,fuse,hier", [("tp8_kvrep", "replicate", False, False),
+                                                      ("tp8_ep8", "replicate", False, False),
                                                       ("dp8_ep8", "all_to_all", False, False),
                                                       ("dp8_ep8", "replicate", True, True)], ids=str)
 def test_engine_greedy_tokens_equal_single_device(layout, routing, fuse, hier, mesh, weights, reference_tokens):
     engine = Engine(BASE, weights, EC, mesh=mesh, plan=_plan(layout, routing, fuse, hier))
-    assert engine.ec.ranks == (8 if layout == "dp8_ep8" else 1)
+    assert engine.ec.ranks == (8 if layout == "dp8_ep8" else 1)  # tp8_ep8: one rank, as tp8_kvrep
     assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == reference_tokens
     if layout == "dp8_ep8" and routing == "replicate":  # 1, 3 and 9 requests: fewer requests than ranks too
         for n in (1, 3):

@@ -17,7 +17,8 @@ M2 = get_config("qwen3.5-tiny", dtype="float32", num_q_heads=16, num_kv_heads=2,
 M8 = M2.replace(num_kv_heads=8)  # `tp` splits KV heads evenly: 8 of them divide every mesh
 DEVICES = (1, 2, 4, 8)
 # (all_to_all on 4 and 8 devices: test_ep_moves_only_the_rows_routed_to_each_device)
-CASES = [("tp", None, M8), ("tp_kvrep", None, M2), ("dp_tp2_ep", "replicate", M2), ("dp_ep", "replicate", M2)]
+CASES = [("tp", None, M8), ("tp_kvrep", None, M2), ("tp_ep", "replicate", M2), ("dp_tp2_ep", "replicate", M2),
+         ("dp_ep", "replicate", M2)]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +53,10 @@ def test_general_layout_equals_single_device(layout, routing, base, devices, mod
 @pytest.mark.parametrize("devices", DEVICES)
 def test_sizes_come_from_the_mesh(devices):
     mesh = _mesh(devices)
-    sizes = {n: get_layout(n).bind(mesh, M2) for n in ("tp_kvrep", "dp_tp2_ep", "dp_ep")}
+    sizes = {n: get_layout(n).bind(mesh, M2) for n in ("tp_kvrep", "tp_ep", "dp_tp2_ep", "dp_ep")}
     assert (sizes["dp_ep"].dp, sizes["dp_ep"].ep, sizes["dp_ep"].tp) == (devices, devices, 1)
+    assert (sizes["tp_ep"].dp, sizes["tp_ep"].ep, sizes["tp_ep"].tp) == (1, devices, devices)
+    assert sizes["tp_ep"].kv_heads_per_device(M2) == sizes["tp_kvrep"].kv_heads_per_device(M2)
     assert (sizes["tp_kvrep"].dp, sizes["tp_kvrep"].tp) == (1, devices)
     assert (sizes["dp_tp2_ep"].dp, sizes["dp_tp2_ep"].tp, sizes["dp_tp2_ep"].ep) == \
            (max(1, devices // 2), min(2, devices), devices)
@@ -64,7 +67,8 @@ def test_sizes_come_from_the_mesh(devices):
 
 
 def test_eight_device_names_refuse_another_mesh_with_the_general_name():
-    for name, general in (("dp8_ep8", "dp_ep"), ("tp8_kvrep", "tp_kvrep"), ("dp4_tp2_ep8", "dp_tp2_ep")):
+    for name, general in (("dp8_ep8", "dp_ep"), ("tp8_kvrep", "tp_kvrep"), ("tp8_ep8", "tp_ep"),
+                          ("dp4_tp2_ep8", "dp_tp2_ep")):
         with pytest.raises(ValueError, match=f"8-device instance of '{general}'.*4 devices.*use layout '{general}'"):
             get_layout(name).bind(_mesh(4), M2)
         assert get_layout(name).bind(_mesh(8), M2).devices == 8
