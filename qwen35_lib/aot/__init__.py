@@ -205,3 +205,23 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
         return touch.lower(weights, cache).compile().memory_analysis().argument_size_in_bytes, None
     except jax.errors.JaxRuntimeError as e:
         return None, str(e).splitlines()[0]
+
+
+HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float16": "f16", "int32": "s32"}
+
+
+def cache_pools(config: Config, plan: ServingPlan, mesh: Mesh, shape) -> dict:
+    """{cache leaf: `hlo_checks.PoolOf`}: each pool of `engine.cache.declare_cache(config, shape)` as one device
+    holds it under the bound `plan` on `mesh` (its rows' dims split as the plan splits them), for
+    `hlo_checks.cache_pool_copies`."""
+    from qwen35_lib.aot.hlo_checks import PoolOf
+    from qwen35_lib.engine.cache import cache_shardings, declare_cache
+    from qwen35_lib.weights import is_info
+
+    infos = declare_cache(config, shape)
+    out = {}
+    for (name, info), sharding in zip(infos.items(), jax.tree.leaves(cache_shardings(config, plan, shape, mesh))):
+        assert is_info(info)
+        local = sharding.shard_shape(info.shape)  # [R, L, X, *row]
+        out[name] = PoolOf(HLO_DTYPES[jnp.dtype(info.dtype).name], tuple(local[3:]), local[2])
+    return out

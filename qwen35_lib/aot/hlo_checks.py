@@ -8,6 +8,7 @@ TPU a collective is an async pair, `<kind>-start` then `<kind>-done`: text order
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from qwen35_lib.parallel.hlo import called, layer_body
@@ -155,3 +156,75 @@ def overlapped(chains: list[tuple[AsyncOp, AsyncOp]], micro_batches: int) -> lis
     i's phase 2 is done, for some i (the two phases of different micro-batches in flight together)?"""
     layers = [chains[j:j + micro_batches] for j in range(0, len(chains), micro_batches)]
     return [any(b[0].start < a[1].done for a, b in zip(layer, layer[1:])) for layer in layers]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolOf:
+    """What one cache pool looks like on a device: its dtype (HLO name, e.g. "f8e4m3fn"), the dims of one page or
+    slot (its trailing dims, e.g. (256, 1024) for a KV page) and the pages or slots one layer holds."""
+
+    dtype: str
+    row: tuple[int, ...]
+    rows_per_layer: int
+
+    def holds_a_layer(self, dtype: str, dims: tuple[int, ...]) -> bool:
+        """An array of this pool's rows, at least one layer's worth of them."""
+        n = len(self.row)
+        return (dtype == self.dtype and len(dims) > n and dims[-n:] == self.row
+                and math.prod(dims[:-n]) >= self.rows_per_layer)
+
+
+# ops that write a new array of what they read: a copy of it in HBM if the array is a cache pool
+_COPYING = ("copy", "copy-start", "slice", "dynamic-slice", "select", "concatenate", "reshape", "transpose")
+# the roots of a fusion that updates its operand in place (the buffer is aliased: a scatter or an update of a slice)
+_IN_PLACE_ROOTS = ("scatter", "dynamic-update-slice")
+
+
+def cache_pool_copies(hlo_text: str, pools: dict[str, PoolOf]) -> list[tuple[str, Instr]]:
+    """(pool name, instruction) for every instruction of the layer loop that copies at least one layer's rows of a
+    cache pool in HBM: an op of `_COPYING`, or a fusion not rooted in an in-place update, whose result holds them.
+    Excluded: memory-space assignment's prefetches into VMEM (a result in memory space S(1): a pool small enough
+    to sit in the 64 MiB of VMEM, only at test sizes), kernels (custom calls: a Pallas kernel's output is aliased
+    to the pool it writes), views (bitcasts, tuple plumbing). The old protocol (a layer's pool sliced out of the
+    stacked cache and written back) shows here as dynamic-slice, select and copy fusions of a layer's pool."""
+    comps = _fusion_roots(hlo_text)
+    out = []
+    for i in instructions(hlo_text, loop_body(hlo_text)):
+        if i.op not in _COPYING and i.op != "fusion":
+            continue
+        if i.op == "fusion" and comps.get(_called(i.line)) in _IN_PLACE_ROOTS:
+            continue
+        texts = _array_texts(i.line.split("=", 1)[1].split(f" {i.op}(", 1)[0])
+        if i.op == "copy-start" and any("S(1)" in t for t in texts):  # (to, from, context): into or out of VMEM
+            continue
+        for (dt, dims), text in zip(i.arrays, texts):
+            if "S(1)" in text:
+                continue
+            name = next((n for n, p in pools.items() if p.holds_a_layer(dt, dims)), None)
+            if name is not None:
+                out.append((name, i))
+                break
+    return out
+
+
+def _array_texts(shape: str) -> list[str]:
+    """Each array of a result's shape text with its layout (`f32[2]{0:T(8)S(1)}`), in order."""
+    return re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", shape)
+
+
+def _called(line: str) -> str:
+    m = re.search(r"calls=%?([\w.\-]+)", line)
+    return m[1] if m else ""
+
+
+def _fusion_roots(hlo_text: str) -> dict[str, str]:
+    """{computation: the op of its ROOT instruction}."""
+    roots, comp = {}, ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and "{" in line:
+            comp = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+        elif line.lstrip().startswith("ROOT "):
+            m = _INSTR.match(line)
+            if m:
+                roots[comp] = m["op"]
+    return roots

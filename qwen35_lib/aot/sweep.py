@@ -100,13 +100,23 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
+def cache_shape(shape: ServingShape, ranks: int):
+    """The engine's `CacheShape` for `shape` on `ranks` data-parallel ranks: each rank's sequences' whole contexts
+    in pages (and the null page), a slot each (and the null slot)."""
+    from qwen35_lib.engine.cache import CacheShape
+
+    S = -(-shape.requests // ranks)
+    return CacheShape(ranks=ranks, num_pages=S * -(-shape.context_len // shape.page_size) + 1,
+                      page_size=shape.page_size, num_slots=S + 1, kv_dtype=shape.kv_dtype)
+
+
 def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
     """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share) under
     the bound `plan` (`cfg` as placed: tp_kvrep's duplicated KV heads)."""
     import jax
     import jax.numpy as jnp
 
-    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
+    from qwen35_lib.engine.cache import cache_shardings, declare_cache
     from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.weights import abstract_weights, is_info
 
@@ -118,10 +128,7 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
                 out[d] = out.get(d, 0) + n
         return max(out.values(), default=0)
 
-    R = plan.dp_size(mesh)
-    S = -(-shape.requests // R)
-    cs = CacheShape(ranks=R, num_pages=S * -(-shape.context_len // shape.page_size) + 1, page_size=shape.page_size,
-                    num_slots=S + 1, kv_dtype=shape.kv_dtype)
+    cs = cache_shape(shape, plan.dp_size(mesh))
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh), declare_cache(cfg, cs),
                          cache_shardings(cfg, plan, cs, mesh), is_leaf=is_info)
     kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
@@ -137,6 +144,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     import jax
 
     from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks
     from qwen35_lib.parallel import hlo
     from qwen35_lib.parallel.layouts import placed_config
     from qwen35_lib.plan import any_stage
@@ -179,6 +187,9 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     entry["bytes_by_block"] = hlo.op_bytes(text)  # the text's own account of the bytes (`costmodel.compiled`)
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
+    if body:  # copies of a layer's cache pool in the layer loop (`hlo_checks.cache_pool_copies`): none in place
+        pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, cache_shape(shape, R))
+        entry["cache_pool_copies"] = len(hlo_checks.cache_pool_copies(text, pools))
     if plan.routing == "replicate" and not plan.fuse_allgather and body:
         moe_layers = len(cfg.layer_pattern)  # every layer of a group has an MoE
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)

@@ -77,7 +77,7 @@ def step_inputs(engine, batch: str, opts: dict, rng: np.random.Generator) -> dic
     ranks, packed like `Engine.step` packs them, placed on the mesh; with D, T and the per-rank counts."""
     import jax
 
-    from qwen35_lib.engine.batch import SeqWork, bucket, pack, stack_ranks
+    from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
     from qwen35_lib.parallel.layouts import batch_sharding
 
     R, C, ec = engine.ec.ranks, engine.chunk, engine.ec
@@ -93,8 +93,7 @@ def step_inputs(engine, batch: str, opts: dict, rng: np.random.Generator) -> dic
             page += len(pages)
             works.append(SeqWork(rng.integers(2, engine.config.vocab_size, lens).tolist(), starts, pages, s + 1))
         dec, pre = (works, []) if batch == "decode" else ([], works)
-        D = bucket(max(len(dec), 1), engine.decode_buckets)
-        T = D + bucket(sum(-(-len(w.tokens) // C) * C for w in pre), engine.prefill_buckets)
+        D, T = engine.step_shape(len(dec), sum(-(-len(w.tokens) // C) * C for w in pre))
         packs.append(pack(dec, pre, D, T, ec.max_num_seqs, ec.pages_per_seq, C))
     tokens, meta = stack_ranks(packs)
     S = ec.max_num_seqs

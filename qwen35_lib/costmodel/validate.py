@@ -62,7 +62,7 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
     """Measured vs predicted seconds of the engine's step for each case (see the module doc)."""
     import jax
 
-    from qwen35_lib.engine.batch import SeqWork, bucket, pack, stack_ranks
+    from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
     from qwen35_lib.engine.engine import Engine, EngineConfig, engine_step
     from qwen35_lib.model.layer_loop import prepare_weights
 
@@ -84,8 +84,7 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
             works.append(SeqWork(rng.integers(2, cfg.vocab_size, n).tolist(), start, pages, slot))
             slot += 1
         dec, pre = works[: len(case.decode_ctx)], works[len(case.decode_ctx):]
-        D = bucket(max(len(dec), 1), eng.decode_buckets)
-        T = D + bucket(sum(-(-len(w.tokens) // C) * C for w in pre), eng.prefill_buckets)
+        D, T = eng.step_shape(len(dec), sum(-(-len(w.tokens) // C) * C for w in pre))
         tokens, meta = stack_ranks([pack(dec, pre, D, T, S, eng.ec.pages_per_seq, C)])
         samp = dict(temperature=np.zeros((1, S), np.float32), top_k=np.zeros((1, S), np.int32),
                     top_p=np.ones((1, S), np.float32), seed=np.zeros((1, S), np.uint32),

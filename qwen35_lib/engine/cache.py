@@ -1,18 +1,24 @@
 """The serving caches: a paged KV cache for attention layers and per-sequence state slots for GDN layers.
 
-Declared like the weights (`ArrayInfo` leaves with logical axes), with a leading data-parallel rank axis R:
-each rank owns its own page and slot pools, so a data-parallel layout only shards what is already split.
+Declared like the weights (`ArrayInfo` leaves with logical axes), with a leading data-parallel rank axis R (each
+rank owns its own page and slot pools, so a data-parallel layout only shards what is already split), then the layers
+of a kind, L (La attention layers, Lg GDN layers; layer j of a kind is group j // n, position j % n of that kind).
 
-- `kv`    [G, Na, R, P, ps, 2*Hkv*d]: P pages of ps tokens per rank; in a page, token-major, then K and V of
+One pool per kind, updated in place: a step reads the pool of a kind as one array [R, L*X, ...] (its leading layer
+and page/slot dims merged: a bitcast) and addresses layer j's page p as row j*X + p (`layer_rows`), so no layer's
+pool is ever sliced out and written back (the engine's scan carries whole pools; every write is a scatter or an
+aliased kernel output into them).
+
+- `kv`    [R, La, P, ps, 2*Hkv*d]: P pages of ps tokens per rank and layer; in a page, token-major, then K and V of
   every KV head interleaved in one minor dim (index (2h + j)*d + i: j = 0 K, j = 1 V of head h, i < d). One page
   is one contiguous block: a ragged paged attention kernel reads it with one DMA. Heads and head_dim are merged
   so that a TPU kernel reads the pool in place (its tiles span the two minor dims: a reshape of them would copy
-  the whole pool); a split over "kv_heads" still gives each device whole heads, K and V together. Page 0 is the
-  null page that padding tokens write to; it is never handed to a sequence.
-- `conv_q`, `conv_k` [G, Ng, R, NS, K-1, Hk, dk], `conv_v` [G, Ng, R, NS, K-1, Hv, dv]: the last K - 1 inputs of
-  the causal conv; `state` [G, Ng, R, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
-  NS slots per rank; slot 0 is the null slot.
-- `kv_scale` [G, Na, R, P, 2*Hkv, ps] float32, only for an FP8 (e4m3) KV cache: one scale per token and head,
+  the whole pool); a split over "kv_heads" still gives each device whole heads, K and V together. Page 0 of each
+  layer is the null page that padding tokens write to; it is never handed to a sequence.
+- `conv_q`, `conv_k` [R, Lg, NS, K-1, Hk, dk], `conv_v` [R, Lg, NS, K-1, Hv, dv]: the last K - 1 inputs of the
+  causal conv; `state` [R, Lg, NS, Hv, dk, dv]: the recurrent state (Config.gdn_state_dtype).
+  NS slots per rank and layer; slot 0 is the null slot.
+- `kv_scale` [R, La, P, 2*Hkv, ps] float32, only for an FP8 (e4m3) KV cache: one scale per token and head,
   token-minor (index [page, 2h + j, offset], j as in `kv`): a page's scales of one head are one row, the keys'
   axis of a kernel's scores, and a pool with ps a multiple of 128 is lane-dense (no relayout for a TPU kernel).
 """
@@ -46,20 +52,20 @@ class CacheShape:
 
 def declare_cache(config: Config, shape: CacheShape) -> dict:
     c, s = config, shape
-    G, Ng, Na, R, K = c.num_groups, c.gdn_per_group, c.attn_per_group, s.ranks, c.gdn_conv_kernel
+    Lg, La, R, K = c.num_groups * c.gdn_per_group, c.num_groups * c.attn_per_group, s.ranks, c.gdn_conv_kernel
     dt = jnp.dtype(c.dtype)
-    lead = (None, None, "batch")
+    lead = ("batch", None)
     out = {}
-    if Na:
-        pages = (G, Na, R, s.num_pages)
+    if La:
+        pages = (R, La, s.num_pages)
         kv_dtype = jnp.dtype(s.kv_dtype or c.dtype)
         out["kv"] = ArrayInfo((*pages, s.page_size, 2 * c.num_kv_heads * c.head_dim), kv_dtype,
                               (*lead, None, None, "kv_heads"), "zeros")
         if kv_dtype.itemsize == 1:
             out["kv_scale"] = ArrayInfo((*pages, 2 * c.num_kv_heads, s.page_size), jnp.float32,
                                         (*lead, None, "kv_heads", None), "ones")
-    if Ng:
-        slots = (G, Ng, R, s.num_slots)
+    if Lg:
+        slots = (R, Lg, s.num_slots)
         for name, heads, hd, axis in (("conv_q", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),
                                       ("conv_k", c.gdn_num_k_heads, c.gdn_k_head_dim, "gdn_k_heads"),
                                       ("conv_v", c.gdn_num_v_heads, c.gdn_v_head_dim, "gdn_v_heads")):

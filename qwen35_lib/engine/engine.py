@@ -139,6 +139,7 @@ class Engine:
         self.chunk = C
         self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
+        self.row_tile = rs_row_tile(plan) if self.mesh is not None else 1
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
                                       num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
@@ -238,10 +239,27 @@ class Engine:
                              f"({ec.max_num_batched_tokens})")
 
     def _step_shape(self, plans: list[Plan]) -> tuple[int, int]:
-        """The (D, T) bucket of a step: decode rows, and all tokens (decode rows + the prefill region)."""
-        D = bucket(max(max(len(p.decodes) for p in plans), 1), self.decode_buckets)
-        pre = max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills) for p in plans)
-        return D, D + bucket(pre, self.prefill_buckets)
+        """The (D, T) bucket of the step of `plans` (one a rank): `step_shape` of its most loaded rank."""
+        return self.step_shape(max(max(len(p.decodes) for p in plans), 1),
+                               max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills)
+                                   for p in plans))
+
+    def step_shape(self, decodes: int, prefill: int) -> tuple[int, int]:
+        """The (D, T) bucket of a step of `decodes` decode rows and `prefill` prefill tokens (whole GDN chunks) a
+        rank: decode rows, and all rows (decode rows + the prefill region).
+
+        1. D: the decode bucket (a power of two), P: the prefill bucket (0 or chunks by powers of two);
+        2. where the MoE reduce-scatters each rank's rows over the mesh (`rs_row_tile`), a step with a prefill
+           region takes D up to a multiple of the tile, so that T = D + P is one too (P is whole chunks of 64).
+        """
+        D, P = bucket(max(decodes, 1), self.decode_buckets), bucket(prefill, self.prefill_buckets)
+        if P and self.row_tile > 1:
+            D = -(-D // self.row_tile) * self.row_tile
+        return D, D + P
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (D, T) bucket this engine's step takes (`step_shape` of each decode and prefill bucket)."""
+        return sorted({self.step_shape(d, p) for d in self.decode_buckets for p in self.prefill_buckets})
 
     # --- compiling ahead of a workload ------------------------------------------------------------------------
     def workload_buckets(self, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int]
@@ -290,10 +308,10 @@ class Engine:
             buckets = self.workload_buckets(prompt_lengths, max_new_tokens)
         R, S = self.ec.ranks, self.ec.max_num_seqs
         start, traced = time.perf_counter(), TRACES[0]
+        formed = self.buckets()
         for D, T in buckets:
-            if D not in self.decode_buckets or T - D not in self.prefill_buckets:
-                raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: D in {self.decode_buckets}, "
-                                 f"T - D in {self.prefill_buckets}")
+            if (D, T) not in formed:
+                raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: {formed}")
             empty = Plan([], [])
             tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
             samp = self._sampling_arrays([empty] * R, S)
@@ -447,6 +465,17 @@ def check_cache_memory(config: Config, ec: EngineConfig, shape: CacheShape, mesh
     if config.attn_per_group and not shape.kv_dtype:
         fix += ", or use kv_dtype='float8_e4m3fn'"
     raise ValueError(f"{short} for {what}: {fix}")
+
+
+def rs_row_tile(plan: ServingPlan) -> int:
+    """Rows a rank's step must be a multiple of, with a prefill region, for the bound `plan`'s MoE to keep its
+    reduce-scatters: 64 where expert parallelism with token replication reduce-scatters each rank's rows over the
+    devices, else 1. Read off the TPU7x compiles (libtpu 0.0.42.1): XLA:TPU keeps a reduce-scatter whose blocks
+    are whole 8-row tiles on every device and micro-batch; at 64 + 1,024 rows a rank the step keeps its 960, at
+    63 + 1,024 or 8 + 1,024 it compiles all-reduces and collective-permutes instead (issues 30 and 50; the
+    hierarchical reduce-scatter's 1-8 micro-batches split each device's block further: 64 = 8 rows x 8)."""
+    ep_rs = plan.moe == "ep" and plan.routing == "replicate" and plan.dp > 1
+    return 64 if ep_rs else 1
 
 
 def _powers_of_two(n: int) -> tuple[int, ...]:

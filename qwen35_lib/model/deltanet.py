@@ -96,8 +96,11 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
 def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], meta) -> tuple[jax.Array, tuple]:
     """Causal conv + SiLU over one rank's flat ragged tokens, continuing each sequence from its slot.
 
-    x: [T, H, C]; taps: [K, H, C]; hists: slot pools of previous inputs, [NS, K-1, H, c_i] each, whose last axes
-    joined are C (the pools of a GDN layer's `conv_groups`); meta: RaggedMeta.
+    x: [T, H, C]; taps: [K, H, C]; hists: slot pools of previous inputs, [NS, K-1, H_i, d_i] each, as the cache
+    holds them (a pool is only gathered from and scattered into, never reshaped: it may hold every layer's slots,
+    `model.ragged`); a sequence's rows of pool i, [K-1, H_i, d_i], join x's heads as [K-1, H, H_i d_i / H] (v's
+    r = Hv / Hk heads of a k head side by side, `_by_k_head`), and those widths joined are C (the pools of a GDN
+    layer's `conv_groups`); meta: RaggedMeta.
     Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
     same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step). Every input
     is one row of `ext` = [each sequence's history (S * (K-1) rows); x (T rows)], read by a single gather (the
@@ -106,7 +109,9 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], met
     """
     K, T, S = taps.shape[0], x.shape[0], meta.q_start.shape[0]
     fresh = meta.kv_len == meta.q_len  # [S]
-    seq_hist = jnp.concatenate([h[meta.slot].astype(x.dtype) for h in hists], axis=-1)  # [S, K-1, H, C]
+    H = x.shape[1]
+    by_head = lambda rows: rows.reshape(*rows.shape[:-2], H, -1)  # [.., H_i, d_i] -> [.., H, c_i]
+    seq_hist = jnp.concatenate([by_head(h[meta.slot]).astype(x.dtype) for h in hists], axis=-1)  # [S, K-1, H, C]
     seq_hist = jnp.where(fresh[:, None, None, None], 0, seq_hist)
     ext = jnp.concatenate([seq_hist.reshape(S * (K - 1), *x.shape[1:]), x])  # [S*(K-1) + T, H, C]
 
@@ -124,14 +129,16 @@ def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], met
     inputs, new = rows[:T * K].reshape(T, K, *x.shape[1:]), rows[T * K:].reshape(S, K - 1, *x.shape[1:])
     y = sum(inputs[:, j].astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
     slots = jnp.where(meta.q_len > 0, meta.slot, 0)
-    ends = np.cumsum([h.shape[-1] for h in hists])[:-1]
-    return jax.nn.silu(y).astype(x.dtype), tuple(h.at[slots].set(part.astype(h.dtype))
+    ends = np.cumsum([h.shape[-1] * h.shape[-2] // H for h in hists])[:-1]
+    return jax.nn.silu(y).astype(x.dtype), tuple(h.at[slots].set(part.reshape(*part.shape[:2], *h.shape[-2:])
+                                                                 .astype(h.dtype))
                                                  for h, part in zip(hists, jnp.split(new, ends, axis=-1)))
 
 
 def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, parallelism) -> tuple[jax.Array, dict]:
     """One GDN layer over a ragged batch: x [R, T, D]; meta fields [R, ...]; cache {"conv_q", ..., "state"}
-    with [R, NS, ...] pools. The same math as `gdn_block`, with per-sequence state slots."""
+    with [R, NS, ...] pools (NS: this layer's slots, or every layer's, `meta.slot` pointing at this layer's). The same
+    math as `gdn_block`, with per-sequence state slots."""
     with jax.named_scope("gdn"):
         valid = meta.token_seq >= 0  # [R, T]
         x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
@@ -139,11 +146,10 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
         pools = {n: cache[f"conv_{n}"] for n in "qkv"}  # [R, NS, K-1, H, d]
         out, new_cache = {}, {}
         for group in conv_groups(parallelism.plan):
-            hists = tuple(_by_k_head(cfg, group, n, pools[n]) for n in group)
-            y, joined = jax.vmap(ragged_conv, (0, None, 0, 0))(_join(cfg, group, inputs), _join(cfg, group, taps),
-                                                                hists, meta)
+            y, new = jax.vmap(ragged_conv, (0, None, 0, 0))(_join(cfg, group, inputs), _join(cfg, group, taps),
+                                                             tuple(pools[n] for n in group), meta)
             out |= _split(group, y, inputs)
-            new_cache |= {f"conv_{n}": pool.reshape(pools[n].shape) for n, pool in zip(group, joined)}
+            new_cache |= {f"conv_{n}": pool for n, pool in zip(group, new)}
         z = linear(x, w["w_z"])
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
         a = linear(x, w["w_a"]).astype(jnp.float32)

@@ -7,10 +7,9 @@ weights as their own arguments, 47 ms sliced inside jit, 62 ms in a scan; `bench
 sliced once outside jit, are read in place. On a TPU the scan's slices are free and it keeps the HLO one group
 long (the 60-layer 397B compiles once per group body), so TPU programs and ahead-of-time compiles keep the scan.
 
-The caches follow the weights: where `unrolled`, each stacked pool [G, n, ...] (`engine.cache`) is split once into
-per-layer buffers (`per_layer_cache`), so a layer's slot and page updates are in-place scatters into its own donated
-buffer; a stacked pool is sliced per layer, and XLA:CPU copies each slice out and writes it back (a GDN layer's state
-pool, qwen3.5-mini at 8 slots: 1.2 MB each way, every decode step).
+The caches follow the weights: where `unrolled`, each pool [R, L, ...] of a kind (`engine.cache`) is split once into
+per-layer buffers (`per_layer_cache`), each layer's slot and page updates in-place scatters into its own donated
+buffer; the scan keeps one pool a kind and addresses a layer's rows in it (`model.ragged`), also in place.
 
 Where the native CPU kernels load, the per-layer weights they read are also re-laid for them once, here: the routed
 expert stacks and the projections as 64-column panels (`kernels.packed.PanelPacked`), each a contiguous stream.
@@ -110,8 +109,9 @@ def _as_is(w):
 
 
 def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dict:
-    """The cache form `unrolled(cfg, plan)` wants: each stacked pool [G, n, ...] as G tuples of n per-layer arrays
-    (copies, made once: call it on a fresh cache), else `cache` as given."""
+    """The cache form `unrolled(cfg, plan)` wants: each pool [R, L, ...] of a kind as a tuple of L per-layer arrays
+    [R, ...] (copies, made once: call it on a fresh cache), else `cache` as given (one pool a kind, addressed by
+    layer rows: `model.ragged`)."""
     if not unrolled(cfg, plan):
         return cache
     return {name: pool if is_per_layer(pool) else _split_pool(pool) for name, pool in cache.items()}
@@ -119,8 +119,8 @@ def per_layer_cache(cfg: Config, cache: dict, plan: ServingPlan = SINGLE) -> dic
 
 @jax.jit
 def _split_pool(a: jax.Array) -> tuple:
-    """[G, n, ...] -> G tuples of n arrays [...], in one dispatch (op by op, the engine's init took ~9 ms)."""
-    return tuple(tuple(a[g, i] for i in range(a.shape[1])) for g in range(a.shape[0]))
+    """[R, L, ...] -> L arrays [R, ...], in one dispatch (op by op, the engine's init took ~9 ms)."""
+    return tuple(a[:, j] for j in range(a.shape[1]))
 
 
 # (ids of the stacked leaves and the LM head, pack) -> (weakrefs to them, layer_pattern, (groups, the packed LM head))

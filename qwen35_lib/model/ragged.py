@@ -22,52 +22,77 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
     tokens: [R, T]; meta: RaggedMeta with leading R; cache: see `qwen35_lib.engine.cache`; `parallelism` as in
     `forward` (static under jit: `jax.jit(ragged_forward, static_argnums=0, static_argnames="parallelism")`).
     Returns (logits [R, S, V], cache). The decoder is a scan over stacked layer groups (the caches ride in the
-    carry, each group's slice updated in place), or an unrolled loop when `weights["layers"]` holds per-layer
-    leaves (`model.layer_loop`: XLA:CPU; the engine passes `prepare_weights(cfg, weights, plan)`).
+    carry, one pool a kind, each layer's pages and slots addressed as rows of it and updated in place: no layer's
+    pool is sliced out), or an unrolled loop when `weights["layers"]` holds per-layer leaves (`model.layer_loop`:
+    XLA:CPU; the engine passes `prepare_weights(cfg, weights, plan)`).
     """
     with jax.named_scope("model"):  # the profile's model part (`bench.profile`); the engine samples after it
         return _ragged_forward(cfg, weights, cache, tokens, meta, check_parallelism(cfg, parallelism))
+
+
+GDN_POOLS = ("conv_q", "conv_k", "conv_v", "state")
+ATTN_POOLS = ("kv", "kv_scale")
+
+
+def merged_pools(cache: dict) -> tuple[dict, dict]:
+    """Each pool [R, L, X, ...] of `cache` as one array [R, L*X, ...] (a bitcast), and {name: X}: layer j's page or
+    slot x is row j*X + x of its kind's pool (`layer_rows`). Per-layer pools (a tuple: `layer_loop.per_layer_cache`)
+    pass as they are."""
+    merged, rows = {}, {}
+    for name, pool in cache.items():
+        if is_per_layer(pool):
+            merged[name] = pool
+        else:
+            R, L, X = pool.shape[:3]
+            merged[name], rows[name] = pool.reshape(R, L * X, *pool.shape[3:]), X
+    return merged, rows
+
+
+def layer_rows(meta, field: str, j, rows: int | None):
+    """`meta` with its page table (field "page_table") or slots ("slot") moved to layer j's rows of a merged pool
+    (`merged_pools`: rows a layer); as it is for a per-layer pool (rows None)."""
+    if rows is None:
+        return meta
+    return meta._replace(**{field: getattr(meta, field) + j * rows})
 
 
 def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism
                     ) -> tuple[jax.Array, dict]:
     h = weights["embed"][tokens]  # [R, T, D]
     valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
+    shapes = {name: pool.shape for name, pool in cache.items() if not is_per_layer(pool)}
+    cache, rows = merged_pools(cache)  # {name: [R, L*X, ...]}: every layer's update lands in place
 
-    def get(cache, name, gi, i):  # layer [gi, i]'s pool: its own buffer (per-layer cache) or a stacked slice
-        pool = cache[name]
-        return pool[gi][i] if is_per_layer(pool) else pool[gi, i]
+    def layer(cache, names, j):  # layer j's pools: its own buffer (per-layer) or the whole merged pool of its kind
+        return {n: cache[n][j] if is_per_layer(cache[n]) else cache[n] for n in names if n in cache}
 
-    def put(cache, name, gi, i, value):
-        pool = cache[name]
-        if is_per_layer(pool):
-            pool = tuple(tuple(value if (g, j) == (gi, i) else a for j, a in enumerate(row))
-                         for g, row in enumerate(pool))
-            return dict(cache, **{name: pool})
-        return dict(cache, **{name: pool.at[gi, i].set(value)})
+    def put(cache, j, new):
+        out = dict(cache)
+        for n, value in new.items():
+            pool = cache[n]
+            out[n] = tuple(value if k == j else a for k, a in enumerate(pool)) if is_per_layer(pool) else value
+        return out
 
     def group(h, cache, layers, gi):
-        """Group gi's layers; each reads and writes its own cache entry [gi, i] in place."""
+        """Group gi's layers; layer j of a kind (j = gi * n + i) reads and writes its rows of the kind's pools."""
         i_gdn = i_attn = 0
         for kind, lw in zip(cfg.layer_pattern, layers):
             if kind == LINEAR:
-                def mixer(w, x, i=i_gdn):
+                def mixer(w, x, j=gi * cfg.gdn_per_group + i_gdn):
                     nonlocal cache
-                    layer = {n: get(cache, n, gi, i) for n in ("conv_q", "conv_k", "conv_v", "state")}
-                    x, layer = gdn_ragged_block(cfg, w, x, meta, layer, parallelism)
-                    for n in layer:
-                        cache = put(cache, n, gi, i, layer[n])
+                    m = layer_rows(meta, "slot", j, rows.get("state"))
+                    x, new = gdn_ragged_block(cfg, w, x, m, layer(cache, GDN_POOLS, j), parallelism)
+                    cache = put(cache, j, new)
                     return x
                 i_gdn += 1
             else:
-                def mixer(w, x, i=i_attn):
+                def mixer(w, x, j=gi * cfg.attn_per_group + i_attn):
                     nonlocal cache
-                    scales = get(cache, "kv_scale", gi, i) if "kv_scale" in cache else None
-                    kv = get(cache, "kv", gi, i)
-                    x, kv, scales = attention_ragged_block(cfg, w, x, meta, kv, scales, parallelism)
-                    cache = put(cache, "kv", gi, i, kv)
-                    if scales is not None:
-                        cache = put(cache, "kv_scale", gi, i, scales)
+                    m = layer_rows(meta, "page_table", j, rows.get("kv"))
+                    pools = layer(cache, ATTN_POOLS, j)
+                    x, kv, scales = attention_ragged_block(cfg, w, x, m, pools["kv"], pools.get("kv_scale"),
+                                                           parallelism)
+                    cache = put(cache, j, {"kv": kv} | ({} if scales is None else {"kv_scale": scales}))
                     return x
                 i_attn += 1
             h = residual_layer(cfg, parallelism, lw, h, mixer, valid)
@@ -87,6 +112,7 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
 
         with jax.named_scope("layer_group"):
             (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))
+    cache = {name: pool.reshape(shapes[name]) if name in shapes else pool for name, pool in cache.items()}
     h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):

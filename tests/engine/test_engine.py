@@ -297,3 +297,22 @@ def test_precompile_leaves_nothing_to_compile(tiny):
     assert results[1].output_ids == alone.output_ids  # the padding steps left no trace in the cache
     with pytest.raises(ValueError, match="not one this engine forms"):
         engine.precompile(buckets=[(3, 5)])
+
+
+def test_a_mixed_step_keeps_the_reduce_scatters_rows_whole(tiny):
+    """Where the MoE reduce-scatters each rank's rows over the mesh (EP + token replication), a step with a prefill
+    region pads its decode rows so that all its rows are a multiple of 64 (`engine.rs_row_tile`: 8 + 64 rows would
+    compile all-reduces and permutes on TPU7x); decode-only steps and one device keep the power-of-two buckets."""
+    from qwen35_lib.engine.engine import rs_row_tile
+    from qwen35_lib.plan import get_stage, make_mesh
+
+    cfg, w = tiny
+    mesh = make_mesh()
+    ep = Engine(cfg, w, EC, mesh=mesh, plan=get_stage("replicate"))
+    assert ep.row_tile == 64 == rs_row_tile(ep.plan)
+    assert ep.step_shape(3, 64) == (64, 128) and ep.step_shape(3, 0) == (4, 4)
+    assert all(T % 64 == 0 for D, T in ep.buckets() if T > D)
+    assert Engine(cfg, w, EC).step_shape(3, 64) == (4, 68)
+    assert rs_row_tile(get_stage("dp_ep").bind(mesh, cfg)) == 1  # all-to-all routing: no reduce-scatter
+    with pytest.raises(ValueError, match="not one this engine forms"):
+        ep.precompile(buckets=[(4, 68)])

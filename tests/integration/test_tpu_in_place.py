@@ -23,6 +23,10 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
   (+1.9%: the FP8 scales' whole stacks relaid out before the loop, 1.5 MiB a group); with the scales placed too,
   0.964 GB at 2 groups, 0.962 GB at 15. A scan of 1 group is unrolled, so 2 is the least depth that counts.
 - Donation: every cache byte is aliased from the step's input to its output.
+- No cache copies: the layer loop holds no copy of a layer's cache pool (`hlo_checks.cache_pool_copies`): each
+  layer's pages and slots are rows of its kind's one pool (`model.ragged`). The control, a scan of GDN-state
+  updates with each layer's pool sliced out of the stacked cache and written back (the engine's protocol before),
+  must show such copies; the same updates as rows of the one pool must not.
 """
 
 import pytest
@@ -45,6 +49,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.parallel.layouts import placed_config
     from qwen35_lib.plan import get_stage
 
     moe_pallas.moe_pallas.reads_stacked = True  # what the kernels stage does (the control turns it off)
@@ -59,9 +64,59 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     resident = sweep.resident(cfg, plan, shape, mesh)
     text = c.as_text()
     copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
+    pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, sweep.cache_shape(shape, plan.dp_size(mesh)))
+    pool_copies = hlo_checks.cache_pool_copies(text, pools)
     return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
                 cache=resident["kv_bytes"] + resident["gdn_state_bytes"], weights=resident["weight_bytes"],
-                copies=[(i.op, i.name, i.arrays) for i in copies], mosaic=_mosaic_slots(text))
+                copies=[(i.op, i.name, i.arrays) for i in copies], mosaic=_mosaic_slots(text),
+                pool_copies=[(n, i.op, i.name) for n, i in pool_copies])
+
+
+def _cache_loop(protocol: str) -> dict:
+    """The control for the cache check: a scan over 2 groups of 3 layers, each layer updating 8 slots of its GDN
+    state pool [R, 6, NS, 64, 128, 128] (bf16, R = 8 ranks, 1 a device; 3.2 GB a device, far beyond VMEM) and
+    all-reducing a scalar (the layer loop is the loop with collectives), under `protocol`: "sliced" (the engine
+    before layer rows: the layer's pool sliced out of the stacked cache [R, G, n, ...] and written back) or "rows"
+    (`model.ragged`: the layer's slots addressed as rows j*NS + slot of the pool of its kind). The loop's copies."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks
+    from qwen35_lib.plan import ALL
+
+    G, n, NS, R = 2, 3, 257, 8
+    mesh = aot.chip_core_mesh()
+    row = (64, 128, 128)
+    pool = jax.ShapeDtypeStruct((R, G * n, NS, *row), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(ALL)))
+    slots = jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(ALL)))
+
+    def update(rows):  # [R, 8, ...] -> the new states
+        return rows * 0.5 + 1
+
+    def step(pool, slots):
+        def group(carry, g):
+            pool, s = carry
+            for i in range(n):
+                if protocol == "sliced":
+                    stacked = pool.reshape(R, G, n, NS, *row)
+                    layer = jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(stacked, g, 1, False), i, 1,
+                                                         False)  # [R, NS, ...]
+                    layer = jax.vmap(lambda p, sl: p.at[sl].set(update(p[sl])))(layer, slots)
+                    pool = stacked.at[:, g, i].set(layer).reshape(pool.shape)
+                else:
+                    flat = pool.reshape(R, G * n * NS, *row)
+                    rows = slots + (g * n + i) * NS
+                    pool = jax.vmap(lambda p, sl: p.at[sl].set(update(p[sl])))(flat, rows).reshape(pool.shape)
+                s = s + jnp.sum(pool[:, 0, 0, 0, 0, :1].astype(jnp.float32))  # an all-reduce a layer
+            return (pool, s), None
+        return jax.lax.scan(group, (pool, jnp.zeros((), jnp.float32)), jnp.arange(G))[0]
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(step, donate_argnums=0).lower(pool, slots).compile().as_text()
+    copies = hlo_checks.cache_pool_copies(text, {"state": hlo_checks.PoolOf("bf16", row, NS)})
+    return dict(copies=[(n, i.op, i.name) for n, i in copies])
 
 
 def _sliced_moe_loop() -> dict:
@@ -116,8 +171,8 @@ def _mosaic_slots(text: str) -> list[str]:
 def tpu7x():
     """The two depths and the control in one child (about 100 s in all on the shared 2-core machine, the control
     6 s of it; under the 600 s timeout of the first test's setup)."""
-    return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)},
-                              timeout=570)
+    return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)}
+                              | {f"cache {p}": (_cache_loop, p) for p in ("sliced", "rows")}, timeout=570)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +206,16 @@ def test_the_caches_are_donated_and_updated_in_place(tpu7x):
         s = tpu7x[f"{g} groups"]
         assert s["alias"] >= s["cache"] > 0, s  # every cache buffer is the output's buffer too
         assert s["argument"] >= s["weights"] + s["cache"]
+
+
+def test_no_cache_pool_copies_in_the_layer_loop(tpu7x):
+    # every layer's pages and slots are rows of its kind's pool, written by scatters and aliased kernel outputs
+    for g in DEPTHS:
+        assert tpu7x[f"{g} groups"]["pool_copies"] == [], tpu7x[f"{g} groups"]["pool_copies"]
+
+
+def test_the_cache_check_finds_the_sliced_protocol_and_passes_layer_rows(tpu7x):
+    # the control: a layer's pool sliced out of the stacked cache and written back is copied every layer (the
+    # check can fail); the same updates as rows of one pool copy nothing
+    assert len(tpu7x["cache sliced"]["copies"]) >= 3, tpu7x["cache sliced"]
+    assert tpu7x["cache rows"]["copies"] == [], tpu7x["cache rows"]

@@ -26,8 +26,8 @@ def test_unrolled_forward_equals_the_scan(tiny):
 
 
 def test_per_layer_cache_splits_each_pool_once(tiny):
-    """Each stacked pool [G, n, ...] -> G tuples of n arrays equal to its slices (the CPU engine's form); a plan
-    bound for a TPU keeps the stack; a split cache passes through."""
+    """Each pool [R, L, ...] of a kind -> L arrays [R, ...] equal to its layers (the CPU engine's form); a plan
+    bound for a TPU keeps the one pool a kind; a split cache passes through."""
     from qwen35_lib.engine.cache import CacheShape, init_cache
 
     cfg, _ = tiny
@@ -35,9 +35,8 @@ def test_per_layer_cache_splits_each_pool_once(tiny):
     cache = {n: a + jnp.arange(a.size, dtype=jnp.float32).reshape(a.shape).astype(a.dtype) for n, a in cache.items()}
     split = layer_loop.per_layer_cache(cfg, cache)
     for name, pool in cache.items():
-        assert len(split[name]) == pool.shape[0] and all(len(row) == pool.shape[1] for row in split[name])
-        for g, row in enumerate(split[name]):
-            for i, a in enumerate(row):
-                np.testing.assert_array_equal(a, pool[g, i])
+        assert len(split[name]) == pool.shape[1]
+        for j, a in enumerate(split[name]):
+            np.testing.assert_array_equal(a, pool[:, j])
     assert layer_loop.per_layer_cache(cfg, cache, SINGLE.resolve_kernels("tpu")) is cache
     assert layer_loop.per_layer_cache(cfg, split) == split
