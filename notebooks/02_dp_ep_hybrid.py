@@ -59,8 +59,8 @@ print(gain_table(stages["dp_ep"]))
 # **Check.** Splitting requests pays on both workloads, more on the prefill-heavy one: attention reads each
 # request's KV head once instead of once per copy, and XLA's attention, which reads the longest context for every
 # token (notebook 01), now does so for its own rank's tokens only; prefill steps carry thousands of tokens of
-# attention. Each device also copies only its own rank's cache pools (`cache`: the engine's layer scan copies
-# every layer's pools each step). It does not make the MoE cheaper: under EP a device waits for its most loaded
+# attention. Each device also holds only its own rank's cache pools, so whatever the engine pays to copy them
+# (`cache`) does not grow. It does not make the MoE cheaper: under EP a device waits for its most loaded
 # experts, and the eight ranks step in lockstep, each waiting for the busiest (the cost model's `expert_imbalance`
 # and `dp_lockstep` mechanisms), which TP's split of every expert never sees; the all-to-all adds its own time.
 # Decode-heavy steps carry a single new token per request, so the dense weights that every data-parallel device
@@ -85,7 +85,7 @@ notebook.claim("moe_not_cheaper", "the MoE costs more per token under EP on both
                all(g[wl]["component_change"]["moe"] > 0 for wl in g), "moe change > 0 on both",
                prefill=g["8k/1k"]["component_change"]["moe"], decode=g["1k/8k"]["component_change"]["moe"])
 assert all(g[wl]["component_change"]["attention"] < 0 for wl in g)
-assert all(g[wl]["component_change"]["cache"] < 0 for wl in g)
+assert all(g[wl]["component_change"]["cache"] <= 0 for wl in g)  # fewer pools a device (none, with no copies)
 assert g["1k/8k"]["component_change"]["gdn"] > 0
 
 # %% [markdown]
