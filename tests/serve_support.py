@@ -55,7 +55,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_compiled=None):
+def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_compiled=None, step_fn=None):
     import uvicorn
 
     from qwen35_lib.serve.app import make_app
@@ -65,6 +65,8 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_
     weights = init_weights(config, 0)
     engine = Engine(config, weights, EC)
     engine.decode_buckets = (EC.max_num_seqs,)
+    if step_fn is not None:  # a stand-in step (scripted outputs: `scripted_step`)
+        engine.step_fn = step_fn
     text = load_text(make_tokenizer_dir(tok_dir))
     if warmup == "all":  # every step shape, with and without logits processing (`serve --warmup all`)
         from qwen35_lib.serve.cli import all_buckets
@@ -106,3 +108,16 @@ def wait_idle(server: Server, timeout: float = 60) -> dict:
         if h["running"] == 0 and h["waiting"] == 0 or time.time() > deadline:
             return h
         time.sleep(0.05)
+
+
+def scripted_step(script: dict[int, int]):
+    """A stand-in for the engine's jitted step that samples `script[position]` at each position (0 elsewhere) and
+    leaves the cache alone: outputs chosen by the test, through the real scheduler, loop and server."""
+    import jax.numpy as jnp
+
+    def step(cfg, plan, weights, cache, tokens, meta, samp):
+        pos = np.asarray(samp["position"])  # [R, S]: the position of the token each row samples
+        out = np.vectorize(lambda p: script.get(int(p), 0), otypes=[np.int32])(pos)
+        return jnp.asarray(out), cache
+
+    return step

@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from qwen35_lib.engine import SamplingParams
 from qwen35_lib.engine.engine import validate_request
-from qwen35_lib.serve import protocol, scoring
+from qwen35_lib.serve import parsers, protocol, scoring
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput
 from qwen35_lib.serve.protocol import FINISH, APIError, Limits
@@ -298,8 +298,12 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
                     lp = scoring.completion_logprobs(text, ids, scores[i], start, k, first_none=parsed.echo)
             if parsed.prompt_logprobs is not None:
                 plp = scoring.prompt_logprobs(text, prompt, scores[i], parsed.prompt_logprobs)
-            choices.append(protocol.choice(i, chat, body, o.ids, *run.finish[i], logprobs=lp,
-                                           prompt_logprobs=None if chat else plp))
+            finish, reason = run.finish[i]
+            content, message = _message(parsed, body) if chat else (body, None)
+            if message and message.get("tool_calls"):
+                finish = "tool_calls"
+            choices.append(protocol.choice(i, chat, content, o.ids, finish, reason, logprobs=lp,
+                                           prompt_logprobs=None if chat else plp, message=message))
         use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
         doc = protocol.response(rid, model, chat, choices, use)
         if chat and parsed.prompt_logprobs is not None:  # vLLM's chat response carries them once, at the top
@@ -308,6 +312,20 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
         return doc
 
     return app
+
+
+def _message(parsed: protocol.Parsed, text: str) -> tuple[str | None, dict]:
+    """A chat answer's content and the rest of its message: the reasoning (--reasoning-parser) and tool calls."""
+    extra: dict = {}
+    content: str | None = text
+    if parsed.reasoning:
+        reasoning, content = parsers.split_reasoning(text)
+        if parsed.include_reasoning:
+            extra["reasoning_content"] = extra["reasoning"] = reasoning
+    if parsed.tools:
+        content, calls = parsers.split_tool_calls(content or "")
+        extra["tool_calls"] = calls
+    return content, extra
 
 
 class _ApiKey:
@@ -463,6 +481,7 @@ async def _collect(run: _Run, request: Request) -> None:
 
 async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
     chat, parsed = run.parsed.chat, run.parsed
+    split = [parsers.ReasoningStream() for _ in run.sinks] if parsed.reasoning else None
     try:
         for i in range(len(run.sinks)):
             if chat:
@@ -481,9 +500,15 @@ async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
                 continue
             index, piece, ids = item
             finish, reason = run.finish.get(index, (None, None))
+            thought = None
+            if split is not None:  # reasoning before </think>, content after
+                thought, piece = split[index].push(piece or "", final=finish is not None)
+                thought = thought if parsed.include_reasoning else None
+                piece = piece or None
             if finish is not None and not ids:
                 piece = piece or (None if chat else "")
-            yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason))
+            yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason,
+                                      reasoning=thought))
         if parsed.include_usage:
             use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
             yield _sse(protocol.usage_chunk(rid, model, chat, use))

@@ -83,6 +83,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="auto (default, as vLLM): a request's missing sampling fields (temperature, top_p, top_k, "
                           "min_p, repetition_penalty) default to the checkpoint's generation_config.json; vllm: "
                           "OpenAI's defaults (temperature 1, no truncation)")
+    net.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
+                     help="chat answers split into reasoning (`reasoning_content`, `reasoning`: the text before "
+                          "</think>) and content, as vLLM's --reasoning-parser qwen3")
+    net.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="parse tool calls from chat answers of requests with `tools` (needs --tool-call-parser)")
+    net.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                     help="hermes: <tool_call>{\"name\", \"arguments\"}</tool_call> blocks, Qwen's format")
     net.add_argument("--log-stats-interval", type=non_negative, default=10.0, metavar="S",
                      help="log throughput, queue and KV-cache stats every S seconds, as vLLM does (10; 0: never)")
     lim = p.add_argument_group("request bounds (each refusal is a 400 naming the option)")
@@ -240,6 +247,9 @@ def run(args: argparse.Namespace) -> int:
     # 1. Everything that needs no weights first.
     if args.checkpoint and args.model:
         raise ValueError("--checkpoint and --model are exclusive: --model picks a preset with random weights")
+    if getattr(args, "enable_auto_tool_choice", False) != bool(getattr(args, "tool_call_parser", None)):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (as vLLM): give both or "
+                         "neither")
     ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       page_size=args.page_size, max_model_len=args.max_model_len,
                       kv_dtype=cli_generate.kv_dtype(args))
@@ -287,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
                     max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
                     max_logit_bias=args.max_logit_bias, max_logprobs=args.max_logprobs,
                     eos_token_ids=tuple(config.eos_token_ids),
-                    defaults=generation_defaults(root) if args.generation_config == "auto" else ())
+                    defaults=generation_defaults(root) if args.generation_config == "auto" else (),
+                    reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     cli_generate.progress(f"serving {name} on http://{host}:{port} (layout {args.layout}, {engine.ec.ranks} "
                            f"rank(s) of max_num_seqs={ec.max_num_seqs}; "

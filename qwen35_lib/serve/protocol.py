@@ -72,6 +72,8 @@ class Limits:
     max_logprobs: int = 20  # --max-logprobs: `logprobs`, `top_logprobs`, `prompt_logprobs` (vLLM's default 20)
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (`stop_token_ids` add to them)
     defaults: tuple[tuple[str, float], ...] = ()  # sampling defaults (generation_config.json): (field, value)
+    reasoning_parser: str | None = None  # --reasoning-parser: "qwen3" splits <think>...</think> from the content
+    tool_call_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice: "hermes"
 
 
 @dataclasses.dataclass
@@ -93,6 +95,9 @@ class Parsed:
     echo: bool = False  # the prompt is part of the choice's text (and of its logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-k per prompt token); None: none
     stop_ids: tuple[int, ...] = ()  # the request's own stop_token_ids (a finish on one names it in stop_reason)
+    reasoning: bool = False  # split the reasoning from the content (chat, --reasoning-parser)
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning
+    tools: bool = False  # parse tool calls from the content (chat with `tools`, --tool-call-parser)
 
     @property
     def scored(self) -> bool:
@@ -111,10 +116,11 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "prompt_logprobs"}
 COMPLETION = COMMON | {"prompt"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "chat_template", "chat_template_kwargs",
-                 "add_generation_prompt", "continue_final_message", "top_logprobs"}
+                 "add_generation_prompt", "continue_final_message", "top_logprobs", "tools", "tool_choice",
+                 "include_reasoning"}
 # accepted whatever their value: they do not change what is generated (labels, or options of features absent here)
 NO_EFFECT = {"user", "metadata", "store", "service_tier", "cache_salt", "return_token_ids", "parallel_tool_calls",
-             "include_reasoning", "spaces_between_special_tokens"}
+             "spaces_between_special_tokens"}
 # refused unless neutral: field -> (neutral values, what to do instead)
 REFUSED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
@@ -128,8 +134,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "structured_outputs": ((None,), "structured outputs are not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
-    "tools": ((None, []), "tool calling is not supported"),
-    "tool_choice": ((None, "none"), "tool calling is not supported"),
+    "tools": ((None, []), "tool calling is a chat feature; use /v1/chat/completions"),
+    "tool_choice": ((None, "none"), "tool calling is a chat feature; use /v1/chat/completions"),
     "functions": ((None, []), "function calling is not supported"),
     "function_call": ((None, "none"), "function calling is not supported"),
     "documents": ((None, []), "documents (RAG templates) are not supported"),
@@ -319,6 +325,9 @@ def chat_prompt(body: dict, text: Any, limits: Limits) -> list[int]:
     clash = sorted(set(kwargs) & reserved)
     if clash:
         raise APIError(f"chat_template_kwargs cannot set `{clash[0]}` (the server sets it)", "chat_template_kwargs")
+    tools = body.get("tools")
+    if tools:  # the template writes the tool descriptions (Qwen's reads `tools`)
+        kwargs = {**kwargs, "tools": tools}
     try:
         rendered = render_chat(template or text.chat_template, flat, gen, text.special_tokens, **kwargs)
     except Exception as e:  # noqa: BLE001 - a template (the request's own, or fed its kwargs) failing is the input's
@@ -462,6 +471,7 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
         logprobs = _count(body, "logprobs", limits)
         echo = get(body, "echo", (bool,), False)
     prompt_logprobs = _count(body, "prompt_logprobs", limits)
+    tools = _tools(body, limits, stream) if chat else False
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and stream:
             raise APIError(f"`{name}` with `stream`: true is not supported by this server; send stream: false",
@@ -531,8 +541,38 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
                 params.append(SamplingParams(max_new_tokens=k, seed=sample_seed(seed, j), **common))
             except (ValueError, TypeError) as e:
                 raise APIError(str(e), _param_of(str(e))) from None
+    reasoning = chat and limits.reasoning_parser is not None
+    include_reasoning = get(body, "include_reasoning", (bool,), True) if chat else True
     return Parsed(prompts, params, stream, include_usage, chat, stop, include_stop, skip, rid, n, logprobs, echo,
-                  prompt_logprobs, stop_ids)
+                  prompt_logprobs, stop_ids, reasoning, include_reasoning, tools)
+
+
+def _tools(body: dict, limits: Limits, stream: bool) -> bool:
+    """Whether a chat request's tool calls are parsed: `tools` (function definitions) with `tool_choice` auto (the
+    default with tools) on a server with a tool-call parser; none: the tools only reach the template."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise APIError("`tool_choice` needs `tools`", "tool_choice")
+        return False
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
+                                              and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise APIError("`tools` must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
+                       "tools")
+    if choice == "none":
+        return False
+    if choice not in (None, "auto"):
+        raise APIError("`tool_choice` other than \"auto\" or \"none\" needs guided decoding, which this server "
+                       "does not support; send \"auto\"", "tool_choice")
+    if limits.tool_call_parser is None:
+        raise APIError("`tools` with tool_choice \"auto\" need the server started with --enable-auto-tool-choice "
+                       "--tool-call-parser hermes (as vLLM)", "tools")
+    if stream:
+        raise APIError("`tools` with `stream`: true are not supported by this server (tool calls are parsed from "
+                       "the whole answer); send stream: false", "tools")
+    return True
 
 
 def _param_of(message: str) -> str | None:
@@ -554,15 +594,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
                 total_tokens=prompt_tokens + completion_tokens)
 
 
-def choice(index: int, chat: bool, text: str, token_ids: list[int], finish: str | None,
+def choice(index: int, chat: bool, text: str | None, token_ids: list[int], finish: str | None,
            stop_reason: str | int | None = None, logprobs: dict | None = None,
-           prompt_logprobs: list | None = None) -> dict:
+           prompt_logprobs: list | None = None, message: dict | None = None) -> dict:
     base: dict[str, Any] = dict(index=index, logprobs=logprobs, finish_reason=finish, stop_reason=stop_reason,
                                 token_ids=token_ids)
     if prompt_logprobs is not None:
         base["prompt_logprobs"] = prompt_logprobs
-    if chat:
-        return base | dict(message=dict(role="assistant", content=text))
+    if chat:  # `message`: more of the message (reasoning, tool_calls)
+        return base | dict(message=dict(role="assistant", content=text) | (message or {}))
     return base | dict(text=text)
 
 
@@ -572,13 +612,16 @@ def response(rid: str, model: str, chat: bool, choices: list[dict], use: dict) -
 
 
 def chunk(rid: str, model: str, chat: bool, index: int, piece: str | None, token_ids: list[int],
-          finish: str | None, role: bool = False, stop_reason: str | int | None = None) -> dict:
+          finish: str | None, role: bool = False, stop_reason: str | int | None = None,
+          reasoning: str | None = None) -> dict:
     """One streamed event. Chat: `delta` ({"role"} first, then {"content"}); completions: `text`."""
     c: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, token_ids=token_ids)
     if finish is not None:
         c["stop_reason"] = stop_reason
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if reasoning:  # vLLM's older and newer names
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if piece is not None:
             delta["content"] = piece
         c["delta"] = delta

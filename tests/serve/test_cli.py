@@ -75,6 +75,7 @@ def test_the_socket_is_bound_or_refused_in_one_line():
     (["--fp8", "keep"], ValueError, "--fp8 keep keeps an FP8 checkpoint's experts in FP8: give an FP8 --checkpoint"),
     (["--layout", "tp8"], ValueError, "2 KV heads cannot be split over 8 devices"),
     (["--host", "256.1.1.1"], ValueError, r"cannot listen on 256\.1\.1\.1:8000 \(.*\); pick another --port"),
+    (["--enable-auto-tool-choice"], ValueError, "--enable-auto-tool-choice and --tool-call-parser go together"),
 ])
 def test_bad_input_fails_before_any_weight_is_loaded(monkeypatch, argv, error, message):
     monkeypatch.setattr(cli_generate, "load", lambda *a, **k: pytest.fail("weights loaded before the checks"))

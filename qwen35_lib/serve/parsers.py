@@ -1,0 +1,83 @@
+"""What a chat answer says besides its content: Qwen3's reasoning (`<think>...</think>`) and tool calls
+(`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the Hermes format Qwen's templates write), split as
+vLLM's `--reasoning-parser qwen3` and `--tool-call-parser hermes` split them.
+
+Reasoning, whole answer (`split_reasoning`): without `</think>` the whole text is content; with it, the text before
+(less a leading `<think>`) is the reasoning and the text after is the content (None when empty).
+Reasoning, streamed (`ReasoningStream`): as vLLM streams it, text before `</think>` is reasoning (the template may
+have opened the block in the prompt), text after is content; a possible start of `<think>` or `</think>` at the end
+of the text so far is held back until the next piece shows what it is.
+Tool calls (`split_tool_calls`): every `<tool_call>` block whose body is a JSON object with a string `name` becomes
+a call (`arguments` as a JSON string); the content is the text before the first block (None when empty). Text that
+does not parse stays content, as vLLM leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+THINK, END_THINK = "<think>", "</think>"
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def split_reasoning(text: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer."""
+    if END_THINK not in text:
+        return None, text
+    before, sep, after = text.partition(THINK)
+    reasoning, _, content = (after if sep else before).partition(END_THINK)
+    return reasoning, content or None
+
+
+def _held(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could begin `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ReasoningStream:
+    """`push(piece, final)` -> (reasoning delta, content delta) of a streamed answer."""
+
+    def __init__(self):
+        self.text = ""
+        self.sent_reasoning = 0
+        self.sent_content = 0
+
+    def push(self, piece: str, final: bool = False) -> tuple[str, str]:
+        self.text += piece or ""
+        t = self.text
+        if not final and THINK.startswith(t):  # the answer may still open with <think>
+            return "", ""
+        if t.startswith(THINK):
+            t = t[len(THINK):]
+        if END_THINK in t:
+            reasoning, _, content = t.partition(END_THINK)
+        else:
+            reasoning, content = t[:len(t) - (0 if final else _held(t, END_THINK))], ""
+        r, c = reasoning[self.sent_reasoning:], content[self.sent_content:]
+        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
+        return r, c
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool calls in the OpenAI shape) of a whole answer."""
+    calls = []
+    for m in TOOL_CALL.finditer(text):
+        try:
+            doc = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+            continue
+        args = doc.get("arguments", doc.get("parameters", {}))
+        calls.append(dict(id=f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", type="function",
+                          function=dict(name=doc["name"], arguments=args if isinstance(args, str) else
+                                        json.dumps(args, ensure_ascii=False))))
+    if not calls:
+        return text, []
+    content = text[:text.index("<tool_call>")]
+    return content if content.strip() else None, calls
