@@ -2,6 +2,7 @@
 `vllm bench serve` commands; a reader of `vllm bench serve --save-result` files beside the cost model.
 
     recipe --stage kernels [--hardware tpu7x-8] [--model ...] [--isl 8192 --osl 1024 --concurrency 64] [--json]
+    recipe --layout tp8_ep8 | dp4_tp2_ep8 | dp8_ep8 | tp8_kvrep | auto [--isl ... --osl ... --concurrency ...]
     recipe --bench [--base-url URL] [--concurrency 512 ...] [--scale 1]
     recipe --result FILE.json ... [--stage kernels] [--json PATH]
 
@@ -85,17 +86,19 @@ def _model_id(model: str | None) -> str:
 
 def server_recipe(stage: str, hardware: str = "tpu7x-8", model: str | None = None, isl: int | None = None,
                   osl: int | None = None, concurrency: int | None = None, port: int | None = None) -> ServerRecipe:
-    """The `vllm serve` command and environment that realise `stage` in tpu-inference."""
+    """The `vllm serve` command and environment that realise `stage` (a stage, or a layout of recipes.json's
+    "layouts": `layout_recipe`) in tpu-inference."""
     doc = recipes()
-    if stage not in doc["stages"]:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(doc['stages'])}")
+    if stage not in doc["stages"] and stage not in doc["layouts"]:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(doc['stages'])}; layouts: "
+                         f"{', '.join(k for k in doc['layouts'] if not k.startswith('_'))}")
     if hardware not in doc["hardware"]:
         raise ValueError(f"no tpu-inference recipe for hardware {hardware!r}; recipes exist for "
                          f"{', '.join(doc['hardware'])}")
     d = doc["defaults"]
     isl, osl = isl or d["isl"], osl or d["osl"]
     concurrency, port = concurrency or d["concurrency"], port or d["port"]
-    st = doc["stages"][stage]
+    st = _entry(stage)
     shard = doc["sharding"][st["sharding"]]
     values = derived(isl, osl, concurrency, shard["dp"]) | dict(port=port)
     env = [dict(e) for e in doc["env"]]
@@ -130,6 +133,46 @@ def server_recipe(stage: str, hardware: str = "tpu7x-8", model: str | None = Non
                         (sg["note"] + "; " if sg else "") + doc["sglang_jax"]["note"])
 
 
+def _entry(name: str) -> dict:
+    """recipes.json's record of a stage, or of a layout (its own, or the stage it is `same_as`)."""
+    doc = recipes()
+    if name in doc["stages"]:
+        return doc["stages"][name]
+    lay = doc["layouts"][name]
+    return doc["stages"][lay["same_as"]] if "same_as" in lay else lay
+
+
+LAYOUTS = ("tp8_kvrep", "tp8_ep8", "dp4_tp2_ep8", "dp8_ep8")  # recipes.json "layouts" (`costmodel.choice`'s)
+
+
+def layout_recipe(layout: str, hardware: str = "tpu7x-8", model: str | None = None, isl: int | None = None,
+                  osl: int | None = None, concurrency: int | None = None, port: int | None = None,
+                  kernels: str = "pallas") -> tuple[ServerRecipe, dict | None]:
+    """(the recipe of `layout`, the cost model's choice or None): `layout` one of LAYOUTS, or "auto": the one
+    `costmodel.choice.choose` serves for the workload and concurrency (with `kernels`: tpu-inference's are Pallas),
+    its `layout_choice` returned beside."""
+    choice = None
+    if layout == "auto":
+        from qwen35_lib.costmodel import choice as choice_lib
+
+        d = recipes()["defaults"]
+        doc = choice_lib.choose("qwen3.5-397b-a17b", hardware, isl or d["isl"], osl or d["osl"],
+                                concurrency or d["concurrency"], kernels=kernels, roofline=False,
+                                layouts=LAYOUTS)
+        choice = doc["layout_choice"]
+        if choice["picked"] is None:
+            raise ValueError(f"no layout fits this workload on {hardware}: {choice['candidates'][0]['reason']}")
+        layout = choice["picked"]
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)} or auto")
+    r = server_recipe(layout, hardware, model, isl, osl, concurrency, port)
+    if choice is not None:
+        r.notes = [f"picked by the cost model (costmodel predict --layout auto --kernels {kernels}): {layout} "
+                   + (f"over {choice['runner_up']} by {choice['margin']:+.1%} total tokens/s" if choice["runner_up"]
+                      else "(the only layout that fits)"), *r.notes]
+    return r, choice
+
+
 def format_recipe(r: ServerRecipe, isl: int, osl: int, concurrency: int) -> str:
     doc = recipes()
     lines = [f"# stage {r.stage!r} on {r.hardware} in tpu-inference (vLLM TPU): {r.realises}",
@@ -153,7 +196,7 @@ def format_recipe(r: ServerRecipe, isl: int, osl: int, concurrency: int) -> str:
     lines.append(" ".join(shlex.quote(a) for a in r.sglang) if r.sglang else "# (no sglang-jax equivalent)")
     used = sorted({e["source"] for e in r.env} | {s["source"] for s in r.settings} |
                   {x["source"] for x in r.extras} | {k for e in r.env + r.extras for k in [e.get("also")] if k} |
-                  set(doc["stages"][r.stage]["sources"]) | set(doc["sglang_jax"]["sources"] if r.sglang else ()))
+                  set(_entry(r.stage)["sources"]) | set(doc["sglang_jax"]["sources"] if r.sglang else ()))
     lines += ["", "# sources:"] + [f"#   [{k}] {doc['sources'][k]}" for k in used if k in doc["sources"]]
     return "\n".join(lines)
 
@@ -293,6 +336,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.splitlines()[0])
     p.add_argument("--stage", choices=list(STAGES), help="print the vllm serve command that realises it; with "
                                                          "--result: the stage the measured server ran (kernels)")
+    p.add_argument("--layout", choices=(*LAYOUTS, "auto"),
+                   help="print the vllm serve command of a layout (tpu-inference's sharding presets), or of the one "
+                        "the cost model serves best for --isl, --osl and --concurrency (auto)")
+    p.add_argument("--kernels", choices=("xla", "pallas"), default="pallas",
+                   help="--layout auto: the kernel family the cost model prices (default: %(default)s, "
+                        "tpu-inference's)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--bench", action="store_true", help="print vllm bench serve commands for every workload")
     what.add_argument("--result", action="append", metavar="FILE",
@@ -315,8 +364,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (args.stage or args.bench or args.result):
-        raise ValueError("recipe needs --stage NAME, --bench or --result FILE")
+    if not (args.stage or args.layout or args.bench or args.result):
+        raise ValueError("recipe needs --stage NAME, --bench or --result FILE (or --layout NAME|auto)")
+    if args.layout and (args.stage or args.bench or args.result):
+        raise ValueError("--layout prints a server command alone: drop --stage, --bench and --result")
+    if args.layout:
+        conc = (args.concurrency or [None])[0]
+        r, choice = layout_recipe(args.layout, args.hardware, args.model, args.isl, args.osl, conc, args.port,
+                                  args.kernels)
+        d = recipes()["defaults"]
+        print(json.dumps(dict(r.to_json(), layout_choice=choice), indent=1) if args.json else
+              format_recipe(r, args.isl or d["isl"], args.osl or d["osl"], conc or d["concurrency"]))
+        return 0
     if args.stage and not (args.bench or args.result):
         conc = (args.concurrency or [None])[0]
         r = server_recipe(args.stage, args.hardware, args.model, args.isl, args.osl, conc, args.port)

@@ -164,3 +164,32 @@ def test_result_reader_puts_vllm_bench_beside_the_cost_model(tmp_path, capsys):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert main(["recipe", "--result", str(tmp_path / "bad.json")]) == 2
     assert "no median_tpot_ms" in capsys.readouterr().err
+
+
+def test_layouts_are_the_sharding_presets_and_auto_serves_the_cost_models_pick(monkeypatch, capsys):
+    """`recipe --layout` (issue 55, item 5): each layout `costmodel predict --layout auto` chooses between is
+    tpu-inference's sharding preset (TP8_EP with expert parallelism, DP4TP2_EP, DP8_EP = the kernels stage, the naive
+    TP8 = the baseline stage); `auto` prints the recipe of the layout the cost model picked, and says so."""
+    from qwen35_lib import recipe
+    from qwen35_lib.costmodel import choice
+
+    tp_ep, dp4 = server_recipe("tp8_ep8"), server_recipe("dp4_tp2_ep8")
+    assert (tp_ep.sharding, tp_ep.dp, dp4.sharding, dp4.dp) == ("TP8_EP", 1, "DP4TP2_EP", 4)
+    assert "--enable-expert-parallel" in tp_ep.argv and '"enable_dp_attention": false' in " ".join(tp_ep.argv)
+    assert '"attn_dp_size": 4' in " ".join(dp4.argv) and "--max-num-seqs=32" in dp4.argv  # 2 x 64 / 4
+    assert server_recipe("dp8_ep8").argv == server_recipe("kernels").argv
+    assert server_recipe("tp8_kvrep").argv == server_recipe("baseline").argv
+    assert recipes()["sharding"]["TP8_EP"]["playbook_layout"] == "tp8_ep8"
+    assert set(recipe.LAYOUTS) == set(choice.CANDIDATES)
+    picked = dict(picked="dp4_tp2_ep8", runner_up="tp8_ep8", margin=0.07, by="total_tokens_per_s", candidates=[])
+    seen = {}
+
+    def fake(model, hardware, isl, osl, concurrency, **kw):
+        seen.update(isl=isl, osl=osl, concurrency=concurrency, kernels=kw["kernels"])
+        return {"layout_choice": picked}
+
+    monkeypatch.setattr(choice, "choose", fake)
+    assert main(["recipe", "--layout", "auto", "--isl", "1024", "--osl", "1024", "--concurrency", "32"]) == 0
+    out = capsys.readouterr().out
+    assert seen == dict(isl=1024, osl=1024, concurrency=32, kernels="pallas")
+    assert "sharding DP4TP2_EP" in out and "picked by the cost model" in out and "over tp8_ep8 by +7.0%" in out

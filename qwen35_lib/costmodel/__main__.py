@@ -1,8 +1,15 @@
 """`python -m qwen35_lib.costmodel predict --model NAME --hardware NAME --stage NAME --isl N --osl N --concurrency N
 [--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
 [--max-seqs N] [--kv-dtype D] [--mechanisms nominal|off] [--explain] [--no-band] [--json]` and
-`python -m qwen35_lib.costmodel ladder [--json]` and
+`python -m qwen35_lib.costmodel ladder [--json]`,
+`python -m qwen35_lib.costmodel layouts --isl N --osl N [--concurrencies 1,2,...] [--kernels K] [--json]` and
 `python -m qwen35_lib.costmodel validate --moe | --published | --compiled [--json]`.
+
+`predict --layout auto` prices every layout of `choice.CANDIDATES` that fits (tp8_kvrep, tp8_ep8, dp4_tp2_ep8,
+dp8_ep8 with the given routing, flags and kernels) and serves the one with the most total tokens/s; its JSON names the
+pick, the runner-up and the margin (`layout_choice`). `layouts` prints that ranking over concurrency (c1 ... c512):
+each layout's total tokens/s and median TPOT, the best, the next and the margin. `--no-async-scheduling` predicts a
+server without vLLM's --async-scheduling (the whole host turnaround on every step).
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
 one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json and their joint corners), the
@@ -24,7 +31,9 @@ import sys
 from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.choice import CONCURRENCIES
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
+from qwen35_lib.plan import FAMILIES, ROUTINGS
 from qwen35_lib.plan import cli as plan_cli
 
 
@@ -95,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--range-ratio", type=float, default=0.8,
                        help="each length uniform in [r L, L] (default: %(default)s, InferenceX's)")
         q.add_argument("--json", action="store_true", help="print one JSON document")
-    plan_cli.add_arguments(pr, layout=None, stage="kernels", kernels=True, devices=False)
+    plan_cli.add_arguments(pr, layout=None, stage="kernels", kernels=True, devices=False, auto=True)
+    pr.add_argument("--no-async-scheduling", action="store_true",
+                    help="a server without vLLM's --async-scheduling: the host turnaround on every step")
     pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
                     help="the labelled serving mechanisms at their nominal values, or the model without them")
     pr.add_argument("--no-dp-batch-prefill", action="store_true",
@@ -104,10 +115,29 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--no-band", action="store_true", help="skip the uncertainty band")
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
     pr.add_argument("--osl", type=int, default=1024, help="output tokens per request")
+    lays = sub.add_parser("layouts", help="every layout priced over concurrency: the best, the next, the margin")
+    lays.add_argument("--model", default="qwen3.5-397b-a17b", help=f"a preset ({', '.join(PRESETS)})")
+    lays.add_argument("--hardware", default="tpu7x-8", help="tpu7x-8, v6e-8, v5p-8, v5e-8, h200, h200-8, cpu")
+    lays.add_argument("--isl", type=int, default=8192, help="input tokens per request")
+    lays.add_argument("--osl", type=int, default=1024, help="output tokens per request")
+    lays.add_argument("--concurrencies", default=",".join(map(str, CONCURRENCIES)),
+                      help="comma-separated concurrencies (default: %(default)s)")
+    lays.add_argument("--expert-dtype", choices=["float8_e4m3fn", "none"],
+                      help="routed experts (default: float8_e4m3fn, the serving configuration)")
+    lays.add_argument("--kv-dtype", default="float8_e4m3fn", choices=KV_DTYPES,
+                      help="KV cache dtype (default: %(default)s)")
+    lays.add_argument("--routing", choices=ROUTINGS, default="replicate", help="the EP layouts' routing")
+    lays.add_argument("--fuse-allgather", action="store_true", help="the data-parallel EP layouts: packed ids/weights")
+    lays.add_argument("--hierarchical-rs", action="store_true", help="the data-parallel EP layouts: hierarchical RS")
+    lays.add_argument("--kernels", choices=FAMILIES, default="xla", help="kernel family (default: %(default)s)")
+    lays.add_argument("--no-async-scheduling", action="store_true", help="a server without --async-scheduling")
+    lays.add_argument("--json", action="store_true", help="print one JSON document")
     val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
     what = val.add_mutually_exclusive_group(required=True)
     what.add_argument("--moe", action="store_true", help="the MoE layer sub-model vs production's measured layer")
     what.add_argument("--published", action="store_true", help="tpu-inference #3050 (8k/1k, c64/128/256)")
+    what.add_argument("--layouts", action="store_true",
+                      help="the published low-concurrency layouts (tpu-inference #3050's DP4TP2_EP row)")
     what.add_argument("--compiled", action="store_true",
                       help="FLOPs and HBM bytes vs the TPU7x-8 decode compiles (data/aot/tpu7x-8.json, aot/hlo/)")
     val.add_argument("--json", action="store_true", help="print one JSON document")
@@ -124,6 +154,17 @@ def _validate(args: argparse.Namespace) -> int:
 
         rows = compiled.compare(data.read_json("aot/tpu7x-8.json"))
         print(json.dumps(rows, indent=2) if args.json else compiled.table(rows))
+        return 0
+    if args.layouts:
+        rows = validate.layout_points()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        for r in rows:
+            tpot = f"  median TPOT x{r['tpot_ratio']:.2f}" if "tpot_ratio" in r else ""
+            print(f"{r['setup']} ({r['layout']}), {r['isl']}/{r['osl']} c{r['concurrency']}: total tokens/s "
+                  f"{r['predicted_total_tokens_per_s']:,.0f} predicted / {r['measured_total_tokens_per_s']:,.0f} "
+                  f"published = x{r['ratio']:.2f}{tpot}")
         return 0
     if args.moe:
         rows, derived = validate.moe_layer_comparison(), validate.moe_row_overhead()
@@ -154,20 +195,65 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layouts(args: argparse.Namespace) -> int:
+    from qwen35_lib.costmodel import choice
+
+    try:
+        concurrencies = tuple(int(c) for c in args.concurrencies.split(","))
+    except ValueError:
+        raise ValueError(f"--concurrencies takes integers separated by commas, got {args.concurrencies!r}") from None
+    mech = Mechanisms.nominal(async_scheduling=False) if args.no_async_scheduling else "nominal"
+    t = choice.table(_model(args), args.hardware, args.isl, args.osl, concurrencies, routing=args.routing,
+                     fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs, kernels=args.kernels,
+                     kv_dtype=args.kv_dtype, mechanisms=mech)
+    print(json.dumps(t, indent=2) if args.json else choice.format_table(t))
+    return 0
+
+
+def _format_choice(c: dict) -> str:
+    lines = [f"  layout auto: {c['picked']} served (the most {c['by'].replace('_', ' ')} of those that fit)"
+             + (f"; runner-up {c['runner_up']}, margin {c['margin']:+.1%}" if c["runner_up"] else "")]
+    for r in c["candidates"]:
+        if r["fits"]:
+            lines.append(f"    {r['layout']:<12} {r['total_tokens_per_s']:12,.0f} total tokens/s  TPOT "
+                         f"{r['median_tpot_s'] * 1e3:7.2f} ms  TTFT {r['median_ttft_s'] * 1e3:9.1f} ms")
+        else:
+            lines.append(f"    {r['layout']:<12} does not fit: {r['reason']}")
+    return "\n".join(lines)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "validate":
         return _validate(args)
+    if args.command == "layouts":
+        return _layouts(args)
     common = dict(concurrency=args.concurrency, max_batched_tokens=args.max_batched_tokens,
                   max_seqs=args.max_seqs, kv_dtype=args.kv_dtype, num_prompts=args.num_prompts,
                   range_ratio=args.range_ratio)
     if args.command == "predict":
         mech = args.mechanisms
-        if args.no_dp_batch_prefill and mech == "nominal":
-            mech = Mechanisms.nominal(dp_batch_prefill=False)
-        r = predict(_model(args), args.hardware, plan_cli.from_args(args), args.isl, args.osl, **common,
-                    mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal",
-                    explain=args.explain)
-        print(json.dumps(r, indent=2) if args.json else _format(r))
+        setup = dict(dp_batch_prefill=False) if args.no_dp_batch_prefill else {}
+        if args.no_async_scheduling:
+            setup["async_scheduling"] = False
+        if setup and mech == "nominal":
+            mech = Mechanisms.nominal(**setup)
+        elif setup:
+            raise ValueError("--no-dp-batch-prefill and --no-async-scheduling set mechanisms of the nominal model; "
+                             "drop them with --mechanisms off")
+        options = dict(mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal", explain=args.explain)
+        if args.layout == "auto":
+            from qwen35_lib.costmodel import choice
+
+            r = choice.choose(_model(args), args.hardware, args.isl, args.osl, routing=args.routing,
+                              fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs,
+                              kernels=args.kernels, **common, **options)
+        else:
+            r = predict(_model(args), args.hardware, plan_cli.from_args(args), args.isl, args.osl, **common,
+                        **options)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(_format(r) + ("\n" + _format_choice(r["layout_choice"]) if "layout_choice" in r else ""))
         return 0
     rows = ladder(_model(args), args.hardware, **common)
     if args.json:

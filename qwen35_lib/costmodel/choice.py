@@ -1,0 +1,130 @@
+"""Layouts by concurrency (issue 55): the cost model prices every layout that fits and serves the best.
+
+`choose(model, hardware, isl, osl, concurrency, ...)` (`predict --layout auto`):
+1. the candidates: each layout of `CANDIDATES` (`candidates`: the caller's routing and kernels; the collective flags
+   where a layout takes them, the data-parallel EP layouts with routing replicate), as `predict` binds them to the
+   system (on another device count the general forms: a candidate that binds to a layout already priced is dropped);
+2. `predict` each for the workload and concurrency (no band, no roofline: the ranking reads total tokens/s);
+3. the candidate with the highest total (input + output) tokens/s among those that fit is served: `predict` again
+   with the caller's band / explain / roofline, its document gaining `layout_choice` (`picked`, `runner_up`, `margin`
+   = picked / runner-up - 1, and every candidate's throughput, TPOT and TTFT, or why it does not fit).
+Nothing here names a concurrency: the prices decide (the replicated attention and GDN weights every data-parallel
+rank reads, the KV heads tensor parallelism duplicates, the collectives of each, the scheduler's ranks).
+
+`table(model, hardware, isl, osl, concurrencies)` (`python -m qwen35_lib.costmodel layouts`): step 2 at each
+concurrency of `CONCURRENCIES`, with the best layout, the runner-up and the margin in each row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qwen35_lib.config import Config
+from qwen35_lib.costmodel.predict import predict
+from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.plan import ServingPlan, get_layout
+
+# tpu-inference's Qwen3.5 presets as this library names them (TP8_EP, DP4TP2_EP, DP8_EP) and the naive TP baseline
+CANDIDATES = ("tp8_kvrep", "tp8_ep8", "dp4_tp2_ep8", "dp8_ep8")
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+RANK_BY = "total_tokens_per_s"
+
+
+def candidates(routing: str = "replicate", fuse_allgather: bool = False, hierarchical_rs: bool = False,
+               kernels: str | None = "xla", layouts: tuple[str, ...] = CANDIDATES) -> list[ServingPlan]:
+    """One plan per layout, named by it: the EP layouts with `routing`, the data-parallel EP layouts with the
+    collective flags when `routing` is replicate (tp_ep has no all-gather to fuse), the TP layouts without either."""
+    out = []
+    for layout in layouts:
+        lay = get_layout(layout)
+        ep = lay.moe == "ep"
+        flags = ep and lay.batch_axes is not None and routing == "replicate"
+        out.append(ServingPlan(layout, layout, routing if ep else None, fuse_allgather and flags,
+                               hierarchical_rs and flags, kernels))
+    return out
+
+
+def rank(model: str | Config, hardware: str | Specs, isl: int, osl: int, concurrency: int,
+         plans: list[ServingPlan], **kwargs: Any) -> list[dict]:
+    """Every plan of `plans` priced (`predict`, no band, no roofline), best first: those that fit by `RANK_BY`,
+    then those that do not (with the reason). A plan that binds to a layout already priced is left out."""
+    rows, seen = [], set()
+    for plan in plans:
+        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False, **kwargs)
+        key = (r["layout"], r["routing"], r["fuse_allgather"], r["hierarchical_rs"])
+        if key in seen:
+            continue
+        seen.add(key)
+        row = dict(layout=plan.layout, bound_layout=r["layout"], plan=plan, fits=r["fits"])
+        if r["fits"]:
+            row.update({k: r[k] for k in ("total_tokens_per_s", "output_tokens_per_s", "median_tpot_s",
+                                          "median_ttft_s", "mean_step_s", "max_running_per_rank")})
+        else:
+            row["reason"] = r["reason"]
+        rows.append(row)
+    fit = sorted((r for r in rows if r["fits"]), key=lambda r: -r[RANK_BY])
+    return fit + [r for r in rows if not r["fits"]]
+
+
+def _summary(rows: list[dict]) -> dict:
+    """{picked, runner_up, margin, candidates} of ranked rows (`rank`), JSON-able."""
+    fit = [r for r in rows if r["fits"]]
+    best = fit[0] if fit else None
+    runner = fit[1] if len(fit) > 1 else None
+    return dict(by=RANK_BY, picked=best and best["layout"], runner_up=runner and runner["layout"],
+                margin=best[RANK_BY] / runner[RANK_BY] - 1 if runner else None,
+                candidates=[{k: v for k, v in r.items() if k != "plan"} for r in rows])
+
+
+def choose(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
+           osl: int = 1024, concurrency: int = 512, *, routing: str = "replicate", fuse_allgather: bool = False,
+           hierarchical_rs: bool = False, kernels: str | None = "xla", band: bool = False, explain: bool = False,
+           roofline: bool = True, layouts: tuple[str, ...] = CANDIDATES, **kwargs: Any) -> dict:
+    """`predict` of the best layout (the module doc), with `layout_choice`; where none fits, the best candidate's
+    refusal (`fits: false`) with `layout_choice`."""
+    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts)
+    rows = rank(model, hardware, isl, osl, concurrency, plans, **kwargs)
+    best = rows[0]
+    doc = predict(model, hardware, best["plan"], isl, osl, concurrency, band=band and best["fits"],
+                  explain=explain and best["fits"], roofline=roofline, **kwargs)
+    doc["layout_choice"] = _summary(rows)
+    return doc
+
+
+def table(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
+          osl: int = 1024, concurrencies: tuple[int, ...] = CONCURRENCIES, *, routing: str = "replicate",
+          fuse_allgather: bool = False, hierarchical_rs: bool = False, kernels: str | None = "xla",
+          layouts: tuple[str, ...] = CANDIDATES, **kwargs: Any) -> dict:
+    """{"isl", "osl", "layouts", "rows": [{"concurrency", "picked", "runner_up", "margin", "candidates"}]}: the
+    ranking (`rank`) at each concurrency."""
+    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts)
+    rows = []
+    for c in concurrencies:
+        rows.append(dict(concurrency=c, **_summary(rank(model, hardware, isl, osl, c, plans, **kwargs))))
+    return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, layouts=list(layouts), rows=rows)
+
+
+def format_table(t: dict) -> str:
+    """The table as text: a row per concurrency, per layout total tokens/s and median TPOT (* the pick), then the
+    pick, the runner-up and the margin."""
+    lays = t["layouts"]
+    head = f"{'conc':>5} " + " ".join(f"{name:>22}" for name in lays) + f"  {'best':<12} {'next':<12} {'margin':>7}"
+    lines = [f"ISL {t['isl']} / OSL {t['osl']}, routing {t['routing']}, kernels {t['kernels']}: total tokens/s | "
+             "median TPOT ms per layout (* served)", head]
+    for row in t["rows"]:
+        cells = {c["layout"]: c for c in row["candidates"]}
+        out = []
+        for name in lays:
+            c = cells.get(name)
+            if c is None or not c["fits"]:
+                out.append(f"{'-' if c is None else 'does not fit':>22}")
+            else:
+                mark = "*" if name == row["picked"] else " "
+                out.append(f"{c['total_tokens_per_s']:>11,.0f} {c['median_tpot_s'] * 1e3:>8.1f}{mark}")
+        margin = f"{row['margin']:+7.1%}" if row["margin"] is not None else f"{'-':>7}"
+        lines.append(f"{row['concurrency']:>5} " + " ".join(out) +
+                     f"  {row['picked'] or '-':<12} {row['runner_up'] or '-':<12} {margin}")
+    return "\n".join(lines)
+
+
+__all__ = ["CANDIDATES", "CONCURRENCIES", "candidates", "choose", "format_table", "rank", "table"]

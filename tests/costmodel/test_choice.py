@@ -1,0 +1,77 @@
+"""`predict --layout auto` and `costmodel layouts` (issue 55, item 3): every candidate layout priced, the best served,
+the runner-up and the margin named; the choice is the prices' (the highest total tokens/s of those that fit)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qwen35_lib.costmodel import choice, predict
+from qwen35_lib.costmodel.__main__ import main
+
+
+def test_candidates_take_the_flags_where_a_layout_has_them():
+    plans = {p.layout: p for p in choice.candidates("replicate", True, True, "pallas")}
+    assert list(plans) == list(choice.CANDIDATES)
+    assert plans["tp8_kvrep"].routing is None and not plans["tp8_kvrep"].fuse_allgather
+    assert plans["tp8_ep8"].routing == "replicate" and not plans["tp8_ep8"].fuse_allgather  # nothing to fuse
+    assert plans["dp8_ep8"].fuse_allgather and plans["dp8_ep8"].hierarchical_rs
+    assert all(p.kernels == "pallas" for p in plans.values())
+    a2a = {p.layout: p for p in choice.candidates("all_to_all", True, False)}
+    assert a2a["dp8_ep8"].routing == "all_to_all" and not a2a["dp8_ep8"].fuse_allgather
+
+
+def test_auto_serves_the_best_priced_layout_and_names_the_runner_up():
+    doc = choice.choose(isl=8192, osl=1024, concurrency=4, kernels="pallas", roofline=False)
+    c = doc["layout_choice"]
+    fit = [r for r in c["candidates"] if r["fits"]]
+    assert {r["layout"] for r in c["candidates"]} == set(choice.CANDIDATES)
+    best = max(fit, key=lambda r: r["total_tokens_per_s"])
+    assert c["picked"] == best["layout"] == doc["layout"] and [r["layout"] for r in fit][:2] == [c["picked"],
+                                                                                                c["runner_up"]]
+    assert c["margin"] == pytest.approx(fit[0]["total_tokens_per_s"] / fit[1]["total_tokens_per_s"] - 1)
+    # the served document is the picked layout's own prediction
+    alone = predict(stage=choice.candidates(kernels="pallas")[choice.CANDIDATES.index(c["picked"])], isl=8192,
+                    osl=1024, concurrency=4, roofline=False)
+    assert doc["total_tokens_per_s"] == pytest.approx(alone["total_tokens_per_s"]) == best["total_tokens_per_s"]
+
+
+def test_cli_auto_json_and_layouts_table(capsys):
+    assert main(["predict", "--layout", "auto", "--kernels", "pallas", "--isl", "1024", "--osl", "1024",
+                 "--concurrency", "8", "--no-band", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"] == doc["layout_choice"]["picked"] and doc["layout_choice"]["runner_up"] is not None
+    assert main(["layouts", "--isl", "1024", "--osl", "1024", "--concurrencies", "2,8", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)
+    assert [r["concurrency"] for r in t["rows"]] == [2, 8]
+    for row in t["rows"]:
+        fit = [c for c in row["candidates"] if c["fits"]]
+        assert row["picked"] == max(fit, key=lambda c: c["total_tokens_per_s"])["layout"]
+    assert main(["layouts", "--isl", "1024", "--osl", "1024", "--concurrencies", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "best" in text and "margin" in text and all(name in text for name in choice.CANDIDATES)
+
+
+def test_no_async_scheduling_puts_the_host_turnaround_on_every_step(capsys):
+    """`--no-async-scheduling` (issue 55, item 6): tpu-recipes' Qwen3.5 runs leave vLLM's async scheduling off."""
+    args = ["predict", "--stage", "kernels", "--isl", "1024", "--osl", "1024", "--concurrency", "8", "--no-band",
+            "--json"]
+    assert main(args) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-async-scheduling"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert on["mechanisms"]["async_scheduling"] and not off["mechanisms"]["async_scheduling"]
+    assert off["breakdown_s"]["host"] == pytest.approx(off["mechanisms"]["host_step_time_sync_s"])
+    assert off["total_tokens_per_s"] < on["total_tokens_per_s"]
+
+
+def test_the_published_dp4tp2_row_is_predicted_as_its_layout():
+    """`validate --layouts`: tpu-inference #3050's DP4TP2_EP row (8k/1k, c32) priced as that engine runs dp4_tp2_ep8."""
+    from qwen35_lib.costmodel import validate
+
+    rows = validate.layout_points()
+    row = next(r for r in rows if r["layout"] == "dp4_tp2_ep8")
+    assert (row["isl"], row["osl"], row["concurrency"]) == (8192, 1024, 32)
+    assert row["ratio"] == pytest.approx(row["predicted_total_tokens_per_s"] / row["measured_total_tokens_per_s"])
+    assert 0 < row["ratio"] < 10 and 0 < row["tpot_ratio"] < 10
