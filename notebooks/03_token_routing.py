@@ -610,8 +610,9 @@ K = big.num_experts_per_tok
 capped_wire = {top_k: wire_k(STRATEGIES["all_to_all (f = 1.25)"], top_k) for top_k in range(1, K + 1)}
 replicate_wire = {top_k: wire_k(STRATEGIES["replicate"], top_k) for top_k in range(1, K + 1)}
 last = max((t for t in capped_wire if capped_wire[t] < replicate_wire[t]), default=0)
-notebook.answer(1, "the capped all-to-all (f = 1.25) moves fewer bytes than replication for k up to {last}, and more "
-                "from k = {first_more}; at Qwen3.5's k = {k}: {a2a:.2f} MiB against {rep:.2f} MiB a layer.",
+notebook.answer(1, "the capped all-to-all (f = 1.25) moves fewer bytes than replication for k up to {last}, and at "
+                "least as many from k = {first_more}; at Qwen3.5's k = {k}: {a2a:.2f} MiB against {rep:.2f} MiB a "
+                "layer.",
                 last=last, first_more=last + 1, k=K, a2a=capped_wire[K] / 2**20, rep=replicate_wire[K] / 2**20)
 factor = next(f / 4 for f in range(4, 8 * 4 * 8 + 1) if routing.predicted_drops(
     tiny, EP.replace(routing="all_to_all", capacity_factor=f / 4), ids["skewed"]) == 0)
