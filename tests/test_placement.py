@@ -47,7 +47,8 @@ def test_weight_and_cache_bytes_equal_real_shards(expert_dtype):
         assert _bytes_on(cache, dev0) == p.kv_bytes_per_device + p.gdn_state_bytes_per_device, layout
         assert shard_bytes_per_device(cache["kv"], mesh) == [p.kv_bytes_per_device] * 8, layout  # every device
     # tp8 and tp: 2 KV heads do not divide 8
-    assert valid == ["single", "tp8_kvrep", "dp4_tp2_ep8", "dp8_ep8", "tp_kvrep", "dp_tp2_ep", "dp_ep"]
+    assert valid == ["single", "tp8_kvrep", "tp8_ep8", "dp4_tp2_ep8", "dp8_ep8", "tp_kvrep", "tp_ep", "dp_tp2_ep",
+                     "dp_ep"]
 
 
 def test_dp8_ep8_397b():
