@@ -179,7 +179,7 @@ notebook.claim("kernels_below_published", "our `kernels` stage predicts {lo:.2f}
                "throughput at the same concurrency: it prices this library's MoE layer and collectives, not "
                "production's", max(ours) < 1, "every kernels / measured < 1", lo=min(ours), hi=max(ours))
 notebook.claim("published_between_curves", "each published point lies between the two predicted curves: the plan "
-               "the published runs used, `{plan}`, predicts {lo:.2f}x to {hi:.2f}x of it, above, where our `kernels` "
+               "the published runs used, {plan}, predicts {lo:.2f}x to {hi:.2f}x of it, above, where our `kernels` "
                "stage is below", all(o < 1 < t for o, t in zip(ours, theirs)), "kernels ratio < 1 < 3050 ratio at "
                "every point", plan=M, lo=min(theirs), hi=max(theirs))
 
