@@ -46,11 +46,21 @@ def fields(statement: str) -> list[tuple[str, str, str]]:
     return [(lit, name or "", spec or "") for lit, name, spec, _ in string.Formatter().parse(statement)]
 
 
-def render(step: str, name: str, record: dict[str, Any]) -> str:
+def starts_sentence(text: str, pos: int) -> bool:
+    """Whether a placeholder at `pos` of `text` opens a sentence: nothing but blockquote marks and spaces before it
+    in its paragraph, or a sentence's end (`.`, `!`, `?`, a bold run's end after one) just before it."""
+    before = re.sub(r"[\s>]+$", "", text[:pos])
+    return not before or before.endswith(("\n\n", ".", "!", "?", ".**", ":**")) or "\n\n" in text[len(before):pos]
+
+
+def render(step: str, name: str, record: dict[str, Any], capital: bool = False) -> str:
     """A claim's sentence as HTML: each number from the run in a result span, the whole marked as checked and
-    linked to its record on the results page."""
+    linked to its record on the results page; `capital`: its first letter upper case (it opens a sentence)."""
     parts = []
-    for literal, field, spec in fields(record["statement"]):
+    statement = record["statement"]
+    if capital and statement[:1].islower():
+        statement = statement[0].upper() + statement[1:]
+    for literal, field, spec in fields(statement):
         parts.append(html.escape(literal))
         if field:
             value = format(record["values"][field], spec)
@@ -105,5 +115,5 @@ def unbacked_comparisons(text: str, where: str = "") -> tuple[list[str], list[st
     return bad, used
 
 
-__all__ = ["ALLOWED", "CLAIM", "CLAIMS_KEY", "COMPARISON", "box_sentences", "fields", "render",
+__all__ = ["ALLOWED", "CLAIM", "CLAIMS_KEY", "COMPARISON", "box_sentences", "fields", "render", "starts_sentence",
            "unbacked_comparisons"]

@@ -28,7 +28,7 @@ import html
 import re
 from typing import Any
 
-from playbook.claims import CLAIM, CLAIMS_KEY, render
+from playbook.claims import CLAIM, CLAIMS_KEY, render, starts_sentence
 
 PLACEHOLDER = re.compile(r"\{\{\s*result:\s*([\w.\-/]+)\s*(?:\|\s*([^}]*?)\s*)?\}\}")
 FIGURE = re.compile(r"\{\{\s*figure:\s*(\w+)\.([\w\-]+)\s*\}\}")
@@ -134,7 +134,7 @@ class Results:
         raise PlaceholderError(f"figure {step}.{name}: notebook {entry['name']} ran but drew no cell marked "
                                f"'# figure: {name}'; its figures: {', '.join(sorted(figures)) or 'none'}")
 
-    def claim(self, step: str, name: str) -> str:
+    def claim(self, step: str, name: str, capital: bool = False) -> str:
         """The HTML of claim `name` of `step`'s notebook (`playbook.claims.render`), or why it is missing;
         PlaceholderError for an unknown step, a notebook that ran without recording it, or a claim that does not
         hold."""
@@ -145,7 +145,7 @@ class Results:
         if name in recorded:
             if not recorded[name].get("holds"):
                 raise PlaceholderError(f"claim {step}.{name} does not hold in this run: {recorded[name].get('text')}")
-            return render(step, name, recorded[name])
+            return render(step, name, recorded[name], capital)
         if entry is None or entry["status"] != "ok":
             reason = (f"notebook {step} did not run in this build" if entry is None
                       else f"notebook {entry['name']} failed")
@@ -176,7 +176,7 @@ class Results:
 
         def replace_claim(match: re.Match) -> str:
             try:
-                return self.claim(match.group(1), match.group(2))
+                return self.claim(match.group(1), match.group(2), starts_sentence(match.string, match.start()))
             except PlaceholderError as e:
                 errors.append(f"{where}: {e}")
                 return match.group(0)

@@ -125,3 +125,11 @@ def test_a_box_comparing_without_a_claim_fails_the_build(checkout: pathlib.Path)
     _, errors = site.write_site(out, [entry("00_demo", results={"demo": {"answer": 42, "sizes": [1, 2]}})],
                                 site.build_info("3", "0", "cpu"), ["00_demo"])
     assert len(errors) == 1 and "00_demo.md:3: 'larger'" in errors[0], errors
+
+
+def test_a_claim_that_opens_a_sentence_opens_with_a_capital():
+    rec = dict(statement="attention ({a:.0f}) costs more", text="attention (2) costs more", holds=True, relation="",
+               values=dict(a=2.0))
+    results = Results([entry("00_demo", results={"claims": {"x": rec}})], {"00"})
+    text, _ = results.fill("> **Box.** {{ claim: 00.x }}, and so {{ claim: 00.x }}.\n> Then. {{ claim: 00.x }}", "c")
+    assert [m for m in re.findall(r'class="pb-claim"[^>]*>(\w+)', text)] == ["Attention", "attention", "Attention"]
