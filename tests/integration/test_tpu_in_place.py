@@ -92,8 +92,9 @@ def _cache_loop(protocol: str) -> dict:
     pool = jax.ShapeDtypeStruct((R, G * n, NS, *row), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec(ALL)))
     slots = jax.ShapeDtypeStruct((R, 8), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(ALL)))
 
-    def update(rows):  # [R, 8, ...] -> the new states
-        return rows * 0.5 + 1
+    def update(p, sl):  # one rank's pool [NS', ...] and its 8 slots -> the pool updated, one value a slot
+        new = p[sl] * 0.5 + 1  # [8, ...]
+        return p.at[sl].set(new), new[:, 0, 0, 0].astype(jnp.float32)
 
     def step(pool, slots):
         def group(carry, g):
@@ -103,13 +104,13 @@ def _cache_loop(protocol: str) -> dict:
                     stacked = pool.reshape(R, G, n, NS, *row)
                     layer = jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(stacked, g, 1, False), i, 1,
                                                          False)  # [R, NS, ...]
-                    layer = jax.vmap(lambda p, sl: p.at[sl].set(update(p[sl])))(layer, slots)
+                    layer, seen = jax.vmap(update)(layer, slots)
                     pool = stacked.at[:, g, i].set(layer).reshape(pool.shape)
                 else:
                     flat = pool.reshape(R, G * n * NS, *row)
-                    rows = slots + (g * n + i) * NS
-                    pool = jax.vmap(lambda p, sl: p.at[sl].set(update(p[sl])))(flat, rows).reshape(pool.shape)
-                s = s + jnp.sum(pool[:, 0, 0, 0, 0, :1].astype(jnp.float32))  # an all-reduce a layer
+                    flat, seen = jax.vmap(update)(flat, slots + (g * n + i) * NS)
+                    pool = flat.reshape(pool.shape)
+                s = s + jnp.sum(seen)  # an all-reduce a layer, of rows read before the update
             return (pool, s), None
         return jax.lax.scan(group, (pool, jnp.zeros((), jnp.float32)), jnp.arange(G))[0]
 
