@@ -583,17 +583,19 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
 
 @functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
 def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
-            seed: int, range_ratio: float, dispatch: str) -> tuple[np.ndarray, list, list, float, float, float]:
+            seed: int, range_ratio: float, dispatch: str, slice_clients: int | None = None
+            ) -> tuple[np.ndarray, list, list, float, float, float]:
     """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
     (arrived, first, finished) in steps, their outputs, input and output tokens, running requests summed over
     steps; kept by what it depends on, so that lockstep schedules differing only in the padding, or in a memory
-    cap above `max_seqs` (another stage or model), share one play."""
+    cap above `max_seqs` (another stage or model), share one play. `slice_clients`: the DP scheduler's clients over
+    the slice (default `played_clients` x dp; fewer where the concurrency is below dp: idle ranks stay idle)."""
     unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
     cols, events, outputs, inp, out, run = [], [], [], 0, 0, 0.0
     if dispatch != "rank":
         F, events, outputs, inp, out, run = play_dp(
-            draw_lengths(prompts * dp, isl, osl, seed, range_ratio), played_clients * dp, dp, max_batched_tokens,
-            limit, dispatch == "batch")
+            draw_lengths(prompts * dp, isl, osl, seed, range_ratio), slice_clients or played_clients * dp, dp,
+            max_batched_tokens, limit, dispatch == "batch")
         cols = [F[k] for k in range(dp)]
     for r in range(dp if dispatch == "rank" else 0):
         tr: list = []
@@ -632,8 +634,12 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     cap = min(limit, max_batched_tokens + 1)
     played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
     prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
+    # the DP scheduler's clients: the concurrency itself where it is below dp x played_clients (c4 on DP 8: four
+    # ranks busy, four idle; rounding it up to one a rank played 8 clients and counted twice the tokens)
+    slice_clients = min(concurrency, played_clients * dp)
     F, events, outputs, inp, out, run = _played(isl, osl, dp, max_batched_tokens, limit, played_clients, prompts,
-                                                seed, range_ratio, dispatch)
+                                                seed, range_ratio, dispatch,
+                                                slice_clients if slice_clients < played_clients * dp else None)
     S = F.shape[1]
     tokens = F[..., 0] + F[..., 2]
     work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])

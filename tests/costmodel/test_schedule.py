@@ -111,3 +111,13 @@ def test_batched_prefill_dispatch_starts_the_ranks_prefills_together():
         return int((F[..., 2].sum(axis=0) > 0).sum())
 
     assert prompt_steps(True) < 0.8 * prompt_steps(False)
+
+
+def test_lockstep_below_one_client_a_rank_leaves_ranks_idle():
+    """Concurrency below the DP size (c2 on DP 8): the DP scheduler has 2 clients, so at most 2 requests decode in
+    a step (rounding up to a client a rank played 8 and counted 4x the tokens: issue 55's c1 - c4 layout table)."""
+    from qwen35_lib.costmodel.schedule import lockstep
+
+    ls = lockstep(1024, 64, 2, 8, 1024, 64, 100, num_prompts=20)
+    assert ls.decodes / ls.counts.sum() <= 2
+    assert ls.decodes / ls.counts.sum() > 1.5  # both clients kept busy
