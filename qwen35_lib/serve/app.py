@@ -209,7 +209,7 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
 
     async def generate(request: Request, chat: bool):
         t0 = time.perf_counter()
-        raw = await _read_body(request, limits.max_request_bytes)
+        raw = await _read_body(request, limits.max_request_bytes, limits.read_timeout_s)
         parsed = await off_loop_unless_gone(request, parse_chat if chat else parse_completion, raw)
         if parsed.scored and engine.mesh is not None:
             name = "logprobs" if parsed.logprobs is not None else "prompt_logprobs"
@@ -267,12 +267,12 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
 
     @app.post("/tokenize")
     async def post_tokenize(request: Request):
-        raw = await _read_body(request, limits.max_request_bytes)
+        raw = await _read_body(request, limits.max_request_bytes, limits.read_timeout_s)
         return await off_loop_unless_gone(request, tokenize_guarded, raw)
 
     @app.post("/detokenize")
     async def post_detokenize(request: Request):
-        raw = await _read_body(request, limits.max_request_bytes)
+        raw = await _read_body(request, limits.max_request_bytes, limits.read_timeout_s)
         return await off_loop_unless_gone(request, detokenize_guarded, raw)
 
     async def _respond(run: _Run, rid: str, model: str, score) -> dict:

@@ -63,6 +63,7 @@ class Limits:
     max_prompts_per_request: int = 1024  # --max-prompts-per-request
     max_prompt_chars: int = 1 << 20  # --max-prompt-chars: checked before tokenizing
     max_request_bytes: int = 16 << 20  # --max-request-bytes: the body, checked while it is read
+    read_timeout_s: float = 60.0  # the longest wait for the next piece of a body (a half-open client gets a 408)
     max_json_depth: int = 64  # nesting of the body's JSON
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields
     trust_request_chat_template: bool = False  # --trust-request-chat-template: a request's own `chat_template`

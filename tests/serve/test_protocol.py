@@ -475,3 +475,45 @@ def test_api_key_content_type_and_generation_defaults(server, tmp_path):
     assert (p.temperature, p.top_k, p.top_p) == (0.6, 20, 0.95)
     p = protocol.parse({"prompt": PROMPT, "temperature": 0, "top_k": -1}, server.text, False, limits).params[0]
     assert (p.temperature, p.top_k, p.top_p) == (0.0, 0, 0.95)
+
+
+def test_half_open_and_mid_body_disconnects(server, caplog):
+    """A client that stops sending its body gets a 408 after the read timeout; one that goes away mid-body is
+    dropped without a traceback in the log; the server serves on."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from qwen35_lib.serve.app import make_app
+
+    limits = protocol.Limits(max_model_len=serve_support.EC.max_model_len, read_timeout_s=1.0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(make_app(server.loop, MODEL, server.text, limits), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    port = sock.getsockname()[1]
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n") + b'{"prompt": [1'
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as c:  # half-open: the rest never comes
+            c.sendall(head)
+            t = time.perf_counter()
+            answer = c.recv(4096).decode()
+            assert answer.startswith("HTTP/1.1 408") and 0.9 < time.perf_counter() - t < 20, answer
+        with caplog.at_level("ERROR"):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as c:  # gone mid-body
+                c.sendall(head)
+            time.sleep(0.5)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                           json={"model": MODEL, "prompt": [1], "max_tokens": 1})
+            assert r.status_code == 200
+        assert "Traceback" not in caplog.text and "ClientDisconnect" not in caplog.text
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        sock.close()
