@@ -22,27 +22,33 @@ What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`;
 
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|
-| dp_ep, replicate, fused_ag, hier_rs | 732.6 | 732.7 | 1,568-1,571 | 1,453 | 0.92-0.93 |
-| kernels (around its Mosaic calls) | 739.5 | 732.7 | 187.2 | 147.7 | 0.79 |
-| baseline (at its largest pool, 7,168 tokens) | 331.1 | 286.7 (x0.87, unexplained) | 1,822.8 | 2,121.1 | 1.16 |
-| mixed (1,024 prefill tokens a rank), the four XLA DP stages | 10,074 | 10,405 | 7,720-7,770 | 6,237 | 0.80-0.81 |
-| mixed step, kernels (around its Mosaic calls) | 10,412.8 | 10,387.7 | 710.3 | 487.6 | 0.69 |
+| dp_ep, replicate, fused_ag, hier_rs (*) | 732.6-732.7 | 732.7 | 1,568-1,571 | 1,384 | 0.88 |
+| kernels (around its Mosaic calls) | 738.8 | 732.7 | 103.9 | 78.9 | 0.76 |
+| baseline (at its largest pool, 7,168 tokens) (*) | 331.1 | 286.7 (x0.87, unexplained) | 1,822.8 | 1,947.9 | 1.07 |
+| mixed (1,024 prefill tokens a rank), the four XLA DP stages (*) | 10,074 | 10,405 | 7,720-7,770 | 6,168 | 0.79 |
+| mixed step, kernels (around its Mosaic calls) | 10,412.2 | 10,387.7 | 623.8 | 418.8 | 0.67 |
+
+(*) texts compiled before the caches were rows of one pool (the old protocol's copies in them)
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.
 
 The bytes agree because the model charges what the compiled program moves where it moves more than the arithmetic
 (data/costmodel_hardware.json 'kernels', each fact with the ops it sums, read off these texts):
-- the engine's layer scan copies each layer's whole KV and GDN pool out of the stacked cache and back, 5 passes a
-  step in every stage (`stacked_cache_copy_passes`: 77.8 GB of a decode step here);
+- the engine's caches are updated in place (`engine_cache_copy_passes` = 0: each layer's pages and slots are rows of
+  one pool a kind, `model.ragged`; the sweep records `cache_pool_copies` per step, 0 since). The texts of stages
+  compiled before that protocol still hold its copies, 5 passes a step over each layer's whole pool (77.8 GB of a
+  decode step), which the model no longer charges;
 - XLA:TPU's FP8 experts move 20.4 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
   scale broadcast, the dequantizing fusions, bf16 relayouts), its paged attention 31.7 B a KV value read
   (`xla_tpu_paged_attention_bytes`: gathered, converted to float32, relaid out twice), its GDN decode 7 passes over
   a state (`xla_tpu_gdn_state_passes`: gathered and scattered);
-- the dense projections are sliced scan inputs in every family (3 passes); the kernels stage's own MoE layer moves
+- the dense projections are sliced scan inputs in every family (`xla_weight_passes`: 3.58, the kernels decode's
+  slices, some rematerialized: `scan_weight_passes`); the kernels stage's own MoE layer moves
   the routed rows 8.3 times around its Pallas calls (`kernels_moe_permute_passes`).
-What remains: the XLA stages' text holds 8% more than the model (relayouts and rematerialized slices not charged);
-the kernels stage's 21% (GDN weight slices rematerialized, SparseCore data-format calls); the baseline's model 16%
-more than its text. The TP baseline's FLOPs are x0.87 of XLA's, not yet explained.
+What remains: the XLA stages' texts (compiled before the caches were rows of one pool) hold 12% more than the model,
+their cache copies among it; the kernels stage's decode 24% (SparseCore data-format calls, relayouts around the Pallas
+calls), its mixed step 33%; the baseline's model 7% more than its text. The TP baseline's FLOPs are x0.87 of
+XLA's, not yet explained.
 
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the
@@ -161,7 +167,7 @@ def compare(doc: dict, texts: dict[tuple[str, str], str] | None = None) -> list[
         for step, e in steps.items():
             if e.get("flops") is None:
                 continue
-            text = (texts or {}).get((stage, step)) or _stored_text(stage, step)
+            text = (texts or {}).get((stage, step)) or stored_text(stage, step)
             if text is None:
                 continue
             context = e.get("context_len", doc["shape"]["context_len"])
@@ -185,7 +191,8 @@ def compare(doc: dict, texts: dict[tuple[str, str], str] | None = None) -> list[
 MOSAIC_COMPONENTS = ("attn_core", "gdn_core", "routed_experts")
 
 
-def _stored_text(stage: str, step: str) -> str | None:
+def stored_text(stage: str, step: str) -> str | None:
+    """The optimized HLO text the sweep stored for `stage`'s `step` (data/aot/hlo/), None where it kept none."""
     import gzip
 
     from qwen35_lib import data
@@ -212,3 +219,23 @@ def table(rows: list[dict]) -> str:
 
 __all__ = ["BLOCK_OF", "DECODE_BYTES_TOLERANCE", "MOSAIC_COMPONENTS", "compare", "compile_batch", "model_side",
            "ragged_dot_flops", "table", "text_side"]
+
+
+SCAN_SLICES = ("dynamic_index_in_dim", "/dynamic_slice")  # the jax names of the layer scan's weight slices
+
+
+def scan_weight_passes(hlo_text: str, config: Config, stage: str) -> float:
+    """HBM passes over each dense weight byte (attention and GDN projections, router, shared expert: every layer
+    weight but the routed experts) that the compiled engine step's layer scan makes, from its HLO text: the dots'
+    one read, plus what the scan's slices of the stacked weights move (`parallel.hlo.op_rows` of the ops named
+    `dynamic_index_in_dim` / `dynamic_slice` outside a model block: each group's slice read, written, and read
+    again where XLA rematerializes it) over the dense weight bytes one device holds (`config` at full depth)."""
+    sp = specs_lib.get("tpu7x-8")
+    plan = bind_to(any_stage(stage), config, sp)
+    rows, _ = hlo.op_rows(hlo_text)
+    sliced = sum(r.bytes for r in rows if r.block == "other" and any(s in r.jax_name for s in SCAN_SLICES))
+    z = ops.sizes(config)
+    mixers = z["attn"] * z["n_attn"] + z["gdn"] * z["n_gdn"]
+    dense = (mixers / plan.tp + (z["router"] + z["shared"] / (1 if plan.moe == "ep" else plan.tp))
+             * config.num_layers) * z["act"]
+    return 1 + sliced / dense

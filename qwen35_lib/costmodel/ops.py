@@ -109,8 +109,8 @@ class Placement:
     permute_passes: float = 2.0  # gmm: passes over the [N·k, D] routed rows around the grouped matmul
     expert_bytes_per_param: float = 0.0  # ragged_dot / capacity: HBM bytes a layer moves per local expert
     # parameter as the compiled program does (XLA:TPU's FP8 path: kernels.xla_tpu_fp8_expert_bytes); 0: the rule
-    cache_copy_passes: float = 0.0  # passes over each layer's whole local cache pool a step (the engine's scan
-    # slicing its stacked caches: kernels.stacked_cache_copy_passes); 0: caches updated in place
+    cache_copy_passes: float = 0.0  # passes over each layer's whole local cache pool a step (an engine that slices
+    # each layer's pool out of a stack: kernels.engine_cache_copy_passes, measured); 0: caches updated in place
     kv_pool_bytes: float = 0.0  # one attention layer's local KV pool (the engine's allocation)
     gdn_pool_bytes: float = 0.0  # one GDN layer's local state pool
     gdn_state_passes: float = 2.0  # passes over each decoding sequence's GDN state a step (read, write; XLA:TPU's
@@ -255,8 +255,8 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 
 
 def cache_copies(pl: Placement, pool_bytes: float) -> Cost:
-    """What the engine's layer scan pays for one layer's cache pool a step: `pl.cache_copy_passes` passes over the
-    whole pool (its slice copied out of the stacked cache and written back), whatever the batch."""
+    """What an engine's layer loop pays for one layer's cache pool a step: `pl.cache_copy_passes` passes over the
+    whole pool (a slice copied out of a stacked cache and written back), whatever the batch; 0 in place."""
     return Cost(copy_bytes=pl.cache_copy_passes * pool_bytes, launches=2 if pl.cache_copy_passes else 0)
 
 

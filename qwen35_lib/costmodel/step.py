@@ -60,8 +60,8 @@ OTHER_ENGINE = frozenset({"tpu_inference_3050", "google_baseline"})
 
 @dataclasses.dataclass(frozen=True)
 class Pools:
-    """The cache pools the engine allocates on one device, per layer (bytes): they are what the engine's scan over
-    its stacked caches copies every step (`kernels.stacked_cache_copy_passes`)."""
+    """The cache pools the engine allocates on one device, per layer (bytes): what an engine that copies each layer's
+    pool a step copies (`kernels.engine_cache_copy_passes`: 0 for this engine's layer rows, measured)."""
 
     kv: float = 0.0  # one attention layer's KV pool (FP8 scales included)
     gdn: float = 0.0  # one GDN layer's state and conv pool
@@ -109,7 +109,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
                          permute_passes=2.0 if production else facts["kernels_moe_permute_passes"]["value"],
                          expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes"]["value"] if fp8_xla else 0.0,
-                         cache_copy_passes=facts["stacked_cache_copy_passes"]["value"] if ours else 0.0,
+                         cache_copy_passes=facts["engine_cache_copy_passes"]["value"] if ours else 0.0,
                          kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
                          gdn_prefill="recurrent" if kernels["gdn_kernel"] == "native" else "chunked",

@@ -5,6 +5,7 @@ import pytest
 
 from qwen35_lib import data
 from qwen35_lib.costmodel import compiled
+from qwen35_lib.costmodel.specs import kernel_facts
 from qwen35_lib.plan import LADDER
 
 DOC = data.read_json("aot/tpu7x-8.json")
@@ -48,12 +49,15 @@ def test_a_pallas_stage_is_compared_around_its_mosaic_calls(rows):
     assert all(rows[s]["mosaic_bytes"] == 0 and not rows[s]["without"] for s in LADDER if s != "kernels")
 
 
-def test_the_engine_cache_copies_are_in_the_text(rows):
-    # five passes a step over every layer's whole KV and GDN pool (kernels.stacked_cache_copy_passes): the same
-    # bytes in every stage with the same pools
-    copies = {s: rows[s]["model_bytes_by_component"]["cache_copies"] for s in LADDER if s != "baseline"}
-    assert len({round(v) for v in copies.values()}) == 1
-    assert rows["kernels"]["text_bytes_by_block"]["other"] > copies["kernels"] * 0.9
+def test_the_engine_charges_no_cache_copies_and_the_compile_holds_none():
+    # the engine's caches are rows of one pool a kind (kernels.engine_cache_copy_passes = 0): no stage is charged a
+    # copy, and every stored step compiled since (its `cache_pool_copies` recorded) holds none in its layer loop, the
+    # kernels stage's among them
+    assert kernel_facts()["engine_cache_copy_passes"]["value"] == 0
+    checked = {(stage, step): e["cache_pool_copies"] for stage, s in DOC["stages"].items()
+               for step, e in s["steps"].items() if "cache_pool_copies" in e}
+    assert {("kernels", "8k/1k decode"), ("kernels", "8k/1k mixed")} <= set(checked)
+    assert all(n == 0 for n in checked.values()), checked
 
 
 def test_a_one_group_sweep_is_refused():
@@ -65,3 +69,13 @@ def test_the_mixed_steps_with_texts_are_compared_too():
     mixed = {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "mixed"}
     assert {"fused_ag", "kernels"} <= set(mixed)
     assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in mixed.values()), compiled.table(list(mixed.values()))
+
+
+def test_the_scan_weight_passes_are_read_off_the_kernels_compile():
+    # the dense weights' passes the model charges the engine's layer scan (kernels.xla_weight_passes) are the ones
+    # the stored kernels decode text moves (its experts read in place: only dense weights are sliced)
+    from qwen35_lib.aot.sweep import serving_config
+
+    text = compiled.stored_text("kernels", "8k/1k decode")
+    measured = compiled.scan_weight_passes(text, serving_config(DOC["model"]), "kernels")
+    assert kernel_facts()["xla_weight_passes"]["value"] == pytest.approx(measured, abs=0.01)
