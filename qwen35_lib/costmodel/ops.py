@@ -274,7 +274,9 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     copies = pl.weight_passes - 1  # a sliced copy: written once and read once more
     router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
                   z["router"] * z["act"] * copies)
-    shared_w = z["shared"] / pl.tp  # its FFN split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores)
+    # the shared expert's FFN is split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores): a layout's ranks times
+    # its head ways are its devices (the ideal roofline's dense placement, dp = tp = ep, keeps it whole per device)
+    shared_w = z["shared"] / (pl.tp if pl.moe == "tp" or pl.dp * pl.tp == pl.ep else 1)
     shared = Cost(2 * T_dev * shared_w, 0, shared_w * z["act"] + T_dev * D * z["act"] * 3, 4,
                   shared_w * z["act"] * copies)
     if pl.moe == "ep":
