@@ -149,8 +149,8 @@ def layout_recipe(layout: str, hardware: str = "tpu7x-8", model: str | None = No
                   osl: int | None = None, concurrency: int | None = None, port: int | None = None,
                   kernels: str = "pallas") -> tuple[ServerRecipe, dict | None]:
     """(the recipe of `layout`, the cost model's choice or None): `layout` one of LAYOUTS, or "auto": the one
-    `costmodel.choice.choose` serves for the workload and concurrency (with `kernels`: tpu-inference's are Pallas),
-    its `layout_choice` returned beside."""
+    `costmodel.choice.choose` serves for the workload and concurrency, the candidates priced as tpu-inference's engine
+    runs them (with `kernels`: tpu-inference's are Pallas), its `layout_choice` returned beside."""
     choice = None
     if layout == "auto":
         from qwen35_lib.costmodel import choice as choice_lib
@@ -158,7 +158,7 @@ def layout_recipe(layout: str, hardware: str = "tpu7x-8", model: str | None = No
         d = recipes()["defaults"]
         doc = choice_lib.choose("qwen3.5-397b-a17b", hardware, isl or d["isl"], osl or d["osl"],
                                 concurrency or d["concurrency"], kernels=kernels, roofline=False,
-                                layouts=LAYOUTS)
+                                layouts=LAYOUTS, engine="tpu-inference")
         choice = doc["layout_choice"]
         if choice["picked"] is None:
             raise ValueError(f"no layout fits this workload on {hardware}: {choice['candidates'][0]['reason']}")
@@ -167,7 +167,8 @@ def layout_recipe(layout: str, hardware: str = "tpu7x-8", model: str | None = No
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)} or auto")
     r = server_recipe(layout, hardware, model, isl, osl, concurrency, port)
     if choice is not None:
-        r.notes = [f"picked by the cost model (costmodel predict --layout auto --kernels {kernels}): {layout} "
+        r.notes = [f"picked by the cost model (costmodel predict --layout auto --kernels {kernels} --engine "
+                   f"tpu-inference): {layout} "
                    + (f"over {choice['runner_up']} by {choice['margin']:+.1%} total tokens/s" if choice["runner_up"]
                       else "(the only layout that fits)"), *r.notes]
     return r, choice

@@ -185,11 +185,11 @@ def test_layouts_are_the_sharding_presets_and_auto_serves_the_cost_models_pick(m
     seen = {}
 
     def fake(model, hardware, isl, osl, concurrency, **kw):
-        seen.update(isl=isl, osl=osl, concurrency=concurrency, kernels=kw["kernels"])
+        seen.update(isl=isl, osl=osl, concurrency=concurrency, kernels=kw["kernels"], engine=kw["engine"])
         return {"layout_choice": picked}
 
     monkeypatch.setattr(choice, "choose", fake)
     assert main(["recipe", "--layout", "auto", "--isl", "1024", "--osl", "1024", "--concurrency", "32"]) == 0
     out = capsys.readouterr().out
-    assert seen == dict(isl=1024, osl=1024, concurrency=32, kernels="pallas")
+    assert seen == dict(isl=1024, osl=1024, concurrency=32, kernels="pallas", engine="tpu-inference")
     assert "sharding DP4TP2_EP" in out and "picked by the cost model" in out and "over tp8_ep8 by +7.0%" in out

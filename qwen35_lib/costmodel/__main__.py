@@ -31,7 +31,7 @@ import sys
 from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.choice import CONCURRENCIES
+from qwen35_lib.costmodel.choice import CONCURRENCIES, ENGINES
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
 from qwen35_lib.plan import FAMILIES, ROUTINGS
 from qwen35_lib.plan import cli as plan_cli
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_arguments(pr, layout=None, stage="kernels", kernels=True, devices=False, auto=True)
     pr.add_argument("--no-async-scheduling", action="store_true",
                     help="a server without vLLM's --async-scheduling: the host turnaround on every step")
+    pr.add_argument("--engine", choices=ENGINES, default="this",
+                    help="--layout auto: price the candidates as this library's engine runs them (this, the default, "
+                         "as --layout does) or as tpu-inference's does (its recipe's layouts)")
     pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
                     help="the labelled serving mechanisms at their nominal values, or the model without them")
     pr.add_argument("--no-dp-batch-prefill", action="store_true",
@@ -131,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     lays.add_argument("--hierarchical-rs", action="store_true", help="the data-parallel EP layouts: hierarchical RS")
     lays.add_argument("--kernels", choices=FAMILIES, default="xla", help="kernel family (default: %(default)s)")
     lays.add_argument("--no-async-scheduling", action="store_true", help="a server without --async-scheduling")
+    lays.add_argument("--engine", choices=ENGINES, default="this",
+                      help="price the layouts as this library's engine runs them or as tpu-inference's does")
     lays.add_argument("--json", action="store_true", help="print one JSON document")
     val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
     what = val.add_mutually_exclusive_group(required=True)
@@ -205,13 +210,14 @@ def _layouts(args: argparse.Namespace) -> int:
     mech = Mechanisms.nominal(async_scheduling=False) if args.no_async_scheduling else "nominal"
     t = choice.table(_model(args), args.hardware, args.isl, args.osl, concurrencies, routing=args.routing,
                      fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs, kernels=args.kernels,
-                     kv_dtype=args.kv_dtype, mechanisms=mech)
+                     kv_dtype=args.kv_dtype, mechanisms=mech, engine=args.engine)
     print(json.dumps(t, indent=2) if args.json else choice.format_table(t))
     return 0
 
 
 def _format_choice(c: dict) -> str:
-    lines = [f"  layout auto: {c['picked']} served (the most {c['by'].replace('_', ' ')} of those that fit)"
+    lines = [f"  layout auto: {c['picked']} served (the most {c['by'].replace('_', ' ')} of those that fit, priced as "
+             f"{c['engine']} engine)"
              + (f"; runner-up {c['runner_up']}, margin {c['margin']:+.1%}" if c["runner_up"] else "")]
     for r in c["candidates"]:
         if r["fits"]:
@@ -246,7 +252,7 @@ def _run(args: argparse.Namespace) -> int:
 
             r = choice.choose(_model(args), args.hardware, args.isl, args.osl, routing=args.routing,
                               fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs,
-                              kernels=args.kernels, **common, **options)
+                              kernels=args.kernels, engine=args.engine, **common, **options)
         else:
             r = predict(_model(args), args.hardware, plan_cli.from_args(args), args.isl, args.osl, **common,
                         **options)

@@ -22,7 +22,7 @@ from typing import Any
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel.predict import predict
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.plan import ServingPlan, get_layout
+from qwen35_lib.plan import TPU_INFERENCE_3050, ServingPlan, get_layout
 
 # tpu-inference's Qwen3.5 presets as this library names them (TP8_EP, DP4TP2_EP, DP8_EP) and the naive TP baseline
 CANDIDATES = ("tp8_kvrep", "tp8_ep8", "dp4_tp2_ep8", "dp8_ep8")
@@ -30,17 +30,28 @@ CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 RANK_BY = "total_tokens_per_s"
 
 
+ENGINES = ("this", "tpu-inference")
+
+
 def candidates(routing: str = "replicate", fuse_allgather: bool = False, hierarchical_rs: bool = False,
-               kernels: str | None = "xla", layouts: tuple[str, ...] = CANDIDATES) -> list[ServingPlan]:
-    """One plan per layout, named by it: the EP layouts with `routing`, the data-parallel EP layouts with the
-    collective flags when `routing` is replicate (tp_ep has no all-gather to fuse), the TP layouts without either."""
+               kernels: str | None = "xla", layouts: tuple[str, ...] = CANDIDATES, engine: str = "this"
+               ) -> list[ServingPlan]:
+    """One plan per layout: the EP layouts with `routing`, the data-parallel EP layouts with the collective flags
+    when `routing` is replicate (tp_ep has no all-gather to fuse), the TP layouts without either. `engine`: "this"
+    (named by the layout: priced as this library's engine runs it, as `predict --layout` does) or "tpu-inference"
+    (named as `plan.TPU_INFERENCE_3050`, which the cost model prices as tpu-inference's engine runs a plan:
+    `step.OTHER_ENGINE`; the top-k ids and weights packed under attention DP, as it always does)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {ENGINES}")
     out = []
     for layout in layouts:
         lay = get_layout(layout)
         ep = lay.moe == "ep"
         flags = ep and lay.batch_axes is not None and routing == "replicate"
-        out.append(ServingPlan(layout, layout, routing if ep else None, fuse_allgather and flags,
-                               hierarchical_rs and flags, kernels))
+        name = layout if engine == "this" else TPU_INFERENCE_3050.name
+        fuse = fuse_allgather or engine == "tpu-inference"
+        out.append(ServingPlan(name, layout, routing if ep else None, fuse and flags, hierarchical_rs and flags,
+                               kernels))
     return out
 
 
@@ -79,29 +90,29 @@ def _summary(rows: list[dict]) -> dict:
 def choose(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
            osl: int = 1024, concurrency: int = 512, *, routing: str = "replicate", fuse_allgather: bool = False,
            hierarchical_rs: bool = False, kernels: str | None = "xla", band: bool = False, explain: bool = False,
-           roofline: bool = True, layouts: tuple[str, ...] = CANDIDATES, **kwargs: Any) -> dict:
+           roofline: bool = True, layouts: tuple[str, ...] = CANDIDATES, engine: str = "this", **kwargs: Any) -> dict:
     """`predict` of the best layout (the module doc), with `layout_choice`; where none fits, the best candidate's
-    refusal (`fits: false`) with `layout_choice`."""
-    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts)
+    refusal (`fits: false`) with `layout_choice`. `engine`: whose engine prices the candidates (`candidates`)."""
+    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts, engine)
     rows = rank(model, hardware, isl, osl, concurrency, plans, **kwargs)
     best = rows[0]
     doc = predict(model, hardware, best["plan"], isl, osl, concurrency, band=band and best["fits"],
                   explain=explain and best["fits"], roofline=roofline, **kwargs)
-    doc["layout_choice"] = _summary(rows)
+    doc["layout_choice"] = dict(_summary(rows), engine=engine)
     return doc
 
 
 def table(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
           osl: int = 1024, concurrencies: tuple[int, ...] = CONCURRENCIES, *, routing: str = "replicate",
           fuse_allgather: bool = False, hierarchical_rs: bool = False, kernels: str | None = "xla",
-          layouts: tuple[str, ...] = CANDIDATES, **kwargs: Any) -> dict:
+          layouts: tuple[str, ...] = CANDIDATES, engine: str = "this", **kwargs: Any) -> dict:
     """{"isl", "osl", "layouts", "rows": [{"concurrency", "picked", "runner_up", "margin", "candidates"}]}: the
     ranking (`rank`) at each concurrency."""
-    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts)
+    plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts, engine)
     rows = []
     for c in concurrencies:
         rows.append(dict(concurrency=c, **_summary(rank(model, hardware, isl, osl, c, plans, **kwargs))))
-    return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, layouts=list(layouts), rows=rows)
+    return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, engine=engine, layouts=list(layouts), rows=rows)
 
 
 def format_table(t: dict) -> str:
@@ -109,8 +120,8 @@ def format_table(t: dict) -> str:
     pick, the runner-up and the margin."""
     lays = t["layouts"]
     head = f"{'conc':>5} " + " ".join(f"{name:>22}" for name in lays) + f"  {'best':<12} {'next':<12} {'margin':>7}"
-    lines = [f"ISL {t['isl']} / OSL {t['osl']}, routing {t['routing']}, kernels {t['kernels']}: total tokens/s | "
-             "median TPOT ms per layout (* served)", head]
+    lines = [f"ISL {t['isl']} / OSL {t['osl']}, routing {t['routing']}, kernels {t['kernels']}, priced as "
+             f"{t.get('engine', 'this')} engine: total tokens/s | median TPOT ms per layout (* served)", head]
     for row in t["rows"]:
         cells = {c["layout"]: c for c in row["candidates"]}
         out = []
@@ -127,4 +138,4 @@ def format_table(t: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CANDIDATES", "CONCURRENCIES", "candidates", "choose", "format_table", "rank", "table"]
+__all__ = ["CANDIDATES", "CONCURRENCIES", "ENGINES", "candidates", "choose", "format_table", "rank", "table"]

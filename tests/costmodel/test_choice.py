@@ -20,6 +20,10 @@ def test_candidates_take_the_flags_where_a_layout_has_them():
     assert all(p.kernels == "pallas" for p in plans.values())
     a2a = {p.layout: p for p in choice.candidates("all_to_all", True, False)}
     assert a2a["dp8_ep8"].routing == "all_to_all" and not a2a["dp8_ep8"].fuse_allgather
+    # priced as tpu-inference's engine: named as the plan the cost model prices so, the top-k packed under DP
+    ti = {p.layout: p for p in choice.candidates(kernels="pallas", engine="tpu-inference")}
+    assert {p.name for p in ti.values()} == {"tpu_inference_3050"}
+    assert ti["dp4_tp2_ep8"].fuse_allgather and not ti["tp8_ep8"].fuse_allgather
 
 
 def test_auto_serves_the_best_priced_layout_and_names_the_runner_up():
