@@ -21,9 +21,9 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
 Checked against the stored sweep's steps that compiled with memory to spare (tests/costmodel/test_temporaries.py):
-the kernels stage's decode step is within 6% (397B, full depth); its mixed step (1,024 prefill tokens a rank) is
-under-estimated by a quarter: 4.3 GB against the compile's 5.83 GB (the MoE's row buffers at M = 87,040 rows, several
-layers' live at once in the compiled schedule, are what the table does not yet capture). The XLA stages (dp_ep to
+the kernels stage's decode step and its mixed step (1,024 prefill tokens a rank) within 25% (397B, full depth; the
+mixed step 4.3 GB against the compile's 4.72 GB since the caches are updated in place: it compiled 5.83 GB while each
+layer's pools were sliced out of the stacked cache and written back). The XLA stages (dp_ep to
 hier_rs) compile with under 3 GB of a device's HBM to spare, so their `temp_bytes` may be set by the memory limit
 rather than by the program (the compiler can trade memory for recomputation and copies); they are not judged.
 
