@@ -289,8 +289,8 @@ if aot is not None:
 # Faster: the routed experts (fewer bytes per expert parameter: the FP8 weight read once, in place, with no sliced
 # or dequantized copy), attention (only each sequence's own pages) and GDN's decode (each state read and written
 # in place). Slower: the permutes around the grouped matmul (section 1). Unchanged: the projections, XLA dots in
-# both stages, and the engine's copies of each layer's cache pools (`cache_copies`: the engine's layer scan, not a
-# kernel, pays them). The printout shows each.
+# both stages, and the engine's caches, updated in place in both (`cache_copies`: 0; the engine's layer scan
+# addresses each layer's pages and slots as rows of one pool). The printout shows each.
 # </details>
 #
 # **Predict.** The `kernels` stage is `hier_rs` with the Pallas kernels: the same layout, routing and collectives.
@@ -331,7 +331,7 @@ for st, e in experts.items():
 # dequantizing fusions, bf16 relayouts, `ragged_dot`'s read). The largest gain is attention's, most of all on the
 # prefill-heavy workload: XLA's attention reads the longest context for every prompt token, about 32 bytes for
 # every FP8 value once compiled. GDN's decode gains too; the permutes lose about twice their XLA time; the
-# projections and the engine's cache copies cost the same in both. The Pallas stage runs this library's MoE layer,
+# projections cost the same in both, and neither copies a cache. The Pallas stage runs this library's MoE layer,
 # not production's: no one-hot permutes and no per-row bookkeeping (`moe_rows`, production's), which the
 # `tpu_inference_3050` stage carries (notebook 06).
 
