@@ -18,7 +18,14 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from qwen35_lib.serve import protocol  # noqa: E402
+from tests import serve_support  # noqa: E402
 from tests.serve_support import EC, MODEL, wait_idle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):  # the serve tests' shared server (tests/serve/conftest.py), for this module
+    with serve_support.running(tmp_path_factory.mktemp("tok")) as s:
+        yield s
 
 VALUES = [None, True, False, 0, 1, 2, -1, 3.5, -0.5, 2**63, -2**70, 1e308, "", "x", "NaN", "\ud800", "a" * 5000,
           [], [1, 2], ["a"], [[1]], [None], [3, -1], {}, {"1": 1}, {"7": 100}, {"a": {"b": []}}, {"x": "y"}]
