@@ -1,5 +1,5 @@
 // A standalone check of the native kernels' inner loops, built for one ISA variant and run as a program (for
-// aarch64 on an x86-64 machine: under qemu-aarch64; tests/kernels/test_native_isa.py builds and runs it). It
+// aarch64 on an x86-64 machine: under qemu-aarch64; tests/integration/test_native_isa.py builds and runs it). It
 // includes a kernel's source whole (the handlers are never called, so no XLA is needed at run time):
 //   default: moe_native.cc: qwen35::matmul (float32 and bfloat16 weights, row-major and packed, every register
 //            block's row count, widths that are not whole vectors) and the SwiGLU's vectorised exp, against double
