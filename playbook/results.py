@@ -127,12 +127,19 @@ class Results:
             alt = html.escape(f"figure {name} of notebook {entry['name']}, drawn in this build")
             return (f'<a class="pb-figure" href="{html.escape(entry["html"])}"><img src="{html.escape(figures[name])}" '
                     f'alt="{alt}" title="{alt}"></a>')
-        if entry is None or entry["status"] != "ok":
-            reason = (f"notebook {step} did not run in this build" if entry is None
-                      else f"notebook {entry['name']} failed")
-            return f'<span class="pb-missing" title="{html.escape(reason)}">figure {name} missing ({reason})</span>'
+        if (missing := self._missing(step, f"figure {name}")) is not None:
+            return missing
         raise PlaceholderError(f"figure {step}.{name}: notebook {entry['name']} ran but drew no cell marked "
                                f"'# figure: {name}'; its figures: {', '.join(sorted(figures)) or 'none'}")
+
+    def _missing(self, step: str, what: str) -> str | None:
+        """The HTML saying `what` (e.g. "figure mesh") is missing because `step`'s notebook did not run in this
+        build or failed; None when it ran."""
+        entry = self.by_step.get(step)
+        if entry is not None and entry["status"] == "ok":
+            return None
+        reason = f"notebook {step} did not run in this build" if entry is None else f"notebook {entry['name']} failed"
+        return f'<span class="pb-missing" title="{html.escape(reason)}">{what} missing ({reason})</span>'
 
     def claim(self, step: str, name: str, capital: bool = False) -> str:
         """The HTML of claim `name` of `step`'s notebook (`playbook.claims.render`), or why it is missing;
@@ -146,10 +153,8 @@ class Results:
             if not recorded[name].get("holds"):
                 raise PlaceholderError(f"claim {step}.{name} does not hold in this run: {recorded[name].get('text')}")
             return render(step, name, recorded[name], capital)
-        if entry is None or entry["status"] != "ok":
-            reason = (f"notebook {step} did not run in this build" if entry is None
-                      else f"notebook {entry['name']} failed")
-            return f'<span class="pb-missing" title="{html.escape(reason)}">claim {name} missing ({reason})</span>'
+        if (missing := self._missing(step, f"claim {name}")) is not None:
+            return missing
         raise PlaceholderError(f"claim {step}.{name}: notebook {entry['name']} ran but checked no such claim; its "
                                f"claims: {', '.join(sorted(recorded)) or 'none'}")
 
