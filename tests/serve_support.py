@@ -96,6 +96,30 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_
         sock.close()
 
 
+@contextlib.contextmanager
+def health_latencies(url: str, interval: float):
+    """The seconds each GET `url`/health took, polled every `interval` s on a thread while the block runs (the
+    list grows as it runs); an answer other than 200 is recorded as inf, so a bound on `max(...)` fails on it."""
+    out: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        with httpx.Client(timeout=30) as c:
+            while not done.is_set():
+                t = time.perf_counter()
+                ok = c.get(url + "/health").status_code == 200
+                out.append(time.perf_counter() - t if ok else float("inf"))
+                time.sleep(interval)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join()
+
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, 256, size=int(rng.integers(3, 20)))] for _ in range(n)]

@@ -8,8 +8,6 @@ import concurrent.futures
 import json
 import os
 import random
-import threading
-import time
 
 import pytest
 
@@ -19,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from qwen35_lib.serve import protocol  # noqa: E402
 from tests import serve_support  # noqa: E402
-from tests.serve_support import EC, MODEL, wait_idle  # noqa: E402
+from tests.serve_support import EC, MODEL, health_latencies, wait_idle  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +52,6 @@ def test_random_bodies_never_get_a_server_error(server):
     rng = random.Random(52)
     count = int(os.environ.get("QWEN35_FUZZ_BODIES", "300"))  # the acceptance run: 4000
     bodies = [(c, body(rng, c)) for c in (rng.random() < 0.4 for _ in range(count))]
-    slow: list[float] = []
-    done = threading.Event()
-
-    def probe():
-        with httpx.Client(timeout=30) as c:
-            while not done.is_set():
-                t = time.perf_counter()
-                assert c.get(server.url + "/health").status_code == 200
-                slow.append(time.perf_counter() - t)
-                time.sleep(0.05)
-
     def send(item):
         chat, doc = item
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -72,14 +59,8 @@ def test_random_bodies_never_get_a_server_error(server):
                        headers={"content-type": "application/json"})
         return doc, r.status_code, r.text
 
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(send, bodies))
-    finally:
-        done.set()
-        prober.join()
+    with health_latencies(server.url, 0.05) as slow, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(send, bodies))
     codes = {}
     for doc, status, text in answers:
         codes[status] = codes.get(status, 0) + 1

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from qwen35_lib.serve import protocol  # noqa: E402
 from tests import serve_support  # noqa: E402
-from tests.serve_support import EC, MODEL  # noqa: E402
+from tests.serve_support import EC, MODEL, health_latencies  # noqa: E402
 
 
 def test_big_requests_do_not_stall_a_stream_or_health(server):
@@ -30,9 +30,7 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
             "stream": True}
     httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 4}, timeout=120)  # shapes compiled
     times: list[float] = []
-    health: list[float] = []
     first = threading.Event()
-    done = threading.Event()
 
     def stream():
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
@@ -40,35 +38,26 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["token_ids"]:
                     times.append(time.perf_counter())
                     first.set()
-        done.set()
 
-    def poll():
-        with httpx.Client(timeout=30) as c:
-            while not done.is_set():
-                t = time.perf_counter()
-                assert c.get(server.url + "/health").status_code == 200
-                health.append(time.perf_counter() - t)
-                time.sleep(0.02)
+    streamer = threading.Thread(target=stream)
+    with health_latencies(server.url, 0.02) as health:
+        streamer.start()
+        assert first.wait(60)
+        big = {"model": MODEL, "prompt": "x" * (8 << 20), "max_tokens": 1}
+        many = {"model": MODEL, "prompt": [[7]] * 4000, "max_tokens": 1}
+        answers = {}
 
-    threads = [threading.Thread(target=stream), threading.Thread(target=poll)]
-    for t in threads:
-        t.start()
-    assert first.wait(60)
-    big = {"model": MODEL, "prompt": "x" * (8 << 20), "max_tokens": 1}
-    many = {"model": MODEL, "prompt": [[7]] * 4000, "max_tokens": 1}
-    answers = {}
+        def send(name, b):
+            answers[name] = httpx.post(server.url + "/v1/completions", content=json.dumps(b), timeout=120,
+                                       headers={"content-type": "application/json"})
 
-    def send(name, b):
-        answers[name] = httpx.post(server.url + "/v1/completions", content=json.dumps(b), timeout=120,
-                                   headers={"content-type": "application/json"})
-
-    # under --max-prompt-chars, so tokenized in full (seconds for this tokenizer), then over --max-model-len
-    long = {"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 1}
-    senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many), ("long", long))]
-    for t in senders:
-        t.start()
-    for t in senders + threads:
-        t.join(120)
+        # under --max-prompt-chars, so tokenized in full (seconds for this tokenizer), then over --max-model-len
+        long = {"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 1}
+        senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many), ("long", long))]
+        for t in senders:
+            t.start()
+        for t in senders + [streamer]:
+            t.join(120)
     assert answers["big"].status_code == 400 and "--max-prompt-chars" in answers["big"].json()["error"]["message"]
     assert answers["many"].status_code == 400
     assert "--max-prompts-per-request" in answers["many"].json()["error"]["message"]
