@@ -166,7 +166,8 @@ class Engine:
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
                                              else self.config.eos_token_ids)
         rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
-        r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter())
+        r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter(),
+                    matcher=None if params.structured is None else params.structured.matcher())
         self._next_id += 1
         self.ranks[rank].add(r)
         return r.id
@@ -359,7 +360,7 @@ class Engine:
                 arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
                 if processed and p.processed:
                     flat = {k: v.reshape(R * S, *v.shape[2:]) for k, v in arr["proc"].items()}
-                    fill_processing_row(flat, rank * S + s, p, r.prompt, r.output, r.stop_ids)
+                    fill_processing_row(flat, rank * S + s, p, r.prompt, r.output, sorted(r.stop_ids), r.matcher)
         return arr
 
     def _record(self, plans: list[Plan]) -> None:

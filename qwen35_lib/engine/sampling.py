@@ -1,5 +1,6 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, with a per-request seed; and vLLM's logits processing
-(presence / frequency / repetition penalties, logit_bias, allowed_token_ids, bad_words, min_tokens).
+(presence / frequency / repetition penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, and a grammar's
+mask: structured outputs, `engine.structured`).
 
 The random key of a token is `fold_in(key(seed), position)`: a request samples the same tokens whether it runs
 alone or batched with others, and after a preemption and recompute.
@@ -16,6 +17,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +41,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words_ids: tuple[tuple[int, ...], ...] | None = None  # token sequences never completed in the output
     min_tokens: int = 0  # the stop and EOS ids are masked until this many tokens are out
+    # structured outputs: a compiled grammar (`engine.structured.Grammar`, anything with `matcher()`); each request
+    # gets a matcher of its own, whose mask keeps only the tokens the grammar allows next
+    structured: Any = None
 
     def __post_init__(self):
         """Types first (a TypeError naming every wrong one), then ranges (a ValueError); numbers are stored as
@@ -62,6 +67,9 @@ class SamplingParams:
             wrong.append(f"bad_words_ids must be None or a sequence of token-id sequences, got {bad!r}")
         if not isinstance(self.ignore_eos, bool):
             wrong.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.structured is not None and not callable(getattr(self.structured, "matcher", None)):
+            wrong.append(f"structured must be None or a compiled grammar (engine.structured), got "
+                         f"{type(self.structured).__name__}")
         if wrong:
             raise TypeError("invalid sampling parameters: " + "; ".join(wrong))
         for f in ints:
@@ -114,7 +122,7 @@ class SamplingParams:
         """Whether the request needs logits processing (the [N, V] path of the step)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_ids)
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or self.structured is not None)
 
     def token_ids(self) -> dict[str, list[int]]:
         """The token ids the parameters name, by what they are (for the vocabulary check)."""
@@ -150,10 +158,22 @@ def banned_ids(params: SamplingParams, output: Sequence[int], stop_ids: Sequence
     return banned
 
 
+def grammar_allowed(matcher: Any, output: Sequence[int], stop_ids: Sequence[int]) -> np.ndarray:
+    """The tokens a request's grammar matcher (`engine.structured.Matcher`) allows after `output` (bool [V]); where
+    it allows the EOS ids (the grammar is complete), the request's own stop ids too (vLLM's stop_token_ids)."""
+    allowed = matcher.allowed(output)
+    eos = list(matcher.vocab.eos_ids)
+    if stop_ids and allowed[eos].any():
+        allowed = allowed.copy()
+        allowed[list(stop_ids)] = True
+    return allowed
+
+
 def fill_processing_row(arr: dict, i: int, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-                        stop_ids: Sequence[int]) -> None:
+                        stop_ids: Sequence[int], matcher: Any = None) -> None:
     """Row i of `processing_arrays` for one request (numpy, in place): bias (logit_bias, -inf outside
-    allowed_token_ids and on `banned_ids`), output counts, prompt mask, penalties."""
+    allowed_token_ids, outside the grammar's mask (`matcher`, structured outputs) and on `banned_ids`, unless the
+    bans would leave no token the grammar allows: then the grammar wins), output counts, prompt mask, penalties."""
     V = arr["bias"].shape[-1]
     bias = arr["bias"][i]
     for t, b in params.logit_bias or ():
@@ -162,8 +182,12 @@ def fill_processing_row(arr: dict, i: int, params: SamplingParams, prompt: Seque
         allowed = np.zeros(V, bool)
         allowed[list(params.allowed_token_ids)] = True
         bias[~allowed] = -np.inf
+    grammar = None
+    if matcher is not None:
+        grammar = grammar_allowed(matcher, output, stop_ids)
+        bias[~grammar] = -np.inf
     banned = banned_ids(params, output, stop_ids)
-    if banned:
+    if banned and (grammar is None or grammar.sum() > np.count_nonzero(grammar[sorted(banned)])):
         bias[sorted(banned)] = -np.inf
     if output:
         arr["counts"][i] = np.bincount(np.asarray(output, np.int64), minlength=V)[:V]
@@ -245,8 +269,9 @@ def sorted_keep(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top
 
 # --- NumPy reference twins (tests) -----------------------------------------------------------------------------
 def reference_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], output: Sequence[int],
-                     stop_ids: Sequence[int]) -> np.ndarray:
-    """One row's processed logits [V], from the definitions, token by token (float64)."""
+                     stop_ids: Sequence[int], grammar: Sequence[bool] | None = None) -> np.ndarray:
+    """One row's processed logits [V], from the definitions, token by token (float64); `grammar`: the tokens a
+    grammar allows (bool [V])."""
     x = np.asarray(logits, np.float64).copy()
     for t, b in params.logit_bias or ():
         x[t] += max(-100.0, min(100.0, b))
@@ -254,8 +279,14 @@ def reference_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequenc
         for t in range(len(x)):
             if t not in params.allowed_token_ids:
                 x[t] = -np.inf
-    for t in banned_ids(params, output, stop_ids):
-        x[t] = -np.inf
+    if grammar is not None:
+        for t in range(len(x)):
+            if not grammar[t]:
+                x[t] = -np.inf
+    banned = banned_ids(params, output, stop_ids)
+    if grammar is None or any(grammar[t] and t not in banned for t in range(len(x))):
+        for t in banned:
+            x[t] = -np.inf
     counts: dict[int, int] = {}
     for t in output:
         counts[t] = counts.get(t, 0) + 1

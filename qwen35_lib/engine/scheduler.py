@@ -24,6 +24,7 @@ import bisect
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from qwen35_lib.engine.batch import SeqWork
 from qwen35_lib.engine.sampling import SamplingParams
@@ -43,6 +44,7 @@ class Request:
     slot: int = 0  # 0: none
     finish_reason: str | None = None
     preemptions: int = 0
+    matcher: Any = None  # structured outputs: this request's grammar matcher (`engine.structured.Matcher`)
     # timestamps (time.perf_counter) for the throughput harness
     arrival: float = 0.0
     token_times: list[float] = dataclasses.field(default_factory=list)
