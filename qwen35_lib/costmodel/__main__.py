@@ -167,6 +167,8 @@ def _validate(args: argparse.Namespace) -> int:
             return 0
         for r in rows:
             tpot = f"  median TPOT x{r['tpot_ratio']:.2f}" if "tpot_ratio" in r else ""
+            tpot += (f"  median TTFT x{r['ttft_ratio']:.2f}" if "ttft_ratio" in r else
+                     f"  median TTFT {r['predicted_median_ttft_ms']:,.0f} ms predicted")
             print(f"{r['setup']} ({r['layout']}), {r['isl']}/{r['osl']} c{r['concurrency']}: total tokens/s "
                   f"{r['predicted_total_tokens_per_s']:,.0f} predicted / {r['measured_total_tokens_per_s']:,.0f} "
                   f"published = x{r['ratio']:.2f}{tpot}")
@@ -193,8 +195,10 @@ def _validate(args: argparse.Namespace) -> int:
         return 0
     print(f"tpu-inference #3050 (8k/1k, each point under its own setup), stage {acc['stage']}: predicted / published")
     for p in acc["points"]:
+        ttft = (f"x{p['ttft_ratio']:.2f}" if p["ttft_ratio"] is not None else
+                f"{p['predicted_median_ttft_ms']:,.0f} ms predicted (no published median TTFT)")
         print(f"  c{p['concurrency']:<4} total tokens/s x{p['ratio']:.2f}  median TPOT x{p['tpot_ratio']:.2f}  "
-              f"inside the band: {p['inside_band']} / {p['tpot_inside_band']}")
+              f"inside the band: {p['inside_band']} / {p['tpot_inside_band']}  median TTFT {ttft}")
     print(f"  trend |ratio(c_max) / ratio(c_min) - 1| = {acc['trend']:.3f} (<= 0.15: {acc['trend_ok']}); "
           f"all within 25%: {acc['all_within_25pct']}")
     return 0

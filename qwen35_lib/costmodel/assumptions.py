@@ -66,6 +66,8 @@ class Mechanisms:
     ici_efficiency: float | None = None
     onehot_permute_threshold: int = 0  # production's MoE permutes by one-hot matmuls while N·k <= this (0: never)
     moe_row_overhead_s: float = 0.0  # seconds a routed row of the slice costs every device (`moe_layer`)
+    admission_lag: bool = False  # a client's next request waits for the engine's steps in flight (`admit_lag`)
+    request_path_steps: int = 0  # steps more it needs to reach the engine core (HTTP, chat template, tokenizer)
 
     @classmethod
     def off(cls) -> Mechanisms:
@@ -81,6 +83,15 @@ class Mechanisms:
     def neutral(self, name: str) -> Mechanisms:
         """This record with mechanism `name` switched to the old model's value (its contribution removed)."""
         return dataclasses.replace(self, **{name: getattr(Mechanisms.off(), name)})
+
+
+def admit_lag(m: Mechanisms) -> int:
+    """Steps a client's next request waits, after the step whose outputs ended its last one, before a schedule can
+    include it (`schedule.ADMISSION_LAG`): the steps the engine core has in flight when it next reads its input queue
+    (2 with async scheduling's batch queue of 2, 1 without) plus `request_path_steps`; 0 with `admission_lag` off."""
+    if not m.admission_lag:
+        return 0
+    return (2 if m.async_scheduling else 1) + m.request_path_steps
 
 
 def _field_value(name: str, v):
@@ -126,4 +137,5 @@ def component_assumptions(component: str) -> tuple[str, ...]:
     return COMPONENT_ASSUMPTIONS.get(component, DEFAULT_COMPONENT)
 
 
-__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "check", "component_assumptions", "extremes", "records"]
+__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "admit_lag", "check", "component_assumptions", "extremes",
+           "records"]

@@ -25,7 +25,7 @@ import numpy as np
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
-from qwen35_lib.costmodel.assumptions import Mechanisms
+from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.step import Pools, bind_to, retimed_many, step_times
@@ -177,11 +177,12 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     doc["dp_lockstep_applied"] = use_lockstep(mech)
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
-                      padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each")
+                      padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each",
+                      admit_lag=admit_lag(mech))
         sim = price(ls, fn(False))
     else:
         sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                       range_ratio)
+                       range_ratio, admit_lag(mech))
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -194,7 +195,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:
         ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                         range_ratio)
+                         range_ratio, admit_lag(mech))
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
@@ -203,9 +204,10 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding,
-                                  dispatch="batch" if m.dp_batch_prefill else "each"), fn(False, m))
+                                  dispatch="batch" if m.dp_batch_prefill else "each", admit_lag=admit_lag(m)),
+                         fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                        range_ratio)
+                        range_ratio, admit_lag(m))
 
     if band:
         doc["band"] = band_of(sim, mech, rerun)

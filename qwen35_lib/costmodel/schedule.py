@@ -8,7 +8,9 @@ Each step, as the engine's scheduler (qwen35_lib/engine/scheduler.py) and vLLM's
 1. every running request past its prompt decodes one token;
 2. requests part-way through their prompt continue with the next chunk, within the token budget;
 3. waiting requests are admitted while the budget, `max_seqs` and the memory cap (`max_running`) allow.
-A request finishes after its output length; a new one arrives at once while prompts remain. A step's time is
+A request finishes after its output length; a new one arrives at once while prompts remain, and the scheduler
+sees it `admit_lag` steps later (`ADMISSION_LAG`: the steps the engine core has in flight when it next reads its
+input queue; 0 plays the old model, which admitted it in the very next step). A step's time is
 what `steps_fn` (a `StepsFn`) gives its whole-slice `ops.Batch`: every distinct step of a play is timed in one call
 (`each_step(step_fn)` wraps a function of one batch). Runs of pure-decode steps (no prompt work anywhere) are
 advanced together: k steps at the time of their middle step (exact when step time is linear in the context).
@@ -120,34 +122,38 @@ def _low(n: int, range_ratio: float) -> int:
 
 def simulate(steps_fn: StepsFn, isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int,
              max_seqs: int, max_running: int, num_prompts: int | None = None, seed: int = 0,
-             range_ratio: float = 0.8) -> SimResult:
+             range_ratio: float = 0.8, admit_lag: int = 0) -> SimResult:
     """Play the benchmark on one rank (see the module doc); `steps_fn` (`StepsFn`) times the play's distinct steps.
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
     bound the running sequences per rank; `max_batched_tokens` is the rank's token budget per step.
+    `admit_lag`: steps a client's next request waits before the scheduler can see it (`ADMISSION_LAG`).
     Up to `EXACT_PROMPTS` requests per rank, every request is played; beyond, a bounded sample (`_bounded`).
     """
     clients = max(1, round(concurrency / dp))
     prompts = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
     if prompts > EXACT_PROMPTS:
-        bounded = _bounded(steps_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio)
+        bounded = _bounded(steps_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
+                           admit_lag)
         if bounded is not None:
             return bounded
-    play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio),
-                    steps_fn)
+    play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
+                                  admit_lag), steps_fn)
     return play.result(dp)
 
 
 @functools.lru_cache(maxsize=16)
 def _exact_record(isl: int, osl: int, clients: int, prompts: int, dp: int, max_batched_tokens: int, limit: int,
-                  seed: int, range_ratio: float) -> tuple[_Record]:
+                  seed: int, range_ratio: float, admit_lag: int = 0) -> tuple[_Record]:
     """`simulate`'s play of every request, recorded once (the schedule does not depend on the step times)."""
-    return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit),)
+    return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit,
+                    admit_lag=admit_lag),)
 
 
 def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, dp: int,
-             max_batched_tokens: int, limit: int, seed: int, range_ratio: float) -> SimResult | None:
+             max_batched_tokens: int, limit: int, seed: int, range_ratio: float,
+             admit_lag: int = 0) -> SimResult | None:
     """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
     `clients` (None when the three runs would be about the whole benchmark).
 
@@ -178,7 +184,8 @@ def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, 
     if c + 2 * cap >= prompts:
         return None
     skip = min(c, limit, max_batched_tokens, STEADY_WINDOW)  # `warm` in `_bounded_records`
-    records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW)
+    records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW,
+                               admit_lag)
     steady, ramp, drain = _replay(records, steps_fn)
     (_, a), (_, b) = steady.snapshots
     mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
@@ -203,7 +210,7 @@ def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, 
 
 @functools.lru_cache(maxsize=16)
 def _bounded_records(isl: int, osl: int, c: int, cap: int, dp: int, max_batched_tokens: int, limit: int, seed: int,
-                     range_ratio: float, window: int) -> tuple[_Record, _Record, _Record]:
+                     range_ratio: float, window: int, admit_lag: int = 0) -> tuple[_Record, _Record, _Record]:
     """`_bounded`'s steady, ramp and drain runs (its items 2-4), recorded once: the schedule does not depend on the
     step times, which `_replay` adds for each step function."""
     warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
@@ -212,9 +219,9 @@ def _bounded_records(isl: int, osl: int, c: int, cap: int, dp: int, max_batched_
     rng = np.random.default_rng(seed + 2)
     start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
     steady = _record(lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + window),
-                     start=start, collapse=True)
+                     start=start, collapse=True, admit_lag=admit_lag)
     ramp = _record(draw_lengths(c + cap, isl, osl, seed, range_ratio), c, dp, max_batched_tokens, limit,
-                   marks=(cap,), collapse=True)
+                   marks=(cap,), collapse=True, admit_lag=admit_lag)
     drain = _record([], len(steady.running), dp, max_batched_tokens, limit, start=steady.running, collapse=True)
     return steady, ramp, drain
 
@@ -271,13 +278,14 @@ class _Play:
 
 def _play(step_fn: StepFn, lengths: list[tuple[int, int]], clients: int,
           dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
-          start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None) -> _Play:
+          start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None,
+          admit_lag: int = 0) -> _Play:
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
     clients of `start` with their requests already running; with `marks`, it stops at the last one. With
     `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
     together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it.
     (`_record` plays the schedule, `_replay` times it with `step_fn`.)"""
-    rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse)
+    rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse, admit_lag)
     if trace is not None:
         trace += [(st.batch, st.n) for st in rec.steps]
     return _replay((rec,), each_step(step_fn))[0]
@@ -315,25 +323,30 @@ _RECORDS = iter(range(1 << 62))
 
 
 def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_tokens: int, limit: int,
-            marks: tuple[int, ...] = (), start: list[_Req] | None = None, collapse: bool = False) -> _Record:
+            marks: tuple[int, ...] = (), start: list[_Req] | None = None, collapse: bool = False,
+            admit_lag: int = 0) -> _Record:
     """`_play`'s schedule without its times: each step's batch and counts, and when requests arrive, sample their
-    first token and finish, as `_At` times (a request's `arrived` and `first` hold them)."""
+    first token and finish, as `_At` times (a request's `arrived` and `first` hold them). A client's next request
+    reaches the scheduler `admit_lag` steps after the step its last one finished in (`ADMISSION_LAG`)."""
     pid = next(_RECORDS)
     running: list[_Req] = list(start or [])
     waiting: deque[_Req] = deque(_Req(i, o) for i, o in lengths[:clients - len(running)])
     pending = deque(_Req(i, o) for i, o in lengths[clients - len(running):])
+    delayed: deque[tuple[int, _Req]] = deque()  # (steps played when the scheduler sees it, request), arrival order
     steps: list[_Step] = []
-    done = 0
+    done = t = 0
     snapshots: list[tuple[int, int]] = []
     todo = list(marks)
-    while waiting or running:
+    while waiting or running or delayed:
+        _release(delayed, t, not (waiting or running), waiting.append)
         firsts = []
         prompt_work = bool(waiting) and len(running) < limit or any(r.done_prompt < r.prompt for r in running)
         decoders = [r for r in running if r.done_prompt == r.prompt]
         if collapse and len(decoders) >= max_batched_tokens:  # the budget's first decoders run alone
             prompt_work, decoders = False, decoders[:max_batched_tokens]
-        if not prompt_work:  # 1'. a run of pure-decode steps until the first request ends
+        if not prompt_work:  # 1'. a run of pure-decode steps until the first request ends or one arrives
             k = min(r.output - r.done_output for r in decoders)
+            k = min(k, delayed[0][0] - t) if delayed else k
             ctx = [r.prompt + r.done_output + (k + 1) / 2 for r in decoders]  # middle of the run
             batch = Batch(decodes=len(decoders) * dp, decode_ctx=float(np.mean(ctx)),
                           max_ctx=int(max(ctx) + k / 2))
@@ -347,6 +360,7 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
                           prefill_ctx=prefill_ctx, max_ctx=max_ctx)
             n_steps, dec, work = 1, n_dec * dp, n_dec + pre
         now = _At(pid, len(steps) + 1)
+        t += n_steps
         for r in firsts:
             r.first = now
         run = len(running) * n_steps
@@ -356,7 +370,7 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
             done += 1
             finished.append((r, r.arrived, r.first))
             if pending:
-                waiting.append(dataclasses.replace(pending.popleft(), arrived=now))
+                delayed.append((t + admit_lag, dataclasses.replace(pending.popleft(), arrived=now)))
         steps.append(_Step(batch, n_steps, dec, work, run, tuple(firsts), tuple(finished)))
         while todo and done >= todo[0]:
             snapshots.append((done, len(steps)))
@@ -364,6 +378,19 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
         if marks and not todo:
             break
     return _Record(pid, steps, snapshots, done, running)
+
+
+ADMISSION_LAG = ("vLLM's engine core drains its input queue once a loop, then schedules; with --async-scheduling "
+                 "(a batch queue of 2) it schedules step i + 1 before step i's outputs are read, so a request sent "
+                 "on step i's outputs reaches a schedule only after step i + 1 ends and runs from step i + 3: 2 steps "
+                 "after the simulation's i + 1 (1 step without async scheduling: it runs from step i + 2)")
+
+
+def _release(delayed: deque, t: int, idle: bool, admit: Callable[[_Req], None]) -> None:
+    """Hand `admit` each delayed request the scheduler sees after `t` steps; all of them when the engine is `idle`
+    (no step in flight: a request is scheduled as it arrives)."""
+    while delayed and (idle or delayed[0][0] <= t):
+        admit(delayed.popleft()[1])
 
 
 def _replay(records: tuple[_Record, ...], steps_fn: StepsFn) -> list[_Play]:
@@ -499,17 +526,19 @@ def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> 
 
 
 def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
-             batch_prefills: bool) -> tuple[np.ndarray, list, list, float, float, float]:
+            batch_prefills: bool, admit_lag: int = 0) -> tuple[np.ndarray, list, list, float, float, float]:
     """`clients` clients over the slice, the DP scheduler of tpu-inference in front of `dp` rank schedulers: a new
     request goes to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
     soonest to free a slot; with `batch_prefills`, new requests are held until `dp` of them wait (or as many
     ranks were idle the step before), then routed together. Returns per-rank step fields [dp, steps, 6], the
     finished requests' (arrived, first, finished) in steps, their outputs, input and output tokens, and the
-    running requests summed over steps and ranks."""
+    running requests summed over steps and ranks. A client's next request reaches the DP scheduler `admit_lag` steps
+    after the step its last one finished in (`ADMISSION_LAG`)."""
     running: list[list[_Req]] = [[] for _ in range(dp)]
     waiting: list[deque] = [deque() for _ in range(dp)]
     queue = deque(_Req(i, o) for i, o in lengths)
     held: list[_Req] = []
+    delayed: deque[tuple[int, _Req]] = deque()  # (step when the scheduler sees it, request), in arrival order
     rows: list[list[tuple]] = [[] for _ in range(dp)]
     events, outputs = [], []
     t, inp, out, run, idle = 0, 0.0, 0.0, 0.0, dp
@@ -533,7 +562,8 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
 
     for _ in range(min(clients, len(queue))):
         arrive(queue.popleft())
-    while held or any(running) or any(waiting):
+    while held or any(running) or any(waiting) or delayed:
+        _release(delayed, t, not (held or any(running) or any(waiting)), arrive)
         if held and (not batch_prefills or len(held) >= dp or idle >= len(held)):
             route(held)
             held = []
@@ -543,6 +573,7 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
                 for rr, w in zip(running, waiting)]
         if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
             k_steps = min([q.output - q.done_output for rr in running for q in rr])
+            k_steps = min(k_steps, delayed[0][0] - t) if delayed else k_steps  # up to the next arrival
             mid = (k_steps + 1) / 2  # the run's middle step, past each context
             for k in range(dp):
                 dec = running[k][:budget]  # no prompt part-way: every running request decodes
@@ -569,7 +600,7 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
                 outputs.append(q.output)
                 inp, out = inp + q.prompt, out + q.output
                 if queue:
-                    arrive(dataclasses.replace(queue.popleft(), arrived=t))
+                    delayed.append((t + admit_lag, dataclasses.replace(queue.popleft(), arrived=t)))
     F = []
     for k in range(dp):
         f = np.array([x for x, _ in rows[k]], dtype=np.float64).reshape(-1, 6)
@@ -583,7 +614,7 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
 
 @functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
 def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
-            seed: int, range_ratio: float, dispatch: str, slice_clients: int | None = None
+            seed: int, range_ratio: float, dispatch: str, slice_clients: int | None = None, admit_lag: int = 0
             ) -> tuple[np.ndarray, list, list, float, float, float]:
     """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
     (arrived, first, finished) in steps, their outputs, input and output tokens, running requests summed over
@@ -595,12 +626,12 @@ def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, pl
     if dispatch != "rank":
         F, events, outputs, inp, out, run = play_dp(
             draw_lengths(prompts * dp, isl, osl, seed, range_ratio), slice_clients or played_clients * dp, dp,
-            max_batched_tokens, limit, dispatch == "batch")
+            max_batched_tokens, limit, dispatch == "batch", admit_lag)
         cols = [F[k] for k in range(dp)]
     for r in range(dp if dispatch == "rank" else 0):
         tr: list = []
         p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), played_clients, 1,
-                  max_batched_tokens, limit, collapse=True, trace=tr)
+                  max_batched_tokens, limit, collapse=True, trace=tr, admit_lag=admit_lag)
         n = np.array([c for _, c in tr], dtype=np.int64)
         f = np.array([(b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx, b.max_ctx)
                       for b, _ in tr], dtype=np.float64).reshape(-1, 6)
@@ -619,7 +650,7 @@ def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, pl
 @functools.lru_cache(maxsize=64)
 def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
              max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
-             min_slot: int = 4, padding: bool = True, dispatch: str = "batch") -> Lockstep:
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch", admit_lag: int = 0) -> Lockstep:
     """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
     step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
     tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
@@ -627,7 +658,8 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     (beyond, the throughput is that of the played run: a rank holds at most `max_seqs` requests, so the steady
     state is reached long before).
     `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `play_dp`, holding new ones
-    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank)."""
+    until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank).
+    `admit_lag`: steps a client's next request waits before the scheduler sees it (`ADMISSION_LAG`)."""
     clients = max(1, round(concurrency / dp))
     requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
@@ -639,7 +671,8 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     slice_clients = min(concurrency, played_clients * dp)
     F, events, outputs, inp, out, run = _played(isl, osl, dp, max_batched_tokens, limit, played_clients, prompts,
                                                 seed, range_ratio, dispatch,
-                                                slice_clients if slice_clients < played_clients * dp else None)
+                                                slice_clients if slice_clients < played_clients * dp else None,
+                                                admit_lag)
     S = F.shape[1]
     tokens = F[..., 0] + F[..., 2]
     work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])

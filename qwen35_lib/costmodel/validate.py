@@ -141,7 +141,7 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
                    isl=m["isl"], osl=m["osl"],
                    concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
                    measured_output_tokens_per_s=m.get("output_tokens_per_s"),
-                   measured_median_tpot_ms=m.get("median_tpot_ms"))
+                   measured_median_tpot_ms=m.get("median_tpot_ms"), measured_median_ttft_ms=m.get("median_ttft_ms"))
         setup = m.get("setup", {})
         mech = mechanisms
         if mechanisms == "nominal" and "dp_sched_batch_prefill" in setup:
@@ -158,6 +158,9 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
             row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
             if m.get("median_tpot_ms"):
                 row[f"tpot_ratio_{st}"] = p["median_tpot_s"] * 1e3 / m["median_tpot_ms"]
+            row[f"predicted_median_ttft_ms_{st}"] = p["median_ttft_s"] * 1e3
+            if m.get("median_ttft_ms"):
+                row[f"ttft_ratio_{st}"] = p["median_ttft_s"] * 1e3 / m["median_ttft_ms"]
             if "band" in p:
                 lo, hi = p["band"]["total_tokens_per_s"]
                 row["band_total_tokens_per_s"] = [lo, hi]
@@ -206,11 +209,15 @@ def layout_points(band: bool = False) -> list[dict]:
                    concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
                    predicted_total_tokens_per_s=p["total_tokens_per_s"],
                    ratio=p["total_tokens_per_s"] / m["total_tokens_per_s"],
-                   predicted_median_tpot_ms=p["median_tpot_s"] * 1e3, measured_median_tpot_ms=m.get("median_tpot_ms"))
+                   predicted_median_tpot_ms=p["median_tpot_s"] * 1e3, measured_median_tpot_ms=m.get("median_tpot_ms"),
+                   predicted_median_ttft_ms=p["median_ttft_s"] * 1e3, measured_median_ttft_ms=m.get("median_ttft_ms"))
         row["within_25pct"] = abs(row["ratio"] - 1) <= 0.25
         if m.get("median_tpot_ms"):
             row["tpot_ratio"] = row["predicted_median_tpot_ms"] / m["median_tpot_ms"]
             row["tpot_within_25pct"] = abs(row["tpot_ratio"] - 1) <= 0.25
+        if m.get("median_ttft_ms"):
+            row["ttft_ratio"] = row["predicted_median_ttft_ms"] / m["median_ttft_ms"]
+            row["ttft_within_25pct"] = abs(row["ttft_ratio"] - 1) <= 0.25
         if band:
             row["band_total_tokens_per_s"] = p["band"]["total_tokens_per_s"]
         rows.append(row)
@@ -284,6 +291,8 @@ def acceptance(rows: list[dict] | None = None, stage: str = MEASURED_STAGE) -> d
     rows = [r for r in (rows or published_comparison((stage,), band=True)) if r["acceptance"]]
     by_c = {r["concurrency"]: r for r in rows}
     pts = [dict(concurrency=c, ratio=r[f"ratio_{stage}"], tpot_ratio=r.get(f"tpot_ratio_{stage}"),
+                predicted_median_ttft_ms=r.get(f"predicted_median_ttft_ms_{stage}"),
+                measured_median_ttft_ms=r.get("measured_median_ttft_ms"), ttft_ratio=r.get(f"ttft_ratio_{stage}"),
                 within_25pct=abs(r[f"ratio_{stage}"] - 1) <= 0.25,
                 tpot_within_25pct=abs(r.get(f"tpot_ratio_{stage}", float("inf")) - 1) <= 0.25,
                 inside_band=r.get("inside_band"), tpot_inside_band=r.get("tpot_inside_band"))

@@ -121,3 +121,31 @@ def test_lockstep_below_one_client_a_rank_leaves_ranks_idle():
     ls = lockstep(1024, 64, 2, 8, 1024, 64, 100, num_prompts=20)
     assert ls.decodes / ls.counts.sum() <= 2
     assert ls.decodes / ls.counts.sum() > 1.5  # both clients kept busy
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_a_clients_next_request_waits_for_the_steps_in_flight(lag):
+    """The admission lag (issue 55, TTFT): a request sent on its predecessor's last output runs `lag` steps later
+    than at once, in the one-rank play and under the DP scheduler alike; a request sent to an idle engine does not
+    wait. Client A decodes 50 tokens while client B's three short requests (a one-step prompt, 3 tokens) follow
+    one another, so B's second and third each arrive while A keeps steps in flight."""
+    lengths = [(4, 50), (4, 3), (4, 3), (4, 3)]
+    unit = lambda b: (1.0, {})  # noqa: E731  (times in steps)
+    p = schedule._play(unit, lengths, 2, 1, 64, 8, admit_lag=lag)
+    later = sorted((f[0], f[1]) for f in p.finished if f[0])  # (arrived, first token) of the requests sent later
+    assert [first - arrived for arrived, first in later] == [1 + lag] * 2
+    _, events, *_ = schedule.play_dp(lengths, 2, 1, 64, 8, False, admit_lag=lag)
+    later = sorted((a, f) for a, f, _ in events if a)
+    assert [first - arrived for arrived, first in later] == [1 + lag] * 2
+    alone = schedule._play(unit, [(4, 3), (4, 3)], 1, 1, 64, 8, admit_lag=lag)  # one client: the engine idles
+    assert [f[1] - f[0] for f in alone.finished] == [1, 1]
+
+
+def test_admission_lag_is_two_steps_with_async_scheduling_and_one_without():
+    """`assumptions.admit_lag`: the steps vLLM's engine core has in flight when it next reads its input queue."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag
+
+    assert admit_lag(Mechanisms.nominal()) == 2
+    assert admit_lag(Mechanisms.nominal(async_scheduling=False)) == 1
+    assert admit_lag(Mechanisms.nominal(request_path_steps=1)) == 3
+    assert admit_lag(Mechanisms.off()) == 0

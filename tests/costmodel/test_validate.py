@@ -56,7 +56,7 @@ def test_published_comparison_predicts_each_compared_row_under_its_setup(monkeyp
 
     def fake(model, hw, stage, isl, osl, conc, **kw):
         seen.append((stage, isl, conc, kw))
-        out = dict(total_tokens_per_s=1000.0 * conc, median_tpot_s=0.05)
+        out = dict(total_tokens_per_s=1000.0 * conc, median_tpot_s=0.05, median_ttft_s=1.5)
         if kw["band"]:
             out["band"] = dict(total_tokens_per_s=(0.0, 1e9), median_tpot_s=(0.0, 1e-6))
         return out
@@ -68,6 +68,8 @@ def test_published_comparison_predicts_each_compared_row_under_its_setup(monkeyp
     for row, m in zip(rows, compared):
         assert row[f"ratio_{M}"] == pytest.approx(1000.0 * m["concurrency"] / m["total_tokens_per_s"])
         assert row["predicted_median_tpot_ms_kernels"] == pytest.approx(50.0)
+        assert row[f"predicted_median_ttft_ms_{M}"] == pytest.approx(1500.0)
+        assert (f"ttft_ratio_{M}" in row) == bool(m.get("median_ttft_ms"))  # a ratio only where one is published
         assert row["inside_band"] and "band_total_tokens_per_s" in row  # the band: the measured stage only
         assert row.get("tpot_inside_band") in (None, False)  # a TPOT band of [0, 1e-3 ms] holds no measurement
     for stage, _, _, kw in seen:
