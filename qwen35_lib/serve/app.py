@@ -15,7 +15,10 @@ A generation request:
 4. a client that goes away (the stream cancelled, or `http.disconnect` while waiting) aborts its unfinished
    engine requests, which frees their pages and slots; one that goes while its request is still being parsed is
    not waited for, and nothing of it is submitted;
-5. log-probabilities (`logprobs`, `prompt_logprobs`) are computed once a choice is done, by a scoring forward over
+5. structured outputs (`response_format`, `structured_outputs`, `guided_*`: `serve.structured`) are compiled with
+   the parse, on its thread (llguidance; a compiled grammar is cached by its spec), and each choice's engine request
+   masks its logits by its own matcher of that grammar (`engine.structured`);
+6. log-probabilities (`logprobs`, `prompt_logprobs`) are computed once a choice is done, by a scoring forward over
    its prompt and output (`scoring.Scorer`) on a thread of their own.
 With `api_key`, every /v1 route needs `Authorization: Bearer KEY` (401 otherwise), as vLLM's --api-key. A body must
 be JSON (`Content-Type: application/json`, or none): a web page's form or text/plain post is refused (415), so a
@@ -42,7 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from qwen35_lib.engine import SamplingParams
 from qwen35_lib.engine.engine import validate_request
-from qwen35_lib.serve import parsers, protocol, scoring
+from qwen35_lib.serve import parsers, protocol, scoring, structured
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput
 from qwen35_lib.serve.protocol import FINISH, APIError, Limits
@@ -79,6 +82,7 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
         app.add_middleware(_ApiKey, key=api_key)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="qwen35-parse")
     score_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-score")
+    grammars = structured.Grammars(text, engine.config.vocab_size, limits.eos_token_ids)  # structured outputs
     scorer: list = []  # the Scorer, made on first use (its compiles are paid only by requests that ask for logprobs)
 
     def score(ids: list[int]) -> scoring.Scores:
@@ -197,6 +201,11 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
     def parse_generation(chat: bool):
         def fn(body: dict) -> protocol.Parsed:
             parsed = protocol.parse(body, text, chat, limits)
+            spec = structured.parse_spec(body, limits)
+            if spec is not None:  # compiled here, on the parse thread: a bad schema is a 400 naming its field
+                grammar = grammars.compile(spec)
+                parsed.params = [None if sp is None else dataclasses.replace(sp, structured=grammar)
+                                 for sp in parsed.params]
             for i, sp in enumerate(parsed.params):  # a choice with nothing to generate: its prompt checked
                 try:
                     validate_request(engine.config, engine.ec, parsed.prompt_of(i), sp or SamplingParams(1))

@@ -109,6 +109,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="`logit_bias` entries in one request (1024)")
     lim.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                      help="the largest `logprobs`, `top_logprobs` and `prompt_logprobs` (20, as vLLM)")
+    lim.add_argument("--max-grammar-bytes", type=positive, default=64 << 10, metavar="N",
+                     help="a structured-output constraint (response_format's schema, structured_outputs, guided_*) "
+                          "as JSON text (64 KiB)")
     lim.add_argument("--ignore-unknown-fields", action="store_true",
                      help="ignore request fields this server does not know (default: a 400 naming the field, as a "
                           "strict OpenAI server answers); fields it knows but does not support are refused anyway")
@@ -296,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_stop_strings=args.max_stop_strings, max_bad_words=args.max_bad_words,
                     max_logit_bias=args.max_logit_bias, max_logprobs=args.max_logprobs,
+                    max_grammar_bytes=args.max_grammar_bytes,
                     eos_token_ids=tuple(config.eos_token_ids),
                     defaults=generation_defaults(root) if args.generation_config == "auto" else (),
                     reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)

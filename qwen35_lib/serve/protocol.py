@@ -12,10 +12,11 @@ or the checkpoint's generation_config.json), `top_p`, `top_k` (-1 or 0 = off), `
 model's EOS ids, as vLLM), `ignore_eos` (ignores the EOS ids only), `skip_special_tokens`, `add_special_tokens`,
 `truncate_prompt_tokens`, `stream`, `stream_options.include_usage`, `request_id` (the response id), `n` (choices per
 prompt), `logprobs` / `top_logprobs` (the raw model's log-probabilities of each output token and of the most likely
-ones, vLLM's default `raw_logprobs`), `echo` and `prompt_logprobs` (the prompt's tokens scored; completions), and
+ones, vLLM's default `raw_logprobs`), `echo` and `prompt_logprobs` (the prompt's tokens scored; completions),
+structured outputs (`response_format`, `structured_outputs`, `guided_*`: parsed by `serve.structured`), and
 fields with no effect on the output (`user`, `metadata`, ...: `NO_EFFECT`).
 Refused with a 400 naming the field, unless sent with their neutral value (null, false, the default): `best_of` > 1,
-`suffix`, `response_format` other than text, guided decoding and structured outputs, beam search, tools,
+`suffix`, beam search, tools,
 `logits_processors`, `documents`, `priority` and the rest of `REFUSED`; log-probabilities with `stream`. A field the
 server does not know is refused (400) unless the server runs with `--ignore-unknown-fields`. Each choice carries
 `token_ids` (its output ids), a vLLM-style extension. List fields are bounded (`Limits`: stop strings, bad words,
@@ -71,6 +72,7 @@ class Limits:
     max_bad_words: int = 256  # --max-bad-words: `bad_words` entries (each is matched at every step)
     max_logit_bias: int = 1024  # --max-logit-bias: `logit_bias` entries
     max_logprobs: int = 20  # --max-logprobs: `logprobs`, `top_logprobs`, `prompt_logprobs` (vLLM's default 20)
+    max_grammar_bytes: int = 64 << 10  # --max-grammar-bytes: a structured-output constraint (schema, ...) as JSON
     eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids (`stop_token_ids` add to them)
     defaults: tuple[tuple[str, float], ...] = ()  # sampling defaults (generation_config.json): (field, value)
     reasoning_parser: str | None = None  # --reasoning-parser: "qwen3" splits <think>...</think> from the content
@@ -114,7 +116,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
           "best_of", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
           "skip_special_tokens", "add_special_tokens", "truncate_prompt_tokens", "request_id", "logprobs", "echo",
-          "prompt_logprobs"}
+          "prompt_logprobs",
+          # structured outputs (`serve.structured`): parsed and compiled beside `parse`
+          "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "guided_whitespace_pattern", "guided_decoding_backend"}
 COMPLETION = COMMON | {"prompt"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "chat_template", "chat_template_kwargs",
                  "add_generation_prompt", "continue_final_message", "top_logprobs", "tools", "tool_choice",
@@ -125,14 +130,6 @@ NO_EFFECT = {"user", "metadata", "store", "service_tier", "cache_salt", "return_
 # refused unless neutral: field -> (neutral values, what to do instead)
 REFUSED: dict[str, tuple[tuple, str]] = {
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
-    "response_format": ((None, {"type": "text"}), "structured outputs are not supported; only {\"type\": \"text\"}"),
-    "guided_json": ((None,), "guided decoding is not supported"),
-    "guided_regex": ((None,), "guided decoding is not supported"),
-    "guided_choice": ((None,), "guided decoding is not supported"),
-    "guided_grammar": ((None,), "guided decoding is not supported"),
-    "guided_decoding_backend": ((None,), "guided decoding is not supported"),
-    "guided_whitespace_pattern": ((None,), "guided decoding is not supported"),
-    "structured_outputs": ((None,), "structured outputs are not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "length_penalty": ((None, 1, 1.0), "length_penalty applies to beam search, which is not supported"),
     "tools": ((None, []), "tool calling is a chat feature; use /v1/chat/completions"),
@@ -565,8 +562,8 @@ def _tools(body: dict, limits: Limits, stream: bool) -> bool:
     if choice == "none":
         return False
     if choice not in (None, "auto"):
-        raise APIError("`tool_choice` other than \"auto\" or \"none\" needs guided decoding, which this server "
-                       "does not support; send \"auto\"", "tool_choice")
+        raise APIError("`tool_choice` other than \"auto\" or \"none\" (\"required\", or a named function) is not "
+                       "supported by this server; send \"auto\"", "tool_choice")
     if limits.tool_call_parser is None:
         raise APIError("`tools` with tool_choice \"auto\" need the server started with --enable-auto-tool-choice "
                        "--tool-call-parser hermes (as vLLM)", "tools")
