@@ -16,7 +16,8 @@ one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions
 mean step-time breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each
 with its assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
 `validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
-cells of data/moe_layer_measured.json: which set the one derived constant, which judge it); `validate --published`
+cells of data/moe_layer_measured.json: which set the one derived constant, which judge it; then the same file's second
+shape, Qwen3-30B-A3B, priced as its arm ran, which judges it too); `validate --published`
 prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s); `validate
 --compiled` sets the model's FLOPs and HBM bytes beside the stored TPU7x-8 decode compiles (`costmodel.compiled`).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
@@ -175,8 +176,9 @@ def _validate(args: argparse.Namespace) -> int:
         return 0
     if args.moe:
         rows, derived = validate.moe_layer_comparison(), validate.moe_row_overhead()
+        second = validate.moe_second_shape_comparison()
         if args.json:
-            print(json.dumps(dict(cells=rows, moe_row_overhead=derived), indent=2))
+            print(json.dumps(dict(cells=rows, moe_row_overhead=derived, second_shape=second), indent=2))
             return 0
         print("MoE layer, Qwen3.5-397B-A17B-FP8 on TPU7x-8 (EP8), device time per layer call: model vs measured "
               "(production's layer, recorded routing; data/moe_layer_measured.json)")
@@ -188,6 +190,12 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"moe_row_overhead_s = {derived['value'] * 1e9:.2f} ns a routed row, set from N in {derived['cells']} "
               f"(single cells {derived['low'] * 1e9:.2f} - {derived['high'] * 1e9:.2f} ns); "
               f"{sum(r['within_25pct'] for r in rows)}/{len(rows)} cells within 25%")
+        print("second shape, Qwen3-30B-A3B (128 experts top-8, hidden 2048, FFN 768; upstream defaults: no "
+              "all-gathers, ragged permutes at every N, an all-reduce combine; random routing), nothing set from it:")
+        for r in second:
+            flag = "" if r["within_25pct"] else "  OUTSIDE 25%"
+            print(f"{r['tokens']:>6} {r['measured_us']:>12.1f} {r['model_us']:>10.1f} {r['ratio']:>10.2f}{flag}")
+        print(f"{sum(r['within_25pct'] for r in second)}/{len(second)} cells within 25%")
         return 0
     acc = validate.acceptance()
     if args.json:

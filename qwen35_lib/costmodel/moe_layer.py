@@ -43,12 +43,15 @@ class LayerTime:
 
 
 def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = None,
-               reduce_scatter: str = "flat") -> LayerTime:
+               reduce_scatter: str = "flat", gathered: bool = True) -> LayerTime:
     """One MoE layer call at `tokens` tokens in the slice (EP over `ep` devices, default all), as production's
     layer runs it under `mech` (an `assumptions.Mechanisms`): the module doc's items, the grouped matmul and
     top-k of `ops.moe_block`, and the hidden and routing all-gathers and the reduce-scatter of its output
-    (`reduce_scatter`: "flat", XLA's `psum_scatter` as #3050 ran it). The router matmul is not in the layer
-    call the benchmark times (its logits are an input) and the shared expert is not in it either."""
+    (`reduce_scatter`: "flat", XLA's `psum_scatter` as #3050 ran it). `gathered` False: the layer as tpu-inference
+    runs it at its upstream defaults on a mesh without attention DP (the benchmark's second shape): the tokens come
+    in replicated, so no all-gather, and `scatter_results` is off, so the combine ends in a `psum` (an all-reduce of
+    the [N, D] output). The router matmul is not in the layer call the benchmark times (its logits are an input) and
+    the shared expert is not in it either."""
     from qwen35_lib.costmodel.step import mech_specs
 
     sp = mech_specs(specs, mech)
@@ -65,6 +68,9 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
         out["permute"] *= mech.sparsecore_permute
     D, k, b_act = cfg.hidden_size, cfg.num_experts_per_tok, ops.ITEMSIZE[cfg.dtype]
     hidden = 1.0 - mech.collective_overlap
+    if not gathered:
+        out["all_reduce"] = hidden * cc.all_reduce(sp, tokens * D * b_act, ep).seconds
+        return LayerTime(sum(out.values()), out)
     out["all_gather"] = hidden * (cc.all_gather(sp, tokens / ep * D * b_act, ep).seconds +
                                   cc.all_gather(sp, tokens / ep * 2 * k * 4, ep).seconds)  # hidden; packed ids
     rs = cc.reduce_scatter(sp, tokens * D * b_act, ep) if reduce_scatter == "flat" else \

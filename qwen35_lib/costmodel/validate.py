@@ -12,6 +12,8 @@
 (d) `moe_layer_comparison()`: the MoE layer sub-model (`moe_layer.layer_time`) against the device times of
     production's layer (data/moe_layer_measured.json, judging data); `moe_row_overhead()` derives the one constant
     set from it (`moe_row_overhead_s`) from the cells with N <= 1,024 only.
+    `moe_second_shape_comparison()`: the same file's second shape (Qwen3-30B-A3B's MoE, run at tpu-inference's
+    upstream defaults) against the same model, nothing set from it.
 `notebook_data()` is everything notebook 06 quotes from issue 13 as one dict: the comparison, the acceptance
 figures, the explained prediction with its band for both workloads at 512, and the ladder explained.
 """
@@ -279,6 +281,39 @@ def moe_layer_comparison(mechanisms=None) -> list[dict]:
         rows.append(dict(tokens=n, measured_us=t * 1e6, model_us=r.seconds * 1e6, ratio=r.seconds / t,
                          within_25pct=abs(r.seconds / t - 1) <= 0.25,
                          role="sets moe_row_overhead_s" if n <= MOE_SET_FROM else "judges",
+                         breakdown_us={k: v * 1e6 for k, v in r.breakdown.items() if v}))
+    return rows
+
+
+def second_shape_config() -> Config:
+    """The benchmark's second shape (data/moe_layer_measured.json `second_shape`: Qwen3-30B-A3B's MoE, its widths,
+    expert count, top-k and FP8 experts) as a `Config` the MoE layer model reads (`moe_layer.layer_time` reads only
+    the MoE's fields; the rest is the 35B preset's and unused)."""
+    from qwen35_lib.costmodel.predict import serving_model
+
+    sh = moe_measured()["second_shape"]["shape"]
+    return serving_model("qwen3.5-35b-a3b", hidden_size=sh["hidden"], moe_ffn=sh["intermediate"],
+                         num_experts=sh["experts"], num_experts_per_tok=sh["top_k"], expert_dtype=sh["weight_dtype"])
+
+
+def moe_second_shape_comparison(mechanisms=None) -> list[dict]:
+    """`moe_layer_comparison` on the second shape, nothing set from it: each cell of `second_shape` next to
+    `moe_layer.layer_time` of its config under the arm it ran (`second_shape.flags`: upstream defaults, so no one-hot
+    permute, and `gathered=False`: no all-gathers, the combine's all-reduce), every assumption nominal."""
+    import dataclasses
+
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+    from qwen35_lib.costmodel.moe_layer import layer_time
+
+    second = moe_measured()["second_shape"]
+    cfg, sp = second_shape_config(), specs_lib.get("tpu7x-8")
+    mech = dataclasses.replace(mechanisms or Mechanisms.nominal(),
+                               onehot_permute_threshold=second["flags"]["ONEHOT_MOE_PERMUTE_THRESHOLD"])
+    rows = []
+    for n, us in sorted((int(n), us) for n, us in second["cells_us"].items()):
+        r = layer_time(cfg, sp, n, mech, gathered=False)
+        rows.append(dict(tokens=n, measured_us=us, model_us=r.seconds * 1e6, ratio=r.seconds * 1e6 / us,
+                         within_25pct=abs(r.seconds * 1e6 / us - 1) <= 0.25, role="judges (second shape)",
                          breakdown_us={k: v * 1e6 for k, v in r.breakdown.items() if v}))
     return rows
 

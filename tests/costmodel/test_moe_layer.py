@@ -98,3 +98,25 @@ def test_published_serving_within_25_percent_under_its_own_setup():
     a = validate.acceptance()
     assert a["stage"] == "tpu_inference_3050"
     assert a["all_within_25pct"] and a["trend_ok"] and a["all_inside_band"], a
+
+
+def test_the_second_shape_is_priced_as_its_arm_ran():
+    """Qwen3-30B-A3B's cells (issue 55, item 6) ran production's layer at upstream defaults: no one-hot permute, no
+    all-gathers (tokens come in replicated), the combine's all-reduce; the config is the shape's, nothing else."""
+    cfg = validate.second_shape_config()
+    assert (cfg.hidden_size, cfg.moe_ffn, cfg.num_experts, cfg.num_experts_per_tok) == (2048, 768, 128, 8)
+    rows = validate.moe_second_shape_comparison()
+    assert [r["tokens"] for r in rows] == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    for r in rows:
+        parts = r["breakdown_us"]
+        assert "all_gather" not in parts and "reduce_scatter" not in parts and parts["all_reduce"] > 0
+        assert "onehot_permute" not in parts
+        assert r["model_us"] == pytest.approx(sum(parts.values()))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 55, item 6, open: the 397B layer model does not transfer to the second "
+                   "shape (2/8 cells within 25%: x0.51-0.55 at N <= 512, x1.29-1.30 at N >= 4096); no mechanism priced "
+                   "from a published figure restates moe_row_overhead_s (see validate.moe_second_shape_comparison)")
+def test_the_second_shape_within_25_percent():
+    rows = validate.moe_second_shape_comparison()
+    assert all(r["within_25pct"] for r in rows), [(r["tokens"], round(r["ratio"], 2)) for r in rows]
