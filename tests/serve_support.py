@@ -39,6 +39,7 @@ class Server:
     text: object
     config: object
     weights: dict
+    tok_dir: pathlib.Path | None = None  # the tokenizer's directory (tokenizer.json, tokenizer_config.json)
 
     def client(self, **kw):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
@@ -67,7 +68,8 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_
     engine.decode_buckets = (EC.max_num_seqs,)
     if step_fn is not None:  # a stand-in step (scripted outputs: `scripted_step`)
         engine.step_fn = step_fn
-    text = load_text(make_tokenizer_dir(tok_dir))
+    tok_dir = make_tokenizer_dir(tok_dir)
+    text = load_text(tok_dir)
     if warmup == "all":  # every step shape, with and without logits processing (`serve --warmup all`)
         from qwen35_lib.serve.cli import all_buckets
 
@@ -88,7 +90,7 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_
         assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
     try:
-        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine, text, config, weights)
+        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", loop, engine, text, config, weights, tok_dir)
     finally:
         uv.should_exit = True
         thread.join(30)
