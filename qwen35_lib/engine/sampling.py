@@ -158,10 +158,13 @@ def banned_ids(params: SamplingParams, output: Sequence[int], stop_ids: Sequence
     return banned
 
 
-def grammar_allowed(matcher: Any, output: Sequence[int], stop_ids: Sequence[int]) -> np.ndarray:
-    """The tokens a request's grammar matcher (`engine.structured.Matcher`) allows after `output` (bool [V]); where
-    it allows the EOS ids (the grammar is complete), the request's own stop ids too (vLLM's stop_token_ids)."""
+def grammar_allowed(matcher: Any, output: Sequence[int], stop_ids: Sequence[int]) -> np.ndarray | None:
+    """The tokens a request's grammar matcher (`engine.structured.Matcher`) allows after `output` (bool [V]; None:
+    the grammar has not started, every token); where it allows the EOS ids (the grammar is complete), the request's
+    own stop ids too (vLLM's stop_token_ids)."""
     allowed = matcher.allowed(output)
+    if allowed is None:
+        return None
     eos = list(matcher.vocab.eos_ids)
     if stop_ids and allowed[eos].any():
         allowed = allowed.copy()
@@ -182,9 +185,8 @@ def fill_processing_row(arr: dict, i: int, params: SamplingParams, prompt: Seque
         allowed = np.zeros(V, bool)
         allowed[list(params.allowed_token_ids)] = True
         bias[~allowed] = -np.inf
-    grammar = None
-    if matcher is not None:
-        grammar = grammar_allowed(matcher, output, stop_ids)
+    grammar = None if matcher is None else grammar_allowed(matcher, output, stop_ids)
+    if grammar is not None:
         bias[~grammar] = -np.inf
     banned = banned_ids(params, output, stop_ids)
     if banned and (grammar is None or grammar.sum() > np.count_nonzero(grammar[sorted(banned)])):

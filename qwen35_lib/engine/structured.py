@@ -18,7 +18,9 @@ output so far, so a preemption (the outputs kept and recomputed) leaves it valid
    bad schema or regex is a ValueError here, before the request reaches the engine); llguidance bounds its own work
    per grammar and per step (`LLParserLimits`), and the caller bounds the spec's size;
 3. once the grammar is complete (the matcher is stopped) only the EOS ids are allowed, and the request stops as any
-   request stops on EOS (with `ignore_eos` it goes on sampling EOS up to max_tokens, as vLLM's does).
+   request stops on EOS (with `ignore_eos` it goes on sampling EOS up to max_tokens, as vLLM's does);
+4. `grammar.after(marker)` starts the grammar after the first `marker` (token ids) in the outputs, the tokens before
+   it free (a reasoning model's `</think>`: vLLM constrains only the answer after the reasoning).
 """
 
 from __future__ import annotations
@@ -103,24 +105,58 @@ class Grammar:
     def matcher(self) -> Matcher:
         return Matcher(self._matcher.deep_copy(), self.vocab)
 
+    def after(self, marker: Sequence[int]) -> GrammarAfter:
+        """This grammar applied only to the outputs after the first `marker` (token ids) in them: vLLM's
+        structured outputs under a reasoning parser, which leave the reasoning free and constrain the answer after
+        `</think>`."""
+        return GrammarAfter(self, tuple(int(t) for t in marker))
+
     def __repr__(self) -> str:
         return f"Grammar({self.kind})"
+
+
+class GrammarAfter:
+    """A `Grammar` that starts after a marker in the outputs (`Grammar.after`)."""
+
+    def __init__(self, grammar: Grammar, marker: tuple[int, ...]):
+        if not marker:
+            raise ValueError("a grammar's start marker needs at least one token id")
+        self.grammar, self.marker, self.vocab = grammar, marker, grammar.vocab
+
+    def matcher(self) -> Matcher:
+        return Matcher(self.grammar._matcher.deep_copy(), self.vocab, start_after=self.marker)
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.grammar.kind}, after {list(self.marker)})"
 
 
 class Matcher:
     """One request's grammar state: `allowed(output)` is the bool [vocab_size] mask of the tokens that may follow
     `output` (the request's outputs so far; those not yet consumed are consumed first). Never all false: once the
-    grammar is complete, or a token it refused was forced on it, the EOS ids."""
+    grammar is complete, or a token it refused was forced on it, the EOS ids. With `start_after` (token ids), the
+    grammar starts after the first occurrence of that marker in the outputs; before it, `allowed` is None (free)."""
 
-    def __init__(self, matcher: Any, vocab: GrammarVocabulary):
+    def __init__(self, matcher: Any, vocab: GrammarVocabulary, start_after: tuple[int, ...] | None = None):
         self._m, self.vocab = matcher, vocab
-        self.consumed = 0  # outputs fed to the matcher
+        self.marker = start_after
+        self.start = None if start_after else 0  # where the grammar's output begins (None: the marker not yet seen)
+        self.seen = 0  # outputs searched for the marker
+        self.consumed = 0  # outputs fed to the matcher (from `start`)
         self._mask: np.ndarray | None = None  # the mask after `consumed` outputs
         self._bits = np.zeros(vocab.words, np.int32)
 
-    def allowed(self, output: Sequence[int]) -> np.ndarray:
-        if len(output) < self.consumed:
-            raise ValueError(f"a request's outputs never shrink: {len(output)} after {self.consumed}")
+    def allowed(self, output: Sequence[int]) -> np.ndarray | None:
+        if len(output) < max(self.seen, self.consumed):
+            raise ValueError(f"a request's outputs never shrink: {len(output)} after {max(self.seen, self.consumed)}")
+        if self.start is None:
+            m = self.marker
+            for i in range(max(self.seen, len(m) - 1), len(output)):  # only windows ending in the new outputs
+                if tuple(output[i - len(m) + 1:i + 1]) == m:
+                    self.start = self.consumed = i + 1
+                    break
+            self.seen = len(output)
+            if self.start is None:
+                return None
         if len(output) > self.consumed:
             for t in output[self.consumed:]:
                 if not self._m.is_error():

@@ -204,6 +204,9 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
             spec = structured.parse_spec(body, limits)
             if spec is not None:  # compiled here, on the parse thread: a bad schema is a 400 naming its field
                 grammar = grammars.compile(spec)
+                marker = structured.reasoning_marker(text, parsed.prompts[0]) if parsed.reasoning else None
+                if marker is not None:  # the reasoning is free, the answer after </think> follows the grammar
+                    grammar = grammar.after(marker)
                 parsed.params = [None if sp is None else dataclasses.replace(sp, structured=grammar)
                                  for sp in parsed.params]
             for i, sp in enumerate(parsed.params):  # a choice with nothing to generate: its prompt checked

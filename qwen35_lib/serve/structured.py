@@ -10,6 +10,7 @@ The fields (at most one constraint a request; each refusal a 400 naming its fiel
   `guided_decoding_backend` is accepted as "auto", "guidance" or "llguidance" (the backend this server has).
 A spec's size (its JSON text) is bounded by `Limits.max_grammar_bytes` (--max-grammar-bytes); the compile runs on
 the request's parse thread (off the event loop), llguidance bounding its own work, and its errors name the field.
+Under `--reasoning-parser`, a chat's grammar starts after `</think>` (`reasoning_marker`), as vLLM's does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import threading
 from typing import Any
 
+from qwen35_lib.serve.parsers import END_THINK, THINK
 from qwen35_lib.serve.protocol import APIError, Limits
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -219,6 +221,16 @@ class Grammars:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def reasoning_marker(text: Any, prompt: list[int]) -> tuple[int, ...] | None:
+    """Under a reasoning parser, the token ids after which a grammar starts (`</think>`), or None when the prompt's
+    reasoning is over already (its last `</think>` after its last `<think>`, as a template with thinking off writes
+    it): vLLM's structured outputs leave the reasoning free and constrain the answer."""
+    start, end = (tuple(text.tokenizer.encode(t, add_special_tokens=False).ids) for t in (THINK, END_THINK))
+    last = lambda m: max((i for i in range(len(prompt) - len(m) + 1) if tuple(prompt[i:i + len(m)]) == m),
+                         default=-1)
+    return None if last(end) > last(start) else end
 
 
 def _what(kind: str) -> str:

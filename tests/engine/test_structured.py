@@ -155,3 +155,39 @@ def test_engine_outputs_follow_the_grammar_and_leave_the_rest_of_the_batch_alone
     assert body(results[2]) in ("no", "maybe")
     with pytest.raises(TypeError, match="structured must be None or a compiled grammar"):
         SamplingParams(structured="{}")
+
+
+def test_a_grammar_after_a_marker_leaves_the_outputs_before_it_free(vocab, text):
+    g = structured.compile_grammar(vocab, "choice", ["yes", "no"])
+    marker = tuple(_ids(text, "</t>"))
+    m = g.after(marker).matcher()
+    free = _ids(text, "hm </t")  # the marker not yet whole: no constraint
+    assert m.allowed(free) is None and m.allowed(free + _ids(text, "x")) is None
+    out = free + _ids(text, "x</t>")
+    assert sorted(np.flatnonzero(m.allowed(out))) == sorted({_ids(text, "y")[0], _ids(text, "n")[0]})
+    assert np.flatnonzero(m.allowed(out + _ids(text, "no"))).tolist() == list(vocab.eos_ids)
+    split = g.after(marker).matcher()  # the marker arriving one token a step
+    seen = []
+    for t in _ids(text, "a</t>"):
+        seen.append(t)
+        assert split.allowed(seen) is None or seen == _ids(text, "a</t>")
+    assert split.allowed(seen) is not None and split.start == len(seen)
+    with pytest.raises(ValueError, match="at least one token"):
+        g.after(())
+
+
+def test_the_engine_applies_a_grammar_only_after_its_marker(vocab, text):
+    cfg = get_config("qwen3.5-tiny", dtype="float32")
+    w = init_weights(cfg, 0)
+    ec = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, page_size=8, max_model_len=64)
+    engine = Engine(cfg, w, ec)
+    engine.decode_buckets = (8,)
+    prompt = _ids(text, "think: ")
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].output_ids
+    k = 2  # the free output's third token is the marker: the grammar starts after its first occurrence
+    k = free.index(free[k])
+    g = structured.compile_grammar(vocab, "choice", ["no", "maybe"]).after((free[k],))
+    p = SamplingParams(max_new_tokens=20, structured=g)
+    out = engine.generate([prompt], p)[0].output_ids
+    assert out[:k + 1] == free[:k + 1] and text.decode(out[k + 1:-1]) in ("no", "maybe"), (free, out)
+    assert out == reference_decode(cfg, w, prompt, p, p.max_new_tokens)

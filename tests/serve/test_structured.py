@@ -153,3 +153,38 @@ def test_the_compiled_grammar_is_cached_by_spec(server):
     grammars.compile(spec("b+"))
     grammars.compile(spec("c+"))  # the oldest dropped
     assert grammars.compile(spec("a+")) is not a
+
+
+# --- under a reasoning parser: the reasoning free, the answer after </think> constrained (as vLLM) -------------------
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    from tests import serve_support
+
+    with serve_support.running(tmp_path_factory.mktemp("tok"), Limits(max_model_len=128,
+                                                                      reasoning_parser="qwen3")) as s:
+        yield s
+
+
+def test_under_a_reasoning_parser_the_grammar_starts_after_the_reasoning(thinking):
+    s = thinking
+    choice = {"guided_choice": ["no", "maybe"]}
+    ask = [{"role": "user", "content": "pick"}]
+    assert structured.reasoning_marker(s.text, s.text.encode_chat(ask)) == tuple(s.text.encode("</think>"))
+    r = post(s, {"messages": ask, "max_tokens": 12, "temperature": 0} | choice, chat=True)
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    prompt = s.text.encode_chat(ask)
+    assert ids == s.alone(prompt, 12, ignore_eos=False)  # no </think> yet: every token free
+    assert ids == s.alone(prompt, 12, ignore_eos=False,
+                          structured=grammar_of(s, choice).after(structured.reasoning_marker(s.text, prompt)))
+    # a prompt whose reasoning is over (the template closed it): the grammar from the first token
+    done = ask + [{"role": "assistant", "content": "<think>hm</think>"}]
+    prompt = s.text.encode_chat(done, add_generation_prompt=False)
+    prompt = prompt[:len(s.text.encode_chat(done[:1])) + len(s.text.encode("<think>hm</think>"))]
+    assert structured.reasoning_marker(s.text, prompt) is None
+    r = post(s, {"messages": done, "continue_final_message": True, "add_generation_prompt": False,
+                 "max_tokens": 12, "temperature": 0} | choice, chat=True)
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    assert body_text(s, ids) in ("no", "maybe")
+    assert ids == s.alone(prompt, 12, ignore_eos=False, structured=grammar_of(s, choice))
