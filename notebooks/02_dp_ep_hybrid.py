@@ -408,6 +408,133 @@ print(f"{engine.ec.ranks} ranks, engine steps {engine.stats.steps}, "
 for n, tokens in first.items():
     assert tokens == expected[:n].tolist(), (n, tokens)
 
+# %% [markdown]
+# ## 5. Which layout wins, by concurrency
+#
+# Everything so far was told at 512 concurrent requests. Production does not serve every load one way: tpu-inference's
+# Qwen3.5 sweep runs attention tensor-parallel (`TP8_EP`: the 2 KV heads duplicated, experts over all 8 devices) at
+# 4 and 8 requests, `DP4TP2_EP` at 16 and 32, and `DP8_EP` from 64 on 8k/1k (its `SHARDING_TABLE`, PRs #3079 and
+# #3116). Why would the layout this chapter built lose at low load?
+#
+# <details><summary><b>Pop quiz.</b> At 4 concurrent decodes, how many times more bytes of attention and GDN weights
+# does `dp8_ep8` read per step than `tp8_ep8`? And at 512, how many times more KV bytes does `tp8_ep8` read?</summary>
+#
+# About 8x: each of the 8 data-parallel devices reads its own whole copy of the dense weights, for only the one or
+# two requests it holds, where tensor parallelism reads one copy split 8 ways. About 4x the other way: tensor
+# parallelism gives each device one of the 2 KV heads of every request (each head is read by 4 devices), data
+# parallelism both heads of an eighth of them.
+# </details>
+#
+# **Predict.** At low concurrency the step is all weight reads, and `dp8_ep8` pays them 8 times over: tensor
+# parallelism should win. As concurrency grows, weights are read once for more tokens, while tensor parallelism's
+# duplicated KV reads and its per-layer all-reduces of activations grow with the tokens: the margin should shrink.
+#
+# **Compute.** `costmodel.choice.table` prices every layout at each concurrency (`python -m qwen35_lib.costmodel
+# layouts`), here as tpu-inference's engine runs them (the engine the published table was measured on; Pallas
+# kernels); `layout_mechanisms` splits a layout's milliseconds per 1,000 tokens by the mechanism that separates them.
+
+# %%
+import matplotlib.pyplot as plt
+
+from qwen35_lib.costmodel import choice
+
+lay_table = choice.table(isl=8192, osl=1024, kernels="pallas", engine="tpu-inference")
+print(choice.format_table(lay_table))
+picked = {row["concurrency"]: row["picked"] for row in lay_table["rows"]}
+tput = {row["concurrency"]: {c["layout"]: c["total_tokens_per_s"] for c in row["candidates"] if c["fits"]}
+        for row in lay_table["rows"]}
+lay_costs = {c: choice.layout_mechanisms(concurrency=c) for c in (4, 512)}
+for c, rows in lay_costs.items():
+    print(f"c{c}: ms per 1,000 tokens")
+    for layout, parts in rows.items():
+        print(f"  {layout:<12} " + "  ".join(f"{k} {v:6.2f}" for k, v in parts.items()))
+
+# %% [markdown]
+# Beside it, the published table: the layout tpu-inference's sweep serves at each point and the total tokens/s its
+# PR reports (data/published.json, judging data: no prediction reads it).
+
+# %%
+published_table = data_files.read_json("published.json")["sharding_table"]
+presets = published_table["presets"]
+pub = [r for r in published_table["rows"] if (r["isl"], r["osl"]) == (8192, 1024)]
+print(f"{'conc':>5} {'published':<10} {'as named here':<13} {'published tok/s':>15}  {'model picks':<12} "
+      f"{'model tok/s (that preset)':>25}")
+for r in pub:
+    c, lay = r["concurrency"], presets[r["sharding"]]
+    print(f"{c:>5} {r['sharding']:<10} {lay:<13} {r['total_tokens_per_s']:>15,.0f}  {picked[c]:<12} "
+          f"{tput[c][lay]:>25,.0f}")
+
+# figure: layouts_by_concurrency
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+concs = [row["concurrency"] for row in lay_table["rows"]]
+for layout in lay_table["layouts"]:
+    ax.plot(concs, [tput[c].get(layout, float("nan")) for c in concs], "o-", ms=3, label=f"{layout} (model)")
+ax.scatter([r["concurrency"] for r in pub], [r["total_tokens_per_s"] for r in pub], marker="s", color="black",
+           zorder=3, label="published (its preset)")
+for r in pub:
+    ax.annotate(r["sharding"], (r["concurrency"], r["total_tokens_per_s"]), textcoords="offset points",
+                xytext=(4, -10), fontsize=7)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("concurrent requests (8k/1k)")
+ax.set_ylabel("total tokens/s (TPU7x-8)")
+ax.set_title("Each layout priced over concurrency, as tpu-inference runs it")
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Check.** The claims below hold the reasons, not the numbers: which layout wins at the low end, what each pays
+# for, and where the model's pick and the published table part.
+
+# %%
+tp_layouts = ("tp8_kvrep", "tp8_ep8")
+low, high = lay_costs[4], lay_costs[512]
+notebook.claim("layouts_tp_at_c4", "at 4 concurrent requests the model serves {pick}, a layout with attention "
+               "split by head", picked[4] in tp_layouts, "pick in (tp8_kvrep, tp8_ep8)", pick=picked[4])
+notebook.claim_greater("layouts_dense_weights_c4", "at 4 requests dp8_ep8 spends {dp:.0f} ms per 1,000 tokens "
+                       "reading the dense weights, more than 4x tp8_ep8's {tp:.0f} (every rank reads its whole copy)",
+                       factor=4.0, dp=low["dp8_ep8"]["dense weights"], tp=low["tp8_ep8"]["dense weights"])
+notebook.claim_greater("layouts_kv_c512", "at 512 requests tp8_ep8 spends {tp:.2f} ms per 1,000 tokens reading KV "
+                       "heads, more than twice dp8_ep8's {dp:.2f} (each of the 2 heads is read on 4 devices)",
+                       factor=2.0, tp=high["tp8_ep8"]["KV reads"], dp=high["dp8_ep8"]["KV reads"])
+notebook.claim_greater("layouts_collectives_c512", "and its activation all-reduces, {tp:.2f} ms per 1,000 tokens, "
+                       "cost more than dp8_ep8's all-gathers and reduce-scatters ({dp:.2f})",
+                       tp=high["tp8_ep8"]["collectives"], dp=high["dp8_ep8"]["collectives"])
+r4, r512 = tput[4]["tp8_ep8"] / tput[4]["dp8_ep8"], tput[512]["tp8_ep8"] / tput[512]["dp8_ep8"]
+notebook.claim("layouts_margin_falls", "tp8_ep8's throughput over dp8_ep8's falls from x{r4:.2f} at 4 requests to "
+               "x{r512:.2f} at 512", r4 > r512 and r4 > 2, "r4 > r512 and r4 > 2", r4=r4, r512=r512)
+notebook.claim("layouts_agree_low", "at 4 and 8 requests the model's pick splits attention by head, as the "
+               "published TP8_EP does", all(picked[c] in tp_layouts for c in (4, 8)),
+               "picks at c4 and c8 in (tp8_kvrep, tp8_ep8)")
+apart = [r for r in pub if r["concurrency"] >= 16 and picked[r["concurrency"]] != presets[r["sharding"]]]
+notebook.claim("layouts_disagree_high", "from 16 to 256 requests the model's pick differs from the published preset "
+               "at {n} of {m} points ({which}): it never picks dp8_ep8", bool(apart) and "dp8_ep8" not in
+               picked.values(), "some pick differs from the preset at c16-c256, and dp8_ep8 is never picked",
+               n=len(apart), m=sum(r["concurrency"] >= 16 for r in pub),
+               which=", ".join(f"c{r['concurrency']} {picked[r['concurrency']]}" for r in apart))
+at_preset = [tput[r["concurrency"]][presets[r["sharding"]]] / r["total_tokens_per_s"] for r in pub
+             if r["concurrency"] >= 16]
+notebook.claim("layouts_presets_within_25", "priced under the published preset, every point from 16 to 256 "
+               "requests is within 25% of what tpu-inference measured (x{lo:.2f} to x{hi:.2f})",
+               all(0.75 <= x <= 1.25 for x in at_preset), "0.75 <= model / published <= 1.25 at c16-c256",
+               lo=min(at_preset), hi=max(at_preset))
+tp4 = next(r for r in pub if r["concurrency"] == 4)
+notebook.claim_greater("layouts_c4_optimistic", "at 4 requests the model prices tp8_ep8 at {model:,.0f} tokens/s, "
+                       "more than 1.25x the {published:,.0f} #3116 measured: outside 25%", factor=1.25,
+                       model=tput[4]["tp8_ep8"], published=tp4["total_tokens_per_s"])
+this_c4 = choice.choose(isl=8192, osl=1024, concurrency=4, kernels="pallas", roofline=False)["layout_choice"]
+notebook.claim("layouts_this_engine_c4", "priced as this library's engine, the c4 pick is {pick} too",
+               this_c4["picked"] in tp_layouts, "pick in (tp8_kvrep, tp8_ep8)", pick=this_c4["picked"])
+notebook.save_results("layouts", dict(table=lay_table, mechanisms=lay_costs, published=pub,
+                                      picked={str(c): v for c, v in picked.items()}))
+
+# %% [markdown]
+# <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
+# <b>Takeaway.</b> A layout is a price per load: at a few requests the step is weight reads and data parallelism
+# pays them once per rank; at hundreds the duplicated KV heads and the activation all-reduces of tensor parallelism
+# are what grow.
+# </div>
+
 # %%
 # Record the numbers for the playbook's results.json (only when the builder asks: $QWEN35_RESULTS_DIR).
 record = dict(placement_397b=dict(weight_bytes=p.weight_bytes_per_device, kv_bytes=p.kv_bytes_per_device,

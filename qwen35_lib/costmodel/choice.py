@@ -115,6 +115,38 @@ def table(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tp
     return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, engine=engine, layouts=list(layouts), rows=rows)
 
 
+# the step's components by the mechanism that separates the layouts (`layout_mechanisms`)
+MECHANISMS = {
+    "dense weights": ("attn_proj", "gdn_proj", "shared_expert", "embed_lm_head", "router"),  # copied per DP rank
+    "KV reads": ("attn_core",),  # tensor parallelism duplicates the 2 KV heads
+    "GDN state": ("gdn_core",),
+    "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+    "routed experts": ("routed_experts", "moe_rows", "permute", "onehot_permute"),
+}
+
+
+def layout_mechanisms(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
+                      osl: int = 1024, concurrency: int = 4, *, kernels: str | None = "pallas",
+                      layouts: tuple[str, ...] = CANDIDATES, engine: str = "tpu-inference", **kwargs: Any
+                      ) -> dict[str, dict[str, float]]:
+    """{layout: {mechanism: ms per 1,000 tokens served}} at one concurrency (`predict` of each candidate plan, no
+    band, no roofline): each `MECHANISMS` group of the step's components, "other" (host, norms, ...), and "total"
+    (one over the throughput). Why a layout wins: the dense weights every data-parallel rank reads whole, the KV
+    heads tensor parallelism duplicates, the collectives each layout runs."""
+    out = {}
+    for plan in candidates(kernels=kernels, layouts=layouts, engine=engine):
+        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False, **kwargs)
+        if not r["fits"]:
+            continue
+        per_1k = 1e6 / r["total_tokens_per_s"]  # ms per 1,000 tokens: the whole step's share
+        frac = r["breakdown_fraction"]
+        row = {m: per_1k * sum(frac.get(k, 0.0) for k in ks) for m, ks in MECHANISMS.items()}
+        row["other"] = per_1k - sum(row.values())
+        row["total"] = per_1k
+        out[plan.layout] = row
+    return out
+
+
 def format_table(t: dict) -> str:
     """The table as text: a row per concurrency, per layout total tokens/s and median TPOT (* the pick), then the
     pick, the runner-up and the margin."""
@@ -138,4 +170,5 @@ def format_table(t: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CANDIDATES", "CONCURRENCIES", "ENGINES", "candidates", "choose", "format_table", "rank", "table"]
+__all__ = ["CANDIDATES", "CONCURRENCIES", "ENGINES", "MECHANISMS", "candidates", "choose", "format_table",
+           "layout_mechanisms", "rank", "table"]

@@ -79,3 +79,15 @@ def test_the_published_dp4tp2_row_is_predicted_as_its_layout():
     assert (row["isl"], row["osl"], row["concurrency"]) == (8192, 1024, 32)
     assert row["ratio"] == pytest.approx(row["predicted_total_tokens_per_s"] / row["measured_total_tokens_per_s"])
     assert 0 < row["ratio"] < 10 and 0 < row["tpot_ratio"] < 10
+
+
+def test_layout_mechanisms_split_each_layouts_time_per_token():
+    """`choice.layout_mechanisms` (notebook 02's layouts section): each layout's ms per 1,000 tokens split by the
+    mechanism that separates the layouts, the parts adding up to one over the throughput; at 4 requests every
+    data-parallel rank reads its own copy of the dense weights, so dp8_ep8 spends more on them than tp8_ep8."""
+    rows = choice.layout_mechanisms(concurrency=4, layouts=("tp8_ep8", "dp8_ep8"))
+    assert set(rows) == {"tp8_ep8", "dp8_ep8"}
+    for parts in rows.values():
+        assert set(parts) == {*choice.MECHANISMS, "other", "total"}
+        assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"])
+    assert rows["dp8_ep8"]["dense weights"] > rows["tp8_ep8"]["dense weights"]
