@@ -312,8 +312,8 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
                 plp = scoring.prompt_logprobs(text, prompt, scores[i], parsed.prompt_logprobs)
             finish, reason = run.finish[i]
             content, message = _message(parsed, body) if chat else (body, None)
-            if message and message.get("tool_calls"):
-                finish = "tool_calls"
+            if message and message.get("tool_calls") and (parsed.forced_tool in (None, "required")):
+                finish = "tool_calls"  # vLLM: auto and required calls end so; a named function's answer ends "stop"
             choices.append(protocol.choice(i, chat, content, o.ids, finish, reason, logprobs=lp,
                                            prompt_logprobs=None if chat else plp, message=message))
         use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
@@ -336,6 +336,9 @@ def _message(parsed: protocol.Parsed, text: str) -> tuple[str | None, dict]:
             extra["reasoning_content"] = extra["reasoning"] = reasoning
     if parsed.tools:
         content, calls = parsers.split_tool_calls(content or "")
+        extra["tool_calls"] = calls
+    elif parsed.forced_tool is not None:  # the answer is the calls' JSON (structured outputs: `tool_schema`)
+        content, calls = structured.forced_tool_calls(content, parsed.forced_tool)
         extra["tool_calls"] = calls
     return content, extra
 

@@ -63,6 +63,13 @@ class ReasoningStream:
         return r, c
 
 
+def tool_call(name: str, arguments) -> dict:
+    """One tool call in the OpenAI shape (`arguments` as a JSON string)."""
+    return dict(id=f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", type="function",
+                function=dict(name=name, arguments=arguments if isinstance(arguments, str) else
+                              json.dumps(arguments, ensure_ascii=False)))
+
+
 def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls in the OpenAI shape) of a whole answer."""
     calls = []
@@ -73,10 +80,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
             continue
         if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
             continue
-        args = doc.get("arguments", doc.get("parameters", {}))
-        calls.append(dict(id=f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", type="function",
-                          function=dict(name=doc["name"], arguments=args if isinstance(args, str) else
-                                        json.dumps(args, ensure_ascii=False))))
+        calls.append(tool_call(doc["name"], doc.get("arguments", doc.get("parameters", {}))))
     if not calls:
         return text, []
     content = text[:text.index("<tool_call>")]

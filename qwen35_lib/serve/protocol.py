@@ -101,6 +101,7 @@ class Parsed:
     reasoning: bool = False  # split the reasoning from the content (chat, --reasoning-parser)
     include_reasoning: bool = True  # vLLM's include_reasoning: false drops the reasoning
     tools: bool = False  # parse tool calls from the content (chat with `tools`, --tool-call-parser)
+    forced_tool: str | None = None  # tool_choice "required", or the named function's name: the answer is the calls
 
     @property
     def scored(self) -> bool:
@@ -469,7 +470,7 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
         logprobs = _count(body, "logprobs", limits)
         echo = get(body, "echo", (bool,), False)
     prompt_logprobs = _count(body, "prompt_logprobs", limits)
-    tools = _tools(body, limits, stream) if chat else False
+    tools, forced_tool = _tools(body, limits, stream) if chat else (False, None)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and stream:
             raise APIError(f"`{name}` with `stream`: true is not supported by this server; send stream: false",
@@ -542,35 +543,49 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     reasoning = chat and limits.reasoning_parser is not None
     include_reasoning = get(body, "include_reasoning", (bool,), True) if chat else True
     return Parsed(prompts, params, stream, include_usage, chat, stop, include_stop, skip, rid, n, logprobs, echo,
-                  prompt_logprobs, stop_ids, reasoning, include_reasoning, tools)
+                  prompt_logprobs, stop_ids, reasoning, include_reasoning, tools, forced_tool)
 
 
-def _tools(body: dict, limits: Limits, stream: bool) -> bool:
-    """Whether a chat request's tool calls are parsed: `tools` (function definitions) with `tool_choice` auto (the
-    default with tools) on a server with a tool-call parser; none: the tools only reach the template."""
+def _tools(body: dict, limits: Limits, stream: bool) -> tuple[bool, str | None]:
+    """(whether a chat request's tool calls are parsed from its answer, the forced tool choice): `tools` (function
+    definitions) with `tool_choice` auto (the default with tools) on a server with a tool-call parser; "required" or
+    a named function ({"type": "function", "function": {"name"}}), as vLLM, by structured outputs (the answer is
+    the calls' JSON: `serve.structured.tool_schema`), no parser needed; none: the tools only reach the template."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools in (None, []):
         if choice not in (None, "none"):
             raise APIError("`tool_choice` needs `tools`", "tool_choice")
-        return False
+        return False, None
     if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
                                               and isinstance(t.get("function"), dict)
                                               and isinstance(t["function"].get("name"), str) for t in tools):
         raise APIError("`tools` must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
                        "tools")
     if choice == "none":
-        return False
-    if choice not in (None, "auto"):
-        raise APIError("`tool_choice` other than \"auto\" or \"none\" (\"required\", or a named function) is not "
-                       "supported by this server; send \"auto\"", "tool_choice")
-    if limits.tool_call_parser is None:
+        return False, None
+    forced = None
+    if choice == "required":
+        forced = "required"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError("a named `tool_choice` is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           "tool_choice")
+        if name not in [t["function"]["name"] for t in tools]:
+            raise APIError(f"`tool_choice` names the function {name[:60]!r}, which is not in `tools`", "tool_choice")
+        forced = name
+    elif choice not in (None, "auto"):
+        raise APIError("`tool_choice` must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", "tool_choice")
+    elif limits.tool_call_parser is None:
         raise APIError("`tools` with tool_choice \"auto\" need the server started with --enable-auto-tool-choice "
                        "--tool-call-parser hermes (as vLLM)", "tools")
     if stream:
         raise APIError("`tools` with `stream`: true are not supported by this server (tool calls are parsed from "
                        "the whole answer); send stream: false", "tools")
-    return True
+    return forced is None, forced
 
 
 def _param_of(message: str) -> str | None:

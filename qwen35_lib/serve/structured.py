@@ -69,6 +69,9 @@ def parse_spec(body: dict, limits: Limits) -> Spec | None:
         v = body.get(name)
         if v is not None:
             found.append(Spec(name, kind, _checked(name, kind, v), whitespace_pattern=ws))
+    choice = body.get("tool_choice")
+    if choice == "required" or isinstance(choice, dict):  # checked by protocol._tools: the tools are functions
+        found.append(Spec("tool_choice", "json", tool_schema(body["tools"], choice)))
     if len(found) > 1:
         raise APIError(f"`{found[1].param}`: a request takes one structured-output constraint, and this one also has "
                        f"`{found[0].param}`; send one", found[1].param)
@@ -161,6 +164,52 @@ def _checked(name: str, kind: str, v: Any) -> Any:
     if not isinstance(v, str) or not v:
         raise APIError(f"`{name}`: the {kind} must be a non-empty string", name)
     return v
+
+
+def tool_schema(tools: list[dict], choice: str | dict) -> Any:
+    """The JSON schema a forced tool choice constrains the answer to, as vLLM writes it: a named function's
+    `parameters`; for "required", a non-empty array of {"name": one of the tools, "parameters": its parameters},
+    the functions' `$defs` gathered at the top (one name defined twice differently: a 400)."""
+    def params(t: dict) -> Any:
+        p = t["function"].get("parameters")
+        return p if p else {"type": "object", "properties": {}}
+    if isinstance(choice, dict):
+        return next(params(t) for t in tools if t["function"]["name"] == choice["function"]["name"])
+    items = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": params(t)},
+              "required": ["name", "parameters"]} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    defs: dict[str, Any] = {}
+    for t in tools:
+        for k, v in (params(t).get("$defs") or {}).items() if isinstance(params(t), dict) else ():
+            if k in defs and defs[k] != v:
+                raise APIError(f"`tools` define `$defs.{k[:40]}` twice, differently; rename one", "tools")
+            defs[k] = v
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def forced_tool_calls(content: str | None, forced: str) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of an answer constrained by a forced tool choice (`tool_schema`): for a named function
+    the answer is its arguments; for "required", the JSON array of {"name", "parameters"}. The JSON value is read
+    from the start of the answer (text after it, such as an EOS token's text under skip_special_tokens=false, is
+    not part of it). A "required" answer that is not the JSON its grammar asked for (cut by max_tokens) stays
+    content, with no calls; a named function's whole answer is then its arguments, as vLLM returns them."""
+    from qwen35_lib.serve.parsers import tool_call
+
+    text = content or ""
+    try:
+        calls, end = json.JSONDecoder().raw_decode(text.lstrip())
+        value = text.lstrip()[:end]
+    except ValueError:
+        calls, value = None, None
+    if forced != "required":
+        return "", [tool_call(forced, text if value is None else value)]
+    if value is None:
+        return content, []
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return content, []
+    return "", [tool_call(c["name"], c.get("parameters", {})) for c in calls]
 
 
 def _no_additional_properties(schema: Any) -> Any:

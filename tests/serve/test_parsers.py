@@ -70,7 +70,8 @@ def test_reasoning_and_tool_calls_split_as_the_definition(server):
     # tool_choice none: no parsing; include_reasoning false: no reasoning
     m = _post(server, {"tools": TOOLS, "tool_choice": "none", "include_reasoning": False}).json()["choices"][0]
     assert m["message"]["content"] == rest and "reasoning_content" not in m["message"]
-    for body, param in (({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    for body, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                         "tool_choice"), ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
                         ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice")):
         r = _post(server, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

@@ -188,3 +188,56 @@ def test_under_a_reasoning_parser_the_grammar_starts_after_the_reasoning(thinkin
     ids = r.json()["choices"][0]["token_ids"]
     assert body_text(s, ids) in ("no", "maybe")
     assert ids == s.alone(prompt, 12, ignore_eos=False, structured=grammar_of(s, choice))
+
+
+# --- tool_choice "required" or a named function: the answer is the calls' JSON (as vLLM) --------------------------
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+             "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "time"}}]
+
+
+def test_a_forced_tool_choice_answers_with_calls_that_follow_the_tools(server):
+    ask = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "max_tokens": 90, "seed": 2}
+    prompt = server.text.encode_chat(ask["messages"], tools=TOOLS)
+    named = ask | {"tool_choice": {"type": "function", "function": {"name": "weather"}}}
+    r = post(server, named, chat=True)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["message"]["content"] == ""  # vLLM: a named call ends "stop"
+    [call] = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather" and call["type"] == "function"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+    assert c["token_ids"] == server.alone(prompt, 90, ignore_eos=False, temperature=1.0, seed=2,
+                                          structured=grammar_of(server, named))
+    required = ask | {"tool_choice": "required", "seed": 6}  # a seed whose sampled whitespace ends within 90
+    r = post(server, required, chat=True)
+    c = r.json()["choices"][0]
+    assert c["token_ids"] == server.alone(prompt, 90, ignore_eos=False, temperature=1.0, seed=6,
+                                          structured=grammar_of(server, required))
+    calls = json.loads(body_text(server, c["token_ids"]))
+    jsonschema.validate(calls, structured.tool_schema(TOOLS, "required"))
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == ""
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] \
+        == [(x["name"], x["parameters"]) for x in calls]
+    for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in `tools`"),
+                       ({"tool_choice": "required", "stream": True}, "stream"),
+                       ({"tool_choice": "required", "guided_regex": "a"}, "one structured-output constraint")):
+        r = post(server, ask | bad, chat=True)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_tool_schemas():
+    assert structured.tool_schema(TOOLS, {"type": "function", "function": {"name": "time"}}) == \
+        {"type": "object", "properties": {}}
+    defs = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "$defs": {"a": d}}}}
+            for n, d in (("f", {"type": "string"}), ("g", {"type": "string"}))]
+    assert structured.tool_schema(defs, "required")["$defs"] == {"a": {"type": "string"}}
+    defs[1]["function"]["parameters"]["$defs"]["a"] = {"type": "integer"}
+    with pytest.raises(APIError, match="twice"):
+        structured.tool_schema(defs, "required")
+    assert structured.forced_tool_calls("[1", "required") == ("[1", [])
+    assert structured.forced_tool_calls('{"x"', "f")[1][0]["function"]["arguments"] == '{"x"'  # cut: as it is
+    assert structured.forced_tool_calls(' [{"name": "f", "parameters": {}}]\x04', "required")[1][0]["function"] \
+        == {"name": "f", "arguments": "{}"}
+    assert structured.forced_tool_calls('{"x": 1}', "f")[1][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
