@@ -483,6 +483,25 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# **Explore.** Where each layout's time goes at any concurrency: move the slider (the widget needs a live kernel; the
+# bars printed above it are the same view at 64 requests). `choice.layout_mechanisms` is the function behind both.
+
+# %%
+from IPython.display import display
+
+from qwen35_lib.viz import costmodel as viz_cm
+
+view_text, view_fig = viz_cm.layouts_view(concurrency=64)
+print(view_text)
+display(view_fig)
+try:
+    import ipywidgets  # noqa: F401
+
+    display(viz_cm.layouts_explorer())
+except ImportError:
+    print("ipywidgets not installed: call viz_cm.layouts_view(concurrency=...) directly")
+
+# %% [markdown]
 # **Check.** The claims below hold the reasons, not the numbers: which layout wins at the low end, what each pays
 # for, and where the model's pick and the published table part.
 

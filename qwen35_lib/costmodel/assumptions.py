@@ -91,7 +91,7 @@ def admit_lag(m: Mechanisms) -> int:
     (2 with async scheduling's batch queue of 2, 1 without) plus `request_path_steps`; 0 with `admission_lag` off."""
     if not m.admission_lag:
         return 0
-    return (2 if m.async_scheduling else 1) + m.request_path_steps
+    return (2 if m.async_scheduling else 1) + int(round(m.request_path_steps))  # whole steps (a slider's value)
 
 
 def _field_value(name: str, v):

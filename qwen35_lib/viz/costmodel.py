@@ -3,6 +3,8 @@
 Every plot takes the dicts that `qwen35_lib.costmodel` returns (`ladder` rows, `validate` rows), so it runs headless
 and in tests. `explorer()` wraps `explore()` and `explore_ladder()` (pure functions: choices and assumption values
 in, (text, Figure) out) in ipywidgets, with a slider per labelled assumption (`range_assumptions()`).
+`layouts_view()` / `layouts_explorer()` (notebook 02): every layout's time per token by mechanism at one concurrency
+(`costmodel.choice.layout_mechanisms`), and a concurrency slider over it.
 """
 
 from __future__ import annotations
@@ -245,3 +247,64 @@ def _ladder_view(choice: dict, values: dict) -> tuple[str, Figure]:
     rows, fig = explore_ladder(choice["model"], choice["hardware"], choice["concurrency"], choice["isl"],
                                choice["osl"], values)
     return ladder_text(rows), fig
+
+
+LAYOUT_CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def layouts_view(concurrency: int = 64, isl: int = 8192, osl: int = 1024, engine: str = "tpu-inference",
+                 kernels: str = "pallas") -> tuple[str, Figure]:
+    """Every layout at one concurrency as (text, figure): stacked bars of its ms per 1,000 tokens by mechanism
+    (`choice.layout_mechanisms`: dense weights, KV reads, GDN state, collectives, routed experts, other), the
+    shortest bar the layout `predict --layout auto` serves."""
+    from qwen35_lib.costmodel.choice import MECHANISMS, layout_mechanisms
+
+    rows = layout_mechanisms(isl=isl, osl=osl, concurrency=concurrency, kernels=kernels, engine=engine)
+    best = min(rows, key=lambda k: rows[k]["total"])
+    text = f"c{concurrency}, {isl}/{osl}, priced as {engine} engine: ms per 1,000 tokens (served: {best})\n" + \
+        "\n".join(f"  {lay:<12} total {parts['total']:8.2f}  " + "  ".join(f"{k} {parts[k]:.2f}" for k in parts
+                                                                        if k != "total") for lay, parts in rows.items())
+    fig = Figure(figsize=(6.4, 3), layout="constrained")
+    ax = fig.subplots()
+    names = list(rows)
+    left = np.zeros(len(names))
+    for color, part in zip(COLORS, [*MECHANISMS, "other"]):
+        vals = np.array([rows[n][part] for n in names])
+        ax.barh(names, vals, left=left, color=color, label=part)
+        left += vals
+    ax.set_xlabel("ms per 1,000 tokens (whole slice)")
+    ax.set_title(f"where each layout's time goes at {concurrency} requests ({isl}/{osl})")
+    ax.legend(fontsize=7, loc="lower right")
+    return text, fig
+
+
+def layouts_explorer(isl: int = 8192, osl: int = 1024):
+    """ipywidgets: a concurrency slider (c1 ... c512), the workload's lengths and whose engine prices it ->
+    `layouts_view`."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    from qwen35_lib.costmodel.choice import ENGINES
+
+    controls = dict(concurrency=w.SelectionSlider(options=list(LAYOUT_CONCURRENCIES), value=64,
+                                                  description="concurrency", continuous_update=False),
+                    isl=w.IntText(value=isl, description="input len"),
+                    osl=w.IntText(value=osl, description="output len"),
+                    engine=w.Dropdown(options=list(ENGINES), value="tpu-inference", description="engine"))
+    out = w.Output()
+
+    def update(_=None):
+        out.clear_output(wait=True)
+        with out:
+            try:
+                text, fig = layouts_view(**{k: c.value for k, c in controls.items()})
+            except ValueError as e:
+                text, fig = f"error: {e}", None
+            print(text)
+            if fig is not None:
+                display(fig)
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    return w.VBox([w.HBox(list(controls.values())[:2]), w.HBox(list(controls.values())[2:]), out])

@@ -50,3 +50,16 @@ def test_costmodel_explorer_has_a_slider_per_assumption():
     for name, r in viz_cm.range_assumptions().items():
         assert (widgets[name].min, widgets[name].value, widgets[name].max) == (r["low"], r["value"], r["high"])
     widgets["collective_overlap"].value = 0.5  # re-predicts without error
+
+
+def test_layouts_view_draws_each_layouts_mechanisms_headless():
+    """notebook 02's layouts view: a stacked bar a layout, its text naming the layout served (the shortest bar)."""
+    text, fig = viz_cm.layouts_view(concurrency=4)
+    assert "served: tp8_" in text and len(fig.axes) == 1
+    assert len(fig.axes[0].patches) == 4 * 6  # 4 layouts x (5 mechanisms + other)
+
+
+def test_layouts_explorer_has_a_concurrency_slider():
+    box = viz_cm.layouts_explorer()
+    sliders = [c for row in box.children[:2] for c in row.children if hasattr(c, "options")]
+    assert any(list(s.options)[:3] == [1, 2, 4] for s in sliders)
