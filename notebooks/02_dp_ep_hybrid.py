@@ -534,9 +534,15 @@ notebook.claim("layouts_disagree_high", "from 16 to 256 requests the model's pic
 at_preset = [tput[r["concurrency"]][presets[r["sharding"]]] / r["total_tokens_per_s"] for r in pub
              if r["concurrency"] >= 16]
 notebook.claim("layouts_presets_within_25", "priced under the published preset, every point from 16 to 256 "
-               "requests is within 25% of what tpu-inference measured (x{lo:.2f} to x{hi:.2f})",
+               "requests is within 25% of what #3079 measured after its changes (x{lo:.2f} to x{hi:.2f})",
                all(0.75 <= x <= 1.25 for x in at_preset), "0.75 <= model / published <= 1.25 at c16-c256",
                lo=min(at_preset), hi=max(at_preset))
+from qwen35_lib.costmodel import validate
+
+early = [r["ratio"] for r in validate.layout_points() if (r["isl"], r["osl"]) == (8192, 1024)]
+notebook.claim("layouts_3050_off", "#3050's earlier DP4TP2_EP runs at 4 to 32 requests, before #3079's changes, are "
+               "priced x{lo:.2f} to x{hi:.2f} what they measured: outside 25%", min(early) > 1.25,
+               "model / published > 1.25 at every #3050 DP4TP2_EP 8k/1k point", lo=min(early), hi=max(early))
 tp4 = next(r for r in pub if r["concurrency"] == 4)
 notebook.claim_greater("layouts_c4_optimistic", "at 4 requests the model prices tp8_ep8 at {model:,.0f} tokens/s, "
                        "more than 1.25x the {published:,.0f} #3116 measured: outside 25%", factor=1.25,
