@@ -441,6 +441,7 @@ from qwen35_lib.costmodel import choice
 lay_table = choice.table(isl=8192, osl=1024, kernels="pallas", engine="tpu-inference")
 print(choice.format_table(lay_table))
 picked = {row["concurrency"]: row["picked"] for row in lay_table["rows"]}
+CONC_INDEX = {row["concurrency"]: i for i, row in enumerate(lay_table["rows"])}
 tput = {row["concurrency"]: {c["layout"]: c["total_tokens_per_s"] for c in row["candidates"] if c["fits"]}
         for row in lay_table["rows"]}
 lay_costs = {c: choice.layout_mechanisms(concurrency=c) for c in (4, 512)}
@@ -549,6 +550,10 @@ notebook.claim("layouts_tpot_gap", "at each of those points the model's median T
                "{lo:.1f} to {hi:.1f} ms, about the same whatever the concurrency: a cost a step that it does not "
                "price", min(gaps) > 2 and max(gaps) - min(gaps) < 2, "2 ms < every gap, spread < 2 ms",
                lo=min(gaps), hi=max(gaps))
+tpot4 = {c["layout"]: c["median_tpot_s"] * 1e3 for c in lay_table["rows"][CONC_INDEX[4]]["candidates"] if c["fits"]}
+notebook.claim("layouts_tp_shortest_steps", "at 4 requests tp8_ep8's steps are the shortest of the four layouts "
+               "(median TPOT {tp8_ep8:.1f} ms, dp8_ep8's {dp8_ep8:.1f})", min(tpot4, key=tpot4.get) == "tp8_ep8",
+               "tp8_ep8 has the least median TPOT of the layouts", **tpot4)
 tp4 = next(r for r in pub if r["concurrency"] == 4)
 notebook.claim_greater("layouts_c4_optimistic", "at 4 requests the model prices tp8_ep8 at {model:,.0f} tokens/s, "
                        "more than 1.25x the {published:,.0f} #3116 measured: outside 25%", factor=1.25,
