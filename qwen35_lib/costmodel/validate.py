@@ -179,11 +179,12 @@ LAYOUT_OF_SETUP = {"DP4TP2_EP": "dp4_tp2_ep8", "TP8_EP": "tp8_ep8"}  # tpu-infer
 
 
 def layout_points(band: bool = False) -> list[dict]:
-    """The published rows of the low-concurrency layouts (issue 55: tpu-inference #3050's DP4TP2_EP row; rows whose
-    setup label names a preset of LAYOUT_OF_SETUP), each predicted as that engine runs the layout
-    (`plan.TPU_INFERENCE_3050` with the preset's layout: its Pallas kernels, the packed all-gather, no hierarchical
-    reduce-scatter) under the setup of the same PR's rows that record one, with its rules at the layout's DP size
-    (server.sh: batched tokens ISL / DP a rank, --max-num-seqs 64 a rank; bench.sh: 10 x CONC prompts). Per row the
+    """The published rows of the low-concurrency layouts (issue 55: tpu-inference #3050's DP4TP2_EP rows, #3116's
+    TP8_EP rows; rows whose setup label names a preset of LAYOUT_OF_SETUP), each predicted as that engine runs the
+    layout (`plan.TPU_INFERENCE_3050` with the preset's layout: its Pallas kernels, the packed all-gather, no
+    hierarchical reduce-scatter) under the row's own setup, or else the setup of the same PR's rows that record one,
+    with its rules at the layout's DP size (server.sh: batched tokens ISL / DP a rank, --max-num-seqs 64 a rank;
+    bench.sh: 10 x CONC prompts). Per row the
     total tokens/s and median TPOT ratios (predicted / published) and whether each is within 25 %."""
     import dataclasses
 
@@ -199,16 +200,19 @@ def layout_points(band: bool = False) -> list[dict]:
         layout = LAYOUT_OF_SETUP[preset]
         plan = dataclasses.replace(TPU_INFERENCE_3050, layout=layout, fuse_allgather=get_layout(layout).batch_axes
                                    is not None)
-        setup = next(x["setup"] for x in doc["measurements"] if x["source"] == m["source"] and x.get("setup"))
+        own = m.get("setup")  # a row's own setup; else the setup of its PR's rows, at its layout's DP size
+        setup = own or next(x["setup"] for x in doc["measurements"] if x["source"] == m["source"] and x.get("setup"))
         dp = plan.on_devices(8).bind(_mesh8()).dp
+        budget = setup["max_batched_tokens_per_rank"] if own else max(m["isl"] // dp, 1)
         p = predict("qwen3.5-397b-a17b", "tpu7x-8", plan, m["isl"], m["osl"], m["concurrency"], roofline=False,
-                    max_batched_tokens=max(m["isl"] // dp, 1), max_seqs=setup.get("max_seqs_per_rank"),
+                    max_batched_tokens=budget, max_seqs=setup.get("max_seqs_per_rank"),
                     num_prompts=10 * m["concurrency"], range_ratio=setup.get("range_ratio", 0.8),
                     kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"), page_size=setup.get("page_size", 256),
                     mechanisms=Mechanisms.nominal(dp_batch_prefill=setup.get("dp_sched_batch_prefill", True)),
                     band=band)
         row = dict(source=m["source"], setup=m["setup_label"], layout=layout, isl=m["isl"], osl=m["osl"],
-                   concurrency=m["concurrency"], measured_total_tokens_per_s=m["total_tokens_per_s"],
+                   concurrency=m["concurrency"], max_batched_tokens_per_rank=budget,
+                   measured_total_tokens_per_s=m["total_tokens_per_s"],
                    predicted_total_tokens_per_s=p["total_tokens_per_s"],
                    ratio=p["total_tokens_per_s"] / m["total_tokens_per_s"],
                    predicted_median_tpot_ms=p["median_tpot_s"] * 1e3, measured_median_tpot_ms=m.get("median_tpot_ms"),

@@ -91,3 +91,15 @@ def test_layout_mechanisms_split_each_layouts_time_per_token():
         assert set(parts) == {*choice.MECHANISMS, "other", "total"}
         assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"])
     assert rows["dp8_ep8"]["dense weights"] > rows["tp8_ep8"]["dense weights"]
+
+
+def test_the_published_tp8_ep_rows_are_predicted_under_their_own_setup():
+    """#3116's TP8_EP rows (c4, c8) carry their server.sh setup (DP 1: batched tokens capped at 2048, CONC x 2
+    sequences): `validate --layouts` prices them under it; #3050's DP4TP2_EP rows under their PR's rules (ISL / DP)."""
+    from qwen35_lib.costmodel import validate
+
+    rows = validate.layout_points()
+    tp = [r for r in rows if r["layout"] == "tp8_ep8"]
+    assert sorted((r["isl"], r["concurrency"]) for r in tp) == [(1024, 4), (1024, 8), (8192, 4), (8192, 8)]
+    assert all(r["max_batched_tokens_per_rank"] == 2048 for r in tp)
+    assert all(r["max_batched_tokens_per_rank"] == r["isl"] // 4 for r in rows if r["layout"] == "dp4_tp2_ep8")
