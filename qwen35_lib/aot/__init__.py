@@ -68,7 +68,11 @@ def compile_forward(config: Config, batch: int, seq: int, topology: str = TPU7X_
     return lower_forward(config, weights, ids, lengths, plan).compile()
 
 
-def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeDtypeStruct:
+PALLAS_TILE = (8, 128)  # the tiles XLA hands a Mosaic call its bf16 operands in
+
+
+def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None, tile: tuple[int, int] = (16, 128)
+               ) -> jax.ShapeDtypeStruct:
     """`a` (a sharded abstract weight) in bf16's native TPU tiling, 16 x 128 (two rows packed per 32-bit word),
     when it is bf16 of rank >= 2 with its second-minor dim a multiple of 16; else unchanged. A stacked input
     projection [G, L, D, a, b] (`hidden` = D: GDN w_q / w_k / w_v / w_z, attention q / gate / k / v) is stored
@@ -86,18 +90,45 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None) -> jax.ShapeD
     overrides a 16 x 128 GDN or conv state with 8 x 128, the layout the step returns them in.) A weight split over
     the mesh is left as it is: under the TP baseline XLA keeps its own 8 x 128 tiling for the vocabulary-split
     embedding and the head-split projections, and jax then refuses the compiled step (an AssertionError on the
-    layout override). Every EP stage replicates its bf16 weights, so this changes none of them."""
-    if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2 or a.shape[-2] % 16:
+    layout override). Every EP stage replicates its bf16 weights, so this changes none of them.
+
+    `tile`: (8, 128) for the stacks a Pallas kernel reads in place (`kernels.dense_pallas`, `dense_format`): XLA
+    hands a Mosaic call its operands in 8 x 128 tiles, so stacks in 16 x 128 were relaid out whole before the loop
+    (each one whose minor dim is not 128: 16 x 128 and 8 x 128 tiles of a 128-wide bf16 row are the same bytes),
+    while the in-projections' D-second-minor order makes the kernel's [A, D, N] view a bitcast."""
+    order = tuple(range(a.ndim))
+    if hidden and a.ndim == 5 and a.shape[2] == hidden:
+        order = (0, 1, 3, 2, 4)  # [G, L, D, a, b] stored [G, L, a, D, b]: D second-minor, as the dot reads it
+    # the dim the tiles' rows run over: as stored for a Pallas read (the shared expert's gate_up [G, L, D, 2, F]
+    # stored [G, L, 2, D, F]: else XLA relaid the whole stack out before the loop every step, 0.5 GB of temporaries
+    # at 397B); for XLA's dot as declared (that gate_up left as it is)
+    if jnp.dtype(a.dtype) != jnp.bfloat16 or a.ndim < 2:
+        return a
+    if (a.shape[order[-2]] if tile == PALLAS_TILE else a.shape[-2]) % tile[0]:
         return a
     if any(s is not None for s in getattr(a.sharding, "spec", ())):
         return a  # split (a TP layout's): XLA overrides the tiling asked for and jax refuses the compiled step
     from jax.experimental.layout import Format, Layout
 
-    order = tuple(range(a.ndim))
-    if hidden and a.ndim == 5 and a.shape[2] == hidden:
-        order = (0, 1, 3, 2, 4)  # [G, L, D, a, b] stored [G, L, a, D, b]: D second-minor, as the dot reads it
-    layout = Layout(major_to_minor=order, tiling=((16, 128), (2, 1)))
+    layout = Layout(major_to_minor=order, tiling=(tile, (2, 1)))
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=Format(layout, a.sharding))
+
+
+def dense_format(weights: dict, declared: dict, config: Config, plan: ServingPlan) -> dict:
+    """`weights` (placed by `mxu_format`) with the dense projection stacks the plan's `dense` kernel reads in place
+    (`model.layer_loop.STACKED_DENSE`, where it reads stacks) placed from their `declared` form in 8 x 128 tiles
+    instead (`mxu_format`'s `tile`), as the Mosaic call takes them."""
+    from qwen35_lib.kernels import for_plan
+    from qwen35_lib.model.layer_loop import STACKED_DENSE
+
+    if not getattr(for_plan("dense", plan), "reads_stacked", False):
+        return weights
+    layers = dict(weights["layers"])
+    for part, names in STACKED_DENSE.items():
+        if part in layers:
+            layers[part] = dict(layers[part], **{n: mxu_format(declared["layers"][part][n], config.hidden_size,
+                                                               tile=PALLAS_TILE) for n in names})
+    return dict(weights, layers=layers)
 
 
 def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
@@ -144,7 +175,8 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
-        weights = jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights)
+        weights = dense_format(jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights), weights, config,
+                               plan)
         moe = weights["layers"]["moe"]
         for name in ("w_gate_up", "w_down"):
             if hasattr(moe[name], "scale"):  # block-scaled FP8: the scales as the grouped matmul reads them

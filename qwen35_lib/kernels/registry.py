@@ -1,4 +1,4 @@
-"""The kernel registry: four slots, each a named set of interchangeable implementations.
+"""The kernel registry: five slots, each a named set of interchangeable implementations.
 
 | slot         | protocol (see the XLA implementation for shapes)                                     |
 |--------------|---------------------------------------------------------------------------------------|
@@ -9,6 +9,8 @@
 |              | with per-sequence state slots                                                         |
 | `moe_matmul` | `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`: grouped SwiGLU  |
 | `permute`    | `Permute(dispatch, combine)`: sort token copies by expert, and the weighted un-sort   |
+| `dense`      | `fn(x, w: LayerOf, contract, dtype) -> y`: a projection of one layer of a stacked     |
+|              | weight (`kernels.stacked.LayerOf`); `reads_stacked` kernels take the whole stack      |
 
 A serving plan names each slot's implementation (`ServingPlan.<slot>_kernel`), resolved for the platform it runs
 on when it is bound (`plan.bind(mesh, config)`: "auto" -> the family's or the platform's default, the tables of

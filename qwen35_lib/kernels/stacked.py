@@ -8,7 +8,7 @@ position); the kernel scalar-prefetches the index and its BlockSpec index maps p
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ class LayerOf(NamedTuple):
 
     stack: Any
     index: Any  # int32 [2]
+    # a dense projection's: (x, self, contract, dtype) -> y, the plan's `dense` kernel as the layout runs it
+    # (`model.layer_loop.with_dense`); None for the routed experts (the MoE kernel takes the view itself)
+    read: Callable | None = None
 
     def in_specs(self, spec: P) -> LayerOf:
         """shard_map specs: `spec` (for the layer's [...] dims) under the two stacked dims; the index replicated."""

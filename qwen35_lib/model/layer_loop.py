@@ -11,6 +11,11 @@ The caches follow the weights: where `unrolled`, each pool [R, L, ...] of a kind
 per-layer buffers (`per_layer_cache`), each layer's slot and page updates in-place scatters into its own donated
 buffer; the scan keeps one pool a kind and addresses a layer's rows in it (`model.ragged`), also in place.
 
+The scan need not slice what a kernel can read in place: where the plan's MoE kernel reads stacks, the routed
+experts stay whole (`model.moe.stacked_experts`); where its `dense` kernel does (`kernels.dense_pallas`, the TPU's
+default), so do the projections of `STACKED_DENSE` (`stacked_dense`), each layer handed `LayerOf` views of them
+(`with_dense`) that `layers.linear` runs through that kernel on every device's own rows.
+
 Where the native CPU kernels load, the per-layer weights they read are also re-laid for them once, here: the routed
 expert stacks and the projections as 64-column panels (`kernels.packed.PanelPacked`), each a contiguous stream.
 
@@ -31,6 +36,7 @@ import jax
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.dense_native import pack_dense
+from qwen35_lib.kernels.stacked import LayerOf, layer_index
 from qwen35_lib.model.moe import EXPERT_WEIGHTS
 from qwen35_lib.plan import SINGLE, ServingPlan
 
@@ -152,3 +158,48 @@ def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> d
         _CACHE[key] = hit
     split, lm_head = hit[2]
     return dict(weights, layers=split, lm_head=lm_head)
+
+
+# the dense projections a `dense` kernel that reads stacks takes whole (the router stays scanned: the EP MoE's
+# shard_map takes it as an argument)
+STACKED_DENSE = {"gdn": ("w_q", "w_k", "w_v", "w_z", "w_b", "w_a", "w_out"),
+                 "attn": ("w_q", "w_gate", "w_k", "w_v", "w_o"),
+                 "moe": ("shared_gate_up", "shared_down")}
+
+
+def stacked_dense(cfg: Config, layers: dict, plan: ServingPlan = SINGLE) -> tuple[dict, dict]:
+    """Split the stacked layer tree for the layer scan: (the scan's xs, the dense projection stacks it must not
+    slice). Where the plan's `dense` kernel reads stacks in place (`reads_stacked`: `kernels.dense_pallas`), the
+    projections of `STACKED_DENSE` leave the scanned tree and stay whole; `with_dense` hands each layer `LayerOf`
+    views of them. Elsewhere the tree is scanned as it is ({} kept whole)."""
+    if not getattr(for_plan("dense", plan), "reads_stacked", False):
+        return layers, {}
+    scanned, stacks = dict(layers), {}
+    for part, names in STACKED_DENSE.items():
+        if part in layers:
+            scanned[part] = {n: a for n, a in layers[part].items() if n not in names}
+            stacks[part] = {n: layers[part][n] for n in names}
+    return scanned, stacks
+
+
+def with_dense(cfg: Config, layers: list[LayerWeights], stacks: dict, group, parallelism) -> list[LayerWeights]:
+    """The layers of group `group` (a traced index in the scan) with their dense projections as `LayerOf` views of
+    `stacks` (a mixer's at its index among the group's layers of its kind, the MoE's at its position), each read by
+    the plan's `dense` kernel on every device's own rows (`parallelism.per_device`); unchanged when `stacks` is
+    empty."""
+    if not stacks:
+        return layers
+    kernel = for_plan("dense", parallelism.plan)
+
+    def read(x, w, contract, dtype):
+        fn = lambda x, stack, index: kernel(x, LayerOf(stack, index), contract, dtype)
+        return parallelism.per_device(fn, x, w.stack, w.index)
+
+    view = lambda tree, i: {n: LayerOf(a, layer_index(group, i), read) for n, a in tree.items()}
+    out, seen = [], {"gdn": 0, "attn": 0}
+    for p, (kind, lw) in enumerate(zip(cfg.layer_pattern, layers)):
+        part = "gdn" if kind == LINEAR else "attn"
+        mixer = dict(lw.mixer, **view(stacks[part], seen[part]))
+        seen[part] += 1
+        out.append(lw._replace(mixer=mixer, moe=dict(lw.moe, **view(stacks["moe"], p))))
+    return out

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from qwen35_lib.kernels.dense_native import linear_packed
 from qwen35_lib.kernels.packed import PanelPacked
+from qwen35_lib.kernels.stacked import LayerOf
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -41,9 +42,12 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
 def linear(x: jax.Array, w: jax.Array, contract: int = 1, dtype=None) -> jax.Array:
     """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32, returned in
     `dtype` (default: x's). A weight the CPU engine packed (`kernels.packed.PanelPacked`) runs
-    `dense_native.linear_packed`."""
+    `dense_native.linear_packed`; a layer of a stack (`kernels.stacked.LayerOf`, the layer scan's) the plan's
+    `dense` kernel, which reads it in place."""
     xd = tuple(range(x.ndim - contract, x.ndim))
     with jax.named_scope("proj"):  # the profile's "dense matmuls" (`bench.profile`)
+        if isinstance(w, LayerOf):
+            return w.read(x, w, contract, dtype)
         if isinstance(w, PanelPacked):
             return linear_packed(x, w, contract, dtype)
         y = jax.lax.dot_general(x, w, ((xd, tuple(range(contract))), ((), ())), preferred_element_type=jnp.float32)

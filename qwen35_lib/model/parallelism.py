@@ -7,7 +7,9 @@ carries the plan itself (`.plan`: the kernel of each slot, `kernels.for_plan`):
 - `moe(cfg, w, x)`: the whole MoE layer (router, routed experts, shared expert) on flat tokens x [N, D] -> [N, D];
   a layout with `takes_valid = True` also takes `valid=` [N] (False: a padding token, routed to no expert);
 - `per_rank(cfg, slot, fn, *args)`: `jax.vmap(fn)(*args)` over the leading data-parallel rank axis R of every
-  array in `args`, which a layout may run inside a `shard_map` (a Pallas kernel cannot be partitioned by XLA).
+  array in `args`, which a layout may run inside a `shard_map` (a Pallas kernel cannot be partitioned by XLA);
+- `per_device(fn, x, *shared)`: `fn(x, *shared)` on each device's own rows of x (its leading dim split as the
+  data-parallel ranks are), `shared` whole on every device (a layer's stacked weights read in place).
 
 Implementations are frozen dataclasses: hashable, so a jitted function takes them as a static argument.
 """
@@ -32,6 +34,8 @@ class Parallelism(Protocol):
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args): ...
 
+    def per_device(self, fn: Callable, x: jax.Array, *shared): ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Local:
@@ -46,6 +50,9 @@ class Local:
 
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
         return jax.vmap(fn)(*args)
+
+    def per_device(self, fn: Callable, x: jax.Array, *shared):
+        return fn(x, *shared)
 
 
 LOCAL = Local()

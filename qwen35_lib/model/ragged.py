@@ -9,7 +9,7 @@ from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_ragged_block
 from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.deltanet import gdn_ragged_block
-from qwen35_lib.model.layer_loop import group_layers, is_per_layer
+from qwen35_lib.model.layer_loop import group_layers, is_per_layer, stacked_dense, with_dense
 from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.moe import stacked_experts, with_experts
 from qwen35_lib.model.parallelism import check_parallelism
@@ -105,10 +105,12 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
     else:
         # experts read in place (the plan's MoE kernel reads stacks): not scanned
         scanned, experts = stacked_experts(cfg, weights["layers"], parallelism.plan)
+        scanned, dense = stacked_dense(cfg, scanned, parallelism.plan)  # and the projections, where read in place
 
         def body(carry, xs):
             w, gi = xs
-            return group(*carry, with_experts(group_layers(cfg, w), experts, gi), gi), None
+            layers = with_dense(cfg, with_experts(group_layers(cfg, w), experts, gi), dense, gi, parallelism)
+            return group(*carry, layers, gi), None
 
         with jax.named_scope("layer_group"):
             (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))

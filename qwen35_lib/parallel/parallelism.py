@@ -51,6 +51,9 @@ class MeshParallelism:
     def per_rank(self, cfg: Config, slot: str, fn: Callable, *args):
         return ranks.per_rank(cfg, slot, fn, *args, plan=self.plan)
 
+    def per_device(self, fn: Callable, x: jax.Array, *shared):
+        return ranks.per_device(fn, x, *shared, plan=self.plan)
+
 
 def parallelism(plan: ServingPlan) -> Parallelism:
     """The parallelism of a bound `plan`: `Local` on one device (the plan's kernels), else `MeshParallelism`."""

@@ -40,49 +40,31 @@ from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_s
 from qwen35_lib.plan import ALL, ServingPlan
 from qwen35_lib.weights import BlockFP8
 
+PERMUTE_SCOPE = "permute"  # the named scope of the MoE's dispatch and combine
+
 
 def local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array,
                   weights: jax.Array, first: jax.Array | int, count: int, all_local: bool = False) -> jax.Array:
     """Σ_j weights_j * expert_{ids_j}(x) over the copies whose expert is in [first, first + count).
 
     x [N, D], ids/weights [N, k] (global expert ids); w_* hold the `count` local experts.
-    1. the local copies are compacted, in copy order, into M = N·min(k, count) rows (the most there can be: a
-       token's k experts are distinct); the rest is padding with expert id `count`, a trailing group the
-       grouped matmul never computes; only local copies' rows of x are read;
-    2. the permute slot sorts the M rows by expert, the grouped matmul runs them (the kernels `plan` names);
-    3. each row is weighed (padding: 0) and a token's local copies are summed (scatter-add into [N, D]).
-    `all_local` (the TP MoE: every expert here, every id in range) skips step 1.
+    1. each copy's local expert id, `count` for another device's expert: a trailing group the grouped matmul never
+       computes (its rows give 0);
+    2. the permute slot sorts the N·k copies by it, gathering each row from x once; the grouped matmul runs the
+       local groups (the kernels `plan` names);
+    3. the permute slot's combine sums each token's local copies, weighted (other devices' copies weigh 0).
+    The routed rows are written once (the gather) and read once (the combine), as production's layer moves them
+    (`costmodel` `kernels_moe_permute_passes`). `all_local` (the TP MoE: every expert here, every id in range)
+    skips the masks.
     """
-    N, k = ids.shape
     permute, matmul = for_plan("permute", plan), for_plan("moe_matmul", plan)
-    if all_local:
-        x_sorted, sizes, order = permute.dispatch(x, ids, count)  # [N*k, D], [count]
-        y = matmul(x_sorted, sizes, w_gate_up, w_down, cfg.fp8_block_size)
-        return permute.combine(y, order, weights).astype(x.dtype)  # [N, D]
-    M = N * min(k, count)
-    copy, lid, w = local_copies(ids, weights, first, count, M)  # [M] each
-    real = copy < N * k
-    tok = jnp.where(real, copy // k, 0)  # [M]
-    x_sorted, sizes, order = permute.dispatch(x[tok], lid[:, None], count + 1)  # [M, D], [count + 1]
-    y = matmul(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)  # [M, D]
-    y = permute.combine(y, order, w[:, None])  # [M, D] float32: row i = w_i * expert(x[tok_i])
-    return jnp.zeros((N, x.shape[1]), jnp.float32).at[tok].add(y).astype(x.dtype)  # [N, D]
-
-
-def local_copies(ids: jax.Array, weights: jax.Array, first, count: int, M: int):
-    """The copies (token t = copy // k, its j-th expert) whose expert is in [first, first + count), compacted in
-    copy order into M slots: (copy index [M] (N·k: an empty slot), local expert id [M] (`count`: empty),
-    weight [M] (0: empty))."""
-    N, k = ids.shape
-    lid = (ids - first).reshape(N * k)
-    mine = (lid >= 0) & (lid < count)  # [N*k]
-    pos = jnp.cumsum(mine, dtype=jnp.int32) - 1  # [N*k]: slot of each local copy
-    copy = jnp.full((M,), N * k, jnp.int32).at[jnp.where(mine, pos, M)].set(
-        jnp.arange(N * k, dtype=jnp.int32), mode="drop")  # [M]
-    real = copy < N * k
-    safe = jnp.minimum(copy, N * k - 1)
-    return (copy, jnp.where(real, lid[safe], count).astype(jnp.int32),
-            jnp.where(real, weights.reshape(N * k)[safe], 0).astype(weights.dtype))
+    mine = jnp.ones(ids.shape, bool) if all_local else (ids >= first) & (ids < first + count)  # [N, k]
+    groups = count if all_local else count + 1
+    with jax.named_scope(PERMUTE_SCOPE):  # the compiled permute's ops, by name (`costmodel.compiled`)
+        x_sorted, sizes, order = permute.dispatch(x, jnp.where(mine, ids - first, count), groups)  # [N*k, D]
+    y = matmul(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)  # [N*k, D]: 0 past the local rows
+    with jax.named_scope(PERMUTE_SCOPE):
+        return permute.combine(y, order, jnp.where(mine, weights, 0)).astype(x.dtype)  # [N, D]
 
 
 def _spec_like(w, spec: P):

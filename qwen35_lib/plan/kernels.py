@@ -2,10 +2,10 @@
 implementation of every slot ("auto"). The implementations themselves register in `qwen35_lib.kernels.registry`,
 which reads these tables.
 
-| family   | attention                  | gdn                         | moe_matmul                         | permute |
-|----------|----------------------------|-----------------------------|------------------------------------|---------|
-| `xla`    | `items` on CPU, else `xla` | `native` on CPU, else `xla` | `native` on CPU, else `ragged_dot` | xla     |
-| `pallas` | pallas                     | pallas                      | pallas                             | pallas  |
+| family   | attention                | gdn                       | moe_matmul                       | permute | dense |
+|----------|--------------------------|---------------------------|----------------------------------|---------|-------|
+| `xla`    | `items` on CPU, else xla | `native` on CPU, else xla | `native` on CPU, else ragged_dot | xla     | xla   |
+| `pallas` | pallas                   | pallas                    | pallas                           | pallas  | pallas|
 
 Where the `xla` family is not XLA code: on the CPU two C++ XLA FFI handlers that XLA calls like any op, each
 running its XLA twin where it cannot be built. The MoE's grouped matmul is `native` (`kernels/moe_native.py`;
@@ -22,9 +22,9 @@ position 512 45.4 -> 14.1 ms, 4 decodes + a 512-token prompt 138.0 -> 30.2 ms, 3
 
 from __future__ import annotations
 
-SLOTS = ("attention", "gdn", "moe_matmul", "permute")
+SLOTS = ("attention", "gdn", "moe_matmul", "permute", "dense")
 KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
-                 "permute": "permute_kernel"}  # slot -> ServingPlan field
+                 "permute": "permute_kernel", "dense": "dense_kernel"}  # slot -> ServingPlan field
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
 # except the MoE's, chosen from `bench engine --moe-kernel` side by side: `loop` over `capacity` (decode step 70.6 ->
 # 45.7 ms), then `native` (the C++ handler, `kernels/moe_native.py`; `loop` where it cannot be built) over `loop`
@@ -35,11 +35,12 @@ KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matm
 # (2026-12-04) names `native` overall; in bfloat16 at 512 and 4,096 tokens XLA's batched `capacity` beat it on
 # pre-sorted rows (54 vs 87 ms at 4,096), which the engine's fused path does not run.
 BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
-    "cpu": {"attention": "items", "gdn": "native", "moe_matmul": "native", "permute": "xla"},
+    "cpu": {"attention": "items", "gdn": "native", "moe_matmul": "native", "permute": "xla", "dense": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
-    "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla"},
-    "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla"},
+    # The dense projections read each layer's weights in place from the stacks (`kernels.dense_pallas`).
+    "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla", "dense": "pallas"},
+    "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla", "dense": "xla"},
 }
 # A stage's kernel family, slot by slot: "xla" the XLA twins (on the CPU the attention by items, the GDN decode and
 # the MoE's grouped matmul the native handlers; `ragged_dot` elsewhere), "pallas" every slot's Pallas kernel

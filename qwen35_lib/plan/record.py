@@ -18,7 +18,7 @@ import math
 from qwen35_lib.config import Config
 from qwen35_lib.plan.kernels import BACKEND_DEFAULTS, FAMILIES, KERNEL_FIELDS, family_kernels
 from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS, Axes
-from qwen35_lib.plan.mesh import AXES, axis_size
+from qwen35_lib.plan.mesh import ALL, AXES, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ServingPlan:
     gdn_kernel: str | None = None
     moe_kernel: str | None = None
     permute_kernel: str | None = None
+    dense_kernel: str | None = None  # the dense projections; "pallas" reads each layer's weights in place
     platform: str | None = None  # set by `bind`: the platform the kernels run on ("cpu", "tpu", "gpu")
 
     def __post_init__(self):
@@ -133,7 +134,9 @@ class ServingPlan:
         """This plan with every kernel slot named for `platform` ("auto" -> the family's, else the platform's
         default implementation)."""
         family = family_kernels(self.kernels, platform) if self.kernels is not None else {}
-        default = BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["cpu"])
+        default = dict(BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["cpu"]))
+        if self.layout != "single" and self.batch_axes != ALL:  # weights split by heads: XLA partitions the dots
+            family, default = {**family, "dense_kernel": "xla"}, {**default, "dense": "xla"}
         return dataclasses.replace(self, platform=platform, **{
             f: getattr(self, f) if getattr(self, f) not in (None, "auto") else family.get(f, default[slot])
             for slot, f in KERNEL_FIELDS.items()})

@@ -12,6 +12,9 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
   slice handed to the kernel as the step did before `LayerOf`, must show such copies (8 of them): the check can
   fail. One MoE layer a group: each layer's Pallas calls are lowered by Mosaic again, so the group's 4 MoE layers
   cost 15 s of compile (24 copies), one 7 s (the whole step as the control compiled in about 40 s).
+- Dense projections read in place: the step's passes over its dense weights (`costmodel.compiled.scan_weight_passes`)
+  are about 1 with the Pallas projection (`kernels.dense_pallas`, the stacks and the layer's (group, position));
+  the control, the same step with XLA's dots on the scan's slices (`dense_kernel='xla'`), makes more than 2.5.
 - Depth: temporaries at 2 and 15 layer groups agree within 1%, with the weights placed as the step reads them
   (`aot.mxu_format`: bf16 in 16 x 128 tiles, stacked input projections stored D second-minor; `aot.scale_format`:
   the FP8 block scales in the grouped matmul's layout): 0.9408 / 0.9392 GB at 2 / 15 groups (libtpu 0.0.42.1, 16
@@ -40,14 +43,16 @@ DEPTHS = (2, 15)
 CONTROL_LAYERS = 1  # MoE layers a group in the control (module doc)
 
 
-def _step(groups: int, layouts: str = "mxu") -> dict:
-    """The kernels stage's decode step at `groups` layer groups: memory, the loop's expert-weight copies."""
+def _step(groups: int, layouts: str = "mxu", dense: str = "pallas") -> dict:
+    """The kernels stage's decode step at `groups` layer groups (its projections by the `dense` kernel): memory,
+    the loop's expert-weight copies, its passes over the dense weights (`costmodel.compiled.scan_weight_passes`)."""
     import dataclasses
 
     import jax
 
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
+    from qwen35_lib.costmodel.compiled import scan_weight_passes
     from qwen35_lib.kernels import moe_pallas
     from qwen35_lib.parallel.layouts import placed_config
     from qwen35_lib.plan import get_stage
@@ -57,7 +62,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     cfg = sweep.serving_config(MODEL, groups, **REDUCED)
     mesh = aot.chip_core_mesh()
     shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
-    plan = get_stage("kernels").bind(mesh, cfg)
+    plan = get_stage("kernels").replace(dense_kernel=dense).bind(mesh, cfg)
     c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
                          page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts=layouts)
     ma = c.memory_analysis()
@@ -69,6 +74,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
                 cache=resident["kv_bytes"] + resident["gdn_state_bytes"], weights=resident["weight_bytes"],
                 copies=[(i.op, i.name, i.arrays) for i in copies], mosaic=_mosaic_slots(text),
+                dense_passes=scan_weight_passes(text, cfg, "kernels"),
                 pool_copies=[(n, i.op, i.name) for n, i in pool_copies])
 
 
@@ -173,6 +179,7 @@ def tpu7x():
     """The two depths and the control in one child (about 100 s in all on the shared 2-core machine, the control
     6 s of it; under the 600 s timeout of the first test's setup)."""
     return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)}
+                              | {"dense xla": (_step, 2, "mxu", "xla")}
                               | {f"cache {p}": (_cache_loop, p) for p in ("sliced", "rows")}, timeout=570)
 
 
@@ -194,6 +201,14 @@ def test_every_pallas_kernel_of_the_stage_is_a_mosaic_custom_call(tpu7x):
 
 def test_no_expert_weight_copies_in_the_layer_loop(tpu7x):
     assert tpu7x["2 groups"]["copies"] == []
+
+
+def test_the_dense_projections_are_read_in_place(tpu7x):
+    # the Pallas projection (`kernels.dense_pallas`) reads each layer's blocks from the stacks: one pass over the
+    # dense weights (the per-layer norms and gates still sliced: a few MB). The control, the same step with XLA's
+    # dots on the scan's slices, moves them three times or more: the check can fail
+    assert tpu7x["2 groups"]["dense_passes"] < 1.05, tpu7x["2 groups"]["dense_passes"]
+    assert tpu7x["dense xla"]["dense_passes"] > 2.5, tpu7x["dense xla"]["dense_passes"]
 
 
 @pytest.mark.xfail(strict=True, reason="since the caches are rows of one pool a kind (issue 50), 0.9348 GB at 2 groups "

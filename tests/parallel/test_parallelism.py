@@ -130,3 +130,17 @@ def test_kernels_stage_every_pallas_kernel_under_dp8_ep8(mesh, weights, referenc
     per rank inside shard_maps, gives the single-device XLA engine's tokens."""
     engine = Engine(BASE, weights, EC, mesh=mesh, plan=get_stage("kernels"))
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]
+
+
+def test_google_baseline_every_pallas_kernel_under_tp8_kvrep(mesh, weights, reference_tokens):
+    """The 2 x 2's TP + Pallas corner in this engine: tp8_kvrep with the Pallas attention and GDN on each device's
+    own heads (`parallel.ranks._ranks_and_heads`), the Pallas grouped matmul and permute in the TP MoE, XLA's dense
+    projections on the head-split weights (the `dense` slot resolves to 'xla' there), gives the single-device XLA
+    engine's tokens."""
+    from qwen35_lib.plan import any_stage
+
+    plan = any_stage("google_baseline")
+    engine = Engine(BASE, weights, EC, mesh=mesh, plan=plan)
+    assert engine.plan.kernel("attention") == engine.plan.kernel("gdn") == "pallas"
+    assert engine.plan.kernel("dense") == "xla"
+    assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]

@@ -1,5 +1,5 @@
-"""per_rank: a vmap over the data-parallel rank axis, in a shard_map where a kernel must run per device, and the
-refusal of a Pallas kernel under a layout that also splits heads."""
+"""per_rank: a vmap over the data-parallel rank axis, in a shard_map where a kernel must run per device: of ranks,
+or of ranks and heads where a layout also splits heads."""
 
 from __future__ import annotations
 
@@ -47,8 +47,22 @@ def test_dp_ep_runs_each_devices_ranks_in_a_shard_map(mesh, slot, kernel, shard_
         np.testing.assert_allclose(jax.jit(call)(x, s), _expected(x, s), rtol=1e-6)
 
 
-def test_a_pallas_kernel_under_a_layout_splitting_heads_is_refused_with_the_fix(mesh):
-    plan = get_layout("dp4_tp2_ep8").replace(gdn_kernel="pallas").bind(mesh)
-    with pytest.raises(ValueError, match=r"Pallas gdn kernel runs per data-parallel rank; layout 'dp4_tp2_ep8' also "
-                                         r"splits heads.*'dp_ep'.*gdn_kernel='xla'"):
-        per_rank(CFG, "gdn", _rank_fn, *_args(), plan=plan)
+def _heads_fn(q, states):  # one rank's GDN-like work: q [T, H, d], states [NS, H, dk, dv]; heads independent
+    return q * 2 + jnp.sum(states, axis=(0, 3))[None, :, :q.shape[-1]], states + 1
+
+
+@pytest.mark.parametrize("layout", ["tp_kvrep", "dp_tp2_ep"])
+def test_a_pallas_kernel_under_a_layout_splitting_heads_runs_on_each_devices_heads(mesh, layout):
+    """tp_kvrep (google_baseline's layout: one rank, heads over every device) and dp_tp2_ep (ranks over chips, heads
+    over cores): the Pallas slot's call runs in a shard_map of ranks and heads, and gives the vmap's result."""
+    plan = get_layout(layout).replace(gdn_kernel="pallas").bind(mesh, CFG)
+    R = plan.dp_size(mesh)
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((R, 3, 8, 4)), jnp.float32)  # [R, T, H, d]
+    states = jnp.asarray(rng.standard_normal((R, 2, 8, 4, 4)), jnp.float32)  # [R, NS, H, dk, dv]
+    call = lambda q, st: per_rank(CFG, "gdn", _heads_fn, q, st, plan=plan)  # noqa: E731
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(call)(q, states))
+        got = jax.jit(call)(q, states)
+    for g, w in zip(got, jax.vmap(_heads_fn)(q, states)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -8,20 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
-from qwen35_lib.parallel.routing import a2a_cap, local_copies, local_experts, predicted_drops, predicted_rows, run_layer
+from qwen35_lib.parallel.routing import a2a_cap, local_experts, predicted_drops, predicted_rows, run_layer
 from qwen35_lib.plan import SINGLE, ServingPlan
 
 REPLICATE = ServingPlan("ep", "dp_ep", "replicate")
 A2A = ServingPlan("ep", "dp_ep", "all_to_all")
-
-
-def test_local_copies_by_hand():
-    ids = jnp.array([[0, 3], [2, 1], [3, 0]])  # 3 tokens, k = 2; this device holds experts 2 and 3
-    w = jnp.array([[0.1, 0.9], [0.6, 0.4], [0.7, 0.3]])
-    copy, lid, weight = local_copies(ids, w, 2, 2, 6)
-    np.testing.assert_array_equal(copy, [1, 2, 4, 6, 6, 6])  # copies 1 (t0's expert 3), 2 (t1's 2), 4 (t2's 3)
-    np.testing.assert_array_equal(lid, [1, 0, 1, 2, 2, 2])  # empty slots: expert `count`
-    np.testing.assert_allclose(weight, [0.9, 0.6, 0.7, 0, 0, 0])
 
 
 def test_a2a_cap_by_hand(tiny):
