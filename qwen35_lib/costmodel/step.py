@@ -54,8 +54,10 @@ class StepTime:
         return dataclasses.asdict(self)
 
 
-# plans another engine runs (tpu-inference: a cache array per layer, updated in place, no layer scan)
-OTHER_ENGINE = frozenset({"tpu_inference_3050", "google_baseline"})
+# plans another engine runs (tpu-inference: a cache array per layer, updated in place, no layer scan, its MoE layer's
+# SparseCore permutes); every stage of the ladder and every corner of the 2 x 2 (`google_baseline` included: the TP
+# layout with this engine's Pallas kernels on each device's heads, `parallel.ranks`) is priced as this engine
+OTHER_ENGINE = frozenset({"tpu_inference_3050"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +94,13 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
     expert_passes = facts[f"{stage.kernels}_weight_passes"]["value"]
-    # the dense projections: XLA dots on the layer scan's sliced inputs in every family of this engine; another
-    # engine's unscanned layers, and this engine's unrolled loop (`layer_loop.unrolled`: per-layer weights and
-    # caches), are read in place
+    # the dense projections: the plan's `dense` kernel on the layer scan (XLA's dots on the scan's sliced inputs;
+    # the Pallas projection reads the stacks in place, `kernels.dense_pallas`), each measured off its compile;
+    # another engine's unscanned layers, and this engine's unrolled loop (`layer_loop.unrolled`: per-layer weights
+    # and caches), are read in place
     in_place = unrolled(cfg, lay)
-    passes = expert_passes if stage.name in OTHER_ENGINE else 1.0 if in_place else facts["xla_weight_passes"]["value"]
+    scan = facts["pallas_dense_weight_passes" if lay.kernel("dense") == "pallas" else "xla_weight_passes"]["value"]
+    passes = expert_passes if stage.name in OTHER_ENGINE else 1.0 if in_place else scan
     fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
     ours = pools is not None and stage.name not in OTHER_ENGINE and not in_place
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul

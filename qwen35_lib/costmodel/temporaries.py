@@ -9,23 +9,27 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 | weight slices | the layer scan's slice of each stacked weight with more than one layer a   | sum of w / G       |
 |               | group (GDN: 3 of 4; the router, shared expert, norms: 4 of 4), copied out  |                    |
 |               | of the stack before the per-layer reads; one layer a group (attention) is  |                    |
-|               | read in place; FP8 experts under the Pallas kernel are read in place,      |                    |
-|               | under the XLA MoE copied and dequantized (bf16: +2 bytes an element)        | FP8 experts: 3·w/G |
+|               | read in place; so are the projections under the Pallas `dense` kernel and  |                    |
+|               | the FP8 experts under the Pallas MoE kernel; under the XLA MoE the experts |                    |
+|               | are copied and dequantized (bf16: +2 bytes an element)                     | FP8 experts: 3·w/G |
 | GDN state     | one layer's slice of the carried state: every slot's recurrent + conv state | state / L_gdn      |
 | sampling      | the f32 logits of the sampled rows and the sort over them (values, s32 ids) | 3·S·V_l·4          |
-| MoE rows      | one MoE layer's M = N_p·min(k, E_l) rows (`routing.local_experts`): the     | M·(8D + 2F)        |
-|               | gathered rows of x (bf16) and their tile-padded copy, the grouped matmul's  | + N_p·D·4          |
-|               | f32 output, the activations (bf16); the f32 partial sums of the N_p tokens  |                    |
+| MoE rows      | one MoE layer's M = N_p·k routed rows (`routing.local_experts`): two bf16   | M·4D (+ M·2F XLA)  |
+|               | [M, D] buffers live at once (gathered rows and the grouped matmul's output, | + N_p·D·4          |
+|               | then that output and its tile-view relayout); XLA's unfused FFN also holds |                    |
+|               | its activations; the f32 sums of the N_p tokens                            |                    |
 
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
 The parts are live together (the slices are taken at the top of the loop body), so the estimate is their sum.
 Checked against the stored sweep's steps that compiled with memory to spare (tests/costmodel/test_temporaries.py):
-the kernels stage's decode step and its mixed step (1,024 prefill tokens a rank) within 25% (397B, full depth; the
-mixed step 4.3 GB against the compile's 4.72 GB since the caches are updated in place: it compiled 5.83 GB while each
-layer's pools were sliced out of the stacked cache and written back). The XLA stages (dp_ep to
-hier_rs) compile with under 3 GB of a device's HBM to spare, so their `temp_bytes` may be set by the memory limit
-rather than by the program (the compiler can trade memory for recomputation and copies); they are not judged.
+the kernels stage's mixed step (1,024 prefill tokens a rank) within 25% (397B, full depth: 1.79 GB against the
+compile's 1.98 GB since its projections read the stacks in place and its routing gathers each row once; 4.72 GB
+before, 5.83 GB while each layer's pools were sliced out of the stacked cache and written back). Its decode step
+compiles 0.58 GB (was 1.13), of which the table's parts are 0.32 GB: the rest is not yet attributed (a strict
+xfail). The XLA stages (dp_ep to hier_rs) compile with under 3 GB of a device's HBM to spare, so their `temp_bytes`
+may be set by the memory limit rather than by the program (the compiler can trade memory for recomputation and
+copies); they are not judged.
 
 Reading a refusal. When a step does not fit, the TPU compiler refuses it with "the total memory required for HLO
 temporaries (N G) exceeds available HBM (M G)". N is not the temporaries: it is the program's whole footprint,
@@ -47,12 +51,14 @@ from jax.sharding import AbstractMesh
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel.traffic import StepShape, per_device, placed, sizes
 from qwen35_lib.engine.cache import CacheShape, declare_cache
+from qwen35_lib.model.layer_loop import STACKED_DENSE
 from qwen35_lib.parallel.layouts import spec
 from qwen35_lib.plan import AXES, ServingPlan
 from qwen35_lib.weights import declare, is_info
 
 REFUSAL = re.compile(r"total memory required for HLO temporaries \(([\d.]+)G\)")  # the TPU compiler's OOM message
 IN_PLACE_MOE = ("pallas",)  # MoE kernels that read the stacked expert weights in place (kernels/stacked.py)
+IN_PLACE_DENSE = ("pallas",)  # dense kernels that read the stacked projections in place (kernels/dense_pallas.py)
 
 
 def _ways(plan: ServingPlan, info) -> int:
@@ -67,11 +73,14 @@ def weight_slices(plan: ServingPlan, config: Config) -> float:
     cfg = placed(plan, config)
     G = cfg.num_groups
     in_place = plan.kernel("moe_matmul") in IN_PLACE_MOE
+    dense = STACKED_DENSE if plan.kernel("dense") in IN_PLACE_DENSE else {}  # projections read from the stacks
     total = 0.0
     flat, _ = jax.tree_util.tree_flatten_with_path(declare(cfg)["layers"], is_leaf=is_info)
     for path, info in flat:
         keys = [getattr(p, "key", getattr(p, "name", "")) for p in path]
         if info.shape[1] <= 1:  # [G, layers of this kind in a group, ...]: one a group, read in place
+            continue
+        if keys[-1] in dense.get(keys[0], ()):
             continue
         nbytes = info.nbytes / _ways(plan, info) / G
         if keys[0] == "moe" and keys[1] in ("w_gate_up", "w_down"):
@@ -100,19 +109,20 @@ def sampling(plan: ServingPlan, config: Config, shape: StepShape) -> float:
 
 
 def moe_rows(plan: ServingPlan, config: Config, shape: StepShape) -> float:
-    """Bytes of one MoE layer's row buffers (the table's last row): the M gathered rows in bf16 and their
-    tile-padded copy, the grouped matmul's f32 output rows, the bf16 activations, and the f32 partial sums of the
-    N_p tokens."""
+    """Bytes of one MoE layer's row buffers (the table's last row): two [M, D] bf16 buffers of the M = N_p·k routed
+    rows live at once (the rows gathered in expert order and the grouped matmul's output; then that output and its
+    relayout into the combine's tile view), and the f32 sums of the N_p tokens; an MoE kernel that does not fuse
+    its FFN (XLA's) also holds the activations."""
     n, _, _ = sizes(plan)
     cfg = config
     N = plan.dp * shape.tokens
     Np = N + (-N % n) if plan.moe == "ep" else N
-    local = cfg.num_experts // (n if plan.moe == "ep" else 1)
-    M = Np * min(cfg.num_experts_per_tok, local)
+    M = Np * cfg.num_experts_per_tok
     D, F = cfg.hidden_size, cfg.moe_ffn
     if plan.moe != "ep":
         F = F // n  # TP: the expert FFN split over the devices
-    return M * (2 * D + 2 * D + 4 * D + 2 * F) + Np * D * 4
+    fused = plan.kernel("moe_matmul") in IN_PLACE_MOE  # the Pallas kernel keeps [rows, F] in VMEM
+    return M * (2 * D + 2 * D + (0 if fused else 2 * F)) + Np * D * 4
 
 
 def step_temporaries(plan: ServingPlan, config: Config, shape: StepShape, cache: CacheShape) -> dict[str, float]:

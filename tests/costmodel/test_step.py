@@ -22,13 +22,13 @@ from tests.costmodel.toy import toy
 
 def test_decode_step_hbm_bytes():
     """One decode token of the 397B model on one device with the Pallas kernels: the weights it reads (every
-    dense weight of the layer scan `xla_weight_passes` times, measured: the scan's slice read, written (some twice)
-    and read by the dot; exactly k experts per layer in FP8, read in place; the LM head once) plus its context's KV
-    and GDN state."""
+    dense weight of the layer scan `pallas_dense_weight_passes` times, measured: the Pallas projection reads the
+    stacks in place, about once; exactly k experts per layer in FP8, read in place; the LM head once) plus its
+    context's KV and GDN state."""
     cfg = costmodel.serving_model()
     st = model_stats(cfg).params_by_part
     D, F, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts_per_tok, cfg.num_layers
-    passes = kernel_facts()["xla_weight_passes"]["value"]
+    passes = kernel_facts()["pallas_dense_weight_passes"]["value"]
     dense = passes * (st["attention"] + st["gdn"] + st["router"] + st["shared_experts"]) + st["lm_head"]
     fp8 = 1 + 4 / 128**2  # one float32 scale per 128 x 128 block
     ctx = 1000
