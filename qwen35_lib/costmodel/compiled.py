@@ -23,15 +23,16 @@ What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`;
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|
 | dp_ep, replicate, fused_ag, hier_rs (*) | 732.6-732.7 | 732.7 | 1,568-1,571 | 1,384 | 0.88 |
-| kernels (around its Mosaic calls, its projections among them) | 738.7 | 732.7 | 32.7 | 16.4 | 0.50 (+) |
+| kernels (around its Mosaic calls, its projections among them) | 738.7 | 732.7 | 28.0 | 11.3 | 0.41 (+) |
 | baseline (at its largest pool, 7,168 tokens) (*) | 331.1 | 286.7 (x0.87, unexplained) | 1,822.8 | 1,947.9 | 1.07 |
 | mixed (1,024 prefill tokens a rank), the four XLA DP stages (*) | 10,074 | 10,405 | 7,720-7,770 | 6,168 | 0.79 |
-| mixed step, kernels (around its Mosaic calls) | 10,410.6 | 10,387.7 | 314.9 | 240.4 | 0.76 |
+| mixed step, kernels (around its Mosaic calls) | 10,410.6 | 10,387.7 | 230.4 | 154.8 | 0.67 |
 
 (*) texts compiled before the caches were rows of one pool (the old protocol's copies in them)
 (+) since the projections are Mosaic calls too (`kernels.dense_pallas`), what XLA compiles around the kernels is
-its glue, which the model does not price: the GDN's conv, gates and norms (6.5 GB), relayouts and copies outside the
-blocks (9.8 GB), sampling (2.1 GB); a strict xfail in the tests (it read 0.76 while the sliced projections dominated)
+its glue, which the model does not price: the GDN's conv, gates and norms (6.5 GB), the MoE's routing and top-k,
+relayouts and copies outside the blocks (5.0 GB), sampling (2.1 GB); a strict xfail in the tests (it read 0.76 while
+the sliced projections dominated)
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.
 
@@ -47,11 +48,11 @@ The bytes agree because the model charges what the compiled program moves where 
   a state (`xla_tpu_gdn_state_passes`: gathered and scattered);
 - the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.36, dp_ep's decode, some
   slices rematerialized: `scan_weight_passes`) and read in place by the Pallas projection (`pallas_dense_weight_passes`:
-  1.03, the kernels decode's); the kernels stage's MoE layer moves the routed rows 5.5 times
-  (`kernels_moe_permute_passes`, `permute_passes`: its gather, combine and the relayout between; production: 2).
+  1.03, the kernels decode's); the kernels stage's MoE layer moves the routed rows 3.5 times
+  (`kernels_moe_permute_passes`, `permute_passes`: its gather 2, its combine 1.2, the cast 0.3; production: 2).
 What remains: the XLA stages' texts (compiled before the caches were rows of one pool) hold 12% more than the model,
-their cache copies among it; the kernels stage's decode 50% (the XLA glue around its Mosaic calls, (+)), its mixed
-step 24%; the baseline's model 7% more than its text. The TP baseline's FLOPs are x0.87 of
+their cache copies among it; the kernels stage's decode 59% (the XLA glue around its Mosaic calls, (+)), its mixed
+step 33%; the baseline's model 7% more than its text. The TP baseline's FLOPs are x0.87 of
 XLA's, not yet explained.
 
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding

@@ -15,9 +15,9 @@ What the compiled TPU7x step keeps live (its buffer assignment, kernels stage, w
 | GDN state     | one layer's slice of the carried state: every slot's recurrent + conv state | state / L_gdn      |
 | sampling      | the f32 logits of the sampled rows and the sort over them (values, s32 ids) | 3·S·V_l·4          |
 | MoE rows      | one MoE layer's M = N_p·k routed rows (`routing.local_experts`): two bf16   | M·4D (+ M·2F XLA)  |
-|               | [M, D] buffers live at once (gathered rows and the grouped matmul's output, | + N_p·D·4          |
-|               | then that output and its tile-view relayout); XLA's unfused FFN also holds |                    |
-|               | its activations; the f32 sums of the N_p tokens                            |                    |
+|               | [M, D] buffers live at once (the gathered rows, the grouped matmul's        | + N_p·D·4          |
+|               | output); XLA's unfused FFN also holds its activations; the f32 sums of the |                    |
+|               | N_p tokens                                                                 |                    |
 
 (w: a stacked weight's bytes on the device, G layer groups, E_l local experts, D hidden, F expert FFN, S sequence
 rows per rank, V_l the vocabulary on the device, N_p the step's gathered tokens padded to the EP size.)
@@ -110,9 +110,9 @@ def sampling(plan: ServingPlan, config: Config, shape: StepShape) -> float:
 
 def moe_rows(plan: ServingPlan, config: Config, shape: StepShape) -> float:
     """Bytes of one MoE layer's row buffers (the table's last row): two [M, D] bf16 buffers of the M = N_p·k routed
-    rows live at once (the rows gathered in expert order and the grouped matmul's output; then that output and its
-    relayout into the combine's tile view), and the f32 sums of the N_p tokens; an MoE kernel that does not fuse
-    its FFN (XLA's) also holds the activations."""
+    rows live at once (the rows gathered in expert order and the grouped matmul's output, which the combine reads),
+    and the f32 sums of the N_p tokens; an MoE kernel that does not fuse its FFN (XLA's) also holds the
+    activations."""
     n, _, _ = sizes(plan)
     cfg = config
     N = plan.dp * shape.tokens

@@ -189,7 +189,7 @@ def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, f
 
     @pl.when((f == nf - 1) & last)
     def _write():
-        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype).reshape(y_ref.shape)  # [tm, D] into the rows' tile view
 
 
 def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=None, *, interpret=None,
@@ -277,6 +277,10 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
                      pl.BlockSpec((None, F // b, D), lambda v, f, tile, expert, *_: (expert[v], 0, 0))]
         args += [sgu, sgu, sd]
         scratch = [pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((D, tf), x.dtype), pltpu.VMEM((tf, D), x.dtype), *scratch]
+    # y is written as [rows, D/128, 128] (each row whole 8 x 128 tiles): the view the Pallas combine DMAs rows
+    # from (`permute_pallas.row_view`), so the reshape to [N, D] here and back there cancel; written [N, D], XLA
+    # relaid the grouped matmul's output out between them every layer (TPU7x, 2 passes over the routed rows)
+    view = (D // 128, 128) if D % 128 == 0 else (1, D)
     est = vmem_bytes(tm, tf, D, F, x_bytes, w_bytes, fp8_block if fp8 else None)
     # for XLA's scheduler: each row through its expert once (masked rows of straddled tiles not counted); bytes
     # 0: XLA's cost analysis already counts a custom call's operand and result bytes, and adds these
@@ -285,15 +289,15 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
         functools.partial(_ffn_kernel, tm=tm, fp8_block=fp8_block if fp8 else None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(plan), grid=(plan[0].shape[0], nf), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, D), rows_map), scratch_shapes=scratch),
+            out_specs=pl.BlockSpec((tm, *view), lambda v, f, tile, *_: (tile[v], 0, 0)), scratch_shapes=scratch),
         out_shape=out_shape,
         cost_estimate=cost,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est)))),
         interpret=interpret,
     )
-    y = run_pallas(make_call, out_struct((T * tm, D), x.dtype, *plan, *args), interpret, *plan, *args)
-    return y[:N]
+    y = run_pallas(make_call, out_struct((T * tm, *view), x.dtype, *plan, *args), interpret, *plan, *args)
+    return y[:N].reshape(N, D)
 
 
 moe_pallas.reads_stacked = True  # takes `LayerOf` views: the layer scan hands it the stacks (model.moe)

@@ -198,7 +198,9 @@ def _compile_moe_for_tpu7x(rows: int, fp8: bool) -> int:
         wd = BlockFP8(S((E, Fm, Dm), jnp.float8_e4m3fn), S((E, Fm // b, Dm // b), jnp.float32))
     else:
         wgu, wd = S((E, Dm, 2 * Fm), jnp.bfloat16), S((E, Fm, Dm), jnp.bfloat16)  # gate|up fused: no relayout
-    fn = jax.jit(functools.partial(moe_pallas, fp8_block=b if fp8 else None, interpret=False))
+    kernel = functools.partial(moe_pallas, fp8_block=b if fp8 else None, interpret=False)
+    # as the combine reads y: in its rows' tile view [rows, D/128, 128], the kernel's own output (no relayout)
+    fn = jax.jit(lambda *a, **k: kernel(*a, **k).reshape(rows, Dm // 128, 128))
     compiled = fn.lower(S((rows, Dm), jnp.bfloat16), S((G397,), jnp.int32), wgu, wd,
                         group_offset=S((), jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes
