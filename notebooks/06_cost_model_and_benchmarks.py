@@ -128,11 +128,12 @@ assert max(t_baseline.breakdown, key=t_baseline.breakdown.get) == "attn_core", t
 # <details><summary><b>Pop quiz.</b> Of the ladder's five steps after the baseline (`dp_ep`, `replicate`,
 # `fused_ag`, `hier_rs`, `kernels`), which should gain the most?</summary>
 #
-# `kernels`. Section 2 found XLA's attention and its expert-weight reads the largest parts of the baseline's step,
-# and only the kernels change them: the Pallas grouped matmul reads each touched expert once, in place, in FP8, and
-# the ragged attention reads each sequence's own pages. The layout step gains too (with data-parallel attention a
-# device attends for its own rank's tokens only); the collective steps change traffic that is a small part of a
-# step at 512 requests, so they gain little. The first cell prints every step's gain on both workloads.
+# `kernels`. Section 2 found this library's XLA attention and its expert-weight reads the largest parts of the
+# baseline's step, and the kernels change both: the Pallas grouped matmul reads each touched expert once, in place,
+# in FP8, and the ragged attention reads each sequence's own pages. The layout step gains too (with data-parallel
+# attention a device reads its own requests' KV, not a replicated head of every request's); the collective steps
+# change traffic that is a small part of a step at 512 requests, so they gain little. The first cell prints every
+# step's gain on both workloads.
 # </details>
 #
 # **Predict.** `costmodel.ladder` runs the scheduler simulation (prefill chunks interleaved with decodes, a token
@@ -180,10 +181,18 @@ plot_ladder_savings(savings)
 steps = {wl: {st: sum(savings[st][wl]["saved_ms_per_1k_tokens"].values()) for st in savings} for wl in ("8k/1k",
                                                                                                      "1k/8k")}
 left = {wl: savings["kernels"][wl]["previous_ms_per_1k_tokens_total"] for wl in steps}  # what hier_rs still costs
-notebook.claim_largest("dp_ep_saves_most_ms_8k1k", "on 8k/1k the layout step (`dp_ep`) saves the most milliseconds, "
-                       "{dp_ep:.0f} of the ladder's {whole:.0f} per 1,000 tokens; the `kernels` step saves "
-                       "{kernels:.0f} of the {left:.0f} that are left", steps["8k/1k"], "dp_ep",
-                       whole=sum(steps["8k/1k"].values()), left=left["8k/1k"])
+layout_kernels = {wl: (steps[wl]["dp_ep"] + steps[wl]["kernels"]) / sum(steps[wl].values()) for wl in steps}
+notebook.claim("layout_and_kernels_save_most", "the layout step (`dp_ep`) and the `kernels` step save "
+               "{s8:.0%} of the milliseconds the ladder saves on 8k/1k ({d8:.0f} and {k8:.0f} of {w8:.0f} per 1,000 "
+               "tokens) and {s1:.0%} on 1k/8k ({d1:.0f} and {k1:.0f} of {w1:.0f}); the three collective steps change "
+               "traffic that is a small part of a step at 512 requests",
+               all(v > 0.9 for v in layout_kernels.values()), "(dp_ep + kernels) / all steps > 0.9, both workloads",
+               s8=layout_kernels["8k/1k"], d8=steps["8k/1k"]["dp_ep"], k8=steps["8k/1k"]["kernels"],
+               w8=sum(steps["8k/1k"].values()), s1=layout_kernels["1k/8k"], d1=steps["1k/8k"]["dp_ep"],
+               k1=steps["1k/8k"]["kernels"], w1=sum(steps["1k/8k"].values()))
+notebook.claim_largest("dp_ep_step_attention_8k1k", "inside the layout step, on 8k/1k, attention saves the most: "
+                       "{attention:.0f} ms per 1,000 tokens (the MoE {moe:.0f})",
+                       savings["dp_ep"]["8k/1k"]["saved_ms_per_1k_tokens"], "attention")
 notebook.claim_largest("kernels_step_saves_most_1k8k", "on 1k/8k the `kernels` step saves the most milliseconds, "
                        "{kernels:.0f} of the ladder's {whole:.0f} per 1,000 tokens; the layout step {dp_ep:.0f}",
                        steps["1k/8k"], "kernels", whole=sum(steps["1k/8k"].values()))
@@ -194,8 +203,11 @@ notebook.claim("kernels_gain_largest", "gains multiply, and in ratio the `kernel
                "kernels has the largest step gain, both workloads", k8=step_gain["8k/1k"]["kernels"],
                d8=step_gain["8k/1k"]["dp_ep"], k1=step_gain["1k/8k"]["kernels"], d1=step_gain["1k/8k"]["dp_ep"])
 inside = {wl: savings["kernels"][wl]["saved_ms_per_1k_tokens"] for wl in steps}
-notebook.claim_largest("kernels_step_attention_8k1k", "inside it, on 8k/1k, attention saves the most: "
-                       "{attention:.0f} ms per 1,000 tokens (the MoE {moe:.0f})", inside["8k/1k"], "attention")
+attn_moe = (inside["8k/1k"]["attention"] + inside["8k/1k"]["moe"]) / sum(inside["8k/1k"].values())
+notebook.claim("kernels_step_attention_moe_8k1k", "inside the `kernels` step, on 8k/1k, attention and the MoE save "
+               "{share:.0%} of its milliseconds: {attention:.0f} and {moe:.0f} per 1,000 tokens", attn_moe > 0.9,
+               "(attention + moe) / the step's saving > 0.9", share=attn_moe, attention=inside["8k/1k"]["attention"],
+               moe=inside["8k/1k"]["moe"])
 notebook.claim_largest("kernels_step_moe_1k8k", "inside it, on 1k/8k, the MoE saves the most: {moe:.0f} ms per "
                        "1,000 tokens (attention {attention:.0f})", inside["1k/8k"], "moe")
 
@@ -214,10 +226,9 @@ assert all(0 < r["fraction_of_roofline"] <= 1 for r in rows) and all(v > 1 for v
 google = {r["workload"]: r["vs_google_baseline"] for r in rows if r["stage"] == "kernels" and "vs_google_baseline" in r}
 print("predicted end-to-end:", {w: f"x{v:.2f} over our baseline, x{google.get(w, float('nan')):.2f} over "
                                 f"google_baseline (reported x{reported[w]})" for w, v in final.items()})
-assert all(v < 1 for v in google.values()), google  # slower than tpu-inference's TP8: the engine's copies
-notebook.claim("below_google_baseline", "the final stage is slower than tpu-inference's TP8 with its own Pallas "
-               "kernels (`google_baseline`): {prefill:.2f}x its throughput on 8k/1k, {decode:.2f}x on 1k/8k",
-               all(v < 1 for v in google.values()), "kernels / google_baseline < 1 on both",
+notebook.claim("above_google_baseline", "the final stage is faster than tpu-inference's TP8 layout with the same "
+               "Pallas kernels (`google_baseline`, priced in the same engine): {prefill:.2f}x its throughput on 8k/1k, "
+               "{decode:.2f}x on 1k/8k", all(v > 1 for v in google.values()), "kernels / google_baseline > 1 on both",
                prefill=google["8k/1k"], decode=google["1k/8k"])
 notebook.claim("above_reported", "against this library's XLA baseline the model's end-to-end gain is larger than "
                "the reported one on both workloads: {p:.1f}x against {rp}x on 8k/1k, {d:.1f}x against {rd}x on 1k/8k",
@@ -226,16 +237,15 @@ notebook.claim("above_reported", "against this library's XLA baseline the model'
 
 # %% [markdown]
 # **Why the predictions differ from the reported gains.** Read the breakdown: the model's `baseline` is *our*
-# TP8 XLA path, as its TPU7x compile moves bytes: its largest costs are XLA's attention (the longest context read
-# for every token) and the routed experts (each layer group's FP8 expert weights copied out of the scanned stack,
-# relaid out and dequantized before the matmul reads them). So the ratio depends on how costly the baseline's XLA
-# code is. Against `google_baseline` (tpu-inference's TP8 with its own Pallas kernels) the final stage is *slower*:
-# tpu-inference keeps a cache array per layer and updates it in place, where this engine's layer scan copies every
-# layer's cache pools out of the stacked cache and back on every step (`cache_copies`), and its MoE layer writes
-# and reads the routed rows once where this library's moves them several times over (`permute`); both read off the
-# compiles (section 5). The printout above gives both ratios. The labelled serving mechanisms of
-# `data/costmodel_assumptions.json` (ranks stepping in lockstep, expert imbalance, host time per step, overlap,
-# kernel efficiency at serving shapes; each with its source and range) are in every prediction here;
+# TP8 on this library's XLA path, as its TPU7x compile moves bytes: its largest costs are its attention (the KV
+# pages gathered and converted to float32, about 32 bytes for every FP8 value, up to the batch's longest context)
+# and the routed experts (each layer group's FP8 expert weights copied out of the scanned stack, relaid out and
+# dequantized before the matmul reads them). So the end-to-end ratio depends on how costly the baseline's XLA code
+# is; section 3 splits it into what the kernels buy under TP and what the layout buys with the kernels held, and
+# sets the reported gains between the two. Every stage and every corner is priced in this library's engine (one
+# engine: no cache copies, the compiled permutes), so a ratio is the change it names. The labelled serving
+# mechanisms of `data/costmodel_assumptions.json` (ranks stepping in lockstep, expert imbalance, host time per step,
+# overlap, kernel efficiency at serving shapes; each with its source and range) are in every prediction here;
 # `python -m qwen35_lib.costmodel predict --explain` prints them per component.
 #
 # ### What each change buys, attributed
@@ -258,7 +268,8 @@ notebook.claim("above_reported", "against this library's XLA baseline the model'
 import qwen35_lib
 from qwen35_lib.costmodel import attribution as attr
 
-att = attr.attribution(predictions={(r["stage"], r["workload"]): r for r in rows})
+corner_made = {(r["stage"], r["workload"]): r for r in rows}  # the ladder's; attribution adds google_baseline's
+att = attr.attribution(predictions=corner_made)
 print(attr.attribution_table(att))
 from qwen35_lib.costmodel.step import OTHER_ENGINE  # the plans priced as tpu-inference's engine runs them
 
@@ -268,9 +279,12 @@ print("priced in:", engines)
 # %% [markdown]
 # **Check.** On both workloads, under either layout, the kernels buy more than the layout does with either kernel
 # family, and more than all the collective steps together: most of the end-to-end log-gain is the kernels'. What
-# the layout buys depends on the kernels and the workload (printed above): under token replication this library's
-# MoE layer permutes all the slice's routed rows on every device (more passes over them than production's two, as
-# compiled: the fact `kernels_moe_permute_passes`), so the layout buys less with the Pallas kernels than with XLA's.
+# the layout buys depends on the kernels: with this library's XLA path it also saves most of what XLA's attention
+# pays for reading the replicated KV heads, which the ragged kernel no longer pays, so it buys less with the Pallas
+# kernels; with them on both sides it still gains (each device reads its own requests' KV once instead of a
+# replicated head of every request), less what this library's MoE layer spends permuting all the slice's routed rows
+# on every device under token replication (more passes over them than production's two, as compiled: the fact
+# `kernels_moe_permute_passes`).
 # Of the collective steps, token replication (over the all-to-all dispatch) buys the most. The DP + EP layout is
 # also what makes the step fit at the serving shape: the TP baseline's compile is refused (section 5 and notebook
 # 01).
@@ -312,6 +326,98 @@ notebook.claim("tp_pallas_recovers_most", "TP8 with Pallas kernels alone (`googl
                "0.5 < kernels_under_tp / end_to_end < 1, both", t8=a8["kernels_under_tp"],
                e8=a8["end_to_end"], r8=a8["kernels_under_tp"] / a8["end_to_end"], t1=a1["kernels_under_tp"],
                e1=a1["end_to_end"], r1=a1["kernels_under_tp"] / a1["end_to_end"])
+
+# %% [markdown]
+# ### The headline, component by component
+#
+# <details><summary><b>Pop quiz.</b> The 2 x 2's two routes from `baseline` to `kernels` meet: the end-to-end gain
+# is what the kernels buy under TP times what the layout buys with the kernels held (`kernels_under_tp` x
+# `layout_with_pallas`). A ladder measured from a TP8 baseline that already runs Pallas kernels keeps which
+# factor?</summary>
+#
+# Only the second, the layout's (with the collective steps inside it): the first is what that baseline has already
+# taken. The cell below prints both factors beside the reported gains, and what the first is made of.
+# </details>
+#
+# **Compute.** Milliseconds per 1,000 tokens by part of the step, for the three corners the answer needs:
+# `baseline` (TP8, this library's XLA path), `google_baseline` (TP8 with the Pallas kernels) and `kernels`. The
+# baseline's time minus `google_baseline`'s is what this library's XLA path pays that the Pallas kernels do not, at
+# the same layout; `google_baseline`'s minus `kernels`' what the layout and the collective steps buy on top. The
+# facts the XLA path is priced with, each read off its TPU7x compile (`data/costmodel_hardware.json`), are printed
+# with them.
+
+# %%
+PARTS = {"attention": ("attn_core",), "experts": ("routed_experts",),
+         "dense": ("attn_proj", "gdn_proj", "shared_expert", "router"), "gdn": ("gdn_core",),
+         "permutes": ("permute", "onehot_permute", "moe_rows"),
+         "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
+         "rest": ("norms", "embed_lm_head", "host", "cache_copies")}
+
+
+def parts_ms(p):
+    """Milliseconds per 1,000 tokens of each part of PARTS; they add up to one over the throughput."""
+    f, rate = p["breakdown_fraction"], p["total_tokens_per_s"]
+    assert set(f) <= {c for cs in PARTS.values() for c in cs}, sorted(f)
+    return {name: 1e6 * sum(f.get(c, 0.0) for c in cs) / rate for name, cs in PARTS.items()}
+
+
+from qwen35_lib import data
+
+corner_ms = {wl: {st: parts_ms(corner_made[st, wl]) for st in ("baseline", "google_baseline", "hier_rs", "kernels")}
+             for wl in ("8k/1k", "1k/8k")}
+xla_pays = {wl: {n: round(c["baseline"][n] - c["google_baseline"][n], 9) + 0.0 for n in PARTS}  # -0.0 as 0.0
+            for wl, c in corner_ms.items()}
+facts = {k: data.read_json("costmodel_hardware.json")["kernels"][k]["value"]
+         for k in ("xla_tpu_paged_attention_bytes", "xla_tpu_fp8_expert_bytes", "xla_tpu_gdn_state_passes",
+                   "xla_weight_passes", "pallas_dense_weight_passes", "kernels_moe_permute_passes")}
+for wl, c in corner_ms.items():
+    print(f"{wl}, ms per 1,000 tokens: " + "".join(f"{st:>16}" for st in c) + "   XLA path pays")
+    for n in PARTS:
+        print(f"  {n:<22}" + "".join(f"{c[st][n]:>16.2f}" for st in c) + f"{xla_pays[wl][n]:>16.2f}")
+    print(f"  {'total':<22}" + "".join(f"{sum(c[st].values()):>16.2f}" for st in c)
+          + f"{sum(xla_pays[wl].values()):>16.2f}")
+    print(f"  end to end x{att[wl]['end_to_end']:.2f} = kernels under TP x{att[wl]['kernels_under_tp']:.2f} x layout "
+          f"with Pallas x{att[wl]['layout_with_pallas']:.2f}; reported x{reported[wl]}")
+print("facts (XLA path, per the TPU7x compiles):", facts)
+
+# %% [markdown]
+# **Check.** The reported gains lie between the two factors: above what the layout and the collective steps buy
+# with the kernels held, below what the whole ladder buys over this library's XLA baseline. Most of the baseline's
+# time is what its XLA path pays beyond the Pallas kernels, and its attention is the largest part of that on both
+# workloads: it gathers each page and converts every FP8 value to float32 before it scores (the fact
+# `xla_tpu_paged_attention_bytes`), up to the batch's longest context, where the ragged kernel reads each
+# sequence's own pages once in FP8. The routed experts come next: about `xla_tpu_fp8_expert_bytes` bytes of HBM
+# traffic for each FP8 parameter against one. Under TP the dense projections cost the same in both corners (the
+# Pallas dense kernel runs where a device holds whole heads, under DP). The layout's own saving on attention is
+# larger on this library's XLA path than with the kernels, which already read each KV value once.
+
+# %%
+gap = {wl: sum(v.values()) for wl, v in xla_pays.items()}
+base_total = {wl: sum(c["baseline"].values()) for wl, c in corner_ms.items()}
+notebook.claim("reported_between", "the reported gains lie between the two factors of the ladder's: above what the "
+               "layout and collective steps buy with the Pallas kernels held ({lp8:.2f}x on 8k/1k, {lp1:.2f}x on "
+               "1k/8k) and below the whole ladder over this library's XLA baseline ({e8:.1f}x, {e1:.1f}x), of which "
+               "the kernels under TP are {kt8:.1f}x and {kt1:.1f}x",
+               all(att[wl]["layout_with_pallas"] < reported[wl] < att[wl]["end_to_end"] for wl in reported),
+               "layout_with_pallas < reported < end_to_end, both workloads", lp8=a8["layout_with_pallas"],
+               lp1=a1["layout_with_pallas"], e8=a8["end_to_end"], e1=a1["end_to_end"], kt8=a8["kernels_under_tp"],
+               kt1=a1["kernels_under_tp"])
+for wl, tag in (("8k/1k", "8k1k"), ("1k/8k", "1k8k")):
+    notebook.claim(f"xla_path_attention_{tag}", "on {wl} this library's XLA path costs the TP baseline {gap:.0f} of "
+                   "its {total:.0f} ms per 1,000 tokens beyond the Pallas kernels at the same layout, and attention is "
+                   "the largest part of it: {attention:.0f} ms (the routed experts {experts:.0f}, GDN's state "
+                   "{gdn:.0f}, the permutes {permutes:.1f}, the dense projections {dense:.1f})",
+                   gap[wl] > base_total[wl] / 2 and max(xla_pays[wl], key=xla_pays[wl].get) == "attention",
+                   "gap > half the baseline's time; attention is its largest part", wl=wl, gap=gap[wl],
+                   total=base_total[wl], **xla_pays[wl])
+layout_attn = {wl: dict(xla=c["baseline"]["attention"] - c["hier_rs"]["attention"],
+                       pallas=c["google_baseline"]["attention"] - c["kernels"]["attention"])
+               for wl, c in corner_ms.items()}
+notebook.claim("layout_attention_xla_more", "the layout saves more attention time on this library's XLA path than "
+               "with the Pallas kernels: {x8:.0f} against {p8:.1f} ms per 1,000 tokens on 8k/1k, {x1:.0f} against "
+               "{p1:.1f} on 1k/8k", all(v["xla"] > v["pallas"] > 0 for v in layout_attn.values()),
+               "xla > pallas > 0, both workloads", x8=layout_attn["8k/1k"]["xla"], p8=layout_attn["8k/1k"]["pallas"],
+               x1=layout_attn["1k/8k"]["xla"], p1=layout_attn["1k/8k"]["pallas"])
 
 # %% [markdown]
 # ## 4. Validation (a): the real engine on this CPU
@@ -493,7 +599,8 @@ assert max(fit_table, key=lambda st: fit_table[st]["decode"]["headroom_bytes"] o
 # every op's operands and result, loops times their trips. `costmodel.compiled.compare` sets the model's bytes for
 # the same work beside it (a Pallas stage's around its Mosaic calls, which the text counts by their operands) and XLA's
 # FLOPs beside the model's. Where the compiled code moves more than the arithmetic, the model charges what the
-# compile moves, read off these texts: the engine's cache-pool copies, XLA's FP8 experts, attention and GDN state
+# compile moves, read off these texts: XLA's FP8 experts, attention, GDN state and dense projections, the Pallas
+# stage's permutes
 # (`data/costmodel_hardware.json`, each fact with its ops).
 
 # %%
@@ -503,16 +610,23 @@ byte_rows = cm_compiled.compare(stored)
 print(cm_compiled.table(byte_rows))
 
 # %% [markdown]
-# **Check.** Every stage's decode bytes are within the tolerance issue 30 set (`DECODE_BYTES_TOLERANCE`, printed) of
-# its compile's, and the DP stages' FLOPs within `FLOPS_TOLERANCE` (the TP baseline's FLOPs fall short of XLA's, not
-# yet explained: the table). The mixed steps compiled with their texts agree less on bytes.
+# **Check.** Every XLA stage's decode bytes are within the tolerance issue 30 set (`DECODE_BYTES_TOLERANCE`,
+# printed) of its compile's, and the DP stages' FLOPs within `FLOPS_TOLERANCE` (the TP baseline's FLOPs fall short of
+# XLA's, not yet explained: the table). The `kernels` stage's decode is not: since its projections are Mosaic calls
+# too, what XLA compiles around its kernels is glue the model does not price (the GDN's conv, gates and norms, the
+# MoE's routing and top-k, relayouts outside the blocks, sampling), so its text moves more than the model's bytes
+# (`costmodel.compiled`'s doc; a strict xfail in the tests, which this cell mirrors). The mixed steps compiled with
+# their texts agree less on bytes.
 
 # %%
 FLOPS_TOLERANCE = 0.05
 print(f"tolerances: decode bytes {cm_compiled.DECODE_BYTES_TOLERANCE:.0%}, FLOPs {FLOPS_TOLERANCE:.0%}")
 decode_rows = [r for r in byte_rows if r["step"] == "decode"]
 assert {r["stage"] for r in decode_rows} == set(STAGES)
-assert all(abs(r["bytes_ratio"] - 1) <= cm_compiled.DECODE_BYTES_TOLERANCE for r in decode_rows), decode_rows
+UNPRICED = {"kernels"}  # the XLA glue around its Mosaic calls: the model's bytes below the text's, not within
+assert all(abs(r["bytes_ratio"] - 1) <= cm_compiled.DECODE_BYTES_TOLERANCE for r in decode_rows
+           if r["stage"] not in UNPRICED), decode_rows
+assert all(r["bytes_ratio"] < 1 - cm_compiled.DECODE_BYTES_TOLERANCE for r in decode_rows if r["stage"] in UNPRICED)
 assert all(abs(r["flops_ratio"] - 1) <= FLOPS_TOLERANCE for r in byte_rows if r["stage"] != "baseline"), byte_rows
 
 # %% [markdown]
@@ -586,8 +700,9 @@ first = min((r for r in pub if r["acceptance"]), key=lambda r: r["concurrency"])
 kernels_vs_3050 = dict(concurrency=first["concurrency"], ratio=first["ratio_kernels"])
 notebook.claim_greater("kernels_is_not_3050", "that error judges `tpu_inference_3050`, not our `kernels` stage, "
                        "which at {c} requests predicts {kernels:.2f}x #3050's measured throughput (this library's "
-                       "MoE layer and collectives), against {measured_plan:.2f}x for the plan #3050 ran",
-                       measured_plan=first[f"ratio_{M}"], kernels=first["ratio_kernels"], c=first["concurrency"])
+                       "MoE layer and collectives), more than the {measured_plan:.2f}x of the plan #3050 ran: no "
+                       "measurement judges that margin", kernels=first["ratio_kernels"],
+                       measured_plan=first[f"ratio_{M}"], c=first["concurrency"])
 
 # %% [markdown]
 # ## 7. Sensitivity to the labelled assumptions
@@ -641,6 +756,9 @@ record = dict(ladder=[{k: r[k] for k in keep} for r in rows], reported=reported,
                                     for r in pub],
               sensitivity=sweeps, cpu_specs=cpu, sweep=fit_table, model_error=model_error,
               kernels_vs_3050=kernels_vs_3050, attribution=att, cpu_check=cpu_check, engines=engines,
+              corner_ms=corner_ms, xla_pays=xla_pays, xla_facts=facts,
+              corner_total={wl: {st: sum(v.values()) for st, v in c.items()} for wl, c in corner_ms.items()},
+              xla_pays_total=gap,
               savings={st: {wl: dict(saved_ms_per_1k_tokens=g[wl]["saved_ms_per_1k_tokens"], gain=g[wl]["gain"])
                             for wl in ("8k/1k", "1k/8k")} for st, g in savings.items()},
               reported_source=ladder_claim["source"])
@@ -649,22 +767,23 @@ notebook.save_results("costmodel", record)
 # %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
 # <b>Takeaway.</b> At 512 concurrent requests every local expert is hit, so what decides is how many bytes each
-# expert parameter and each KV value cost: the Pallas kernels read the FP8 weight and each sequence's pages once,
-# in place, where XLA's compiled code copies, relays out and converts them first. That carries most of the
-# predicted gain under either layout; the layout and the collectives add gains of their own. What is left in the
-# final stage is this engine's own: its layer scan copies every layer's cache pools each step, which a cache array
-# per layer (tpu-inference's) would not. The model's error against the published numbers is the ratio section 6
+# expert parameter and each KV value cost: the Pallas kernels read the FP8 weight and each sequence's pages once, in
+# place, where this library's XLA path, as compiled, copies, relays out and converts them first. That carries most
+# of the predicted gain under either layout; the layout and the collectives add gains of their own, and with the
+# kernels on both sides the layout still gains (the claim `layout_gains_with_pallas`). The end-to-end ratio is as
+# large as this library's XLA baseline is slow: the reported gains lie between the layout's factor and the whole
+# ladder's (the claim `reported_between`). The model's error against the published numbers is the ratio section 6
 # prints.
 # </div>
 #
 # ## What we learned
 #
-# - Find the step's largest read first, as the compile has it, not as the arithmetic says: XLA's attention and
-#   FP8 experts move 20 to 30 bytes for every byte they need, and the engine's layer scan copies its cache pools.
-#   How the kernels read expert weights and pages (once, in place, in FP8) decides more than any layout.
+# - Find the step's largest read first, as the compile has it, not as the arithmetic says: this library's XLA
+#   attention and FP8 experts move 20 to 30 bytes for every byte they need (the facts printed in section 3). How
+#   the kernels read expert weights and pages (once, in place, in FP8) decides more than any layout.
 # - Price each change with the others held: a ladder's step gains depend on its order. The 2 x 2 of layout and
 #   kernels separates what each buys: here the layout is worth more with this library's XLA path than with the
-#   Pallas kernels, and with Pallas kernels on both sides it loses throughput (the claims of section 3).
+#   Pallas kernels, and with Pallas kernels on both sides it still gains (the claims of section 3).
 # - A gain is a ratio, and its denominator matters: against a baseline that already runs Pallas kernels the same
 #   final stage gains far less.
 # - A cost model is trusted by being checked against independent evidence (the engine on this CPU, XLA's counts
