@@ -161,7 +161,7 @@ plt.show()
 # **Check.** Along the predicted curve throughput and time per output token both rise with concurrency: the
 # trade a production setting chooses on. The published points are judged against the plan they ran
 # (`tpu_inference_3050`, chapter 6), not against our `kernels` stage, whose MoE layer is this library's: the claims
-# below say how far each curve is from them.
+# below say how far each curve is from them, and that ours lies above the plan the published runs used.
 
 # %%
 tput = [curve[c]["total_tokens_per_s"] for c in CONCURRENCY]
@@ -175,13 +175,15 @@ notebook.claim("throughput_and_latency_rise", "from {lo} to {hi} concurrent requ
                l0=tpot[0] * 1e3, l1=tpot[-1] * 1e3)
 ours = [curve[m["concurrency"]]["total_tokens_per_s"] / m["total_tokens_per_s"] for m in measured]
 theirs = [curve_3050[m["concurrency"]]["total_tokens_per_s"] / m["total_tokens_per_s"] for m in measured]
-notebook.claim("kernels_below_published", "our `kernels` stage predicts {lo:.2f}x to {hi:.2f}x the published "
-               "throughput at the same concurrency: it prices this library's MoE layer and collectives, not "
-               "production's", max(ours) < 1, "every kernels / measured < 1", lo=min(ours), hi=max(ours))
-notebook.claim("published_between_curves", "each published point lies between the two predicted curves: the plan "
-               "the published runs used, {plan}, predicts {lo:.2f}x to {hi:.2f}x of it, above, where our `kernels` "
-               "stage is below", all(o < 1 < t for o, t in zip(ours, theirs)), "kernels ratio < 1 < 3050 ratio at "
-               "every point", plan=M, lo=min(theirs), hi=max(theirs))
+notebook.claim("kernels_above_3050_curve", "our `kernels` stage predicts {lo:.2f}x to {hi:.2f}x the published "
+               "throughput at the same concurrency, more than the plan the published runs used ({plan}, "
+               "{lo_3050:.2f}x to {hi_3050:.2f}x) at every point: it prices this library's MoE layer and "
+               "collectives, not production's, and no measurement judges that margin",
+               all(o > t for o, t in zip(ours, theirs)), "kernels ratio > 3050 ratio at every point", lo=min(ours),
+               hi=max(ours), plan=M, lo_3050=min(theirs), hi_3050=max(theirs))
+notebook.claim_within("plan_3050_within_25", "the plan the published runs used predicts {worst:.2f}x the published "
+                      "point it misses most, within a quarter either way", 0.8, 1.25,
+                      worst=max(theirs, key=lambda t: abs(t - 1)))
 
 # %% [markdown]
 # ## 3. Benchmarking a real server
