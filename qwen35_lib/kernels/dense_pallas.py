@@ -44,8 +44,10 @@ def _divisor(n: int, at_most: int, multiple: int = 1) -> int:
     return n
 
 
-def _in_kernel(layer_ref, x_ref, w_ref, y_ref, acc_ref, *, heads: int, n: int):
-    # x [tm, tk]; w [ha, tk, N]; y / acc [tm, ha*N]
+def _kernel(layer_ref, x_ref, w_ref, y_ref, acc_ref, *, heads: int, width: int, per_head: bool):
+    """One (row tile, output tile, reduction step): acc += the block's heads' dots; rounded into y at the last step.
+    per_head (in): x [tm, tk] @ w[h] [tk, N] into acc [tm, ha*N] at h*N; else (out): x [tm, ha*K] at h*K @ w[h]
+    [K, tn], summed into acc [tm, tn]."""
     r = pl.program_id(2)
 
     @pl.when(r == 0)
@@ -54,24 +56,12 @@ def _in_kernel(layer_ref, x_ref, w_ref, y_ref, acc_ref, *, heads: int, n: int):
 
     x = x_ref[...]
     for h in range(heads):
-        acc_ref[:, h * n:(h + 1) * n] += jnp.dot(x, w_ref[h].astype(x.dtype), preferred_element_type=jnp.float32)
-
-    @pl.when(r == pl.num_programs(2) - 1)
-    def _write():
-        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
-
-
-def _out_kernel(layer_ref, x_ref, w_ref, y_ref, acc_ref, *, heads: int, k: int):
-    # x [tm, ha*K]; w [ha, K, tn]; y / acc [tm, tn]
-    r = pl.program_id(2)
-
-    @pl.when(r == 0)
-    def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    x = x_ref[...]
-    for h in range(heads):
-        acc_ref[...] += jnp.dot(x[:, h * k:(h + 1) * k], w_ref[h].astype(x.dtype), preferred_element_type=jnp.float32)
+        cols = slice(h * width, (h + 1) * width)
+        part = jnp.dot(x if per_head else x[:, cols], w_ref[h].astype(x.dtype), preferred_element_type=jnp.float32)
+        if per_head:
+            acc_ref[:, cols] += part
+        else:
+            acc_ref[...] += part
 
     @pl.when(r == pl.num_programs(2) - 1)
     def _write():
@@ -116,9 +106,9 @@ def project_in(x: jax.Array, stack: jax.Array, layer: jax.Array, *, interpret: b
     in_specs = [pl.BlockSpec((tm, tk), lambda i, j, r, layer: (i, r)),
                 pl.BlockSpec((None, None, ha, tk, tn), w_map)]
     out_spec = pl.BlockSpec((tm, ha * tn), lambda i, j, r, layer: (i, j))
-    y = _call(functools.partial(_in_kernel, heads=ha, n=tn), (tiles, A // ha * nt, K // tk), in_specs, out_spec,
-              (tiles * tm, A * N), [pltpu.VMEM((tm, ha * tn), jnp.float32)], layer, (xp, stack),
-              2 * M * K * A * N, interpret)
+    kernel = functools.partial(_kernel, heads=ha, width=tn, per_head=True)
+    y = _call(kernel, (tiles, A // ha * nt, K // tk), in_specs, out_spec, (tiles * tm, A * N),
+              [pltpu.VMEM((tm, ha * tn), jnp.float32)], layer, (xp, stack), 2 * M * K * A * N, interpret)
     return y[:M]
 
 
@@ -136,9 +126,9 @@ def project_out(x: jax.Array, stack: jax.Array, layer: jax.Array, *, interpret: 
     in_specs = [pl.BlockSpec((tm, ha * K), lambda i, j, r, layer: (i, r)),
                 pl.BlockSpec((None, None, ha, K, tn), w_map)]
     out_spec = pl.BlockSpec((tm, tn), lambda i, j, r, layer: (i, j))
-    y = _call(functools.partial(_out_kernel, heads=ha, k=K), (tiles, N // tn, A // ha), in_specs, out_spec,
-              (tiles * tm, N), [pltpu.VMEM((tm, tn), jnp.float32)], layer, (xp, stack),
-              2 * M * A * K * N, interpret)
+    kernel = functools.partial(_kernel, heads=ha, width=K, per_head=False)
+    y = _call(kernel, (tiles, N // tn, A // ha), in_specs, out_spec, (tiles * tm, N),
+              [pltpu.VMEM((tm, tn), jnp.float32)], layer, (xp, stack), 2 * M * A * K * N, interpret)
     return y[:M]
 
 
