@@ -471,6 +471,14 @@ for step in ("8k/1k decode", "8k/1k mixed"):
     assert stored["stages"]["dp_ep"]["steps"][step]["weight_bytes"] > \
         stored["stages"]["baseline"]["steps"][step]["weight_bytes"]  # every dense weight on every device
 assert pools["baseline"]["tokens_per_seq"] < stored["shape"]["context_len"] <= pools["dp_ep"]["tokens_per_seq"]
+base, ep = swept["baseline", "8k/1k decode"], swept["dp_ep", "8k/1k decode"]
+notebook.claim_greater("refusal_not_temporaries", "the baseline's temporaries are not the cause: "
+                       "{base_gib:.2f} GiB a device, fewer than `dp_ep`'s {ep_gib:.2f} GiB", 1.0,
+                       ep_gib=ep["temp_bytes"] / 2**30, base_gib=base["temp_bytes"] / 2**30)
+notebook.claim_greater("refusal_is_the_kv_copy", "what the baseline's decode step is short by, {short_gib:.2f} GiB, is "
+                       "less than the KV cache it holds beyond `dp_ep`'s, {extra_gib:.2f} GiB a device (its replicated "
+                       "KV heads)", 1.0, extra_gib=(base["kv_bytes"] - ep["kv_bytes"]) / 2**30,
+                       short_gib=base["short_bytes"] / 2**30)
 w_swept = stored["stages"]["baseline"]["steps"]["8k/1k decode"]["weight_bytes"]  # placement's arithmetic, too
 assert abs(w_swept - plans["tp8_kvrep"].weight_bytes_per_device) <= 1e-3 * w_swept, w_swept
 

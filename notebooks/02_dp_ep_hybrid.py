@@ -59,8 +59,8 @@ print(gain_table(stages["dp_ep"]))
 # **Check.** Splitting requests pays on both workloads, more on the prefill-heavy one: attention reads each
 # request's KV head once instead of once per copy, and XLA's attention, which reads the longest context for every
 # token (notebook 01), now does so for its own rank's tokens only; prefill steps carry thousands of tokens of
-# attention. Each device also holds only its own rank's cache pools, so whatever the engine pays to copy them
-# (`cache`) does not grow. It does not make the MoE cheaper: under EP a device waits for its most loaded
+# attention. Each device also holds only its own rank's cache pools, updated in place under either layout (`cache`:
+# 0 in both). It does not make the MoE cheaper: under EP a device waits for its most loaded
 # experts, and the eight ranks step in lockstep, each waiting for the busiest (the cost model's `expert_imbalance`
 # and `dp_lockstep` mechanisms), which TP's split of every expert never sees; the all-to-all adds its own time.
 # Decode-heavy steps carry a single new token per request, so the dense weights that every data-parallel device
@@ -70,6 +70,7 @@ print(gain_table(stages["dp_ep"]))
 
 # %%
 g = {wl: stages["dp_ep"][wl] for wl in ("8k/1k", "1k/8k")}
+assert all(g[wl][k]["cache"] == 0 for wl in g for k in ("ms_per_1k_tokens", "previous_ms_per_1k_tokens"))  # in place
 notebook.claim("prefill_gains_more", "splitting requests pays on both workloads and more on the prefill-heavy one: "
                "{prefill:.2f}x on 8k/1k against {decode:.2f}x on 1k/8k",
                g["8k/1k"]["gain"] > g["1k/8k"]["gain"] > 1, "prefill > decode > 1",

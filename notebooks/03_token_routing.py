@@ -370,7 +370,10 @@ for N, row in seconds.items():
 big_step = STEP_TOKENS[-1]
 assert ragged_wire(big_step) < wire(dict(routing="replicate"), big_step)
 assert seconds[big_step]["ragged"] > seconds[big_step]["replicate"]
-assert seconds[STEP_TOKENS[0]]["ragged"] < seconds[STEP_TOKENS[0]]["replicate"]
+small = seconds[STEP_TOKENS[0]]
+notebook.claim_greater("latency_favours_all_to_all", "at a small decode step replication's four collectives a layer "
+                       "cost more than the all-to-all's three: {replicate:.1f} µs against {ragged:.1f} µs at {n} "
+                       "tokens", replicate=small["replicate"] * 1e6, ragged=small["ragged"] * 1e6, n=STEP_TOKENS[0])
 assert all(row["static"] >= row["ragged"] for row in seconds.values())
 serving = seconds[512]  # the decode step at 512 concurrent requests
 assert abs(serving["replicate"] / serving["ragged"] - 1) < 0.1 and serving["replicate"] < serving["static"], serving
