@@ -310,6 +310,11 @@ for N in (512, 8 * 2048):
     static_b = wire(dict(routing="all_to_all"), N)
     assert ragged_wire(N) < rep_b <= static_b, (N, ragged_wire(N), rep_b, static_b)
     assert wire(dict(routing="all_to_all", capacity_factor=1.25), N) == static_b
+notebook.claim("static_as_much_as_replication", "as much as replication: at {n:,} tokens a step the padded dropless "
+               "buffer puts {static:.0f} MiB a layer on a device's links, replication {rep:.0f} MiB, and a capacity "
+               "factor of 1.25 changes nothing", rep_b <= static_b == wire(dict(routing="all_to_all",
+                                                                                 capacity_factor=1.25), N),
+               "replicate <= static == capped static", n=N, static=static_b / 2**20, rep=rep_b / 2**20)
 
 # %% [markdown]
 # ### Per-link load on the ring, and latency
