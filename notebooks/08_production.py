@@ -173,6 +173,12 @@ notebook.claim("throughput_and_latency_rise", "from {lo} to {hi} concurrent requ
                "{l1:.0f} ms", all(a < b for a, b in zip(tput, tput[1:])) and all(a < b for a, b in zip(tpot, tpot[1:])),
                "both rise at every step", lo=CONCURRENCY[0], hi=CONCURRENCY[-1], t0=tput[0], t1=tput[-1],
                l0=tpot[0] * 1e3, l1=tpot[-1] * 1e3)
+doubling = [b / a for a, b in zip(tput, tput[1:])]  # CONCURRENCY doubles at each step
+notebook.claim("doubling_less_than_twice", "each doubling of the concurrency multiplies the throughput by "
+               "{lo:.2f}x to {hi:.2f}x, less than twice: a step shares its weight reads among more tokens but also "
+               "does more work", all(1 < d < 2 for d in doubling)
+               and all(b == 2 * a for a, b in zip(CONCURRENCY, CONCURRENCY[1:])), "1 < each doubling's gain < 2",
+               lo=min(doubling), hi=max(doubling))
 ours = [curve[m["concurrency"]]["total_tokens_per_s"] / m["total_tokens_per_s"] for m in measured]
 theirs = [curve_3050[m["concurrency"]]["total_tokens_per_s"] / m["total_tokens_per_s"] for m in measured]
 notebook.claim("kernels_above_3050_curve", "our `kernels` stage predicts {lo:.2f}x to {hi:.2f}x the published "
