@@ -414,19 +414,19 @@ for n, tokens in first.items():
 #
 # Everything so far was told at 512 concurrent requests. Production does not serve every load one way: tpu-inference's
 # Qwen3.5 sweep runs attention tensor-parallel (`TP8_EP`: the 2 KV heads duplicated, experts over all 8 devices) at
-# 4 and 8 requests, `DP4TP2_EP` at 16 and 32, and `DP8_EP` from 64 on 8k/1k (its `SHARDING_TABLE`, PRs #3079 and
+# concurrency 4 and 8, `DP4TP2_EP` at 16 and 32, and `DP8_EP` from 64 on 8k/1k (its `SHARDING_TABLE`, PRs #3079 and
 # #3116). Why would the layout this chapter built lose at low load?
 #
 # <details><summary><b>Pop quiz.</b> At 4 concurrent decodes, how many times more bytes of attention and GDN weights
 # does `dp8_ep8` read per step than `tp8_ep8`? And at 512, how many times more KV bytes does `tp8_ep8` read?</summary>
 #
-# About 8x: each of the 8 data-parallel devices reads its own whole copy of the dense weights, for only the one or
-# two requests it holds, where tensor parallelism reads one copy split 8 ways. About 4x the other way: tensor
-# parallelism gives each device one of the 2 KV heads of every request (each head is read by 4 devices), data
-# parallelism both heads of an eighth of them.
+# As many times as there are data-parallel devices: each reads its own whole copy of the dense weights, for only the
+# few requests it holds, where tensor parallelism reads one copy split over all of them. The other way, by the KV
+# heads' duplication: tensor parallelism gives each device one KV head of every request (each head read by several
+# devices), data parallelism both heads of its own share of the requests.
 # </details>
 #
-# **Predict.** At low concurrency the step is all weight reads, and `dp8_ep8` pays them 8 times over: tensor
+# **Predict.** At low concurrency the step is all weight reads, and `dp8_ep8` pays them once per device: tensor
 # parallelism should win. As concurrency grows, weights are read once for more tokens, while tensor parallelism's
 # duplicated KV reads and its per-layer all-reduces of activations grow with the tokens: the margin should shrink.
 #
@@ -486,7 +486,7 @@ plt.show()
 
 # %% [markdown]
 # **Explore.** Where each layout's time goes at any concurrency: move the slider (the widget needs a live kernel; the
-# bars printed above it are the same view at 64 requests). `choice.layout_mechanisms` is the function behind both.
+# bars printed above it are the same view at concurrency 64). `choice.layout_mechanisms` is the function behind both.
 
 # %%
 from IPython.display import display
