@@ -27,6 +27,16 @@ assert len(jax.devices()) == 8, jax.devices()
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+from absl import logging as absl_logging  # noqa: E402
+
+# absl's logging handler (jax's) writes to the stream sys.stderr was when it was made, and closes that stream when a
+# logging dictConfig clears the handlers (uvicorn's Config does, in `serve.cli.run` and the test servers) unless it
+# is the current sys.stderr. Made under pytest's capture, it closed the capture's file under a later test that
+# swapped sys.stderr (capsys), and every test after it in the worker errored ("I/O operation on closed file": 2,435
+# errors in a clean-clone make test). On sys.__stderr__ it is never closed; fd capture still collects what it writes.
+absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 import pytest  # noqa: E402
 

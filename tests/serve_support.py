@@ -55,17 +55,6 @@ class Server:
         return httpx.get(self.url + "/health").json()
 
 
-def in_process_config(app):
-    """uvicorn's config for a server inside the test process: its levels, not its logging dictConfig. dictConfig
-    closes every existing handler first (`logging.config._clearExistingHandlers`), and absl's handler closes its
-    stream unless it is the current sys.stderr: after a test with absl logging under pytest's capture, a test with
-    `capsys` then had the capture's file closed under it (every later test of the worker errored, "I/O operation
-    on closed file"). The real server (`serve.cli`) keeps uvicorn's logging."""
-    import uvicorn
-
-    return uvicorn.Config(app, log_level="warning", log_config=None)
-
-
 @contextlib.contextmanager
 def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_compiled=None, step_fn=None):
     import uvicorn
@@ -93,7 +82,7 @@ def running(tok_dir: pathlib.Path, limits=None, warmup=(), background=False, on_
     loop = EngineLoop(engine, warmup=warmup, background=later, on_compiled=on_compiled).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(in_process_config(make_app(loop, MODEL, text, limits)))
+    uv = uvicorn.Server(uvicorn.Config(make_app(loop, MODEL, text, limits), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.time() + 30

@@ -491,7 +491,7 @@ def test_half_open_and_mid_body_disconnects(server, caplog):
     limits = protocol.Limits(max_model_len=serve_support.EC.max_model_len, read_timeout_s=1.0)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(serve_support.in_process_config(make_app(server.loop, MODEL, server.text, limits)))
+    uv = uvicorn.Server(uvicorn.Config(make_app(server.loop, MODEL, server.text, limits), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     while not uv.started:
