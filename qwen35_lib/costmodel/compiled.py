@@ -62,6 +62,9 @@ prefill region in whole GDN chunks, and one logits row per sequence slot.
 
 from __future__ import annotations
 
+import math
+import re
+
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel import specs as specs_lib
@@ -260,9 +263,6 @@ def permute_passes(hlo_text: str, config: Config, tokens: int) -> float:
     their operands and results), plus the relayouts XLA inserts on arrays of exactly the routed rows' size (copies
     and SparseCore data-format calls: they carry no jax name), over num_layers x tokens·k x D x act. `tokens`: the
     tokens each device routes (replicate routing: the whole step's, all-gathered)."""
-    import math
-    import re
-
     rows, _ = hlo.op_rows(hlo_text)
     z = ops.sizes(config)
     size = tokens * config.num_experts_per_tok * config.hidden_size

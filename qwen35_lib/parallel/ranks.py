@@ -67,11 +67,12 @@ _HEAD_DIM = {"attention": {"q": 2, "k": 2, "v": 2, "kv_pages": 3, "kv_scales": 2
 
 
 def _ranks_and_heads(f: Callable, fn: Callable, args: tuple, plan: ServingPlan, slot: str):
-    """The XLA kernel `f` (vmapped `fn`) of `slot` under a layout that splits ranks over some axes and heads over the
-    others (`dp_tp2_ep`: ranks over `chip`, heads over `core`), in a `shard_map` that gives each device its rank and
-    its heads: the kernel then runs on each device's own data (partitioned by XLA instead, the attention's page loop
-    was split over the tokens with collectives inside a loop of data-dependent trips, and the GDN's state gathers
-    and scatters moved heads between the cores). A dim whose size the head axes do not divide stays whole."""
+    """The kernel `f` (vmapped `fn`; XLA's or Pallas') of `slot` under a layout that splits heads over some axes
+    (`dp_tp2_ep`: ranks over `chip`, heads over `core`; `tp_kvrep`: heads over both), in a `shard_map` that gives
+    each device its ranks and its heads: the kernel then runs on each device's own data (partitioned by XLA
+    instead, the attention's page loop was split over the tokens with collectives inside a loop of data-dependent
+    trips, and the GDN's state gathers and scatters moved heads between the cores). A dim whose size the head axes
+    do not divide stays whole."""
     import inspect
 
     batch, heads = plan.batch_axes, plan.axes("gdn_v_heads" if slot == "gdn" else "kv_heads")
