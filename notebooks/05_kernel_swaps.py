@@ -17,8 +17,9 @@
 # # 05 · Kernel swaps: what do Pallas kernels buy over XLA's generic code on TPU7x?
 #
 # With the layout and the collectives settled (notebooks 02-04), a step's time is in its computation. The last
-# rung of the ladder swaps four pieces of XLA's generic code for Pallas TPU kernels: **batched ragged paged
-# attention**, the MoE's **grouped GEMM**, the **chunked gated delta rule** and the **gather/scatter permutes**.
+# rung of the ladder swaps five pieces of XLA's generic code for Pallas TPU kernels: **batched ragged paged
+# attention**, the MoE's **grouped GEMM**, the **chunked gated delta rule**, the **gather/scatter permutes** and the
+# **dense projections**.
 # For each: which roofline bounds it on a TPU7x TensorCore, what the kernel changes about the bytes and FLOPs,
 # whether it computes the same thing as its XLA twin (checked here: run by the TPU itself on a TPU runtime, in Pallas
 # interpret mode elsewhere), whether it lowers for the real chip (compiled for `tpu7x:2x2x1` ahead of time), and what
@@ -59,7 +60,7 @@ from qwen35_lib import notebook  # the kernels on the accelerator, even one with
 devices, SIZE, mesh = notebook.setup(prefer_accelerator=True)
 
 # %% [markdown]
-# ## 1. Predict: the four kernels on one TensorCore's roofline
+# ## 1. Predict: the five kernels on one TensorCore's roofline
 #
 # <details><summary><b>Pop quiz.</b> At 512 concurrent requests, is a decode step's grouped matmul bound by the MXU
 # or by HBM under XLA? And does a kernel that reads fewer bytes make it compute-bound?</summary>
@@ -91,10 +92,10 @@ devices, SIZE, mesh = notebook.setup(prefer_accelerator=True)
 #   `kernels_moe_permute_passes`; production's layer makes two). What production gains on the permutes it gains
 #   elsewhere too: tpu-inference runs them on the **SparseCore**, a labelled assumption of its plans
 #   (`sparsecore_permute`), not of this stage.
-# A fifth kernel is not on this roofline: the **dense projections** (attention's and GDN's, the shared expert's).
-# XLA's dots read each layer's weights as slices of the layer scan's stack, several passes over them as compiled
-# (`xla_weight_passes`); the Pallas projection (`kernels/dense_pallas.py`) streams each layer's blocks from where
-# they lie (`pallas_dense_weight_passes`). Section 3 prices it in the step.
+# - dense projections (attention's and GDN's, the shared expert's, the router's; the row `dense` is one layer's,
+#   averaged over the 3:1 layer pattern): XLA's dots read each layer's weights as slices of the layer scan's stack,
+#   several passes over them as compiled (`xla_weight_passes`); the Pallas projection (`kernels/dense_pallas.py`)
+#   streams each layer's blocks from where they lie (`pallas_dense_weight_passes`). Section 3 prices it in the step.
 # Where XLA's compiled code moves more than the arithmetic says, the model charges what the TPU7x compile moves,
 # read off its HLO text (`costmodel.compiled`; the facts in `data/costmodel_hardware.json`, each with its ops).
 
@@ -133,7 +134,7 @@ fig = Figure(figsize=(7, 4), layout="constrained")
 ax = fig.subplots()
 x = np.logspace(-1.5, 4, 200)
 ax.loglog(x, np.minimum(roof[0]["peak_flops"], x * roof[0]["hbm_bytes_per_s"]) / 1e12, "k-", lw=1)
-colors = dict(attention="C0", moe_matmul="C1", gdn="C2", permute="C3")
+colors = dict(attention="C0", moe_matmul="C1", gdn="C2", permute="C3", dense="C4")
 for r in roof:
     ai = max(r["intensity"], 0.05)  # the permutes do no FLOPs: drawn at the left edge
     ax.scatter(ai, min(r["peak_flops"], ai * r["hbm_bytes_per_s"]) / 1e12, s=50, edgecolors=colors[r["kernel"]],
@@ -148,16 +149,21 @@ ax.legend(fontsize=7, ncol=2)
 display(fig)
 
 # %% [markdown]
-# Decode is memory-bound for all four kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and about `k` token
-# copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they
-# do (the table's `mib` column), for attention (no longest-context padding) and for the grouped GEMM (each FP8
-# expert weight read once, in place, with no copies).
-# In prefill the two Pallas kernels cross the ridge and become compute-bound: the bytes XLA wastes are what kept
-# them memory-bound. In decode the attention kernel's point sits on XLA's: it drops the padded reads and their
-# FLOPs alike, so it wins by doing less work at the same intensity, not by moving along the roofline. GDN's
-# decode moves several times fewer bytes under its kernel (no gather and scatter of the states: the `mib` column),
-# its prefill the same. The permutes (no FLOPs at all: drawn at the left edge) move about as many bytes under either
-# family in this library's layer: the kernels do not make them cheaper by much, nor dearer.
+# Decode is memory-bound for all five kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and about `k` token
+# copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they do (the
+# table's `mib` column), for attention (no longest-context padding), for the grouped GEMM (each FP8 expert weight read
+# once, in place, with no copies) and for the dense projections (each weight read once, not in XLA's passes over the
+# scan's slices: the same FLOPs at a higher intensity).
+# In prefill the Pallas attention and grouped GEMM cross the ridge and become compute-bound: the bytes XLA wastes are
+# what kept them memory-bound. The dense projections' prefill uses each weight byte many times (a chunk of the token
+# budget per rank): compute-bound under the Pallas projection, and XLA's extra passes over the weights cost it little
+# time (the `us` column: within a quarter). In decode the attention kernel drops the padded reads and their FLOPs
+# (each sequence's own context, not the longest), and reads each KV byte once where this library's XLA path's compiled
+# page loop moves several bytes per KV element (`kv_read_bytes`): its point moves right along the roofline, at a
+# higher intensity, as well as doing less work. GDN's decode moves several times fewer bytes under its kernel (no
+# gather and scatter of the states: the `mib` column), its prefill the same. The permutes (no FLOPs at all: drawn at
+# the left edge) move about as many bytes under either family in this library's layer: the kernels do not make them
+# cheaper by much, nor dearer.
 
 # %%
 mib = {(r["kernel"], r["case"], r["implementation"]): r["mib"] for r in roof}
@@ -165,6 +171,15 @@ assert 3.3 < mib["gdn", "decode", "xla"] / mib["gdn", "decode", "pallas"] < 3.7,
 assert mib["gdn", "prefill", "xla"] == mib["gdn", "prefill", "pallas"], mib
 for case in ("decode", "prefill"):  # about as many bytes under either family
     assert 0.75 < mib["permute", case, "pallas"] / mib["permute", case, "xla"] < 1.25, mib
+bound = {(r["kernel"], r["case"], r["implementation"]): r["bound"] for r in roof}
+assert all(b == "memory" for (_, case, _), b in bound.items() if case == "decode"), bound  # all five, either family
+assert mib["dense", "decode", "xla"] > mib["dense", "decode", "pallas"], mib  # the passes over the scan's slices
+us = {(r["kernel"], r["case"], r["implementation"]): r["us"] for r in roof}
+flop_per_byte = {(r["kernel"], r["case"], r["implementation"]): r["intensity"] for r in roof}
+assert flop_per_byte["attention", "decode", "pallas"] > flop_per_byte["attention", "decode", "xla"], flop_per_byte
+assert bound["dense", "prefill", "pallas"] == "compute" and us["dense", "prefill", "xla"] < 1.25 * us[
+    "dense", "prefill", "pallas"], (bound, us)
+assert all(bound[k, "prefill", "pallas"] == "compute" for k in ("attention", "moe_matmul")), bound
 #
 # ## 2. Measure and check at CPU size
 #

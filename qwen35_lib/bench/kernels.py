@@ -422,7 +422,22 @@ def _round_trip_pallas(x, ids, weights, *, num_experts: int):
     return combine_pallas(x_sorted, order, weights, interpret=False)
 
 
-SLOT_COMPONENT = {"attention": "attn_core", "moe_matmul": "routed_experts", "gdn": "gdn_core", "permute": "permute"}
+SLOT_COMPONENT = {"attention": "attn_core", "moe_matmul": "routed_experts", "gdn": "gdn_core", "permute": "permute",
+                  "dense": "dense"}
+
+
+def _dense_projections(cfg, b, pl) -> dict:
+    """{"dense": the `dense` slot's cost for one layer, averaged over the layer pattern}: attention's projections
+    in the share of attention layers, GDN's in the share of GDN layers, and the shared expert and router of every
+    layer's MoE (`costmodel.ops`)."""
+    from qwen35_lib.costmodel import ops
+
+    z = ops.sizes(cfg)
+    n = z["n_attn"] + z["n_gdn"]
+    moe = ops.moe_block(cfg, b, pl)
+    projections = (ops.attention_block(cfg, b, pl)["attn_proj"] * (z["n_attn"] / n)
+                   + ops.gdn_block(cfg, b, pl)["gdn_proj"] * (z["n_gdn"] / n))
+    return {"dense": projections + moe["shared_expert"] + moe["router"]}
 
 
 def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", concurrency: int = 512,
@@ -435,8 +450,12 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
     2. The placements of the `hier_rs` stage (XLA kernels) and the `kernels` stage (Pallas), from `step.placement`.
     3. Per kernel's component, one layer on one device: FLOPs, HBM bytes, arithmetic intensity (FLOPs per byte)
        against the ridge point (peak FLOP/s / HBM bytes/s), the bound, and the roofline seconds (`ops.seconds`).
-    The cost model credits the GDN and permute kernels with nothing over XLA (same bytes, same FLOPs): their rows
-    say so by being equal.
+    4. `dense` (the projections' slot): one layer's dense projections averaged over the model's layer pattern (its
+       attention and GDN layers' projections in their proportion), plus the shared expert and the router every layer
+       has; XLA's dots read the weights in the passes the stage's placement charges (`weight_passes`), the Pallas
+       projection in place.
+    The cost model credits the GDN kernel with nothing over XLA at prefill (same bytes, same FLOPs): its rows say so
+    by being equal.
     """
     from qwen35_lib.costmodel import ops, specs, step
     from qwen35_lib.costmodel.predict import serving_model
@@ -449,7 +468,7 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
                "prefill": ops.Batch(prefill_tokens=dp * prefill_chunk, prefill_seqs=dp, prefill_ctx=context / 2,
                                     max_ctx=context)}
     blocks = {"attn_core": ops.attention_block, "gdn_core": ops.gdn_block, "routed_experts": ops.moe_block,
-              "permute": ops.moe_block}
+              "permute": ops.moe_block, "dense": _dense_projections}
     out = []
     for stage, impl in (("hier_rs", "xla"), ("kernels", "pallas")):
         pl = step.placement(cfg, sp, get_stage(stage), kv_dtype="float8_e4m3fn")
