@@ -192,6 +192,13 @@ def ladder_text(rows: Sequence[dict]) -> str:
                      for r in rows)
 
 
+def tooltip(widget_class: type, text: str) -> dict[str, str]:
+    """The keyword that gives a widget its hover text in the ipywidgets installed: `tooltip` from ipywidgets 8,
+    `description_tooltip` before (Colab's runtime brings ipywidgets 7, and the notebooks' install line leaves it:
+    7 would take `tooltip` as an unknown argument, warn and drop it)."""
+    return {"tooltip" if widget_class.class_traits().get("tooltip") else "description_tooltip": text}
+
+
 def explorer():
     """ipywidgets: model preset, hardware, stage, concurrency, input and output lengths, and a slider per labelled
     assumption (its low-high range, nominal to start; the tooltip says what it changes) -> `explore` (the chosen
@@ -212,8 +219,8 @@ def explorer():
         isl=w.IntText(value=8192, description="input len"), osl=w.IntText(value=1024, description="output len"))
     style = {"description_width": "14em"}
     sliders = {name: w.FloatSlider(value=r["value"], min=r["low"], max=r["high"], step=(r["high"] - r["low"]) / 50,
-                                   readout_format=".4g", description=name, tooltip=r["mechanism"][:300],
-                                   continuous_update=False, style=style, layout=w.Layout(width="34em"))
+                                   readout_format=".4g", description=name, continuous_update=False, style=style,
+                                   layout=w.Layout(width="34em"), **tooltip(w.FloatSlider, r["mechanism"][:300]))
                for name, r in range_assumptions().items()}
     out, ladder_out = w.Output(), w.Output()
 
