@@ -81,6 +81,21 @@ def init_cache(config: Config, shape: CacheShape) -> dict:
                         declare_cache(config, shape), is_leaf=is_info)
 
 
+PAGED = ("kv", "kv_scale")  # the pools addressed by page; the others by GDN slot
+
+
+def copy_rows(cache: dict, pages, slots) -> dict:
+    """`cache` with page rows and slot rows copied in every layer: `pages`, `slots` [R, K, 2] int32 (source,
+    destination) per rank, (0, 0) for padding (the null row onto itself). Each pool either [R, L, X, ...] or a tuple
+    of L per-layer arrays [R, X, ...] (`model.layer_loop.per_layer_cache`)."""
+    def copy(a, rows):
+        r, src, dst = jnp.arange(rows.shape[0])[:, None], rows[..., 0], rows[..., 1]  # [R, 1], [R, K], [R, K]
+        if isinstance(a, (tuple, list)):
+            return type(a)(x.at[r, dst].set(x[r, src]) for x in a)
+        return a.at[r, :, dst].set(a[r, :, src])
+    return {name: copy(pool, pages if name in PAGED else slots) for name, pool in cache.items()}
+
+
 def cache_bytes(config: Config, shape: CacheShape) -> int:
     return sum(i.nbytes for i in jax.tree.leaves(declare_cache(config, shape), is_leaf=is_info))
 

@@ -18,6 +18,7 @@ from qwen35_lib.engine.batch import bucket, pack, stack_ranks
 from qwen35_lib.engine.cache import (
     CacheShape,
     cache_shardings,
+    copy_rows,
     init_cache,
     memory_shortfall,
     step_memory_shortfall,
@@ -155,6 +156,7 @@ class Engine:
         self._memory_checked: set[tuple[int, int]] = set()  # buckets whose step's working memory was checked
         self.results: dict[int, Result] = {}
         self._next_id = 0
+        self._copy_fn = None  # the jitted `copy_rows` of the forks, built on the first fork
 
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -162,15 +164,33 @@ class Engine:
         params = SamplingParams() if params is None else params
         return self._queue(validate_request(self.config, self.ec, prompt_ids, params), params)
 
+    def add_forks(self, prompt_ids: Sequence[int], params: Sequence[SamplingParams]) -> list[int]:
+        """Queue one request per `params` on the same prompt (vLLM's `n`); returns their ids. The prompt is
+        prefilled once and forked (`engine.scheduler`): the choices share its pages and each samples its own
+        tokens. Every request is checked before any is queued."""
+        prompt = [validate_request(self.config, self.ec, prompt_ids, p) for p in params][0] if params else []
+        if len(params) < 2 or len(prompt) < 2:
+            return [self._queue(prompt, p) for p in params]
+        first, *rest = [self._request(prompt, p) for p in params]
+        first.forks = rest
+        self.ranks[first.rank].add(first)
+        for f in rest:
+            f.rank = first.rank
+        return [first.id, *(f.id for f in rest)]
+
     def _queue(self, prompt: list[int], params: SamplingParams) -> int:
+        r = self._request(prompt, params)
+        self.ranks[r.rank].add(r)
+        return r.id
+
+    def _request(self, prompt: list[int], params: SamplingParams) -> Request:
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
                                              else self.config.eos_token_ids)
         rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
         r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter(),
                     matcher=None if params.structured is None else params.structured.matcher())
         self._next_id += 1
-        self.ranks[rank].add(r)
-        return r.id
+        return r
 
     def abort_request(self, request_id: int) -> bool:
         """Drop a queued or running request (between steps): its pages and slot are free for the next step and it
@@ -216,7 +236,26 @@ class Engine:
                 if r.finish_reason:
                     self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
                                                 r.token_times, r.preemptions)
+        self._copy_forked()
         return events
+
+    def _copy_forked(self) -> None:
+        """The forks' own copies of their prompt's last page and GDN slot (`RankScheduler.copies`), on the device,
+        before the next step reads them."""
+        if not any(s.copies for s in self.ranks):
+            return
+        S, R = self.ec.max_num_seqs, len(self.ranks)
+        rows = {kind: np.zeros((R, S, 2), np.int32) for kind in ("page", "slot")}  # (0, 0): the null row's own
+        for rank, sched in enumerate(self.ranks):
+            for kind in rows:
+                pairs = [(a, b) for k, a, b in sched.copies if k == kind]
+                rows[kind][rank, :len(pairs)] = np.reshape(pairs, (-1, 2))
+            sched.copies = []
+        if self._copy_fn is None:
+            out = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, self.cache)
+            self._copy_fn = jax.jit(copy_rows, donate_argnums=0, out_shardings=out)
+        with self._on_mesh():
+            self.cache = self._copy_fn(self.cache, self._place(rows["page"]), self._place(rows["slot"]))
 
     def _check_step_memory(self, D: int, T: int, tokens, meta, samp) -> None:
         """A ValueError naming the knobs to lower when the step of bucket (D, T) needs more working memory than

@@ -16,6 +16,13 @@ waiting queue and its running requests, both in arrival order (request id). Each
 A request preempted in a plan is in no list of that plan and cannot be admitted again in it. Preemption frees
 its pages and slot and puts it back at the front of the queue with its outputs kept, to be recomputed (prompt +
 outputs) when it is admitted again; `commit()` then counts those tokens as recomputed.
+
+Forks (`n` > 1, as vLLM's parallel sampling): the first request of a group carries the others in `forks`; its prompt
+is prefilled once, up to its last token, and `commit()` then forks it (`_fork`): each fork shares the prompt's full
+pages (counted in `shared`; a page is free again when its last holder lets it go), gets its own copy of the page the
+last prompt token writes into and of the GDN state slot (`copies`, which the engine applies on the device before
+the next step), and decodes that last token itself, so every choice samples its own first token. A fork that finds
+no free slot or page then waits as an ordinary request and prefills its prompt itself.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class Request:
     finish_reason: str | None = None
     preemptions: int = 0
     matcher: Any = None  # structured outputs: this request's grammar matcher (`engine.structured.Matcher`)
+    forks: list[Request] = dataclasses.field(default_factory=list)  # the group's other choices, forked at fork_at
     # timestamps (time.perf_counter) for the throughput harness
     arrival: float = 0.0
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -52,6 +60,10 @@ class Request:
     @property
     def known(self) -> list[int]:  # every token whose K/V and state the cache must hold before sampling
         return self.prompt + self.output
+
+    @property
+    def fork_at(self) -> int:  # prompt tokens computed once for the whole group: all but the last
+        return len(self.prompt) - 1
 
 
 @dataclasses.dataclass
@@ -86,6 +98,8 @@ class RankScheduler:
         self.waiting: deque[Request] = deque()  # in arrival order
         self.running: list[Request] = []  # in arrival order
         self.preemptions = 0
+        self.shared: dict[int, int] = {}  # page -> holders beyond the first (forks sharing a prompt's pages)
+        self.copies: list[tuple[str, int, int]] = []  # ("page" | "slot", source, destination), for the engine
 
     @property
     def load(self) -> int:
@@ -156,7 +170,8 @@ class RankScheduler:
         return True
 
     def _add_chunk(self, plan: Plan, r: Request, budget: int, region: int) -> tuple[int, int]:
-        n = min(len(r.known) - r.computed, budget, region)
+        end = r.fork_at if r.forks else len(r.known)  # a group's prompt stops before its last token, to fork there
+        n = min(end - r.computed, budget, region)
         assert self._pages_for(r.computed + n) <= len(r.pages), "a prompt's pages are given at admission"
         plan.prefills.append((r, SeqWork(r.known[r.computed : r.computed + n], r.computed, list(r.pages), r.slot)))
         return budget - n, region - -(-n // self.chunk) * self.chunk
@@ -167,23 +182,60 @@ class RankScheduler:
         r.computed = 0
         r.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(r)  # the newest running request is older than every waiting one
+        bisect.insort(self.waiting, r, key=lambda q: q.id)  # at the front, unless a fork waits alone before it
 
     def abort(self, request_id: int) -> bool:
-        """Drop a waiting or running request between steps, freeing its pages and slot; True if it was here."""
-        for r in self.waiting:
+        """Drop a waiting or running request between steps, freeing its pages and slot; True if it was here. Its
+        forks not yet forked wait on as ordinary requests."""
+        for r in [*self.waiting, *self.running]:
+            for f in r.forks:
+                if f.id == request_id:
+                    r.forks.remove(f)
+                    f.finish_reason = "abort"
+                    return True
             if r.id == request_id:
-                self.waiting.remove(r)
-                r.finish_reason = "abort"
-                return True
-        for r in self.running:
-            if r.id == request_id:
-                self.finish(r, "abort")
+                for f in r.forks:
+                    self._wait_alone(f)
+                r.forks = []
+                if r in self.running:
+                    self.finish(r, "abort")
+                else:
+                    self.waiting.remove(r)
+                    r.finish_reason = "abort"
                 return True
         return False
 
+    def _wait_alone(self, f: Request) -> None:
+        bisect.insort(self.waiting, f, key=lambda q: q.id)
+
+    def _fork(self, r: Request) -> None:
+        """r's prompt is in the cache but its last token: each fork takes r's full pages shared, a copy of the page
+        the last token writes into and of r's GDN slot, and is running from there; one without room waits alone."""
+        at = r.fork_at
+        k, partial = divmod(at, self.page_size)
+        for f in r.forks:
+            if not (self.free_slots and self.free_pages and len(self.running) < self.max_num_seqs):
+                self._wait_alone(f)
+                continue
+            f.slot, page = self.free_slots.popleft(), self.free_pages.popleft()
+            f.pages = r.pages[:k] + [page]
+            for p in r.pages[:k]:
+                self.shared[p] = self.shared.get(p, 0) + 1
+            if partial:
+                self.copies.append(("page", r.pages[k], page))
+            self.copies.append(("slot", r.slot, f.slot))
+            f.computed = f.high = at
+            bisect.insort(self.running, f, key=lambda q: q.id)
+        r.forks = []
+
     def release(self, r: Request) -> None:
-        self.free_pages.extend(r.pages)
+        for p in r.pages:  # a shared page goes back to the pool with its last holder
+            if self.shared.get(p):
+                self.shared[p] -= 1
+                if not self.shared[p]:
+                    del self.shared[p]
+            else:
+                self.free_pages.append(p)
         r.pages = []
         if r.slot:
             self.free_slots.append(r.slot)
@@ -197,6 +249,8 @@ class RankScheduler:
             assert r.computed == w.start_pos, "a plan is committed once, right after it is made"
             r.computed += len(w.tokens)
             r.high = max(r.high, r.computed)
+            if r.forks and r.computed == r.fork_at:
+                self._fork(r)
             if r.computed == len(r.known):  # all known tokens are in: the sample is the next output
                 token = int(sampled[s])
                 r.output.append(token)

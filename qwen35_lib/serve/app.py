@@ -232,9 +232,10 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
         events: asyncio.Queue = asyncio.Queue()
         sinks = [None if sp is None else Sink(asyncio.get_running_loop(), events, i)
                  for i, sp in enumerate(parsed.params)]
-        for i, (sp, sink) in enumerate(zip(parsed.params, sinks)):
-            if sink is not None:
-                loop.submit(parsed.prompt_of(i), sp, sink)
+        for j, prompt in enumerate(parsed.prompts):  # a prompt's n choices forked from one prefill
+            group = [i for i in range(j * parsed.n, (j + 1) * parsed.n) if sinks[i] is not None]
+            if group:
+                loop.submit_forks(prompt, [parsed.params[i] for i in group], [sinks[i] for i in group])
         if metrics is not None:
             metrics.prompt_tokens.inc(sum(map(len, parsed.prompts)))
         run = _Run(loop, sinks, events, parsed, text, metrics, t0)

@@ -8,10 +8,10 @@ request.
    compiled by a thread of their own (`_compile_background`, smallest first) while the engine serves: a step of a
    shape compiled already never waits, one whose shape is being compiled waits for that compile (never compiles it
    a second time beside it), any other compiles on first use as before. The engine thread then loops: between
-   steps it drains at most `max_adds_per_step`
-   commands (`add_request` for a submission, its ValueError going back to the sink as an error with the engine
-   untouched; an abort for a request whose client went away), so a request with thousands of prompts delays
-   running streams by a bounded amount, not by all its prompts;
+   steps it drains at most `max_adds_per_step` commands (`add_forks` for a submission: its choices on one prompt,
+   prefilled once; a ValueError goes back to the sinks as an error with the engine untouched; an abort for a
+   request whose client went away), so a request with thousands of prompts delays running streams by a bounded
+   amount, not by all its prompts;
 3. it runs `engine.step()` while any request is queued or running, and hands each (request, token) to its sink;
    a finished request's `Result` follows its last token;
 4. every `log_interval_s` it logs throughput and queue stats (vLLM's line); when nothing is left it sleeps
@@ -102,7 +102,11 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        self._commands.put(("add", prompt_ids, params, sink))
+        self.submit_forks(prompt_ids, [params], [sink])
+
+    def submit_forks(self, prompt_ids: list[int], params: Sequence[SamplingParams], sinks: Sequence[Sink]) -> None:
+        """Choices on one prompt (`n`), a sink each: the engine prefills the prompt once and forks it."""
+        self._commands.put(("add", prompt_ids, list(params), list(sinks)))
         self._wake.set()
 
     def abort(self, sink: Sink) -> None:
@@ -222,14 +226,17 @@ class EngineLoop:
             except queue.Empty:
                 return False
             if cmd[0] == "add":
-                _, prompt, params, sink = cmd
+                _, prompt, params, sinks = cmd
                 try:
-                    sink.request_id = self.engine.add_request(prompt, params)
+                    ids = self.engine.add_forks(prompt, params)
                 except ValueError as e:  # refused before it touched the pools
-                    sink.put("error", str(e))
+                    for sink in sinks:
+                        sink.put("error", str(e))
                     continue
                 self.prompt_tokens += len(prompt)
-                self._sinks[sink.request_id] = sink
+                for sink, rid in zip(sinks, ids):
+                    sink.request_id = rid
+                    self._sinks[rid] = sink
             else:
                 sink = cmd[1]
                 rid = sink.request_id

@@ -1,9 +1,12 @@
 """engine.cache: the caches' bytes per device, and the memory check (each accelerator alone, CPU devices
-together in host RAM)."""
+together in host RAM), and the forks' row copies."""
+
+import jax
+import numpy as np
 
 from qwen35_lib import get_config
 from qwen35_lib.engine import cache as cache_module
-from qwen35_lib.engine.cache import CacheShape, device_cache_bytes, memory_shortfall
+from qwen35_lib.engine.cache import CacheShape, copy_rows, device_cache_bytes, memory_shortfall
 from qwen35_lib.plan import get_layout, make_mesh
 
 
@@ -39,3 +42,21 @@ def test_a_data_parallel_cache_counts_each_devices_shards():
     per_device = device_cache_bytes(cfg, shape, mesh, get_layout("dp8_ep8").bind(mesh, cfg))
     (total,) = device_cache_bytes(cfg, shape).values()
     assert len(per_device) == 8 and set(per_device.values()) == {total // 8}  # each device one rank's pools
+
+
+def test_copy_rows_copies_pages_and_slots_of_every_layer_on_each_rank():
+    """Pooled [R, L, X, ...] and per-layer (tuples of [R, X, ...]) forms; (0, 0) pads touch nothing else."""
+    rng = np.random.default_rng(0)
+    kv = rng.normal(size=(2, 3, 6, 4)).astype(np.float32)  # [R, L, pages, .]
+    state = rng.normal(size=(2, 5, 2)).astype(np.float32)  # [R, slots, .]
+    cache = {"kv": kv, "state": (state, state + 1)}
+    pages = np.array([[[2, 5], [0, 0]], [[1, 3], [4, 2]]], np.int32)  # [R, K, 2]
+    slots = np.array([[[1, 4], [0, 0]], [[0, 0], [0, 0]]], np.int32)
+    out = jax.jit(copy_rows)(cache, pages, slots)
+    want = kv.copy()
+    want[0, :, 5], want[1, :, 3], want[1, :, 2] = kv[0, :, 2], kv[1, :, 1], kv[1, :, 4]
+    np.testing.assert_array_equal(out["kv"], want)
+    for got, before in zip(out["state"], cache["state"]):
+        want = before.copy()
+        want[0, 4] = before[0, 1]
+        np.testing.assert_array_equal(got, want)

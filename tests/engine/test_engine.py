@@ -159,6 +159,10 @@ def test_data_parallel_ranks_have_their_own_pools_and_same_outputs(tiny):
         two.step()
     assert [two.results[i].output_ids for i in ids] == [r.output_ids for r in Engine(cfg, w, EC).generate(
         prompts, params)]
+    two.add_request(prompts[2], params)  # rank 0 busy: the forks go to rank 1, copied there alone
+    seeded = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(3)]
+    forks = run_forks(two, prompts[0], seeded)
+    assert forks == [r.output_ids for r in Engine(cfg, w, EC).generate([prompts[0]] * 3, seeded)]
 
 
 def test_non_integer_prompt_is_refused(tiny):
@@ -316,3 +320,44 @@ def test_a_mixed_step_keeps_the_reduce_scatters_rows_whole(tiny):
     assert rs_row_tile(get_stage("dp_ep").bind(mesh, cfg)) == 1  # all-to-all routing: no reduce-scatter
     with pytest.raises(ValueError, match="not one this engine forms"):
         ep.precompile(buckets=[(4, 68)])
+
+
+def run_forks(engine, prompt, params):
+    ids = engine.add_forks(prompt, params)
+    while engine.has_work:
+        engine.step()
+    return [engine.results.pop(i).output_ids for i in ids]
+
+
+@pytest.mark.parametrize("length", [37, 33])  # the last prompt token mid-page (its page copied) or opening one
+def test_forks_prefill_the_prompt_once_and_sample_as_separate_requests(tiny, length):
+    """n choices on one prompt (vLLM's parallel sampling): the prompt but its last token computed once, then each
+    fork decodes from a shared copy of it; greedy and seeded outputs equal those of separate requests, and every
+    page comes back."""
+    cfg, w = tiny
+    prompt = np.random.default_rng(length).integers(0, cfg.vocab_size, length).tolist()
+    params = [SamplingParams(max_new_tokens=6)] + [SamplingParams(max_new_tokens=6, temperature=0.9, seed=s)
+                                                    for s in (1, 2)]
+    alone = [r.output_ids for r in Engine(cfg, w, EC).generate([prompt] * 3, params)]
+    engine = Engine(cfg, w, EC)
+    pages = len(engine.ranks[0].free_pages)
+    assert run_forks(engine, prompt, params) == alone and len(set(map(tuple, alone[1:]))) == 2
+    assert sum(engine.stats.tokens) == (length - 1) + 3 * 6  # the shared prefix once; each fork its own tokens
+    assert len(engine.ranks[0].free_pages) == pages and not engine.ranks[0].shared
+
+
+def test_forks_beyond_the_free_slots_prefill_alone(tiny):
+    """More choices than free sequences: the forks that find no slot wait and prefill the prompt themselves, with
+    the same outputs; an aborted fork gives no result and the rest go on."""
+    cfg, w = tiny
+    prompt = list(range(3, 23))
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=s) for s in range(6)]  # 6 > max_num_seqs 4
+    alone = [r.output_ids for r in Engine(cfg, w, EC).generate([prompt] * 6, params)]
+    engine = Engine(cfg, w, EC)
+    assert run_forks(engine, prompt, params) == alone
+    assert sum(engine.stats.tokens) == 19 + 4 * 3 + 2 * (20 + 2)  # 4 running from the prefix, 2 alone
+    ids = engine.add_forks(prompt, params[:3])
+    assert engine.abort_request(ids[1]) and engine.abort_request(ids[0])  # a pending fork, then the group's first
+    while engine.has_work:
+        engine.step()
+    assert set(engine.results) == {ids[2]} and engine.results[ids[2]].output_ids == alone[2]

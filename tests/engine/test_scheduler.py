@@ -1,12 +1,14 @@
 """The scheduler's invariants under random traffic (pure Python: no model, sampled tokens drawn at random).
 
 Every step, on every rank: no request is planned twice (nor one preempted by the plan), every planned chunk is
-the next tokens of its request from `computed` on and fits its pages, no page or slot is held by two live
-requests and none is lost, the plan fits the budget and the batch; a commit advances `computed` by exactly the
-tokens planned; every request finishes with the outputs it asked for.
+the next tokens of its request from `computed` on and fits its pages and writes none that forks share, no page
+is held by more live requests than share it, no slot by two, and none is lost, the plan fits the budget and the
+batch; a commit advances `computed` by exactly the tokens planned (forks start at their group's prompt); every
+request finishes with the outputs it asked for.
 """
 
 import random
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,9 +40,11 @@ def check_rank(s: RankScheduler, plan, num_pages: int, num_slots: int) -> None:
             assert n == 1 and r.computed == len(r.known) - 1
         assert w.pages == r.pages and len(r.pages) * s.page_size >= w.start_pos + n
         assert w.slot == r.slot != 0
-    held = [p for r in s.running for p in r.pages]
-    assert len(held) == len(set(held)), "a page held by two running requests"
-    assert sorted(held + list(s.free_pages)) == list(range(1, num_pages)), "pages lost or duplicated"
+        written = r.pages[w.start_pos // s.page_size : (w.start_pos + n - 1) // s.page_size + 1]
+        assert not any(s.shared.get(p) for p in written), "a step writes a page that forks share"
+    held = Counter(p for r in s.running for p in r.pages)
+    assert all(k == 1 + s.shared.get(p, 0) for p, k in held.items()) and set(s.shared) <= set(held), "page counts"
+    assert sorted([*held, *s.free_pages]) == list(range(1, num_pages)), "pages lost or duplicated"
     slots = [r.slot for r in s.running]
     assert sorted(slots + list(s.free_slots)) == list(range(1, num_slots)), "slots lost or duplicated"
     assert all(not r.pages and r.slot == 0 and r.computed == 0 for r in s.waiting)
@@ -52,12 +56,14 @@ def simulate(ranks, requests, arrivals, rng, num_pages, num_slots, check=True) -
     """Run to completion; returns (tokens computed, of them recomputed)."""
     order = sorted(range(len(requests)), key=lambda i: (arrivals[i], i))
     useful = sum(len(r.prompt) + r.params.max_new_tokens for r in requests)
-    computed = again = step = k = 0
+    computed = again = step = k = shared = 0
+    next_id = 0
     while k < len(order) or any(s.waiting or s.running for s in ranks):
         assert step <= max(arrivals) + 10 * useful + 10, "requests do not finish"
         while k < len(order) and arrivals[order[k]] <= step:
             r = requests[order[k]]
-            r.id = k  # ids are arrival order
+            for q in (r, *r.forks):  # ids are arrival order, a group's consecutive
+                q.id, next_id = next_id, next_id + 1
             s = min(ranks, key=lambda q: q.load)  # the engine's rank choice
             s.add(r)
             k += 1
@@ -71,19 +77,22 @@ def simulate(ranks, requests, arrivals, rng, num_pages, num_slots, check=True) -
             computed, again = computed + plan.tokens, again + plan.recomputed
             before = {id(r): r.computed for r in s.running}
             events = s.commit(plan, [rng.randrange(VOCAB) for _ in plan.items])
+            forked = [r for r in s.running if id(r) not in before and not any(r is q for q, _ in plan.items)]
+            shared += sum(r.computed for r in forked)  # forks running from their group's prompt, never computed
             for r, w in plan.items:
                 assert r.computed == before.pop(id(r)) + len(w.tokens)
             assert all(r.computed == before[id(r)] for r in s.running if id(r) in before), "unplanned moved"
             for r, token in events:
                 assert r.output[-1] == token and r.computed == len(r.known) - 1
         step += 1
-    for r in requests:
+    for r in [q for g in requests for q in (g, *g.forks_of)]:
         assert r.finish_reason == ("eos" if STOP in r.stop_ids and r.output[-1] == STOP else "length")
         assert len(r.output) == r.params.max_new_tokens or r.finish_reason == "eos"
         assert STOP not in r.output[:-1] or STOP not in r.stop_ids
     for s in ranks:
         assert sorted(s.free_pages) == list(range(1, num_pages)) and sorted(s.free_slots) == list(range(1, num_slots))
-    assert computed - again == sum(len(r.prompt) + len(r.output) - 1 for r in requests), "recompute miscounted"
+    everyone = [q for r in requests for q in (r, *r.forks_of)]
+    assert computed - again + shared == sum(len(r.prompt) + len(r.output) - 1 for r in everyone), "miscounted"
     return computed, again
 
 
@@ -104,8 +113,12 @@ def test_scheduler_invariants(data):
     for _ in range(n):
         p = draw(st.integers(1, max_model_len - 1))
         sp = SamplingParams(max_new_tokens=draw(st.integers(1, max_model_len - p)))
-        requests.append(Request(0, [random.Random(p).randrange(VOCAB) for _ in range(p)], sp,
-                                frozenset({STOP}) if draw(st.booleans()) else frozenset()))
+        stop = frozenset({STOP}) if draw(st.booleans()) else frozenset()
+        prompt = [random.Random(p).randrange(VOCAB) for _ in range(p)]
+        requests.append(Request(0, prompt, sp, stop))
+        if p > 1:  # n choices: forks of the first (vLLM's parallel sampling)
+            requests[-1].forks = [Request(0, prompt, sp, stop) for _ in range(draw(st.integers(0, 3)))]
+        requests[-1].forks_of = list(requests[-1].forks)  # the forks list empties when they fork
         arrivals.append(draw(st.integers(0, 40)))
     simulate(ranks, requests, arrivals, random.Random(draw(st.integers(0, 2**32 - 1))), num_pages, max_num_seqs + 1)
 
@@ -120,6 +133,7 @@ def test_no_thrashing_at_200_requests_20_pages_budget_8():
             p = rng.randint(1, pmax)
             requests.append(Request(0, [1] * p, SamplingParams(max_new_tokens=rng.randint(1, min(omax, 304 - p))),
                                     frozenset()))
+            requests[-1].forks_of = []
         ranks = make_ranks(1, 20, 16, 8, 8, 64)
         computed, again = simulate(ranks, requests, [0] * 200, rng, 20, 9, check=False)
         assert ranks[0].preemptions > 10  # the pressure is real

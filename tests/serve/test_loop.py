@@ -147,9 +147,9 @@ def test_engine_loop_admits_a_bounded_number_of_requests_between_steps():
     class Stub:
         added = 0
 
-        def add_request(self, prompt, params):
+        def add_forks(self, prompt, params):
             Stub.added += 1
-            return Stub.added
+            return [Stub.added]
 
     loop = EngineLoop(Stub(), max_adds_per_step=64)  # not started: drain is called by hand
     aio = asyncio.new_event_loop()

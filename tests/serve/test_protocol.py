@@ -382,7 +382,9 @@ def test_chat_logprobs_and_top_logprobs(server):
 
 def test_n_choices_and_64_bit_seeds_match_the_engine(server):
     two = [PROMPT, [50, 51, 52]]
+    computed = sum(server.engine.stats.tokens)
     r = post(server, {"prompt": two, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}).json()
+    assert sum(server.engine.stats.tokens) - computed == sum(len(p) - 1 for p in two) + 4 * 4  # prompts once (forks)
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert [c["token_ids"] for c in r["choices"]] == [server.alone(p, 4) for p in two for _ in range(2)]
     assert r["usage"]["completion_tokens"] == 16
