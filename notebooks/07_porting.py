@@ -380,8 +380,9 @@ notebook.save_results("porting", record)
 #    </details>
 
 # %% [markdown]
-# **The answers, computed.** Exercises 1 and 2's numbers, from this run, folded until you open them (exercise 3 is
-# the loop of section 4 over the other models: run it).
+# **The answers, computed.** Each exercise's numbers, from this run, folded until you open them (exercise 3's: the
+# twins the loop of section 4 would build for the other models, and whether `dp8_ep8` takes them; running it is the
+# check, about half a minute a model on a CPU).
 
 # %%
 small = serving_config("qwen3.5-35b-a3b")
@@ -409,3 +410,9 @@ notebook.answer(2, "bf16 experts under tp8_kvrep: accepted {ok}; {w:.2f} GiB of 
                 "with FP8 experts (where it is refused: {refused}).", ok=tp["bf16"].problem is None,
                 w=tp["bf16"].weight_bytes_per_device / 2**30, w8=tp["fp8"].weight_bytes_per_device / 2**30,
                 refused=tp["fp8"].problem is not None)
+others = {name: twin_overrides(served[name]) for name in ("qwen3.5-122b-a10b", "qwen3.5-35b-a3b")}
+notebook.answer(3, "; ".join(f"{name}: a twin of {o['num_attention_heads']} query and {o['num_key_value_heads']} KV "
+                             f"heads, {o['linear_num_key_heads']} / {o['linear_num_value_heads']} GDN key / value "
+                             f"heads, {o['num_experts']} experts top-{o['num_experts_per_tok']}, whose experts "
+                             f"{'split' if o['num_experts'] % 8 == 0 else 'do not split'} over dp8_ep8's 8 devices"
+                             for name, o in others.items()))

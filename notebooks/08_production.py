@@ -264,8 +264,8 @@ notebook.save_results("production", record)
 #    </details>
 
 # %% [markdown]
-# **The answers, computed.** Exercise 1's numbers for one target, from this run, folded until you open them
-# (exercise 2 needs a running server and a checkpoint).
+# **The answers, computed.** Exercise 1's numbers for one target, and the prediction exercise 2's result would be
+# set beside (its measurement needs a running server and a checkpoint), from this run, folded until you open them.
 
 # %%
 decode = {c: predict(stage="kernels", isl=1024, osl=8192, concurrency=c, roofline=False)["median_tpot_s"]
@@ -275,3 +275,12 @@ allowed = max((c for c, t in decode.items() if t <= target), default=0)
 notebook.answer(1, "for a target of {target:.0f} ms a token (twice the {idle:.0f} ms at 16 requests) the largest "
                 "concurrency tried that meets it on 1k/8k is {c} (median {at:.0f} ms).", target=target * 1e3,
                 idle=decode[16] * 1e3, c=allowed, at=decode.get(allowed, float("nan")) * 1e3)
+from qwen35_lib.bench import workloads
+
+cpu_sized = workloads.scaled("8k/1k", "1/16")  # what `recipe --bench --scale 1/16` asks of the server
+beside = predict(stage="kernels", isl=cpu_sized.input_len, osl=cpu_sized.output_len, concurrency=64, roofline=False)
+notebook.answer(2, "a CPU-sized 8k/1k result (scale {scale}: {isl:,} tokens in, {osl:,} out) at 64 requests is set "
+                "beside the kernels stage's prediction for a TPU7x-8 at the same lengths, {tot:,.0f} total tokens/s "
+                "({out:,.0f} output): the ratio measures the CPU against a TPU7x-8, not the cost model.",
+                scale=cpu_sized.scale, isl=cpu_sized.input_len, osl=cpu_sized.output_len,
+                tot=beside["total_tokens_per_s"], out=beside["output_tokens_per_s"])
