@@ -96,3 +96,20 @@ def test_the_install_cell_checks_pips_exit_status_and_shows_its_tail(path: pathl
     monkeypatch.setenv("QWEN35_REPO", "someone/fork")
     exec(_install_cell(path), {})
     assert "git+https://github.com/someone/fork'" in calls[-1] and len(calls) == 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_every_exercise_has_a_folded_answer_and_one_the_run_computes(path: pathlib.Path) -> None:
+    """Each exercise (`N. **[Title]**` under `## Exercises`) has its answer folded in `<details>`, and the run computes
+    its numbers (`notebook.answer(N, ...)`: folded too, in the rendered notebook and on Colab)."""
+    text = path.read_text()
+    assert "# ## Exercises" in text, f"{path.name} has no exercises"
+    exercises = text.split("# ## Exercises", 1)[1]
+    items = re.split(r"^# (\d+)\. \*\*\[", exercises, flags=re.M)
+    numbers = items[1::2]
+    assert numbers == [str(i) for i in range(1, len(numbers) + 1)], numbers
+    unfolded = [n for n, body in zip(numbers, items[2::2]) if "<details><summary>Answer</summary>" not in body]
+    assert not unfolded, f"{path.name}: exercises without a folded answer: {unfolded}"
+    computed = set(re.findall(r"notebook\.answer\((\d+),", text))
+    assert set(numbers) <= computed, f"{path.name}: exercises whose numbers the run does not compute: " \
+                                     f"{sorted(set(numbers) - computed, key=int)}"
