@@ -184,11 +184,10 @@ class Engine:
         return r.id
 
     def _request(self, prompt: list[int], params: SamplingParams) -> Request:
-        stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None
-                                             else self.config.eos_token_ids)
         rank = min(range(len(self.ranks)), key=lambda i: (self.ranks[i].load, i))
-        r = Request(self._next_id, prompt, params, frozenset(stop), rank=rank, arrival=time.perf_counter(),
-                    matcher=None if params.structured is None else params.structured.matcher())
+        matcher = None if params.structured is None else params.structured.matcher()
+        r = Request(self._next_id, prompt, params, stop_set(self.config, params), rank=rank,
+                    arrival=time.perf_counter(), matcher=matcher)
         self._next_id += 1
         return r
 
@@ -465,6 +464,14 @@ def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int]
                          f"exceeds max_model_len={ec.max_model_len}: shorten the prompt, lower max_new_tokens, "
                          "or build the engine with a larger max_model_len")
     return prompt
+
+
+def stop_set(config: Config, params: SamplingParams) -> frozenset[int]:
+    """The tokens that end a request (finish "eos"): none with ignore_eos, else its stop_token_ids where given,
+    else the model's EOS ids."""
+    if params.ignore_eos:
+        return frozenset()
+    return frozenset(params.stop_token_ids if params.stop_token_ids is not None else config.eos_token_ids)
 
 
 def _prompt_ids(prompt_ids) -> list[int]:

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from qwen35_lib.engine import SamplingParams
-from qwen35_lib.engine.engine import validate_request
+from qwen35_lib.engine.engine import stop_set, validate_request
 from qwen35_lib.serve import parsers, protocol, scoring, structured
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput
@@ -426,6 +426,8 @@ class _Run:
         self.outs = [ChoiceOutput(text, parsed.stop, parsed.include_stop_str_in_output, parsed.skip_special_tokens)
                      for _ in sinks]
         self.last = [0.0] * len(sinks)
+        self.stops = [frozenset() if sp is None else stop_set(loop.engine.config, sp)
+                      for sp in parsed.params]  # the tokens that end each choice (the engine's rule)
         # index -> (finish_reason, stop_reason); a choice with nothing to generate is done from the start
         self.finish: dict[int, tuple[str, str | int | None]] = {i: ("length", None)
                                                                 for i, s in enumerate(sinks) if s is None}
@@ -450,7 +452,7 @@ class _Run:
                 (m.ttft.observe(now - self.t0) if not out.ids else m.token_gap(now - self.last[index]))
                 m.generation_tokens.inc()
             self.last[index] = now
-            piece = out.push(value)
+            piece = out.push(value, stops=value in self.stops[index])
             if out.stopped is not None:
                 self._done(index, "stop", out.stopped)
                 self.loop.abort(self.sinks[index])

@@ -6,7 +6,9 @@
    from `len(s) - 1` characters before the text the last search saw (vLLM's window), so a token costs
    O(stop strings + their characters), never the whole text again; the earliest match ends the choice: the text
    is cut before the stop string (or after it, with `include_stop_str_in_output`) and `stopped` names it;
-3. what is sent is the text up to the last `longest stop string - 1` characters (those could still begin a
+3. the token that ends the choice as a stop token (EOS, `stop_token_ids`) adds no text unless
+   `include_stop_str_in_output`, as vLLM's detokenizer (special or not);
+4. what is sent is the text up to the last `longest stop string - 1` characters (those could still begin a
    match), all of it once the choice ends.
 """
 
@@ -28,10 +30,11 @@ class ChoiceOutput:
         self.stopped: str | None = None  # the stop string that ended the choice
         self.scanned = 0  # characters of `text` the last stop-string search saw
 
-    def push(self, token: int) -> str:
-        """Add a token; returns the text now safe to send."""
+    def push(self, token: int, stops: bool = False) -> str:
+        """Add a token; returns the text now safe to send. A token that `stops` the choice (EOS or a stop id) is
+        kept in `ids` but not in the text unless `include_stop` (vLLM's detokenizer)."""
         self.ids.append(int(token))
-        if self.detok is None:
+        if self.detok is None or (stops and not self.include_stop):
             return ""
         self.text += self.detok.push(token)
         return self._emit(final=False)

@@ -95,3 +95,13 @@ def test_skip_special_tokens_reaches_the_detokenizer():
     text = FakeText()
     ChoiceOutput(text, skip_special_tokens=False)
     assert text.skip is False
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_token_adds_its_id_and_its_text_only_with_include_stop(include_stop):
+    """vLLM's detokenizer: the token that ends a choice (EOS, a stop id) is not decoded unless
+    include_stop_str_in_output."""
+    out = ChoiceOutput(FakeText(), include_stop=include_stop)
+    pieces = [out.push(5), out.push(6, stops=True)]
+    assert pieces == ["xyz", "abc" if include_stop else ""] and out.ids == [5, 6]
+    assert out.finish() == "" and out.text == ("xyzabc" if include_stop else "xyz")

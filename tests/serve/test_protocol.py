@@ -410,6 +410,17 @@ def test_stop_token_ids_add_to_eos_and_ignore_eos_ignores_only_eos(server):
     first = server.alone(PROMPT, 1)[0]
     c = post(server, body | {"ignore_eos": True, "stop_token_ids": [first]}).json()["choices"][0]
     assert c["token_ids"] == [first] and c["finish_reason"] == "stop" and c["stop_reason"] == first
+    # vLLM's detokenizer: the stop token's text is not in the output unless include_stop_str_in_output
+    special = {"skip_special_tokens": False}
+    c = post(server, body | force_eos | special).json()["choices"][0]
+    assert c["token_ids"] == [eos] and c["text"] == ""
+    c = post(server, body | force_eos | special | {"include_stop_str_in_output": True}).json()["choices"][0]
+    assert c["text"] == server.text.decode([eos], skip_special_tokens=False) != ""
+    stop = {"ignore_eos": True, "stop_token_ids": [first], "include_stop_str_in_output": True}
+    c = post(server, body | stop).json()["choices"][0]
+    assert c["text"] == server.text.decode([first]) != ""
+    chunks = post(server, body | force_eos | special | {"stream": True}).text.split("\n\n")  # streamed: the same
+    assert [c for c in chunks if c.startswith("data: {") and '"text": ""' not in c] == []
     # the engine's own rule, run directly: the stop set of the request is the EOS ids plus its own
     want = server.alone(PROMPT, 4, ignore_eos=False, stop_token_ids=(200, eos), logit_bias={eos: 100.0})
     assert want == [eos]
