@@ -500,6 +500,7 @@ async def _collect(run: _Run, request: Request) -> None:
 async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
     chat, parsed = run.parsed.chat, run.parsed
     split = [parsers.ReasoningStream() for _ in run.sinks] if parsed.reasoning else None
+    forced = [parsers.ForcedToolStream(parsed.forced_tool) for _ in run.sinks] if parsed.forced_tool else None
     try:
         for i in range(len(run.sinks)):
             if chat:
@@ -523,10 +524,15 @@ async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
                 thought, piece = split[index].push(piece or "", final=finish is not None)
                 thought = thought if parsed.include_reasoning else None
                 piece = piece or None
+            calls = None
+            if forced is not None:  # the answer is the calls' JSON: sent as tool-call deltas, not content
+                calls, piece = forced[index].push(piece or ""), None
+                if finish is not None and forced[index].calls and parsed.forced_tool == "required":
+                    finish = "tool_calls"
             if finish is not None and not ids:
                 piece = piece or (None if chat else "")
             yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason,
-                                      reasoning=thought))
+                                      reasoning=thought, tool_calls=calls))
         if parsed.include_usage:
             use = protocol.usage(sum(map(len, parsed.prompts)), sum(len(o.ids) for o in run.outs))
             yield _sse(protocol.usage_chunk(rid, model, chat, use))

@@ -10,6 +10,10 @@ of the text so far is held back until the next piece shows what it is.
 Tool calls (`split_tool_calls`): every `<tool_call>` block whose body is a JSON object with a string `name` becomes
 a call (`arguments` as a JSON string); the content is the text before the first block (None when empty). Text that
 does not parse stays content, as vLLM leaves it.
+Forced tool calls, streamed (`ForcedToolStream`: tool_choice a named function or "required", whose answer is
+constrained to the calls' JSON): a named function's arguments stream as they come (the first delta with the call's
+id, type and name); "required" sends each call of the JSON array once its object is complete (name and arguments),
+found by one pass over the text (depth and string state kept between pieces).
 """
 
 from __future__ import annotations
@@ -85,3 +89,48 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     content = text[:text.index("<tool_call>")]
     return content if content.strip() else None, calls
+
+
+class ForcedToolStream:
+    """`push(piece)` -> the tool-call deltas (OpenAI's streamed `delta.tool_calls` items) of an answer constrained
+    by a forced tool choice: `forced` is a function's name or "required". `calls` counts the calls begun."""
+
+    def __init__(self, forced: str):
+        self.forced, self.calls = forced, 0
+        self.text, self.pos, self.depth, self.in_str, self.esc, self.start = "", 0, 0, False, False, 0
+
+    def push(self, piece: str) -> list[dict]:
+        if not piece:
+            return []
+        if self.forced != "required":  # the whole answer is the function's arguments
+            if self.calls:
+                return [dict(index=0, function=dict(arguments=piece))]
+            self.calls = 1
+            return [dict(index=0, **tool_call(self.forced, piece))]
+        self.text += piece
+        out = []
+        for i in range(self.pos, len(self.text)):  # each character once over the whole answer
+            ch = self.text[i]
+            if self.in_str:
+                self.esc, self.in_str = (False, True) if self.esc else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+                self.start = i if self.depth == 2 else self.start
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and ch == "}":
+                    out += self._call(self.text[self.start:i + 1])
+        self.pos = len(self.text)
+        return out
+
+    def _call(self, obj: str) -> list[dict]:
+        try:
+            doc = json.loads(obj)
+        except ValueError:
+            return []
+        if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+            return []
+        self.calls += 1
+        return [dict(index=self.calls - 1, **tool_call(doc["name"], doc.get("parameters", {})))]

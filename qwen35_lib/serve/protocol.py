@@ -582,9 +582,9 @@ def _tools(body: dict, limits: Limits, stream: bool) -> tuple[bool, str | None]:
     elif limits.tool_call_parser is None:
         raise APIError("`tools` with tool_choice \"auto\" need the server started with --enable-auto-tool-choice "
                        "--tool-call-parser hermes (as vLLM)", "tools")
-    if stream:
-        raise APIError("`tools` with `stream`: true are not supported by this server (tool calls are parsed from "
-                       "the whole answer); send stream: false", "tools")
+    if stream and forced is None:
+        raise APIError("`tools` with tool_choice \"auto\" and `stream`: true are not supported by this server (the "
+                       "calls are parsed from the whole answer); send stream: false, or a forced tool_choice", "tools")
     return forced is None, forced
 
 
@@ -626,8 +626,8 @@ def response(rid: str, model: str, chat: bool, choices: list[dict], use: dict) -
 
 def chunk(rid: str, model: str, chat: bool, index: int, piece: str | None, token_ids: list[int],
           finish: str | None, role: bool = False, stop_reason: str | int | None = None,
-          reasoning: str | None = None) -> dict:
-    """One streamed event. Chat: `delta` ({"role"} first, then {"content"}); completions: `text`."""
+          reasoning: str | None = None, tool_calls: list | None = None) -> dict:
+    """One streamed event. Chat: `delta` ({"role"} first, then {"content"}, {"tool_calls"}); completions: `text`."""
     c: dict[str, Any] = dict(index=index, logprobs=None, finish_reason=finish, token_ids=token_ids)
     if finish is not None:
         c["stop_reason"] = stop_reason
@@ -637,6 +637,8 @@ def chunk(rid: str, model: str, chat: bool, index: int, piece: str | None, token
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         if piece is not None:
             delta["content"] = piece
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         c["delta"] = delta
     else:
         c["text"] = piece or ""

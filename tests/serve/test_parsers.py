@@ -72,7 +72,8 @@ def test_reasoning_and_tool_calls_split_as_the_definition(server):
     assert m["message"]["content"] == rest and "reasoning_content" not in m["message"]
     for body, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
                          "tool_choice"), ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-                        ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice")):
+                        ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+                        ({"tools": TOOLS, "stream": True}, "tools")):  # auto calls are parsed from the whole answer
         r = _post(server, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
@@ -103,3 +104,23 @@ def test_reasoning_stream_equals_the_whole_split_at_every_cut(text):
             assert (r, c) == (text.removeprefix("<think>"), ""), cut
     assert parsers.split_tool_calls("hi <tool_call>not json</tool_call>") == ("hi <tool_call>not json</tool_call>",
                                                                              [])
+
+
+@pytest.mark.parametrize("text", ['[{"name": "f", "parameters": {"a": "}]\\"{"}}, {"name": "g"} ]',
+                                  ' [ {"name":"h","parameters":{"b":[1,{"c":2}]}}]', '[{"name": "f", "param'])
+def test_forced_tool_stream_sends_each_complete_call_at_every_cut(text):
+    """A "required" answer fed in two pieces cut anywhere: each call once its object is complete, as the whole
+    answer's calls; a named function's arguments are the answer's pieces."""
+    from qwen35_lib.serve.structured import forced_tool_calls
+
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in forced_tool_calls(text, "required")[1]]
+    for cut in range(len(text) + 1):
+        s = parsers.ForcedToolStream("required")
+        deltas = s.push(text[:cut]) + s.push(text[cut:])
+        assert [d["index"] for d in deltas] == list(range(s.calls))
+        got = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas]
+        assert got == whole, cut
+        s = parsers.ForcedToolStream("f")
+        deltas = s.push(text[:cut]) + s.push(text[cut:])
+        assert deltas[0]["function"]["name"] == "f" and deltas[0]["type"] == "function" and s.calls == 1
+        assert "".join(d["function"]["arguments"] for d in deltas) == text

@@ -210,6 +210,7 @@ def test_a_forced_tool_choice_answers_with_calls_that_follow_the_tools(server):
     jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
     assert c["token_ids"] == server.alone(prompt, 90, ignore_eos=False, temperature=1.0, seed=2,
                                           structured=grammar_of(server, named))
+    named_choice = c
     required = ask | {"tool_choice": "required", "seed": 6}  # a seed whose sampled whitespace ends within 90
     r = post(server, required, chat=True)
     c = r.json()["choices"][0]
@@ -220,11 +221,30 @@ def test_a_forced_tool_choice_answers_with_calls_that_follow_the_tools(server):
     assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == ""
     assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c["message"]["tool_calls"]] \
         == [(x["name"], x["parameters"]) for x in calls]
+    for body, want in ((named, named_choice), (required, c)):  # streamed: the same calls, as deltas
+        chunks = stream_chat(server, body)
+        deltas = [d for x in chunks for d in x["choices"][0]["delta"].get("tool_calls", [])]
+        got: dict = {}  # index -> [name, arguments]: the streamed deltas joined as a client joins them
+        for d in deltas:
+            entry = got.setdefault(d["index"], [None, ""])
+            entry[0] = d["function"].get("name") or entry[0]
+            entry[1] += d["function"].get("arguments", "")
+        assert [(n, json.loads(a)) for n, a in got.values()] == \
+            [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in want["message"]["tool_calls"]]
+        assert [t for x in chunks for t in x["choices"][0]["token_ids"]] == want["token_ids"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == want["finish_reason"]
+        assert not "".join(x["choices"][0]["delta"].get("content") or "" for x in chunks)
     for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in `tools`"),
-                       ({"tool_choice": "required", "stream": True}, "stream"),
                        ({"tool_choice": "required", "guided_regex": "a"}, "one structured-output constraint")):
         r = post(server, ask | bad, chat=True)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def stream_chat(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                      json={"model": MODEL, "stream": True} | body) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
 def test_tool_schemas():
