@@ -17,6 +17,8 @@ For each workload (`--workloads`, scaled by `--scale`) and each `--concurrency` 
    met every bound (`request_goodput`), under `vllm bench serve --save-result`'s keys; with `--save-result` (in
    `--result-dir`, default .) or `--result-dir`, one such file per run (with the metadata `workload`, `scale`,
    `concurrency`, `--metadata KEY=VALUE`), which `python -m qwen35_lib recipe --result FILE` reads.
+vllm bench serve's random dataset (`--dataset-name random --random-input-len I --random-output-len O
+--random-range-ratio R`) replaces the workloads with its lengths, uniform in [int(L (1 - R)), int(L (1 + R))].
 A progress bar goes to stderr; `--plot PATH` draws TTFT, TPOT and output throughput against concurrency. A run in
 which any request failed makes the command exit non-zero (after writing what it measured), naming the first error.
 """
@@ -56,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "all: 8k/1k,1k/8k,1k/1k)")
     p.add_argument("--scale", default=None, help="length factor (default: the CPU scale of data/workloads.json, "
                                                  "1/16; 1 for the published lengths)")
+    p.add_argument("--dataset-name", choices=("random",), help="vllm bench serve's dataset: random (the "
+                   "lengths of --random-input-len, --random-output-len, --random-range-ratio, in place of --workloads)")
+    p.add_argument("--random-input-len", type=_positive, metavar="N", help="random dataset: prompt length (1024)")
+    p.add_argument("--random-output-len", type=_positive, metavar="N", help="random dataset: output length (128)")
+    p.add_argument("--random-range-ratio", type=float, metavar="R", help="random dataset: lengths uniform in "
+                   "[int(L (1 - R)), int(L (1 + R))], as vLLM draws them (0)")
+    p.add_argument("--trust-remote-code", action="store_true", help="accepted (vLLM's flag): nothing is loaded here")
     p.add_argument("--concurrency", "--max-concurrency", type=_positive, nargs="+", default=[1, 8], metavar="N",
                    dest="concurrency", help="requests in flight at most, one run each (default: 1 8)")
     p.add_argument("--request-rate", type=_rate, default=float("inf"), metavar="R",
@@ -345,11 +354,15 @@ def run(args: argparse.Namespace) -> dict:
     except Exception as e:  # noqa: BLE001 - one line naming the server
         raise ValueError(f"--base-url {base}: cannot list its models ({type(e).__name__}: {e}); is the server "
                          "up?") from None
-    names = workloads.parse_names(args.workloads) if args.workloads != "all" else list(workloads.load())
-    scale = args.scale if args.scale is not None else workloads.cpu_scale()
+    random = random_dataset(args)
+    if random is not None:
+        names, ws = [random.name], [random]
+    else:
+        names = workloads.parse_names(args.workloads) if args.workloads != "all" else list(workloads.load())
+        scale = args.scale if args.scale is not None else workloads.cpu_scale()
+        ws = [workloads.scaled(name, scale) for name in names]
     runs = []
-    for name in names:
-        w = workloads.scaled(name, scale)
+    for name, w in zip(names, ws):
         for conc in args.concurrency:
             n = args.num_prompts or 10 * conc
             warm = 2 * conc if args.num_warmups is None else args.num_warmups
@@ -397,6 +410,33 @@ def run(args: argparse.Namespace) -> dict:
               f"{first[:300]})", file=sys.stderr)
         out["exit_status"] = 1
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomLengths:
+    """vllm bench serve's random dataset lengths: uniform in [int(L (1 - r)), int(L (1 + r))] (at least 1)."""
+
+    name: str
+    input_len: int
+    output_len: int
+    ratio: float
+    scale: str = "1"
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        return max(1, int(length * (1 - self.ratio))), max(1, int(length * (1 + self.ratio)))
+
+
+def random_dataset(args: argparse.Namespace) -> RandomLengths | None:
+    """The random dataset's lengths when any of its flags is given (vLLM's defaults for the rest), else None."""
+    given = [f for f in ("dataset_name", "random_input_len", "random_output_len", "random_range_ratio")
+             if getattr(args, f, None) is not None]
+    if not given:
+        return None
+    r = 0.0 if args.random_range_ratio is None else args.random_range_ratio
+    if not 0 <= r < 1:
+        raise ValueError(f"--random-range-ratio {r}: give a number in [0, 1)")
+    i, o = args.random_input_len or 1024, args.random_output_len or 128
+    return RandomLengths(f"random_{i}_{o}", i, o, r)
 
 
 def _write_result(folder: str, doc: dict, filename: str | None = None, several: bool = False) -> pathlib.Path:

@@ -49,13 +49,15 @@ def test_bench_serve_against_our_server(tmp_path, capsys):
 
 
 def test_bench_serve_takes_vllm_flags_drives_chat_and_fails_when_requests_fail(tmp_path, capsys):
-    """vllm bench serve's flags (--max-concurrency, --request-rate, --burstiness, --goodput, --metric-percentiles,
-    --save-result, --result-filename, --metadata, --disable-tqdm, --ignore-eos, --backend openai-chat), the chat
-    endpoint's outputs equal to the engine's on the chat-templated prompts; every request failing exits non-zero."""
+    """vllm bench serve's flags (--max-concurrency, --request-rate, --burstiness, the random dataset's lengths,
+    --goodput, --metric-percentiles, --save-result, --result-filename, --metadata, --disable-tqdm, --ignore-eos,
+    --trust-remote-code, --backend openai-chat), the chat endpoint's outputs equal to the engine's on the
+    chat-templated prompts; every request failing exits non-zero."""
     with serve_support.running(tmp_path / "tok") as s:
         out, results = tmp_path / "chat.json", tmp_path / "res"
         argv = ["serve", "--base-url", s.url, "--backend", "openai-chat", "--max-concurrency", "2", "--request-rate",
-                "40", "--burstiness", "2", "--workloads", "1k/1k", "--scale", "1/128", "--num-prompts", "3",
+                "40", "--burstiness", "2", "--dataset-name", "random", "--random-input-len", "8", "--random-output-len",
+                "4", "--random-range-ratio", "0.5", "--trust-remote-code", "--num-prompts", "3",
                 "--num-warmups", "0", "--goodput", "ttft:600000", "e2el:600000", "--metric-percentiles", "50,99",
                 "--save-result", "--result-dir", str(results), "--result-filename", "mine.json", "--metadata",
                 "run=ci", "--disable-tqdm", "--ignore-eos", "--save-detailed", "--tokenizer", str(tmp_path / "tok"),
@@ -65,6 +67,8 @@ def test_bench_serve_takes_vllm_flags_drives_chat_and_fails_when_requests_fail(t
         assert run["completed"] == 3 and run["request_rate"] == 40 and run["max_concurrency"] == 2
         assert run["request_goodput"] > 0 and "p50_ttft_ms" in run and "p99_e2el_ms" in run and run["run"] == "ci"
         assert run["endpoint"] == "/v1/chat/completions" and (results / "mine.json").is_file()
+        assert run["input_range"] == [4, 12] and run["output_range"] == [2, 6] and run["workload"] == "random_8_4"
+        assert all(4 <= len(p) <= 12 for p in run["prompts"]) and all(2 <= m <= 6 for m in run["max_tokens"])
         for ids, m, got in zip(run["prompts"], run["max_tokens"], run["token_ids"]):
             prompt = s.text.encode_chat([{"role": "user", "content": s.text.decode(ids)}])
             assert got == s.alone(prompt, m)
