@@ -14,8 +14,9 @@ lets the open requests finish for at most --shutdown-timeout seconds, then exits
 Compile cache (`--compile-cache`, on by default, under the user's cache folder): the server process only reads JAX's
 persistent compilation cache (entries are written only for compiles of at least 10^9 s, i.e. never), so a restart
 loads every program it compiled before instead of compiling it. The entries are written by a child process
-(`--fill-compile-cache`, niced, started once the server has compiled everything and only if it missed the cache),
-which compiles the same programs again with writing on: jaxlib 0.10.2 segfaulted now and then while serializing an
+(`--fill-compile-cache`, niced, started once /health is ok if the warm-up missed the cache, else once the background
+compiles are done if they did), which compiles the same programs again with writing on, the warm-up's first (so a
+restart soon after is quick): jaxlib 0.10.2 segfaulted now and then while serializing an
 XLA:CPU executable into the cache (the Makefile's note), and a crash there now ends only the child, never the
 server (a parent-death signal ends the child with the server).
 """
@@ -173,7 +174,14 @@ def compile_cache_dir(value: str | None) -> pathlib.Path | None:
     return pathlib.Path(base) / "qwen35_lib" / "jax"
 
 
-MISSES = [0]  # persistent-cache misses of this process (jax's monitoring events)
+CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/compilation_cache/cache_hits": 0}
+
+
+def cache_misses() -> int:
+    """Programs this process compiled that the persistent cache did not hold: lookups less hits (jax records its
+    own `cache_misses` event only when it writes an entry, which a reading server never does)."""
+    return CACHE_EVENTS["/jax/compilation_cache/compile_requests_use_cache"] - \
+        CACHE_EVENTS["/jax/compilation_cache/cache_hits"]
 
 
 def use_compile_cache(path: pathlib.Path, write: bool) -> None:
@@ -190,8 +198,8 @@ def use_compile_cache(path: pathlib.Path, write: bool) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if write else 1e9)
 
     def count(event: str, **_) -> None:
-        if event == "/jax/compilation_cache/cache_misses":
-            MISSES[0] += 1
+        if event in CACHE_EVENTS:
+            CACHE_EVENTS[event] += 1
 
     if not write:
         jax.monitoring.register_event_listener(count)
@@ -204,11 +212,11 @@ def _child_args(args: argparse.Namespace) -> dict:
 
 def spawn_cache_filler(args: argparse.Namespace) -> subprocess.Popen | None:
     """The child that fills the compile cache (niced; ended with this process), when this one missed the cache."""
-    if not MISSES[0]:
+    if not cache_misses():
         return None
     code = "import sys; from qwen35_lib.serve.cli import fill_from_json; sys.exit(fill_from_json(sys.argv[1]))"
-    cli_generate.progress(f"the compile cache missed {MISSES[0]} programs: a child process fills it for the next "
-                          "start")
+    cli_generate.progress(f"the compile cache missed {cache_misses()} programs: a child process fills it for the "
+                          "next start")
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(_child_args(args))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -275,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         config, weights = cli_generate.load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
                                              name=cli_generate.hub_name(args.checkpoint))
         engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
-        for d, t, processing in warmup_shapes(engine, "all")[0]:
+        first, rest = warmup_shapes(engine, "background")  # the shapes /health waits for first
+        for d, t, processing in first + rest:
             engine.precompile(buckets=[(d, t)], processing=processing)
         return 0
     sock = bind_socket(args.host, args.port)
@@ -290,8 +299,13 @@ def run(args: argparse.Namespace) -> int:
     _log_to_stderr()
     warmup, background = warmup_shapes(engine, args.warmup)
     filler: list = []
+
+    def fill() -> None:  # once: after the warm-up if it missed the cache, else after the background compiles
+        if cache is not None and not any(filler):
+            filler[:] = [spawn_cache_filler(args)]
+
     loop = EngineLoop(engine, warmup=warmup, background=background, log_interval_s=args.log_stats_interval,
-                      on_compiled=(lambda: filler.append(spawn_cache_filler(args))) if cache else None).start()
+                      on_ready=fill, on_compiled=fill).start()
     chars = args.max_prompt_chars or 2 * ec.max_model_len * (longest_token_chars(text) if text else 1)
     limits = Limits(max_model_len=ec.max_model_len, max_prompts_per_request=args.max_prompts_per_request,
                     max_prompt_chars=chars, max_request_bytes=args.max_request_bytes,

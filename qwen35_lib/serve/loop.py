@@ -64,7 +64,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05, *, warmup: Sequence[tuple[int, int, bool]] = (),
                  background: Sequence[tuple[int, int, bool]] = (), max_adds_per_step: int = 64,
-                 log_interval_s: float = 0.0, on_compiled: Any = None):
+                 log_interval_s: float = 0.0, on_compiled: Any = None, on_ready: Any = None):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self.warmup = list(warmup)
@@ -73,6 +73,7 @@ class EngineLoop:
         self._compiler = threading.Thread(target=self._compile_background, name="qwen35-compile", daemon=True)
         self._steps: _WaitingStep | None = None
         self.on_compiled = on_compiled  # called (on a loop thread) once the warm-up and background compiles are done
+        self.on_ready = on_ready  # called on the engine thread once the warm-up is done (/health ok)
         self.max_adds_per_step = max_adds_per_step
         self.log_interval_s = log_interval_s  # 0: no periodic stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,6 +133,8 @@ class EngineLoop:
             self.error = f"warm-up failed: {type(e).__name__}: {e}"
             traceback.print_exc()
             return
+        if self.on_ready is not None and self.ready:
+            self.on_ready()
         if self.background and not self._stopping.is_set():
             self._compiler.start()
         elif self.on_compiled is not None:

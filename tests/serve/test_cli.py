@@ -5,7 +5,10 @@ app together for a random preset (uvicorn's server stubbed: the HTTP side is tes
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import subprocess
+import sys
 import types
 
 import pytest
@@ -122,3 +125,28 @@ def test_compile_cache_folder(monkeypatch, tmp_path):
     child = cli._child_args(args)  # what the cache-filling child rebuilds its engine from: plain JSON values
     assert child["max_model_len"] == 64 and "run" not in child
     assert cli.spawn_cache_filler(args) is None  # nothing missed the cache: no child
+
+
+CACHE_PROBE = """
+import sys
+import jax, jax.numpy as jnp
+from qwen35_lib.serve import cli
+cli.use_compile_cache(__import__("pathlib").Path(sys.argv[1]), write=sys.argv[2] == "write")
+jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(5.0)).block_until_ready()
+print(cli.cache_misses(), cli.CACHE_EVENTS["/jax/compilation_cache/cache_hits"])
+"""
+
+
+def test_a_reading_server_counts_its_misses_and_the_filler_makes_them_hits(tmp_path):
+    """The server reads the persistent cache only; what it missed is counted (so the filling child starts), the
+    child writes it, and the next start finds it (jax's own miss event fires only on a write)."""
+    def probe(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", CACHE_PROBE, str(tmp_path), mode], capture_output=True,
+                             text=True, timeout=300, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return tuple(map(int, out.stdout.split()))
+
+    missed, hits = probe("read")
+    assert missed >= 1 and hits == 0 and not any(tmp_path.iterdir())  # missed, and nothing written by the reader
+    probe("write")
+    assert probe("read") == (0, missed)

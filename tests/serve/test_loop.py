@@ -193,3 +193,26 @@ def test_background_compiles_serve_without_a_second_compile(tmp_path):
                                                         "temperature": 0, "ignore_eos": True}, timeout=120).json()
         assert engine_module.TRACES[0] == traces  # every shape of the request was compiled already
         assert r["choices"][0]["token_ids"] == s.alone([5, 6, 7], 3)
+
+
+def test_on_ready_is_called_once_the_warm_up_is_done_before_on_compiled():
+    """The compile-cache filler starts from on_ready (the warm-up's programs written first), else on_compiled."""
+    import threading
+
+    from qwen35_lib.serve.loop import EngineLoop
+
+    class Stub:
+        has_work = False
+        compiled: list = []
+
+        def precompile(self, buckets, processing):
+            Stub.compiled += buckets
+
+    calls, done = [], threading.Event()
+    loop = EngineLoop(Stub(), warmup=[(1, 65, False), (1, 1, False)],
+                      on_ready=lambda: calls.append(("ready", loop.ready, list(Stub.compiled))),
+                      on_compiled=lambda: (calls.append(("compiled",)), done.set()))
+    loop.start()  # after the name is bound: on_ready reads it
+    assert done.wait(30)
+    loop.stop()
+    assert calls == [("ready", True, [(1, 65), (1, 1)]), ("compiled",)]
