@@ -529,9 +529,9 @@ notebook.claim_greater("layouts_collectives_c512", "and its activation all-reduc
 r4, r512 = tput[4]["tp8_ep8"] / tput[4]["dp8_ep8"], tput[512]["tp8_ep8"] / tput[512]["dp8_ep8"]
 notebook.claim("layouts_margin_falls", "tp8_ep8's throughput over dp8_ep8's falls from x{r4:.2f} at 4 requests to "
                "x{r512:.2f} at 512", r4 > r512 and r4 > 2, "r4 > r512 and r4 > 2", r4=r4, r512=r512)
-notebook.claim("layouts_agree_low", "at 4 and 8 requests the model's pick splits attention by head, as the "
-               "published TP8_EP does", all(picked[c] in tp_layouts for c in (4, 8)),
-               "picks at c4 and c8 in (tp8_kvrep, tp8_ep8)")
+notebook.claim("layouts_agree_low", "at 4 and 8 requests the model's pick ({c4}, then {c8}) splits attention by "
+               "head, as the published TP8_EP does", all(picked[c] in tp_layouts for c in (4, 8)),
+               "picks at c4 and c8 in (tp8_kvrep, tp8_ep8)", c4=picked[4], c8=picked[8])
 apart = [r for r in pub if r["concurrency"] >= 16 and picked[r["concurrency"]] != presets[r["sharding"]]]
 notebook.claim("layouts_disagree_high", "from 16 to 256 requests the model's pick differs from the published preset "
                "at {n} of {m} points ({which}): it never picks dp8_ep8", bool(apart) and "dp8_ep8" not in

@@ -333,6 +333,7 @@ def claim(name: str, statement: str, holds: bool, relation: str = "", **values: 
 
     1. `statement` is the sentence as the chapter shows it (a clause, no final period), its `{field:spec}` fields
        filled from `values` (`str.format`): the run's numbers, never typed ones; `relation` says what was compared.
+       `values` may not be empty: results.json records every claim with the figures it compared.
     2. The record `{statement, text, holds, relation, values}` joins this kernel's claims and, when the playbook
        builder runs the notebook, `$QWEN35_RESULTS_DIR/claims.json` (every claim so far, a failing one included):
        `results.json` keeps them, and a chapter renders one as `{{ claim: NN.name }}` (playbook/claims.py).
@@ -341,6 +342,8 @@ def claim(name: str, statement: str, holds: bool, relation: str = "", **values: 
     """
     if not _NAME.match(name):
         raise ValueError(f"claim name {name!r}: letters, digits, '_' and '-' only")
+    if not values:
+        raise ValueError(f"claim {name!r} records no values: pass the run's figures it compares as keywords")
     values = {k: _number(v) for k, v in values.items()}
     try:
         text = statement.format(**values)

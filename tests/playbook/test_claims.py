@@ -36,6 +36,8 @@ def test_a_claim_is_recorded_written_and_raised_when_false(tmp_path, monkeypatch
     assert written["near"]["values"] == {"lo": 0.9, "hi": 1.1, "ratio": 1.04}
     with pytest.raises(ValueError, match="does not format"):
         notebook.claim("typo", "{nope}", True, x=1)
+    with pytest.raises(ValueError, match="records no values"):
+        notebook.claim("bare", "it holds", True, "a > b")
 
 
 def test_a_claim_placeholder_renders_the_record_and_refuses_what_the_run_did_not_check():
