@@ -361,3 +361,18 @@ def test_forks_beyond_the_free_slots_prefill_alone(tiny):
     while engine.has_work:
         engine.step()
     assert set(engine.results) == {ids[2]} and engine.results[ids[2]].output_ids == alone[2]
+
+
+def test_forks_on_a_data_parallel_mesh_copy_within_their_rank(tiny):
+    """dp8_ep8 on 8 (simulated) devices: the forks' page and slot copies run on the rank's own shard (the pools
+    split over the ranks), with the single-device outputs."""
+    from qwen35_lib.plan import get_layout, make_mesh
+
+    cfg, w = tiny
+    ec = EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48, page_size=8)
+    prompt = list(range(5, 16))  # 11 tokens: the last one mid-page (a page copy)
+    params = [SamplingParams(max_new_tokens=4, temperature=1.0, seed=s) for s in (3, 4)]
+    want = [r.output_ids for r in Engine(cfg, w, ec).generate([prompt] * 2, params)]
+    engine = Engine(cfg, w, ec, mesh=make_mesh(), plan=get_layout("dp8_ep8").replace(routing="replicate"))
+    engine.add_request(list(range(30, 40)), SamplingParams(max_new_tokens=4))  # rank 0 busy: the group elsewhere
+    assert run_forks(engine, prompt, params) == want and sum(engine.stats.tokens) == 10 + 3 + 10 + 2 * 4

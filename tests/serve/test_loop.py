@@ -29,15 +29,17 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "temperature": 0,
             "stream": True}
     httpx.post(server.url + "/v1/completions", json=body | {"max_tokens": 4}, timeout=120)  # shapes compiled
-    times: list[float] = []
-    first = threading.Event()
+    streams: list[list[float]] = []  # each stream's token times: streams follow each other until all are answered
+    first, all_answered = threading.Event(), threading.Event()
 
     def stream():
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["token_ids"]:
-                    times.append(time.perf_counter())
-                    first.set()
+        while not streams or not all_answered.is_set():
+            streams.append([])
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["token_ids"]:
+                        streams[-1].append(time.perf_counter())
+                        first.set()
 
     streamer = threading.Thread(target=stream)
     with health_latencies(server.url, 0.02) as health:
@@ -45,26 +47,39 @@ def test_big_requests_do_not_stall_a_stream_or_health(server):
         assert first.wait(60)
         big = {"model": MODEL, "prompt": "x" * (8 << 20), "max_tokens": 1}
         many = {"model": MODEL, "prompt": [[7]] * 4000, "max_tokens": 1}
-        answers = {}
+        answers, answered = {}, []
 
         def send(name, b):
             answers[name] = httpx.post(server.url + "/v1/completions", content=json.dumps(b), timeout=120,
                                        headers={"content-type": "application/json"})
+            answered.append(time.perf_counter())
 
         # under --max-prompt-chars, so tokenized in full (seconds for this tokenizer), then over --max-model-len
         long = {"model": MODEL, "prompt": "x" * 1_000_000, "max_tokens": 1}
-        senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many), ("long", long))]
+        # the outage: four ~4 MB bad_words lists, 20k bad words, 1M stop strings (each bounded: a 400)
+        words = [{"model": MODEL, "prompt": [1], "bad_words": [f"word{i}" for i in range(k * 7, k * 7 + 400_000)]}
+                 for k in range(4)]
+        lists = [(f"bad_words{k}", b) for k, b in enumerate(words)] + [
+            ("bad_words", {"model": MODEL, "prompt": [1], "bad_words": [f"w{i}" for i in range(20_000)]}),
+            ("stop", {"model": MODEL, "prompt": [1], "stop": ["x"] * 1_000_000})]
+        senders = [threading.Thread(target=send, args=a) for a in (("big", big), ("many", many), ("long", long),
+                                                                    *lists)]
         for t in senders:
             t.start()
-        for t in senders + [streamer]:
+        for t in senders:
             t.join(120)
+        all_answered.set()
+        streamer.join(120)
     assert answers["big"].status_code == 400 and "--max-prompt-chars" in answers["big"].json()["error"]["message"]
     assert answers["many"].status_code == 400
     assert "--max-prompts-per-request" in answers["many"].json()["error"]["message"]
     assert answers["long"].status_code == 400 and "--max-model-len" in answers["long"].json()["error"]["message"]
-    assert len(times) == 120
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    print(f"largest gap between tokens {max(gaps):.3f} s, slowest /health {max(health):.3f} s")
+    for name, _ in lists:
+        assert answers[name].status_code == 400 and "--max-" in answers[name].json()["error"]["message"], name
+    assert all(len(times) == 120 for times in streams) and streams[-1][-1] > max(answered)
+    gaps = [b - a for times in streams for a, b in zip(times, times[1:])]
+    print(f"largest gap between tokens {max(gaps):.3f} s over {len(streams)} streams, slowest /health "
+          f"{max(health):.3f} s; the last big request answered at {max(answered) - streams[0][0]:.2f} s")
     assert max(gaps) < 1.0, f"largest gap between tokens {max(gaps):.3f} s"
     assert health and max(health) < 1.0, f"slowest /health {max(health):.3f} s"
 
