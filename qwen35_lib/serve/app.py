@@ -501,6 +501,7 @@ async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
     chat, parsed = run.parsed.chat, run.parsed
     split = [parsers.ReasoningStream() for _ in run.sinks] if parsed.reasoning else None
     forced = [parsers.ForcedToolStream(parsed.forced_tool) for _ in run.sinks] if parsed.forced_tool else None
+    tools = [parsers.ToolCallStream() for _ in run.sinks] if parsed.tools else None
     try:
         for i in range(len(run.sinks)):
             if chat:
@@ -529,6 +530,10 @@ async def _stream(run: _Run, rid: str, model: str) -> AsyncIterator[str]:
                 calls, piece = forced[index].push(piece or ""), None
                 if finish is not None and forced[index].calls and parsed.forced_tool == "required":
                     finish = "tool_calls"
+            if tools is not None:  # content before the first <tool_call>, each call once its block closes
+                piece, calls = tools[index].push(piece or "", final=finish is not None)
+                finish = "tool_calls" if finish is not None and tools[index].calls else finish
+                piece = piece or None
             if finish is not None and not ids:
                 piece = piece or (None if chat else "")
             yield _sse(protocol.chunk(rid, model, chat, index, piece, ids, finish, stop_reason=reason,

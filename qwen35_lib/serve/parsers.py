@@ -10,6 +10,9 @@ of the text so far is held back until the next piece shows what it is.
 Tool calls (`split_tool_calls`): every `<tool_call>` block whose body is a JSON object with a string `name` becomes
 a call (`arguments` as a JSON string); the content is the text before the first block (None when empty). Text that
 does not parse stays content, as vLLM leaves it.
+Tool calls, streamed (`ToolCallStream`): the content before the first `<tool_call>` streams as content (a possible
+start of the tag at the end held back), each block is sent as one call once `</tool_call>` closes it; with no call
+at the end, the held text goes out as content: the same content and calls as the whole answer's split.
 Forced tool calls, streamed (`ForcedToolStream`: tool_choice a named function or "required", whose answer is
 constrained to the calls' JSON): a named function's arguments stream as they come (the first delta with the call's
 id, type and name); "required" sends each call of the JSON array once its object is complete (name and arguments),
@@ -89,6 +92,47 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     content = text[:text.index("<tool_call>")]
     return content if content.strip() else None, calls
+
+
+class ToolCallStream:
+    """`push(piece, final)` -> (content delta, tool-call deltas) of a streamed answer with Hermes tool calls."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.text, self.sent, self.first, self.pos, self.calls = "", 0, None, 0, 0
+        self.scanned, self.open = 0, None  # text searched so far; where the block being read opens
+
+    def push(self, piece: str, final: bool = False) -> tuple[str, list[dict]]:
+        self.text += piece or ""
+        t, calls = self.text, []
+        if self.first is None:
+            i = t.find(self.OPEN, self.sent)
+            if i < 0:  # all content so far, less a possible start of the tag
+                end = len(t) if final else len(t) - _held(t, self.OPEN)
+                piece, self.sent = t[self.sent:end], max(self.sent, end)
+                return piece, []
+            self.first = self.pos = i
+        content, self.sent = t[self.sent:self.first], self.first
+        while True:  # each character searched once for the tag it may hold next
+            if self.open is None:
+                i = t.find(self.OPEN, max(self.pos, self.scanned - len(self.OPEN) + 1))
+                if i < 0:
+                    self.scanned = len(t)
+                    break
+                self.open, self.scanned = i, i + len(self.OPEN)
+            j = t.find(self.CLOSE, max(self.open, self.scanned - len(self.CLOSE) + 1))
+            if j < 0:
+                self.scanned = len(t)
+                break
+            self.pos = self.scanned = j + len(self.CLOSE)
+            _, found = split_tool_calls(t[self.open:self.pos])
+            self.open = None
+            calls += [dict(index=self.calls + k, **c) for k, c in enumerate(found)]
+            self.calls += len(found)
+        if final and not self.calls:  # no block parsed: the whole answer is content, as unstreamed
+            content, self.sent = content + t[self.sent:], len(t)
+        return content, calls
 
 
 class ForcedToolStream:

@@ -470,7 +470,7 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
         logprobs = _count(body, "logprobs", limits)
         echo = get(body, "echo", (bool,), False)
     prompt_logprobs = _count(body, "prompt_logprobs", limits)
-    tools, forced_tool = _tools(body, limits, stream) if chat else (False, None)
+    tools, forced_tool = _tools(body, limits) if chat else (False, None)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and stream:
             raise APIError(f"`{name}` with `stream`: true is not supported by this server; send stream: false",
@@ -546,7 +546,7 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
                   prompt_logprobs, stop_ids, reasoning, include_reasoning, tools, forced_tool)
 
 
-def _tools(body: dict, limits: Limits, stream: bool) -> tuple[bool, str | None]:
+def _tools(body: dict, limits: Limits) -> tuple[bool, str | None]:
     """(whether a chat request's tool calls are parsed from its answer, the forced tool choice): `tools` (function
     definitions) with `tool_choice` auto (the default with tools) on a server with a tool-call parser; "required" or
     a named function ({"type": "function", "function": {"name"}}), as vLLM, by structured outputs (the answer is
@@ -582,9 +582,6 @@ def _tools(body: dict, limits: Limits, stream: bool) -> tuple[bool, str | None]:
     elif limits.tool_call_parser is None:
         raise APIError("`tools` with tool_choice \"auto\" need the server started with --enable-auto-tool-choice "
                        "--tool-call-parser hermes (as vLLM)", "tools")
-    if stream and forced is None:
-        raise APIError("`tools` with tool_choice \"auto\" and `stream`: true are not supported by this server (the "
-                       "calls are parsed from the whole answer); send stream: false, or a forced tool_choice", "tools")
     return forced is None, forced
 
 

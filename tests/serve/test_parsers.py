@@ -72,10 +72,35 @@ def test_reasoning_and_tool_calls_split_as_the_definition(server):
     assert m["message"]["content"] == rest and "reasoning_content" not in m["message"]
     for body, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
                          "tool_choice"), ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-                        ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-                        ({"tools": TOOLS, "stream": True}, "tools")):  # auto calls are parsed from the whole answer
+                        ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice")):
         r = _post(server, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_streamed_tool_calls_equal_the_whole_answers(server):
+    whole = _post(server, {"tools": TOOLS}).json()["choices"][0]
+    chunks = _post(server, {"tools": TOOLS}, stream=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert [t["index"] for t in calls] == list(range(len(whole["message"]["tool_calls"]))) != []
+    assert [t["function"] for t in calls] == [t["function"] for t in whole["message"]["tool_calls"]]
+    assert "".join(d.get("content") or "" for d in deltas) == (whole["message"]["content"] or "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" == whole["finish_reason"]
+
+
+@pytest.mark.parametrize("text", ['hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> x <tool_call>'
+                                  '{"name": "g"}</tool_call>', "no calls <tool_call>", "a <tool_call>bad</tool_call>",
+                                  '<tool_call>{"name": "f"}</tool_call><tool_call>{"name"', "<tool_c", ""])
+def test_tool_call_stream_equals_the_whole_split_at_every_cut(text):
+    whole_content, whole_calls = parsers.split_tool_calls(text)
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], [text[:cut], text[cut:cut + 3], text[cut + 3:]]):
+            s = parsers.ToolCallStream()
+            outs = [s.push(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)]
+            calls = [c for _, cs in outs for c in cs]
+            assert "".join(c for c, _ in outs) == (whole_content or ""), cut
+            assert [c["function"] for c in calls] == [c["function"] for c in whole_calls], cut
+            assert [c["index"] for c in calls] == list(range(len(calls)))
 
 
 def test_streamed_reasoning_deltas_add_up(server):
