@@ -31,6 +31,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 from qwen35_lib import cli_generate
 from qwen35_lib.cli_errors import port, positive
@@ -217,8 +219,20 @@ def spawn_cache_filler(args: argparse.Namespace) -> subprocess.Popen | None:
     code = "import sys; from qwen35_lib.serve.cli import fill_from_json; sys.exit(fill_from_json(sys.argv[1]))"
     cli_generate.progress(f"the compile cache missed {cache_misses()} programs: a child process fills it for the "
                           "next start")
-    return subprocess.Popen([sys.executable, "-c", code, json.dumps(_child_args(args))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(_child_args(args))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    threading.Thread(target=watch_filler, args=(child,), name="qwen35-cache-filler", daemon=True).start()
+    return child
+
+
+def watch_filler(child: subprocess.Popen) -> None:
+    """Wait for the filling child (no zombie left) and say how it ended."""
+    start, rc = time.perf_counter(), child.wait()
+    if rc == 0:
+        cli_generate.progress(f"the compile cache is filled for the next start ({time.perf_counter() - start:.0f} s)")
+    elif rc != -signal.SIGTERM:  # SIGTERM: ended with its server
+        cli_generate.progress(f"the compile-cache filler exited with {rc}: the next start compiles what it missed "
+                              "and tries again")
 
 
 def fill_from_json(doc: str) -> int:

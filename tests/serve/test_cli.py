@@ -150,3 +150,11 @@ def test_a_reading_server_counts_its_misses_and_the_filler_makes_them_hits(tmp_p
     assert missed >= 1 and hits == 0 and not any(tmp_path.iterdir())  # missed, and nothing written by the reader
     probe("write")
     assert probe("read") == (0, missed)
+
+
+@pytest.mark.parametrize("code, said", [("pass", "the compile cache is filled"),
+                                        ("raise SystemExit(3)", "exited with 3")])
+def test_the_filler_is_waited_for_and_its_end_reported(code, said, capsys):
+    child = subprocess.Popen([sys.executable, "-c", code])
+    cli.watch_filler(child)
+    assert child.returncode is not None and said in capsys.readouterr().err
