@@ -368,9 +368,9 @@ sweep_dp_ep = {step.split()[1]: {k: stored["stages"]["dp_ep"]["steps"][step][k]
                for step in ("8k/1k decode", "8k/1k mixed")}
 kernels_temp = stored["stages"]["kernels"]["steps"]["8k/1k decode"]["temp_bytes"]  # the same step, the Pallas kernels
 notebook.claim_greater("kernels_temporaries_smaller", "the `kernels` stage's decode step, whose Pallas kernels read "
-                       "weights and caches where they lie, needs {kernels:.2f} GB of temporaries, under a tenth of "
-                       "`dp_ep`'s {dp_ep:.2f} GB", factor=10.0, dp_ep=sweep_dp_ep["decode"]["temp_bytes"] / 1e9,
-                       kernels=kernels_temp / 1e9)
+                       "weights and caches where they lie, needs {kernels:.2f} GiB of temporaries, under a tenth of "
+                       "`dp_ep`'s {dp_ep:.2f} GiB", factor=10.0, dp_ep=sweep_dp_ep["decode"]["temp_bytes"] / 2**30,
+                       kernels=kernels_temp / 2**30)
 
 # %% [markdown]
 # ## 4. Any number of requests
