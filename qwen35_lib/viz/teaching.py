@@ -37,7 +37,7 @@ def plot_mesh(devices: Sequence[Sequence[int]], ring: bool = True) -> Figure:
         x0, y0 = x * (w + gap), y * (h + gap)
         centers[c] = (x0 + w / 2, y0 + h / 2)
         ax.add_patch(Rectangle((x0, y0), w, h, fill=True, facecolor="#EEF2F8", edgecolor="#4C72B0", lw=1.5))
-        ax.text(x0 + w / 2, y0 + h + 0.05, f"chip {c}", ha="center", va="bottom", fontsize=9)
+        ax.text(x0, y0 + h + 0.05, f"chip {c}", ha="left", va="bottom", fontsize=9)  # clear of the links' arrows
         cores = len(devices[c])
         for k, dev in enumerate(devices[c]):
             cx = x0 + (k + 0.5) * w / cores
