@@ -118,6 +118,25 @@ def test_a_claim_that_stops_holding_fails_the_build_naming_it(checkout: pathlib.
     assert "00_demo: 1 cells" in report.err and "FAILED: CellExecutionError: ClaimFailed" in report.err
 
 
+def test_one_input_of_a_real_notebook_changed_fails_the_build_naming_its_claim(checkout: pathlib.Path,
+                                                                               capsys: pytest.CaptureFixture):
+    """Notebook 08 as it is, but for one input: the plan the published points are set beside (`M`) is our `kernels`
+    stage itself, so its curve no longer lies above that plan's: the build fails, naming the claim its chapter states
+    (`make playbook` builds the unchanged notebook, where the claim holds)."""
+    root = pathlib.Path(__file__).resolve().parents[2]  # this checkout (the fixture moved site.CHAPTERS)
+    source = root.joinpath("notebooks", "08_production.py").read_text()
+    line = 'M = "tpu_inference_3050"'
+    assert source.count(line) == 1, "notebook 08 no longer sets M where this test changes it"
+    checkout.joinpath("notebooks", "08_production.py").write_text(source.replace(line, 'M = "kernels"'))
+    checkout.joinpath("chapters", "08_production.md").write_text(root.joinpath(
+        "playbook", "chapters", "08_production.md").read_text())
+    assert "{{ claim: 08.kernels_above_3050_curve }}" in checkout.joinpath("chapters", "08_production.md").read_text()
+    assert build.main(["--out", str(checkout / "site"), "--only", "08_production", "--timeout", "300"]) == 1
+    report = capsys.readouterr()
+    assert "ClaimFailed: claim 'kernels_above_3050_curve' does not hold" in report.out, report.out[-3000:]
+    assert "08_production" in report.err and "FAILED: CellExecutionError: ClaimFailed" in report.err, report.err
+
+
 def test_a_box_comparing_without_a_claim_fails_the_build(checkout: pathlib.Path):
     checkout.joinpath("chapters", "00_demo.md").write_text(
         "# 0 · Demo\n\n> The answer, {{ result: 00.demo.answer }}, is larger than before.\n")
