@@ -347,11 +347,11 @@ notebook.claim("tp_pallas_recovers_most", "TP8 with Pallas kernels alone (`googl
 # with them.
 
 # %%
-PARTS = {"attention": ("attn_core",), "experts": ("routed_experts",),
-         "dense": ("attn_proj", "gdn_proj", "shared_expert", "router"), "gdn": ("gdn_core",),
+PARTS = {"attention": ("attn_core",), "experts": ("routed_experts", "expert_scales"),
+         "dense": ("attn_proj", "gdn_proj", "shared_expert", "router"), "gdn": ("gdn_core", "gdn_conv"),
          "permutes": ("permute", "onehot_permute", "moe_rows"),
          "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
-         "rest": ("norms", "embed_lm_head", "host", "cache_copies")}
+         "rest": ("norms", "embed_lm_head", "sampling", "host", "cache_copies")}
 
 
 def parts_ms(p):

@@ -7,32 +7,34 @@ How the compile is read:
 - **Bytes: the HLO text, not `cost_analysis()`.** `parallel.hlo.op_rows` reads the optimized HLO text the sweep
   keeps (data/aot/hlo/): every top-level op reads its operands and writes its result, times the runs of its loop
   (the layer scan's 15 trips; the XLA attention's walk over a sequence's pages, whose trip count depends on the
-  data, its whole pool's pages, as every sequence of the compiled step sits at the pool's full length). XLA:TPU's
-  `bytes accessed` is no measure of HBM traffic: it counts a `while` body once, and a reduction's input and a dot's
-  right operand five times (`aot.validate.xla_bytes_accessed_factors`, held by tests/integration/test_tpu_compile.py).
+  data, its whole pool's pages, as every sequence of the compiled step sits at the pool's full length), counting
+  HBM only: an array XLA:TPU placed in VMEM (a layout with S(1)) moves none, so a prefetch into VMEM is one read.
+  XLA:TPU's `bytes accessed` is no measure of HBM traffic: it counts a `while` body once, and a reduction's input
+  and a dot's right operand five times (`aot.validate.xla_bytes_accessed_factors`, held by
+  tests/integration/test_tpu_compile.py).
 - **FLOPs: `cost_analysis()`, one layer group.** XLA counts the layer scan's body once, so its FLOPs are one
   group's plus what runs outside the scan; the model's are taken for one group (`num_layers` = one group), with the
   grouped matmul counted as XLA counts `ragged_dot` (`ragged_dot_flops`).
 - **Mosaic kernels** (the kernels stage) are custom calls: the text counts their operands whole (every page of the
   pool, every local expert). At decode with every sequence at the pool's full length and nearly every expert hit,
-  that is what they read.
+  that is what they read. The permute's combine is compared with them (the model's `permute` prices it).
+- **Collectives**: the model prices their time on the links (`step`); their buffers, read and written in HBM
+  (`collective_hbm_bytes`), are the model's bytes here.
 
 What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`; libtpu 0.0.42.1, the serving shape:
 512 requests, 9,216-token FP8 KV pools, 64 sequences a rank under DP8; tests/costmodel/test_compiled.py holds it):
 
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|
-| dp_ep, replicate, fused_ag, hier_rs (*) | 732.6-732.7 | 732.7 | 1,568-1,571 | 1,384 | 0.88 |
-| kernels (around its Mosaic calls, its projections among them) | 738.7 | 732.7 | 28.0 | 11.3 | 0.41 (+) |
-| baseline (at its largest pool, 7,168 tokens) (*) | 331.1 | 286.7 (x0.87, unexplained) | 1,822.8 | 1,947.9 | 1.07 |
-| mixed (1,024 prefill tokens a rank), the four XLA DP stages (*) | 10,074 | 10,405 | 7,720-7,770 | 6,168 | 0.79 |
-| mixed step, kernels (around its Mosaic calls) | 10,410.6 | 10,387.7 | 230.4 | 154.8 | 0.67 |
+| dp_ep, replicate, fused_ag, hier_rs (*) | 732.6-732.7 | 732.7 | 1,510 | 1,399 | 0.93 |
+| kernels (around its Mosaic calls, its projections among them) | 738.6 | 732.7 | 17.9 | 15.9 | 0.89 |
+| baseline (at its largest pool, 7,168 tokens) (*) | 331.1 | 286.7 (x0.87, unexplained) | 1,783.6 | 1,971.2 | 1.11 |
+| mixed (1,024 prefill tokens a rank), the XLA DP stages (*) | 10,074 | 10,405 | 7,585-7,627 | 6,194-6,202 | 0.81 |
+| mixed step, kernels (around its Mosaic calls) | 10,410.5 | 10,388.0 | 192.5 | 154.2 | 0.80 (+) |
 
 (*) texts compiled before the caches were rows of one pool (the old protocol's copies in them)
-(+) since the projections are Mosaic calls too (`kernels.dense_pallas`), what XLA compiles around the kernels is
-its glue, which the model does not price: the GDN's conv, gates and norms (6.5 GB), the MoE's routing and top-k,
-relayouts and copies outside the blocks (5.0 GB), sampling (2.1 GB); a strict xfail in the tests (it read 0.76 while
-the sliced projections dominated)
+(+) what the mixed step's XLA glue moves around the prefill rows is not priced: the chunked GDN kernel's inputs
+converted to float32 and relaid out, the GDN's gates and norms, the MoE's slices of the gathered rows
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.
 
@@ -40,20 +42,25 @@ The bytes agree because the model charges what the compiled program moves where 
 (data/costmodel_hardware.json 'kernels', each fact with the ops it sums, read off these texts):
 - the engine's caches are updated in place (`engine_cache_copy_passes` = 0: each layer's pages and slots are rows of
   one pool a kind, `model.ragged`; the sweep records `cache_pool_copies` per step, 0 since). The texts of stages
-  compiled before that protocol still hold its copies, 5 passes a step over each layer's whole pool (77.8 GB of a
-  decode step), which the model no longer charges;
+  compiled before that protocol still hold its copies, 5 passes a step over each layer's whole pool, which the model
+  no longer charges;
 - XLA:TPU's FP8 experts move 20.4 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
   scale broadcast, the dequantizing fusions, bf16 relayouts), its paged attention 31.7 B a KV value read
   (`xla_tpu_paged_attention_bytes`: gathered, converted to float32, relaid out twice), its GDN decode 7 passes over
-  a state (`xla_tpu_gdn_state_passes`: gathered and scattered);
-- the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.36, dp_ep's decode, some
+  a state (`xla_tpu_gdn_state_passes`: gathered and scattered), each read before the count left VMEM out;
+- the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.31, dp_ep's decode, some
   slices rematerialized: `scan_weight_passes`) and read in place by the Pallas projection (`pallas_dense_weight_passes`:
-  1.03, the kernels decode's); the kernels stage's MoE layer moves the routed rows 3.5 times
-  (`kernels_moe_permute_passes`, `permute_passes`: its gather 2, its combine 1.2, the cast 0.3; production: 2).
-What remains: the XLA stages' texts (compiled before the caches were rows of one pool) hold 12% more than the model,
-their cache copies among it; the kernels stage's decode 59% (the XLA glue around its Mosaic calls, (+)), its mixed
-step 33%; the baseline's model 7% more than its text. The TP baseline's FLOPs are x0.87 of
-XLA's, not yet explained.
+  1.00, the kernels decode's), beside which the router is still XLA's dot on its slice (`pallas_router_passes`: 3);
+  the kernels stage's MoE layer moves the routed rows 3 times (`kernels_moe_permute_passes`, `permute_passes`: its
+  gather 2, its combine 1; production: 2);
+- what every engine's step moves besides: the sampler's sort over the vocabulary (`sampling_logit_passes`: 38.5
+  passes over a sampled sequence's float32 logits, its costlier branch) and the conv's rows (`ops.conv`); and this
+  engine's grouped matmul takes its FP8 block scales repeated along lanes, expanded by XLA each layer
+  (`expert_scales`).
+What remains: the XLA stages' texts (compiled before the caches were rows of one pool) hold 7% more than the model at
+decode, their cache copies among it; the kernels stage's decode 11% (XLA's prefetch copies, the GDN's gates and
+norms, the MoE's slices), its mixed step 20% ((+)); the baseline's model 11% more than its text. The TP baseline's
+FLOPs are x0.87 of XLA's, not yet explained.
 
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the
@@ -66,7 +73,7 @@ import math
 import re
 
 from qwen35_lib.config import Config
-from qwen35_lib.costmodel import ops
+from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.step import Pools, bind_to, step_costs
@@ -93,7 +100,8 @@ def compile_batch(config: Config, ranks: int, requests: int, context_len: int, d
 BLOCK_OF = {"attn_proj": "attention", "attn_core": "attention", "gdn_proj": "gdn", "gdn_core": "gdn",
             "cache_copies": "other",
             "router": "moe", "shared_expert": "moe", "routed_experts": "moe", "permute": "moe",
-            "onehot_permute": "moe", "moe_rows": "moe", "embed_lm_head": "lm_head", "norms": "other"}
+            "onehot_permute": "moe", "moe_rows": "moe", "embed_lm_head": "lm_head", "norms": "other",
+            "sampling": "sample", "gdn_conv": "gdn", "expert_scales": "moe"}
 
 
 def ragged_dot_flops(config: Config, plan, batch: ops.Batch) -> float:
@@ -121,22 +129,35 @@ def model_side(config: Config, stage: str, entry: dict, shape: dict) -> dict:
     pools = Pools(kv=entry["kv_bytes"] / max(z["n_attn"], 1), gdn=entry["gdn_state_bytes"] / max(z["n_gdn"], 1))
     costs = step_costs(config, sp, st, batch, shape["kv_dtype"], shape["page_size"], mech=Mechanisms.nominal(),
                        pools=pools)
-    blocks = dict.fromkeys(("attention", "gdn", "moe", "lm_head", "other"), 0.0)
+    blocks = dict.fromkeys(("attention", "gdn", "moe", "lm_head", "sample", "other"), 0.0)
     for name, c in costs.items():
         blocks[BLOCK_OF[name]] += c.hbm_bytes
+    shape_ = traffic.StepShape.of_compile(config, entry["ranks"], shape["requests"], entry["decode_tokens_per_rank"],
+                                          entry["prefill_tokens_per_rank"])
+    blocks["collectives"] = collective_hbm_bytes(traffic.step_collectives(plan, config, shape_))
     group = config.replace(num_layers=len(config.layer_pattern))  # XLA counts the scan's body once
     gcosts = step_costs(group, sp, st, batch, shape["kv_dtype"], shape["page_size"], mech=Mechanisms.nominal())
     flops = sum(c.flops for c in gcosts.values())
     # a Pallas kernel states its FLOPs to XLA (`pl.CostEstimate`): the grouped matmul's as XLA counts ragged_dot's
     dense = flops - gcosts["routed_experts"].flops + ragged_dot_flops(group, plan, batch)
-    return dict(flops=flops, flops_as_xla_counts=dense, hbm_bytes=sum(c.hbm_bytes for c in costs.values()),
-                bytes_by_block=blocks, bytes_by_component={k: c.hbm_bytes for k, c in costs.items()})
+    by_component = {k: c.hbm_bytes for k, c in costs.items()} | {"collectives": blocks["collectives"]}
+    return dict(flops=flops, flops_as_xla_counts=dense, hbm_bytes=sum(by_component.values()), bytes_by_block=blocks,
+                bytes_by_component=by_component)
+
+
+def collective_hbm_bytes(collectives: list[traffic.Op]) -> float:
+    """The HBM bytes the collectives' buffers move on one device (their time is the links', `step`): each reads its
+    operand and writes its result, an all-gather's operand 1/group of its result, a reduce-scatter's result 1/group
+    of its operand."""
+    whole = lambda op: op.bytes + op.bytes / op.group if op.kind in ("all-gather", "reduce-scatter") else 2 * op.bytes
+    return sum(op.runs * whole(op) for op in collectives)
 
 
 def text_side(text: str, context_len: int, page_size: int) -> dict:
     """The compile's HBM bytes by `parallel.hlo.op_rows`: the XLA attention's page loop (the only loop whose trip
     count the text does not state) times the pool's pages of a sequence; Mosaic calls (custom calls of Pallas
-    kernels) apart, since the text counts their operands whole. {"bytes", "bytes_by_block", "mosaic_bytes",
+    kernels) apart, since the text counts their operands whole, but for the permute's combine, whose rows it reads
+    and writes whole (the model's `permute` prices it). {"bytes", "bytes_by_block", "mosaic_bytes",
     "loops": {body: trips}}."""
     bodies = hlo.op_rows(text)[1]
     trips = {b: -(-context_len // page_size) for b in bodies}
@@ -145,8 +166,8 @@ def text_side(text: str, context_len: int, page_size: int) -> dict:
         raise ValueError(f"loops of unknown trip count besides the attention's: {once}")
     blocks = dict.fromkeys(hlo.BLOCKS, 0)
     mosaic = 0
-    for r in rows:
-        if r.op == "custom-call" and "pallas_call" in r.jax_name:
+    for r in rows:  # the permute's Mosaic combine stays: the model's `permute` prices it (`permute_passes`)
+        if r.op == "custom-call" and "pallas_call" in r.jax_name and f"/{PERMUTE_SCOPE}/" not in r.jax_name:
             mosaic += r.bytes
         else:
             blocks[r.block] += r.bytes
@@ -243,17 +264,37 @@ def scan_weight_passes(hlo_text: str, config: Config, stage: str) -> float:
     ops named `dynamic_index_in_dim` / `dynamic_slice` outside a model block: each group's slice read, written, and
     read again where XLA rematerializes it; the FP8 experts' slices, which the XLA stages also take, are not
     dense weights) over the dense weight bytes one device holds (`config` at full depth). A `dense` kernel that
-    reads the stacks in place (`kernels.dense_pallas`) leaves only the small per-layer vectors sliced: about 1."""
+    reads the stacks in place (`kernels.dense_pallas`) leaves only the small per-layer vectors sliced: about 1; the
+    router, still XLA's dot on its slice there, is measured apart (`router_passes`)."""
     sp = specs_lib.get("tpu7x-8")
     plan = bind_to(any_stage(stage), config, sp)
-    rows, _ = hlo.op_rows(hlo_text)
-    sliced = sum(r.bytes for r in rows if r.block == "other" and any(s in r.jax_name for s in SCAN_SLICES)
-                 and r.shape.lstrip("(").startswith("bf16"))
+    apart = plan.kernel("dense") == "pallas"
     z = ops.sizes(config)
+    sliced = sum(r.bytes for r in _scan_slices(hlo_text) if not (apart and _router_slice(r.shape, config)))
     mixers = z["attn"] * z["n_attn"] + z["gdn"] * z["n_gdn"]
-    dense = (mixers / plan.tp + (z["router"] + z["shared"] / (1 if plan.moe == "ep" else plan.tp))
+    router = 0 if apart else z["router"]
+    dense = (mixers / plan.tp + (router + z["shared"] / (1 if plan.moe == "ep" else plan.tp))
              * config.num_layers) * z["act"]
     return 1 + sliced / dense
+
+
+def router_passes(hlo_text: str, config: Config) -> float:
+    """`scan_weight_passes` of the router alone (its [D, E] slices of the scan), for a stage whose `dense` kernel
+    reads the other projections in place while the router is XLA's dot on the scan's slice."""
+    z = ops.sizes(config)
+    sliced = sum(r.bytes for r in _scan_slices(hlo_text) if _router_slice(r.shape, config))
+    return 1 + sliced / (z["router"] * config.num_layers * z["act"])
+
+
+def _scan_slices(hlo_text: str) -> list:
+    """The ops of the layer scan's bf16 weight slices (`SCAN_SLICES`, outside a model block)."""
+    return [r for r in hlo.op_rows(hlo_text)[0] if r.block == "other" and any(s in r.jax_name for s in SCAN_SLICES)
+            and r.shape.lstrip("(").startswith("bf16")]
+
+
+def _router_slice(shape: str, config: Config) -> bool:
+    """Whether `shape` is of the stacked router's [..., D, E]."""
+    return f"{config.hidden_size},{config.num_experts}]" in shape
 
 
 def permute_passes(hlo_text: str, config: Config, tokens: int) -> float:
@@ -278,3 +319,17 @@ def permute_passes(hlo_text: str, config: Config, tokens: int) -> float:
 
 
 RELAYOUT_OPS = ("copy", "copy-start", "copy-done", "call-start", "call-done")  # ops XLA inserts to relay arrays out
+
+
+def sampling_passes(hlo_text: str, config: Config, rows: int) -> float:
+    """HBM passes over the float32 logits [rows, V] that the compiled step's sampler makes, from its HLO text: the ops
+    of the step's one conditional (`engine.sampling.sample`: the argmax when every row is greedy, else the sort over
+    the vocabulary with its top-k / top-p / min-p masks and the draw; `parallel.hlo.op_rows` counts the costlier
+    branch, as a batch with a sampled row runs it). `rows`: the sequences one device samples."""
+    branches = [line for lines in hlo._computations(hlo_text).values() for line in lines if " conditional(" in line]
+    if len(branches) != 1:
+        raise ValueError(f"the step should hold one conditional (the sampler), found {len(branches)}")
+    inside = set().union(*(hlo.called(hlo_text, b.strip().lstrip("%"))
+                           for b in re.search(r"branch_computations=\{([^}]*)\}", branches[0])[1].split(", ")))
+    rows_, _ = hlo.op_rows(hlo_text)
+    return sum(r.bytes for r in rows_ if r.computation in inside) / (rows * config.vocab_size * 4)

@@ -95,6 +95,8 @@ class Placement:
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
     weight_passes: float = 1.0  # HBM passes over each dense weight byte (3 for XLA's sliced scan inputs: read, copy,
     # read); the dense projections are XLA dots in every kernel family
+    router_passes: float | None = None  # the same for the router (XLA's dot on the scan's slice where the other
+    # projections are read in place: kernels.pallas_router_passes); None: weight_passes
     expert_passes: float | None = None  # the same for the routed experts (a Pallas grouped matmul reads its block
     # in place: 1); None: weight_passes
     kv_read_bytes: float = 0.0  # xla attention: HBM bytes per KV element of a page it reads (the compiled page
@@ -115,6 +117,8 @@ class Placement:
     gdn_pool_bytes: float = 0.0  # one GDN layer's local state pool
     gdn_state_passes: float = 2.0  # passes over each decoding sequence's GDN state a step (read, write; XLA:TPU's
     # gather and scatter: kernels.xla_tpu_gdn_state_passes)
+    sampling_passes: float = 0.0  # passes over each sampled sequence's float32 logits [V] (the sort over the
+    # vocabulary, its masks and the draw: kernels.sampling_logit_passes on TPU); 0: not charged
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
     # form) or "recurrent" (the CPU's native handler, `kernels.gdn_native`: one state update per token)
 
@@ -246,12 +250,31 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         tokens = b.prefill_tokens / pl.dp  # the real ones: the handler skips padding
         return {"gdn_proj": proj, "gdn_core": recurrent + Cost(vector_flops=7 * dk * dv * hv * tokens,
                                                                 bytes=2 * state * pre_seqs),
+                "gdn_conv": conv(cfg, b, pl),
                 "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
     inverse = 4 * C**3 * math.log2(C)
     chunked = Cost(mxu_flops=chunks * hv * (2 * C * C * (3 * dk + 2 * dv) + 6 * C * dk * dv + inverse),
                    bytes=2 * state * pre_seqs + chunks * C * hv * (dk + dv) * 4 * 2,
                    launches=5 * chunks + 4 if chunks else 0)
-    return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+    return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "gdn_conv": conv(cfg, b, pl),
+            "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+
+
+def conv(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """One GDN layer's causal conv over its q, k, v channels: each token's input read and output written, each
+    sequence's K - 1 previous inputs read and written back (the least any engine moves; `model.deltanet.ragged_conv`
+    moves that at decode)."""
+    C = cfg.gdn_conv_dim / pl.tp
+    rows = 2 * b.computed / pl.dp + 2 * b.seqs / pl.dp * (cfg.gdn_conv_kernel - 1)
+    return Cost(vector_flops=2 * cfg.gdn_conv_kernel * b.computed / pl.dp * C, bytes=rows * C * sizes(cfg)["act"],
+                launches=2)
+
+
+def sampling(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """The sampler over each sequence's float32 logits [V] (the whole vocabulary on every device):
+    `pl.sampling_passes` passes."""
+    S = (b.logit_rows or max(b.seqs, 1)) / pl.dp
+    return Cost(bytes=pl.sampling_passes * S * cfg.vocab_size * 4, launches=1 if pl.sampling_passes else 0)
 
 
 def cache_copies(pl: Placement, pool_bytes: float) -> Cost:
@@ -272,8 +295,9 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     D, E, k, F = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn
     T_dev = b.computed / pl.dp  # tokens whose router and shared expert this device runs
     copies = pl.weight_passes - 1  # a sliced copy: written once and read once more
+    router_copies = copies if pl.router_passes is None else pl.router_passes - 1
     router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
-                  z["router"] * z["act"] * copies)
+                  z["router"] * z["act"] * router_copies)
     # the shared expert's FFN is split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores): a layout's ranks times
     # its head ways are its devices (the ideal roofline's dense placement, dp = tp = ep, keeps it whole per device)
     shared_w = z["shared"] / (pl.tp if pl.moe == "tp" or pl.dp * pl.tp == pl.ep else 1)
@@ -288,6 +312,7 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
     small = 0.0
+    scales = None
     copies = (pl.weight_passes if pl.expert_passes is None else pl.expert_passes) - 1
     if pl.moe == "ep":
         rows *= pl.expert_imbalance  # the busiest device's
@@ -298,6 +323,14 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
             tm = pl.gmm_tile_rows
             ideal *= touched * math.ceil(rows / touched / tm) * tm / rows
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
+        if not pl.production_moe and cfg.expert_dtype == "float8_e4m3fn":
+            # this library's grouped matmul takes the FP8 block scales repeated along lanes (`moe_pallas`): XLA
+            # expands every local expert's each layer (compact read, expanded written), the kernel reads the
+            # touched experts' expanded
+            bs = cfg.fp8_block_size
+            expanded = 4 * (D // bs * 2 * f_dev + f_dev // bs * D)  # one expert's scales, bytes
+            scales = Cost(bytes=experts_dev * expanded * (1 + 1 / bs), launches=2)
+            wbytes += touched * expanded
     elif pl.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], 0.0
@@ -320,6 +353,8 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     buffer = b.computed * min(k, E // pl.ep) if pl.moe == "ep" and pl.static_buffers else rows
     out = {"router": router, "shared_expert": shared, "routed_experts": routed,
            "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
+    if scales is not None:
+        out["expert_scales"] = scales
     if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
         out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes))
     return out

@@ -36,9 +36,9 @@ from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.model.layer_loop import unrolled
 from qwen35_lib.plan import ServingPlan, abstract_mesh, family_kernels
 
-COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "cache_copies", "router", "shared_expert",
-              "routed_experts", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head", "all_reduce",
-              "all_gather", "reduce_scatter", "all_to_all", "host")
+COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "gdn_conv", "cache_copies", "router", "shared_expert",
+              "routed_experts", "expert_scales", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head",
+              "sampling", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "host")
 COMM = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -101,13 +101,17 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     in_place = unrolled(cfg, lay)
     scan = facts["pallas_dense_weight_passes" if lay.kernel("dense") == "pallas" else "xla_weight_passes"]["value"]
     passes = expert_passes if stage.name in OTHER_ENGINE else 1.0 if in_place else scan
+    # the router stays XLA's dot on the scan's slice where the Pallas projection reads the other stacks in place
+    router = facts["pallas_router_passes"]["value"] if lay.kernel("dense") == "pallas" and passes == scan \
+        else None
     fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
     ours = pools is not None and stage.name not in OTHER_ENGINE and not in_place
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
     gdn_xla = kernels["gdn_kernel"] == "xla" and specs.kind == "tpu"
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
-                         weight_passes=passes, expert_passes=expert_passes, expert_imbalance=expert_imbalance,
+                         weight_passes=passes, router_passes=router, expert_passes=expert_passes,
+                         expert_imbalance=expert_imbalance,
                          gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
                          onehot_threshold=onehot_threshold if production else 0,
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
@@ -116,6 +120,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          cache_copy_passes=facts["engine_cache_copy_passes"]["value"] if ours else 0.0,
                          kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
+                         sampling_passes=facts["sampling_logit_passes"]["value"] if specs.kind == "tpu" else 0.0,
                          gdn_prefill="recurrent" if kernels["gdn_kernel"] == "native" else "chunked",
                          kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"]
                          if attention == "xla" and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn" else 0.0)
@@ -195,7 +200,8 @@ def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch, dense: ops.Plac
         moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
     out: dict[str, ops.Cost] = {}
     norms, L = {"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers
-    for costs, times in ((gdn, z["n_gdn"]), (moe, L), (norms, L), ({"embed_lm_head": head}, 1)):
+    once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pl)}
+    for costs, times in ((gdn, z["n_gdn"]), (moe, L), (norms, L), (once, 1)):
         for name, c in costs.items():
             out[name] = out[name] + c * times if name in out else c * times
     return out

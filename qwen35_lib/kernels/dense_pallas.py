@@ -69,10 +69,12 @@ def _kernel(layer_ref, x_ref, w_ref, y_ref, acc_ref, *, heads: int, width: int, 
 
 
 def _rows(x: jax.Array) -> tuple[jax.Array, int, int]:
-    """x [M, ...] padded to whole row tiles: (x, tm, tiles)."""
+    """x [M, ...] padded to whole row tiles: (x, tm, tiles), as few tiles of at most ROW_TILE rows as hold M, each
+    the same multiple of 16 rows (1,088 rows: two of 544, not two of 1,024 with 960 rows of padding read and
+    computed)."""
     M = x.shape[0]
-    tm = min(ROW_TILE, -(-M // 16) * 16)
-    tiles = -(-M // tm)
+    tiles = -(-M // ROW_TILE)
+    tm = -(-M // (16 * tiles)) * 16
     return jnp.pad(x, ((0, tiles * tm - M),) + ((0, 0),) * (x.ndim - 1)), tm, tiles
 
 

@@ -93,46 +93,59 @@ def gdn_block(cfg: Config, w: dict, x: jax.Array, valid: jax.Array, conv_hist: d
         return linear(o, w["w_out"], contract=2), new_hist, state.astype(jnp.dtype(cfg.gdn_state_dtype))
 
 
-def ragged_conv(x: jax.Array, taps: jax.Array, hists: tuple[jax.Array, ...], meta) -> tuple[jax.Array, tuple]:
+def ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
     """Causal conv + SiLU over one rank's flat ragged tokens, continuing each sequence from its slot.
 
-    x: [T, H, C]; taps: [K, H, C]; hists: slot pools of previous inputs, [NS, K-1, H_i, d_i] each, as the cache
-    holds them (a pool is only gathered from and scattered into, never reshaped: it may hold every layer's slots,
-    `model.ragged`); a sequence's rows of pool i, [K-1, H_i, d_i], join x's heads as [K-1, H, H_i d_i / H] (v's
-    r = Hv / Hk heads of a k head side by side, `_by_k_head`), and those widths joined are C (the pools of a GDN
-    layer's `conv_groups`); meta: RaggedMeta.
-    Tap j of token t reads input t - (K-1-j): the flat token itself when it belongs to the same step of the
-    same sequence (>= q_start), else the sequence's history (zeros for a sequence's first step). Every input
-    is one row of `ext` = [each sequence's history (S * (K-1) rows); x (T rows)], read by a single gather (the
-    former gathers per tap and per source, about 20 per projection, traced about a third slower; same outputs).
-    Returns (y [T, H, C], each pool with each sequence's last K - 1 inputs stored in its slot).
+    x: [T, H, d]; taps: [K, H, d]; hist: the slot pool of previous inputs, [NS, K-1, H, d], as the cache holds it (only
+    gathered from and scattered into, never reshaped: it may hold every layer's slots, `model.ragged`); meta:
+    RaggedMeta. Returns (y [T, H, d] in x's dtype, the pool with each sequence's last K - 1 inputs in its slot; a
+    sequence with no tokens here writes the null slot 0). A decode-only step (every token sequence i's one, `pack`)
+    reads each sequence's history rows and writes them back shifted (`_decode_conv`); any other step takes
+    `_ragged_conv`. Each output sums its taps in order, so it does not depend on how a step split its sequence.
     """
-    K, T, S = taps.shape[0], x.shape[0], meta.q_start.shape[0]
-    fresh = meta.kv_len == meta.q_len  # [S]
-    H = x.shape[1]
-    by_head = lambda rows: rows.reshape(*rows.shape[:-2], H, -1)  # [.., H_i, d_i] -> [.., H, c_i]
-    seq_hist = jnp.concatenate([by_head(h[meta.slot]).astype(x.dtype) for h in hists], axis=-1)  # [S, K-1, H, C]
-    seq_hist = jnp.where(fresh[:, None, None, None], 0, seq_hist)
-    ext = jnp.concatenate([seq_hist.reshape(S * (K - 1), *x.shape[1:]), x])  # [S*(K-1) + T, H, C]
+    if x.shape[0] == meta.decode_seq.shape[0] <= meta.q_start.shape[0]:
+        return _decode_conv(x, taps, hist, meta)
+    return _ragged_conv(x, taps, hist, meta)
 
-    def source(idx, s):  # row of `ext` holding input number idx (flat index space) of sequence s
-        start = meta.q_start[s]
-        from_hist = s * (K - 1) + jnp.clip(K - 1 - (start - idx), 0, K - 2)
-        return jnp.where(idx >= start, S * (K - 1) + jnp.clip(idx, 0, T - 1), from_hist)
 
-    seq = jnp.clip(meta.token_seq, 0)[:, None]  # [T, 1]
-    tap_src = source(jnp.arange(T)[:, None] - (K - 1) + jnp.arange(K)[None, :], seq)  # [T, K]
-    s_all = jnp.arange(S)[:, None]
-    end = (meta.q_start + meta.q_len)[:, None]  # [S, 1]
-    hist_src = source(end - (K - 1) + jnp.arange(K - 1)[None, :], s_all)  # [S, K-1]
-    rows = jnp.take(ext, jnp.concatenate([tap_src.ravel(), hist_src.ravel()]), axis=0, mode="clip")
-    inputs, new = rows[:T * K].reshape(T, K, *x.shape[1:]), rows[T * K:].reshape(S, K - 1, *x.shape[1:])
-    y = sum(inputs[:, j].astype(jnp.float32) * taps[j].astype(jnp.float32) for j in range(K))
+def _tap_sum(inputs: list[jax.Array], taps: jax.Array, dtype) -> jax.Array:
+    """silu(sum over j of inputs[j] * taps[j]), in float32 and in order, as `dtype`."""
+    return jax.nn.silu(sum(a.astype(jnp.float32) * taps[j].astype(jnp.float32) for j, a in enumerate(inputs))
+                       ).astype(dtype)
+
+
+def _decode_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
+    """`ragged_conv` of a decode-only step: token i is sequence i's new input (x [D, H, d], padding where
+    decode_seq is -1): its history's K - 1 rows and itself through the taps, then the history shifted by one row."""
+    D = x.shape[0]
+    slot = jnp.where(meta.decode_seq >= 0, meta.slot[:D], 0)  # [D]
+    fresh = (meta.kv_len[:D] == meta.q_len[:D])[:, None, None, None]
+    prev = jnp.where(fresh, 0, hist[slot]).astype(x.dtype)  # [D, K-1, H, d]
+    y = _tap_sum([*(prev[:, j] for j in range(prev.shape[1])), x], taps, x.dtype)
+    return y, hist.at[slot].set(jnp.concatenate([prev[:, 1:], x[:, None]], 1).astype(hist.dtype))
+
+
+def _ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
+    """`ragged_conv` of any step. Tap j of a token reads the input K-1-j rows up in its sequence: from the step's own
+    tokens (x shifted: one elementwise pass over x) for every token past the first K - 1 of its sequence's step;
+    those first ones read the history too, so they are computed apart over [history; first K - 1 tokens] of each
+    sequence ([S, 2K-2] rows) and written over their rows."""
+    K, T = taps.shape[0], x.shape[0]
+    conv = lambda inputs: _tap_sum(inputs, taps, x.dtype)
+    place = jnp.arange(T) - meta.q_start[jnp.clip(meta.token_seq, 0)]  # [T] each token's place in its step
+    xp = jnp.pad(x, ((K - 1, 0), (0, 0), (0, 0)))  # [K-1+T, H, d]: row t + j is the input tap j of token t reads
+    y = conv([jnp.where((place >= K - 1 - j)[:, None, None], xp[j:j + T], 0) for j in range(K)])  # [T, H, d]
+    fresh = (meta.kv_len == meta.q_len)[:, None, None, None]  # a sequence's first step: no history
+    first = meta.q_start[:, None] + jnp.arange(K - 1)  # [S, K-1] rows of each step's first K - 1 tokens
+    win = jnp.concatenate([jnp.where(fresh, 0, hist[meta.slot]).astype(x.dtype), x[jnp.clip(first, 0, T - 1)]], 1)
+    heads = conv([win[:, j:j + K - 1] for j in range(K)])  # [S, K-1, H, d]: the first tokens' outputs
+    y = y.at[jnp.where(jnp.arange(K - 1) < meta.q_len[:, None], first, T)].set(heads, mode="drop")
+    last = (meta.q_start + meta.q_len)[:, None] - (K - 1) + jnp.arange(K - 1)  # [S, K-1] rows of the last inputs
+    short = jnp.clip(meta.q_len[:, None] + jnp.arange(K - 1), 0, 2 * K - 3)[..., None, None]  # in `win` instead
+    new = jnp.where((last >= meta.q_start[:, None])[..., None, None], x[jnp.clip(last, 0, T - 1)],
+                    jnp.take_along_axis(win, short, axis=1))
     slots = jnp.where(meta.q_len > 0, meta.slot, 0)
-    ends = np.cumsum([h.shape[-1] * h.shape[-2] // H for h in hists])[:-1]
-    return jax.nn.silu(y).astype(x.dtype), tuple(h.at[slots].set(part.reshape(*part.shape[:2], *h.shape[-2:])
-                                                                 .astype(h.dtype))
-                                                 for h, part in zip(hists, jnp.split(new, ends, axis=-1)))
+    return y, hist.at[slots].set(new.astype(hist.dtype))
 
 
 def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, parallelism) -> tuple[jax.Array, dict]:
@@ -143,13 +156,10 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
         valid = meta.token_seq >= 0  # [R, T]
         x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
         inputs, taps = {n: linear(x, w[f"w_{n}"]) for n in "qkv"}, {n: w[f"conv_{n}"] for n in "qkv"}
-        pools = {n: cache[f"conv_{n}"] for n in "qkv"}  # [R, NS, K-1, H, d]
         out, new_cache = {}, {}
-        for group in conv_groups(parallelism.plan):
-            y, new = jax.vmap(ragged_conv, (0, None, 0, 0))(_join(cfg, group, inputs), _join(cfg, group, taps),
-                                                             tuple(pools[n] for n in group), meta)
-            out |= _split(group, y, inputs)
-            new_cache |= {f"conv_{n}": pool for n, pool in zip(group, new)}
+        for n in "qkv":  # each its own conv: x's taps are shifted views, nothing to gain by joining them
+            out[n], new_cache[f"conv_{n}"] = jax.vmap(ragged_conv, (0, None, 0, 0))(inputs[n], taps[n],
+                                                                                     cache[f"conv_{n}"], meta)
         z = linear(x, w["w_z"])
         beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w["w_b"]).astype(jnp.float32)), 0.0)
         a = linear(x, w["w_a"]).astype(jnp.float32)

@@ -295,8 +295,17 @@ _NAMED = re.compile(r"([\w.\-]+): ((?:\w+\[[\d,]*\][^,)]*)|\([^)]*\))")
 BLOCKS = ("attention", "gdn", "moe", "embed", "lm_head", "sample", "other")
 
 
+# `f32[8,128]{1,0:T(8,128)S(1)}`: (dtype, dims, memory space): an array of a layout without `S(n)` lives in HBM, one
+# with S(1) in VMEM (XLA:TPU's memory-space assignment puts it there, prefetched and evicted by copy-start/-done
+# pairs), S(2) in SMEM (the scaling book's "How to read an XLA op")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](?:\{[^}]*?(?:S\((\d+)\))?\})?")
+
+
 def _shape_bytes(text: str) -> int:
-    return sum(_BYTES.get(dt, 0) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in _SHAPE.findall(text))
+    """The HBM bytes of the arrays in `text` (a shape, or a computation's parameters): those in another memory space
+    (VMEM, SMEM) move no HBM bytes when read or written."""
+    return sum(_BYTES.get(dt, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims, space in _ARRAY.findall(text) if space in ("", "0"))
 
 
 def _block(line: str) -> str:
@@ -326,6 +335,7 @@ class OpBytes:
     name: str  # its HLO name
     shape: str  # its result
     jax_name: str  # its op_name metadata
+    computation: str = ""  # the computation it sits in
 
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*?)\) -> ")
@@ -375,7 +385,8 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
     start's operands, the done's result), times the runs of its computation (a `while` body its known trip count,
     `trips[body]` when given, else once; a `conditional` its costliest branch, since one runs). A fusion that only
     slices an operand reads the slices, and one that updates a buffer in place (a root `dynamic-update-slice` or
-    `scatter`) writes the update (`_fused_access`).
+    `scatter`) writes the update (`_fused_access`). Only HBM counts: an array XLA:TPU placed in VMEM or SMEM (a layout
+    with S(1) or S(2)) moves no bytes, so a prefetch into VMEM reads HBM once and the ops reading it there nothing.
 
     This, not XLA:TPU's `cost_analysis()["bytes accessed"]`, is the compile's count to compare a model with: that
     counts a `while` body once, and a reduction's input and a dot's right operand five times
@@ -428,7 +439,7 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
                     read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
                 else:
                     read = sum(sizes.get(a, 0) for a in operands)
-                out.append(OpBytes(times * (read + write), times, block, op, var, shape, jax_name))
+                out.append(OpBytes(times * (read + write), times, block, op, var, shape, jax_name, name))
         return out
 
     runs: dict[str, int] = {}

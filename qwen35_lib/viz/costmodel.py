@@ -15,10 +15,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 GROUPS = {  # breakdown components, grouped for the stacked bars
-    "attention": ("attn_proj", "attn_core"), "GDN": ("gdn_proj", "gdn_core"), "cache copies": ("cache_copies",),
-    "routed experts": ("routed_experts",), "shared expert + router": ("shared_expert", "router"),
+    "attention": ("attn_proj", "attn_core"), "GDN": ("gdn_proj", "gdn_core", "gdn_conv"),
+    "cache copies": ("cache_copies",), "routed experts": ("routed_experts", "expert_scales"),
+    "shared expert + router": ("shared_expert", "router"),
     "permute and row bookkeeping": ("permute", "onehot_permute", "moe_rows"),
-    "norms, embed, head": ("norms", "embed_lm_head"),
+    "norms, head, sampling": ("norms", "embed_lm_head", "sampling"),
     "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), "host": ("host",),
 }
 COLORS = ["#DD8452", "#4C72B0", "#64B5CD", "#8C8C8C", "#55A868", "#937860", "#DA8BC3", "#C44E52", "#CCB974"]

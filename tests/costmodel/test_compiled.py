@@ -36,19 +36,25 @@ def test_the_baseline_flops_are_the_compiles(rows):
     assert rows["baseline"]["flops_ratio"] == pytest.approx(1.0, abs=0.05)
 
 
-# the kernels stage since every projection is a Mosaic call too (issue 50): around its Mosaic calls the text moves
-# 28.0 GB a decode step, the model 11.3 GB (its permute, router, norms, LM head); the rest is XLA's glue the model does
-# not price: the GDN's conv, gates and norms (6.5 GB), the MoE's routing and top-k, relayouts and copies outside the
-# blocks (5.0 GB), sampling (2.1 GB)
-UNPRICED = {"kernels": "the XLA glue around the Mosaic calls is not priced: 11.3 of 28.0 GB (issue 50)"}
-
-
-@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=UNPRICED[s]))
-                                   if s in UNPRICED else s for s in LADDER])
+@pytest.mark.parametrize("stage", LADDER)
 def test_decode_hbm_bytes_within_25_percent(rows, stage):
     # issue 30 item 4: the whole step's bytes, the model's against the HLO text's (a Pallas stage's around its
     # Mosaic calls): the differences the model did not charge before are now its compiled facts (the module doc)
     assert abs(rows[stage]["bytes_ratio"] - 1) <= compiled.DECODE_BYTES_TOLERANCE, compiled.table([rows[stage]])
+
+
+def test_the_kernels_stage_decode_bytes_are_the_models_within_15_percent(rows):
+    # issue 50 item 2: around its Mosaic calls the kernels stage's decode moves what the model prices (its permute
+    # with the Pallas combine, router, norms, LM head, sampler, the conv's rows, the FP8 scales' expansion, the
+    # collectives' buffers); before the conv's decode path, the VMEM-aware count and those components: 0.41
+    assert abs(rows["kernels"]["bytes_ratio"] - 1) <= 0.15, compiled.table([rows["kernels"]])
+
+
+@pytest.mark.xfail(strict=True, reason="the kernels stage's mixed step: the chunked GDN kernel's inputs converted to "
+                   "float32 and relaid out, the GDN and MoE glue around the prefill rows, unpriced (issue 50)")
+def test_the_kernels_stage_mixed_bytes_are_the_models_within_15_percent():
+    mixed = {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "mixed"}["kernels"]
+    assert abs(mixed["bytes_ratio"] - 1) <= 0.15, compiled.table([mixed])
 
 
 def test_a_pallas_stage_is_compared_around_its_mosaic_calls(rows):
@@ -82,15 +88,30 @@ def test_the_mixed_steps_with_texts_are_compared_too():
 def test_the_dense_weight_passes_are_read_off_the_compiles():
     # the passes over the dense weights the model charges the layer scan, by the plan's `dense` kernel: XLA's dots
     # on the scan's slices (dp_ep's text; its FP8 expert slices are not dense weights), the Pallas projection
-    # reading the stacks in place (the kernels stage's: only the small per-layer vectors are still sliced)
+    # reading the stacks in place (the kernels stage's: only the small per-layer vectors are still sliced), and the
+    # router there, still XLA's dot on the scan's slice: sliced, written, read
     from qwen35_lib.aot.sweep import serving_config
 
     cfg = serving_config(DOC["model"])
     xla = compiled.scan_weight_passes(compiled.stored_text("dp_ep", "8k/1k decode"), cfg, "dp_ep")
-    pallas = compiled.scan_weight_passes(compiled.stored_text("kernels", "8k/1k decode"), cfg, "kernels")
+    kernels = compiled.stored_text("kernels", "8k/1k decode")
+    pallas, router = compiled.scan_weight_passes(kernels, cfg, "kernels"), compiled.router_passes(kernels, cfg)
     assert kernel_facts()["xla_weight_passes"]["value"] == pytest.approx(xla, abs=0.01)
     assert kernel_facts()["pallas_dense_weight_passes"]["value"] == pytest.approx(pallas, abs=0.01)
-    assert pallas < 1.05 < 3 < xla
+    assert kernel_facts()["pallas_router_passes"]["value"] == pytest.approx(router, abs=0.01)
+    assert pallas < 1.05 < router < xla
+
+
+def test_the_sampling_passes_are_read_off_the_kernels_compile():
+    # the sampler's costlier branch (the sort over the vocabulary and its masks) over the logits of the 64
+    # sequences a device samples
+    from qwen35_lib.aot.sweep import serving_config
+
+    measured = compiled.sampling_passes(compiled.stored_text("kernels", "8k/1k decode"), serving_config(DOC["model"]),
+                                        DOC["shape"]["requests"] // DOC["stages"]["kernels"]["steps"]["8k/1k decode"]
+                                        ["ranks"])
+    assert kernel_facts()["sampling_logit_passes"]["value"] == pytest.approx(measured, abs=0.05)
+    assert 1 < measured < 100
 
 
 def test_the_permute_passes_are_read_off_the_kernels_compile():

@@ -24,17 +24,24 @@ def test_decode_step_hbm_bytes():
     """One decode token of the 397B model on one device with the Pallas kernels: the weights it reads (every
     dense weight of the layer scan `pallas_dense_weight_passes` times, measured: the Pallas projection reads the
     stacks in place, about once; exactly k experts per layer in FP8, read in place; the LM head once) plus its
-    context's KV and GDN state."""
+    context's KV and GDN state, and what this engine's XLA glue moves: every expert's FP8 scales expanded along
+    lanes each layer for the grouped matmul (and the k experts' read by it), the sampler's passes over the logits,
+    the conv's inputs, outputs and history; the router, still XLA's dot on the scan's slice, its passes."""
     cfg = costmodel.serving_model()
     st = model_stats(cfg).params_by_part
     D, F, k, L = cfg.hidden_size, cfg.moe_ffn, cfg.num_experts_per_tok, cfg.num_layers
     passes = kernel_facts()["pallas_dense_weight_passes"]["value"]
-    dense = passes * (st["attention"] + st["gdn"] + st["router"] + st["shared_experts"]) + st["lm_head"]
+    router = kernel_facts()["pallas_router_passes"]["value"]  # XLA's dot on the scan's slice
+    dense = passes * (st["attention"] + st["gdn"] + st["shared_experts"]) + router * st["router"] + st["lm_head"]
     fp8 = 1 + 4 / 128**2  # one float32 scale per 128 x 128 block
     ctx = 1000
     kv = 15 * ctx * 2 * cfg.num_kv_heads * cfg.head_dim * (1 + 4 / cfg.head_dim)  # FP8 KV with per-token scales
     state = 45 * 2 * cfg.gdn_num_v_heads * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * 2  # bf16, read + written
-    hand = 2 * dense + L * k * 3 * D * F * fp8 + kv + state
+    b, E, C = cfg.fp8_block_size, cfg.num_experts, cfg.gdn_conv_dim
+    expanded = 4 * (D // b * 2 * F + F // b * D)  # one expert's scales repeated along 128 lanes
+    glue = L * (E * expanded * (1 + 1 / b) + k * expanded) + \
+        kernel_facts()["sampling_logit_passes"]["value"] * cfg.vocab_size * 4 + 45 * (2 + 2 * 3) * C * 2
+    hand = 2 * dense + L * k * 3 * D * F * fp8 + kv + state + glue
     one = toy(chips=1)
     got = step_time(cfg, one, STAGES["kernels"], ops.Batch(decodes=1, decode_ctx=ctx, max_ctx=ctx),
                     kv_dtype="float8_e4m3fn")
@@ -106,7 +113,8 @@ def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
     for costs, times in ((ops.attention_block(cfg, long, pl), z["n_attn"]), (ops.gdn_block(cfg, long, pl), z["n_gdn"]),
                          (ops.moe_block(cfg, long, pl), cfg.num_layers),
                          ({"norms": ops.norms(cfg, long, pl)}, cfg.num_layers),
-                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl)}, 1)):
+                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl), "sampling": ops.sampling(cfg, long, pl)},
+                          1)):
         for name, c in costs.items():
             hand[name] = hand[name] + c * times if name in hand else c * times
     assert step_costs(cfg, s, STAGES[stage], long, "float8_e4m3fn") == hand

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qwen35_lib.engine.batch import SeqWork, pack
+from qwen35_lib.model import deltanet
 from qwen35_lib.model.deltanet import causal_conv, conv_groups, gdn_block, gdn_ragged_block, ragged_conv
 from qwen35_lib.model.parallelism import LOCAL
 from qwen35_lib.plan import SINGLE, get_layout
@@ -38,31 +39,53 @@ def test_causal_conv_is_numpys_and_continues_from_its_history():
 
 def test_ragged_conv_gives_each_sequence_the_dense_conv():
     """Sequence 0 decodes one token after 3 earlier ones (history in slot 2); sequence 1 is a fresh 5-token
-    prompt in slot 1, whose slot holds stale inputs that must not be read; the history split over two pools."""
+    prompt in slot 1, whose slot holds stale inputs that must not be read; sequence 2 continues with 2 tokens after
+    5 (slot 3): its first token reads three history rows, its second two, and its new history keeps one of them."""
     K, H, d = 4, 2, 3
     taps = RNG.standard_normal((K, H, d)).astype(np.float32)
     a = RNG.standard_normal((4, H, d)).astype(np.float32)  # sequence 0's 4 inputs
     b = RNG.standard_normal((5, H, d)).astype(np.float32)
-    _, meta = pack([SeqWork([0], 3, [1], 2)], [SeqWork([0] * 5, 0, [2], 1)], D=2, T=10, S=2, max_pages=1, chunk=8)
-    x = np.zeros((10, H, d), np.float32)
-    x[0], x[2:7] = a[3], b
-    hist = np.zeros((3, K - 1, H, d), np.float32)
-    hist[2], hist[1] = a[:3], 9.0
+    c = RNG.standard_normal((7, H, d)).astype(np.float32)
+    _, meta = pack([SeqWork([0], 3, [1], 2)], [SeqWork([0] * 5, 0, [2], 1), SeqWork([0] * 2, 5, [3], 3)], D=2, T=18,
+                   S=3, max_pages=1, chunk=8)
+    starts = np.asarray(meta.q_start)
+    x = np.zeros((18, H, d), np.float32)
+    x[starts[0]], x[starts[1]:starts[1] + 5], x[starts[2]:starts[2] + 2] = a[3], b, c[5:]
+    hist = np.zeros((4, K - 1, H, d), np.float32)
+    hist[2], hist[1], hist[3] = a[:3], 9.0, c[2:5]
     meta = jax.tree.map(jnp.asarray, meta)
-    y, (new,) = jax.jit(ragged_conv)(jnp.asarray(x), taps, (jnp.asarray(hist),), meta)
+    y, new = jax.jit(ragged_conv)(jnp.asarray(x), taps, jnp.asarray(hist), meta)
     zeros = np.zeros((1, K - 1, H, d), np.float32)
-    want_a, _ = causal_conv(a[None], taps, zeros)
-    want_b, _ = causal_conv(b[None], taps, zeros)
-    np.testing.assert_allclose(y[0], want_a[0, 3], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(y[2:7], want_b[0], rtol=1e-5, atol=1e-6)
+    want = [causal_conv(s[None], taps, zeros)[0][0] for s in (a, b, c)]
+    np.testing.assert_allclose(y[starts[0]], want[0][3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[starts[1]:starts[1] + 5], want[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[starts[2]:starts[2] + 2], want[2][5:], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(new[2], a[1:])  # each slot keeps its sequence's last K - 1 inputs
     np.testing.assert_array_equal(new[1], b[2:])
-    # the same inputs held in two pools (channels 0 and 1-2, as q, k and v are): the same outputs, each pool its part
-    y2, (new_a, new_b) = jax.jit(ragged_conv)(jnp.asarray(x), taps, (jnp.asarray(hist[..., :1]), jnp.asarray(
-        hist[..., 1:])), meta)
-    np.testing.assert_array_equal(y2, y)
-    np.testing.assert_array_equal(new_a, new[..., :1])
-    np.testing.assert_array_equal(new_b, new[..., 1:])
+    np.testing.assert_array_equal(new[3], c[4:])
+    np.testing.assert_array_equal(new[0], hist[0])  # the null slot takes what sequences without tokens write
+
+
+def test_a_decode_only_step_takes_the_short_path_and_agrees_with_the_ragged_one_bit_for_bit():
+    """Three decodes in a bucket of four (one padding token), six sequence rows: the decode path's outputs and pool
+    are the general path's exactly, and each output is the dense conv of the sequence's inputs."""
+    K, H, d = 4, 2, 3
+    taps = RNG.standard_normal((K, H, d)).astype(np.float32)
+    seqs = RNG.standard_normal((3, 6, H, d)).astype(np.float32)  # each sequence's 6 inputs, the last one new
+    _, meta = pack([SeqWork([0], 5, [1], s + 1) for s in range(3)], [], D=4, T=4, S=6, max_pages=1, chunk=8)
+    x = np.zeros((4, H, d), np.float32)
+    x[:3] = seqs[:, 5]
+    hist = np.full((5, K - 1, H, d), 7.0, np.float32)
+    hist[1:4] = seqs[:, 2:5]
+    meta = jax.tree.map(jnp.asarray, meta)
+    y, new = jax.jit(ragged_conv)(jnp.asarray(x), taps, jnp.asarray(hist), meta)
+    y_r, new_r = jax.jit(deltanet._ragged_conv)(jnp.asarray(x), taps, jnp.asarray(hist), meta)
+    np.testing.assert_array_equal(y[:3], y_r[:3])
+    np.testing.assert_array_equal(new[1:], new_r[1:])  # slot 0 is the null slot both write
+    want, _ = causal_conv(seqs, taps, np.zeros((3, K - 1, H, d), np.float32))
+    np.testing.assert_allclose(y[:3], want[:, 5], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(new[1:4], seqs[:, 3:])
+    np.testing.assert_array_equal(new[4], hist[4])  # an idle slot is left alone
 
 
 @pytest.fixture(scope="module")

@@ -114,3 +114,15 @@ def test_a_scatter_updates_in_place_and_a_conditional_runs_its_costliest_branch(
     whole = 64 * 8 * 4
     # one branch runs: the costlier (two passes over the [64, 8]: 8 KiB), not both (12 KiB)
     assert got["other"] == 2 * (2 * whole)
+
+
+def test_an_array_in_vmem_moves_no_hbm_bytes():
+    # memory-space assignment's prefetch: HBM -> VMEM (S(1)) by an async copy, a fusion reading it there and writing
+    # HBM: the copy reads HBM once, the fusion writes HBM once; SMEM's (S(2)) scalars are not HBM either
+    text = TEXT.replace("f32[16,8]{1,0}, u32[]) copy-start(%out)",
+                        "f32[16,8]{1,0:S(1)}, u32[]{:S(2)}) copy-start(%out)")
+    text = text.replace("%cd = f32[16,8]{1,0} copy-done", "%cd = f32[16,8]{1,0:S(1)} copy-done")
+    whole = 16 * 8 * 4
+    got = hlo.op_bytes(text)["bytes"]
+    assert got["moe"] == 2 * whole  # %out read from HBM, %cd from VMEM, the result written to HBM
+    assert got["other"] == whole + 4 * 3 * 4  # the prefetch reads HBM; its VMEM copy and the SMEM flag move none
