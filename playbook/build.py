@@ -9,7 +9,8 @@
 3. Render the chapters `playbook/chapters/*.md`, filling each `{{ result: ... }}` from this run's results
    (playbook/results.py), and write the results page, `index.html` and `results.json` (playbook/site.py).
 4. Print a summary: each notebook's status and time, and the key results (the values the conclusion quotes).
-   The exit status is 1 when a notebook failed (a claim it checks does not hold, among others), a chapter quotes a
+   The exit status is 1 when a notebook failed (a cell raised, a claim it checks does not hold among others, or a
+   cell went on past an error it printed: a traceback in its output, `run.printed_errors`), a chapter quotes a
    result or claim that was not produced, or a chapter's box compares with no claim behind it (playbook/claims.py).
 
 `results.json` is `{"build": {...}, "jax": version, "python": version, "notebooks": [{"name", "title", "status":

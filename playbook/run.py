@@ -29,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of an IPython traceback, dropped from the error we report
 FIGURE_MARK = re.compile(r"^# figure: ([\w\-]+)\s*$", re.M)  # in a code cell: its first PNG output is figure NAME
+TRACEBACK = "Traceback (most recent call last)"  # a traceback printed to a cell's stdout or stderr
 
 
 def notebook_paths(only: list[str] | None = None) -> list[pathlib.Path]:
@@ -127,6 +128,9 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
     except Exception as e:  # a failing cell: keep the partial notebook, report the error
         lines = ANSI.sub("", str(e)).strip().splitlines()
         error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        raised = next((label for label, out in _outputs(nb) if out.get("output_type") == "error"), None)
+        error += f" (in {raised})" if raised else ""
+    error = error or (printed_errors(nb) or [None])[0]
     results = {}
     for f in sorted(results_dir.glob("*.json")):
         try:
@@ -139,6 +143,37 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
     out.joinpath(entry["html"]).write_text(export_html(nb), encoding="utf-8")
     progress.end(index, entry)
     return entry
+
+
+def _outputs(nb: Any) -> Any:
+    """(`code cell N ('its first line')`, output) for each output of each code cell, N counted from 1 as the progress
+    line counts cells."""
+    n = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            n += 1
+            first = next((line for line in cell.source.splitlines() if line.strip()), "")[:60]
+            for out in cell.get("outputs", []):
+                yield f"code cell {n} ({first!r})", out
+
+
+def printed_errors(nb: Any) -> list[str]:
+    """Each executed code cell whose outputs hold an error its execution went on past: an `error` output (one IPython
+    showed and did not raise) or a traceback printed to its stdout or stderr (`traceback.print_exc()`, an exception
+    in a thread the cell started, whose hook prints it where the thread's output goes), as
+    `code cell N ('its first line') printed a traceback: Name: message`, once a cell."""
+    found: dict[str, str] = {}
+    for label, out in _outputs(nb):
+        if label in found:
+            continue
+        if out.get("output_type") == "error":
+            found[label] = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
+        elif out.get("output_type") == "stream" and TRACEBACK in out.get("text", ""):
+            tail = ANSI.sub("", out["text"]).split(TRACEBACK)[-1].strip().splitlines()
+            found[label] = next((line.strip() for line in reversed(tail)
+                                 if re.match(r"[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b", line)),
+                                tail[-1].strip() if tail else "")
+    return [f"{label} printed a traceback: {last}" for label, last in found.items()]
 
 
 def save_figures(nb: Any, out: pathlib.Path, stem: str) -> dict[str, str]:

@@ -80,3 +80,49 @@ def test_progress_lines(capsys):
     live = run.Progress(1, live=True)
     live.cell(1, "00_a", 2, 4, 3.0)
     assert capsys.readouterr().err == f"\r[1/1] 00_a [{'#' * 10:<20}] 2/4 cells   3.0 s"
+
+
+def test_a_traceback_a_cell_printed_is_an_error_naming_the_cell():
+    ok = nbformat.v4.new_code_cell("print('fine')")
+    ok.outputs = [nbformat.v4.new_output("stream", text="fine\nValueError is a word here\n")]
+    shown = nbformat.v4.new_code_cell("fig\n")  # an error IPython showed without raising (a formatter's)
+    shown.outputs = [nbformat.v4.new_output("error", ename="NameError", evalue="name 'np' is not defined",
+                                            traceback=["..."])]
+    printed = nbformat.v4.new_code_cell("\nrun_in_thread()")
+    printed.outputs = [nbformat.v4.new_output("stream", name="stderr", text=(
+        "Exception in thread Thread-1:\n\x1b[0;31mTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+        "    np.zeros(3)\nNameError: name 'np' is not defined\n"))]
+    cells = [nbformat.v4.new_markdown_cell("# T"), ok, shown, nbformat.v4.new_markdown_cell("x"), printed]
+    assert run.printed_errors(nbformat.v4.new_notebook(cells=cells)) == [
+        "code cell 2 ('fig') printed a traceback: NameError: name 'np' is not defined",
+        "code cell 3 ('run_in_thread()') printed a traceback: NameError: name 'np' is not defined"]
+    assert run.printed_errors(nbformat.v4.new_notebook(cells=cells[:2])) == []
+
+
+@pytest.mark.parametrize("cell", [
+    "import traceback\ntry:\n    np.zeros(3)\nexcept NameError:\n    traceback.print_exc()",
+    "import threading\nt = threading.Thread(target=lambda: np.zeros(3))\nt.start()\nt.join()",  # its hook prints it
+])
+def test_a_notebook_whose_cell_printed_a_traceback_fails(tmp_path, cell):
+    import jupytext
+
+    cells = [nbformat.v4.new_markdown_cell("# 00 · Printed"), nbformat.v4.new_code_cell("x = 1"),
+             nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell("print('after')")]
+    path = tmp_path / "00_printed.py"
+    jupytext.write(nbformat.v4.new_notebook(cells=cells), path, fmt="py:percent")
+    entry = run.execute(path, tmp_path / "out", 120, run.Progress(1, live=False), 1)
+    first = cell.splitlines()[0]
+    assert entry["status"] == "failed", entry
+    assert entry["error"] == f"code cell 2 ({first!r}) printed a traceback: NameError: name 'np' is not defined"
+
+
+def test_a_cell_that_raised_is_named(tmp_path):
+    import jupytext
+
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("\nnp.zeros(3)"),
+             nbformat.v4.new_code_cell("print('never')")]
+    path = tmp_path / "00_raised.py"
+    jupytext.write(nbformat.v4.new_notebook(cells=cells), path, fmt="py:percent")
+    entry = run.execute(path, tmp_path / "out", 120, run.Progress(1, live=False), 1)
+    assert entry["status"] == "failed" and entry["error"] == (
+        "CellExecutionError: NameError: name 'np' is not defined (in code cell 2 ('np.zeros(3)'))"), entry
