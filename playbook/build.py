@@ -8,13 +8,15 @@
    cell failed: the error is in the page).
 3. Render the chapters `playbook/chapters/*.md`, filling each `{{ result: ... }}` from this run's results
    (playbook/results.py), and write the results page, `index.html` and `results.json` (playbook/site.py).
-4. Print a summary: each notebook's status and time, and the key results (the values the conclusion quotes).
+4. Print a summary: each notebook's status, time and slowest code cells (numbered as the progress line counts them,
+   the first with the kernel's start), and the key results (the values the conclusion quotes).
    The exit status is 1 when a notebook failed (a cell raised, a claim it checks does not hold among others, or a
    cell went on past an error it printed: a traceback in its output, `run.printed_errors`), a chapter quotes a
    result or claim that was not produced, or a chapter's box compares with no claim behind it (playbook/claims.py).
 
 `results.json` is `{"build": {...}, "jax": version, "python": version, "notebooks": [{"name", "title", "status":
-"ok"|"failed", "seconds", "cells", "html", "error", "results": {stem: document}}]}`; a notebook's claims are its
+"ok"|"failed", "seconds", "cells", "html", "error", "results": {stem: document}, "figures",
+"slowest_cells": [{"cell": N, "seconds"}, ...]}]}`; a notebook's claims are its
 `results["claims"]`: {name: {statement, text, holds, relation, values}}.
 """
 
@@ -43,8 +45,12 @@ def run_notebooks(paths: list[pathlib.Path], out: pathlib.Path, timeout: int, jo
 def summary(entries: list[dict], key_values: list[site.Value], errors: list[str], out: pathlib.Path,
             seconds: float) -> str:
     width = max([len(e["name"]) for e in entries] + [8])
-    lines = [f"{'notebook':<{width}}  {'status':<6}  {'seconds':>7}  error"]
-    lines += [f"{e['name']:<{width}}  {e['status']:<6}  {e['seconds']:>7.1f}  {e['error'] or ''}" for e in entries]
+    slowest = {e["name"]: ", ".join(f"{c['cell']}: {c['seconds']:.1f} s" for c in e.get("slowest_cells") or [])
+               for e in entries}
+    cw = max([len(v) for v in slowest.values()] + [len("slowest code cells")])
+    lines = [f"{'notebook':<{width}}  {'status':<6}  {'seconds':>7}  {'slowest code cells':<{cw}}  error"]
+    lines += [f"{e['name']:<{width}}  {e['status']:<6}  {e['seconds']:>7.1f}  {slowest[e['name']]:<{cw}}  "
+              f"{e['error'] or ''}" for e in entries]
     unique = list({v.path: v for v in key_values}.values())
     if unique:
         width = max(len(v.path) for v in unique)

@@ -113,11 +113,14 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
         old.unlink()
     cells = sum(c.cell_type == "code" for c in nb.cells)
     start, done = time.perf_counter(), 0
+    took: list[tuple[float, int]] = []  # (seconds, code cell number): each cell's time, the first's kernel start in it
 
     def on_cell(cell: Any, cell_index: int, execute_reply: Any) -> None:
         nonlocal done
         done += 1
-        progress.cell(index, path.stem, done, cells, time.perf_counter() - start)
+        now = time.perf_counter() - start
+        took.append((now - sum(t for t, _ in took), done))
+        progress.cell(index, path.stem, done, cells, now)
 
     progress.start(index, path.stem, cells)
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, on_cell_executed=on_cell,
@@ -139,7 +142,8 @@ def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progr
             error = error or f"{f.name} is not JSON: {e}"
     entry = dict(name=path.stem, title=title_of(nb), status="failed" if error else "ok",
                  seconds=round(time.perf_counter() - start, 2), cells=cells, html=f"notebook-{path.stem}.html",
-                 error=error, results=results, figures=save_figures(nb, out, path.stem))
+                 error=error, results=results, figures=save_figures(nb, out, path.stem),
+                 slowest_cells=[dict(cell=n, seconds=round(t, 2)) for t, n in sorted(took, reverse=True)[:3]])
     out.joinpath(entry["html"]).write_text(export_html(nb), encoding="utf-8")
     progress.end(index, entry)
     return entry

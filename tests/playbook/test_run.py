@@ -126,3 +126,18 @@ def test_a_cell_that_raised_is_named(tmp_path):
     entry = run.execute(path, tmp_path / "out", 120, run.Progress(1, live=False), 1)
     assert entry["status"] == "failed" and entry["error"] == (
         "CellExecutionError: NameError: name 'np' is not defined (in code cell 2 ('np.zeros(3)'))"), entry
+
+
+def test_each_notebook_records_its_slowest_cells(tmp_path):
+    import jupytext
+
+    cells = [nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("import time\ntime.sleep(0.5)"),
+             nbformat.v4.new_code_cell("y = 2"), nbformat.v4.new_code_cell("z = 3")]
+    path = tmp_path / "00_slow.py"
+    jupytext.write(nbformat.v4.new_notebook(cells=cells), path, fmt="py:percent")
+    entry = run.execute(path, tmp_path / "out", 120, run.Progress(1, live=False), 1)
+    slowest = entry["slowest_cells"]
+    assert entry["status"] == "ok" and len(slowest) == 3, entry
+    assert slowest == sorted(slowest, key=lambda c: -c["seconds"]) and {c["cell"] for c in slowest} <= {1, 2, 3, 4}
+    cell2 = next(c["seconds"] for c in slowest if c["cell"] == 2)
+    assert cell2 >= 0.5 and sum(c["seconds"] for c in slowest) <= entry["seconds"], entry
