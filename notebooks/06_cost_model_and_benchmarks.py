@@ -615,11 +615,12 @@ print(cm_compiled.table(byte_rows))
 # %% [markdown]
 # **Check.** Every stage's decode bytes are within the tolerance issue 30 set (`DECODE_BYTES_TOLERANCE`, printed)
 # of its compile's, the `kernels` stage's included: around its Mosaic calls (its projections among them) the model
-# prices the glue XLA compiles, the GDN's causal conv, the router's sliced read, the grouped matmul's FP8 scales
-# expanded along lanes and the sampler's passes over the logits, each read off the compiled text. The DP stages'
-# FLOPs are within `FLOPS_TOLERANCE` (the TP baseline's fall short of XLA's, not yet explained: the table). The mixed
-# steps agree less on bytes: the `kernels` stage's XLA glue around its prefill rows (the chunked GDN kernel's inputs
-# converted to float32 and relaid out) is not priced (`costmodel.compiled`'s doc; a strict xfail in the tests).
+# prices the glue XLA compiles, the GDN's causal conv and the grouped matmul's FP8 scales expanded along lanes (from
+# their shapes), the router's sliced read and the sampler's passes over the logits (passes read off the compiled
+# text). The DP stages' FLOPs are within `FLOPS_TOLERANCE` (the TP baseline's fall short of XLA's, not yet
+# explained: the table). The mixed steps agree less on bytes: the `kernels` stage's XLA glue around its prefill rows
+# (the chunked GDN kernel's inputs converted to float32 and relaid out) is not priced (`costmodel.compiled`'s doc; a
+# strict xfail in the tests).
 
 # %%
 FLOPS_TOLERANCE = 0.05
