@@ -119,9 +119,9 @@ def table(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tp
 MECHANISMS = {
     "dense weights": ("attn_proj", "gdn_proj", "shared_expert", "embed_lm_head", "router"),  # copied per DP rank
     "KV reads": ("attn_core",),  # tensor parallelism duplicates the 2 KV heads
-    "GDN state": ("gdn_core",),
+    "GDN state": ("gdn_core", "gdn_conv"),
     "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
-    "routed experts": ("routed_experts", "moe_rows", "permute", "onehot_permute"),
+    "routed experts": ("routed_experts", "expert_scales", "moe_rows", "permute", "onehot_permute"),
 }
 
 
