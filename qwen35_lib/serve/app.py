@@ -179,6 +179,7 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:
             raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+        protocol.check_sizes(body, limits)  # before the walk over every value
         protocol.check_body(body, limits)
         m = body.get("model")
         if m is not None and m != model_name:

@@ -530,3 +530,19 @@ def test_half_open_and_mid_body_disconnects(server, caplog):
         uv.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def test_bounded_lists_are_refused_by_length_before_the_body_is_walked(server):
+    import json
+
+    # check_sizes runs before check_body's walk over every value (1M stop strings held the GIL 0.4 s there): a body
+    # too long in `stop` that also holds a lone surrogate is refused for `stop`, the walk never reached
+    body = json.dumps({"model": MODEL, "prompt": "\ud800", "max_tokens": 2, "stop": ["x"] * 100_000})  # \ud800 escaped
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop" and "--max-stop-strings" in r.text
+    limits = protocol.Limits(max_model_len=64, max_bad_words=2, max_logit_bias=1)
+    for field, value in (("bad_words", ["a", "b", "c"]), ("logit_bias", {"1": 1, "2": 2})):
+        with pytest.raises(protocol.APIError, match=f"`{field}` holds"):
+            protocol.check_sizes({field: value}, limits)
+    protocol.check_sizes({"bad_words": ["a", "b"], "logit_bias": {"1": 1}, "stop": "x" * 10_000}, limits)
