@@ -20,20 +20,11 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 from qwen35_lib.viz import costmodel as viz_cm  # noqa: E402
 from qwen35_lib.viz.sharding_explorer import sharding_explorer  # noqa: E402
-
-
-def controls(box) -> dict:
-    found, stack = {}, [box]
-    while stack:
-        node = stack.pop()
-        stack += list(getattr(node, "children", ()))
-        found[getattr(node, "description", None) or type(node).__name__] = node
-    return found
-
+from tests.widgets import by_label  # noqa: E402
 
 print("ipywidgets", ipywidgets.__version__)
 for make, name, value in ((viz_cm.explorer, "concurrency", 64), (viz_cm.layouts_explorer, "concurrency", 8),
                           (sharding_explorer, "routing", "all_to_all")):
     box = make()
-    controls(box)[name].value = value  # re-renders through the widget's observer
+    by_label(box)[name].value = value  # re-renders through the widget's observer
     print(make.__name__, "ok")
