@@ -444,8 +444,12 @@ for n, tokens in first.items():
 # duplicated KV reads and its per-layer all-reduces of activations grow with the tokens: the margin should shrink.
 #
 # **Compute.** `costmodel.choice.table` prices every layout at each concurrency (`python -m qwen35_lib.costmodel
-# layouts`), here as tpu-inference's engine runs them (the engine the published table was measured on; Pallas
-# kernels); `layout_mechanisms` splits a layout's milliseconds per 1,000 tokens by the mechanism that separates them.
+# layouts --engine tpu-inference --kernels pallas`), here as tpu-inference's engine runs them (the engine the
+# published table was measured on; Pallas kernels) and set as its sweep set each layout (`setup="tpu-inference"`:
+# server.sh at the commit of the table, at the layout's own DP size: per rank min(max(ISL / DP, 1024), 2048) tokens a
+# step and 2 x CONC / DP sequences, the settings `recipe` emits; `tp8_ep8` thus steps 2,048 tokens for the slice where
+# the DP layouts step 8,192); `layout_mechanisms` splits a layout's milliseconds per 1,000 tokens by the mechanism that
+# separates them.
 
 # %%
 import matplotlib.pyplot as plt
@@ -546,6 +550,14 @@ notebook.claim("layouts_disagree_high", "from 16 to 256 requests the model's pic
                picked.values(), "some pick differs from the preset at c16-c256, and dp8_ep8 is never picked",
                n=len(apart), m=sum(r["concurrency"] >= 16 for r in pub),
                which=", ".join(f"c{r['concurrency']} {picked[r['concurrency']]}" for r in apart))
+notebook.claim("layouts_agree_mid", "set as the sweep set each layout, the model's picks at 16 and 32 requests "
+               "({c16}, {c32}) are the published DP4TP2_EP", all(picked[c] == "dp4_tp2_ep8" for c in (16, 32)),
+               "picks at c16 and c32 == dp4_tp2_ep8", c16=picked[16], c32=picked[32])
+behind = {c: tput[c]["dp8_ep8"] / max(tput[c].values()) for c in (64, 128, 256, 512)}
+notebook.claim("layouts_dp8_close", "where they part, the published DP8_EP is priced x{lo:.2f} to x{hi:.2f} of the "
+               "pick from 64 to 512 requests, closer the more requests", 0.9 <= min(behind.values())
+               and list(behind.values()) == sorted(behind.values()), "0.9 <= dp8_ep8 / pick, rising with concurrency",
+               lo=min(behind.values()), hi=max(behind.values()))
 at_preset = [tput[r["concurrency"]][presets[r["sharding"]]] / r["total_tokens_per_s"] for r in pub
              if r["concurrency"] >= 16]
 notebook.claim("layouts_presets_within_25", "priced under the published preset, every point from 16 to 256 "

@@ -2,14 +2,17 @@
 [--layout NAME --routing NAME --fuse-allgather --hierarchical-rs --kernels xla|pallas] [--max-batched-tokens N]
 [--max-seqs N] [--kv-dtype D] [--mechanisms nominal|off] [--explain] [--no-band] [--json]` and
 `python -m qwen35_lib.costmodel ladder [--json]`,
-`python -m qwen35_lib.costmodel layouts --isl N --osl N [--concurrencies 1,2,...] [--kernels K] [--json]` and
+`python -m qwen35_lib.costmodel layouts --isl N --osl N [--concurrencies 1,2,...] [--kernels K] [--engine E] [--setup S]
+[--json]` and
 `python -m qwen35_lib.costmodel validate --moe | --published | --compiled [--json]`.
 
 `predict --layout auto` prices every layout of `choice.CANDIDATES` that fits (tp8_kvrep, tp8_ep8, dp4_tp2_ep8,
 dp8_ep8 with the given routing, flags and kernels) and serves the one with the most total tokens/s; its JSON names the
 pick, the runner-up and the margin (`layout_choice`). `layouts` prints that ranking over concurrency (c1 ... c512):
 each layout's total tokens/s and median TPOT, the best, the next and the margin. `--no-async-scheduling` predicts a
-server without vLLM's --async-scheduling (the whole host turnaround on every step).
+server without vLLM's --async-scheduling (the whole host turnaround on every step). `--setup library|tpu-inference`
+sets each candidate's server as this library's recipe does or as tpu-inference's Qwen3.5 sweep did (its server.sh at
+the layout's DP size: the published SHARDING_TABLE's settings); by default the `--engine`'s.
 
 `predict` prints whole-slice output and total (input + output) tokens/s, per chip, the uncertainty band (the
 one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json and their joint corners), the
@@ -32,7 +35,7 @@ import sys
 from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.choice import CONCURRENCIES, ENGINES
+from qwen35_lib.costmodel.choice import CONCURRENCIES, ENGINES, SETUPS
 from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
 from qwen35_lib.plan import FAMILIES, ROUTINGS
 from qwen35_lib.plan import cli as plan_cli
@@ -111,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--engine", choices=ENGINES, default="this",
                     help="--layout auto: price the candidates as this library's engine runs them (this, the default, "
                          "as --layout does) or as tpu-inference's does (its recipe's layouts)")
+    pr.add_argument("--setup", choices=SETUPS,
+                    help="--layout auto: each candidate's server settings: library (this library's recipe) or "
+                         "tpu-inference (its Qwen3.5 sweep's server.sh at its layout's DP size: the settings the "
+                         "published SHARDING_TABLE ran and `recipe` emits); default: the --engine's")
     pr.add_argument("--mechanisms", default="nominal", choices=("nominal", "off"),
                     help="the labelled serving mechanisms at their nominal values, or the model without them")
     pr.add_argument("--no-dp-batch-prefill", action="store_true",
@@ -137,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     lays.add_argument("--no-async-scheduling", action="store_true", help="a server without --async-scheduling")
     lays.add_argument("--engine", choices=ENGINES, default="this",
                       help="price the layouts as this library's engine runs them or as tpu-inference's does")
+    lays.add_argument("--setup", choices=SETUPS,
+                      help="each layout's server settings: library (this library's recipe) or tpu-inference (its "
+                           "Qwen3.5 sweep's server.sh at the layout's DP size, as the published SHARDING_TABLE ran); "
+                           "default: the --engine's")
     lays.add_argument("--json", action="store_true", help="print one JSON document")
     val = sub.add_parser("validate", help="the model against measurements (MoE layer cells, published serving)")
     what = val.add_mutually_exclusive_group(required=True)
@@ -222,14 +233,14 @@ def _layouts(args: argparse.Namespace) -> int:
     mech = Mechanisms.nominal(async_scheduling=False) if args.no_async_scheduling else "nominal"
     t = choice.table(_model(args), args.hardware, args.isl, args.osl, concurrencies, routing=args.routing,
                      fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs, kernels=args.kernels,
-                     kv_dtype=args.kv_dtype, mechanisms=mech, engine=args.engine)
+                     kv_dtype=args.kv_dtype, mechanisms=mech, engine=args.engine, setup=args.setup)
     print(json.dumps(t, indent=2) if args.json else choice.format_table(t))
     return 0
 
 
 def _format_choice(c: dict) -> str:
     lines = [f"  layout auto: {c['picked']} served (the most {c['by'].replace('_', ' ')} of those that fit, priced as "
-             f"{c['engine']} engine)"
+             f"{c['engine']} engine, {c.get('setup', 'library')} setup)"
              + (f"; runner-up {c['runner_up']}, margin {c['margin']:+.1%}" if c["runner_up"] else "")]
     for r in c["candidates"]:
         if r["fits"]:
@@ -264,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
 
             r = choice.choose(_model(args), args.hardware, args.isl, args.osl, routing=args.routing,
                               fuse_allgather=args.fuse_allgather, hierarchical_rs=args.hierarchical_rs,
-                              kernels=args.kernels, engine=args.engine, **common, **options)
+                              kernels=args.kernels, engine=args.engine, setup=args.setup, **common, **options)
         else:
             r = predict(_model(args), args.hardware, plan_cli.from_args(args), args.isl, args.osl, **common,
                         **options)

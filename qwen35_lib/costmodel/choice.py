@@ -11,6 +11,13 @@
 Nothing here names a concurrency: the prices decide (the replicated attention and GDN weights every data-parallel
 rank reads, the KV heads tensor parallelism duplicates, the collectives of each, the scheduler's ranks).
 
+`setup` says how each candidate's server is set: "library" (`predict`'s defaults: the DP 8 recipe's slice budget, 8 x
+max(ISL / 8, 1024) tokens and 512 sequences a step, split over the layout's ranks) or "tpu-inference" (`SWEEP_SOURCE`:
+the server.sh of tpu-inference's Qwen3.5 sweep at the commit of its published SHARDING_TABLE, every layout under the
+same rules at its own DP size: `tpu_inference_setup`; `recipe` emits the same settings). A candidate priced as
+tpu-inference's engine runs it (`engine="tpu-inference"`) is set as that sweep set it unless `setup` says otherwise.
+A `max_batched_tokens` or `max_seqs` the caller gives is used for every candidate as given.
+
 `table(model, hardware, isl, osl, concurrencies)` (`python -m qwen35_lib.costmodel layouts`): step 2 at each
 concurrency of `CONCURRENCIES`, with the best layout, the runner-up and the margin in each row.
 """
@@ -20,8 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 from qwen35_lib.config import Config
-from qwen35_lib.costmodel.predict import predict
+from qwen35_lib.costmodel import specs as specs_lib
+from qwen35_lib.costmodel.predict import predict, serving_model
 from qwen35_lib.costmodel.specs import Specs
+from qwen35_lib.costmodel.step import bind_to
 from qwen35_lib.plan import TPU_INFERENCE_3050, ServingPlan, get_layout
 
 # tpu-inference's Qwen3.5 presets as this library names them (TP8_EP, DP4TP2_EP, DP8_EP) and the naive TP baseline
@@ -31,6 +40,27 @@ RANK_BY = "total_tokens_per_s"
 
 
 ENGINES = ("this", "tpu-inference")
+SETUPS = ("library", "tpu-inference")
+SWEEP_SOURCE = ("https://github.com/vllm-project/tpu-inference/blob/d134ed202ff4b992fdb5ae8ed45c43d70e683448/tests/e2e/"
+                "benchmarking/inferencex/qwen3.5/server.sh (MAX_NUM_BATCHED_TOKENS = ISL / DP_SIZE floored at 1024, "
+                "capped at 2048; MAX_NUM_SEQS = CONC x 2 / DP_SIZE; DP_SCHED_BATCH_PREFILL=true; bench.sh: "
+                "RANDOM_RANGE_RATIO 0.8, 10 x CONC prompts)")
+
+
+def tpu_inference_setup(isl: int, concurrency: int, dp: int) -> dict[str, int]:
+    """The server settings of tpu-inference's Qwen3.5 sweep for one point (`SWEEP_SOURCE`), per DP rank:
+    `max_batched_tokens` = min(max(ISL // DP, 1024), 2048) (2048: larger budgets hit an XLA error for async
+    collectives, the script says), `max_seqs` = max(1, 2 x CONC // DP). Its bench.sh's 10 x CONC prompts at range
+    ratio 0.8 and its DP_SCHED_BATCH_PREFILL=true are `predict`'s defaults already."""
+    return dict(max_batched_tokens=min(max(isl // dp, 1024), 2048), max_seqs=max(1, 2 * concurrency // dp))
+
+
+def resolve_setup(setup: str | None, engine: str) -> str:
+    """`setup`, or where None the one that goes with `engine` (tpu-inference's engine: its sweep's settings)."""
+    setup = setup or ("tpu-inference" if engine == "tpu-inference" else "library")
+    if setup not in SETUPS:
+        raise ValueError(f"unknown setup {setup!r}; use one of {SETUPS}")
+    return setup
 
 
 def candidates(routing: str = "replicate", fuse_allgather: bool = False, hierarchical_rs: bool = False,
@@ -55,13 +85,26 @@ def candidates(routing: str = "replicate", fuse_allgather: bool = False, hierarc
     return out
 
 
+def _setup_kwargs(model: str | Config, hardware: str | Specs, plan: ServingPlan, isl: int, concurrency: int,
+                  setup: str, kwargs: dict) -> dict:
+    """`kwargs` with the server settings of `setup` for `plan` (those the caller gave kept)."""
+    if setup == "library":
+        return kwargs
+    cfg = serving_model(model) if isinstance(model, str) else model
+    sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
+    own = tpu_inference_setup(isl, concurrency, bind_to(plan, cfg, sp).dp)
+    return {**kwargs, **{k: v for k, v in own.items() if kwargs.get(k) is None}}
+
+
 def rank(model: str | Config, hardware: str | Specs, isl: int, osl: int, concurrency: int,
-         plans: list[ServingPlan], **kwargs: Any) -> list[dict]:
-    """Every plan of `plans` priced (`predict`, no band, no roofline), best first: those that fit by `RANK_BY`,
-    then those that do not (with the reason). A plan that binds to a layout already priced is left out."""
+         plans: list[ServingPlan], setup: str = "library", **kwargs: Any) -> list[dict]:
+    """Every plan of `plans` priced (`predict`, no band, no roofline) under `setup`'s server settings, best first:
+    those that fit by `RANK_BY`, then those that do not (with the reason). A plan that binds to a layout already
+    priced is left out."""
     rows, seen = [], set()
     for plan in plans:
-        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False, **kwargs)
+        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False,
+                    **_setup_kwargs(model, hardware, plan, isl, concurrency, setup, kwargs))
         key = (r["layout"], r["routing"], r["fuse_allgather"], r["hierarchical_rs"])
         if key in seen:
             continue
@@ -69,7 +112,8 @@ def rank(model: str | Config, hardware: str | Specs, isl: int, osl: int, concurr
         row = dict(layout=plan.layout, bound_layout=r["layout"], plan=plan, fits=r["fits"])
         if r["fits"]:
             row.update({k: r[k] for k in ("total_tokens_per_s", "output_tokens_per_s", "median_tpot_s",
-                                          "median_ttft_s", "mean_step_s", "max_running_per_rank")})
+                                          "median_ttft_s", "mean_step_s", "max_running_per_rank",
+                                          "max_batched_tokens_per_rank", "max_seqs_per_rank")})
         else:
             row["reason"] = r["reason"]
         rows.append(row)
@@ -90,29 +134,36 @@ def _summary(rows: list[dict]) -> dict:
 def choose(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
            osl: int = 1024, concurrency: int = 512, *, routing: str = "replicate", fuse_allgather: bool = False,
            hierarchical_rs: bool = False, kernels: str | None = "xla", band: bool = False, explain: bool = False,
-           roofline: bool = True, layouts: tuple[str, ...] = CANDIDATES, engine: str = "this", **kwargs: Any) -> dict:
+           roofline: bool = True, layouts: tuple[str, ...] = CANDIDATES, engine: str = "this",
+           setup: str | None = None, **kwargs: Any) -> dict:
     """`predict` of the best layout (the module doc), with `layout_choice`; where none fits, the best candidate's
-    refusal (`fits: false`) with `layout_choice`. `engine`: whose engine prices the candidates (`candidates`)."""
+    refusal (`fits: false`) with `layout_choice`. `engine`: whose engine prices the candidates (`candidates`);
+    `setup`: their server settings (the module doc; None: the engine's)."""
+    setup = resolve_setup(setup, engine)
     plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts, engine)
-    rows = rank(model, hardware, isl, osl, concurrency, plans, **kwargs)
+    rows = rank(model, hardware, isl, osl, concurrency, plans, setup, **kwargs)
     best = rows[0]
     doc = predict(model, hardware, best["plan"], isl, osl, concurrency, band=band and best["fits"],
-                  explain=explain and best["fits"], roofline=roofline, **kwargs)
-    doc["layout_choice"] = dict(_summary(rows), engine=engine)
+                  explain=explain and best["fits"], roofline=roofline,
+                  **_setup_kwargs(model, hardware, best["plan"], isl, concurrency, setup, kwargs))
+    doc["layout_choice"] = dict(_summary(rows), engine=engine, setup=setup)
     return doc
 
 
 def table(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
           osl: int = 1024, concurrencies: tuple[int, ...] = CONCURRENCIES, *, routing: str = "replicate",
           fuse_allgather: bool = False, hierarchical_rs: bool = False, kernels: str | None = "xla",
-          layouts: tuple[str, ...] = CANDIDATES, engine: str = "this", **kwargs: Any) -> dict:
-    """{"isl", "osl", "layouts", "rows": [{"concurrency", "picked", "runner_up", "margin", "candidates"}]}: the
-    ranking (`rank`) at each concurrency."""
+          layouts: tuple[str, ...] = CANDIDATES, engine: str = "this", setup: str | None = None,
+          **kwargs: Any) -> dict:
+    """{"isl", "osl", "layouts", "setup", "rows": [{"concurrency", "picked", "runner_up", "margin", "candidates"}]}:
+    the ranking (`rank`) at each concurrency under `setup` (None: the engine's; the module doc)."""
+    setup = resolve_setup(setup, engine)
     plans = candidates(routing, fuse_allgather, hierarchical_rs, kernels, layouts, engine)
     rows = []
     for c in concurrencies:
-        rows.append(dict(concurrency=c, **_summary(rank(model, hardware, isl, osl, c, plans, **kwargs))))
-    return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, engine=engine, layouts=list(layouts), rows=rows)
+        rows.append(dict(concurrency=c, **_summary(rank(model, hardware, isl, osl, c, plans, setup, **kwargs))))
+    return dict(isl=isl, osl=osl, routing=routing, kernels=kernels, engine=engine, setup=setup, layouts=list(layouts),
+                rows=rows)
 
 
 # the step's components by the mechanism that separates the layouts (`layout_mechanisms`)
@@ -127,15 +178,17 @@ MECHANISMS = {
 
 def layout_mechanisms(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8", isl: int = 8192,
                       osl: int = 1024, concurrency: int = 4, *, kernels: str | None = "pallas",
-                      layouts: tuple[str, ...] = CANDIDATES, engine: str = "tpu-inference", **kwargs: Any
-                      ) -> dict[str, dict[str, float]]:
+                      layouts: tuple[str, ...] = CANDIDATES, engine: str = "tpu-inference",
+                      setup: str | None = None, **kwargs: Any) -> dict[str, dict[str, float]]:
     """{layout: {mechanism: ms per 1,000 tokens served}} at one concurrency (`predict` of each candidate plan, no
     band, no roofline): each `MECHANISMS` group of the step's components, "other" (host, norms, ...), and "total"
     (one over the throughput). Why a layout wins: the dense weights every data-parallel rank reads whole, the KV
-    heads tensor parallelism duplicates, the collectives each layout runs."""
+    heads tensor parallelism duplicates, the collectives each layout runs. `setup`: as `table`'s."""
+    setup = resolve_setup(setup, engine)
     out = {}
     for plan in candidates(kernels=kernels, layouts=layouts, engine=engine):
-        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False, **kwargs)
+        r = predict(model, hardware, plan, isl, osl, concurrency, band=False, roofline=False,
+                    **_setup_kwargs(model, hardware, plan, isl, concurrency, setup, kwargs))
         if not r["fits"]:
             continue
         per_1k = 1e6 / r["total_tokens_per_s"]  # ms per 1,000 tokens: the whole step's share
@@ -153,7 +206,8 @@ def format_table(t: dict) -> str:
     lays = t["layouts"]
     head = f"{'conc':>5} " + " ".join(f"{name:>22}" for name in lays) + f"  {'best':<12} {'next':<12} {'margin':>7}"
     lines = [f"ISL {t['isl']} / OSL {t['osl']}, routing {t['routing']}, kernels {t['kernels']}, priced as "
-             f"{t.get('engine', 'this')} engine: total tokens/s | median TPOT ms per layout (* served)", head]
+             f"{t.get('engine', 'this')} engine, {t.get('setup', 'library')} setup: total tokens/s | median TPOT ms "
+             "per layout (* served)", head]
     for row in t["rows"]:
         cells = {c["layout"]: c for c in row["candidates"]}
         out = []
@@ -170,5 +224,5 @@ def format_table(t: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CANDIDATES", "CONCURRENCIES", "ENGINES", "MECHANISMS", "candidates", "choose", "format_table",
-           "layout_mechanisms", "rank", "table"]
+__all__ = ["CANDIDATES", "CONCURRENCIES", "ENGINES", "MECHANISMS", "SETUPS", "SWEEP_SOURCE", "candidates", "choose",
+           "format_table", "layout_mechanisms", "rank", "resolve_setup", "table", "tpu_inference_setup"]

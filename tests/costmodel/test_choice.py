@@ -103,3 +103,31 @@ def test_the_published_tp8_ep_rows_are_predicted_under_their_own_setup():
     assert sorted((r["isl"], r["concurrency"]) for r in tp) == [(1024, 4), (1024, 8), (8192, 4), (8192, 8)]
     assert all(r["max_batched_tokens_per_rank"] == 2048 for r in tp)
     assert all(r["max_batched_tokens_per_rank"] == r["isl"] // 4 for r in rows if r["layout"] == "dp4_tp2_ep8")
+
+
+def test_tpu_inference_setup_is_the_settings_recipe_emits():
+    """Priced as tpu-inference's engine, each candidate is set as that engine's Qwen3.5 sweep set it (server.sh at
+    the commit of its SHARDING_TABLE: the settings `recipe` emits for the layout), at its own DP size."""
+    from qwen35_lib import recipe
+    from qwen35_lib.costmodel.predict import token_budget
+
+    for isl, conc in ((8192, 4), (8192, 64), (1024, 512)):
+        for dp in (1, 4, 8):
+            d = recipe.derived(isl, 1024, conc, dp)
+            assert choice.tpu_inference_setup(isl, conc, dp) == dict(max_batched_tokens=d["max_num_batched_tokens"],
+                                                                     max_seqs=d["max_num_seqs"])
+    t = choice.table(isl=8192, osl=1024, concurrencies=(64,), kernels="pallas", engine="tpu-inference",
+                     layouts=("tp8_ep8", "dp4_tp2_ep8", "dp8_ep8"))
+    assert t["setup"] == "tpu-inference"
+    got = {c["layout"]: (c["max_batched_tokens_per_rank"], c["max_seqs_per_rank"]) for c in t["rows"][0]["candidates"]}
+    assert got == {"tp8_ep8": (2048, 128), "dp4_tp2_ep8": (2048, 32), "dp8_ep8": (1024, 16)}
+    # the library's own settings on request; a budget the caller gives is every candidate's
+    lib = choice.table(isl=8192, osl=1024, concurrencies=(64,), kernels="pallas", engine="tpu-inference",
+                       setup="library", layouts=("tp8_ep8", "dp8_ep8"))
+    assert {c["layout"]: c["max_batched_tokens_per_rank"] for c in lib["rows"][0]["candidates"]} == {
+        "tp8_ep8": token_budget(8192, 1), "dp8_ep8": token_budget(8192, 8)}
+    given = choice.choose(isl=8192, osl=1024, concurrency=8, kernels="pallas", engine="tpu-inference",
+                          layouts=("tp8_ep8", "dp8_ep8"), max_batched_tokens=512, roofline=False)
+    assert given["max_batched_tokens_per_rank"] == 512 and given["layout_choice"]["setup"] == "tpu-inference"
+    with pytest.raises(ValueError, match="unknown setup"):
+        choice.resolve_setup("sweep", "this")
