@@ -592,6 +592,20 @@ notebook.save_results("layouts", dict(table=lay_table, mechanisms=lay_costs, pub
                                       picked={str(c): v for c, v in picked.items()}))
 
 # %% [markdown]
+# **What the step the model leaves out is not** (issue 55; read from the sources, nothing set from these points).
+# Not the sampler: the benchmark client (InferenceX's `utils/bench_serving/backend_request_func.py`) sends
+# `temperature: 0.0`, so tpu-inference's `sample()` takes the argmax and its top-k / top-p binary searches never run.
+# Not host work that async scheduling hides: tpu-inference's runner (`tpu_runner.py` at d134ed202) dispatches step
+# i + 1 before it waits for step i's tokens (`_modify_prev_results` in `_sample_from_logits`), so host work shorter
+# than a step costs nothing and host work longer than a step would set the step, not add to it as this gap does from
+# 4 to 32 requests. Not the collectives' start as the model prices it: small collectives inside a TPU program measure
+# about 5 us (marin-community/marin#6736, `ppermute` on v5p and v6e), what the model already charges each one. What is
+# left is device time below the roofline: the fixed start of each of the step's kernels (thousands a step: the stored
+# TPU7x compile runs fusions, Pallas calls and copies by the hundred in every layer group) and the small programs
+# dispatched around the forward (tpu-inference #3237 removes some). No public TPU7x figure prices a kernel's fixed
+# start, so the model does not price it: the gap stays a measured shortfall, named here, not a constant set from it.
+
+# %% [markdown]
 # <div style="border: 2px solid #4C72B0; border-radius: 6px; padding: 0.6em 1em;">
 # <b>Takeaway.</b> A layout is a price per load: at a few requests the step is weight reads and data parallelism
 # pays them once per rank; at hundreds the duplicated KV heads and the activation all-reduces of tensor parallelism
