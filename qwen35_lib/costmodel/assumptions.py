@@ -68,6 +68,7 @@ class Mechanisms:
     moe_row_overhead_s: float = 0.0  # seconds a routed row of the slice costs every device (`moe_layer`)
     admission_lag: bool = False  # a client's next request waits for the engine's steps in flight (`admit_lag`)
     request_path_steps: int = 0  # steps more it needs to reach the engine core (HTTP, chat template, tokenizer)
+    gdn_layer_fixed_s: float = 0.0  # device seconds each GDN layer's core costs a step whatever its tokens (TPU)
 
     @classmethod
     def off(cls) -> Mechanisms:
@@ -117,6 +118,8 @@ def extremes(base: Mechanisms | None = None) -> list[tuple[str, str, Mechanisms]
 
 COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (besides the op's roofline)
     "attn_core": ("attention_kernel_efficiency", "mixed_step_attention", "hbm_efficiency", "dp_lockstep"),
+    "gdn_core": ("gdn_layer_fixed_s", "matmul_efficiency", "hbm_efficiency", "dp_lockstep", "dp_batch_prefill",
+                 "token_padding"),
     "cache_copies": ("hbm_efficiency",),
     "routed_experts": ("expert_imbalance", "gmm_tile_rows", "moe_chunk", "matmul_efficiency", "hbm_efficiency",
                        "dp_lockstep", "token_padding"),

@@ -140,3 +140,26 @@ def test_resident_bytes_match_the_compile(name, stage, step):
                                               shape["context_len"], shape["kv_dtype"], shape["page_size"])
     for key, value in model.items():
         assert value == pytest.approx(compiled[key], rel=0.005), key
+
+
+def test_gdn_layers_fixed_time_is_added_once_a_gdn_layer_to_every_step():
+    """`gdn_layer_fixed_s` (issue 55, item 2; tpu-inference #2671's per-layer GDN times at zero tokens): every step
+    on a TPU pays it once per GDN layer, in `gdn_core`; the roofline bound does not; its band ends move the band."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms, records
+    from qwen35_lib.costmodel.ops import sizes
+
+    rec = records()["gdn_layer_fixed_s"]
+    assert rec["kind"] == "range" and rec["low"] < rec["value"] < rec["high"]
+    args = ("qwen3.5-397b-a17b", "tpu7x-8", "tpu_inference_3050", 1024, 1024, 8)
+    on = costmodel.predict(*args, mechanisms=Mechanisms.nominal())
+    off = costmodel.predict(*args, mechanisms=Mechanisms.nominal(gdn_layer_fixed_s=0.0))
+    n_gdn = sizes(costmodel.serving_model())["n_gdn"]
+    assert on["steps"] == off["steps"] and n_gdn == 45
+    added = on["breakdown_s"]["gdn_core"] - off["breakdown_s"]["gdn_core"]
+    assert added == pytest.approx(n_gdn * rec["value"], rel=1e-9)
+    assert on["mean_step_s"] - off["mean_step_s"] == pytest.approx(added, rel=1e-9)
+    assert on["roofline_total_tokens_per_s"] == pytest.approx(off["roofline_total_tokens_per_s"], rel=1e-12)
+    assert on["median_tpot_s"] > off["median_tpot_s"]
+    band = costmodel.predict(*args, band=True, roofline=False)["band"]
+    ends = {e["end"]: e for e in band["extremes"] if e["assumption"] == "gdn_layer_fixed_s"}
+    assert ends["low"]["total_tokens_per_s"] > on["total_tokens_per_s"] > ends["high"]["total_tokens_per_s"]
