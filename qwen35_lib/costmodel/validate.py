@@ -175,6 +175,37 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
     return rows
 
 
+def band_drivers(stage: str = MEASURED_STAGE) -> list[dict]:
+    """Why the band is as wide as it is (issue 55, item 6): for each acceptance row of data/published.json (#3050,
+    8k/1k, c64/128/256), `predict(band=True)` under the row's own setup and `stage`, and per row: `high_over_low`
+    (the band's width), `by_assumption` {swept assumption: its own ends' total tokens/s, high over low}, largest
+    first, and `corners` (the joint pessimistic and optimistic corners over the nominal)."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+    from qwen35_lib.costmodel.predict import predict
+
+    out = []
+    for m in published()["measurements"]:
+        if not m.get("acceptance"):
+            continue
+        setup = m["setup"]
+        p = predict("qwen3.5-397b-a17b", "tpu7x-8", stage, m["isl"], m["osl"], m["concurrency"], roofline=False,
+                    max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
+                    max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
+                    range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
+                    page_size=setup.get("page_size", 256),
+                    mechanisms=Mechanisms.nominal(dp_batch_prefill=setup.get("dp_sched_batch_prefill", True)),
+                    band=True)
+        ends: dict[str, list[float]] = {}
+        for e in p["band"]["extremes"]:
+            ends.setdefault(e["assumption"], []).append(e["total_tokens_per_s"])
+        spread = {k: max(v) / min(v) for k, v in ends.items()}
+        out.append(dict(concurrency=m["concurrency"], high_over_low=p["band"]["high_over_low"],
+                        by_assumption=dict(sorted(spread.items(), key=lambda kv: -kv[1])),
+                        corners={c["corner"]: c["total_tokens_per_s"] / p["total_tokens_per_s"]
+                                 for c in p["band"]["corners"]}))
+    return out
+
+
 LAYOUT_OF_SETUP = {"DP4TP2_EP": "dp4_tp2_ep8", "TP8_EP": "tp8_ep8"}  # tpu-inference's presets (issue 55)
 
 

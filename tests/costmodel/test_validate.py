@@ -90,3 +90,17 @@ def test_acceptance_figures_of_hand_made_rows():
     got = validate.acceptance(rows)
     assert not got["all_within_25pct"] and not got["all_inside_band"]
     assert [p["tpot_within_25pct"] for p in got["points"]] == [True, True, False]
+
+
+def test_band_drivers_name_what_holds_the_band_open():
+    """`validate.band_drivers` (issue 55): per #3050 acceptance point, the band's width and each swept assumption's
+    own spread, largest first; the corners' ratios bracket the nominal."""
+    from qwen35_lib.costmodel import validate as v
+
+    rows = v.band_drivers()
+    assert [r["concurrency"] for r in rows] == [64, 128, 256]
+    for r in rows:
+        spreads = list(r["by_assumption"].values())
+        assert spreads == sorted(spreads, reverse=True) and all(x >= 1 for x in spreads)
+        assert r["high_over_low"] >= spreads[0]
+        assert r["corners"]["pessimistic"] < 1 < r["corners"]["optimistic"]
