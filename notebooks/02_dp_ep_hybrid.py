@@ -447,9 +447,9 @@ for n, tokens in first.items():
 # layouts --engine tpu-inference --kernels pallas`), here as tpu-inference's engine runs them (the engine the
 # published table was measured on; Pallas kernels) and set as its sweep set each layout (`setup="tpu-inference"`:
 # server.sh at the commit of the table, at the layout's own DP size: per rank min(max(ISL / DP, 1024), 2048) tokens a
-# step and 2 x CONC / DP sequences, the settings `recipe` emits; `tp8_ep8` thus steps 2,048 tokens for the slice where
-# the DP layouts step 8,192); `layout_mechanisms` splits a layout's milliseconds per 1,000 tokens by the mechanism that
-# separates them.
+# step and 2 x CONC / DP sequences, the settings `recipe` emits; at 8k/1k `tp8_ep8`'s one rank thus steps fewer
+# tokens than the DP layouts' ranks together); `layout_mechanisms` splits a layout's milliseconds per 1,000 tokens by
+# the mechanism that separates them.
 
 # %%
 import matplotlib.pyplot as plt
@@ -604,14 +604,15 @@ notebook.save_results("layouts", dict(table=lay_table, mechanisms=lay_costs, pub
 # `temperature: 0.0`, so tpu-inference's `sample()` takes the argmax and its top-k / top-p binary searches never run.
 # Not host work that async scheduling hides: tpu-inference's runner (`tpu_runner.py` at d134ed202) dispatches step
 # i + 1 before it waits for step i's tokens (`_modify_prev_results` in `_sample_from_logits`), so host work shorter
-# than a step costs nothing and host work longer than a step would set the step, not add to it as this gap does from
-# 4 to 32 requests. Not the collectives' start as the model prices it: small collectives inside a TPU program measure
-# about 5 us (marin-community/marin#6736, `ppermute` on v5p and v6e), what the model already charges each one. What is
+# than a step costs nothing and host work longer than a step would set the step, not add to it as this gap does at
+# every point above. Not the collectives' start as the model prices it: small collectives inside a TPU program take a
+# few microseconds (marin-community/marin#6736, `ppermute` on v5p and v6e), what the model already charges. What is
 # left is device time below the roofline: the fixed start of the step's kernels, layer after layer, and the small
 # programs dispatched around the forward (tpu-inference #3237 removes some). One part has a public figure: tpu-inference
-# #2671 times its GDN path per layer at 64 to 512 decode tokens, and its times cross zero tokens at about 30 us a layer,
-# so the model charges `gdn_layer_fixed_s` (29.6 us, ranged 7.9 to 47.7 us by the same table) to each of the 45 GDN
-# layers of every step. The attention layers' and the dense projections' fixed starts, and the programs around the
+# #2671 measures its GDN path per layer over a range of decode batches, and its times do not fall to zero with the
+# tokens, so the model charges their intercept, `gdn_layer_fixed_s` (value and range from that table, in
+# `data/costmodel_assumptions.json`), to every GDN layer of every step. The attention layers' and the dense
+# projections' fixed starts, and the programs around the
 # forward, have none: they stay the shortfall the claim above measures, named here, not a constant set from it.
 
 # %% [markdown]

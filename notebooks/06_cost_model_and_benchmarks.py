@@ -723,13 +723,13 @@ for r in second:
           f"(x{r['ratio']:.2f}; per-row constant {rows_share:.0%} of it)")
 
 # %% [markdown]
-# **Check.** The band stays wider than 1.5x at every #3050 point, and the assumption that holds it open is the one
-# set from data: `moe_row_overhead_s` spans 0 ns (the 128-token cell, which the model prices above its measurement
-# without it) to 20.5 ns a routed row, and its two ends alone move the throughput more than any other range, the
-# more the more rows a step routes; the joint corners, every range at its worse end at once, make the rest. The
-# second shape is where that constant fails: priced low where its arm ran the SparseCore ragged gathers at every
-# token count (their launch and per-tile setup dominate small shapes, tpu-inference #2775; the 397B arm permuted by
-# one-hot matmuls there), high where the 397B cells' per-row constant makes most of the model's time.
+# **Check.** The band stays wide at every #3050 point, and the assumption that holds it open is the one set from
+# data: `moe_row_overhead_s` spans from zero (one of the cells it is set from is priced above its measurement
+# without it) to the largest single-cell estimate, and its two ends alone move the throughput more than any other
+# range, the more the more rows a step routes; the joint corners, every range at its worse end at once, make the
+# rest. The second shape is where that constant fails: priced low where its arm ran the SparseCore ragged gathers at
+# every token count (their launch and per-tile setup dominate small shapes, tpu-inference #2775; the 397B arm
+# permuted by one-hot matmuls there), high where the 397B cells' per-row constant makes most of the model's time.
 
 # %%
 widths = [d["high_over_low"] for d in drivers]
