@@ -160,7 +160,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     ordered as the step's dots read them). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
-    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
+    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache, kv_words_for
     from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
     from qwen35_lib.weights import is_info
@@ -172,7 +172,8 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     pages = -(-context_len // page_size)
     C = config.gdn_chunk_size
     T = decode + -(-prefill // C) * C
-    shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype)
+    shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype,
+                       kv_words=kv_words_for(plan, kv_dtype))
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
         weights = dense_format(jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights), weights, config,
@@ -239,7 +240,8 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
         return None, str(e).splitlines()[0]
 
 
-HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float16": "f16", "int32": "s32"}
+HLO_DTYPES = {"bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float16": "f16", "int32": "s32",
+              "uint32": "u32"}
 
 
 def cache_pools(config: Config, plan: ServingPlan, mesh: Mesh, shape) -> dict:

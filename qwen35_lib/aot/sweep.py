@@ -100,14 +100,17 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
-def cache_shape(shape: ServingShape, ranks: int):
-    """The engine's `CacheShape` for `shape` on `ranks` data-parallel ranks: each rank's sequences' whole contexts
-    in pages (and the null page), a slot each (and the null slot)."""
-    from qwen35_lib.engine.cache import CacheShape
+def cache_shape(shape: ServingShape, plan, mesh):
+    """The engine's `CacheShape` for `shape` under the bound `plan` on `mesh`: each data-parallel rank's sequences'
+    whole contexts in pages (and the null page), a slot each (and the null slot); the FP8 pool as the plan's
+    attention stores it (`engine.cache.kv_words_for`)."""
+    from qwen35_lib.engine.cache import CacheShape, kv_words_for
 
+    ranks = plan.dp_size(mesh)
     S = -(-shape.requests // ranks)
     return CacheShape(ranks=ranks, num_pages=S * -(-shape.context_len // shape.page_size) + 1,
-                      page_size=shape.page_size, num_slots=S + 1, kv_dtype=shape.kv_dtype)
+                      page_size=shape.page_size, num_slots=S + 1, kv_dtype=shape.kv_dtype,
+                      kv_words=kv_words_for(plan, shape.kv_dtype))
 
 
 def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
@@ -128,7 +131,7 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
                 out[d] = out.get(d, 0) + n
         return max(out.values(), default=0)
 
-    cs = cache_shape(shape, plan.dp_size(mesh))
+    cs = cache_shape(shape, plan, mesh)
     cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh), declare_cache(cfg, cs),
                          cache_shardings(cfg, plan, cs, mesh), is_leaf=is_info)
     kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
@@ -188,8 +191,9 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
     if body:  # copies of a layer's cache pool in the layer loop (`hlo_checks.cache_pool_copies`): none in place
-        pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, cache_shape(shape, R))
-        entry["cache_pool_copies"] = len(hlo_checks.cache_pool_copies(text, pools))
+        pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, cache_shape(shape, plan, mesh))
+        copies = hlo_checks.cache_pool_copies(text, pools)
+        entry["cache_pool_copies"], entry["cache_pools_copied"] = len(copies), sorted({n for n, _ in copies})
     if plan.routing == "replicate" and not plan.fuse_allgather and body:
         moe_layers = len(cfg.layer_pattern)  # every layer of a group has an MoE
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)

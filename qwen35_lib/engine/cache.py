@@ -10,7 +10,8 @@ pool is ever sliced out and written back (the engine's scan carries whole pools;
 aliased kernel output into them).
 
 - `kv`    [R, La, P, ps, 2*Hkv*d]: P pages of ps tokens per rank and layer; in a page, token-major, then K and V of
-  every KV head interleaved in one minor dim (index (2h + j)*d + i: j = 0 K, j = 1 V of head h, i < d). One page
+  every KV head interleaved in one minor dim (index (2h + j)*d + i: j = 0 K, j = 1 V of head h, i < d); an FP8
+  pool the XLA attention reads on a TPU holds them as uint32 words [..., 2*Hkv*d / 4] (`CacheShape.kv_words`). One page
   is one contiguous block: a ragged paged attention kernel reads it with one DMA. Heads and head_dim are merged
   so that a TPU kernel reads the pool in place (its tiles span the two minor dims: a reshape of them would copy
   the whole pool); a split over "kv_heads" still gives each device whole heads, K and V together. Page 0 of each
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import Config
+from qwen35_lib.kernels import for_plan
 from qwen35_lib.parallel.layouts import shardings
 from qwen35_lib.plan import ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
@@ -44,10 +46,19 @@ class CacheShape:
     page_size: int = 16
     num_slots: int = 9  # per rank, including the null slot 0: at most num_slots - 1 running sequences
     kv_dtype: str | None = None  # None: the model dtype; "float8_e4m3fn": FP8 with per-token scales
+    kv_words: bool = False  # the FP8 pool as uint32 words, 4 values a word (`kv_words_for`)
 
     def __post_init__(self):
         if self.num_pages < 2 or self.num_slots < 2 or self.page_size < 1 or self.ranks < 1:
             raise ValueError(f"cache needs >= 2 pages and >= 2 slots per rank (0 is the null one): {self}")
+        if self.kv_words and self.kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"kv_words stores an FP8 KV cache (kv_dtype='float8_e4m3fn'), not {self.kv_dtype}")
+
+
+def kv_words_for(plan: ServingPlan, kv_dtype: str | None) -> bool:
+    """Whether the bound `plan`'s attention keeps an FP8 KV pool as uint32 words (`AttentionKernels.kv_words`:
+    the XLA attention on a TPU, `kernels.attention_xla.kv_words`)."""
+    return kv_dtype == "float8_e4m3fn" and for_plan("attention", plan).kv_words
 
 
 def declare_cache(config: Config, shape: CacheShape) -> dict:
@@ -58,9 +69,10 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
     out = {}
     if La:
         pages = (R, La, s.num_pages)
-        kv_dtype = jnp.dtype(s.kv_dtype or c.dtype)
-        out["kv"] = ArrayInfo((*pages, s.page_size, 2 * c.num_kv_heads * c.head_dim), kv_dtype,
-                              (*lead, None, None, "kv_heads"), "zeros")
+        kv_dtype, width = jnp.dtype(s.kv_dtype or c.dtype), 2 * c.num_kv_heads * c.head_dim
+        out["kv"] = ArrayInfo((*pages, s.page_size, width // 4 if s.kv_words else width),
+                              jnp.dtype(jnp.uint32) if s.kv_words else kv_dtype, (*lead, None, None, "kv_heads"),
+                              "zeros")
         if kv_dtype.itemsize == 1:
             out["kv_scale"] = ArrayInfo((*pages, 2 * c.num_kv_heads, s.page_size), jnp.float32,
                                         (*lead, None, "kv_heads", None), "ones")

@@ -20,6 +20,7 @@ from qwen35_lib.engine.cache import (
     cache_shardings,
     copy_rows,
     init_cache,
+    kv_words_for,
     memory_shortfall,
     step_memory_shortfall,
     step_working_bytes,
@@ -142,7 +143,8 @@ class Engine:
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.row_tile = rs_row_tile(plan) if self.mesh is not None else 1
         self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
-                                      num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype)
+                                      num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype,
+                                      kv_words=kv_words_for(plan, ec.kv_dtype))
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
         if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
             self.cache = per_layer_cache(config, init_cache(config, self.cache_shape), plan)

@@ -48,6 +48,29 @@ def query_block(T: int) -> int:
     return max(128, -(-T // 32))
 
 
+WORD = 4  # 8-bit values a uint32 word of a word-stored pool holds
+
+
+def kv_words(x: jax.Array) -> jax.Array:
+    """8-bit values [..., n] as uint32 words [..., n / 4]: four consecutive values a word (a bitcast).
+
+    How the XLA attention on a TPU stores an FP8 KV pool: XLA:TPU tiles an 8-bit array in 32 x 128 blocks of
+    4-row words (T(32,128)(4,1)), and scatters single rows into it only after relaying the whole pool out to
+    T(8,128) and back (2 SparseCore copies of the pool a layer: 28% of dp_ep's decode bytes at the 397B size);
+    a uint32 pool's rows are whole words, scattered in place. The Pallas kernel DMAs the FP8 pool as it is."""
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // WORD, WORD), jnp.uint32)
+
+
+def kv_values(w: jax.Array) -> jax.Array:
+    """The inverse of `kv_words`: uint32 words [..., m] -> float8_e4m3fn [..., 4m]."""
+    return jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn).reshape(*w.shape[:-1], w.shape[-1] * WORD)
+
+
+def kv_width(kv_pages: jax.Array) -> int:
+    """Values a token row of the pool holds (2*Hkv*d), word-stored (`kv_words`) or not."""
+    return kv_pages.shape[-1] * (WORD if kv_pages.dtype == jnp.uint32 else 1)
+
+
 def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
     """Store each token's K and V in its page: kv_pages [P, ps, 2*Hkv*d]; k, v [T, Hkv, d]; page, offset [T].
 
@@ -55,7 +78,8 @@ def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
     and V, so a kernel reads it with one contiguous DMA). Padding tokens point at the null page 0.
     An FP8 cache (kv_scales [P, 2*Hkv, ps] float32, else None) stores one scale per token and head at
     [page, 2h + j, offset] (token-minor: a page's scales of one head are one row): amax / 448, so every row uses
-    the full e4m3 range. Returns (kv_pages, kv_scales).
+    the full e4m3 range; a uint32 pool [P, ps, 2*Hkv*d / 4] holds the FP8 values as words (`kv_words`).
+    Returns (kv_pages, kv_scales).
     """
     T, Hkv, d = k.shape
     kv = jnp.stack([k, v], axis=2).reshape(T, 2 * Hkv, d)  # [T, 2*Hkv, d]
@@ -63,14 +87,16 @@ def write_kv_pages(kv_pages, kv_scales, k, v, page, offset):
         return kv_pages.at[page, offset].set(kv.reshape(T, 2 * Hkv * d).astype(kv_pages.dtype)), None
     kv32 = kv.astype(jnp.float32)
     scale = jnp.maximum(jnp.max(jnp.abs(kv32), axis=-1), 1e-12) / FP8_MAX  # [T, 2*Hkv]
-    q = (kv32 / scale[..., None]).astype(kv_pages.dtype).reshape(T, 2 * Hkv * d)
+    q = (kv32 / scale[..., None]).astype(jnp.float8_e4m3fn).reshape(T, 2 * Hkv * d)
+    q = kv_words(q) if kv_pages.dtype == jnp.uint32 else q.astype(kv_pages.dtype)
     return kv_pages.at[page, offset].set(q), kv_scales.at[page, :, offset].set(scale)
 
 
 def _page_kv(kv_pages, kv_scales, pages, d: int):
-    """K and V of `pages` [N] in float32, dequantized: [N, ps, Hkv, d] each."""
-    N, (ps, H2d) = pages.shape[0], kv_pages.shape[1:]
-    kv = kv_pages[pages].reshape(N, ps, H2d // d, d).astype(jnp.float32)  # [N, ps, 2*Hkv, d]
+    """K and V of `pages` [N] in float32, dequantized: [N, ps, Hkv, d] each (a word-stored pool's pages as values)."""
+    N, ps, H2d = pages.shape[0], kv_pages.shape[1], kv_width(kv_pages)
+    kv = kv_pages[pages]  # [N, ps, H2d] (or its words [N, ps, H2d / 4])
+    kv = (kv_values(kv) if kv.dtype == jnp.uint32 else kv).reshape(N, ps, H2d // d, d).astype(jnp.float32)
     if kv_scales is not None:
         kv = kv * kv_scales[pages].transpose(0, 2, 1)[..., None]  # [N, ps, 2*Hkv, 1]
     return kv[:, :, 0::2], kv[:, :, 1::2]
@@ -88,7 +114,7 @@ def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions
     3. online softmax (running max m, sum l, accumulator acc), float32.
     """
     T, Hq, d = q.shape
-    ps, Hkv = kv_pages.shape[1], kv_pages.shape[2] // (2 * d)
+    ps, Hkv = kv_pages.shape[1], kv_width(kv_pages) // (2 * d)
     G = Hq // Hkv
     qg = q.reshape(T, Hkv, G, d).astype(jnp.float32) * d**-0.5
     pages_of_token = page_table[jnp.clip(token_seq, 0)]  # [T, max_pages]
@@ -137,7 +163,7 @@ def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positio
     if ITEM_COST * (-(-q.shape[0] // block) + page_table.shape[0]) >= q.shape[0]:  # items would cost more
         return paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions)
     T, Hq, d = q.shape
-    ps, Hkv = kv_pages.shape[1], kv_pages.shape[2] // (2 * d)
+    ps, Hkv = kv_pages.shape[1], kv_width(kv_pages) // (2 * d)
     G, S = Hq // Hkv, page_table.shape[0]
     Tp = -(-T // block) * block
     nb, W = Tp // block, Tp // block + S
@@ -187,5 +213,13 @@ def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positio
     return out[:T].reshape(T, Hq, d).astype(q.dtype)
 
 
-register("attention", "xla")(AttentionKernels(dense=attention_xla, paged=paged_attention_xla, write=write_kv_pages))
-register("attention", "items")(AttentionKernels(dense=attention_xla, paged=paged_attention_items, write=write_kv_pages))
+@register("attention", "xla", per_platform=True)
+def _xla(platform: str) -> AttentionKernels:  # on a TPU the FP8 pool is word-stored (`kv_words`)
+    return AttentionKernels(dense=attention_xla, paged=paged_attention_xla, write=write_kv_pages,
+                            kv_words=platform == "tpu")
+
+
+@register("attention", "items", per_platform=True)
+def _items(platform: str) -> AttentionKernels:
+    return AttentionKernels(dense=attention_xla, paged=paged_attention_items, write=write_kv_pages,
+                            kv_words=platform == "tpu")

@@ -39,6 +39,9 @@ class AttentionKernels(NamedTuple):
     # optional: write then paged as one call, (q, k, v, kv_pages, kv_scales, page, offset, page_table, token_seq,
     # positions) -> (o, kv_pages, kv_scales); `model/attention.py` uses it when present, else write then paged
     paged_write: Callable | None = None
+    # the pool keeps an 8-bit KV cache as uint32 words, four values a word along the minor dim
+    # (`attention_xla.kv_words`): XLA:TPU scatters 8-bit rows only after relaying out the whole pool
+    kv_words: bool = False
 
 
 class GdnKernels(NamedTuple):

@@ -60,3 +60,24 @@ def test_copy_rows_copies_pages_and_slots_of_every_layer_on_each_rank():
         want = before.copy()
         want[0, 4] = before[0, 1]
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_word_stored_pool_is_the_fp8_pool_in_uint32_words():
+    """`CacheShape.kv_words`: the FP8 KV pool as uint32 words, four values a word (the same bytes); the XLA
+    attention asks for it on a TPU only, and only an FP8 cache can be word-stored."""
+    import jax.numpy as jnp
+    import pytest
+
+    from qwen35_lib.engine.cache import declare_cache
+    from qwen35_lib.kernels import get
+
+    cfg = get_config("qwen3.5-tiny")
+    fp8 = CacheShape(kv_dtype="float8_e4m3fn")
+    values, words = declare_cache(cfg, fp8)["kv"], declare_cache(cfg, CacheShape(kv_dtype="float8_e4m3fn",
+                                                                                    kv_words=True))["kv"]
+    assert words.dtype == jnp.uint32 and words.shape == (*values.shape[:-1], values.shape[-1] // 4)
+    assert words.nbytes == values.nbytes and words.logical_axes == values.logical_axes
+    with pytest.raises(ValueError, match="kv_words stores an FP8 KV cache"):
+        CacheShape(kv_words=True)
+    assert [get("attention", n, p).kv_words for n in ("xla", "items") for p in ("tpu", "cpu")] == [True, False] * 2
+    assert not get("attention", "pallas", "tpu").kv_words  # the Pallas kernel DMAs the FP8 pool as it is

@@ -29,7 +29,9 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
 - No cache copies: the layer loop holds no copy of a layer's cache pool (`hlo_checks.cache_pool_copies`): each
   layer's pages and slots are rows of its kind's one pool (`model.ragged`). The control, a scan of GDN-state
   updates with each layer's pool sliced out of the stacked cache and written back (the engine's protocol before),
-  must show such copies; the same updates as rows of the one pool must not.
+  must show such copies; the same updates as rows of the one pool must not. The XLA attention's FP8 pool (the
+  dp_ep stage) is stored as uint32 words: the control, the same step with a pool of FP8 values, relays the pool out
+  around each layer's KV write.
 """
 
 import pytest
@@ -69,7 +71,7 @@ def _step(groups: int, layouts: str = "mxu", dense: str = "pallas") -> dict:
     resident = sweep.resident(cfg, plan, shape, mesh)
     text = c.as_text()
     copies = hlo_checks.expert_weight_copies(text, cfg.num_experts // 8, cfg.hidden_size, cfg.moe_ffn)
-    pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, sweep.cache_shape(shape, plan.dp_size(mesh)))
+    pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, sweep.cache_shape(shape, plan, mesh))
     pool_copies = hlo_checks.cache_pool_copies(text, pools)
     return dict(temp=ma.temp_size_in_bytes, alias=ma.alias_size_in_bytes, argument=ma.argument_size_in_bytes,
                 cache=resident["kv_bytes"] + resident["gdn_state_bytes"], weights=resident["weight_bytes"],
@@ -166,6 +168,31 @@ def _sliced_moe_loop() -> dict:
     return dict(copies=[(i.op, i.name, i.arrays) for i in copies])
 
 
+def _xla_step(words: bool) -> dict:
+    """The dp_ep stage's decode step (XLA attention, its FP8 KV pool as uint32 words: `attention_xla.kv_words`) at
+    the reduced size; with `words` False, the control: the same step with the pool of FP8 values. The loop's
+    copies of a cache pool."""
+    import dataclasses
+    from unittest import mock
+
+    from qwen35_lib import aot
+    from qwen35_lib.aot import hlo_checks, sweep
+    from qwen35_lib.engine import cache
+    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.plan import get_stage
+
+    cfg = sweep.serving_config(MODEL, 2, **REDUCED)
+    mesh = aot.chip_core_mesh()
+    shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
+    plan = get_stage("dp_ep").bind(mesh, cfg)
+    with mock.patch.object(cache, "kv_words_for", cache.kv_words_for if words else lambda plan, kv_dtype: False):
+        c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
+                             page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts="mxu")
+        pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, sweep.cache_shape(shape, plan, mesh))
+    return dict(kv=pools["kv"].dtype, pool_copies=[(n, i.op, i.name) for n, i in
+                                                   hlo_checks.cache_pool_copies(c.as_text(), pools)])
+
+
 def _mosaic_slots(text: str) -> list[str]:
     """The model slots (attention, gdn, moe) whose ops include a Mosaic kernel (a `tpu_custom_call`)."""
     import re
@@ -180,7 +207,8 @@ def tpu7x():
     6 s of it; under the 600 s timeout of the first test's setup)."""
     return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)}
                               | {"dense xla": (_step, 2, "mxu", "xla")}
-                              | {f"cache {p}": (_cache_loop, p) for p in ("sliced", "rows")}, timeout=570)
+                              | {f"cache {p}": (_cache_loop, p) for p in ("sliced", "rows")}
+                              | {f"xla words={w}": (_xla_step, w) for w in (True, False)}, timeout=570)
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +268,11 @@ def test_the_cache_check_finds_the_sliced_protocol_and_passes_layer_rows(tpu7x):
     # check can fail); the same updates as rows of one pool copy nothing
     assert len(tpu7x["cache sliced"]["copies"]) >= 3, tpu7x["cache sliced"]
     assert tpu7x["cache rows"]["copies"] == [], tpu7x["cache rows"]
+
+
+def test_the_xla_attention_writes_its_word_stored_pool_in_place(tpu7x):
+    # XLA:TPU scatters rows of an 8-bit pool only after relaying the whole pool out (T(32,128)(4,1) -> T(8,128)
+    # and back: 2 copies a layer, the control); stored as uint32 words, the rows are written in place
+    assert tpu7x["xla words=True"]["kv"] == "u32" and tpu7x["xla words=True"]["pool_copies"] == []
+    assert tpu7x["xla words=False"]["kv"] == "f8e4m3fn"
+    assert len(tpu7x["xla words=False"]["pool_copies"]) >= 2, tpu7x["xla words=False"]

@@ -12,6 +12,8 @@ from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels.attention_xla import (
     ITEM_COST,
     attention_xla,
+    kv_values,
+    kv_words,
     paged_attention_items,
     paged_attention_xla,
     query_block,
@@ -91,6 +93,32 @@ def test_fp8_write_scales_each_token_and_head_to_the_full_range(qkv):
     back = np.asarray(pages[1, [0, 2]].astype(jnp.float32)).reshape(2, 2 * HKV, D) * scales[1, :, [0, 2]][..., None]
     np.testing.assert_allclose(back, kv, rtol=0.07, atol=1e-6)  # e4m3: 3 mantissa bits
     assert np.abs(np.asarray(pages[1, [0, 2]].astype(jnp.float32))).max() == FP8_MAX  # each row reaches 448
+
+
+@pytest.mark.parametrize("paged", [paged_attention_xla, paged_attention_items], ids=["xla", "items"])
+def test_a_word_stored_fp8_pool_holds_and_gives_the_same_bits(qkv, paged):
+    """The FP8 pool as uint32 words (the XLA attention's on a TPU: `kv_words`): four values a word, the write lands
+    the same bits, and paged attention over it equals attention over the FP8 pool bit for bit."""
+    q, k, v = qkv
+    x = jnp.asarray(RNG.standard_normal((3, 16)), jnp.float8_e4m3fn)
+    w = kv_words(x)
+    assert w.shape == (3, 4) and w.dtype == jnp.uint32
+    assert np.array_equal(np.asarray(kv_values(w)).view(np.uint8), np.asarray(x).view(np.uint8))
+    assert int(w[0, 0]) == int.from_bytes(np.asarray(x[0, :4]).tobytes(), "little")  # the first value: the low byte
+    seq, pos = np.array([0] * 7 + [1] * 4), np.array(list(range(7)) + list(range(4)))
+    page_table, ps = jnp.array([[5, 1, 3], [2, 4, 0]]), 3
+    page = np.asarray(page_table)[seq, pos // ps]
+    out = {}
+    for stored in (jnp.float8_e4m3fn, jnp.uint32):
+        width = 2 * HKV * D // (4 if stored == jnp.uint32 else 1)
+        kv, scales = write_kv_pages(jnp.zeros((6, ps, width), stored), jnp.ones((6, 2 * HKV, ps)), k[seq, pos],
+                                    v[seq, pos], page, pos % ps)
+        out[stored] = kv if stored == jnp.float8_e4m3fn else kv_values(kv), scales, np.asarray(
+            jax.jit(paged)(q[seq, pos], kv, scales, page_table, seq, pos))
+    (a, sa, oa), (b, sb, ob) = out.values()
+    assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    np.testing.assert_array_equal(sa, sb)
+    np.testing.assert_array_equal(oa, ob)
 
 
 @pytest.mark.parametrize("paged", [paged_attention_xla, paged_attention_items], ids=["xla", "items"])

@@ -27,12 +27,12 @@ def tiny():
     return cfg, w, A, B, ref
 
 
-def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE, per_layer=False):
+def run_schedule(cfg, w, A, B, kv_dtype=None, plan=SINGLE, per_layer=False, kv_words=False):
     """A: a 100-token prompt in chunks of 70 and 30 (the second starts mid-sequence, next to a decode of B);
     B: a 5-token prompt then decodes; then both decode (under the one-device `plan`: its kernels). per_layer: the
     weights and caches in their per-layer form (the CPU engine's, `model.layer_loop`), else stacked (the scan).
-    Returns [(logits, sequence, position)]."""
-    cache = init_cache(cfg, CacheShape(**SHAPE, kv_dtype=kv_dtype))
+    kv_words: the FP8 pool as uint32 words (the XLA attention's on a TPU). Returns [(logits, sequence, position)]."""
+    cache = init_cache(cfg, CacheShape(**SHAPE, kv_dtype=kv_dtype, kv_words=kv_words))
     if per_layer:
         w, cache = layer_loop.prepare_weights(cfg, w, plan), layer_loop.per_layer_cache(cfg, cache, plan)
         assert layer_loop.is_per_layer(w["layers"]) and all(map(layer_loop.is_per_layer, cache.values()))
@@ -64,6 +64,15 @@ def test_per_layer_pools_equal_the_stacked_ones_with_an_fp8_cache(tiny):
     stacked = run_schedule(cfg, w, A, B, "float8_e4m3fn")
     for (got, *_), (want, *_) in zip(run_schedule(cfg, w, A, B, "float8_e4m3fn", per_layer=True), stacked):
         np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+def test_a_word_stored_fp8_pool_gives_the_same_logits(tiny):
+    """The FP8 pool as uint32 words (`CacheShape.kv_words`: how the XLA attention stores it on a TPU) holds the
+    same bits: the step's logits equal the FP8 pool's exactly."""
+    cfg, w, A, B, _ = tiny
+    for (got, *_), (want, *_) in zip(run_schedule(cfg, w, A, B, "float8_e4m3fn", kv_words=True),
+                                     run_schedule(cfg, w, A, B, "float8_e4m3fn")):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_fp8_kv_cache_stays_close(tiny):
