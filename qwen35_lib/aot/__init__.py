@@ -252,10 +252,10 @@ def cache_pools(config: Config, plan: ServingPlan, mesh: Mesh, shape) -> dict:
     from qwen35_lib.engine.cache import cache_shardings, declare_cache
     from qwen35_lib.weights import is_info
 
-    infos = declare_cache(config, shape)
+    infos, shardings = declare_cache(config, shape), cache_shardings(config, plan, shape, mesh)
     out = {}
-    for (name, info), sharding in zip(infos.items(), jax.tree.leaves(cache_shardings(config, plan, shape, mesh))):
+    for name, info in infos.items():  # by name: the tree's leaves come in sorted order, the pools in declared order
         assert is_info(info)
-        local = sharding.shard_shape(info.shape)  # [R, L, X, *row]
+        local = shardings[name].shard_shape(info.shape)  # [R, L, X, *row]
         out[name] = PoolOf(HLO_DTYPES[jnp.dtype(info.dtype).name], tuple(local[3:]), local[2])
     return out

@@ -77,3 +77,31 @@ def test_resident_bytes_are_the_shards_of_the_weights_and_caches(mesh):
     assert refused is None and got == want
     assert want < shard_bytes(declare(cfg), jax.tree.map(lambda _: ONE, weight_shardings(cfg, plan, mesh))) + \
         shard_bytes(declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh))  # experts split 8 ways
+
+
+
+def _baseline_pools() -> dict:  # in `aot_subprocess`'s child (libtpu): {pool: [dtype, row, rows a layer]}
+    from qwen35_lib.aot import sweep
+    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.plan import any_stage
+
+    cfg = sweep.serving_config("qwen3.5-397b-a17b")
+    tpu = aot.chip_core_mesh()
+    plan = any_stage("baseline").bind(tpu, cfg)
+    pools = aot.cache_pools(placed_config(cfg, plan, tpu), plan, tpu, sweep.cache_shape(sweep.SERVING, plan, tpu))
+    return {name: [p.dtype, list(p.row), p.rows_per_layer] for name, p in pools.items()}
+
+
+@pytest.mark.tpu_compile  # the tpu7x:2x2x1 description (libtpu, in a child process); nothing is compiled
+def test_cache_pools_are_each_pool_as_its_own_sharding_splits_it():
+    # the TP baseline at the serving shape: the GDN pools split by heads 8 ways, each device one of the duplicated KV
+    # heads (the XLA attention's pool as uint32 words). Each pool is paired with its own sharding by name: in the
+    # sorted order of the tree's leaves they did not line up, and the sweep's check failed on the TP baseline
+    from qwen35_lib.aot.sweep import serving_config
+    from tests import aot_subprocess
+
+    cfg = serving_config("qwen3.5-397b-a17b")
+    pools = aot_subprocess.run({"pools": (_baseline_pools,)})["pools"]
+    assert pools["state"] == ["bf16", [cfg.gdn_num_v_heads // 8, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim], 513]
+    assert pools["conv_v"] == ["bf16", [cfg.gdn_conv_kernel - 1, cfg.gdn_num_v_heads // 8, cfg.gdn_v_head_dim], 513]
+    assert pools["kv"] == ["u32", [256, 2 * cfg.head_dim // 4], 512 * 36 + 1]
