@@ -20,6 +20,8 @@ Forms (`FORMS`):
 `fp8_round_trip(model)` gives that twin as an HF model, for logits comparisons.
 `read_raw_safetensors` / `write_raw_safetensors` / `edit_header` take a file apart and put it back unchecked,
 for tests of broken files.
+`make_tokenizer_dir(root)` writes a byte-level tokenizer for the tiny 256-id vocabulary with a ChatML template (the
+serve tests' and `bench serve-stress`'s).
 """
 
 from __future__ import annotations
@@ -298,3 +300,46 @@ def is_quantized(name: str, w: np.ndarray) -> bool:
     """Whether the "fp8" form stores `name` in FP8: 2-D linear weights but the embedding, lm_head and router."""
     return (w.ndim == 2 and name.endswith(".weight")
             and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")))
+
+
+# --- a tokenizer for the tiny vocabulary -----------------------------------------------------------------------
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+SKIPPED_BYTES = (1, 2, 3)  # left out so that 253 bytes + 3 specials = 256 ids, the tiny model's vocabulary
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def make_tokenizer_dir(root: pathlib.Path, template: str = CHATML) -> pathlib.Path:
+    """tokenizer.json (byte-level BPE over 253 bytes, no merges, 3 special tokens: ids 253-255: the tiny model's
+    256-id vocabulary) and tokenizer_config.json with `template` as its chat template, under `root`; `tokenizers` is
+    imported here, not with the module."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _byte_chars()
+    vocab = {chars[b]: i for i, b in enumerate(b for b in range(256) if b not in SKIPPED_BYTES)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
+    return root

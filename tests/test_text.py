@@ -1,55 +1,16 @@
-"""qwen35_lib.text: a tokenizer built here (byte-level BPE, ChatML template), chat rendering, streaming decode."""
+"""qwen35_lib.text: a tokenizer from the test factory (`qwen35_lib.testing.make_tokenizer_dir`: byte-level BPE, ChatML
+template), chat rendering, streaming decode."""
 
 from __future__ import annotations
 
 import ast
 import json
-import pathlib
 import re
 
 import pytest
 
+from qwen35_lib.testing import CHATML, SKIPPED_BYTES, SPECIALS, make_tokenizer_dir  # noqa: F401 - re-exported
 from qwen35_lib.text import REPLACEMENT, load_text, render_chat
-
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-SKIPPED_BYTES = (1, 2, 3)  # left out so that 253 bytes + 3 specials = 256 ids, the tiny model's vocabulary
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (the ByteLevel pre-tokenizer's alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-def make_tokenizer_dir(root: pathlib.Path, template: str = CHATML) -> pathlib.Path:
-    """tokenizer.json (byte-level BPE over 253 bytes, no merges, 3 special tokens: ids 253-255) and
-    tokenizer_config.json with `template` as its chat template, under `root`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    chars = _byte_chars()
-    vocab = {chars[b]: i for i, b in enumerate(b for b in range(256) if b not in SKIPPED_BYTES)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    root.mkdir(parents=True, exist_ok=True)
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>"}))
-    return root
 
 
 @pytest.fixture(scope="module")

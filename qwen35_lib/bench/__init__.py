@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "costmodel": "qwen35_lib.bench.costmodel",
     "layouts": "qwen35_lib.bench.layouts",
     "serve": "qwen35_lib.bench.serve",
+    "serve-stress": "qwen35_lib.bench.serve_stress",
     "native-isa": "qwen35_lib.bench.native_isa",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory

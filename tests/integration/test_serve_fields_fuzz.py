@@ -1,6 +1,8 @@
 """Random request bodies: every field the server knows (and some it does not) with values of every JSON type, in
 and out of range, sent by four clients at once. No answer is a 5xx, every refusal has the OpenAI error shape and
-names a field, /health keeps answering within 1 s, and the pools are back to idle at the end."""
+names a field, /health keeps answering 200 while they are processed, and the pools are back to idle at the end.
+How long /health took meanwhile is measured by `python -m qwen35_lib.bench serve-stress` (its `random_bodies`), never
+bounded here."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import random
+import time
 
 import pytest
 
@@ -17,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 from qwen35_lib.serve import protocol  # noqa: E402
 from tests import serve_support  # noqa: E402
-from tests.serve_support import EC, MODEL, health_latencies, wait_idle  # noqa: E402
+from tests.serve_support import EC, MODEL, answered_between, health_probes, wait_idle  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +62,10 @@ def test_random_bodies_never_get_a_server_error(server):
                        headers={"content-type": "application/json"})
         return doc, r.status_code, r.text
 
-    with health_latencies(server.url, 0.05) as slow, concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with health_probes(server.url, 0.05) as health, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        t0 = time.perf_counter()
         answers = list(pool.map(send, bodies))
+        t1 = time.perf_counter()
     codes = {}
     for doc, status, text in answers:
         codes[status] = codes.get(status, 0) + 1
@@ -68,7 +73,8 @@ def test_random_bodies_never_get_a_server_error(server):
         if status != 200:
             err = json.loads(text)["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], (doc, err)
-    print(f"status codes of {count} random bodies: {codes}; slowest /health meanwhile {max(slow):.3f} s")
+    print(f"status codes of {count} random bodies: {codes}")
     assert codes.get(200, 0) > count // 10 and codes.get(400, 0) > count // 3, codes  # both kinds exercised
-    assert max(slow) < 1.0, max(slow)
+    assert all(status == 200 for _, status in health), [status for _, status in health if status != 200][:5]
+    assert answered_between(health, t0, t1) > 0  # /health answered while the bodies were processed
     assert wait_idle(server)["free_pages"] == EC.pages - 1

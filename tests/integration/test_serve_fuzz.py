@@ -1,11 +1,14 @@
 """No body is answered 5xx: the inputs that once were (deep nesting, lone surrogates, odd chat_template_kwargs, ...)
 and >= 2,000 generated ones (hypothesis) all get a 4xx in the OpenAI error shape or a 200, and the server answers
-/health after each batch. Generated bodies ask for one token, so the few that are valid cost one engine step."""
+/health 200 after each batch (and, beside the inputs that once were 5xx, while they are processed). Generated
+bodies ask for one token, so the few that are valid cost one engine step. How long /health took beside them is
+measured by `python -m qwen35_lib.bench serve-stress`, never bounded here."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import pytest
 
@@ -71,12 +74,15 @@ CHAT_KWARGS = [
 
 
 def test_inputs_that_once_were_500(server):
-    """Each a 4xx or a 200, while another client's /health is never kept waiting 1 s."""
+    """Each a 4xx or a 200, while another client's /health keeps answering 200, answers coming back while the bodies
+    are being processed (not only once they are all answered)."""
     s, client = server
-    with serve_support.health_latencies(s.url, 0.05) as slow:
+    with serve_support.health_probes(s.url, 0.05) as health:
+        t0 = time.perf_counter()
         send_nasty(client)
-    print(f"slowest /health beside the nasty bodies: {max(slow):.3f} s")
-    assert slow and max(slow) < 1.0, max(slow)
+        t1 = time.perf_counter()
+    assert all(status == 200 for _, status in health), [status for _, status in health if status != 200][:5]
+    assert serve_support.answered_between(health, t0, t1) > 0
 
 
 def send_nasty(client: httpx.Client) -> None:
