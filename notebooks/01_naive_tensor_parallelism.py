@@ -57,15 +57,16 @@ stages = {"baseline": notebook.add_totals(stage_gain("baseline"))}  # + each wor
 print(gain_table(stages["baseline"]))
 
 # %% [markdown]
-# **Check.** Each comparison the chapter makes is a claim this run checks (`notebook.claim_*`: it prints the
-# sentence, records it for the chapter, and fails the notebook when it does not hold). Attention is the baseline's
-# largest cost on both workloads: XLA's paged attention reads the batch's longest context for every token, and its
-# compiled page loop moves several bytes for every FP8 value it reads (the page gathered, converted to float32 and
-# relaid out twice: `costmodel.compiled` reads it off the TPU7x compile). The routed experts come second on the
+# **Check.** Each comparison the chapter makes is a claim this run checks (`notebook.claim_*`: it prints the sentence,
+# records it for the chapter, and fails the notebook when it does not hold). Attention is the baseline's largest cost
+# on both workloads: under TP every device reads every request's KV (the 2 KV heads replicated), XLA's paged attention
+# reads up to the batch's longest context for every decode token and every item of `ITEM_BLOCK` prompt tokens, and its
+# compiled page loop moves tens of bytes for every FP8 value it reads (the page gathered, unpacked, converted to
+# float32 and scaled: `costmodel.compiled` reads it off the TPU7x compile). The routed experts come second on the
 # decode-heavy workload: under TP every device reads a slice of *every* expert's weights for every step, whichever
 # experts its tokens chose. That workload spends more per token than the prefill-heavy one, since each decode step
-# reads those weights for one token per request. The components sum to the whole step: their milliseconds per
-# 1,000 tokens add up to one over the throughput.
+# reads those weights for one token per request. The components sum to the whole step: their milliseconds per 1,000
+# tokens add up to one over the throughput.
 
 # %%
 ms = {wl: stages["baseline"][wl]["ms_per_1k_tokens"] for wl in ("8k/1k", "1k/8k")}
@@ -454,19 +455,22 @@ for st, lp in pools.items():
 # refused with a figure equal to its weights (`tests/costmodel/test_temporaries.py` asserts that they agree). So the
 # baseline's temporaries are the refusal's figure minus its weights and caches (`temporaries.refused_temporaries`).
 #
-# **Check.** Weights and caches fit under both layouts (the arithmetic above), but the baseline's whole step does
-# not. Its temporaries are not the cause: they are fewer than `dp_ep`'s. What it lacks is less than the KV cache it
-# holds beyond `dp_ep`'s: its one rank keeps a replicated KV head of every request on every device. The sweep's
-# search for the largest pool that still compiles finds the baseline's below a request's whole context, `dp_ep`'s
-# above it. `dp_ep` holds more weights a device and still compiles, with headroom. A fit is judged on the step, not
-# on the arrays it reads.
+# **Check.** Weights and caches fit under both layouts (the arithmetic above), but the baseline's whole step does not.
+# Its temporaries are not the cause: at decode they are fewer than `dp_ep`'s, and in the mixed step what they exceed
+# `dp_ep`'s by is a small part of what the step lacks. What it lacks is less than the KV cache it holds beyond
+# `dp_ep`'s: its one rank keeps a replicated KV head of every request on every device. The sweep's search for the
+# largest pool that still compiles finds the baseline's below a request's whole context, `dp_ep`'s above it. `dp_ep`
+# holds more weights a device and still compiles, with headroom. A fit is judged on the step, not on the arrays it
+# reads.
 
 # %%
 usable = stored["usable_bytes"]
 for step in ("8k/1k decode", "8k/1k mixed"):
     base, ep = swept["baseline", step], swept["dp_ep", step]
     assert not base["fits"] and base["resident_bytes"] < usable < base["total_bytes"], base
-    assert ep["fits"] and base["temp_bytes"] < ep["temp_bytes"], (ep, base)  # not the temporaries
+    # not the temporaries: at decode fewer than dp_ep's; in the mixed step what they exceed dp_ep's by is a fraction of
+    # what the step lacks (with dp_ep's temporaries it would still be refused)
+    assert ep["fits"] and base["temp_bytes"] - ep["temp_bytes"] < 0.25 * base["short_bytes"], (ep, base)
     assert 0 < base["short_bytes"] < base["kv_bytes"] - ep["kv_bytes"], (base, ep)  # the replicated KV cache
     assert stored["stages"]["dp_ep"]["steps"][step]["weight_bytes"] > \
         stored["stages"]["baseline"]["steps"][step]["weight_bytes"]  # every dense weight on every device

@@ -56,13 +56,14 @@ stages = {"dp_ep": notebook.add_totals(stage_gain("dp_ep"))}  # + each workload'
 print(gain_table(stages["dp_ep"]))
 
 # %% [markdown]
-# **Check.** Splitting requests pays on both workloads, more on the prefill-heavy one: attention reads each
-# request's KV head once instead of once per copy, and XLA's attention, which reads the longest context for every
-# token (notebook 01), now does so for its own rank's tokens only; prefill steps carry thousands of tokens of
-# attention. Each device also holds only its own rank's cache pools, updated in place under either layout (`cache`:
-# 0 in both). It does not make the MoE cheaper: under EP a device waits for its most loaded
-# experts, and the eight ranks step in lockstep, each waiting for the busiest (the cost model's `expert_imbalance`
-# and `dp_lockstep` mechanisms), which TP's split of every expert never sees; the all-to-all adds its own time.
+# **Check.** Splitting requests pays on both workloads, more on the prefill-heavy one: attention reads each request's
+# KV head once instead of once per copy, and XLA's attention, which reads up to the batch's longest context for every
+# decode token and every item of a prompt's tokens (notebook 01), now does so for its own rank's tokens only; prefill
+# steps carry thousands of tokens of attention. Each device also holds only its own rank's cache pools, updated in
+# place under either layout (`cache`: 0 in both). It does not make the MoE cheaper: under EP a device waits for its
+# most loaded experts, and the eight ranks step in lockstep, each waiting for the busiest (the cost model's
+# `expert_imbalance` and `dp_lockstep` mechanisms), which TP's split of every expert never sees; the all-to-all adds
+# its own time.
 # Decode-heavy steps carry a single new token per request, so the dense weights that every data-parallel device
 # now reads whole (attention, GDN, the shared expert) weigh on them, and GDN costs more per token than under TP.
 # What gives back most of attention's saving on the decode-heavy workload is the MoE, not GDN: the claims below

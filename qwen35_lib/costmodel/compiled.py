@@ -26,29 +26,33 @@ What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`;
 
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|
-| dp_ep, replicate, fused_ag, hier_rs (*) | 732.6-732.7 | 732.7 | 1,510 | 1,399 | 0.93 |
+| dp_ep, replicate, fused_ag, hier_rs | 731.8 | 713.8 | 1,339-1,343 | 1,264 | 0.94 |
 | kernels (around its Mosaic calls, its projections among them) | 738.6 | 732.7 | 17.9 | 15.9 | 0.89 |
-| baseline (at its largest pool, 7,168 tokens) (*) | 331.1 | 286.7 (x0.87, unexplained) | 1,783.6 | 1,971.2 | 1.11 |
-| mixed (1,024 prefill tokens a rank), the XLA DP stages (*) | 10,074 | 10,405 | 7,585-7,627 | 6,194-6,202 | 0.81 |
+| baseline (at its largest pool, 7,168 tokens) | 329.2 | 272.1 (x0.83, unexplained) | 1,430.0 | 1,606.8 | 1.12 |
+| mixed (1,024 prefill tokens a rank), XLA DP stages | 10,079-10,080 | 10,093 | 2,865-2,901 | 1,959-1,966 | 0.68 (+) |
 | mixed step, kernels (around its Mosaic calls) | 10,410.5 | 10,388.0 | 192.5 | 154.2 | 0.80 (+) |
 
-(*) texts compiled before the caches were rows of one pool (the old protocol's copies in them)
 (+) what the mixed step's XLA glue moves around the prefill rows is not priced: the chunked GDN kernel's inputs
-converted to float32 and relaid out, the GDN's gates and norms, the MoE's slices of the gathered rows
+converted to float32 and relaid out, the GDN's gates and norms, the MoE's slices of the gathered rows; in the XLA
+stages also the MoE's float32 copies of the routed rows (`f32[87040, 1, 1024]`, 0.4 TB a step) and its larger
+dequantizing traffic, and a relayout of the FP8 scale pool once a layer (4 GB)
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.
+The XLA attention's walk over the pages has a trip count the text does not state: its bytes are the trip's times the
+pool's pages of a sequence (`text_side`), and XLA's FLOPs count it once, as the model's FLOPs here do.
 
 The bytes agree because the model charges what the compiled program moves where it moves more than the arithmetic
 (data/costmodel_hardware.json 'kernels', each fact with the ops it sums, read off these texts):
 - the engine's caches are updated in place (`engine_cache_copy_passes` = 0: each layer's pages and slots are rows of
-  one pool a kind, `model.ragged`; the sweep records `cache_pool_copies` per step, 0 since). The texts of stages
-  compiled before that protocol still hold its copies, 5 passes a step over each layer's whole pool, which the model
-  no longer charges;
-- XLA:TPU's FP8 experts move 20.4 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
-  scale broadcast, the dequantizing fusions, bf16 relayouts), its paged attention 31.7 B a KV value read
-  (`xla_tpu_paged_attention_bytes`: gathered, converted to float32, relaid out twice), its GDN decode 7 passes over
-  a state (`xla_tpu_gdn_state_passes`: gathered and scattered), each read before the count left VMEM out;
-- the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.31, dp_ep's decode, some
+  one pool a kind, `model.ragged`, the XLA attention's FP8 pool stored as uint32 words; the sweep records which
+  pools a step's layer loop copies, `cache_pools_copied`: none of the KV pages or GDN state in any stage);
+- XLA:TPU's FP8 experts move 20.3 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
+  scale broadcast, the dequantizing fusions, bf16 relayouts; `fp8_expert_bytes`), its paged attention 19.6 B a KV
+  value a decode token's walk reads and 36.0 B one an item's walk reads (`xla_tpu_paged_attention_bytes`,
+  `xla_tpu_items_attention_bytes`: gathered, unpacked from the pool's uint32 words, converted to float32, scaled;
+  an item's scores are 256 rows; `paged_attention_bytes`), its GDN decode 4 passes over a state
+  (`xla_tpu_gdn_state_passes`: gathered and scattered; `gdn_state_passes`), each read off dp_ep's texts;
+- the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.12, dp_ep's decode, some
   slices rematerialized: `scan_weight_passes`) and read in place by the Pallas projection (`pallas_dense_weight_passes`:
   1.00, the kernels decode's), beside which the router is still XLA's dot on its slice (`pallas_router_passes`: 3);
   the kernels stage's MoE layer moves the routed rows 3 times (`kernels_moe_permute_passes`, `permute_passes`: its
@@ -57,10 +61,10 @@ The bytes agree because the model charges what the compiled program moves where 
   passes over a sampled sequence's float32 logits, its costlier branch) and the conv's rows (`ops.conv`); and this
   engine's grouped matmul takes its FP8 block scales repeated along lanes, expanded by XLA each layer
   (`expert_scales`).
-What remains: the XLA stages' texts (compiled before the caches were rows of one pool) hold 7% more than the model at
-decode, their cache copies among it; the kernels stage's decode 11% (XLA's prefetch copies, the GDN's gates and
-norms, the MoE's slices), its mixed step 20% ((+)); the baseline's model 11% more than its text. The TP baseline's
-FLOPs are x0.87 of XLA's, not yet explained.
+What remains: the XLA stages' texts hold 6% more than the model at decode (by block: `validate --compiled`); the
+kernels stage's decode 11% (XLA's prefetch copies, the GDN's gates and norms, the MoE's slices), the mixed steps 20%
+(kernels) and 32% (XLA) ((+)); the baseline's model 12% more than its text. The TP baseline's FLOPs are x0.83 of
+XLA's, not yet explained.
 
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the
@@ -140,6 +144,8 @@ def model_side(config: Config, stage: str, entry: dict, shape: dict) -> dict:
     flops = sum(c.flops for c in gcosts.values())
     # a Pallas kernel states its FLOPs to XLA (`pl.CostEstimate`): the grouped matmul's as XLA counts ragged_dot's
     dense = flops - gcosts["routed_experts"].flops + ragged_dot_flops(group, plan, batch)
+    if plan.kernel("attention") != "pallas":  # XLA counts the XLA attention's walk over the pages once: one trip
+        dense -= gcosts["attn_core"].flops * (1 - 1 / math.ceil(context / shape["page_size"]))
     by_component = {k: c.hbm_bytes for k, c in costs.items()} | {"collectives": blocks["collectives"]}
     return dict(flops=flops, flops_as_xla_counts=dense, hbm_bytes=sum(by_component.values()), bytes_by_block=blocks,
                 bytes_by_component=by_component)
@@ -333,3 +339,52 @@ def sampling_passes(hlo_text: str, config: Config, rows: int) -> float:
                            for b in re.search(r"branch_computations=\{([^}]*)\}", branches[0])[1].split(", ")))
     rows_, _ = hlo.op_rows(hlo_text)
     return sum(r.bytes for r in rows_ if r.computation in inside) / (rows * config.vocab_size * 4)
+
+
+def paged_attention_bytes(hlo_text: str, config: Config, rows: int, kv_width: int, page_size: int) -> float:
+    """HBM bytes the compiled XLA attention moves per KV value it reads, from the HLO text: the ops of its walk over
+    the pages (the loops whose trip count the text does not state, `parallel.hlo.op_rows`' `once`; one trip: each
+    of `rows` rows gathers one page, a decode token's in the twin, an item's in `paged_attention_items`) over the
+    values one trip reads in every attention layer (n_attn x rows x page_size x `kv_width`, the token row's
+    values on one device). 1 plus the scales' share would be the page read alone."""
+    rows_, once = hlo.op_rows(hlo_text)
+    inside = set().union(set(), *(hlo.called(hlo_text, b) for b in once))
+    moved = sum(r.bytes for r in rows_ if r.computation in inside and r.block == "attention")
+    n_attn = ops.sizes(config)["n_attn"]
+    return moved / (n_attn * rows * page_size * kv_width)
+
+
+def fp8_expert_bytes(hlo_text: str, config: Config, local_experts: int) -> float:
+    """HBM bytes the compiled XLA MoE moves per FP8 expert parameter and layer, from the HLO text: every op whose
+    result holds an array of a whole number (>= 1) of the local experts' [E_local, D, F] (the scan's slices and
+    their relayouts, the block scales broadcast to the weights' size, the dequantizing fusions, bf16 relayouts),
+    plus the grouped matmul's read of its bf16 operand whole (2 B a parameter: ragged_dot reads every local
+    expert), over num_layers x 3 x E_local x D x F."""
+    size = local_experts * config.hidden_size * config.moe_ffn
+
+    def weights(shape: str) -> bool:
+        return any((n := math.prod(int(d) for d in dims.split(",") if d)) >= size and n % size == 0
+                   for _, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+
+    moved = sum(r.bytes for r in hlo.op_rows(hlo_text)[0] if weights(r.shape))
+    return moved / (config.num_layers * 3 * size) + 2
+
+
+def gdn_state_passes(hlo_text: str, config: Config, sequences: int) -> float:
+    """HBM passes over each decoding sequence's GDN state that the compiled XLA GDN layers make, from the HLO text:
+    the ops of the GDN block whose result holds the states of at least `sequences` sequences ([n, Hv, dk, dv] on
+    one device: the gather of the sequences' states, the recurrent step's read and write, the scatter back) over
+    n_gdn x `sequences` states."""
+    c = config
+    tail = f"{c.gdn_k_head_dim},{c.gdn_v_head_dim}]"
+    moved, state = 0, 0
+    for r in hlo.op_rows(hlo_text)[0]:
+        if r.block != "gdn":
+            continue
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", r.shape):
+            d = [int(x) for x in dims.split(",") if x]
+            if f"{dims}]".endswith(tail) and len(d) >= 4 and d[-4] >= sequences:
+                moved += r.bytes
+                state = d[-3] * d[-2] * d[-1] * hlo._BYTES[dt]
+                break
+    return moved / (ops.sizes(c)["n_gdn"] * sequences * state) if state else 0.0

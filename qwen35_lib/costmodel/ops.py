@@ -7,7 +7,7 @@ function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
-  batch and scores against it; `items` (the CPU's, `paged_attention_items`): where ITEM_COST x its items (runs of
+  batch and scores against it; `items` (the xla family's, `paged_attention_items`): where ITEM_COST x its items (runs of
   a sequence's tokens in blocks of ITEM_BLOCK, at most blocks + S: every one computed) is fewer than its tokens,
   each item reads the longest context once, in steps of ITEM_KEYS keys, and scores its block's rows against it,
   else as `xla`;
@@ -101,6 +101,7 @@ class Placement:
     # in place: 1); None: weight_passes
     kv_read_bytes: float = 0.0  # xla attention: HBM bytes per KV element of a page it reads (the compiled page
     # loop's: kernels.xla_tpu_paged_attention_bytes); 0: the cache's own item size
+    items_read_bytes: float = 0.0  # the same for the items' walk (kernels.xla_tpu_items_attention_bytes)
     static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
     expert_imbalance: float = 1.0  # the busiest EP device's rows over the mean (its row work scales by it)
     gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
@@ -212,7 +213,8 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         steps = math.ceil(b.max_ctx / per_step)  # up to the longest context
         keys = steps * per_step
         pairs = items * ITEM_BLOCK * keys  # every item's block of rows against every key of the loop
-        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, items * keys * tok_bytes + new + qo, 4 * steps + 2)
+        read = 2 * kvh * hd * pl.items_read_bytes if pl.items_read_bytes else tok_bytes  # per (item, key) pair
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, items * keys * read + new + qo, 4 * steps + 2)
     else:
         pairs = T * b.max_ctx  # every token scores (and reads) the longest context
         pages = math.ceil(b.max_ctx / pl.page_size)

@@ -108,6 +108,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     ours = pools is not None and stage.name not in OTHER_ENGINE and not in_place
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
     gdn_xla = kernels["gdn_kernel"] == "xla" and specs.kind == "tpu"
+    xla_fp8_kv = attention in ("xla", "items") and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn"
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,
@@ -122,8 +123,8 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
                          sampling_passes=facts["sampling_logit_passes"]["value"] if specs.kind == "tpu" else 0.0,
                          gdn_prefill="recurrent" if kernels["gdn_kernel"] == "native" else "chunked",
-                         kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"]
-                         if attention == "xla" and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn" else 0.0)
+                         kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"] if xla_fp8_kv else 0.0,
+                         items_read_bytes=facts["xla_tpu_items_attention_bytes"]["value"] if xla_fp8_kv else 0.0)
 
 
 def _ideal_specs(s: Specs) -> Specs:

@@ -4,7 +4,7 @@ which reads these tables.
 
 | family   | attention                | gdn                       | moe_matmul                       | permute | dense |
 |----------|--------------------------|---------------------------|----------------------------------|---------|-------|
-| `xla`    | `items` on CPU, else xla | `native` on CPU, else xla | `native` on CPU, else ragged_dot | xla     | xla   |
+| `xla`    | items                    | `native` on CPU, else xla | `native` on CPU, else ragged_dot | xla     | xla   |
 | `pallas` | pallas                   | pallas                    | pallas                           | pallas  | pallas|
 
 Where the `xla` family is not XLA code: on the CPU two C++ XLA FFI handlers that XLA calls like any op, each
@@ -12,10 +12,12 @@ running its XLA twin where it cannot be built. The MoE's grouped matmul is `nati
 else the XLA `loop`): XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each
 expert, which no formulation in XLA ops avoided (the `moe_xla` docstrings). The GDN's decode step is `native`
 (`kernels/gdn_native.py`; its prefill chunks stay XLA's): XLA:CPU's batched matrix-vector products over the state
-cost about ten passes over it. The attention is XLA's either way: on the CPU by items (`attention_xla.
+cost about ten passes over it. The attention is XLA's on every backend, by items (`attention_xla.
 paged_attention_items`: a page read once per run of a sequence's tokens in a block of 16, not once per token; the
-twin where that would cost more, as at decode). qwen3.5-mini's attention shapes, float32, pages of 16, one layer's
-paged attention alone, twin -> items in one run (decodes at context 1000): 7 decodes + a 128-token chunk at
+twin where that would cost more, as at decode, where a token is its sequence's one). On a TPU the twin alone made
+every prompt token of a mixed step read the batch's longest context: 78% of the dp_ep stage's priced mean step at
+8k/1k, c512 (1,511 of 1,932 ms). qwen3.5-mini's attention shapes, float32, pages of 16, one layer's paged
+attention alone, twin -> items in one run (decodes at context 1000): 7 decodes + a 128-token chunk at
 position 512 45.4 -> 14.1 ms, 4 decodes + a 512-token prompt 138.0 -> 30.2 ms, 32 decodes + a 2,048-token prompt
 2,267 -> 326 ms; 64 decodes + a 64-token chunk 47.6 -> 66.0 ms, where the twin runs (`ITEM_COST`).
 """
@@ -60,7 +62,7 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
         backend = jax.default_backend()
     cpu = backend == "cpu"
     native = {"moe_matmul": "native" if cpu else "ragged_dot", "gdn": "native" if cpu else "xla",
-              "attention": "items" if cpu else "xla"}
+              "attention": "items"}  # every backend: the twin where items would cost more
     return {f: native.get(slot, "xla") for slot, f in KERNEL_FIELDS.items()}
 
 

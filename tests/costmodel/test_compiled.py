@@ -30,7 +30,7 @@ def test_the_flops_are_the_compiles_once_ragged_dot_is_counted_as_xla_counts_it(
     assert rows[stage]["flops_ratio"] == pytest.approx(1.0, abs=0.05), compiled.table([rows[stage]])
 
 
-@pytest.mark.xfail(strict=True, reason="the TP baseline's decode: model 286.7 GFLOP against XLA's 331.1 (x0.87), "
+@pytest.mark.xfail(strict=True, reason="the TP baseline's decode: model 272.1 GFLOP against XLA's 329.2 (x0.83), "
                    "not yet explained")
 def test_the_baseline_flops_are_the_compiles(rows):
     assert rows["baseline"]["flops_ratio"] == pytest.approx(1.0, abs=0.05)
@@ -65,13 +65,18 @@ def test_a_pallas_stage_is_compared_around_its_mosaic_calls(rows):
 
 def test_the_engine_charges_no_cache_copies_and_the_compile_holds_none():
     # the engine's caches are rows of one pool a kind (kernels.engine_cache_copy_passes = 0): no stage is charged a
-    # copy, and every stored step compiled since (its `cache_pool_copies` recorded) holds none in its layer loop, the
-    # kernels stage's among them
+    # copy, and no stored step's layer loop copies a KV or GDN pool, in any stage (the XLA attention's FP8 pool
+    # stored as uint32 words: `attention_xla.kv_words`). One relayout is left, not charged: the XLA stages' mixed
+    # steps relay the FP8 scale pool out once a layer (f32[34575, 4, 256], 142 MB a device: 4.2 GB of dp_ep's
+    # 2,901 GB mixed step, 0.15%), for the items' gather of a page's scales
     assert kernel_facts()["engine_cache_copy_passes"]["value"] == 0
-    checked = {(stage, step): e["cache_pool_copies"] for stage, s in DOC["stages"].items()
-               for step, e in s["steps"].items() if "cache_pool_copies" in e}
-    assert {("kernels", "8k/1k decode"), ("kernels", "8k/1k mixed")} <= set(checked)
-    assert all(n == 0 for n in checked.values()), checked
+    copied = {(stage, step): e["cache_pools_copied"] for stage, s in DOC["stages"].items()
+              for step, e in s["steps"].items() if "cache_pools_copied" in e}
+    assert {(s, f"8k/1k {k}") for s in LADDER for k in ("decode", "mixed") if s != "baseline"} <= set(copied)
+    assert all(set(pools) <= {"kv_scale"} for pools in copied.values()), copied
+    xla_dp = [s for s in LADDER if s not in ("baseline", "kernels")]
+    mixed = {(s, f"{w} mixed") for s in xla_dp for w in ("8k/1k", "1k/8k")}
+    assert {k for k, pools in copied.items() if pools} == mixed
 
 
 def test_a_one_group_sweep_is_refused():
@@ -125,3 +130,29 @@ def test_the_permute_passes_are_read_off_the_kernels_compile():
     measured = compiled.permute_passes(text, serving_config(DOC["model"]), tokens)
     assert kernel_facts()["kernels_moe_permute_passes"]["value"] == pytest.approx(measured, abs=0.01)
     assert 2 <= measured < 8.3  # production: 2; this engine before its routing gathered rows once: 8.3
+
+
+def test_the_xla_kernels_facts_are_read_off_the_xla_compiles():
+    # what the XLA stages' kernels move per value they need, from the dp_ep stage's texts: the attention's walk over
+    # the pages per KV value read (the twin at decode: a token's page a trip; items in the mixed step: an item's
+    # page a trip), the FP8 experts per parameter and layer, the GDN decode per state
+    from qwen35_lib.aot.sweep import serving_config
+    from qwen35_lib.kernels.attention_xla import ITEM_BLOCK
+
+    cfg = serving_config(DOC["model"])
+    decode, mixed = (DOC["stages"]["dp_ep"]["steps"][f"8k/1k {s}"] for s in ("decode", "mixed"))
+    page, width = DOC["shape"]["page_size"], 2 * cfg.num_kv_heads * cfg.head_dim  # dp_ep: every KV head a device
+    seqs = DOC["shape"]["requests"] // decode["ranks"]
+    text = compiled.stored_text("dp_ep", "8k/1k decode")
+    twin = compiled.paged_attention_bytes(text, cfg, decode["decode_tokens_per_rank"], width, page)
+    tokens = mixed["decode_tokens_per_rank"] + mixed["prefill_tokens_per_rank"]
+    items = compiled.paged_attention_bytes(compiled.stored_text("dp_ep", "8k/1k mixed"), cfg,
+                                           -(-tokens // ITEM_BLOCK) + seqs, width, page)
+    experts = compiled.fp8_expert_bytes(text, cfg, cfg.num_experts // decode["ranks"])
+    gdn = compiled.gdn_state_passes(text, cfg, seqs)
+    facts = kernel_facts()
+    assert facts["xla_tpu_paged_attention_bytes"]["value"] == pytest.approx(twin, abs=0.05)
+    assert facts["xla_tpu_items_attention_bytes"]["value"] == pytest.approx(items, abs=0.05)
+    assert facts["xla_tpu_fp8_expert_bytes"]["value"] == pytest.approx(experts, abs=0.05)
+    assert facts["xla_tpu_gdn_state_passes"]["value"] == pytest.approx(gdn, abs=0.05)
+    assert 1 < twin and 1 < items and 3 < experts and 2 <= gdn  # more than one read of what each needs
