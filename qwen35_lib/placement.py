@@ -155,10 +155,8 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     r = lay.kv_replication(config, mesh)  # tp_kvrep: KV heads duplicated in the weights, r copies each
     config, unplaced = lay.placed_config(config, mesh), config
     ranks = lay.dp_size(mesh)
-    per_rank = -(-requests // ranks)
     kv_dtype = kv_dtype or config.dtype
-    cache_shape = CacheShape(ranks=ranks, num_pages=per_rank * -(-context_len // page_size) + 1,
-                             page_size=page_size, num_slots=per_rank + 1, kv_dtype=kv_dtype)
+    cache_shape = CacheShape.for_requests(requests, context_len, ranks=ranks, page_size=page_size, kv_dtype=kv_dtype)
     weights = _leaves(declare(config))
     cache = [(p, _kv_rows(config, i) if p[0] == "kv" else i) for p, i in _leaves(declare_cache(config, cache_shape))]
     w_bytes = {_part(path): 0 for path, _ in weights}

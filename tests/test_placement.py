@@ -112,3 +112,16 @@ def test_dp4_tp2_ep8_heads_over_core_requests_over_chip():
     assert (d0.holds["kv_heads"], d1.holds["kv_heads"]) == (range(0, 1), range(1, 2))
     assert d0.holds["requests"] == d1.holds["requests"] == range(0, 9, 4) and d2.holds["requests"] == range(1, 9, 4)
     assert p.copies["kv"] == 1 and p.cache_shape.num_slots == 4  # ceil(9 / 4) = 3 requests per rank + null slot
+
+
+def test_the_placements_pools_are_for_requests():
+    # `placement`'s caches are `CacheShape.for_requests` (each rank's sequences' whole contexts + the null page, a
+    # slot each + the null slot), the KV dtype the model's when none is asked: the same pools as the compiles
+    from qwen35_lib.engine.cache import CacheShape
+
+    for layout, ranks in (("dp8_ep8", 8), ("dp4_tp2_ep8", 4), ("tp8_kvrep", 1)):
+        p = placement(BIG, layout, requests=10, context_len=40, page_size=16)
+        assert p.ranks == ranks and p.cache_shape == CacheShape.for_requests(
+            10, 40, ranks=ranks, page_size=16, kv_dtype=BIG.dtype), layout
+    fp8 = placement(BIG, "dp8_ep8", kv_dtype="float8_e4m3fn", requests=10, context_len=40, page_size=16)
+    assert fp8.cache_shape == CacheShape.for_requests(10, 40, ranks=8, page_size=16, kv_dtype="float8_e4m3fn")

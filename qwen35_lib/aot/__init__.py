@@ -160,20 +160,19 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     ordered as the step's dots read them). Returns the compiled executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
-    from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache, kv_words_for
+    from qwen35_lib.engine.cache import CacheShape, abstract_cache, kv_words_for
     from qwen35_lib.engine.engine import engine_step
     from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
-    from qwen35_lib.weights import is_info
 
     plan = plan.bound(mesh, config)
     config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
     R = plan.dp_size(mesh)
-    S = -(-requests // R)  # sequences per rank
-    pages = -(-context_len // page_size)
+    shape = CacheShape.for_requests(requests, context_len, ranks=R, page_size=page_size, kv_dtype=kv_dtype,
+                                    kv_words=kv_words_for(plan, kv_dtype))
+    S = shape.seqs_per_rank
+    pages = -(-context_len // page_size)  # a sequence's page-table row
     C = config.gdn_chunk_size
     T = decode + -(-prefill // C) * C
-    shape = CacheShape(ranks=R, num_pages=S * pages + 1, page_size=page_size, num_slots=S + 1, kv_dtype=kv_dtype,
-                       kv_words=kv_words_for(plan, kv_dtype))
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
         weights = dense_format(jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights), weights, config,
@@ -184,8 +183,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
                 moe[name] = moe[name]._replace(scale=scale_format(moe[name].scale, name))
     elif weight_layouts != "default":
         raise ValueError(f"weight_layouts must be 'default' or 'mxu', got {weight_layouts!r}")
-    cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh),
-                         declare_cache(config, shape), cache_shardings(config, plan, shape, mesh), is_leaf=is_info)
+    cache = abstract_cache(config, shape, plan, mesh)
     arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(plan, mesh, len(shp)))
     meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
                       kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),
@@ -223,16 +221,13 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
     under the serving `plan` (bound here) on `mesh` (e.g. `chip_core_mesh()`): (argument bytes, None) from
     `memory_analysis()` of a program that keeps every input, or (None, the compiler's refusal, e.g.
     RESOURCE_EXHAUSTED)."""
-    from qwen35_lib.engine.cache import cache_shardings, declare_cache
+    from qwen35_lib.engine.cache import abstract_cache
     from qwen35_lib.parallel.layouts import placed_config, weight_shardings
-    from qwen35_lib.weights import is_info
 
     plan = plan.bound(mesh, config)
     config = placed_config(config, plan, mesh)
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
-    abstract = lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh)
-    cache = jax.tree.map(abstract, declare_cache(config, cache_shape),
-                         cache_shardings(config, plan, cache_shape, mesh), is_leaf=is_info)
+    cache = abstract_cache(config, cache_shape, plan, mesh)
     touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)
     try:
         return touch.lower(weights, cache).compile().memory_analysis().argument_size_in_bytes, None
@@ -249,13 +244,10 @@ def cache_pools(config: Config, plan: ServingPlan, mesh: Mesh, shape) -> dict:
     holds it under the bound `plan` on `mesh` (its rows' dims split as the plan splits them), for
     `hlo_checks.cache_pool_copies`."""
     from qwen35_lib.aot.hlo_checks import PoolOf
-    from qwen35_lib.engine.cache import cache_shardings, declare_cache
-    from qwen35_lib.weights import is_info
+    from qwen35_lib.engine.cache import abstract_cache
 
-    infos, shardings = declare_cache(config, shape), cache_shardings(config, plan, shape, mesh)
     out = {}
-    for name, info in infos.items():  # by name: the tree's leaves come in sorted order, the pools in declared order
-        assert is_info(info)
-        local = shardings[name].shard_shape(info.shape)  # [R, L, X, *row]
-        out[name] = PoolOf(HLO_DTYPES[jnp.dtype(info.dtype).name], tuple(local[3:]), local[2])
+    for name, a in abstract_cache(config, shape, plan, mesh).items():  # each pool with its own sharding, by name
+        local = a.sharding.shard_shape(a.shape)  # [R, L, X, *row]
+        out[name] = PoolOf(HLO_DTYPES[jnp.dtype(a.dtype).name], tuple(local[3:]), local[2])
     return out

@@ -106,11 +106,9 @@ def cache_shape(shape: ServingShape, plan, mesh):
     attention stores it (`engine.cache.kv_words_for`)."""
     from qwen35_lib.engine.cache import CacheShape, kv_words_for
 
-    ranks = plan.dp_size(mesh)
-    S = -(-shape.requests // ranks)
-    return CacheShape(ranks=ranks, num_pages=S * -(-shape.context_len // shape.page_size) + 1,
-                      page_size=shape.page_size, num_slots=S + 1, kv_dtype=shape.kv_dtype,
-                      kv_words=kv_words_for(plan, shape.kv_dtype))
+    return CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp_size(mesh),
+                                   page_size=shape.page_size, kv_dtype=shape.kv_dtype,
+                                   kv_words=kv_words_for(plan, shape.kv_dtype))
 
 
 def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
@@ -119,9 +117,9 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
     import jax
     import jax.numpy as jnp
 
-    from qwen35_lib.engine.cache import cache_shardings, declare_cache
+    from qwen35_lib.engine.cache import abstract_cache
     from qwen35_lib.parallel.layouts import weight_shardings
-    from qwen35_lib.weights import abstract_weights, is_info
+    from qwen35_lib.weights import abstract_weights
 
     def per_device(arrays) -> int:  # ShapeDtypeStructs with shardings -> the fullest device's bytes
         out: dict = {}
@@ -131,9 +129,7 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
                 out[d] = out.get(d, 0) + n
         return max(out.values(), default=0)
 
-    cs = cache_shape(shape, plan, mesh)
-    cache = jax.tree.map(lambda i, sh: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=sh), declare_cache(cfg, cs),
-                         cache_shardings(cfg, plan, cs, mesh), is_leaf=is_info)
+    cache = abstract_cache(cfg, cache_shape(shape, plan, mesh), plan, mesh)
     kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
     return {"weight_bytes": per_device(abstract_weights(cfg, weight_shardings(cfg, plan, mesh))),
             "kv_bytes": per_device(kv), "gdn_state_bytes": per_device({k: v for k, v in cache.items() if k not in kv})}

@@ -77,8 +77,8 @@ def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, reques
     the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
     slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`)."""
     plan = bind_to(stage, cfg, sp)
-    cache = CacheShape(ranks=plan.dp, num_pages=requests_per_rank * -(-tokens // page_size) + 1,
-                       page_size=page_size, num_slots=requests_per_rank + 1, kv_dtype=kv_dtype)
+    cache = CacheShape.for_requests(requests_per_rank * plan.dp, tokens, ranks=plan.dp, page_size=page_size,
+                                    kv_dtype=kv_dtype)
     r = traffic.resident_bytes(plan, cfg, cache)
     return {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
 

@@ -54,6 +54,26 @@ class CacheShape:
         if self.kv_words and self.kv_dtype != "float8_e4m3fn":
             raise ValueError(f"kv_words stores an FP8 KV cache (kv_dtype='float8_e4m3fn'), not {self.kv_dtype}")
 
+    @classmethod
+    def for_requests(cls, requests: int, context_len: int, *, ranks: int = 1, page_size: int = 16,
+                     kv_dtype: str | None = None, kv_words: bool = False) -> CacheShape:
+        """The pools for `requests` concurrent sequences of up to `context_len` tokens spread over `ranks`
+        data-parallel ranks (the one home of this formula: the AOT compiles, the sweep, the cost model and
+        `placement` all read it).
+
+        1. sequences per rank S = ceil(requests / ranks);
+        2. pages per rank: S whole contexts, ceil(context_len / page_size) pages each, plus the null page;
+        3. GDN slots per rank: one a sequence plus the null slot.
+        `kv_words`: the FP8 pool as uint32 words, where a bound plan says so (`kv_words_for(plan, kv_dtype)`)."""
+        per_rank = -(-requests // ranks)
+        return cls(ranks=ranks, num_pages=per_rank * -(-context_len // page_size) + 1, page_size=page_size,
+                   num_slots=per_rank + 1, kv_dtype=kv_dtype, kv_words=kv_words)
+
+    @property
+    def seqs_per_rank(self) -> int:
+        """Running sequences a rank's slots hold (the null slot aside)."""
+        return self.num_slots - 1
+
 
 def kv_words_for(plan: ServingPlan, kv_dtype: str | None) -> bool:
     """Whether the bound `plan`'s attention keeps an FP8 KV pool as uint32 words (`AttentionKernels.kv_words`:
@@ -106,6 +126,17 @@ def copy_rows(cache: dict, pages, slots) -> dict:
             return type(a)(x.at[r, dst].set(x[r, src]) for x in a)
         return a.at[r, :, dst].set(a[r, :, src])
     return {name: copy(pool, pages if name in PAGED else slots) for name, pool in cache.items()}
+
+
+def abstract_cache(config: Config, shape: CacheShape, plan: ServingPlan | None = None, mesh=None) -> dict:
+    """`jax.ShapeDtypeStruct` leaves of `declare_cache(config, shape)`, with the bound `plan`'s shardings on `mesh`
+    where one is given (`cache_shardings`): caches for a compile, nothing allocated (`weights.abstract_weights`'
+    twin)."""
+    decl = declare_cache(config, shape)
+    if mesh is None:
+        return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), decl, is_leaf=is_info)
+    return jax.tree.map(lambda i, s: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s), decl,
+                        cache_shardings(config, plan, shape, mesh), is_leaf=is_info)
 
 
 def cache_bytes(config: Config, shape: CacheShape) -> int:

@@ -105,3 +105,31 @@ def test_cache_pools_are_each_pool_as_its_own_sharding_splits_it():
     assert pools["state"] == ["bf16", [cfg.gdn_num_v_heads // 8, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim], 513]
     assert pools["conv_v"] == ["bf16", [cfg.gdn_conv_kernel - 1, cfg.gdn_num_v_heads // 8, cfg.gdn_v_head_dim], 513]
     assert pools["kv"] == ["u32", [256, 2 * cfg.head_dim // 4], 512 * 36 + 1]
+
+
+class _Lowered(Exception):
+    """Raised by a stand-in `engine_step.lower` with what `compile_step` handed it (nothing compiled)."""
+
+
+def test_compile_step_lowers_the_pools_for_requests_as_abstract_cache_declares_them(mesh, monkeypatch):
+    # the step's caches are `CacheShape.for_requests` of its requests and context (each rank's sequences' pages +
+    # the null page, a slot each + the null slot), built by `abstract_cache`: computed here as anywhere else
+    from qwen35_lib.engine import engine as engine_module
+    from qwen35_lib.engine.cache import abstract_cache, kv_words_for
+
+    class Step:
+        @staticmethod
+        def lower(config, plan, weights, cache, *rest):
+            raise _Lowered(config, plan, cache, rest)
+
+    monkeypatch.setattr(engine_module, "engine_step", Step)
+    cfg = get_config("qwen3.5-tiny")
+    with pytest.raises(_Lowered) as got:
+        aot.compile_step(cfg, get_layout("dp8_ep8"), mesh, requests=10, context_len=40, decode=2, page_size=8,
+                         kv_dtype="float8_e4m3fn")
+    config, plan, cache, (tokens, meta, _) = got.value.args
+    shape = CacheShape.for_requests(10, 40, ranks=8, page_size=8, kv_dtype="float8_e4m3fn",
+                                    kv_words=kv_words_for(plan, "float8_e4m3fn"))
+    assert (shape.num_pages, shape.num_slots) == (11, 3)  # 2 sequences a rank of 5 pages, + the null page / slot
+    assert cache == abstract_cache(config, shape, plan, mesh)
+    assert meta.page_table.shape == (8, 2, 5) and meta.slot.shape == (8, 2)

@@ -108,3 +108,38 @@ def test_largest_pool_searches_down_from_a_refused_step(monkeypatch):
     decode = {"ranks": 8, "fits": False, "kv_bytes": 2 * 100 * 10**6, "error": "RESOURCE_EXHAUSTED"}
     lp = sweep.largest_pool(None, "baseline", None, shape, usable, decode, max_compiles=12)
     assert lp["pages_per_seq"] == 60 and lp["exact"], lp
+
+
+def test_the_sweeps_pools_are_for_requests_and_its_resident_bytes_their_abstract_caches_shards():
+    # sweep.cache_shape is `CacheShape.for_requests` (the FP8 pool as words where the bound plan's attention keeps
+    # it so: the XLA attention on a TPU); `resident` counts `abstract_cache`'s shards on the fullest device
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    from qwen35_lib import get_config
+    from qwen35_lib.engine.cache import CacheShape, abstract_cache
+    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.plan import AXES, get_stage, make_mesh
+
+    small = sweep.ServingShape(requests=10, context_len=40, page_size=8)
+    tpu7x = AbstractMesh((4, 2), AXES)
+    tpu = get_stage("hier_rs").bind(tpu7x, platform="tpu")
+    assert sweep.cache_shape(small, tpu, tpu7x) == CacheShape.for_requests(
+        10, 40, ranks=8, page_size=8, kv_dtype="float8_e4m3fn", kv_words=True)
+    mesh, cfg = make_mesh(), get_config("qwen3.5-tiny")
+    for stage in ("baseline", "hier_rs"):
+        plan = get_stage(stage).bind(mesh, cfg)
+        placed = placed_config(cfg, plan, mesh)
+        shape = sweep.cache_shape(small, plan, mesh)
+        assert shape == CacheShape.for_requests(10, 40, ranks=plan.dp_size(mesh), page_size=8,
+                                                kv_dtype="float8_e4m3fn")  # CPU: the FP8 pool as it is
+        cache = abstract_cache(placed, shape, plan, mesh)
+        per_device = lambda names, cache=cache: max(
+            sum(math.prod(cache[n].sharding.shard_shape(cache[n].shape)) * jnp.dtype(cache[n].dtype).itemsize
+                for n in names if d in cache[n].sharding.device_set) for d in jax.devices())
+        got = sweep.resident(placed, plan, small, mesh)
+        assert got["kv_bytes"] == per_device(["kv", "kv_scale"]) > 0
+        assert got["gdn_state_bytes"] == per_device([n for n in cache if n not in ("kv", "kv_scale")]) > 0

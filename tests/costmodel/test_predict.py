@@ -168,3 +168,22 @@ def test_gdn_layers_fixed_time_is_added_once_a_gdn_layer_to_every_step():
     band = costmodel.predict(*args, band=True, roofline=False)["band"]
     ends = {e["end"]: e for e in band["extremes"] if e["assumption"] == "gdn_layer_fixed_s"}
     assert ends["low"]["total_tokens_per_s"] > on["total_tokens_per_s"] > ends["high"]["total_tokens_per_s"]
+
+
+def test_the_resident_bytes_price_the_pools_for_requests(monkeypatch):
+    # `resident_bytes_per_device` prices `CacheShape.for_requests` of its requests a rank over the plan's ranks:
+    # the pools the AOT compiles and `placement` size (the FP8 pool as values: the bytes are the same as words)
+    from qwen35_lib.engine.cache import CacheShape
+
+    seen = []
+    real = predict_module.traffic.resident_bytes
+    monkeypatch.setattr(predict_module.traffic, "resident_bytes", lambda plan, cfg, cache: seen.append(
+        (plan.dp, cache)) or real(plan, cfg, cache))
+    cfg = costmodel.serving_model()
+    for stage in ("baseline", "hier_rs"):
+        predict_module.resident_bytes_per_device(cfg, specs.get("tpu7x-8"), any_stage(stage), 3, 9216,
+                                                 "float8_e4m3fn", 256)
+    assert [ranks for ranks, _ in seen] == [1, 8]
+    for ranks, cache in seen:
+        assert cache == CacheShape.for_requests(3 * ranks, 9216, ranks=ranks, page_size=256, kv_dtype="float8_e4m3fn")
+        assert (cache.num_pages, cache.num_slots) == (3 * 36 + 1, 4)

@@ -43,11 +43,10 @@ def _estimate(stage: str, entry: dict) -> dict:
     plan = get_stage(stage).bind(AbstractMesh((4, 2), AXES), platform="tpu")  # tpu7x:2x2x1: 4 chips x 2 cores
     cfg = sweep.serving_config(DOC["model"], DOC["groups"], **DOC["overrides"])
     R = entry["ranks"]
-    S = -(-shape["requests"] // R)
     step = traffic.StepShape.of_compile(cfg, R, shape["requests"], entry["decode_tokens_per_rank"],
                                         entry["prefill_tokens_per_rank"])
-    cache = CacheShape(ranks=R, num_pages=S * -(-shape["context_len"] // shape["page_size"]) + 1,
-                       page_size=shape["page_size"], num_slots=S + 1, kv_dtype=shape["kv_dtype"])
+    cache = CacheShape.for_requests(shape["requests"], shape["context_len"], ranks=R, page_size=shape["page_size"],
+                                    kv_dtype=shape["kv_dtype"])
     return temporaries.step_temporaries(plan, cfg, step, cache)
 
 

@@ -81,3 +81,30 @@ def test_a_word_stored_pool_is_the_fp8_pool_in_uint32_words():
         CacheShape(kv_words=True)
     assert [get("attention", n, p).kv_words for n in ("xla", "items") for p in ("tpu", "cpu")] == [True, False] * 2
     assert not get("attention", "pallas", "tpu").kv_words  # the Pallas kernel DMAs the FP8 pool as it is
+
+
+def test_for_requests_holds_each_ranks_sequences_whole_contexts_and_the_null_page_and_slot():
+    """`CacheShape.for_requests`, the one pool-for-N-requests formula: 10 requests over 4 ranks are 3 a rank (the
+    round-up), 40 tokens in pages of 16 are 3 pages each: 9 pages + the null page, 3 slots + the null slot."""
+    s = CacheShape.for_requests(10, 40, ranks=4, page_size=16, kv_dtype="float8_e4m3fn", kv_words=True)
+    assert s == CacheShape(ranks=4, num_pages=10, page_size=16, num_slots=4, kv_dtype="float8_e4m3fn",
+                           kv_words=True)
+    assert s.seqs_per_rank == 3
+    assert CacheShape.for_requests(8, 32, ranks=8, page_size=16) == CacheShape(8, 3, 16, 2)  # one each, 2 pages
+
+
+def test_abstract_cache_is_the_declared_caches_with_their_shardings():
+    """`abstract_cache`: `declare_cache`'s leaves as ShapeDtypeStructs, each with its own `cache_shardings` entry
+    (by name), or unsharded without a mesh."""
+    from qwen35_lib.engine.cache import abstract_cache, cache_shardings, declare_cache
+
+    cfg, mesh = get_config("qwen3.5-tiny"), make_mesh()
+    plan = get_layout("dp8_ep8").bind(mesh, cfg)
+    shape = CacheShape.for_requests(10, 40, ranks=8, page_size=8, kv_dtype="float8_e4m3fn")
+    decl, shardings = declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh)
+    got = abstract_cache(cfg, shape, plan, mesh)
+    assert set(got) == set(decl) and "kv_scale" in got
+    for name, info in decl.items():
+        assert (got[name].shape, got[name].dtype, got[name].sharding) == (info.shape, info.dtype, shardings[name])
+    assert {k: (a.shape, a.dtype) for k, a in abstract_cache(cfg, shape).items()} == \
+        {k: (i.shape, i.dtype) for k, i in decl.items()}

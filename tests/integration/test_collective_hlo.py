@@ -73,9 +73,7 @@ def _no_compiles(monkeypatch):
 def _predicted(stage: str, shape: str, mesh, monkeypatch):
     plan, cfg = _stage(stage).bind(mesh), MINI
     step_shape = traffic.StepShape.of_compile(cfg, plan.dp, REQUESTS, **SHAPES[shape])
-    S = -(-REQUESTS // plan.dp)
-    pages = -(-CONTEXT // PAGE)
-    cache = CacheShape(ranks=plan.dp, num_pages=S * pages + 1, page_size=PAGE, num_slots=S + 1)
+    cache = CacheShape.for_requests(REQUESTS, CONTEXT, ranks=plan.dp, page_size=PAGE)
     with monkeypatch.context() as m:
         _no_compiles(m)
         return (costmodel.collective_counts(plan, cfg, step_shape, backend="cpu"),
