@@ -47,6 +47,8 @@ import subprocess
 import sys
 from typing import Any, NamedTuple
 
+from qwen35_lib.versions import DISTRIBUTION, installed_version
+
 RESULTS_ENV = "QWEN35_RESULTS_DIR"
 SIZE_ENV = "QWEN35_SIZE"
 SIZES = ("cpu", "tpu")
@@ -54,7 +56,6 @@ ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*")  # 
 ACCELERATORS = ("none", "tpu", "gpu")
 JAX_PLATFORM = {"tpu": "tpu", "gpu": "cuda"}  # accelerator -> its name in `jax_platforms` (NVIDIA nodes only)
 AOT_TARGET = "tpu7x:2x2x1"  # what the ahead-of-time compiles target (qwen35_lib.aot), on every runtime
-DISTRIBUTION = "qwen35-playbook"  # the library's name on pip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +197,6 @@ def installed_from_git() -> bool:
         return "vcs_info" in json.loads(record or "{}")
     except ValueError:
         return False
-
-
-def installed_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def jax_plugin_requirement(accelerator: str, *, prefer_accelerator: bool = False) -> str | None:

@@ -221,17 +221,11 @@ def collectives(hlo_text: str, plan, config, requests: int, decode: int, prefill
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
-
     import jax
 
-    def version(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+    from qwen35_lib.versions import installed_version
 
-    return {"jax": jax.__version__, "libtpu": version("libtpu") or version("libtpu-nightly")}
+    return {"jax": jax.__version__, "libtpu": installed_version("libtpu") or installed_version("libtpu-nightly")}
 
 
 def sweep(model: str = "qwen3.5-397b-a17b", stages=None, groups: int | None = None, json_path=None,

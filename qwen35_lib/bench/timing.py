@@ -23,6 +23,8 @@ from typing import Any, Callable
 import jax
 from tqdm import tqdm
 
+from qwen35_lib.versions import installed_version
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -190,7 +192,7 @@ def environment(**extra: Any) -> dict:
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax": jax.__version__,
-        "jaxlib": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+        "jaxlib": getattr(jax.lib, "__version__", None) or installed_version("jaxlib"),
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
         "device_kind": jax.devices()[0].device_kind,
@@ -225,15 +227,6 @@ def native_isa_text() -> str:
     if os.environ.get("QWEN35_NATIVE", "1") == "0":
         return "off (QWEN35_NATIVE=0: the XLA kernels)"
     return native.describe() if native.isa() else f"none, the XLA kernels run ({native.isa_problem()})"
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _loadavg() -> float | None:

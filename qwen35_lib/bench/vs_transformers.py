@@ -32,6 +32,7 @@ from qwen35_lib.bench.timing import (
     xla_cpu_threads,
 )
 from qwen35_lib.config import Config, get_config
+from qwen35_lib.versions import installed_version
 
 DESCRIPTION = "prefill tokens/s: our jitted forward vs HF transformers eager (float32, same random weights)"
 DEFAULT_SHAPES = "1x512,4x256,1x2048"
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
     moe_kernel = local.plan.kernel("moe_matmul")
     hf_impl = {"attention": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
     print(f"prefill, float32 on both sides, {config.name} random weights (seed {args.seed}); ours: jitted forward, "
-          f"moe_matmul={moe_kernel}, native kernels {native_isa_text()}; transformers {_version('transformers')} "
+          f"moe_matmul={moe_kernel}, native kernels {native_isa_text()}; "
+          f"transformers {installed_version('transformers')} "
           f"eager (torch {torch.__version__}, "
           f"{args.threads} threads, attention={hf_impl['attention']}, experts={hf_impl['experts']}); ours on "
           f"{xla_cpu_threads()} XLA:CPU threads; "
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "settle": args.settle,
         "ours": {"moe_kernel": moe_kernel, "jit": True, "threads": xla_cpu_threads()},
-        "transformers": {"version": _version("transformers"), "torch": torch.__version__, "threads": args.threads,
+        "transformers": {"version": installed_version("transformers"), "torch": torch.__version__,
+                         "threads": args.threads,
                          "mode": "eager, torch.no_grad, use_cache=False", **hf_impl},
         "shapes": results,
         "geomean_speedup": geo,
@@ -264,12 +267,3 @@ def _import_reference():
         raise ValueError(f"vs-transformers needs the 'reference' extra (torch, transformers): {e}; "
                          "install with: pip install -e '.[reference]'") from None
     return torch
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None

@@ -49,18 +49,9 @@ from qwen35_lib.serve import parsers, protocol, scoring, structured
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput
 from qwen35_lib.serve.protocol import FINISH, APIError, Limits
+from qwen35_lib.versions import library_version
 
 log = logging.getLogger("qwen35_lib.serve")
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("qwen35-playbook")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 class _Gone(Exception):
@@ -149,7 +140,7 @@ def make_app(loop: EngineLoop, model_name: str, text: Any = None, limits: Limits
 
     @app.get("/version")
     async def get_version():
-        return {"version": version()}
+        return {"version": library_version()}
 
     @app.get("/metrics")
     async def get_metrics():

@@ -23,6 +23,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from qwen35_lib.serve import protocol  # noqa: E402
+from qwen35_lib.versions import library_version  # noqa: E402
 from tests import serve_support  # noqa: E402
 from tests.serve_support import EC, MODEL, answered_between, health_probes  # noqa: E402
 
@@ -138,7 +139,7 @@ def test_metrics_move_with_a_request(server):
 def test_utility_endpoints(server):
     get = lambda path: httpx.get(server.url + path)
     post = lambda path, body: httpx.post(server.url + path, json=body)
-    assert get("/version").json()["version"]
+    assert get("/version").json()["version"] == library_version()  # qwen35_lib.versions, as everywhere
     assert get("/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
     card = get(f"/v1/models/{MODEL}").json()
     assert card["id"] == MODEL and card["max_model_len"] == EC.max_model_len
