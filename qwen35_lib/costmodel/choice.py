@@ -75,13 +75,12 @@ def candidates(routing: str = "replicate", fuse_allgather: bool = False, hierarc
         raise ValueError(f"unknown engine {engine!r}; use one of {ENGINES}")
     out = []
     for layout in layouts:
-        lay = get_layout(layout)
-        ep = lay.moe == "ep"
-        flags = ep and lay.batch_axes is not None and routing == "replicate"
+        ep = get_layout(layout).moe == "ep"
         name = layout if engine == "this" else TPU_INFERENCE_3050.name
+        plan = ServingPlan(name, layout, routing if ep else None, kernels=kernels)
+        flags = plan.collective_flags_apply  # the plan record's rule
         fuse = fuse_allgather or engine == "tpu-inference"
-        out.append(ServingPlan(name, layout, routing if ep else None, fuse and flags, hierarchical_rs and flags,
-                               kernels))
+        out.append(plan.replace(fuse_allgather=fuse and flags, hierarchical_rs=hierarchical_rs and flags))
     return out
 
 

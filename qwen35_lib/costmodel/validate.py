@@ -221,7 +221,7 @@ def layout_points(band: bool = False) -> list[dict]:
 
     from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
-    from qwen35_lib.plan import TPU_INFERENCE_3050, get_layout
+    from qwen35_lib.plan import TPU_INFERENCE_3050
 
     rows, doc = [], published()
     for m in doc["measurements"]:
@@ -229,8 +229,8 @@ def layout_points(band: bool = False) -> list[dict]:
         if preset is None:
             continue
         layout = LAYOUT_OF_SETUP[preset]
-        plan = dataclasses.replace(TPU_INFERENCE_3050, layout=layout, fuse_allgather=get_layout(layout).batch_axes
-                                   is not None)
+        plan = dataclasses.replace(TPU_INFERENCE_3050, layout=layout)
+        plan = plan.replace(fuse_allgather=plan.collective_flags_apply)  # packed where the plan record's rule allows
         own = m.get("setup")  # a row's own setup; else the setup of its PR's rows, at its layout's DP size
         setup = own or next(x["setup"] for x in doc["measurements"] if x["source"] == m["source"] and x.get("setup"))
         dp = plan.on_devices(8).bind(_mesh8()).dp

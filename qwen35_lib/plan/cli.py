@@ -69,9 +69,6 @@ def from_args(args: argparse.Namespace) -> ServingPlan:
     if layout == "auto":
         raise ValueError("--layout auto is the command's own choice (costmodel predict prices every layout); name a "
                          "layout here")
-    if layout == "single" and (args.fuse_allgather or args.hierarchical_rs):
-        raise ValueError("--fuse-allgather and --hierarchical-rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with "
-                         "--routing replicate; layout 'single' has no collectives")
     return custom_stage(layout, args.routing, args.fuse_allgather, args.hierarchical_rs, getattr(args, "kernels", None))
 
 

@@ -107,6 +107,30 @@ class ServingPlan:
     def tp_axes(self) -> Axes:  # the axes the expert FFN is split over under "tp"
         return self.axes("moe_ffn")
 
+    # --- the collective flags (the one home of their rule) ---
+    @property
+    def collective_flags_apply(self) -> bool:
+        """Whether `fuse_allgather` and `hierarchical_rs` mean anything under this plan: a data-parallel EP layout
+        with routing 'replicate' (token replication's all-gathers and the reduce-scatter back to the token shards).
+        `bind`, `custom_stage`, the plan flags and the cost model's candidates all read this rule."""
+        return self.moe == "ep" and self.batch_axes is not None and self.routing == "replicate"
+
+    def collective_flags_problem(self) -> str | None:
+        """None when the collective flags are off or apply here (`collective_flags_apply`), else why they cannot."""
+        if not (self.fuse_allgather or self.hierarchical_rs) or self.collective_flags_apply:
+            return None
+        if self.layout == "single":
+            return ("fuse_allgather and hierarchical_rs apply to EP layouts (dp4_tp2_ep8, dp8_ep8) with routing "
+                    "'replicate'; layout 'single' has no collectives")
+        if self.moe != "ep":
+            return (f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; layout "
+                    f"{self.layout!r} is not one")
+        if self.routing != "replicate":
+            return f"fuse_allgather and hierarchical_rs apply to routing='replicate' only; got routing={self.routing!r}"
+        return (f"fuse_allgather and hierarchical_rs apply to data-parallel EP layouts ('dp_ep', 'dp_tp2_ep'); layout "
+                f"{self.layout!r} has every token on every device: no all-gather and no reduce-scatter to fuse or "
+                "split (its MoE ends in one all-reduce)")
+
     # --- sizes (from a mesh) ---
     def bind(self, mesh, config: Config | None = None, platform: str | None = None) -> ServingPlan:
         """This plan with the sizes of `mesh` (a Mesh or AbstractMesh; None: one device) and the kernel of every
@@ -314,16 +338,9 @@ def _checked(plan: ServingPlan, mesh, config: Config) -> ServingPlan:
         raise ValueError(f"FP8 expert scales ({config.moe_ffn // config.fp8_block_size} blocks of "
                          f"{config.fp8_block_size} along the FFN) cannot be split over {tp} devices: use "
                          "expert_dtype=None or an EP layout ('dp_ep')")
-    if lay.moe == "ep" and (lay.hierarchical_rs or lay.fuse_allgather) and lay.routing != "replicate":
-        raise ValueError("fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
-                         f"routing={lay.routing!r}")
-    if lay.moe == "ep" and lay.batch_axes is None and (lay.hierarchical_rs or lay.fuse_allgather):
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to data-parallel EP layouts ('dp_ep', "
-                         f"'dp_tp2_ep'); layout {lay.layout!r} has every token on every device: no all-gather and "
-                         "no reduce-scatter to fuse or split (its MoE ends in one all-reduce)")
-    if lay.moe != "ep" and (lay.hierarchical_rs or lay.fuse_allgather):
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; "
-                         f"layout {lay.layout!r} is not one")
+    problem = lay.collective_flags_problem()
+    if problem:
+        raise ValueError(problem)
     return lay
 
 

@@ -45,8 +45,9 @@ def get_stage(name: str) -> ServingPlan:
 
 def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather: bool = False,
                  hierarchical_rs: bool = False, kernels: str | None = "xla") -> ServingPlan:
-    """A stage from parts (the plan flags: --layout, --routing, ...), checked: the collective flags need an EP
-    layout with routing 'replicate' (`bind`'s own rule). kernels None: each slot the platform's default."""
+    """A stage from parts (the plan flags: --layout, --routing, ...), checked: the collective flags need a
+    data-parallel EP layout with routing 'replicate' (`ServingPlan.collective_flags_problem`, the rule `bind`
+    reads). kernels None: each slot the platform's default."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
     if routing is not None and routing not in ROUTINGS:
@@ -54,17 +55,12 @@ def custom_stage(layout: str, routing: str | None = "replicate", fuse_allgather:
     if kernels is not None and kernels not in FAMILIES:
         raise ValueError(f"unknown kernels {kernels!r}; use one of {FAMILIES}")
     ep = get_layout(layout).moe == "ep"
-    if (fuse_allgather or hierarchical_rs) and not ep:
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to EP layouts with routing='replicate'; layout "
-                         f"{layout!r} is not one")
-    if (fuse_allgather or hierarchical_rs) and get_layout(layout).batch_axes is None:
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to data-parallel EP layouts (dp_ep, dp_tp2_ep); "
-                         f"layout {layout!r} has every token on every device (no all-gather to fuse)")
-    if (fuse_allgather or hierarchical_rs) and routing != "replicate":
-        raise ValueError(f"fuse_allgather and hierarchical_rs apply to routing='replicate' only; got "
-                         f"routing={routing!r}")
-    return ServingPlan(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None,
+    plan = ServingPlan(f"{layout}/{routing if ep else 'tp'}", layout, routing if ep else None,
                        fuse_allgather, hierarchical_rs, kernels)
+    problem = plan.collective_flags_problem()  # the record's one rule, as `bind` reads it
+    if problem:
+        raise ValueError(problem)
+    return plan
 
 
 # The baseline Google started from, as we read it (issue 13, item 2): tpu-inference's TP8 before the DP/EP work:

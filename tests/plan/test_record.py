@@ -30,3 +30,48 @@ def test_config_is_the_checkpoints_shape_and_dtypes_only():
         config_lib.from_hf_config(dict(model_type="qwen3_next"), layout="dp8_ep8")
     with pytest.raises(ValueError, match="unknown kernel family 'cuda'"):
         plan_lib.SINGLE.replace(kernels="cuda")
+
+
+def test_the_collective_flags_rule_is_the_records_and_every_check_reads_it():
+    """`ServingPlan.collective_flags_apply` / `collective_flags_problem`: the flags apply to a data-parallel EP layout
+    with routing 'replicate' only; `custom_stage` (the plan flags) refuses exactly what `bind` refuses, with the same
+    message, and allows exactly what the rule allows."""
+    mesh, cfg = plan_lib.abstract_mesh(8), get_config("qwen3.5-tiny")
+    applies = set()
+    for layout in plan_lib.LAYOUTS:
+        lay = plan_lib.get_layout(layout)
+        for routing in (None, "replicate", "all_to_all"):
+            base = plan_lib.ServingPlan("x", layout, routing)
+            if base.collective_flags_apply:
+                applies.add((layout, routing))
+            assert base.collective_flags_apply == (lay.moe == "ep" and lay.batch_axes is not None
+                                                   and routing == "replicate")
+            for flags in ((True, False), (False, True)):
+                plan = base.replace(fuse_allgather=flags[0], hierarchical_rs=flags[1])
+                problem = plan.collective_flags_problem()
+                assert (problem is None) == base.collective_flags_apply
+                try:
+                    staged = plan_lib.custom_stage(layout, routing, *flags)
+                except ValueError as e:
+                    staged = str(e)
+                ep_routing = routing if lay.moe == "ep" else None  # custom_stage drops a non-EP layout's routing
+                want = plan.replace(routing=ep_routing).collective_flags_problem()
+                assert staged == want if want else staged.fuse_allgather == flags[0], (layout, routing, staged)
+                if want and layout != "single":  # bind's check (single is bound unchecked: one device, no flags)
+                    try:
+                        plan.replace(routing=ep_routing).bind(mesh if lay.devices != 1 else None, cfg)
+                    except ValueError as e:
+                        assert str(e) == want or "KV heads" in str(e) or "devices" in str(e), (layout, str(e))
+                    else:
+                        raise AssertionError(f"bind let {layout}/{routing} with {flags} through")
+    assert ("dp8_ep8", "replicate") in applies and ("dp_tp2_ep", "replicate") in applies
+    assert not {lay for lay, _ in applies} & {"tp8_ep8", "tp_ep", "tp8_kvrep", "single"}
+
+
+def test_the_cost_models_candidates_set_the_flags_by_the_records_rule():
+    from qwen35_lib.costmodel import choice
+
+    for engine in choice.ENGINES:
+        for routing in ("replicate", "all_to_all"):
+            for plan in choice.candidates(routing, True, True, engine=engine):
+                assert plan.fuse_allgather == plan.hierarchical_rs == plan.collective_flags_apply, plan
