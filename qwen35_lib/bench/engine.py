@@ -252,9 +252,9 @@ def engine_config(n: int, max_model_len: int, budget: int, page_size: int):
 
 
 def knobs(config: Config, ec) -> dict:
-    from qwen35_lib.engine.cache import CacheShape, cache_bytes
+    from qwen35_lib.engine.cache import cache_bytes
 
-    shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size, num_slots=ec.max_num_seqs + 1)
+    shape = ec.cache_shape()
     return {"max_num_seqs": ec.max_num_seqs, "max_num_batched_tokens": ec.max_num_batched_tokens,
             "page_size": ec.page_size, "num_pages": ec.pages, "max_model_len": ec.max_model_len, "ranks": ec.ranks,
             "cache_mib": cache_bytes(config, shape) / 2**20}

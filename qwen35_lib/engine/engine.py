@@ -57,12 +57,21 @@ class EngineConfig:
 
     @property
     def pages(self) -> int:
-        n = self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+        """Pages per rank, the null page included: `num_pages`, else max_num_seqs whole contexts of max_model_len
+        (`CacheShape.for_requests`, the one pool-for-N-requests formula)."""
+        n = self.num_pages if self.num_pages is not None else CacheShape.for_requests(
+            self.max_num_seqs, self.max_model_len, page_size=self.page_size).num_pages
         if n - 1 < self.pages_per_seq:
             raise ValueError(f"num_pages={n} cannot hold one request of max_model_len={self.max_model_len} "
                              f"({self.pages_per_seq} pages of {self.page_size} + the null page): raise num_pages "
                              "or lower max_model_len")
         return n
+
+    def cache_shape(self, kv_words: bool = False) -> CacheShape:
+        """The pools these knobs give each rank: `pages` pages, a slot for each of max_num_seqs sequences and the
+        null slot; `kv_words` as the bound plan's attention asks (`engine.cache.kv_words_for`)."""
+        return CacheShape(ranks=self.ranks, num_pages=self.pages, page_size=self.page_size,
+                          num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype, kv_words=kv_words)
 
 
 @dataclasses.dataclass
@@ -142,9 +151,7 @@ class Engine:
         self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.row_tile = rs_row_tile(plan) if self.mesh is not None else 1
-        self.cache_shape = CacheShape(ranks=ec.ranks, num_pages=ec.pages, page_size=ec.page_size,
-                                      num_slots=ec.max_num_seqs + 1, kv_dtype=ec.kv_dtype,
-                                      kv_words=kv_words_for(plan, ec.kv_dtype))
+        self.cache_shape = ec.cache_shape(kv_words_for(plan, ec.kv_dtype))
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
         if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
             self.cache = per_layer_cache(config, init_cache(config, self.cache_shape), plan)

@@ -117,6 +117,16 @@ def test_engine_config_that_cannot_hold_one_request():
         _ = EngineConfig(max_model_len=160, page_size=8, num_pages=10).pages
 
 
+def test_engine_knobs_pools_are_for_requests_and_the_engine_reads_them(engine):
+    # with num_pages unset, each rank's pages are max_num_seqs whole contexts + the null page (`for_requests`)
+    ec = EngineConfig(max_num_seqs=3, max_model_len=40, page_size=16, ranks=2, kv_dtype="float8_e4m3fn")
+    assert ec.cache_shape() == cache_module.CacheShape.for_requests(6, 40, ranks=2, page_size=16,
+                                                                   kv_dtype="float8_e4m3fn")
+    assert ec.pages == 3 * 3 + 1 and EngineConfig(num_pages=80).cache_shape().num_pages == 80
+    assert engine.cache_shape == engine.ec.cache_shape(cache_module.kv_words_for(engine.plan, engine.ec.kv_dtype))
+    assert engine.cache_shape.num_slots == engine.ec.max_num_seqs + 1
+
+
 def test_a_plan_naming_an_unknown_kernel_is_refused_when_the_engine_is_built(tiny):
     """A kernel name no slot has is refused by `Engine(...)` in one line naming the slot's implementations, not at
     the first step's trace (where every queued request would fail with it)."""
