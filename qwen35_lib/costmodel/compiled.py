@@ -34,7 +34,7 @@ What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`;
 
 (+) what the mixed step's XLA glue moves around the prefill rows is not priced: the chunked GDN kernel's inputs
 converted to float32 and relaid out, the GDN's gates and norms, the MoE's slices of the gathered rows; in the XLA
-stages also the MoE's float32 copies of the routed rows (`f32[87040, 1, 1024]`, 0.4 TB a step) and its larger
+stages also the MoE's float32 copies of the routed rows (`f32[87040, 1, 1024]`, 0.17 TB a step) and its larger
 dequantizing traffic, and a relayout of the FP8 scale pool once a layer (4 GB)
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.
