@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
+from qwen35_lib.kernels.attention_xla import WORD
 from qwen35_lib.parallel.layouts import shardings
 from qwen35_lib.plan import ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
@@ -90,7 +91,7 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
     if La:
         pages = (R, La, s.num_pages)
         kv_dtype, width = jnp.dtype(s.kv_dtype or c.dtype), 2 * c.num_kv_heads * c.head_dim
-        out["kv"] = ArrayInfo((*pages, s.page_size, width // 4 if s.kv_words else width),
+        out["kv"] = ArrayInfo((*pages, s.page_size, width // WORD if s.kv_words else width),
                               jnp.dtype(jnp.uint32) if s.kv_words else kv_dtype, (*lead, None, None, "kv_heads"),
                               "zeros")
         if kv_dtype.itemsize == 1:
