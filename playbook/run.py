@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 from playbook import RESULTS_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,34 +73,35 @@ def title_of(nb: Any) -> str:
 
 
 class Progress:
-    """One line per notebook; on a terminal (and one notebook at a time) a live bar with cells done and seconds."""
+    """One line per notebook on stderr; on a terminal (one notebook at a time) a tqdm bar of its code cells too."""
 
     def __init__(self, total: int, live: bool):
         self.total, self.live, self.lock = total, live, threading.Lock()
+        self.bars: dict[int, tqdm] = {}  # index -> the live bar of that notebook
 
     def start(self, index: int, name: str, cells: int) -> None:
         if self.live:
-            self.cell(index, name, 0, cells, 0.0)
+            self.bars[index] = tqdm(total=cells, desc=f"[{index}/{self.total}] {name}", unit="cell",
+                                    file=sys.stderr, leave=False, dynamic_ncols=True)
         else:
             self._line(f"[{index}/{self.total}] {name}: started, {cells} code cells")
 
     def cell(self, index: int, name: str, done: int, cells: int, seconds: float) -> None:
-        if self.live:
-            bar = "#" * (20 * done // max(cells, 1))
-            with self.lock:
-                print(f"\r[{index}/{self.total}] {name} [{bar:<20}] {done}/{cells} cells {seconds:5.1f} s",
-                      end="", file=sys.stderr, flush=True)
+        bar = self.bars.get(index)
+        if bar is not None:
+            bar.update(done - bar.n)
 
     def end(self, index: int, entry: dict[str, Any]) -> None:
+        bar = self.bars.pop(index, None)
+        if bar is not None:
+            bar.close()
         status = "ok" if entry["status"] == "ok" else f"FAILED: {entry['error']}"
-        if self.live:
-            print("\r\033[K", end="", file=sys.stderr)
         self._line(f"[{index}/{self.total}] {entry['name']}: {entry['cells']} cells, {entry['seconds']:.1f} s, "
                    f"{status}")
 
     def _line(self, text: str) -> None:
         with self.lock:
-            print(text, file=sys.stderr, flush=True)
+            tqdm.write(text, file=sys.stderr)
 
 
 def execute(path: pathlib.Path, out: pathlib.Path, timeout: int, progress: Progress, index: int) -> dict[str, Any]:

@@ -77,9 +77,14 @@ def test_progress_lines(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "[1/2] 00_a: started, 5 code cells", "[1/2] 00_a: 5 cells, 1.3 s, ok",
         "[2/2] 01_b: 2 cells, 0.5 s, FAILED: ValueError: boom"]
-    live = run.Progress(1, live=True)
+    live = run.Progress(1, live=True)  # a tqdm bar of the cells, then the notebook's line
+    live.start(1, "00_a", 4)
     live.cell(1, "00_a", 2, 4, 3.0)
-    assert capsys.readouterr().err == f"\r[1/1] 00_a [{'#' * 10:<20}] 2/4 cells   3.0 s"
+    assert live.bars[1].n == 2
+    live.end(1, dict(name="00_a", cells=4, seconds=3.0, status="ok", error=None))
+    err = capsys.readouterr().err
+    assert "[1/1] 00_a" in err and "0/4" in err and err.splitlines()[-1].endswith("[1/1] 00_a: 4 cells, 3.0 s, ok")
+    assert live.bars == {}
 
 
 def test_a_traceback_a_cell_printed_is_an_error_naming_the_cell():
