@@ -1,10 +1,12 @@
 """Load HuggingFace safetensors checkpoints of Qwen3.5 MoE and Qwen3-Next into our weight tree.
 
 Public: `load_hf_checkpoint(path, ...) -> (Config, weights)`. The tree is exactly `declare(config)`'s, filled.
+`load_mtp(path, ...) -> (Config, mtp_weights)`: the multi-token-prediction head (`mtp.*`), a tree of its own
+(`model.mtp.declare_mtp(config)`), read by the same plan, checks and readers (opt-in: the main load skips it).
 
 On-disk forms read (HF name -> our leaf; HF `nn.Linear` weights are [out, in], ours [in, ..., out]):
 - prefix `model.` (text checkpoints) or `model.language_model.` (the Qwen3.5 VL checkpoints); `model.visual.*`
-  and `mtp.*` are skipped with one warning;
+  and `mtp.*` are skipped by `load_hf_checkpoint` with one warning;
 - experts fused (`mlp.experts.gate_up_proj [E, 2F, D]`, `mlp.experts.down_proj [E, D, F]`) or per expert
   (`mlp.experts.{e}.{gate,up,down}_proj.weight`) -> `w_gate_up [E, D, 2, F]`, `w_down [E, F, D]`;
 - GDN: Qwen3.5 `in_proj_qkv` ([q | k | v] rows, head-major), `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next
@@ -52,7 +54,8 @@ from qwen35_lib.weights import ArrayInfo, BlockFP8, declare, dequantize_fp8_np, 
 
 Path = tuple[str, ...]  # a leaf's path in the weight tree, e.g. ("layers", "gdn", "w_q")
 Place = Callable[[Path, np.ndarray, ArrayInfo], Any]
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # vision tower, multi-token prediction
+MTP_PREFIXES = ("mtp.", "model.mtp.")  # the multi-token-prediction head: `load_mtp` reads it
+SKIPPED_PREFIXES = ("model.visual.", "visual.", *MTP_PREFIXES)  # what `load_hf_checkpoint` skips: vision tower, MTP
 FP8 = np.dtype(jnp.float8_e4m3fn)
 INDEX = "model.safetensors.index.json"
 log = logging.getLogger(__name__)
@@ -114,6 +117,54 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     5. Check every leaf against `declare(config)`; start its finiteness check.
     6. Wait for the finiteness checks; name the HF tensors of any leaf that failed.
     """
+    ck = _open_checkpoint(path, dtype, fp8, place, mesh, layout, config_changes)
+    groups = _plan(ck.config, ck.prefix, ck.tensors, ck.tied)
+    return ck.config, _load_tree(ck, declare(ck.config), groups, place, mesh, check_weights, progress)
+
+
+def load_mtp(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequantize", place: Place | None = None,
+             mesh=None, layout: Any = None, check_weights: bool = True, progress: bool | None = None,
+             **config_changes: Any) -> tuple[Config, dict]:
+    """Read the multi-token-prediction head (`mtp.*`) of an HF checkpoint directory into `(config, mtp_weights)`.
+
+    `config` is the one `load_hf_checkpoint` gives for the same arguments; `mtp_weights` is a tree of its own,
+    `model.mtp.declare_mtp(config)`'s, never part of the main model's weights (the head runs with
+    `model.mtp.mtp_forward`, which reads the main model's embedding and LM head). The arguments are
+    `load_hf_checkpoint`'s, and so are the forms read: the head's experts fused or per expert (independently of the
+    main layers': the Qwen3.5 checkpoints store the main experts fused and the head's per expert), block-scaled FP8
+    (dequantized, or its experts kept with fp8="keep" where the main experts are FP8), sliced per device with `mesh`.
+
+    HF names (prefix `mtp.`): `pre_fc_norm_embedding.weight`, `pre_fc_norm_hidden.weight` [D], `fc.weight` [D, 2D]
+    (input: cat([embedding, hidden])), `layers.0.*` (a full-attention decoder layer, named as the main layers),
+    `norm.weight` [D]. The checks are the main load's, on the head's tensors: missing, misshapen, of another kind,
+    non-finite; `mtp.*` tensors left over (a second head layer) are refused, the rest of the checkpoint is not read.
+    """
+    ck = _open_checkpoint(path, dtype, fp8, place, mesh, layout, config_changes)
+    from qwen35_lib.model.mtp import declare_mtp
+
+    prefix = next((p for p in MTP_PREFIXES if any(n.startswith(p) for n in ck.tensors)), None)
+    if prefix is None:
+        raise CheckpointError(f"{ck.root}: no multi-token-prediction head (no mtp.* tensors); load a checkpoint that "
+                              "ships one (the published Qwen3.5 / Qwen3-Next ones do), or serve without MTP")
+    groups = _plan_mtp(ck.config, prefix, ck.tensors)
+    return ck.config, _load_tree(ck, declare_mtp(ck.config), groups, place, mesh, check_weights, progress,
+                                 mtp_prefix=prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    root: pathlib.Path
+    config: Config
+    tensors: dict  # tensor name -> its open file
+    prefix: str  # "model." or "model.language_model."
+    quant: int | None  # the FP8 block size; None: unquantized
+    tied: bool
+    plan: Any  # the serving plan of a sliced load (None without a mesh)
+
+
+def _open_checkpoint(path: str | pathlib.Path, dtype: Any, fp8: str, place: Place | None, mesh, layout: Any,
+                     config_changes: dict) -> _Checkpoint:
+    """`load_hf_checkpoint`'s step 1: the files, the Config, the FP8 block and the plan of a sliced load."""
     if fp8 not in ("dequantize", "keep"):
         raise ValueError(f"fp8={fp8!r}; use 'dequantize' (plain weights) or 'keep' (BlockFP8 experts)")
     root = pathlib.Path(path)
@@ -129,6 +180,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     changes = _config_changes(root, hf, tensors, prefix, quant, dtype, fp8, config_changes,
                               config_changes.get("vocab_size", base.vocab_size))
     config = from_hf_config(hf, source=str(config_path), **changes)
+    plan = None
     if mesh is not None:
         from qwen35_lib.plan import SINGLE, get_layout
 
@@ -143,17 +195,22 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     tied = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))
     if not isinstance(tied, bool):
         raise ConfigError(f"{config_path}: tie_word_embeddings is {tied!r}; it must be true or false")
+    return _Checkpoint(root, config, tensors, prefix, quant, tied, plan)
 
-    decl = declare(config)
+
+def _load_tree(ck: _Checkpoint, decl: Any, groups: list[_Group], place: Place | None, mesh, check_weights: bool,
+               progress: bool | None, mtp_prefix: str | None = None) -> Any:
+    """`load_hf_checkpoint`'s steps 3-6 for the tree `decl` filled by `groups` (the main model's, or the MTP head's
+    when `mtp_prefix` names its tensors): check, read, check every leaf, wait for the finiteness checks."""
+    root, config, tensors = ck.root, ck.config, ck.tensors
     infos = dict(path_infos(decl))
-    groups = _plan(config, prefix, tensors, tied)
-    _check(root, config, tensors, groups, quant, infos)
-    bar = _Progress(progress, root.name)
+    _check(root, config, tensors, groups, ck.quant, infos, mtp_prefix)
+    bar = _Progress(progress, root.name if mtp_prefix is None else f"{root.name} (MTP head)")
     try:
         if mesh is not None:
-            out = _load_sliced(groups, infos, tensors, quant, _shardings(config, plan, mesh, infos), bar)
+            out = _load_sliced(groups, infos, tensors, ck.quant, _shardings(config, ck.plan, mesh, infos), bar)
         else:
-            out = _load_whole(groups, infos, tensors, quant, place or default_place, bar)
+            out = _load_whole(groups, infos, tensors, ck.quant, place or default_place, bar)
     finally:
         bar.close()
     finite: list[tuple[Path, Any]] = []  # (leaf, its on-device all-finite flag), resolved after the last leaf
@@ -170,7 +227,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
         raise CheckpointError(f"{root}: {len(names)} tensors hold NaN or Inf values: {_some(names)} (leaves "
                               f"{', '.join('/'.join(p) for p in bad[:5])}); the checkpoint is corrupt: download it "
                               "again, or pass check_weights=False (CLI: --no-check-weights) to load it anyway")
-    return config, jax.tree.structure(decl, is_leaf=is_info).unflatten([out[p] for p in infos])
+    return jax.tree.structure(decl, is_leaf=is_info).unflatten([out[p] for p in infos])
 
 
 def _load_whole(groups: list[_Group], infos: dict[Path, ArrayInfo], tensors: dict, block: int | None, place: Place,
@@ -397,7 +454,7 @@ def _plan(c: Config, prefix: str, tensors: dict, tied: bool) -> list[_Group]:
        [g, p], then the GDN or attention block at [g, j].
     """
     pl = _Planner()
-    D, V, P = c.hidden_size, c.vocab_size, len(c.layer_pattern)
+    D, V = c.hidden_size, c.vocab_size
     embed = prefix + "embed_tokens.weight"
     if "lm_head.weight" in tensors or not tied:
         pl.one(("embed",), embed, (V, D))
@@ -406,18 +463,41 @@ def _plan(c: Config, prefix: str, tensors: dict, tied: bool) -> list[_Group]:
         pl.add({"embed": ("embed",), "lm_head": ("lm_head",)}, [(embed, (V, D))], (),
                lambda a: {"embed": a, "lm_head": a.T})
     pl.one(("final_norm",), prefix + "norm.weight", (D,))
-    for i, kind in enumerate(c.layer_types):
-        g, p = divmod(i, P)
-        j = c.layer_pattern[:p].count(kind)
-        pre = f"{prefix}layers.{i}."
-        pl.one(("layers", "input_norm"), pre + "input_layernorm.weight", (D,), (g, p))
-        pl.one(("layers", "post_norm"), pre + "post_attention_layernorm.weight", (D,), (g, p))
-        _plan_moe(pl, c, pre + "mlp.", (g, p), fused=pre + "mlp.experts.gate_up_proj" in tensors)
-        if kind == LINEAR:
-            _plan_gdn(pl, c, pre + "linear_attn.", (g, j))
-        else:
-            assert kind == FULL, kind
-            _plan_attn(pl, c, pre + "self_attn.", (g, j))
+    for i in range(c.num_layers):
+        _plan_layer(pl, c, f"{prefix}layers.{i}.", i, tensors)
+    return list(pl.groups.values())
+
+
+def _plan_layer(pl: _Planner, c: Config, pre: str, i: int, tensors: dict) -> None:
+    """Decoder layer i of `c` (HF names under `pre`, e.g. "model.layers.3."), into the `layers` leaves: norms and
+    MoE at [g, p], the GDN or attention block at [g, j] (g = i // P, p = i % P, j = its index among the layers of
+    its kind in the group). The experts' form (fused or per expert) is read per layer."""
+    D = c.hidden_size
+    kind = c.layer_types[i]
+    g, p = divmod(i, len(c.layer_pattern))
+    j = c.layer_pattern[:p].count(kind)
+    pl.one(("layers", "input_norm"), pre + "input_layernorm.weight", (D,), (g, p))
+    pl.one(("layers", "post_norm"), pre + "post_attention_layernorm.weight", (D,), (g, p))
+    _plan_moe(pl, c, pre + "mlp.", (g, p), fused=pre + "mlp.experts.gate_up_proj" in tensors)
+    if kind == LINEAR:
+        _plan_gdn(pl, c, pre + "linear_attn.", (g, j))
+    else:
+        assert kind == FULL, kind
+        _plan_attn(pl, c, pre + "self_attn.", (g, j))
+
+
+def _plan_mtp(c: Config, prefix: str, tensors: dict) -> list[_Group]:
+    """Every group of the MTP head's leaves (`model.mtp.declare_mtp`) and the ops that fill it: its norms, `fc`
+    (HF [D, 2D] on cat([embedding, hidden]) -> ours [2, D, D]: fc[0] the embedding half, fc[1] the hidden half) and
+    its one decoder layer, planned as layer 0 of a one-layer model (`mtp_layer_config`)."""
+    from qwen35_lib.model.mtp import mtp_layer_config
+
+    pl = _Planner()
+    D = c.hidden_size
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        pl.one((name,), f"{prefix}{name}.weight", (D,))
+    pl.one(("fc",), prefix + "fc.weight", (D, 2 * D), fn=lambda a: a.T.reshape(2, D, D))
+    _plan_layer(pl, mtp_layer_config(c), prefix + "layers.0.", 0, tensors)
     return list(pl.groups.values())
 
 
@@ -537,10 +617,11 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
 
 
 def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], block: int | None,
-           infos: dict[Path, ArrayInfo]) -> None:
+           infos: dict[Path, ArrayInfo], mtp_prefix: str | None = None) -> None:
     """Raise on missing tensors, shapes that disagree with config.json, stored dtypes of another kind than the
     declared leaves (integers for floats), FP8 tensors without (right) scales and leftover tensors; warn once
-    about skipped vision / MTP tensors; note once the float-to-float casts the copy will do."""
+    about skipped vision / MTP tensors; note once the float-to-float casts the copy will do. For the MTP head
+    (`mtp_prefix` given), leftovers are its own unread tensors only, and nothing is said of the rest."""
     used: set[str] = set()
     missing: list[str] = []
     wrong: list[str] = []
@@ -582,14 +663,22 @@ def _check(root: pathlib.Path, c: Config, tensors: dict, groups: list[_Group], b
     if fp8_wrong:
         raise CheckpointError(f"{where}: {_some(fp8_wrong)}")
     rest = [n for n in tensors if n not in used]
-    skipped = [n for n in rest if n.startswith(SKIPPED_PREFIXES)]
-    left = [n for n in rest if not n.startswith(SKIPPED_PREFIXES)]
-    if left:
-        raise CheckpointError(f"{where}: {len(left)} tensors are neither weights of this text model nor vision "
-                              f"(model.visual.*) / MTP (mtp.*) weights: {_some(left)}. Is config.json the right one?")
-    if skipped:
-        warnings.warn(f"{root}: skipped {len(skipped)} vision (model.visual.*) and MTP (mtp.*) tensors; "
-                      "this library loads the text model only", stacklevel=3)
+    if mtp_prefix is not None:  # the MTP head: its own tensors only, the rest of the checkpoint is the main model's
+        left = [n for n in rest if n.startswith(mtp_prefix)]
+        if left:
+            raise CheckpointError(f"{where}: {len(left)} MTP tensors are not weights of a one-layer MTP head: "
+                                  f"{_some(left)}. This loader reads {mtp_prefix}layers.0 only (every published "
+                                  "Qwen3.5 / Qwen3-Next head has one layer)")
+    else:
+        skipped = [n for n in rest if n.startswith(SKIPPED_PREFIXES)]
+        left = [n for n in rest if not n.startswith(SKIPPED_PREFIXES)]
+        if left:
+            raise CheckpointError(f"{where}: {len(left)} tensors are neither weights of this text model nor vision "
+                                  f"(model.visual.*) / MTP (mtp.*) weights: {_some(left)}. Is config.json the right "
+                                  "one?")
+        if skipped:
+            warnings.warn(f"{root}: skipped {len(skipped)} vision (model.visual.*) and MTP (mtp.*) tensors; this "
+                          "loads the text model only (its MTP head loads apart: checkpoint.load_mtp)", stacklevel=4)
     if casts:
         log.warning("note: %s: %d tensors are cast to their weights' dtype (%s)", root, sum(casts.values()),
                     ", ".join(f"{n} x {k}" for k, n in sorted(casts.items())))

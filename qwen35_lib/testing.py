@@ -12,12 +12,16 @@ Forms (`FORMS`):
 - "fused": experts as 3-D `mlp.experts.gate_up_proj [E, 2F, D]` / `down_proj [E, D, F]`, as the real Qwen3.5
   bf16 checkpoints store them;
 - "language_model" (Qwen3.5 only): the VL layout: nested config.json (`qwen3_5_moe` + `text_config`), tensors under
-  `model.language_model.`, fused experts, plus a few `model.visual.*` and `mtp.*` tensors a loader must skip;
+  `model.language_model.`, fused experts, a few `model.visual.*` tensors a loader must skip, and an MTP head (as
+  the published Qwen3.5 checkpoints: its experts per expert);
 - "sharded": per-expert tensors in `num_shards` files with `model.safetensors.index.json`;
 - "fp8": block-scaled FP8 (e4m3) of every 2-D linear weight except the embedding, lm_head and router, with
   `*.weight_scale_inv` (`w = q * scale_inv`), per-expert experts, a `quantization_config`;
 - "fp8_dequantized": the same FP8-rounded weights, dequantized to float32: the FP8 checkpoint's exact twin.
 `fp8_round_trip(model)` gives that twin as an HF model, for logits comparisons.
+`mtp=True` (any form; the "language_model" form always) adds a random multi-token-prediction head (`mtp_tensors`:
+`mtp.*`, of the model's shapes, named as the published checkpoints name it), stored in the form's way (experts
+fused or per expert, FP8); transformers has no MTP module, so the head's values are drawn here, seeded.
 `read_raw_safetensors` / `write_raw_safetensors` / `edit_header` take a file apart and put it back unchecked,
 for tests of broken files.
 `make_tokenizer_dir(root)` writes a byte-level tokenizer for the tiny 256-id vocabulary with a ChatML template (the
@@ -44,13 +48,11 @@ FP8_BLOCK = 16  # tiny shapes get several blocks per matrix, and partial ones (i
 # Norm and decay parameters that HF initialises to constants (0 or 1); make_hf_model perturbs them.
 PERTURBED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
              "model.norm.weight", "linear_attn.norm.weight", "A_log", "dt_bias")
-FAKE_SKIPPED = {  # VL form: tensors of the vision tower and the MTP head (shapes do not matter)
+FAKE_SKIPPED = {  # VL form: tensors of the vision tower, which a text loader skips (shapes do not matter)
     "model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
     "model.visual.blocks.0.attn.qkv.weight": (48, 16),
-    "mtp.fc.weight": (64, 128),
-    "mtp.norm.weight": (64,),
-    "mtp.layers.0.mlp.experts.0.down_proj.weight": (64, 32),
 }
+MTP_SEED = 54  # the heads' values (`mtp_tensors`)
 
 
 def tiny_hf_config(model_type: str = "qwen3_5_moe", **overrides: Any) -> Any:
@@ -103,15 +105,20 @@ def make_hf_model(model_type: str = "qwen3_5_moe", seed: int = 0, dtype: Any = N
     return model
 
 
-def checkpoint_tensors(model: Any, form: str = "per_expert", fp8_block: int = FP8_BLOCK) -> dict[str, np.ndarray]:
-    """The tensors `save_hf_checkpoint(model, path, form)` writes, as numpy arrays (bfloat16 via ml_dtypes).
+def checkpoint_tensors(model: Any, form: str = "per_expert", fp8_block: int = FP8_BLOCK,
+                       mtp: bool | None = None) -> dict[str, np.ndarray]:
+    """The tensors `save_hf_checkpoint(model, path, form, mtp=mtp)` writes, as numpy arrays (bfloat16 via ml_dtypes).
 
-    1. The model's state dict (fused experts, `model.` prefix); 2. split experts per expert unless the form
+    1. The model's state dict (fused experts, `model.` prefix), with an MTP head when `mtp` (None: only in the
+    "language_model" form, where its experts are split per expert); 2. split experts per expert unless the form
     keeps them fused; 3. FP8 forms: quantize (or round-trip) the linear weights; 4. the VL form: re-prefix and
-    add the vision / MTP tensors.
+    add the vision tensors.
     """
     check_form(model, form)
     sd = {name: _to_numpy(t) for name, t in model.state_dict().items()}
+    if mtp or (mtp is None and form == "language_model"):
+        head = mtp_tensors(model.config, sd["model.embed_tokens.weight"].dtype)
+        sd.update(split_experts(head) if form == "language_model" else head)
     if form not in ("fused", "language_model"):
         sd = split_experts(sd)
     if form in ("fp8", "fp8_dequantized"):
@@ -134,18 +141,19 @@ def checkpoint_tensors(model: Any, form: str = "per_expert", fp8_block: int = FP
 
 
 def save_hf_checkpoint(model: Any, path: str | pathlib.Path, form: str = "per_expert", *,
-                       fp8_block: int = FP8_BLOCK, num_shards: int = 3) -> pathlib.Path:
+                       fp8_block: int = FP8_BLOCK, num_shards: int = 3, mtp: bool | None = None) -> pathlib.Path:
     """Write `model` as an HF checkpoint directory in one of `FORMS`; returns the directory.
 
-    Every form has config.json and generation_config.json. "per_expert" is `model.save_pretrained(path)` itself.
+    Every form has config.json and generation_config.json. "per_expert" is `model.save_pretrained(path)` itself
+    (with `mtp`, the same tensors and the head, written here). `mtp`: add an MTP head (`checkpoint_tensors`).
     """
     path = pathlib.Path(path)
     check_form(model, form)
-    if form == "per_expert":
+    if form == "per_expert" and not mtp:
         model.save_pretrained(path)
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tensors = checkpoint_tensors(model, form, fp8_block)
+    tensors = checkpoint_tensors(model, form, fp8_block, mtp)
     config = model.config.to_dict()
     config["dtype"] = str(model.dtype).removeprefix("torch.")
     config["architectures"] = [type(model).__name__]
@@ -189,6 +197,45 @@ def fp8_round_trip(model: Any, fp8_block: int = FP8_BLOCK) -> Any:
         for name, param in twin.state_dict().items():
             param.copy_(torch.from_numpy(np.asarray(sd[name], np.float32)).to(param.dtype))
     return twin
+
+
+def mtp_tensors(hf_config: Any, dtype: Any = np.float32, seed: int = MTP_SEED) -> dict[str, np.ndarray]:
+    """A random multi-token-prediction head for the HF text config `hf_config` (its `text_config` for a VL one), as
+    the published checkpoints store it (vLLM's Qwen3.5 / Qwen3-Next MTP modules), experts fused:
+
+        mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight, mtp.norm.weight   [D]
+        mtp.fc.weight                                                                      [D, 2D]
+        mtp.layers.0.{input_layernorm, post_attention_layernorm}.weight                    [D]
+        mtp.layers.0.self_attn.{q_proj [2 Hq hd, D] (per head [query | gate]), k_proj / v_proj [Hkv hd, D],
+                                o_proj [D, Hq hd], q_norm / k_norm [hd]}
+        mtp.layers.0.mlp.{gate [E, D], experts.gate_up_proj [E, 2F, D], experts.down_proj [E, D, F],
+                          shared_expert.{gate_proj, up_proj} [Fs, D], shared_expert.down_proj [D, Fs],
+                          shared_expert_gate [1, D]}
+
+    Matrices normal(0.02) as HF initialises them, but the router normal(0.2), so that no token's top-k is a near
+    tie that float32 and float64 could break apart; the zero-centred norms 0.1 * normal. Cast to `dtype`.
+    """
+    c = getattr(hf_config, "text_config", None) or hf_config
+    D, Hq, Hkv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    E, F, Fs = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    rng = np.random.default_rng(seed)
+    mat = lambda *shape, std=0.02: std * rng.standard_normal(shape)
+    norm = lambda n: 0.1 * rng.standard_normal(n)
+    layer, attn, mlp = "mtp.layers.0.", "mtp.layers.0.self_attn.", "mtp.layers.0.mlp."
+    head = {
+        "mtp.pre_fc_norm_embedding.weight": norm(D), "mtp.pre_fc_norm_hidden.weight": norm(D),
+        "mtp.fc.weight": mat(D, 2 * D),
+        layer + "input_layernorm.weight": norm(D), layer + "post_attention_layernorm.weight": norm(D),
+        attn + "q_proj.weight": mat(2 * Hq * hd, D), attn + "k_proj.weight": mat(Hkv * hd, D),
+        attn + "v_proj.weight": mat(Hkv * hd, D), attn + "o_proj.weight": mat(D, Hq * hd),
+        attn + "q_norm.weight": norm(hd), attn + "k_norm.weight": norm(hd),
+        mlp + "gate.weight": mat(E, D, std=0.2),
+        mlp + "experts.gate_up_proj": mat(E, 2 * F, D), mlp + "experts.down_proj": mat(E, D, F),
+        mlp + "shared_expert.gate_proj.weight": mat(Fs, D), mlp + "shared_expert.up_proj.weight": mat(Fs, D),
+        mlp + "shared_expert.down_proj.weight": mat(D, Fs), mlp + "shared_expert_gate.weight": mat(1, D),
+        "mtp.norm.weight": norm(D),
+    }
+    return {n: w.astype(np.float32).astype(dtype) for n, w in head.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
