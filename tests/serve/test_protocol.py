@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from qwen35_lib.engine import SamplingParams  # noqa: E402
-from qwen35_lib.serve import protocol  # noqa: E402
+from qwen35_lib.serve import protocol, request  # noqa: E402
 from qwen35_lib.text import render_chat  # noqa: E402
 from tests import serve_support  # noqa: E402
 from tests.engine.test_sampling import reference_decode  # noqa: E402
@@ -231,43 +231,67 @@ def test_unknown_fields_can_be_ignored_by_the_server_switch(server):
     body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 1, "frobnicate": True}
     strict = protocol.Limits(max_model_len=128)
     with pytest.raises(protocol.APIError, match="--ignore-unknown-fields") as e:
-        protocol.parse(body, server.text, False, strict)
+        request.parse(body, server.text, False, strict)
     assert e.value.param == "frobnicate"
     lenient = protocol.Limits(max_model_len=128, ignore_unknown_fields=True)
-    assert protocol.parse(body, server.text, False, lenient).prompts == [[1, 2]]
+    assert request.parse(body, server.text, False, lenient).prompts == [[1, 2]]
     chat = {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages[0].content }}"}
     with pytest.raises(protocol.APIError, match="--trust-request-chat-template") as e:
-        protocol.parse(chat, server.text, True, strict)
+        request.parse(chat, server.text, True, strict)
     assert e.value.param == "chat_template"
 
 
-def test_the_field_readers_the_app_shares():
-    """`get` reads a field of the kinds asked (null or absent: the default), `is_int` refuses bools, `chars_ok`
-    bounds a text before tokenizing, `encode` tokenizes one text (the tokenizer's failure is the input's 400)."""
-    import types
-
-    body = {"n": 3, "flag": True, "none": None}
-    assert protocol.get(body, "n", (int,)) == 3 and protocol.get(body, "none", (str,), "d") == "d"
-    assert protocol.get(body, "absent", (int,), 7) == 7 and protocol.get(body, "flag", (bool,)) is True
-    with pytest.raises(protocol.APIError, match="`flag` must be int, got a boolean") as e:
-        protocol.get(body, "flag", (int,))
-    assert e.value.param == "flag"
-    with pytest.raises(protocol.APIError, match="`n` must be str or list, got int"):
-        protocol.get(body, "n", (str, list))
-    assert protocol.is_int(0) and not protocol.is_int(True) and not protocol.is_int(3.0)
+def test_types_are_strict_and_refusals_name_the_field():
+    """A field of the wrong JSON type (no "5" for 5, no true for 1, no 3.0 for 3), out of its range, or unknown is a
+    400 naming it in one line that says what to send; `chars_ok` bounds a text before tokenizing."""
+    limits = protocol.Limits(max_model_len=128)
+    cases = [
+        ({"n": True}, "n", "`n` must be an integer, got a boolean"),
+        ({"n": "5"}, "n", "`n` must be an integer, got a string"), ({"n": 3.0}, "n", "got a number"),
+        ({"n": 0}, "n", "`n` must be >= 1, got 0"), ({"temperature": float("nan")}, "temperature", "finite"),
+        ({"seed": 2**64}, "seed", "`seed` must be a 64-bit integer"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1 (or -1: --max-model-len)"),
+        ({"prompt": [1, "a"]}, "prompt", "`prompt` must be a string, a list of strings, a list of token ids"),
+        ({"prompt": []}, "prompt", "non-empty"), ({"stop": [""]}, "stop", "non-empty strings"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids (as strings), got 'x'"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options",
+         "`stream_options.include_usage` must be true or false, got a string"),
+        ({"stream_options": {"continuous_usage_stats": True}}, "stream_options", "only include_usage"),
+        ({"suffix": "x"}, "suffix", "`suffix` is not supported by this server: insertion"),
+        ({"frobnicate": 1}, "frobnicate", "unknown field `frobnicate` for /v1/completions; remove it"),
+    ]
+    for extra, param, message in cases:
+        with pytest.raises(protocol.APIError, match=None) as e:
+            request.parse({"prompt": [1, 2]} | extra, None, False, limits)
+        assert e.value.param == param and message in e.value.message and "\n" not in e.value.message, (extra, e.value)
+    chat = [({"messages": [{"role": 3}]}, "messages", "`messages[0].role` must be a string, got an integer"),
+            ({"messages": [{"content": "x"}]}, "messages", "`messages[0].role` is required"),
+            ({"messages": ["hi"]}, "messages", "`messages[0]` must be an object, got a string"),
+            ({"messages": [{"role": "user", "content": [1]}]}, "messages",
+             "`messages[0].content` must be a string or a list of text parts"),
+            ({"messages": []}, "messages", "`messages` must be a non-empty list"),
+            ({"tool_choice": "sometimes"}, "tool_choice", "`tool_choice` must be \"auto\""),
+            ({"tools": [{"type": "function"}]}, "tools", "`tools` must be a list of")]
+    for body, param, message in chat:
+        with pytest.raises(protocol.APIError) as e:
+            request.parse({"messages": [{"role": "user", "content": "x"}]} | body, None, True, limits)
+        assert e.value.param == param and message in e.value.message, (body, e.value)
+    # a refused or unknown field is named before a value of the wrong type elsewhere (as it was read first)
+    with pytest.raises(protocol.APIError) as e:
+        request.parse({"prompt": [1], "n": "x", "use_beam_search": True}, None, False, limits)
+    assert e.value.param == "use_beam_search"
     limits = protocol.Limits(max_model_len=8, max_prompt_chars=5)
     protocol.chars_ok(5, limits, "prompt")
     with pytest.raises(protocol.APIError, match="`messages` holds 6 characters, more than --max-prompt-chars 5"):
         protocol.chars_ok(6, limits, "messages")
-    tok = types.SimpleNamespace(encode_batch=lambda texts, add_special_tokens: [
-        types.SimpleNamespace(ids=[len(t), int(add_special_tokens)]) for t in texts])
-    assert protocol.encode(types.SimpleNamespace(tokenizer=tok), "abc", True) == [3, 1]
 
-    def broken(texts, add_special_tokens):
-        raise RuntimeError("bad input")
 
-    with pytest.raises(protocol.APIError, match="could not encode the prompt: RuntimeError: bad input"):
-        protocol.encode(types.SimpleNamespace(tokenizer=types.SimpleNamespace(encode_batch=broken)), "x", False)
+def test_the_field_sets_are_the_models_fields():
+    """Every field of a request model is honoured (CHAT / COMPLETION), of no effect, or refused unless neutral."""
+    for model, honoured in ((protocol.CompletionRequest, protocol.COMPLETION), (protocol.ChatRequest, protocol.CHAT)):
+        assert set(model.model_fields) == honoured | protocol.NO_EFFECT | set(protocol.REFUSED)
+    assert {"tools", "tool_choice"} <= protocol.CHAT and not {"tools", "tool_choice"} & protocol.COMPLETION
+    assert "prompt" in protocol.COMPLETION - protocol.CHAT and "messages" in protocol.CHAT - protocol.COMPLETION
 
 
 def test_every_known_field_is_exercised():
@@ -391,10 +415,10 @@ def test_n_choices_and_64_bit_seeds_match_the_engine(server):
     for seed in (7, 2**40 + 5, -3):
         body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 2, "seed": seed}
         got = [c["token_ids"] for c in post(server, body).json()["choices"]]
-        folded = protocol._seed({"seed": seed})
-        want = [server.alone(PROMPT, 6, temperature=1.0, seed=protocol.sample_seed(folded, j)) for j in range(2)]
+        folded = request.fold_seed(seed)
+        want = [server.alone(PROMPT, 6, temperature=1.0, seed=request.sample_seed(folded, j)) for j in range(2)]
         assert got == want and got[0] != got[1], seed
-    assert protocol._seed({"seed": 7}) == 7  # a 32-bit seed is itself: the same draws as before
+    assert request.fold_seed(7) == 7  # a 32-bit seed is itself: the same draws as before
     r = post(server, {"prompt": PROMPT, "max_tokens": 1, "seed": 2**64})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
 
@@ -442,7 +466,7 @@ def test_list_fields_are_bounded_and_huge_ones_refused(server):
         assert health and all(status == 200 for _, status in health), (field, health)
     # at the limit: 256 bad words (with duplicates) parse in linear time, each as written and with a space
     words = [f"w{i % 200}" for i in range(256)]
-    parsed = protocol.parse({"prompt": PROMPT, "bad_words": words}, server.text, False,
+    parsed = request.parse({"prompt": PROMPT, "bad_words": words}, server.text, False,
                             protocol.Limits(max_model_len=128))
     assert len(parsed.params[0].bad_words_ids) == len({tuple(server.text.encode(v)) for w in set(words)
                                                        for v in (w, " " + w)})
@@ -469,9 +493,9 @@ def test_api_key_content_type_and_generation_defaults(server, tmp_path):
     defaults = generation_defaults(tmp_path)
     assert dict(defaults) == {"temperature": 0.6, "top_k": 20.0, "top_p": 0.95}
     limits = protocol.Limits(max_model_len=128, defaults=defaults)
-    p = protocol.parse({"prompt": PROMPT}, server.text, False, limits).params[0]
+    p = request.parse({"prompt": PROMPT}, server.text, False, limits).params[0]
     assert (p.temperature, p.top_k, p.top_p) == (0.6, 20, 0.95)
-    p = protocol.parse({"prompt": PROMPT, "temperature": 0, "top_k": -1}, server.text, False, limits).params[0]
+    p = request.parse({"prompt": PROMPT, "temperature": 0, "top_k": -1}, server.text, False, limits).params[0]
     assert (p.temperature, p.top_k, p.top_p) == (0.0, 0, 0.95)
 
 
