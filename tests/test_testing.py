@@ -1,6 +1,6 @@
 """The test factory's parts that need no torch (the HF models themselves are exercised by every checkpoint test):
 block-scaled FP8 against the library's own quantizer, the expert split and fuse as inverses, which tensors the
-FP8 form quantizes, the refused forms, and the raw safetensors helpers."""
+FP8 form quantizes, the refused forms, the MTP head's tensors, and the raw safetensors helpers."""
 
 from __future__ import annotations
 
@@ -69,6 +69,32 @@ def test_unknown_forms_and_a_vl_qwen3_next_are_refused():
     with pytest.raises(ValueError, match="Qwen3-Next has no vision-language checkpoint"):
         testing.check_form(model, "language_model")
     testing.check_form(model, "fp8")  # fine
+
+
+def test_mtp_head_tensors_have_the_published_names_and_the_configs_shapes():
+    """vLLM's Qwen3.5 MTP names: pre-fc norms, fc [D, 2D], a full-attention decoder layer named as a main one (fused
+    experts), the final norm; shapes from the (text) config; seeded; cast to the asked dtype."""
+    text = types.SimpleNamespace(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 num_experts=3, moe_intermediate_size=6, shared_expert_intermediate_size=5)
+    head = testing.mtp_tensors(types.SimpleNamespace(text_config=text))  # a VL config: its text_config
+    L, A, M = "mtp.layers.0.", "mtp.layers.0.self_attn.", "mtp.layers.0.mlp."
+    assert {n: w.shape for n, w in head.items()} == {
+        "mtp.pre_fc_norm_embedding.weight": (16,), "mtp.pre_fc_norm_hidden.weight": (16,), "mtp.fc.weight": (16, 32),
+        L + "input_layernorm.weight": (16,), L + "post_attention_layernorm.weight": (16,),
+        A + "q_proj.weight": (64, 16), A + "k_proj.weight": (16, 16), A + "v_proj.weight": (16, 16),
+        A + "o_proj.weight": (16, 32), A + "q_norm.weight": (8,), A + "k_norm.weight": (8,),
+        M + "gate.weight": (3, 16), M + "experts.gate_up_proj": (3, 12, 16), M + "experts.down_proj": (3, 16, 6),
+        M + "shared_expert.gate_proj.weight": (5, 16), M + "shared_expert.up_proj.weight": (5, 16),
+        M + "shared_expert.down_proj.weight": (16, 5), M + "shared_expert_gate.weight": (1, 16),
+        "mtp.norm.weight": (16,)}
+    assert all(w.dtype == np.float32 for w in head.values())
+    again = testing.mtp_tensors(text, ml_dtypes.bfloat16)
+    for name, w in head.items():
+        assert again[name].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(again[name].astype(np.float32), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert np.abs(head[M + "gate.weight"]).std() > 5 * np.abs(head["mtp.fc.weight"]).std()  # routing far from ties
+    split = testing.split_experts(head)  # the per-expert form, as the Qwen3.5 checkpoints store the head's experts
+    assert M + "experts.2.down_proj.weight" in split and M + "experts.gate_up_proj" not in split
 
 
 def test_raw_safetensors_round_trip_and_header_edits(tmp_path):

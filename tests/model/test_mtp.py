@@ -1,6 +1,7 @@
 """The MTP head: its forward against a NumPy statement of the published definition (vLLM's Qwen3.5 / Qwen3-Next MTP
-modules), written here from the HF tensors in float64; its loading in every form the main loader reads (fused, per
-expert, sharded files, the VL layout, FP8 dequantized and kept, sliced onto a mesh), each a round trip of the tensors
+modules), written here from the HF tensors in float64 (float32 and FP8-kept experts; bf16 against float32); its
+loading in every form the main loader reads (fused, per expert, sharded files, the VL layout, FP8 dequantized and
+kept, sliced onto a mesh, where it runs under dp8_ep8 as on one device), each a round trip of the tensors
 `qwen35_lib.testing` writes; the main loader still skipping it.
 """
 
@@ -167,6 +168,21 @@ def test_forward_with_fp8_experts_kept(ckpts):
     np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=1e-4, atol=2e-5)
 
 
+def test_bfloat16(ckpts):
+    """dtype="bfloat16": every head leaf bf16 (a cast of the float32 checkpoint), the forward in bf16 close to the
+    float32 one (bf16's 8 bits of mantissa through two norms, the layer and the LM head)."""
+    path = ckpts("qwen3_5_moe", "per_expert")
+    config, weights = load_hf_checkpoint(path, dtype="bfloat16")
+    _, head = load_mtp(path, dtype="bfloat16")
+    assert {leaf.dtype for _, leaf in path_infos(head)} == {jnp.dtype(jnp.bfloat16)}
+    hidden, next_ids = _inputs(config, B=1, T=5, seed=2)
+    out, logits = mtp_forward(config, weights, head, hidden, next_ids)
+    assert out.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    f32 = load_hf_checkpoint(path)
+    _, want = mtp_forward(*f32, load_mtp(path)[1], hidden, next_ids)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=0.03 * np.abs(want).max())
+
+
 def test_forward_refuses_wrong_inputs(ckpts):
     path = ckpts("qwen3_5_moe", "fused")
     config, weights = load_hf_checkpoint(path)
@@ -241,22 +257,33 @@ def test_main_load_skips_the_head_and_load_mtp_reads_only_it(ckpts, monkeypatch)
     assert reads.keys() == head and set(reads.values()) == {1}
 
 
-def test_sliced_onto_a_mesh(ckpts):
+def test_sliced_onto_a_mesh_and_run_there(ckpts):
     """With a mesh, every leaf lands in its layout's shards (EP: one of the 8 experts a device), values as the
-    unsharded load's."""
+    unsharded load's; the head runs under that layout's MoE (dp8_ep8: tokens replicated to the experts) as on one
+    device."""
+    from qwen35_lib.parallel import shard_weights
     from qwen35_lib.parallel.layouts import shardings
+    from qwen35_lib.parallel.parallelism import parallelism
     from qwen35_lib.plan import get_layout, make_mesh
 
     path = ckpts("qwen3_5_moe", "fp8")
     mesh = make_mesh()
     config, sharded = load_mtp(path, fp8="keep", mesh=mesh, layout="dp8_ep8")
     _, plain = load_mtp(path, fp8="keep")
-    want = shardings(declare_mtp(config), get_layout("dp8_ep8").bind(mesh, config), mesh)
+    plan = get_layout("dp8_ep8").bind(mesh, config)
+    want = shardings(declare_mtp(config), plan, mesh)
     for (p, a), (_, s) in zip(path_infos(sharded), path_infos(want), strict=True):
         assert a.sharding.is_equivalent_to(s, a.ndim), p
     _assert_trees_equal(sharded, plain)
     shard = sharded["layers"]["moe"]["w_down"].value.addressable_shards[0].data.shape  # [1, 1, E, F, D]
     assert shard[2] == config.num_experts // len(jax.devices())
+    _, weights = load_hf_checkpoint(path, fp8="keep")
+    hidden, next_ids = _inputs(config, B=8, T=5, seed=3)
+    _, alone = mtp_forward(config, weights, plain, hidden, next_ids)
+    with jax.set_mesh(mesh):
+        _, got = mtp_forward(config, shard_weights(config, plan, weights, mesh), sharded, hidden, next_ids,
+                             parallelism=parallelism(plan))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(alone), atol=1e-6)  # float32; the expert sums' order
 
 
 def test_errors_name_the_head(ckpts, tmp_path):
