@@ -297,7 +297,7 @@ class _Server:
             ids = chat_prompt(protocol.validate(protocol.ChatTemplate, body, "/tokenize"), text, self.limits)
         else:
             req = protocol.validate(protocol.TokenizeRequest, body, "/tokenize",
-                                    help={"prompt": "must be a string (or send `messages`)"})
+                                    must={"prompt": "must be a string (or send `messages`)"})
             protocol.chars_ok(len(req.prompt), self.limits, "prompt")
             ids = encode(text, req.prompt, req.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": self.engine.ec.max_model_len, "tokens": ids, "token_strs": None}
@@ -305,7 +305,7 @@ class _Server:
     def detokenize_body(self, body: dict) -> dict:
         text = self.need_text()
         must = f"must be a list of token ids in [0, {text.vocab_size})"
-        req = protocol.validate(protocol.DetokenizeRequest, body, "/detokenize", help={"tokens": must})
+        req = protocol.validate(protocol.DetokenizeRequest, body, "/detokenize", must={"tokens": must})
         if any(t >= text.vocab_size for t in req.tokens):
             raise APIError(f"`tokens` {must}", "tokens")
         return {"prompt": text.decode(req.tokens)}

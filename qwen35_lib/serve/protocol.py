@@ -353,8 +353,9 @@ COMMON = COMPLETION & CHAT
 
 # --- a body into a request, or an APIError naming the field -----------------------------------------------------
 def validate(model: type[BaseModel], body: dict, where: str, ignore_unknown: bool = False,
-             help: dict[str, str] | None = None) -> Any:
-    """`body` as a `model`, or an APIError naming the field at fault (`help`: messages for this route's fields)."""
+             must: dict[str, str] | None = None) -> Any:
+    """`body` as a `model`, or an APIError naming the field at fault (`must`: what a field of this route must be,
+    where its type says less)."""
     if ignore_unknown:
         body = {k: v for k, v in body.items() if k in model.model_fields}
     try:
@@ -362,7 +363,7 @@ def validate(model: type[BaseModel], body: dict, where: str, ignore_unknown: boo
     except ValidationError as e:
         err = refusals.first(e.errors(include_url=False), body)
         field = str(err["loc"][0]) if err["loc"] else None
-        message, param = (f"`{field}` {help[field]}", field) if help and field in help else \
+        message, param = (f"`{field}` {must[field]}", field) if must and field in must else \
             refusals.message(err, where)
         raise APIError(message, param) from None
 
