@@ -172,7 +172,8 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     S = shape.seqs_per_rank
     pages = -(-context_len // page_size)  # a sequence's page-table row
     C = config.gdn_chunk_size
-    T = decode + -(-prefill // C) * C
+    D = max(decode, 1)  # the decode region: at least one slot, as the engine forms its steps (`Engine.step_shape`)
+    T = D + -(-prefill // C) * C
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
         weights = dense_format(jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights), weights, config,
@@ -187,7 +188,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(plan, mesh, len(shp)))
     meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
                       kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),
-                      decode_seq=arr((R, max(decode, 1))), sample_tok=arr((R, S)))
+                      decode_seq=arr((R, D)), sample_tok=arr((R, S)))
     samp = dict(temperature=arr((R, S), jnp.float32), top_k=arr((R, S)), top_p=arr((R, S), jnp.float32),
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
     with jax.set_mesh(mesh):

@@ -6,11 +6,12 @@ function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
     + launches * op_overhead
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
-- attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of the
-  batch and scores against it; `items` (the xla family's, `paged_attention_items`): where ITEM_COST x its items (runs of
-  a sequence's tokens in blocks of ITEM_BLOCK, at most blocks + S: every one computed) is fewer than its tokens,
-  each item reads the longest context once, in steps of ITEM_KEYS keys, and scores its block's rows against it,
-  else as `xla`;
+- attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of its
+  group (tokens sorted by context in groups of WALK_ROWS: `walked_context`) and scores against it; `items` (the xla
+  family's, `paged_attention_items`): where ITEM_COST x its items (runs of a sequence's tokens in blocks of
+  ITEM_BLOCK, at most blocks + S: every one computed) is fewer than its tokens, each item reads its group's longest
+  context once (items grouped so too), in steps of ITEM_KEYS keys, and scores its block's rows against it, else as
+  `xla`;
   `pallas` (ragged paged attention): each sequence's context is read once;
 - MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
   dequantized to a bf16 copy first: on TPU, the bytes per parameter the compiled step moves
@@ -35,7 +36,7 @@ from qwen35_lib import plan
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS
+from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS, WALK_ROWS
 from qwen35_lib.stats import model_stats
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
@@ -208,19 +209,59 @@ def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         keys = (b.decodes * b.decode_ctx + b.prefill_seqs * (b.prefill_ctx + chunk)) / pl.dp  # each context once
         pairs = b.attention_pairs / pl.dp
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, keys * tok_bytes + new + qo, 2)
-    elif pl.attention == "items" and ITEM_COST * (items := attention_items(b, pl.dp)) < T:
-        per_step = max(1, ITEM_KEYS // pl.page_size) * pl.page_size  # whole pages a step
-        steps = math.ceil(b.max_ctx / per_step)  # up to the longest context
-        keys = steps * per_step
-        pairs = items * ITEM_BLOCK * keys  # every item's block of rows against every key of the loop
+    elif (walk := xla_walk(b, pl)).items:
+        keys = walk.trips * walk.keys_a_trip
+        pairs = walk.rows * ITEM_BLOCK * keys  # every item's block of rows against every key of its group's loop
         read = 2 * kvh * hd * pl.items_read_bytes if pl.items_read_bytes else tok_bytes  # per (item, key) pair
-        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, items * keys * read + new + qo, 4 * steps + 2)
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, walk.rows * keys * read + new + qo,
+                    walk.groups * 4 * walk.trips + 2)
     else:
-        pairs = T * b.max_ctx  # every token scores (and reads) the longest context
-        pages = math.ceil(b.max_ctx / pl.page_size)
+        pairs = walk.rows * walk.walk  # every token scores (and reads) its group's longest context
         read = 2 * kvh * hd * pl.kv_read_bytes if pl.kv_read_bytes else tok_bytes  # per (token, key) pair
-        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * read + new + qo, 4 * pages + 2)
+        core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * read + new + qo, walk.groups * 4 * walk.trips + 2)
     return {"attn_proj": proj, "attn_core": core, "cache_copies": cache_copies(pl, pl.kv_pool_bytes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """The XLA attention's walk over the pages on a rank (`attention_xla.by_context`): `rows` rows (its items
+    where they run, else its tokens) sorted by context in `groups` of WALK_ROWS, each group looping `trips` times
+    (`keys_a_trip` keys each) up to its longest context; `walk`: the keys a row walks on average."""
+
+    items: bool
+    rows: float
+    groups: int
+    walk: float
+    keys_a_trip: int
+
+    @property
+    def trips(self) -> int:
+        return math.ceil(self.walk / self.keys_a_trip)
+
+
+def xla_walk(b: Batch, pl: Placement) -> Walk:
+    """`paged_attention_items`' walk where ITEM_COST x its items is fewer than the tokens a rank computes, else the
+    twin's, token by token (`walked_context`)."""
+    T = b.computed / pl.dp
+    if pl.attention == "items" and ITEM_COST * (items := attention_items(b, pl.dp)) < T:
+        groups, walk = walked_context(b, pl.dp, items, b.prefill_tokens / pl.dp / ITEM_BLOCK, ITEM_BLOCK)
+        return Walk(True, items, groups, walk, max(1, ITEM_KEYS // pl.page_size) * pl.page_size)  # whole pages a trip
+    groups, walk = walked_context(b, pl.dp, T, b.prefill_tokens / pl.dp, 1)
+    return Walk(False, T, groups, walk, pl.page_size)
+
+
+def walked_context(b: Batch, dp: int, rows: float, prompt_rows: float, span: int) -> tuple[int, float]:
+    """The XLA attention's walk on a rank (`attention_xla.by_context`): `rows` rows (tokens, or items of `span`
+    tokens: `prompt_rows` of them a prompt's, one a decode's, the rest padding at context 0) sorted by context in
+    `groups` of WALK_ROWS, each walking to its group's longest. Returns (groups, the keys a row walks on average):
+    each row's own context (a decode's `decode_ctx`; a prompt row's `prefill_ctx` + half its chunk + `span` / 2)
+    plus (longest - that mean) / groups, the mean group maximum of contexts spread evenly up to `max_ctx` (one
+    group: the longest, for every row)."""
+    groups = max(1, math.ceil(rows / WALK_ROWS))
+    chunk = b.prefill_tokens / max(b.prefill_seqs, 1)
+    own = (b.decodes / dp * b.decode_ctx + prompt_rows * (b.prefill_ctx + (chunk + span) / 2)) / max(rows, 1)
+    own = min(own, b.max_ctx)
+    return groups, own + (b.max_ctx - own) / groups
 
 
 def attention_items(b: Batch, dp: int) -> int:

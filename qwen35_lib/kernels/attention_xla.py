@@ -102,14 +102,38 @@ def _page_kv(kv_pages, kv_scales, pages, d: int):
     return kv[:, :, 0::2], kv[:, :, 1::2]
 
 
-def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions):
+WALK_ROWS = 16  # rows (tokens of the twin, items of the items' walk) that walk the pages together
+
+
+def by_context(walk, last: jax.Array, *xs: jax.Array, rows: int = WALK_ROWS) -> jax.Array:
+    """`walk(*xs)` with each row reading its own context, not the batch's longest: rows sorted by their last
+    position `last` [N], in groups of `rows` (zero rows padding the last), each group's walk to its own last page
+    (`walk` takes its loop's length from its rows), outputs back in the rows' order. A row's walk past its own
+    context adds nothing (its keys are masked), so the result is the one walk's up to float32 rounding; the pages
+    read fall from N x the longest context to about N x (each row's own + the spread / groups).
+
+    xs: arrays [N, ...] (row i of each is row i's); walk: xs' groups [rows, ...] -> [rows, ...]. N <= rows: one walk.
+    """
+    N = last.shape[0]
+    if N <= rows:
+        return walk(*xs)
+    order = jnp.argsort(last)  # [N]
+    n = -(-N // rows)
+    grouped = [jnp.pad(x[order], [(0, n * rows - N)] + [(0, 0)] * (x.ndim - 1)).reshape(n, rows, *x.shape[1:])
+               for x in xs]  # [n, rows, ...]
+    out = jax.lax.map(lambda g: walk(*g), grouped)  # [n, rows, ...]
+    return out.reshape(n * rows, *out.shape[2:])[:N][jnp.argsort(order)]
+
+
+def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions, rows: int = WALK_ROWS):
     """Attention of flat ragged tokens over the paged KV cache (the new tokens' K/V already written): the slot's
     reference twin, token by token.
 
     q: [T, Hq, d]; kv_pages: [P, ps, 2*Hkv*d] (+ kv_scales [P, 2*Hkv, ps] for FP8, else None);
     page_table: [S, max_pages] (page ids of each sequence); token_seq, positions: [T] (a token sees its
     sequence's positions <= its own). Returns [T, Hq, d].
-    1. loop over page j = 0 .. (last page any token needs): gather each token's page j   # [T, ps, 2*Hkv, d]
+    Tokens in groups of WALK_ROWS by position (`by_context`), each group:
+    1. loop over page j = 0 .. (the group's last page): gather each token's page j       # [rows, ps, 2*Hkv, d]
     2. scores of each KV head's query group against it, masked causally
     3. online softmax (running max m, sum l, accumulator acc), float32.
     """
@@ -118,22 +142,26 @@ def paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions
     G = Hq // Hkv
     qg = q.reshape(T, Hkv, G, d).astype(jnp.float32) * d**-0.5
     pages_of_token = page_table[jnp.clip(token_seq, 0)]  # [T, max_pages]
-    n_pages = jnp.max(positions) // ps + 1
 
-    def body(j, carry):
-        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, d]
-        k, v = _page_kv(kv_pages, kv_scales, pages_of_token[:, j], d)  # [T, ps, Hkv, d]
-        s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
-        kv_pos = j * ps + jnp.arange(ps)
-        s = jnp.where((kv_pos[None, :] <= positions[:, None])[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
+    def walk(qg, pages_of_token, positions):  # [rows, Hkv, G, d], [rows, max_pages], [rows]
+        def body(j, carry):
+            m, l, acc = carry  # [rows, Hkv, G], [rows, Hkv, G], [rows, Hkv, G, d]
+            k, v = _page_kv(kv_pages, kv_scales, pages_of_token[:, j], d)  # [rows, ps, Hkv, d]
+            s = jnp.einsum("tkgd,tskd->tkgs", qg, k)
+            kv_pos = j * ps + jnp.arange(ps)
+            s = jnp.where((kv_pos[None, :] <= positions[:, None])[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            scale = jnp.exp(m - m_new)
+            return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("tkgs,tskd->tkgd", p, v)
 
-    init = (jnp.full((T, Hkv, G), -jnp.inf), jnp.zeros((T, Hkv, G)), jnp.zeros((T, Hkv, G, d)))
-    m, l, acc = jax.lax.fori_loop(0, n_pages, body, init)
-    return (acc / l[..., None]).reshape(T, Hq, d).astype(q.dtype)
+        n = qg.shape[0]
+        init = (jnp.full((n, Hkv, G), -jnp.inf), jnp.zeros((n, Hkv, G)), jnp.zeros((n, Hkv, G, d)))
+        m, l, acc = jax.lax.fori_loop(0, jnp.max(positions) // ps + 1, body, init)
+        return acc / l[..., None]
+
+    o = by_context(walk, positions, qg, pages_of_token, positions, rows=rows)  # [T, Hkv, G, d]
+    return o.reshape(T, Hq, d).astype(q.dtype)
 
 
 ITEM_BLOCK = 16  # query tokens per item of `paged_attention_items`
@@ -144,7 +172,7 @@ ITEM_COST = 3
 
 
 def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positions, block: int = ITEM_BLOCK,
-                          keys: int = ITEM_KEYS):
+                          keys: int = ITEM_KEYS, rows: int = WALK_ROWS):
     """`paged_attention_xla` by items (implementation "items", the CPU's): a page is read once per item, not
     once per token. An item is a run of consecutive tokens of one sequence inside one block of `block` tokens (a
     prefill chunk of L tokens is about L / block items, a decode token one of its own); a step has at most
@@ -155,13 +183,14 @@ def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positio
 
     1. runs: a valid token starts one where its predecessor is another sequence or in another block; each run's
        block and sequence by scatter                                            # [W], W = blocks + S
-    2. loop over steps of `keys` keys (whole pages): each item's pages of the step, the scores of its block's
-       rows against them                                                        # [W, Hkv, block*G, keys]
+    2. items in groups of WALK_ROWS by their last position (`by_context`), each group: loop over steps of `keys`
+       keys (whole pages) up to its last page: each item's pages of the step, the scores of its block's rows
+       against them                                                             # [rows, Hkv, block*G, keys]
        masked to (row in the run) & (key position <= row position); online softmax with a finite mask value
     3. token t takes row t % block of its run; padding tokens get 0.
     """
     if ITEM_COST * (-(-q.shape[0] // block) + page_table.shape[0]) >= q.shape[0]:  # items would cost more
-        return paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions)
+        return paged_attention_xla(q, kv_pages, kv_scales, page_table, token_seq, positions, rows)
     T, Hq, d = q.shape
     ps, Hkv = kv_pages.shape[1], kv_width(kv_pages) // (2 * d)
     G, S = Hq // Hkv, page_table.shape[0]
@@ -184,28 +213,34 @@ def paged_attention_items(q, kv_pages, kv_scales, page_table, token_seq, positio
 
     qb = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(nb, block, Hkv, G, d).astype(jnp.float32) * d**-0.5
     qi = qb[item_block].transpose(0, 2, 1, 3, 4).reshape(W, Hkv, block * G, d)  # [W, Hkv, R, d], R = block*G
-    rows = item_block[:, None] * block + jnp.arange(block)[None, :]  # [W, block]: each row's flat token
-    in_run = jnp.repeat(run[rows] == jnp.arange(W)[:, None], G, axis=1)  # [W, R]
-    row_pos = jnp.repeat(pos_t[rows], G, axis=1)  # [W, R]
-    n_steps = jnp.max(jnp.where(valid, pos_t, 0)) // (pps * ps) + 1
+    row_tok = item_block[:, None] * block + jnp.arange(block)[None, :]  # [W, block]: each row's flat token
+    in_run = jnp.repeat(run[row_tok] == jnp.arange(W)[:, None], G, axis=1)  # [W, R]
+    row_pos = jnp.repeat(pos_t[row_tok], G, axis=1)  # [W, R]
     neg = jnp.finfo(jnp.float32).min
+    last = jnp.max(jnp.where(in_run, row_pos, 0), axis=1)  # [W]: each item's last position
 
-    def body(j, carry):
-        m, l, acc = carry  # [W, Hkv, R], [W, Hkv, R], [W, Hkv, R, d]
-        pages = jax.lax.dynamic_slice_in_dim(item_pages, j * pps, pps, axis=1).reshape(W * pps)
-        k, v = (a.reshape(W, pps * ps, Hkv, d) for a in _page_kv(kv_pages, kv_scales, pages, d))  # [W, K, Hkv, d]
-        s = jnp.einsum("wkrd,wskd->wkrs", qi, k)  # [W, Hkv, R, K], K = pps*ps keys
-        key_pos = j * pps * ps + jnp.arange(pps * ps)
-        mask = (in_run[..., None] & (key_pos <= row_pos[..., None]))[:, None]  # [W, 1, R, K]
-        s = jnp.where(mask, s, neg)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        scale = jnp.exp(m - m_new)
-        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("wkrs,wskd->wkrd", p, v)
+    def walk(qi, in_run, row_pos, item_pages, last):  # an items' group: [rows, Hkv, R, d], [rows, R] x2, ...
+        w = qi.shape[0]
 
-    init = (jnp.full((W, Hkv, block * G), neg), jnp.zeros((W, Hkv, block * G)), jnp.zeros((W, Hkv, block * G, d)))
-    m, l, acc = jax.lax.fori_loop(0, n_steps, body, init)
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [W, Hkv, R, d]
+        def body(j, carry):
+            m, l, acc = carry  # [w, Hkv, R], [w, Hkv, R], [w, Hkv, R, d]
+            pages = jax.lax.dynamic_slice_in_dim(item_pages, j * pps, pps, axis=1).reshape(w * pps)
+            k, v = (a.reshape(w, pps * ps, Hkv, d) for a in _page_kv(kv_pages, kv_scales, pages, d))  # [w, K, Hkv, d]
+            s = jnp.einsum("wkrd,wskd->wkrs", qi, k)  # [w, Hkv, R, K], K = pps*ps keys
+            key_pos = j * pps * ps + jnp.arange(pps * ps)
+            mask = (in_run[..., None] & (key_pos <= row_pos[..., None]))[:, None]  # [w, 1, R, K]
+            s = jnp.where(mask, s, neg)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            scale = jnp.exp(m - m_new)
+            return m_new, l * scale + p.sum(-1), acc * scale[..., None] + jnp.einsum("wkrs,wskd->wkrd", p, v)
+
+        init = (jnp.full((w, Hkv, block * G), neg), jnp.zeros((w, Hkv, block * G)),
+                jnp.zeros((w, Hkv, block * G, d)))
+        m, l, acc = jax.lax.fori_loop(0, jnp.max(last) // (pps * ps) + 1, body, init)
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]  # [w, Hkv, R, d]
+
+    o = by_context(walk, last, qi, in_run, row_pos, item_pages, last, rows=rows)  # [W, Hkv, R, d]
     o = o.reshape(W, Hkv, block, G, d).transpose(0, 2, 1, 3, 4)  # [W, block, Hkv, G, d]
     out = o[jnp.minimum(run, W - 1), t % block]  # [Tp, Hkv, G, d]
     out = jnp.where(valid[:, None, None, None], out, 0.0)

@@ -39,10 +39,11 @@ def test_cpu_regimes_are_charged_at_their_measured_rates():
     assert ops.seconds(ops.Cost(copy_bytes=8e9), toy(chips=1)) == pytest.approx(8e9 / (1e12 * 0.8))  # HBM rate
 
 
-def test_items_attention_reads_the_longest_context_once_per_item():
-    """`items` (the CPU's paged attention): a step with a prefill reads the longest context once per item (blocks
-    of ITEM_BLOCK tokens + the page table's S rows, as `paged_attention_items` computes them), not once per token;
-    a decode step (ITEM_COST x items not fewer than tokens: the kernel runs the twin) costs what `xla` costs."""
+def test_items_attention_reads_its_groups_longest_context_once_per_item():
+    """`items` (the CPU's paged attention): a step with a prefill reads its group's longest context once per item
+    (blocks of ITEM_BLOCK tokens + the page table's S rows, as `paged_attention_items` computes them: 41 items in
+    groups of WALK_ROWS by context, each to its own longest), not once per token (516 tokens, grouped so too); a
+    decode step (ITEM_COST x items not fewer than tokens: the kernel runs the twin) costs what `xla` costs."""
     cfg = get_config("qwen3.5-mini", dtype="float32")
     items, xla = (ops.Placement(attention=a, page_size=16) for a in ("items", "xla"))
     tok_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of a token, float32
@@ -50,8 +51,25 @@ def test_items_attention_reads_the_longest_context_once_per_item():
                       logit_rows=8)
     n = ops.attention_items(mixed, 1)
     assert n == -(-516 // ops.ITEM_BLOCK) + 8 == 41
+    g_tok, g_item = -(-516 // ops.WALK_ROWS), -(-41 // ops.WALK_ROWS)
+    own_tok = (4 * 256 + 512 * (512 + 1) / 2) / 516  # the decodes' contexts and the prompt tokens' own positions
+    own_item = (4 * 256 + 32 * (512 + ops.ITEM_BLOCK) / 2) / 41  # 4 decodes, 32 prompt items, 5 unused
+    walk_tok, walk_item = (own + (512 - own) / g for own, g in ((own_tok, g_tok), (own_item, g_item)))
+    assert ops.walked_context(mixed, 1, 516, 512, 1) == (g_tok, pytest.approx(walk_tok))
+    assert ops.walked_context(mixed, 1, n, 32, ops.ITEM_BLOCK) == (g_item, pytest.approx(walk_item))
+    keys = -(-walk_item // 64) * 64  # a group's steps of ITEM_KEYS = 64 keys
     core = {p.attention: ops.attention_block(cfg, mixed, p)["attn_core"] for p in (items, xla)}
-    assert core["xla"].bytes - core["items"].bytes == pytest.approx((516 - n) * 512 * tok_bytes)
-    assert core["items"].mxu_flops == pytest.approx(4 * cfg.head_dim * cfg.num_q_heads * n * ops.ITEM_BLOCK * 512)
+    assert core["items"].bytes - n * keys * tok_bytes == pytest.approx(core["xla"].bytes - 516 * walk_tok * tok_bytes)
+    assert core["items"].mxu_flops == pytest.approx(4 * cfg.head_dim * cfg.num_q_heads * n * ops.ITEM_BLOCK * keys)
     decode = ops.Batch(decodes=8, decode_ctx=300, max_ctx=300, padded_tokens=8, logit_rows=8)
     assert ops.attention_block(cfg, decode, items) == ops.attention_block(cfg, decode, xla)
+
+
+def test_the_xla_walk_reads_each_groups_own_longest_context():
+    """512 decodes at a mean context of 4,000 up to 9,000 on one rank: groups of WALK_ROWS sorted by context, each
+    walking to its own longest, read 4,000 + 5,000 / groups keys a token on average; one group (as many tokens as a
+    group holds) walks to the longest."""
+    b = ops.Batch(decodes=512, decode_ctx=4000, max_ctx=9000)
+    g = 512 // ops.WALK_ROWS
+    assert ops.walked_context(b, 1, 512, 0, 1) == (g, 4000 + 5000 / g)
+    assert ops.walked_context(b, g, ops.WALK_ROWS, 0, 1) == (1, 9000)

@@ -12,6 +12,7 @@ from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.kernels.attention_xla import (
     ITEM_COST,
     attention_xla,
+    by_context,
     kv_values,
     kv_words,
     paged_attention_items,
@@ -144,11 +145,11 @@ def test_paged_attention_over_shuffled_pages_is_the_dense_attention(qkv, paged):
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("block, keys", [(16, 64), (5, 6)])
-def test_items_equal_the_twin_over_an_engine_batch(kv_dtype, block, keys):
+@pytest.mark.parametrize("block, keys, rows", [(16, 64, 64), (5, 6, 64), (5, 6, 3)])
+def test_items_equal_the_twin_over_an_engine_batch(kv_dtype, block, keys, rows):
     """The engine's packing (3 decodes, then prefill chunks aligned to 16 tokens, padding between and after), pages
-    of 3 at shuffled ids, an FP8 cache too: items (blocks of 16 or 5, runs cut by sequence and block) give every
-    token what the token-by-token twin gives, and padding tokens 0."""
+    of 3 at shuffled ids, an FP8 cache too: items (blocks of 16 or 5, runs cut by sequence and block; walking in
+    groups of 3 items by context too) give every token what the token-by-token twin gives, and padding tokens 0."""
     rng, ps, num_pages = np.random.default_rng(1), 3, 64
     free = [int(p) for p in rng.permutation(np.arange(1, num_pages))]
     works = [SeqWork([1] * n, start, [free.pop() for _ in range(-(-(start + n) // ps))], 0)
@@ -162,7 +163,7 @@ def test_items_equal_the_twin_over_an_engine_batch(kv_dtype, block, keys):
     assert ITEM_COST * (-(-100 // block) + 7) < 100  # items run (not the twin)
     args = (q, kv, scales, *(jnp.asarray(a) for a in (meta.page_table, meta.token_seq, meta.positions)))
     want = np.asarray(paged_attention_xla(*args))
-    got = np.asarray(paged_attention_items(*args, block=block, keys=keys))
+    got = np.asarray(paged_attention_items(*args, block=block, keys=keys, rows=rows))
     valid = meta.token_seq >= 0
     np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-6)
     assert not got[~valid].any() and (~valid).sum() > 20
@@ -179,3 +180,44 @@ def test_items_give_nan_for_more_runs_than_items():
     assert np.isnan(np.asarray(out)).all()
     ordered = paged_attention_items(q, kv, None, table, jnp.arange(64) // 32, jnp.arange(64) % 32)  # 4 runs
     assert np.isfinite(np.asarray(ordered)).all()
+
+
+def test_each_group_of_rows_walks_to_its_own_last_position():
+    """`by_context` sorts rows by their last position and walks each group of `rows` to the group's own last: a
+    walk that returns its group's loop length gives each row the largest last position among its sorted group, in
+    the rows' own order; N <= rows walks once."""
+    last = jnp.asarray(RNG.permutation(10) * 10)  # 0, 10, ..., 90 shuffled
+    walked = np.asarray(by_context(lambda x: jnp.broadcast_to(jnp.max(x), x.shape), last, last, rows=4))
+    group_max = {0: 30, 10: 30, 20: 30, 30: 30, 40: 70, 50: 70, 60: 70, 70: 70, 80: 90, 90: 90}
+    assert walked.tolist() == [group_max[int(x)] for x in last]
+    assert sum(walked) < 0.7 * 10 * 90  # against every row walking to the longest
+    once = np.asarray(by_context(lambda x: jnp.broadcast_to(jnp.max(x), x.shape), last, last, rows=10))
+    assert (once == 90).all()
+
+
+@pytest.mark.parametrize("paged", [paged_attention_xla, paged_attention_items], ids=["xla", "items"])
+def test_tokens_walking_in_groups_by_context_give_the_dense_attention(paged):
+    """Nine sequences of 1-23 tokens, each token a query, in groups of 4 rows by context (the twin's tokens, the
+    items' items of blocks of 8): every token attends to its own sequence's keys up to its position, against
+    NumPy."""
+    rng, ps = np.random.default_rng(3), 4
+    lengths = [1, 23, 5, 17, 2, 9, 14, 3, 20]
+    pages = rng.permutation(np.arange(1, 1 + sum(-(-n // ps) for n in lengths)))
+    table, used = np.zeros((len(lengths), 6), np.int32), 0
+    for s_, n in enumerate(lengths):
+        table[s_, :-(-n // ps)] = pages[used:used + -(-n // ps)]
+        used += -(-n // ps)
+    seq = np.concatenate([[s_] * n for s_, n in enumerate(lengths)])
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    q = rng.standard_normal((seq.size, HQ, D)).astype(np.float32)
+    k, v = (rng.standard_normal((seq.size, HKV, D)).astype(np.float32) for _ in range(2))
+    kv, _ = write_kv_pages(jnp.zeros((used + 1, ps, 2 * HKV * D)), None, k, v, table[seq, pos // ps], pos % ps)
+    kw = {"rows": 4} | ({"block": 8, "keys": 4} if paged is paged_attention_items else {})
+    assert ITEM_COST * (-(-seq.size // 8) + len(lengths)) < seq.size  # items run (not the twin)
+    got = np.asarray(paged(jnp.asarray(q), kv, None, jnp.asarray(table), jnp.asarray(seq), jnp.asarray(pos), **kw))
+    for t in range(seq.size):
+        same = np.flatnonzero((seq == seq[t]) & (pos <= pos[t]))
+        for h in range(HQ):
+            s_ = k[same, h // (HQ // HKV)] @ q[t, h] / np.sqrt(D)
+            p_ = np.exp(s_ - s_.max())
+            np.testing.assert_allclose(got[t, h], (p_ / p_.sum()) @ v[same, h // (HQ // HKV)], rtol=2e-5, atol=2e-6)
