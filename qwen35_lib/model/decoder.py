@@ -42,15 +42,17 @@ def _group(cfg: Config, parallelism, h: jax.Array, layers: list[LayerWeights], p
     return h
 
 
-@jax.jit(static_argnums=(0, 1))
-def forward_prepared(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+@jax.jit(static_argnums=(0, 1), static_argnames=("return_hidden",))
+def forward_prepared(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array, *,
+                     return_hidden: bool = False):
     """`forward`'s jitted program on weights as given (stacked: the layer scan; per-layer: unrolled), unchecked:
     `forward` checks its arguments and prepares the weights for the plan first."""
     with jax.named_scope("model"):  # the profile's model part (`bench.profile`)
-        return _forward_body(cfg, parallelism, weights, token_ids, lengths)
+        return _forward_body(cfg, parallelism, weights, token_ids, lengths, return_hidden)
 
 
-def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array, lengths: jax.Array,
+                  return_hidden: bool = False):
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h = weights["embed"][token_ids]  # [B, T, D]
@@ -64,17 +66,21 @@ def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array,
                 return _group(cfg, parallelism, h, group_layers(cfg, w), positions, lengths), None
 
         h, _ = jax.lax.scan(body, h, weights["layers"])
-    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)  # [B, T, D]: the MTP head's input (`model.mtp`)
     with jax.named_scope("lm_head"):
-        return linear(h, weights["lm_head"], dtype=jnp.float32)  # [B, T, V]
+        logits = linear(h, weights["lm_head"], dtype=jnp.float32)  # [B, T, V]
+    return (logits, h) if return_hidden else logits
 
 
-def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=None) -> jax.Array:
+def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=None, *,
+            return_hidden: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """float32 logits [B, T, V] for right-padded token rows [B, T]; `lengths` [B] gives each row's real length.
 
     Positions at or past a row's length are padding: they do not influence the real positions, and their
     logits are meaningless. Any T works (the GDN pads to whole chunks internally). A multi-device layout needs
-    its `parallelism` (`qwen35_lib.forward` passes the layout's).
+    its `parallelism` (`qwen35_lib.forward` passes the layout's). `return_hidden=True` returns (logits, hidden
+    [B, T, D]): the last hidden states after the final norm, in the config's dtype, which the LM head reads and
+    the MTP head takes (`model.mtp.mtp_forward`); same program, same logits.
     """
     parallelism = check_parallelism(config, parallelism)
     token_ids = _check_tokens(config, token_ids)
@@ -85,7 +91,7 @@ def forward(config: Config, weights: dict, token_ids, lengths=None, parallelism=
     check_weights(config, weights)
     weights = prepare_weights(config, weights, parallelism.plan)
     token_ids, lengths = jnp.asarray(token_ids, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    return forward_prepared(config, parallelism, weights, token_ids, lengths)
+    return forward_prepared(config, parallelism, weights, token_ids, lengths, return_hidden=return_hidden)
 
 
 def lower_forward(config: Config, weights: dict, token_ids, lengths, parallelism=None) -> jax.stages.Lowered:

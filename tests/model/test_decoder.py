@@ -36,6 +36,27 @@ def test_causal_prefix_logits_do_not_depend_on_later_tokens(tiny):
     assert np.abs(a[0, 50:] - b[0, 50:]).max() > 1e-3
 
 
+def test_hidden_states_are_what_the_lm_head_reads(tiny):
+    # model.decoder.forward's return_hidden: the same logits, and the last hidden states after the final norm
+    # (the MTP head's input)
+    from qwen35_lib.model import decoder
+
+    cfg, w = tiny
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 37))
+    lengths = np.array([37, 20])
+    logits = np.asarray(forward(cfg, w, ids, lengths))
+    with_hidden, hidden = decoder.forward(cfg, w, ids, lengths, return_hidden=True)
+    assert hidden.shape == (2, 37, cfg.hidden_size) and hidden.dtype == jnp.dtype(cfg.dtype)
+    np.testing.assert_array_equal(np.asarray(with_hidden), logits)
+    h = np.asarray(hidden, np.float64)
+    for b, n in enumerate(lengths):  # the LM head on the hidden states gives the logits
+        np.testing.assert_allclose(h[b, :n] @ np.asarray(w["lm_head"], np.float64), logits[b, :n], atol=1e-5)
+    # after the final norm: x / sqrt(mean(x^2) + eps) * (1 + final_norm), so h / (1 + final_norm) has an RMS just
+    # under 1 (eps 1e-6 against the random model's mean(x^2) of a few 1e-4)
+    rms = np.sqrt(np.mean((h / (1.0 + np.asarray(w["final_norm"], np.float64))) ** 2, axis=-1))
+    assert (rms <= 1.0).all() and (rms > 0.99).all(), rms
+
+
 def test_layers_run_as_one_scan(tiny):
     # The decoder is a scan over layer groups: the lowered program has one loop, not one copy per layer.
     cfg, w = tiny
