@@ -1,4 +1,8 @@
-"""Sizes derived from the weight declarations (never typed in): parameters, active parameters, bytes, caches."""
+"""Sizes derived from the weight declarations (never typed in): parameters, active parameters, bytes, caches.
+
+`model_stats` counts the main model (`weights.declare`): what the cost model, budgets and reports price.
+`mtp_stats` counts the multi-token-prediction head (`weights.declare_mtp`) on its own, never added to those.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.config import FULL, LINEAR, Config
-from qwen35_lib.weights import BlockFP8, declare, is_info
+from qwen35_lib.weights import BlockFP8, declare, declare_mtp, is_info, mtp_layer_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +32,9 @@ class ModelStats:
 
 
 def _part(path: tuple[str, ...]) -> str:
-    if path[0] in ("embed", "lm_head"):
+    if path[0] in ("embed", "lm_head", "fc"):  # fc: the MTP head's input projection
         return path[0]
-    if path[0] == "final_norm" or path[-1].endswith("norm"):
+    if path[0] in ("final_norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden") or path[-1].endswith("norm"):
         return "norms"
     if path[1] == "gdn":
         return "gdn"
@@ -46,6 +50,18 @@ def _part(path: tuple[str, ...]) -> str:
 
 def model_stats(config: Config, kv_dtype: str | None = None) -> ModelStats:
     """Counts over `declare(config)`; FP8 scales count as bytes but not as parameters."""
+    return _stats(config, declare(config), kv_dtype)
+
+
+def mtp_stats(config: Config, kv_dtype: str | None = None) -> ModelStats:
+    """The MTP head's own counts, over `declare_mtp(config)` (parts `fc`, `attention`, `router`, `routed_experts`,
+    `shared_experts`, `norms`; the embedding and LM head it shares are the main model's, counted there only); its
+    cache: the one attention layer's KV per token, no GDN state. Apart from `model_stats`, which it never changes."""
+    return _stats(mtp_layer_config(config), declare_mtp(config), kv_dtype)
+
+
+def _stats(config: Config, declared: dict, kv_dtype: str | None) -> ModelStats:
+    """Counts over a declared tree whose layers are `config`'s (`config.layer_types`: the caches)."""
     by_part: dict[str, int] = {}
     by_dtype: dict[str, int] = {}
 
@@ -57,7 +73,7 @@ def model_stats(config: Config, kv_dtype: str | None = None) -> ModelStats:
             name = jnp.dtype(info.dtype).name
             by_dtype[name] = by_dtype.get(name, 0) + info.nbytes
 
-    jax.tree_util.tree_map_with_path(visit, declare(config), is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
+    jax.tree_util.tree_map_with_path(visit, declared, is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
     total = sum(by_part.values())
     routed = by_part.get("routed_experts", 0)
     active = total - routed + routed * config.num_experts_per_tok // config.num_experts

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_state_clean: is a jit being traced now
 
-from qwen35_lib.config import Config
+from qwen35_lib.config import FULL, Config
 
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
 
@@ -139,6 +139,26 @@ def declare(config: Config) -> dict:
     )
 
 
+def mtp_layer_config(config: Config) -> Config:
+    """The MTP head's decoder layer as a model of its own: `config` with one layer, a full-attention one (with its
+    MoE: same experts, top-k, shared expert and dtypes as the main layers)."""
+    return config.replace(num_layers=1, layer_pattern=(FULL,))
+
+
+def declare_mtp(config: Config) -> dict:
+    """The multi-token-prediction head's weight tree of `config` (`qwen35_lib.model.mtp`), as `ArrayInfo` leaves:
+    a tree apart from `declare(config)`'s, so the main model's programs, budgets and counts never include it."""
+    dt, D = jnp.dtype(config.dtype), config.hidden_size
+    norm = ArrayInfo((D,), dt, ("embed",), "zeros")
+    return dict(
+        pre_fc_norm_embedding=norm,
+        pre_fc_norm_hidden=norm,
+        fc=ArrayInfo((2, D, D), dt, (None, "embed", "embed"), "normal"),  # [embedding | hidden, D in, D out]
+        layers=declare(mtp_layer_config(config))["layers"],  # leaves [1, 1, ...]
+        norm=norm,
+    )
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -171,11 +191,20 @@ def init_weights(config: Config, key: jax.Array | int = 0) -> dict:
 
     FP8 expert weights are drawn in float32 and then block-quantized, as a real FP8 checkpoint would be.
     """
+    return _init_declared(declare(config), config.fp8_block_size, key)
+
+
+def init_mtp_weights(config: Config, key: jax.Array | int = 0) -> dict:
+    """A random MTP head for `config` (`declare_mtp`'s tree), drawn as `init_weights` draws the main model's."""
+    return _init_declared(declare_mtp(config), config.fp8_block_size, key)
+
+
+def _init_declared(decl: dict, fp8_block_size: int, key: jax.Array | int) -> dict:
     key = jax.random.key(key) if isinstance(key, int) else key
-    nodes, treedef = jax.tree.flatten(declare(config), is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
+    nodes, treedef = jax.tree.flatten(decl, is_leaf=lambda n: is_info(n) or isinstance(n, BlockFP8))
     # compiled per declaration, not per config: configs differing only in fields the weights do not have (kernels,
     # EOS ids, layouts, chunk sizes) share one program (~4 CPU-s to compile even at qwen3.5-tiny)
-    declared = (treedef, tuple(nodes), config.fp8_block_size)
+    declared = (treedef, tuple(nodes), fp8_block_size)
     # compiler options only on a top-level jit: traced (eval_shape, inside a jit) the draw is part of the caller's
     return (_init_jit_top if jax_core.trace_state_clean() else _init_jit)(declared, key)
 

@@ -55,3 +55,23 @@ def test_fp8_experts_count_scales_as_bytes_not_parameters():
     scales = 4 * 8 * (4 * 2 * 2 + 2 * 4) * 4
     assert b.weight_bytes_by_dtype["float8_e4m3fn"] == routed
     assert b.weight_bytes == a.weight_bytes - 2 * routed + routed + scales
+
+
+def test_mtp_head_is_counted_apart_from_the_model(tiny):
+    from qwen35_lib.stats import mtp_stats
+    from qwen35_lib.weights import init_mtp_weights
+
+    cfg, w = tiny  # D=64, E=8 experts of F=32 (top 3), shared F=48; the head: fc, 3 norms, one attention layer
+    head = mtp_stats(cfg)
+    assert head.total_params == sum(np.size(x) for x in jax.tree.leaves(init_mtp_weights(cfg, 0)))
+    parts = head.params_by_part
+    # no embed or lm_head: the main model's, which the head shares, counted there only
+    assert set(parts) == {"fc", "attention", "router", "routed_experts", "shared_experts", "norms"}
+    assert parts["fc"] == 2 * 64 * 64
+    assert parts["norms"] == 3 * 64 + 2 * 64 + 2 * 32  # pre-fc x2, final; input, post; q_norm, k_norm
+    assert parts["attention"] == 64 * 4 * 32 * 2 + 64 * 2 * 32 * 2 + 4 * 32 * 64
+    assert parts["routed_experts"] == 8 * (64 * 2 * 32 + 32 * 64)
+    assert head.active_params == head.total_params - parts["routed_experts"] * (8 - 3) // 8
+    assert (head.kv_bytes_per_token, head.gdn_state_bytes_per_seq) == (2 * 2 * 32 * 4, 0)  # its one attention layer
+    # the main model's counts (what the cost model prices) do not include it
+    assert model_stats(cfg).total_params == sum(np.size(x) for x in jax.tree.leaves(w))

@@ -2,8 +2,10 @@
 the next one from the main model's last hidden state.
 
 The public definition is vLLM's (`vllm/model_executor/models/qwen3_5_mtp.py`, `qwen3_next_mtp.py`; transformers
-drops `mtp.*` at load and never runs the head). Its weights are a tree of their own (`declare_mtp`), loaded apart
-from the main model's (`qwen35_lib.checkpoint.load_mtp`), so the main model's programs and budgets do not see them:
+drops `mtp.*` at load and never runs the head). Its weights are a tree of their own (`declare_mtp`; random:
+`init_mtp_weights`; both in `qwen35_lib.weights`, beside every other declaration and below the size accounting,
+`qwen35_lib.stats.mtp_stats`, that counts them), loaded apart from the main model's (`qwen35_lib.checkpoint.load_mtp`),
+so the main model's programs, budgets and counts do not see them:
 
     pre_fc_norm_embedding [D], pre_fc_norm_hidden [D]   zero-centred RMSNorms
     fc [2, D, D]       HF `mtp.fc.weight` [D, 2D] applied to cat([normed embedding, normed hidden]): fc[0] takes the
@@ -26,32 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35_lib.config import FULL, Config
+from qwen35_lib.config import Config
 from qwen35_lib.model.attention import attention_block
 from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.layer_loop import group_layers
 from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.parallelism import check_parallelism
-from qwen35_lib.weights import ArrayInfo, declare, is_info
+from qwen35_lib.weights import declare_mtp, init_mtp_weights, is_info, mtp_layer_config
 
-
-def mtp_layer_config(config: Config) -> Config:
-    """The head's decoder layer as a model of its own: `config` with one layer, a full-attention one (with its MoE:
-    same experts, top-k, shared expert and dtypes as the main layers)."""
-    return config.replace(num_layers=1, layer_pattern=(FULL,))
-
-
-def declare_mtp(config: Config) -> dict:
-    """The MTP head's weight tree of `config`, as `ArrayInfo` leaves (the main model's is `weights.declare`)."""
-    dt, D = jnp.dtype(config.dtype), config.hidden_size
-    norm = ArrayInfo((D,), dt, ("embed",), "zeros")
-    return dict(
-        pre_fc_norm_embedding=norm,
-        pre_fc_norm_hidden=norm,
-        fc=ArrayInfo((2, D, D), dt, (None, "embed", "embed"), "normal"),  # [embedding | hidden, D in, D out]
-        layers=declare(mtp_layer_config(config))["layers"],  # leaves [1, 1, ...]
-        norm=norm,
-    )
+__all__ = ["declare_mtp", "init_mtp_weights", "mtp_forward", "mtp_layer_config"]
 
 
 def mtp_forward(config: Config, weights: dict, mtp_weights: dict, hidden, next_ids, lengths=None,

@@ -196,6 +196,27 @@ def test_forward_refuses_wrong_inputs(ckpts):
         mtp_forward(config.replace(hidden_size=128), weights, head, hidden, next_ids)
 
 
+def test_random_head_has_the_declared_tree_and_runs(tiny):
+    """init_mtp_weights: declare_mtp's shapes and dtypes (FP8 experts as BlockFP8 pairs), seeded, its norms at zero
+    like the main model's; the head runs on it."""
+    from qwen35_lib import get_config
+    from qwen35_lib.weights import init_mtp_weights
+
+    cfg, w = tiny
+    head = init_mtp_weights(cfg, 3)
+    assert [(p, a.shape, a.dtype) for p, a in path_infos(head)] == \
+        [(p, i.shape, jnp.dtype(i.dtype)) for p, i in path_infos(declare_mtp(cfg))]
+    _assert_trees_equal(head, init_mtp_weights(cfg, 3))
+    assert not np.array_equal(head["fc"], init_mtp_weights(cfg, 4)["fc"])
+    assert not np.any(head["norm"]) and 0.015 < float(np.std(head["fc"])) < 0.025  # normal(0.02)
+    fp8 = get_config("qwen3.5-tiny", expert_dtype="float8_e4m3fn", fp8_block_size=16)
+    assert isinstance(init_mtp_weights(fp8, 0)["layers"]["moe"]["w_down"], BlockFP8)
+    hidden, next_ids = _inputs(cfg, B=2, T=5)
+    out, logits = mtp_forward(cfg, w, head, hidden, next_ids)
+    assert out.shape == (2, 5, cfg.hidden_size) and logits.shape == (2, 5, cfg.vocab_size)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Loading
 
