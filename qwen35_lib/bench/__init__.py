@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "qwen35_lib.bench.serve",
     "serve-stress": "qwen35_lib.bench.serve_stress",
     "native-isa": "qwen35_lib.bench.native_isa",
+    "mtp": "qwen35_lib.bench.mtp",
 }
 RESULTS_DIR = pathlib.Path("build/bench")  # default `--json` folder, relative to the working directory
 
