@@ -133,7 +133,7 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
        the reason behind the rule) when it refuses. The rest is still computed with `spec`'s fallback (dims that do not
        divide are replicated);
     3. caches: R = the layout's data-parallel size (KV heads as `tp_kvrep` duplicates them: the config the
-       program runs, `ServingPlan.placed_config`); requests go round-robin to the R ranks (the engine sends each
+       program runs, `BoundPlan.place`); requests go round-robin to the R ranks (the engine sends each
        new request to the least-loaded rank); each rank holds pages for ceil(requests / R) contexts of
        `context_len` tokens plus the null page, and as many GDN slots plus the null slot (`EngineConfig`'s rule);
     4. bytes per device: every weight and cache leaf's bytes / the number of shards its spec makes;
@@ -151,10 +151,10 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     except ValueError as e:
         problem = str(e)
         why = next((w for key, w in _WHY if key in problem), "")
-    lay = get_layout(layout)
-    r = lay.kv_replication(config, mesh)  # tp_kvrep: KV heads duplicated in the weights, r copies each
-    config, unplaced = lay.placed_config(config, mesh), config
-    ranks = lay.dp_size(mesh)
+    lay = get_layout(layout).bind(mesh)  # its sizes, unchecked: what a refused layout would hold
+    r = lay.kv_replication(config)  # tp_kvrep: KV heads duplicated in the weights, r copies each
+    config, unplaced = lay.place(config), config
+    ranks = lay.dp
     kv_dtype = kv_dtype or config.dtype
     cache_shape = CacheShape.for_requests(requests, context_len, ranks=ranks, page_size=page_size, kv_dtype=kv_dtype)
     weights = _leaves(declare(config))

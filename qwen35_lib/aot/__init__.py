@@ -162,13 +162,13 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, abstract_cache, kv_words_for
     from qwen35_lib.engine.engine import engine_step
-    from qwen35_lib.parallel.layouts import batch_sharding, placed_config, weight_shardings
+    from qwen35_lib.parallel.layouts import batch_sharding, weight_shardings
 
-    plan = plan.bound(mesh, config)
-    config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads the weights and cache carry
-    R = plan.dp_size(mesh)
-    shape = CacheShape.for_requests(requests, context_len, ranks=R, page_size=page_size, kv_dtype=kv_dtype,
-                                    kv_words=kv_words_for(plan, kv_dtype))
+    plan = plan.bound(mesh, config, kv_dtype=kv_dtype)  # the KV dtype: the plan's, else `kv_dtype`
+    config = plan.placed(config)  # tp_kvrep: the duplicated KV heads the weights and cache carry
+    R = plan.dp
+    shape = CacheShape.for_requests(requests, context_len, ranks=R, page_size=page_size, kv_dtype=plan.kv_dtype,
+                                    kv_words=kv_words_for(plan))
     S = shape.seqs_per_rank
     pages = -(-context_len // page_size)  # a sequence's page-table row
     C = config.gdn_chunk_size
@@ -223,10 +223,10 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
     `memory_analysis()` of a program that keeps every input, or (None, the compiler's refusal, e.g.
     RESOURCE_EXHAUSTED)."""
     from qwen35_lib.engine.cache import abstract_cache
-    from qwen35_lib.parallel.layouts import placed_config, weight_shardings
+    from qwen35_lib.parallel.layouts import weight_shardings
 
     plan = plan.bound(mesh, config)
-    config = placed_config(config, plan, mesh)
+    config = plan.placed(config)
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     cache = abstract_cache(config, cache_shape, plan, mesh)
     touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)

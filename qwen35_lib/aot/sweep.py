@@ -106,9 +106,9 @@ def cache_shape(shape: ServingShape, plan, mesh):
     attention stores it (`engine.cache.kv_words_for`)."""
     from qwen35_lib.engine.cache import CacheShape, kv_words_for
 
-    return CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp_size(mesh),
-                                   page_size=shape.page_size, kv_dtype=shape.kv_dtype,
-                                   kv_words=kv_words_for(plan, shape.kv_dtype))
+    plan = plan.bound(mesh, kv_dtype=shape.kv_dtype)
+    return CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp, page_size=shape.page_size,
+                                   kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan))
 
 
 def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
@@ -145,14 +145,13 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks
     from qwen35_lib.parallel import hlo
-    from qwen35_lib.parallel.layouts import placed_config
     from qwen35_lib.plan import any_stage
 
-    plan = any_stage(stage).bind(mesh, cfg)  # checked; kernels for the mesh's platform
-    R = plan.dp_size(mesh)
+    plan = any_stage(stage).bind(mesh, cfg, kv_dtype=shape.kv_dtype)  # checked; kernels for the mesh's platform
+    R = plan.dp
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **resident(placed_config(cfg, plan, mesh), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
+                   **resident(plan.placed(), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
     start = time.perf_counter()
     try:
         compiled = aot.compile_step(cfg, plan, mesh, requests=shape.requests, context_len=shape.context_len,
@@ -187,7 +186,7 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
     if body:  # copies of a layer's cache pool in the layer loop (`hlo_checks.cache_pool_copies`): none in place
-        pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, cache_shape(shape, plan, mesh))
+        pools = aot.cache_pools(plan.placed(), plan, mesh, cache_shape(shape, plan, mesh))
         copies = hlo_checks.cache_pool_copies(text, pools)
         entry["cache_pool_copies"], entry["cache_pools_copied"] = len(copies), sorted({n for n, _ in copies})
     if plan.routing == "replicate" and not plan.fuse_allgather and body:

@@ -122,10 +122,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
     st = any_stage(stage)
-    if st.gdn_state_dtype is not None:  # a plan that names its cache dtypes decides them
-        cfg = cfg.replace(gdn_state_dtype=st.gdn_state_dtype)
-    kv_dtype = st.kv_dtype if st.kv_dtype is not None else kv_dtype
-    lay = bind_to(st, cfg, sp)  # the one binding: every step below reads this plan
+    lay = bind_to(st, cfg, sp, kv_dtype)  # the one binding: every step below reads this plan
+    kv_dtype = lay.kv_dtype  # the bound plan's cache dtypes: a plan that names them decides them
+    cfg = cfg.replace(gdn_state_dtype=lay.gdn_state_dtype)
     budget = max_batched_tokens if max_batched_tokens is not None else token_budget(isl, lay.dp)
     seqs = max_seqs if max_seqs is not None else seq_budget(lay.dp)
     num_prompts = num_prompts if num_prompts is not None else PROMPTS_PER_CLIENT * concurrency
@@ -151,7 +150,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
 
     mech = _mechanisms(mechanisms)
     doc["mechanisms"] = "off" if mech == Mechanisms.off() else dataclasses.asdict(mech)
-    pools = engine_pools(cfg, sp, st, min(max_running, seqs), isl + osl, kv_dtype, page_size)
+    pools = engine_pools(cfg, sp, lay, min(max_running, seqs), isl + osl, kv_dtype, page_size)
     doc["cache_pool_bytes_per_layer"] = dataclasses.asdict(pools)
 
     # the distinct steps of a schedule under `mech`, timed: {batches: {component: seconds [n]}}, for the band's

@@ -33,8 +33,9 @@ from qwen35_lib.costmodel import collectives as cc
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
+from qwen35_lib.costmodel.temporaries import IN_PLACE_MOE
 from qwen35_lib.model.layer_loop import unrolled
-from qwen35_lib.plan import ServingPlan, abstract_mesh, family_kernels
+from qwen35_lib.plan import BoundPlan, ServingPlan, abstract_mesh
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "gdn_conv", "cache_copies", "router", "shared_expert",
               "routed_experts", "expert_scales", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head",
@@ -70,30 +71,37 @@ class Pools:
 
 
 @functools.lru_cache(maxsize=1024)
-def bind_to(stage: ServingPlan, cfg: Config, specs: Specs) -> ServingPlan:
-    """`stage` bound to the system's devices (`ServingPlan.on_devices`, then `bind` to the abstract mesh of that
-    many devices: the engine's own check of the model there, the kernels for the system's kind); a plan bound
-    already (as `predict` hands it down) is returned as it is."""
-    if stage.platform is not None and (stage.mesh_shape is not None or stage.layout == "single"):
-        return stage
-    return stage.on_devices(specs.devices).bind(abstract_mesh(specs.devices), cfg, platform=specs.kind)
+def bind_to(stage: ServingPlan | BoundPlan, cfg: Config, specs: Specs, kv_dtype: str | None = None) -> BoundPlan:
+    """`stage` bound to the system's devices (`on_devices`, then `bound` to the abstract mesh of that many devices:
+    the engine's own check of the model there, the kernels for the system's kind, `kv_dtype` where the plan names
+    none); a plan bound there already (as `predict` hands it down) is returned as it is."""
+    return stage.on_devices(specs.devices).bound(abstract_mesh(specs.devices), cfg, platform=specs.kind,
+                                                 kv_dtype=kv_dtype)
+
+
+def expert_weight_passes(plan: BoundPlan) -> float:
+    """Passes over the routed experts' weight bytes the bound `plan`'s MoE kernel makes on the layer scan, by its
+    implementation (data/costmodel_hardware.json 'kernels'): a kernel that reads the stacks in place
+    (`temporaries.IN_PLACE_MOE`: the Pallas grouped matmul) once, XLA's (`ragged_dot`, `native`, ...) as its dots
+    read the scan's sliced inputs."""
+    reads = "pallas" if plan.kernel("moe_matmul") in IN_PLACE_MOE else "xla"
+    return kernel_facts()[f"{reads}_weight_passes"]["value"]
 
 
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
               row_overhead_s: float = 0.0, pools: Pools | None = None) -> ops.Placement:
-    """The `ops.Placement` of a stage on a system (kernel families resolved for its kind); `pools`: the engine's
-    cache pools (None: no copies charged)."""
+    """The `ops.Placement` of a stage on a system (bound there: each slot's implementation for its kind, priced by
+    the facts of that implementation); `pools`: the engine's cache pools (None: no copies charged)."""
     if ideal:
         return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
                              kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
     lay = bind_to(stage, cfg, specs)
     facts = kernel_facts()
-    kernels = family_kernels(stage.kernels, specs.kind)  # the table the code reads
-    attention, moe_impl = kernels["attention_kernel"], kernels["moe_kernel"]
+    attention, moe_impl, gdn = lay.kernel("attention"), lay.kernel("moe_matmul"), lay.kernel("gdn")
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
-    expert_passes = facts[f"{stage.kernels}_weight_passes"]["value"]
+    expert_passes = expert_weight_passes(lay)
     # the dense projections: the plan's `dense` kernel on the layer scan (XLA's dots on the scan's sliced inputs;
     # the Pallas projection reads the stacks in place, `kernels.dense_pallas`), each measured off its compile;
     # another engine's unscanned layers, and this engine's unrolled loop (`layer_loop.unrolled`: per-layer weights
@@ -107,7 +115,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     fp8_xla = moe_impl in ("ragged_dot", "capacity") and specs.kind == "tpu" and cfg.expert_dtype == "float8_e4m3fn"
     ours = pools is not None and stage.name not in OTHER_ENGINE and not in_place
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
-    gdn_xla = kernels["gdn_kernel"] == "xla" and specs.kind == "tpu"
+    gdn_xla = gdn == "xla" and specs.kind == "tpu"
     xla_fp8_kv = attention in ("xla", "items") and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn"
     return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
@@ -122,7 +130,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,
                          sampling_passes=facts["sampling_logit_passes"]["value"] if specs.kind == "tpu" else 0.0,
-                         gdn_prefill="recurrent" if kernels["gdn_kernel"] == "native" else "chunked",
+                         gdn_prefill="recurrent" if gdn == "native" else "chunked",
                          kv_read_bytes=facts["xla_tpu_paged_attention_bytes"]["value"] if xla_fp8_kv else 0.0,
                          items_read_bytes=facts["xla_tpu_items_attention_bytes"]["value"] if xla_fp8_kv else 0.0)
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.costmodel.traffic import StepShape, per_device, placed, sizes
+from qwen35_lib.costmodel.traffic import StepShape, per_device, sizes
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.model.layer_loop import STACKED_DENSE
 from qwen35_lib.parallel.layouts import spec
@@ -70,7 +70,7 @@ def _ways(plan: ServingPlan, info) -> int:
 
 def weight_slices(plan: ServingPlan, config: Config) -> float:
     """Bytes of the group slices the layer loop copies out of the stacked weights (the table's first row)."""
-    cfg = placed(plan, config)
+    cfg = plan.placed(config)
     G = cfg.num_groups
     in_place = plan.kernel("moe_matmul") in IN_PLACE_MOE
     dense = STACKED_DENSE if plan.kernel("dense") in IN_PLACE_DENSE else {}  # projections read from the stacks
@@ -94,7 +94,7 @@ def weight_slices(plan: ServingPlan, config: Config) -> float:
 
 def gdn_state_slice(plan: ServingPlan, config: Config, cache: CacheShape) -> float:
     """Bytes of one GDN layer's slice of the carried state (every slot's recurrent and conv state)."""
-    cfg = placed(plan, config)
+    cfg = plan.placed(config)
     caches = declare_cache(cfg, cache)
     held = per_device(plan, caches)
     # [G, GDN layers in a group, ...] each: one layer's share
@@ -103,7 +103,7 @@ def gdn_state_slice(plan: ServingPlan, config: Config, cache: CacheShape) -> flo
 
 def sampling(plan: ServingPlan, config: Config, shape: StepShape) -> float:
     """Bytes of the sampled rows' f32 logits and of the sort over them (values and s32 indices)."""
-    cfg = placed(plan, config)
+    cfg = plan.placed(config)
     head = declare(cfg)["lm_head"]
     return 3 * shape.seqs * cfg.vocab_size / _ways(plan, head) * 4
 

@@ -193,23 +193,17 @@ def per_device(plan: ServingPlan, tree) -> dict[str, int]:
     return out
 
 
-def placed(plan: ServingPlan, config: Config) -> Config:
-    """`config` as the bound `plan` runs it (`ServingPlan.placed_config` on its abstract mesh)."""
-    _, chips, cores = sizes(plan)
-    return plan.placed_config(config, AbstractMesh((chips, cores), AXES))
-
-
 def weight_bytes(plan: ServingPlan, config: Config) -> int:
     """Weight bytes one device holds under the bound `plan` (`tp_kvrep`: with its duplicated KV heads)."""
-    return sum(per_device(plan, declare(placed(plan, config))).values())
+    return sum(per_device(plan, declare(plan.placed(config))).values())
 
 
 def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict[str, int]:
     """{"weights", "kv", "gdn_state"}: bytes one device holds under the bound `plan` with caches of `cache`."""
-    caches = per_device(plan, declare_cache(placed(plan, config), cache))
+    caches = per_device(plan, declare_cache(plan.placed(config), cache))
     kv = caches.pop("kv", 0) + caches.pop("kv_scale", 0)
     return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}
 
 
-__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "per_device", "placed",
+__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "per_device",
            "resident_bytes", "sizes", "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]

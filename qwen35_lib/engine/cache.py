@@ -36,7 +36,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.attention_xla import WORD
 from qwen35_lib.parallel.layouts import shardings
-from qwen35_lib.plan import ServingPlan
+from qwen35_lib.plan import BoundPlan, ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
 
 
@@ -65,7 +65,7 @@ class CacheShape:
         1. sequences per rank S = ceil(requests / ranks);
         2. pages per rank: S whole contexts, ceil(context_len / page_size) pages each, plus the null page;
         3. GDN slots per rank: one a sequence plus the null slot.
-        `kv_words`: the FP8 pool as uint32 words, where a bound plan says so (`kv_words_for(plan, kv_dtype)`)."""
+        `kv_words`: the FP8 pool as uint32 words, where a bound plan says so (`kv_words_for(plan)`)."""
         per_rank = -(-requests // ranks)
         return cls(ranks=ranks, num_pages=per_rank * -(-context_len // page_size) + 1, page_size=page_size,
                    num_slots=per_rank + 1, kv_dtype=kv_dtype, kv_words=kv_words)
@@ -76,10 +76,10 @@ class CacheShape:
         return self.num_slots - 1
 
 
-def kv_words_for(plan: ServingPlan, kv_dtype: str | None) -> bool:
-    """Whether the bound `plan`'s attention keeps an FP8 KV pool as uint32 words (`AttentionKernels.kv_words`:
-    the XLA attention on a TPU, `kernels.attention_xla.kv_words`)."""
-    return kv_dtype == "float8_e4m3fn" and for_plan("attention", plan).kv_words
+def kv_words_for(plan: BoundPlan) -> bool:
+    """Whether the bound `plan` keeps its FP8 KV pool (`BoundPlan.kv_dtype`) as uint32 words, as its attention asks
+    (`AttentionKernels.kv_words`: the XLA attention on a TPU, `kernels.attention_xla.kv_words`)."""
+    return plan.kv_dtype == "float8_e4m3fn" and for_plan("attention", plan).kv_words
 
 
 def declare_cache(config: Config, shape: CacheShape) -> dict:

@@ -31,9 +31,9 @@ from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.ragged import ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights
+from qwen35_lib.parallel.layouts import batch_sharding, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
-from qwen35_lib.plan import SINGLE, ServingPlan, axis_size
+from qwen35_lib.plan import SINGLE, BoundPlan, ServingPlan, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,9 @@ class EngineConfig:
     num_pages: int | None = None  # per rank, null page included; None: enough for max_num_seqs full contexts
     max_model_len: int = 1024  # prompt + output tokens of one request
     ranks: int = 1  # data-parallel ranks, each with its own pools
-    kv_dtype: str | None = None  # None: the model dtype; "float8_e4m3fn": an FP8 KV cache with per-token scales
+    # the KV cache's dtype where the plan names none (None: the model dtype; "float8_e4m3fn": FP8 with per-token
+    # scales); the engine reads the bound plan's (`BoundPlan.kv_dtype`), its one home
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_model_len", "ranks"):
@@ -67,11 +69,14 @@ class EngineConfig:
                              "or lower max_model_len")
         return n
 
-    def cache_shape(self, kv_words: bool = False) -> CacheShape:
-        """The pools these knobs give each rank: `pages` pages, a slot for each of max_num_seqs sequences and the
-        null slot; `kv_words` as the bound plan's attention asks (`engine.cache.kv_words_for`)."""
-        return CacheShape(ranks=self.ranks, num_pages=self.pages, page_size=self.page_size,
-                          num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype, kv_words=kv_words)
+    def cache_shape(self, plan: BoundPlan | None = None) -> CacheShape:
+        """The pools these knobs give each rank under the bound `plan`: `pages` pages, a slot for each of
+        max_num_seqs sequences and the null slot; the KV dtype the plan is bound with, stored as its attention
+        asks (`engine.cache.kv_words_for`). No plan: these knobs' own KV dtype, as values."""
+        if plan is None:
+            return CacheShape(ranks=self.ranks, num_pages=self.pages, page_size=self.page_size,
+                              num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype)
+        return dataclasses.replace(self.cache_shape(), kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan))
 
 
 @dataclasses.dataclass
@@ -133,10 +138,11 @@ class Engine:
     def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, *, mesh=None,
                  plan: ServingPlan | None = None, **knobs):
         check_weights(config, weights)
-        plan = (SINGLE if plan is None else plan).bound(mesh, config)  # the one check and binding
-        kernel_registry.check_plan(plan)  # a kernel name no slot has: refused here, not at the first step's trace
-        config = placed_config(config, plan, mesh)  # tp_kvrep: the duplicated KV heads
         ec = engine_config or EngineConfig(**knobs)
+        # the one check and binding (the KV dtype: the plan's, else the engine config's)
+        plan = (SINGLE if plan is None else plan).bound(mesh, config, kv_dtype=ec.kv_dtype)
+        kernel_registry.check_plan(plan)  # a kernel name no slot has: refused here, not at the first step's trace
+        config = plan.placed(config)  # as bound: tp_kvrep's duplicated KV heads, the plan's GDN state dtype
         self.mesh = None if plan.layout == "single" else mesh
         if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the plan
             dp = plan.dp
@@ -151,7 +157,7 @@ class Engine:
         self.decode_buckets = _powers_of_two(min(ec.max_num_seqs, ec.max_num_batched_tokens))
         self.prefill_buckets = (0,) + tuple(C * b for b in _powers_of_two(-(-ec.max_num_batched_tokens // C)))
         self.row_tile = rs_row_tile(plan) if self.mesh is not None else 1
-        self.cache_shape = ec.cache_shape(kv_words_for(plan, ec.kv_dtype))
+        self.cache_shape = ec.cache_shape(plan)
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
         if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
             self.cache = per_layer_cache(config, init_cache(config, self.cache_shape), plan)

@@ -16,16 +16,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from qwen35_lib.config import Config
-from qwen35_lib.plan import ServingPlan, axis_size
+from qwen35_lib.plan import BoundPlan, ServingPlan, axis_size
 from qwen35_lib.weights import ArrayInfo, declare, is_info
 
 
-def placed_config(config: Config, plan: ServingPlan, mesh=None) -> Config:
-    """The config a program runs under the bound `plan` (on `mesh`, default: the one it is bound to): under
-    `tp_kvrep`, with the duplicated KV heads, and the plan's GDN state dtype (`ServingPlan.placed_config`)."""
-    if plan.layout == "single":
-        return config if plan.gdn_state_dtype is None else config.replace(gdn_state_dtype=plan.gdn_state_dtype)
-    return plan.placed_config(config, mesh)
+def placed_config(config: Config, plan: ServingPlan | BoundPlan, mesh=None) -> Config:
+    """The config a program runs under `plan` bound to `mesh` (default: the bound plan's own): under `tp_kvrep`,
+    with the duplicated KV heads, and the plan's GDN state dtype (`BoundPlan.placed`: the one placed when it was
+    bound, where `config` is that model)."""
+    return (plan if mesh is None else plan.bound(mesh)).placed(config)
 
 
 def spec(layout: ServingPlan, mesh, logical_axes: tuple, shape: tuple) -> PartitionSpec:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
-from qwen35_lib.parallel.layouts import leaf_infos, placed_config, weight_shardings
+from qwen35_lib.parallel.layouts import leaf_infos, weight_shardings
 from qwen35_lib.plan import ALL, ServingPlan
 
 LETTERS = {"embed": "D", "experts": "E", "moe_ffn": "F", "ffn": "Fs", "q_heads": "Hq", "kv_heads": "Hkv",
@@ -50,7 +50,7 @@ def weight_notation(config: Config, plan: ServingPlan, mesh) -> dict[str, str]:
     plan = plan.bound(mesh, config)
     shardings = dict(_flat(weight_shardings(config, plan, mesh)))
     out = {}
-    for path, info in leaf_infos(placed_config(config, plan, mesh)):
+    for path, info in leaf_infos(plan.placed(config)):
         key = dotted_key(path)
         if key.endswith(".scale"):
             continue

@@ -17,7 +17,6 @@ from qwen35_lib.model import decoder
 from qwen35_lib.model.moe import local_moe, route, shared_expert
 from qwen35_lib.model.parallelism import LOCAL, Local, Parallelism
 from qwen35_lib.parallel import ranks, routing
-from qwen35_lib.parallel.layouts import placed_config
 from qwen35_lib.plan import SINGLE, ServingPlan
 
 
@@ -67,7 +66,7 @@ def _bound(config: Config, plan: ServingPlan | None) -> tuple[Config, ServingPla
     plan = SINGLE if plan is None else plan
     mesh = jax.sharding.get_abstract_mesh()
     plan = plan.bound(None if mesh.empty or plan.layout == "single" else mesh, config)  # the context mesh
-    return placed_config(config, plan), plan
+    return plan.placed(config), plan
 
 
 def forward(config: Config, weights: dict, token_ids, lengths=None, plan: ServingPlan | None = None) -> jax.Array:

@@ -1,16 +1,19 @@
 """The serving plan: how a model is served on a mesh, as data of its own, below the kernels and the model.
 
-One `ServingPlan` record (`plan.record`): the layout (the logical-axis rules of `plan.layouts`), the MoE routing,
-the collective options, the kernel family (`plan.kernels`) and the cache dtypes; its sizes come from the mesh it
-is bound to (`plan.mesh`: the `('chip', 'core')` mesh of any device count). The stage ladder (`plan.stages`) is a
-list of named plans, read by the engine, the ahead-of-time compiles, the cost model and the benchmarks alike.
+One `ServingPlan` record (`plan.record`), what is asked: the layout (the logical-axis rules of `plan.layouts`), the
+MoE routing, the collective options, the kernel family or each slot's kernel (`plan.kernels`) and the cache dtypes.
+Bound to a mesh and a model (`plan.bind(mesh, config)`), it is a `BoundPlan` (`plan.bound`): the mesh's sizes
+(`plan.mesh`: the `('chip', 'core')` mesh of any device count), the platform, one implementation per slot, the placed
+config. The stage ladder (`plan.stages`) is a list of named plans, read by the engine, the ahead-of-time compiles,
+the cost model and the benchmarks alike.
 Every command that takes a plan reads the same flags (`add_arguments(parser)`, `from_args(args)`: `plan.cli`).
 This package imports nothing of `qwen35_lib` but `config` (for the type of the model it is checked against).
 
-    plan = get_stage("fused_ag").bind(make_mesh(), config)   # dp8_ep8, replicate, fuse_allgather=True, bound to the
-                                                             # devices present (kernels resolved), or a clear refusal
+    plan = get_stage("fused_ag").bind(make_mesh(), config)   # a BoundPlan: dp8_ep8, replicate, fuse_allgather=True
+                                                             # on the devices present (kernels resolved), or a refusal
 """
 
+from qwen35_lib.plan.bound import BoundPlan
 from qwen35_lib.plan.cli import add_arguments, from_args
 from qwen35_lib.plan.kernels import FAMILIES, family_kernels
 from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS
@@ -38,6 +41,6 @@ from qwen35_lib.plan.stages import (
 
 __all__ = ["ALL", "AXES", "EXTRA", "FAMILIES", "GENERAL", "GOOGLE_BASELINE", "INSTANCES", "LADDER", "LAYOUTS",
            "LAYOUT_PLANS", "LAYOUT_STAGES", "PLACEMENTS", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050",
-           "ServingPlan",
+           "BoundPlan", "ServingPlan",
            "abstract_mesh", "add_arguments", "any_stage", "axis_size", "custom_stage", "family_kernels", "from_args",
            "get_layout", "get_stage", "kv_copies", "kv_heads_per_device", "make_mesh", "micro_batches"]

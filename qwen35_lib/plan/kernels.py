@@ -24,6 +24,8 @@ position 512 45.4 -> 14.1 ms, 4 decodes + a 512-token prompt 138.0 -> 30.2 ms, 3
 
 from __future__ import annotations
 
+from qwen35_lib.plan.mesh import ALL
+
 SLOTS = ("attention", "gdn", "moe_matmul", "permute", "dense")
 KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matmul": "moe_kernel",
                  "permute": "permute_kernel", "dense": "dense_kernel"}  # slot -> ServingPlan field
@@ -66,4 +68,18 @@ def family_kernels(family: str, backend: str | None = None) -> dict[str, str]:
     return {f: native.get(slot, "xla") for slot, f in KERNEL_FIELDS.items()}
 
 
-__all__ = ["BACKEND_DEFAULTS", "KERNEL_FIELDS", "FAMILIES", "SLOTS", "family_kernels"]
+def resolve(plan, platform: str) -> dict[str, str]:
+    """{slot: implementation} of a `ServingPlan` on `platform`: a slot's own name where the plan gives one (not None
+    or "auto"), else its family's (`family_kernels`), else the platform's default (`BACKEND_DEFAULTS`); the dense
+    projections XLA's where the plan splits the weights by heads (XLA partitions those dots). `bind` reads this
+    once; the plan keeps what was asked."""
+    family = family_kernels(plan.kernels, platform) if plan.kernels is not None else {}
+    default = dict(BACKEND_DEFAULTS.get(platform, BACKEND_DEFAULTS["cpu"]))
+    if plan.layout != "single" and plan.batch_axes != ALL:  # weights split by heads: XLA partitions the dots
+        family, default = {**family, "dense_kernel": "xla"}, {**default, "dense": "xla"}
+    asked = {slot: getattr(plan, f) for slot, f in KERNEL_FIELDS.items()}
+    return {slot: asked[slot] if asked[slot] not in (None, "auto") else family.get(f, default[slot])
+            for slot, f in KERNEL_FIELDS.items()}
+
+
+__all__ = ["BACKEND_DEFAULTS", "KERNEL_FIELDS", "FAMILIES", "SLOTS", "family_kernels", "resolve"]

@@ -129,7 +129,8 @@ def test_compile_step_lowers_the_pools_for_requests_as_abstract_cache_declares_t
                          kv_dtype="float8_e4m3fn")
     config, plan, cache, (tokens, meta, _) = got.value.args
     shape = CacheShape.for_requests(10, 40, ranks=8, page_size=8, kv_dtype="float8_e4m3fn",
-                                    kv_words=kv_words_for(plan, "float8_e4m3fn"))
+                                    kv_words=kv_words_for(plan))
+    assert plan.kv_dtype == "float8_e4m3fn"  # compile_step's kv_dtype, bound into the plan
     assert (shape.num_pages, shape.num_slots) == (11, 3)  # 2 sequences a rank of 5 pages, + the null page / slot
     assert cache == abstract_cache(config, shape, plan, mesh)
     assert meta.page_table.shape == (8, 2, 5) and meta.slot.shape == (8, 2)

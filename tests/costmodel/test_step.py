@@ -151,3 +151,21 @@ def test_retimed_many_is_retimed_exactly():
             continue
         for i, e in enumerate(each):
             assert {k: v[i] for k, v in many.items()} == e, (m, i)
+
+
+def test_the_cost_model_prices_each_slots_bound_implementation():
+    """The placement reads the bound plan's kernel of each slot, and its facts by implementation: the `kernels` stage
+    with `moe_kernel="ragged_dot"` is priced as XLA's grouped matmul (what runs), not the family's Pallas kernel; a
+    layout plan that names no family is priced with each slot the platform's default."""
+    cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
+    facts = kernel_facts()
+    gmm = placement(cfg, sp, STAGES["kernels"])
+    ragged = placement(cfg, sp, STAGES["kernels"].replace(moe_kernel="ragged_dot"))
+    assert (gmm.moe_impl, gmm.expert_passes) == ("gmm", facts["pallas_weight_passes"]["value"])
+    assert (ragged.moe_impl, ragged.expert_passes) == ("ragged_dot", facts["xla_weight_passes"]["value"])
+    assert ragged.attention == gmm.attention == "pallas"
+    layout = placement(cfg, sp, any_stage(ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None)))
+    assert (layout.attention, layout.moe_impl) == ("pallas", "gmm")  # TPU's defaults (`plan.kernels`)
+    doc = costmodel.predict(stage=ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None), isl=1024, osl=1024,
+                            concurrency=8)
+    assert doc["fits"] and doc["total_tokens_per_s"] > 0

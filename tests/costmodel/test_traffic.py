@@ -87,5 +87,5 @@ def test_sizes_placed_and_per_device_bytes():
     routed = 4 * 8 * (64 * 2 * 32 + 32 * 64) * 2  # 4 layers x 8 experts x (gate_up + down) x 2 bytes
     assert held == {**full, "layers": full["layers"] - routed + routed // 8}
     wide = tiny.replace(num_q_heads=8)  # 4 query heads per KV head: tp8_kvrep keeps 4 copies of each
-    assert traffic.placed(get_layout("tp8_kvrep").bind(mesh, wide), wide).num_kv_heads == 8
-    assert traffic.placed(ep, tiny) == tiny
+    assert get_layout("tp8_kvrep").bind(mesh, wide).placed(wide).num_kv_heads == 8
+    assert ep.placed(tiny) == tiny == ep.config

@@ -123,7 +123,8 @@ def test_engine_knobs_pools_are_for_requests_and_the_engine_reads_them(engine):
     assert ec.cache_shape() == cache_module.CacheShape.for_requests(6, 40, ranks=2, page_size=16,
                                                                    kv_dtype="float8_e4m3fn")
     assert ec.pages == 3 * 3 + 1 and EngineConfig(num_pages=80).cache_shape().num_pages == 80
-    assert engine.cache_shape == engine.ec.cache_shape(cache_module.kv_words_for(engine.plan, engine.ec.kv_dtype))
+    assert engine.cache_shape == engine.ec.cache_shape(engine.plan)
+    assert engine.cache_shape.kv_dtype == engine.plan.kv_dtype == engine.ec.kv_dtype  # the bound plan's, its home
     assert engine.cache_shape.num_slots == engine.ec.max_num_seqs + 1
 
 

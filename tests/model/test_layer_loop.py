@@ -13,7 +13,7 @@ from qwen35_lib.plan import SINGLE
 
 def test_unrolled_forward_equals_the_scan(tiny):
     cfg, w = tiny
-    assert layer_loop.unrolled(cfg) and not layer_loop.unrolled(cfg, SINGLE.resolve_kernels("tpu"))
+    assert layer_loop.unrolled(cfg) and not layer_loop.unrolled(cfg, SINGLE.bind(None, platform="tpu"))
     split = layer_loop.prepare_weights(cfg, w)
     assert layer_loop.is_per_layer(split["layers"]) and layer_loop.prepare_weights(cfg, w)["layers"] is split["layers"]
     decoder.check_weights(cfg, split)  # the per-layer form is a valid weight tree
@@ -38,5 +38,5 @@ def test_per_layer_cache_splits_each_pool_once(tiny):
         assert len(split[name]) == pool.shape[1]
         for j, a in enumerate(split[name]):
             np.testing.assert_array_equal(a, pool[:, j])
-    assert layer_loop.per_layer_cache(cfg, cache, SINGLE.resolve_kernels("tpu")) is cache
+    assert layer_loop.per_layer_cache(cfg, cache, SINGLE.bind(None, platform="tpu")) is cache
     assert layer_loop.per_layer_cache(cfg, split) == split

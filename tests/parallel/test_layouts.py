@@ -39,8 +39,8 @@ def test_placed_config_duplicates_kv_heads_under_tp_kvrep_only(mesh):
     kvrep = get_layout("tp8_kvrep").bind(mesh, CFG8)
     assert placed_config(CFG8, kvrep).num_kv_heads == 8  # 2 heads x 4 copies: one per device
     assert placed_config(CFG8, get_layout("dp8_ep8").bind(mesh, CFG8)) == CFG8
-    assert placed_config(CFG8, SINGLE) is CFG8
-    assert placed_config(CFG8, SINGLE.replace(gdn_state_dtype="bfloat16")).gdn_state_dtype == "bfloat16"
+    assert placed_config(CFG8, SINGLE.bind(None)) is CFG8
+    assert placed_config(CFG8, SINGLE.replace(gdn_state_dtype="bfloat16").bind(None)).gdn_state_dtype == "bfloat16"
 
 
 def test_duplicated_kv_heads_keep_each_query_heads_head(mesh):
