@@ -53,9 +53,9 @@ from qwen35_lib.plan import SINGLE
 
 DESCRIPTION = ("the MTP head's offline acceptance per draft position (k = 1..3, teacher-forced), before and after "
                "distilling it on the base model's greedy continuations")
-DEFAULTS = dict(model="qwen3.5-mini", train_prompts=64, eval_prompts=16, prompt_len=16, new_tokens=32, batch=8,
-                distill=200)
-QUICK = dict(model="qwen3.5-tiny", train_prompts=16, eval_prompts=4, prompt_len=8, new_tokens=12, batch=4, distill=40)
+DEFAULTS = dict(model="qwen3.5-mini", train_prompts=256, eval_prompts=16, prompt_len=16, new_tokens=16, batch=16,
+                distill=300)
+QUICK = dict(model="qwen3.5-tiny", train_prompts=48, eval_prompts=8, prompt_len=16, new_tokens=8, batch=16, distill=40)
 HEAD_PLAN = SINGLE.replace(moe_kernel="capacity")  # the head's MoE: XLA, dropless, differentiable
 HEAD = Local(HEAD_PLAN)
 CHAIN_BATCH = 32  # rows a chained draft pass runs at once

@@ -14,8 +14,8 @@ from qwen35_lib.bench import mtp
 from qwen35_lib.model.mtp import mtp_forward
 from qwen35_lib.weights import init_mtp_weights
 
-# the distillation case: 48 prompts of 16 tokens + 8 greedy to train on, 8 held out (every test here shares them)
-SIZES = dict(train_prompts=48, eval_prompts=8, prompt_len=16, new_tokens=8)
+# the distillation case, `--quick`'s: 48 prompts of 16 tokens + 8 greedy to train on, 8 held out (shared here)
+SIZES = {k: mtp.QUICK[k] for k in ("train_prompts", "eval_prompts", "prompt_len", "new_tokens")}
 
 
 def test_acceptance_by_hand():
@@ -138,3 +138,21 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="at least"):
         mtp._resolve(p.parse_args(["--distill", "-1"]))
     assert mtp._resolve(p.parse_args(["--quick"]))["model"] == "qwen3.5-tiny"
+
+
+def test_a_checkpoint_brings_its_head(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from qwen35_lib import testing
+    from qwen35_lib.checkpoint import load_mtp
+
+    model = testing.make_hf_model()
+    p = argparse.ArgumentParser()
+    mtp.add_arguments(p)
+    with_head = testing.save_hf_checkpoint(model, tmp_path / "with", "fused", mtp=True)
+    cfg, w, head, source = mtp.build(p.parse_args(["--checkpoint", str(with_head)]), "unused")
+    assert source == "checkpoint" and cfg.dtype == "float32" and "embed" in w
+    np.testing.assert_array_equal(head["fc"], load_mtp(with_head)[1]["fc"])
+    without = testing.save_hf_checkpoint(model, tmp_path / "without", "fused", mtp=False)
+    *_, source = mtp.build(p.parse_args(["--checkpoint", str(without)]), "unused")
+    assert source == "random" and "a random head instead" in capsys.readouterr().err
