@@ -100,18 +100,17 @@ class HbmBudget:
     @property
     def max_kv_tokens(self) -> int:
         """Tokens of KV cache the free bytes hold if they held nothing else."""
-        return max(self.free_bytes, 0) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+        return hw.capacity(self.free_bytes, self.kv_bytes_per_token)
 
     @property
     def max_gdn_seqs(self) -> int:
         """GDN states (one per request) the free bytes hold if they held nothing else."""
-        return max(self.free_bytes, 0) // self.gdn_state_bytes_per_seq if self.gdn_state_bytes_per_seq else 0
+        return hw.capacity(self.free_bytes, self.gdn_state_bytes_per_seq)
 
     @property
     def max_concurrency(self) -> int:
         """Requests of `context_len` tokens whose KV cache and GDN state fit together."""
-        per_request = self.context_len * self.kv_bytes_per_token + self.gdn_state_bytes_per_seq
-        return max(self.free_bytes, 0) // per_request if per_request else 0
+        return hw.capacity(self.free_bytes, self.context_len * self.kv_bytes_per_token + self.gdn_state_bytes_per_seq)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

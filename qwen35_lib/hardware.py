@@ -87,6 +87,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def capacity(free_bytes: float, each_bytes: float) -> int:
+    """How many items of `each_bytes` fit in `free_bytes`: 0 when nothing is free or an item costs nothing. The one
+    capacity formula (`budget.HbmBudget.max_concurrency` and its kin, the cost model's requests a rank holds)."""
+    return int(max(free_bytes, 0) // each_bytes) if each_bytes > 0 else 0
+
+
 def get(name: str) -> Hardware:
     """The system `name` (`tpu7x-8`, `v6e-8`, `v5p-8`, `v5e-8`, `h200`, `h200-8`, `cpu`)."""
     table = _table()

@@ -17,3 +17,15 @@ def test_hardware_table_has_provenance():
     tpu = hardware.get("tpu7x-8")
     assert (tpu.chips, tpu.devices, tpu.hbm_bytes_per_chip) == (4, 8, 192 * GiB)
     assert hardware.get("cpu").hbm_bytes == hardware.host_memory_bytes()
+
+
+def test_capacity_is_the_one_formula_of_what_fits():
+    """`hardware.capacity`: whole items of `each` bytes in `free` bytes, 0 when nothing is free or an item is free;
+    the budget's and the cost model's counts read it."""
+    from qwen35_lib import budget, get_config
+
+    assert (hardware.capacity(10, 3), hardware.capacity(9.5, 3.0), hardware.capacity(-4, 3), hardware.capacity(9, 0)) \
+        == (3, 3, 0, 0)
+    b = budget.hbm_budget(get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn"), "tpu7x-8", 64, 9216)
+    assert b.max_concurrency == hardware.capacity(b.free_bytes, 9216 * b.kv_bytes_per_token
+                                                  + b.gdn_state_bytes_per_seq)

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
@@ -134,7 +135,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     fixed = sum(resident_bytes_per_device(cfg, sp, lay, 1, isl + osl, kv_dtype, page_size).values()) - per_req
     # (weights, the null page and the null slot)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
-    max_running = int((usable - fixed) // per_req) if usable > fixed else 0
+    max_running = hw.capacity(usable - fixed, per_req)
     doc: dict[str, Any] = dict(
         model=cfg.name, hardware=sp.name, stage=st.name, layout=lay.layout, routing=st.routing,
         fuse_allgather=st.fuse_allgather, hierarchical_rs=st.hierarchical_rs, kernels=st.kernels,

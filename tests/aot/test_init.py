@@ -4,8 +4,6 @@ resident bytes of a placed model against the sum of its shards (compiled for the
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib import aot, get_config
-from qwen35_lib.engine.cache import CacheShape, cache_shardings, declare_cache
-from qwen35_lib.parallel.layouts import weight_shardings
+from qwen35_lib.engine.cache import CacheShape
 from qwen35_lib.plan import get_layout
 from qwen35_lib.weights import declare, is_info
 
@@ -61,22 +58,18 @@ def test_an_unknown_weight_layout_is_refused(mesh):
                          weight_layouts="tiled")
 
 
-def test_resident_bytes_are_the_shards_of_the_weights_and_caches(mesh):
+def test_resident_bytes_are_the_references(mesh):
+    """The compile's argument bytes are the reference's (`costmodel.traffic.resident_bytes`: every declared weight and
+    cache leaf over the ways the plan splits it)."""
+    from qwen35_lib.costmodel import traffic
+
     cfg = get_config("qwen3.5-tiny")
     plan = get_layout("dp8_ep8").bind(mesh, cfg)
     shape = CacheShape(ranks=8, num_pages=5, page_size=16, num_slots=3)
     got, refused = aot.resident_bytes(cfg, plan, shape, mesh)
-
-    def shard_bytes(decl, shardings):
-        infos = jax.tree.leaves(decl, is_leaf=is_info)
-        return sum(math.prod(s.shard_shape(i.shape)) * jnp.dtype(i.dtype).itemsize
-                   for i, s in zip(infos, jax.tree.leaves(shardings)))
-
-    want = (shard_bytes(declare(cfg), weight_shardings(cfg, plan, mesh))
-            + shard_bytes(declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh)))
-    assert refused is None and got == want
-    assert want < shard_bytes(declare(cfg), jax.tree.map(lambda _: ONE, weight_shardings(cfg, plan, mesh))) + \
-        shard_bytes(declare_cache(cfg, shape), cache_shardings(cfg, plan, shape, mesh))  # experts split 8 ways
+    ref = traffic.resident_bytes(plan, cfg, shape)
+    assert refused is None and got == sum(ref.values())
+    assert ref["weights"] < sum(i.nbytes for i in jax.tree.leaves(declare(cfg), is_leaf=is_info))  # experts split
 
 
 

@@ -2,10 +2,12 @@
 (the engine's configs, the cost model, the benchmarks) holds the very same objects; the import layers hold."""
 
 import dataclasses
+import importlib
 import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from qwen35_lib import get_config
@@ -101,3 +103,33 @@ def test_every_grouping_of_the_cost_breakdown_covers_each_component_once(where):
         from qwen35_lib.viz.costmodel import GROUPS
     grouped = [c for parts in GROUPS.values() for c in parts]
     assert sorted(grouped) == sorted(COMPONENTS), f"{where}.GROUPS must list each costmodel.step component once"
+
+
+@pytest.mark.parametrize("layout", ["dp8_ep8", "tp8_kvrep", "dp4_tp2_ep8", "single"])
+def test_every_bytes_per_device_is_checked_against_the_one_reference(layout):
+    """`costmodel.traffic.resident_bytes` is the reference of the bytes one device holds (each declared weight and
+    cache leaf of the bound plan's placed config over the ways the plan splits it); every other computation of them
+    is checked against it here: the sweep's (JAX's shard shapes of the abstract arrays), the placement explorer's,
+    the engine's cache check's (`engine.cache.device_cache_bytes`) and the cost model's priced pools."""
+    from qwen35_lib import placement as placement_lib
+    from qwen35_lib.aot import sweep
+    from qwen35_lib.costmodel import traffic
+    from qwen35_lib.engine.cache import device_cache_bytes
+
+    cfg, devices = get_config("qwen3.5-tiny"), 1 if layout == "single" else 8
+    predict_lib = importlib.import_module("qwen35_lib.costmodel.predict")  # the module, not the package's function
+    mesh = plan_lib.make_mesh(jax.devices()[:devices])
+    plan = plan_lib.get_layout(layout).bind(mesh, cfg, kv_dtype="float8_e4m3fn")
+    shape = sweep.ServingShape(requests=16, context_len=64, page_size=16, kv_dtype="float8_e4m3fn")
+    cache = sweep.cache_shape(shape, plan, mesh)
+    ref = traffic.resident_bytes(plan, cfg, cache)
+    assert sweep.resident(plan.placed(), plan, shape, mesh) == dict(weight_bytes=ref["weights"], kv_bytes=ref["kv"],
+                                                                   gdn_state_bytes=ref["gdn_state"])
+    p = placement_lib.placement(cfg, layout, devices, "float8_e4m3fn", requests=16, context_len=64, page_size=16)
+    assert (p.weight_bytes_per_device, p.kv_bytes_per_device, p.gdn_state_bytes_per_device) == \
+           (ref["weights"], ref["kv"], ref["gdn_state"])
+    held = device_cache_bytes(plan.placed(), cache, None if layout == "single" else mesh, plan)
+    assert set(held.values()) == {ref["kv"] + ref["gdn_state"]}
+    priced = predict_lib.resident_bytes_per_device(cfg, specs_lib.get("tpu7x-8" if devices == 8 else "h200"),
+                                                   plan_lib.get_layout(layout), 16 // plan.dp, 64, "float8_e4m3fn", 16)
+    assert priced == dict(weight_bytes=ref["weights"], kv_bytes=ref["kv"], gdn_state_bytes=ref["gdn_state"])
