@@ -57,9 +57,9 @@ print(gain_table(stages["dp_ep"]))
 
 # %% [markdown]
 # **Check.** Splitting requests pays on both workloads, more on the prefill-heavy one: attention reads each request's
-# KV head once instead of once per copy, and XLA's attention, which reads up to the batch's longest context for every
-# decode token and every item of a prompt's tokens (notebook 01), now does so for its own rank's tokens only; prefill
-# steps carry thousands of tokens of attention. Each device also holds only its own rank's cache pools, updated in
+# KV head once instead of once per copy, and XLA's attention, which reads up to its group's longest context for every
+# decode token and every item of a prompt's tokens (notebook 01), now walks its own rank's tokens only; prefill steps
+# carry thousands of tokens of attention. Each device also holds only its own rank's cache pools, updated in
 # place under either layout (`cache`: 0 in both). It does not make the MoE cheaper: under EP a device waits for its
 # most loaded experts, and the eight ranks step in lockstep, each waiting for the busiest (the cost model's
 # `expert_imbalance` and `dp_lockstep` mechanisms), which TP's split of every expert never sees; the all-to-all adds

@@ -79,8 +79,9 @@ devices, SIZE, mesh = notebook.setup(prefer_accelerator=True)
 # context over half the longest) and a **prefill** step (one chunk of the token budget per data-parallel rank),
 # under the `hier_rs` stage
 # (XLA kernels) and the `kernels` stage (Pallas). What each kernel changes, in the model's terms:
-# - attention: XLA's paged attention scores every token against the batch's *longest* context; the ragged kernel
-#   reads each sequence's own pages once, and the whole query group of a KV head together;
+# - attention: XLA's paged attention walks the pages in groups of `WALK_ROWS` tokens sorted by context and scores
+#   every token against its *group's longest* context; the ragged kernel reads each sequence's own pages once, and
+#   the whole query group of a KV head together;
 # - grouped GEMM: XLA's path copies each layer group's FP8 expert weights out of the scanned stack and
 #   dequantizes them into a bf16 copy that `ragged_dot` then reads; the kernel reads the FP8 weights once, in
 #   place. (It would also skip an expert that got no tokens, but at 512 requests every local expert gets some:
@@ -151,22 +152,21 @@ display(fig)
 # %% [markdown]
 # Decode is memory-bound for all five kernels, with XLA or Pallas: 512 decodes of FP8 KV cache and about `k` token
 # copies per local expert are far left of the ridge, so the kernels must win by moving *fewer bytes*, and they do (the
-# table's `mib` column), for attention (no longest-context padding), for the grouped GEMM (each FP8 expert weight read
+# table's `mib` column), for attention (no group's-longest padding), for the grouped GEMM (each FP8 expert weight read
 # once, in place, with no copies) and for the dense projections (each weight read once, not in XLA's passes over the
-# scan's slices: the same FLOPs at a higher intensity).
-# In prefill the Pallas attention and grouped GEMM cross the ridge and become compute-bound: the bytes XLA wastes are
-# what kept them memory-bound. The dense projections' prefill uses each weight byte many times (a chunk of the token
-# budget per rank): compute-bound under the Pallas projection, and XLA's extra passes over the weights cost it little
-# time (the `us` column: within a quarter). In decode the attention kernel drops the padded reads and their FLOPs
-# (each sequence's own context, not the longest), and reads each KV byte once where this library's XLA path's compiled
-# page loop moves several bytes per KV element (`kv_read_bytes`): its point moves right along the roofline, at a
-# higher intensity, as well as doing less work. GDN's decode moves fewer bytes under its kernel, by the ratio of their
-# passes over the states (XLA's gather of the decoding sequences' states and its scatter back,
-# `xla_tpu_gdn_state_passes` as compiled, against the kernel's one read and one write: the `mib` column); its
-# prefill the same. The permutes (no FLOPs at all: drawn at
-# the left edge) move fewer bytes under the kernels, by the ratio of their passes over the routed rows: this
-# library's layer around the Pallas grouped GEMM makes `kernels_moe_permute_passes` of them as compiled, where the
-# model prices XLA's path at four. A saving, but a small one beside the others.
+# scan's slices: the same FLOPs at a higher intensity). In prefill the Pallas attention and grouped GEMM cross the ridge
+# and become compute-bound: the bytes XLA wastes are what kept them memory-bound. The dense projections' prefill uses
+# each weight byte many times (a chunk of the token budget per rank): compute-bound under the Pallas projection, and
+# XLA's extra passes over the weights cost it little time (the `us` column: within a quarter). In decode the attention
+# kernel drops the padded reads and their FLOPs (each sequence's own context, not its group's longest), and reads each
+# KV byte once where this library's XLA path's compiled page loop moves several bytes per KV element (`kv_read_bytes`):
+# its point moves right along the roofline, at a higher intensity, as well as doing less work. GDN's decode moves fewer
+# bytes under its kernel, by the ratio of their passes over the states (XLA's gather of the decoding sequences' states
+# and its scatter back, `xla_tpu_gdn_state_passes` as compiled, against the kernel's one read and one write: the `mib`
+# column); its prefill the same. The permutes (no FLOPs at all: drawn at the left edge) move fewer bytes under the
+# kernels, by the ratio of their passes over the routed rows: this library's layer around the Pallas grouped GEMM makes
+# `kernels_moe_permute_passes` of them as compiled, where the model prices XLA's path at four. A saving, but a small one
+# beside the others.
 
 # %%
 from qwen35_lib import data as data_files
@@ -364,7 +364,7 @@ for st, e in experts.items():
 # as the TPU7x compile has it, moves `xla_tpu_fp8_expert_bytes` bytes a parameter (the figure printed above: the
 # scan's sliced copy and its relayouts, a float32 scale broadcast over the weight, the dequantizing fusions, bf16
 # relayouts, `ragged_dot`'s read). Attention is the other large saving: the ragged kernel reads each sequence's own
-# pages, once, in FP8, where this library's XLA attention reads up to the batch's longest context for every decode
+# pages, once, in FP8, where this library's XLA attention reads up to its group's longest context for every decode
 # token and every item of `ITEM_BLOCK` prompt tokens and converts every value to float32 first (tens of bytes a value
 # once compiled: the facts `xla_tpu_paged_attention_bytes`, `xla_tpu_items_attention_bytes`). Attention and the MoE
 # make nearly all of the saving on both workloads; which of the two is larger depends on how much context the XLA
@@ -522,11 +522,12 @@ notebook.save_results("kernel_swaps", record)
 #    tenth of the longest (9216), what happens to the bytes of XLA's attention and of the Pallas kernel?
 #    <details><summary>Answer</summary>
 #
-#    XLA's do not move: every decode token reads the longest context (`ops.attention_block` with `attention="xla"`
-#    charges `max_ctx`). The kernel's fall with the mean, the contexts it really reads. Check with
-#    `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pl)["attn_core"]` for the
-#    placements `costmodel.step.placement(cfg, specs.get("tpu7x-8"), get_stage(stage), kv_dtype="float8_e4m3fn")`
-#    of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).
+#    XLA's fall less than the kernel's: a rank's decode tokens walk in groups of `WALK_ROWS` sorted by context, each
+#    group to its own longest (`ops.walked_context`: the mean plus the gap to the longest over the groups), so a
+#    rank's decodes still read a share of the gap. The kernel's fall with the mean, the contexts it really reads.
+#    Check with `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pl)["attn_core"]`
+#    for the placements `costmodel.step.placement(cfg, specs.get("tpu7x-8"), get_stage(stage),
+#    kv_dtype="float8_e4m3fn")` of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).
 #    </details>
 #
 # 3. **[Interpret mode]** On a CPU runtime the Pallas attention above ran faster than XLA in interpret mode. Does
@@ -570,8 +571,9 @@ for st in ("hier_rs", "kernels"):
     attn[st] = [ops.attention_block(cfg_s, ops.Batch(decodes=512, decode_ctx=ctx, max_ctx=9216), pl)[
         "attn_core"].hbm_bytes for ctx in (4608, 922)]
 notebook.answer(2, "XLA's attention moves {x0:.2f} GiB a device at a mean context of half the longest and {x1:.2f} "
-                "GiB at a tenth (unchanged: it reads the longest); the Pallas kernel {p0:.2f} GiB then {p1:.2f} "
-                "GiB ({ratio:.0%} of it).", x0=attn["hier_rs"][0] / 2**30, x1=attn["hier_rs"][1] / 2**30,
+                "GiB at a tenth ({xratio:.0%} of it: each group of its tokens walks to its own longest); the Pallas "
+                "kernel {p0:.2f} GiB then {p1:.2f} GiB ({ratio:.0%} of it).", x0=attn["hier_rs"][0] / 2**30,
+                x1=attn["hier_rs"][1] / 2**30, xratio=attn["hier_rs"][1] / attn["hier_rs"][0],
                 p0=attn["kernels"][0] / 2**30, p1=attn["kernels"][1] / 2**30,
                 ratio=attn["kernels"][1] / attn["kernels"][0])
 notebook.answer(3, "nothing: on this runtime the Pallas kernels ran in {mode} mode on {where}; the TPU7x figures are "

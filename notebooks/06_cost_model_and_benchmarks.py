@@ -115,7 +115,7 @@ for name, t in (("kernels", t_kernels), ("baseline", t_baseline)):
 # activations. The baseline's XLA path moves `xla_tpu_fp8_expert_bytes` bytes for each FP8 expert parameter, as
 # its TPU7x compile does (a sliced copy and its relayouts, a float32 scale broadcast, the dequantizing fusions, a bf16
 # copy: section 5), so its expert time is many times larger, the largest part of this decode step; its attention,
-# which at decode walks every token over the batch's longest context at `xla_tpu_paged_attention_bytes` bytes a
+# which at decode walks every token over its group's longest context at `xla_tpu_paged_attention_bytes` bytes a
 # value once compiled (under TP, every request's replicated KV head on every device), comes second.
 
 # %%
@@ -239,17 +239,17 @@ notebook.claim("above_reported", "against this library's XLA baseline the model'
 
 # %% [markdown]
 # **Why the predictions differ from the reported gains.** Read the breakdown: the model's `baseline` is *our* TP8 on
-# this library's XLA path, as its TPU7x compile moves bytes: its largest costs are its attention (the KV pages
-# gathered, unpacked and converted to float32, tens of bytes for every FP8 value read, up to the batch's longest
-# context: a decode token's walk, or a prompt's items of `ITEM_BLOCK` tokens) and the routed experts (each layer
-# group's FP8 expert weights copied out of the scanned stack, relaid out and dequantized before the matmul reads
-# them). So the end-to-end ratio depends on how costly the baseline's XLA code is; section 3 splits it into what the
-# kernels buy under TP and what the layout buys with the kernels held, and sets the reported gains between the two.
-# Every stage and every corner is priced in this library's engine (one engine: no cache copies, the compiled
-# permutes), so a ratio is the change it names. The labelled serving mechanisms of `data/costmodel_assumptions.json`
-# (ranks stepping in lockstep, expert imbalance, host time per step, overlap, kernel efficiency at serving shapes;
-# each with its source and range) are in every prediction here; `python -m qwen35_lib.costmodel predict --explain`
-# prints them per component.
+# this library's XLA path, as its TPU7x compile moves bytes: its largest costs are its attention (the KV pages gathered,
+# unpacked and converted to float32, tens of bytes for every FP8 value read, up to its group's longest context: a decode
+# token's walk, or a prompt's items of `ITEM_BLOCK` tokens, in groups of `WALK_ROWS` by context) and the routed experts
+# (each layer group's FP8 expert weights copied out of the scanned stack, relaid out and dequantized before the matmul
+# reads them). So the end-to-end ratio depends on how costly the baseline's XLA code is; section 3 splits it into what
+# the kernels buy under TP and what the layout buys with the kernels held, and sets the reported gains between the two.
+# Every stage and every corner is priced in this library's engine (one engine: no cache copies, the compiled permutes),
+# so a ratio is the change it names. The labelled serving mechanisms of `data/costmodel_assumptions.json` (ranks
+# stepping in lockstep, expert imbalance, host time per step, overlap, kernel efficiency at serving shapes; each with
+# its source and range) are in every prediction here; `python -m qwen35_lib.costmodel predict --explain` prints them per
+# component.
 #
 # ### What each change buys, attributed
 #
@@ -282,12 +282,16 @@ print("priced in:", engines)
 # %% [markdown]
 # **Check.** On both workloads, under either layout, the kernels buy more than the layout does with either kernel
 # family, and more than all the collective steps together: most of the end-to-end log-gain is the kernels'. What
-# the layout buys depends on the kernels: with this library's XLA path it also saves most of what XLA's attention
-# pays for reading the replicated KV heads, which the ragged kernel no longer pays, so it buys less with the Pallas
-# kernels; with them on both sides it still gains (each device reads its own requests' KV once instead of a
-# replicated head of every request), less what this library's MoE layer spends permuting all the slice's routed rows
-# on every device under token replication (more passes over them than production's two, as compiled: the fact
-# `kernels_moe_permute_passes`).
+# the layout buys depends on the kernels and the workload. With this library's XLA path it saves most of what XLA's
+# attention pays for reading the replicated KV heads, which the ragged kernel no longer pays: on the prefill-heavy
+# workload, where that attention is the baseline's largest cost (notebook 01), the layout buys more with XLA's path
+# than with the Pallas kernels. On the decode-heavy workload XLA's MoE is most of the step, and the layout makes it no
+# cheaper (under EP the ranks wait for their most loaded experts: notebook 02); a rank's few decode tokens also walk
+# the pages in fewer groups by context than TP's whole batch, each group to its own longest; there the layout buys
+# less with XLA's path than with the kernels. With the kernels on both sides it gains on both (each device reads its
+# own requests' KV once instead of a replicated head of every request), less what this library's MoE layer spends
+# permuting all the slice's routed rows on every device under token replication (more passes over them than
+# production's two, as compiled: the fact `kernels_moe_permute_passes`).
 # Of the collective steps, token replication (over the all-to-all dispatch) buys the most. The DP + EP layout is
 # also what makes the step fit at the serving shape: the TP baseline's compile is refused (section 5 and notebook
 # 01).
@@ -313,10 +317,11 @@ notebook.claim("kernels_buy_most", "the kernels buy more than the layout on both
                                for e in (a8, a1)), "kernels' gains > layout's, both workloads",
                k8=a8["kernels_under_dp_ep"], l8=a8["layout_with_xla"], k1=a1["kernels_under_dp_ep"],
                l1=a1["layout_with_xla"])
-notebook.claim("layout_worth_less_with_pallas", "the layout is worth more with this library's XLA path than with "
-               "Pallas kernels: {x8:.2f}x against {p8:.2f}x on 8k/1k, {x1:.2f}x against {p1:.2f}x on 1k/8k",
-               a8["layout_with_xla"] > a8["layout_with_pallas"] and a1["layout_with_xla"] > a1["layout_with_pallas"],
-               "layout_with_xla > layout_with_pallas, both workloads", x8=a8["layout_with_xla"],
+notebook.claim("layout_xla_vs_pallas", "the layout is worth more with this library's XLA path than with Pallas "
+               "kernels on the prefill-heavy workload ({x8:.2f}x against {p8:.2f}x on 8k/1k) and less on the "
+               "decode-heavy one ({x1:.2f}x against {p1:.2f}x on 1k/8k)",
+               a8["layout_with_xla"] > a8["layout_with_pallas"] and a1["layout_with_xla"] < a1["layout_with_pallas"],
+               "layout_with_xla > layout_with_pallas on 8k/1k, < on 1k/8k", x8=a8["layout_with_xla"],
                p8=a8["layout_with_pallas"], x1=a1["layout_with_xla"], p1=a1["layout_with_pallas"])
 notebook.claim("layout_gains_with_pallas", "with Pallas kernels on both sides, priced in one engine, the DP + EP "
                "layout still gains: {p8:.2f}x TP8's on 8k/1k, {p1:.2f}x on 1k/8k",
@@ -387,12 +392,12 @@ print("facts (XLA path, per the TPU7x compiles):", facts)
 # %% [markdown]
 # **Check.** The reported gains lie between the two factors: above what the layout and the collective steps buy with
 # the kernels held, below what the whole ladder buys over this library's XLA baseline. Most of the baseline's time is
-# what its XLA path pays beyond the Pallas kernels, and its attention is the largest part of that on both workloads:
-# it gathers each page and converts every FP8 value to float32 before it scores (the facts
+# what its XLA path pays beyond the Pallas kernels. On the prefill-heavy workload its attention is the largest part of
+# that: it gathers each page and converts every FP8 value to float32 before it scores (the facts
 # `xla_tpu_paged_attention_bytes` for a decode token's walk, `xla_tpu_items_attention_bytes` for a prompt's items of
-# `ITEM_BLOCK` tokens), up to the batch's longest context, where the ragged kernel reads each sequence's own pages
-# once in FP8. The routed experts come next: about `xla_tpu_fp8_expert_bytes` bytes of HBM traffic for each FP8
-# parameter against one. Under TP the dense projections cost the same in both corners (the Pallas dense kernel runs
+# `ITEM_BLOCK` tokens), up to its group's longest context, where the ragged kernel reads each sequence's own pages
+# once in FP8. On the decode-heavy workload the routed experts are: about `xla_tpu_fp8_expert_bytes` bytes of HBM
+# traffic for each FP8 parameter against one, in every decode step. Under TP the dense projections cost the same in both corners (the Pallas dense kernel runs
 # where a device holds whole heads, under DP). The layout's own saving on attention is larger on this library's XLA
 # path than with the kernels, which already read each KV value once.
 
@@ -408,16 +413,17 @@ notebook.claim("reported_between", "the reported gains lie between the two facto
                lp1=a1["layout_with_pallas"], e8=a8["end_to_end"], e1=a1["end_to_end"], kt8=a8["kernels_under_tp"],
                kt1=a1["kernels_under_tp"])
 xla_path = ("on {wl} this library's XLA path costs the TP baseline {gap:.0f} of its {total:.0f} ms per 1,000 tokens "
-            "beyond the Pallas kernels at the same layout, and attention is the largest part of it: {attention:.0f} ms "
-            "(the routed experts {experts:.0f}, GDN's state {gdn:.0f}, the permutes {permutes:.1f}, the dense "
-            "projections {dense:.1f})")
-xla_path_holds = {wl: gap[wl] > base_total[wl] / 2 and max(xla_pays[wl], key=xla_pays[wl].get) == "attention"
-                  for wl in gap}
-xla_path_relation = "gap > half the baseline's time; attention is its largest part"
-notebook.claim("xla_path_attention_8k1k", xla_path, xla_path_holds["8k/1k"], xla_path_relation, wl="8k/1k",
-               gap=gap["8k/1k"], total=base_total["8k/1k"], **xla_pays["8k/1k"])
-notebook.claim("xla_path_attention_1k8k", xla_path, xla_path_holds["1k/8k"], xla_path_relation, wl="1k/8k",
-               gap=gap["1k/8k"], total=base_total["1k/8k"], **xla_pays["1k/8k"])
+            "beyond the Pallas kernels at the same layout, and {part} is the largest part of it: attention "
+            "{attention:.0f} ms, the routed experts {experts:.0f}, GDN's state {gdn:.0f}, the permutes {permutes:.1f}, "
+            "the dense projections {dense:.1f}")
+xla_path_holds = {wl: gap[wl] > base_total[wl] / 2 and max(xla_pays[wl], key=xla_pays[wl].get) == part
+                  for wl, part in (("8k/1k", "attention"), ("1k/8k", "experts"))}
+notebook.claim("xla_path_attention_8k1k", xla_path, xla_path_holds["8k/1k"], "gap > half the baseline's time; "
+               "attention is its largest part", wl="8k/1k", gap=gap["8k/1k"], total=base_total["8k/1k"],
+               part="attention", **xla_pays["8k/1k"])
+notebook.claim("xla_path_experts_1k8k", xla_path, xla_path_holds["1k/8k"], "gap > half the baseline's time; the "
+               "routed experts are its largest part", wl="1k/8k", gap=gap["1k/8k"], total=base_total["1k/8k"],
+               part="the routed experts", **xla_pays["1k/8k"])
 layout_attn = {wl: dict(xla=c["baseline"]["attention"] - c["hier_rs"]["attention"],
                        pallas=c["google_baseline"]["attention"] - c["kernels"]["attention"])
                for wl, c in corner_ms.items()}
@@ -480,17 +486,17 @@ if cpu_rows or bench:
     display(viz.plot_cpu_validation(cpu_rows + (bench["cpu_steps"] if bench else [])))
 
 # %% [markdown]
-# **Check.** The target is every case's ratio within `TARGET` of one (printed with the ratios, with whether all
-# meet it). What the CPU model charges: the engine's CPU step is an unrolled loop over per-layer weights and caches
-# (`model.layer_loop.unrolled`), so each weight byte is read once at the measured read rate and no cache is copied;
-# the attention's longest context once per item (a run of one sequence's tokens inside a block of `ITEM_BLOCK`)
-# where a step has a prompt chunk (the CPU's `items`), else once per token; the MoE's touched experts once, their
-# FLOPs at the matmul peak (the CPU's `native` kernel); the GDN's prompt tokens as one state update each (the
-# `native` handler) at the measured element-wise rate; each launched op its measured fixed cost. The model is a
-# roofline at rates measured in
-# isolation, so a ratio below one is time the step spends above that roofline: `python -m qwen35_lib.bench engine`
-# prints the step's profile, component by component, beside each floor. Timings on a shared 2-core machine move
-# with its load, which is printed with the ratios; no timing is asserted (benchmarks report, they do not assert).
+# **Check.** The target is every case's ratio within `TARGET` of one (printed with the ratios, with whether all meet
+# it). What the CPU model charges: the engine's CPU step is an unrolled loop over per-layer weights and caches
+# (`model.layer_loop.unrolled`), so each weight byte is read once at the measured read rate and no cache is copied; the
+# attention's context up to its group's longest once per item (a run of one sequence's tokens inside a block of
+# `ITEM_BLOCK`) where a step has a prompt chunk (the CPU's `items`), else once per token; the MoE's touched experts
+# once, their FLOPs at the matmul peak (the CPU's `native` kernel); the GDN's prompt tokens as one state update each
+# (the `native` handler) at the measured element-wise rate; each launched op its measured fixed cost. The model is a
+# roofline at rates measured in isolation, so a ratio below one is time the step spends above that roofline: `python -m
+# qwen35_lib.bench engine` prints the step's profile, component by component, beside each floor. Timings on a shared
+# 2-core machine move with its load, which is printed with the ratios; no timing is asserted (benchmarks report, they do
+# not assert).
 
 # %%
 import os
