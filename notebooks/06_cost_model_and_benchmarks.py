@@ -390,16 +390,16 @@ for wl, c in corner_ms.items():
 print("facts (XLA path, per the TPU7x compiles):", facts)
 
 # %% [markdown]
-# **Check.** The reported gains lie between the two factors: above what the layout and the collective steps buy with
-# the kernels held, below what the whole ladder buys over this library's XLA baseline. Most of the baseline's time is
-# what its XLA path pays beyond the Pallas kernels. On the prefill-heavy workload its attention is the largest part of
-# that: it gathers each page and converts every FP8 value to float32 before it scores (the facts
+# **Check.** The reported gains lie between the two factors: above what the layout and the collective steps buy with the
+# kernels held, below what the whole ladder buys over this library's XLA baseline. Most of the baseline's time is what
+# its XLA path pays beyond the Pallas kernels. On the prefill-heavy workload its attention is the largest part of that:
+# it gathers each page and converts every FP8 value to float32 before it scores (the facts
 # `xla_tpu_paged_attention_bytes` for a decode token's walk, `xla_tpu_items_attention_bytes` for a prompt's items of
-# `ITEM_BLOCK` tokens), up to its group's longest context, where the ragged kernel reads each sequence's own pages
-# once in FP8. On the decode-heavy workload the routed experts are: about `xla_tpu_fp8_expert_bytes` bytes of HBM
-# traffic for each FP8 parameter against one, in every decode step. Under TP the dense projections cost the same in both corners (the Pallas dense kernel runs
-# where a device holds whole heads, under DP). The layout's own saving on attention is larger on this library's XLA
-# path than with the kernels, which already read each KV value once.
+# `ITEM_BLOCK` tokens), up to its group's longest context, where the ragged kernel reads each sequence's own pages once
+# in FP8. On the decode-heavy workload the routed experts are: about `xla_tpu_fp8_expert_bytes` bytes of HBM traffic for
+# each FP8 parameter against one, in every decode step. Under TP the dense projections cost the same in both corners
+# (the Pallas dense kernel runs where a device holds whole heads, under DP). The layout's own saving on attention is
+# larger on this library's XLA path than with the kernels, which already read each KV value once.
 
 # %%
 gap = {wl: sum(v.values()) for wl, v in xla_pays.items()}
