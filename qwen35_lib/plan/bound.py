@@ -126,8 +126,9 @@ class BoundPlan:
 
     def placed(self, config: Config | None = None) -> Config:
         """The config the program runs: the one placed when it was bound (computed once) where `config` is None,
-        the model bound or that placed config; else `config` placed here (another model's)."""
-        if config is None or config == self.model or config == self.config:
+        the model bound or that placed config (the same objects: `Config` equality ignores the name and EOS ids);
+        else `config` placed here."""
+        if config is None or config is self.model or config is self.config:
             if self.config is None:
                 raise ValueError(f"plan {self.name!r} was bound without a model: bind it with one "
                                  "(plan.bind(mesh, config)) or pass the config")

@@ -185,7 +185,7 @@ def _xla_step(words: bool) -> dict:
     mesh = aot.chip_core_mesh()
     shape = dataclasses.replace(sweep.SERVING, requests=REQUESTS, context_len=CONTEXT, page_size=PAGE)
     plan = get_stage("dp_ep").bind(mesh, cfg)
-    with mock.patch.object(cache, "kv_words_for", cache.kv_words_for if words else lambda plan, kv_dtype: False):
+    with mock.patch.object(cache, "kv_words_for", cache.kv_words_for if words else lambda plan: False):
         c = aot.compile_step(cfg, plan, mesh, requests=REQUESTS, context_len=CONTEXT, decode=REQUESTS // 8,
                              page_size=PAGE, kv_dtype=shape.kv_dtype, weight_layouts="mxu")
         pools = aot.cache_pools(placed_config(cfg, plan, mesh), plan, mesh, sweep.cache_shape(shape, plan, mesh))

@@ -38,3 +38,12 @@ def test_bound_keeps_a_plan_bound_there_and_rebinds_elsewhere():
     assert run.on_devices(8) is run and run.on_devices(4).layout == "dp_ep"
     with pytest.raises(ValueError, match="is the 8-device instance of 'dp_ep'"):
         run.bound(plan_lib.abstract_mesh(4), cfg)
+
+
+def test_placed_keeps_what_config_equality_ignores():
+    """`Config` equality ignores the name and the EOS ids: a config equal to the bound model but with its own EOS ids
+    (a checkpoint's generation_config) is placed as given, not swapped for the bound one."""
+    cfg = get_config("qwen3.5-tiny")
+    run = plan_lib.SINGLE.bind(None, cfg)
+    other = cfg.replace(eos_token_ids=(7,))
+    assert other == cfg and run.placed(other).eos_token_ids == (7,) and run.placed(cfg) is run.config
