@@ -48,6 +48,9 @@ class CacheShape:
     num_slots: int = 9  # per rank, including the null slot 0: at most num_slots - 1 running sequences
     kv_dtype: str | None = None  # None: the model dtype; "float8_e4m3fn": FP8 with per-token scales
     kv_words: bool = False  # the FP8 pool as uint32 words, 4 values a word (`kv_words_for`)
+    # V = 1 + speculative tokens: with V > 1 each GDN slot also keeps V state checkpoints and a conv window of
+    # K - 1 + V inputs (the `*_ckpt` pools), from which a verification keeps the accepted position's
+    verify: int = 1
 
     def __post_init__(self):
         if self.num_pages < 2 or self.num_slots < 2 or self.page_size < 1 or self.ranks < 1:
@@ -105,6 +108,12 @@ def declare_cache(config: Config, shape: CacheShape) -> dict:
             out[name] = ArrayInfo((*slots, K - 1, heads, hd), dt, (*lead, None, None, axis, None), "zeros")
         out["state"] = ArrayInfo((*slots, c.gdn_num_v_heads, c.gdn_k_head_dim, c.gdn_v_head_dim),
                                  jnp.dtype(c.gdn_state_dtype), (*lead, None, "gdn_v_heads", None, None), "zeros")
+        if s.verify > 1:  # speculative verification's checkpoints: one more axis after the slot
+            for name in ("conv_q", "conv_k", "conv_v", "state"):
+                i, conv = out[name], name != "state"
+                rest = 4 if conv else 3  # a conv window replaces the K - 1 history rows; the state gains an axis
+                out[f"{name}_ckpt"] = ArrayInfo((*slots, s.verify + (K - 1 if conv else 0), *i.shape[rest:]), i.dtype,
+                                                (*i.logical_axes[:3], None, *i.logical_axes[rest:]), "zeros")
     return out
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -27,11 +28,20 @@ from qwen35_lib.engine.cache import (
 )
 from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
+from qwen35_lib.engine.speculative import (
+    accept,
+    check_request,
+    check_speculative,
+    draft_step,
+    head_inputs,
+    replicated,
+)
 from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
-from qwen35_lib.model.ragged import ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, shard_weights
+from qwen35_lib.model.mtp import declare_mtp, mtp_layer_config
+from qwen35_lib.model.ragged import keep_accepted, ragged_forward
+from qwen35_lib.parallel.layouts import batch_sharding, shard_weights, shardings
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE, BoundPlan, ServingPlan, axis_size
 
@@ -47,11 +57,16 @@ class EngineConfig:
     # the KV cache's dtype where the plan names none (None: the model dtype; "float8_e4m3fn": FP8 with per-token
     # scales); the engine reads the bound plan's (`BoundPlan.kv_dtype`), its one home
     kv_dtype: str | None = None
+    # k: tokens each running sequence drafts with the model's MTP head and the next step verifies
+    # (`engine.speculative`); 0: off
+    speculative_tokens: int = 0
 
     def __post_init__(self):
         for f in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_model_len", "ranks"):
             if getattr(self, f) < 1:
                 raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"EngineConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
 
     @property
     def pages_per_seq(self) -> int:
@@ -75,7 +90,8 @@ class EngineConfig:
         asks (`engine.cache.kv_words_for`). No plan: these knobs' own KV dtype, as values."""
         if plan is None:
             return CacheShape(ranks=self.ranks, num_pages=self.pages, page_size=self.page_size,
-                              num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype)
+                              num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype,
+                              verify=self.speculative_tokens + 1)
         return dataclasses.replace(self.cache_shape(), kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan))
 
 
@@ -109,6 +125,8 @@ class StepStats:
     recomputed: list[int] = dataclasses.field(default_factory=list)  # of those, tokens lost to a preemption before
     seqs: list[int] = dataclasses.field(default_factory=list)  # sequences per step
     mixed_steps: int = 0  # steps with decodes and prefill chunks together
+    drafted: int = 0  # speculative decoding: drafts verified, and of those accepted
+    accepted: int = 0
     buckets: set = dataclasses.field(default_factory=set)
     # per step, seconds in the jitted step: dispatch (and a compile, when `traces` grew), device, its tokens read
     step_seconds: list[float] = dataclasses.field(default_factory=list)
@@ -136,12 +154,13 @@ class Engine:
     """
 
     def __init__(self, config: Config, weights: dict, engine_config: EngineConfig | None = None, *, mesh=None,
-                 plan: ServingPlan | None = None, **knobs):
+                 plan: ServingPlan | None = None, mtp_weights: dict | None = None, **knobs):
         check_weights(config, weights)
         ec = engine_config or EngineConfig(**knobs)
         # the one check and binding (the KV dtype: the plan's, else the engine config's)
         plan = (SINGLE if plan is None else plan).bound(mesh, config, kv_dtype=ec.kv_dtype)
         kernel_registry.check_plan(plan)  # a kernel name no slot has: refused here, not at the first step's trace
+        check_speculative(plan, ec.speculative_tokens, mtp_weights)
         config = plan.placed(config)  # as bound: tp_kvrep's duplicated KV heads, the plan's GDN state dtype
         self.mesh = None if plan.layout == "single" else mesh
         if self.mesh is not None:  # one rank per data-parallel shard; weights and pools placed by the plan
@@ -159,19 +178,30 @@ class Engine:
         self.row_tile = rs_row_tile(plan) if self.mesh is not None else 1
         self.cache_shape = ec.cache_shape(plan)
         check_cache_memory(config, ec, self.cache_shape, self.mesh, plan)  # before a byte is allocated
-        if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
-            self.cache = per_layer_cache(config, init_cache(config, self.cache_shape), plan)
-        else:  # each device allocates only its own shards
-            shardings = cache_shardings(config, plan, self.cache_shape, mesh)
-            self.cache = jax.jit(partial(init_cache, config, self.cache_shape), out_shardings=shardings)()
+        self.cache = self._init_cache(config, self.cache_shape)
+        self.width = ec.speculative_tokens + 1  # tokens a decode row holds: its last token and its drafts
+        self.mtp_weights = self.head_cache = None
+        if self.width > 1:  # the MTP head, placed as the plan places a layer, and its own paged KV pool
+            lc = mtp_layer_config(config)
+            self.mtp_weights = mtp_weights if self.mesh is None else jax.device_put(
+                mtp_weights, shardings(declare_mtp(config), plan, mesh))
+            self.head_cache = self._init_cache(lc, dataclasses.replace(self.cache_shape, verify=1), per_layer=False)
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]
         self.stats = StepStats()
         self.step_fn = engine_step  # the jitted step this engine calls (a stand-in may replace it in tests)
+        self.draft_fn = draft_step  # and its drafter, with speculative_tokens > 0 (`engine.speculative.draft_step`)
         self._memory_checked: set[tuple[int, int]] = set()  # buckets whose step's working memory was checked
         self.results: dict[int, Result] = {}
         self._next_id = 0
         self._copy_fn = None  # the jitted `copy_rows` of the forks, built on the first fork
+
+    def _init_cache(self, config: Config, shape: CacheShape, per_layer: bool = True) -> dict:
+        if self.mesh is None:  # per-layer pools where the layers run unrolled (`model.layer_loop`)
+            cache = init_cache(config, shape)
+            return per_layer_cache(config, cache, self.plan) if per_layer else cache
+        placed = cache_shardings(config, self.plan, shape, self.mesh)  # each device allocates only its own shards
+        return jax.jit(partial(init_cache, config, shape), out_shardings=placed)()
 
     # --- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -226,32 +256,60 @@ class Engine:
         D, T = self._step_shape(plans)
         S = self.ec.max_num_seqs
         packs = [pack([w for _, w in p.decodes], [w for _, w in p.prefills], D, T, S, self.ec.pages_per_seq,
-                      self.chunk) for p in plans]
+                      self.chunk, self.width) for p in plans]
         tokens, meta = stack_ranks(packs)
         samp = self._sampling_arrays(plans, S)
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
+        accepted = drafts = None
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
             self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
-            next_tokens, self.cache = self.step_fn(self.config, self.plan, self._step_weights(), self.cache,
-                                                   tokens, meta, samp)
-            next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S], replicated on every device
+            weights = self._step_weights()
+            if self.width == 1:
+                next_tokens, self.cache = self.step_fn(self.config, self.plan, weights, self.cache, tokens, meta,
+                                                       samp)
+            else:  # verify, accept and roll back, then draft for the next step (`engine.speculative`)
+                next_tokens, accepted, self.cache, hidden = verify_step(self.config, self.plan, weights, self.cache,
+                                                                        tokens, meta)
+                ids, src = map(self._place, head_inputs(plans, packs, self.width))
+                drafts, self.head_cache = self.draft_fn(self.config, self.plan, self.width - 1, weights,
+                                                     self.mtp_weights, self.head_cache, hidden, tokens, meta,
+                                                     next_tokens, accepted, ids, src)
+                accepted, drafts = (np.asarray(x.addressable_data(0)) for x in (accepted, drafts))
+            next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S] ([R, S, V]), on every device
         self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
         now = time.perf_counter()
         self._record(plans)  # before commit: the recomputed count reads the requests' high-water marks
         events = []
         for rank, (sched, plan) in enumerate(zip(self.ranks, plans)):
-            for r, token in sched.commit(plan, next_tokens[rank]):
+            if drafts is not None:
+                self._count_drafts(plan, accepted[rank])
+            kept = None if accepted is None else accepted[rank]
+            for r, token in sched.commit(plan, next_tokens[rank], kept):
                 r.token_times.append(now)
                 events.append((r.id, token))
                 if r.finish_reason:
                     self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
                                                 r.token_times, r.preemptions)
+            if drafts is not None:
+                self._next_drafts(plan, drafts[rank])
         self._copy_forked()
         return events
+
+    def _count_drafts(self, plan: Plan, accepted: np.ndarray) -> None:
+        for s, (_, w) in enumerate(plan.decodes):
+            self.stats.drafted += len(w.tokens) - 1
+            self.stats.accepted += int(accepted[s]) - 1
+
+    def _next_drafts(self, plan: Plan, drafts: np.ndarray) -> None:
+        """Each row's sequence that emitted a token and runs on takes its drafts for the next step: up to k, and no
+        more than its remaining outputs after the next one."""
+        for s, (r, _) in enumerate(plan.items):
+            if r.finish_reason is None and r.slot and r.computed == len(r.known) - 1:
+                r.drafts = [int(t) for t in drafts[s, :max(0, r.params.max_new_tokens - len(r.output) - 1)]]
 
     def _copy_forked(self) -> None:
         """The forks' own copies of their prompt's last page and GDN slot (`RankScheduler.copies`), on the device,
@@ -276,12 +334,13 @@ class Engine:
         the devices have left once the caches are placed (on XLA:CPU the step's temporaries grow with the pools:
         the XLA paged attention gathers every sequence's pages). Once per bucket; a stand-in step without `lower`
         is not checked."""
-        lower = getattr(self.step_fn, "lower", None)
+        fn, args = (self.step_fn, (samp,)) if self.width == 1 else (verify_step, ())  # the step this engine runs
+        lower = getattr(fn, "lower", None)
         if lower is None or (D, T) in self._memory_checked:
             return
-        key = (self.step_fn, self.config, self.plan, self.cache_shape, D, T, self.mesh)  # what the step depends on
+        key = (fn, self.config, self.plan, self.cache_shape, D, T, self.mesh)  # what the step depends on
         if key not in _STEP_BYTES:  # lowering and memory_analysis: ~0.3 s a bucket even with the compile cached
-            lowered = lower(self.config, self.plan, self._step_weights(), self.cache, tokens, meta, samp)
+            lowered = lower(self.config, self.plan, self._step_weights(), self.cache, tokens, meta, *args)
             _STEP_BYTES[key] = step_working_bytes(lowered.compile())
         self._memory_checked.add((D, T))
         devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
@@ -300,7 +359,7 @@ class Engine:
 
     def step_shape(self, decodes: int, prefill: int) -> tuple[int, int]:
         """The (D, T) bucket of a step of `decodes` decode rows and `prefill` prefill tokens (whole GDN chunks) a
-        rank: decode rows, and all rows (decode rows + the prefill region).
+        rank: decode rows, and all rows (decode rows of `width` tokens each + the prefill region).
 
         1. D: the decode bucket (a power of two), P: the prefill bucket (0 or chunks by powers of two);
         2. where the MoE reduce-scatters each rank's rows over the mesh (`rs_row_tile`), a step with a prefill
@@ -309,7 +368,7 @@ class Engine:
         D, P = bucket(max(decodes, 1), self.decode_buckets), bucket(prefill, self.prefill_buckets)
         if P and self.row_tile > 1:
             D = -(-D // self.row_tile) * self.row_tile
-        return D, D + P
+        return D, D * self.width + P
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (D, T) bucket this engine's step takes (`step_shape` of each decode and prefill bucket)."""
@@ -367,7 +426,7 @@ class Engine:
             if (D, T) not in formed:
                 raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: {formed}")
             empty = Plan([], [])
-            tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk)] * R)
+            tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk, self.width)] * R)
             samp = self._sampling_arrays([empty] * R, S)
             if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
                 samp["proc"] = processing_arrays((R, S), self.config.vocab_size)
@@ -419,7 +478,7 @@ class Engine:
     def _record(self, plans: list[Plan]) -> None:
         st = self.stats
         st.steps += 1
-        st.tokens.append(sum(p.tokens for p in plans))
+        st.tokens.append(sum(p.tokens for p in plans))  # a verified row's drafts included
         st.seqs.append(sum(len(p.decodes) + len(p.prefills) for p in plans))
         st.mixed_steps += any(p.decodes and p.prefills for p in plans)
         st.recomputed.append(sum(p.recomputed for p in plans))
@@ -473,6 +532,7 @@ def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int]
         bad = [t for t in ids if t >= config.vocab_size]
         if bad:
             raise ValueError(f"{what} id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    check_request(ec.speculative_tokens, params)
     total = len(prompt) + params.max_new_tokens
     if total > ec.max_model_len:
         raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
@@ -560,12 +620,7 @@ def engine_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, toke
     meta, samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
     TRACES[0] += 1  # runs only while tracing
     logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan))  # [R, S, V]
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:  # vocab-parallel logits computed split, then gathered once (vLLM's logits gather)
-        vocab = plan.axes("vocab")
-        if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
-            logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, None, vocab))
-        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, S, V]
+    logits = _gathered(cfg, plan, logits)
     R, S, V = logits.shape
     flat = lambda x: x.reshape(R * S)
     # optional keys: callers that lower the step with the older arrays (aot, costmodel.validate) need neither
@@ -573,7 +628,29 @@ def engine_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, toke
     min_p = flat(samp["min_p"]) if "min_p" in samp else None
     next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
                          flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]), min_p, proc)
-    next_tokens = next_tokens.reshape(R, S)
-    if not jax.sharding.get_abstract_mesh().empty:  # every process reads all ranks' tokens
-        next_tokens = jax.lax.with_sharding_constraint(next_tokens, PartitionSpec())
-    return next_tokens, cache
+    return replicated(next_tokens.reshape(R, S)), cache
+
+
+def _gathered(cfg: Config, plan: ServingPlan, logits):
+    """Logits [R, ..., V] computed vocab-parallel where the plan splits the vocabulary, then gathered once (vLLM's
+    logits gather), split by rank only."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        vocab, inner = plan.axes("vocab"), (None,) * (logits.ndim - 2)
+        if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
+            logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, *inner, vocab))
+        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, ..., V]
+    return logits
+
+
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def verify_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta):
+    """`engine_step` with drafts to verify (`engine.speculative`, greedy): the ragged forward of decode rows of V
+    tokens, the target's greedy token after each [R, S, V], the tokens each row keeps [R, S] (`accept`), the cache
+    rolled back to them (`model.ragged.keep_accepted`) and the normed hidden states [R, T, D] the head drafts from.
+    Returns (targets, accepted, cache, hidden)."""
+    TRACES[0] += 1  # runs only while tracing
+    logits, cache, hidden = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan), return_hidden=True)
+    targets = jnp.argmax(_gathered(cfg, plan, logits), axis=-1).astype(jnp.int32)  # [R, S, V]
+    accepted = accept(tokens, meta, targets)
+    return replicated(targets), replicated(accepted), keep_accepted(cache, meta, accepted), hidden

@@ -53,6 +53,7 @@ class Request:
     preemptions: int = 0
     matcher: Any = None  # structured outputs: this request's grammar matcher (`engine.structured.Matcher`)
     forks: list[Request] = dataclasses.field(default_factory=list)  # the group's other choices, forked at fork_at
+    drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens the next decode verifies
     # timestamps (time.perf_counter) for the throughput harness
     arrival: float = 0.0
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -79,8 +80,8 @@ class Plan:
         return self.decodes + self.prefills
 
     @property
-    def tokens(self) -> int:
-        return len(self.decodes) + sum(len(w.tokens) for _, w in self.prefills)
+    def tokens(self) -> int:  # a decode's drafts included
+        return sum(len(w.tokens) for _, w in self.items)
 
     @property
     def recomputed(self) -> int:  # planned tokens that were in the cache before a preemption (valid until commit)
@@ -116,15 +117,16 @@ class RankScheduler:
     def plan(self) -> Plan:
         plan = Plan([], [])
         budget, region = self.budget, self.prefill_region
-        for r in list(self.running):  # 1. decodes, oldest first
+        for r in list(self.running):  # 1. decodes, oldest first (with their drafts, as the budget allows)
             if budget == 0:
                 break
             if r.computed != len(r.known) - 1:
                 continue
-            if not self._room_for_decode(r, plan):
+            new = r.known[r.computed:] + r.drafts[:budget - 1]
+            if not self._room_for_decode(r, plan, len(new)):
                 break  # r preempted itself: it was the newest, no one after it is running
-            plan.decodes.append((r, SeqWork(r.known[r.computed:], r.computed, list(r.pages), r.slot)))
-            budget -= 1
+            plan.decodes.append((r, SeqWork(new, r.computed, list(r.pages), r.slot)))
+            budget -= len(new)
         for r in self.running:  # 2. prompt chunks of running requests
             if r.computed < len(r.known) - 1 and budget > 0 and region >= self.chunk:
                 budget, region = self._add_chunk(plan, r, budget, region)
@@ -154,19 +156,18 @@ class RankScheduler:
     def _growth(self, r: Request) -> int:  # pages r may still take: its last token is sampled, never written
         return max(0, self._pages_for(len(r.prompt) + r.params.max_new_tokens - 1) - len(r.pages))
 
-    def _room_for_decode(self, r: Request, plan: Plan) -> bool:
-        """A page for r's next token if it needs one, preempting the newest running requests; False when r
-        itself was preempted."""
-        if self._pages_for(r.computed + 1) <= len(r.pages):
-            return True
-        while not self.free_pages:
-            victim = self.running[-1]
-            assert all(victim is not q for q, _ in plan.items), "a victim is newer than every planned request"
-            self.preempt(victim)
-            plan.preempted.append(victim)
-            if victim is r:
-                return False
-        r.pages.append(self.free_pages.popleft())
+    def _room_for_decode(self, r: Request, plan: Plan, tokens: int = 1) -> bool:
+        """Pages for r's next `tokens` tokens (its drafts too) where it needs them, preempting the newest running
+        requests; False when r itself was preempted."""
+        while self._pages_for(r.computed + tokens) > len(r.pages):
+            while not self.free_pages:
+                victim = self.running[-1]
+                assert all(victim is not q for q, _ in plan.items), "a victim is newer than every planned request"
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                if victim is r:
+                    return False
+            r.pages.append(self.free_pages.popleft())
         return True
 
     def _add_chunk(self, plan: Plan, r: Request, budget: int, region: int) -> tuple[int, int]:
@@ -180,6 +181,7 @@ class RankScheduler:
         self.running.remove(r)
         self.release(r)
         r.computed = 0
+        r.drafts = []  # drafted from a state that is gone
         r.preemptions += 1
         self.preemptions += 1
         bisect.insort(self.waiting, r, key=lambda q: q.id)  # at the front, unless a fork waits alone before it
@@ -241,24 +243,38 @@ class RankScheduler:
             self.free_slots.append(r.slot)
             r.slot = 0
 
-    def commit(self, plan: Plan, sampled: Sequence[int]) -> list[tuple[Request, int]]:
+    def commit(self, plan: Plan, sampled: Sequence, accepted: Sequence[int] | None = None
+               ) -> list[tuple[Request, int]]:
         """Apply a step: `sampled[s]` is the token sampled after row s of `plan.items`. Returns the (request,
-        token) pairs that became outputs; a request that then finished has its `finish_reason` set and is gone."""
+        token) pairs that became outputs; a request that then finished has its `finish_reason` set and is gone.
+        With drafts verified (`accepted` given, `engine.speculative`): `sampled[s]` [V] holds the target's token after
+        each of row s's tokens, and a decode row keeps `accepted[s]` of its tokens (its last one and the accepted
+        drafts) and outputs as many: the accepted drafts (equal to the target's) and the target's next token, up
+        to a stop token or max_new_tokens."""
         events = []
         for s, (r, w) in enumerate(plan.items):
             assert r.computed == w.start_pos, "a plan is committed once, right after it is made"
-            r.computed += len(w.tokens)
+            verified = accepted is not None and s < len(plan.decodes)
+            r.computed += int(accepted[s]) if verified else len(w.tokens)
             r.high = max(r.high, r.computed)
+            r.drafts = []
             if r.forks and r.computed == r.fork_at:
                 self._fork(r)
-            if r.computed == len(r.known):  # all known tokens are in: the sample is the next output
-                token = int(sampled[s])
+            if verified:  # the kept drafts are outputs, then the target's token after the last kept one
+                new = sampled[s][:int(accepted[s])]
+            elif r.computed == len(r.known):  # all known tokens are in: the sample is the next output
+                new = [sampled[s] if accepted is None else sampled[s][0]]
+            else:
+                continue
+            for token in map(int, new):
                 r.output.append(token)
                 events.append((r, token))
                 if token in r.stop_ids:
                     self.finish(r, "eos")
-                elif len(r.output) >= r.params.max_new_tokens:
+                    break
+                if len(r.output) >= r.params.max_new_tokens:
                     self.finish(r, "length")
+                    break
         return events
 
     def finish(self, r: Request, reason: str) -> None:

@@ -29,8 +29,10 @@ def _prepare(q, k, v, g, beta):
     return tr(q), tr(k), tr(v.astype(jnp.float32)), tr(g.astype(jnp.float32)), tr(beta.astype(jnp.float32))
 
 
-def gdn_recurrent(q, k, v, g, beta, state):
-    """One token at a time: S = e^g S; S += k (beta (v - kᵀS)); o = qᵀS. Returns (o [B, T, Hv, dv], state)."""
+def gdn_recurrent(q, k, v, g, beta, state, keep_states: bool = False):
+    """One token at a time: S = e^g S; S += k (beta (v - kᵀS)); o = qᵀS. Returns (o [B, T, Hv, dv], state), and
+    with `keep_states` also the state after each token, [B, T, Hv, dk, dv] (speculative verification's checkpoints:
+    the same steps, their states kept)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [B, Hv, T, .]
 
     def step(S, xs):  # S: [B, Hv, dk, dv]
@@ -38,11 +40,14 @@ def gdn_recurrent(q, k, v, g, beta, state):
         S = S * jnp.exp(g_t)[..., None, None]
         kv = jnp.einsum("bhkv,bhk->bhv", S, k_t)
         S = S + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * (v_t - kv))
-        return S, jnp.einsum("bhkv,bhk->bhv", S, q_t)
+        o = jnp.einsum("bhkv,bhk->bhv", S, q_t)
+        return S, ((o, S) if keep_states else o)
 
     time_major = lambda x: jnp.moveaxis(x, 2, 0)
-    S, o = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(time_major, (q, k, v, g, beta))))
-    return jnp.moveaxis(o, 0, 1), S  # o: [B, T, Hv, dv]
+    S, ys = jax.lax.scan(step, state.astype(jnp.float32), tuple(map(time_major, (q, k, v, g, beta))))
+    if keep_states:
+        return jnp.moveaxis(ys[0], 0, 1), S, jnp.moveaxis(ys[1], 0, 1)
+    return jnp.moveaxis(ys, 0, 1), S  # o: [B, T, Hv, dv]
 
 
 def _chunk_terms(q, k, v, g, beta, C: int):
@@ -145,7 +150,8 @@ def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
     return o.astype(v.dtype), S
 
 
-def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None, prefill=None):
+def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None, prefill=None,
+                   checkpoints=None):
     """The delta rule over one rank's flat ragged tokens, with per-sequence state slots.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv] (0 at padding); states: [NS, Hv, dk, dv] (slot 0: null).
@@ -160,31 +166,41 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
     length, slot, start, states, fallback)` takes the region's tokens and, per sequence, its tokens [first,
     first + length) of the region (length 0: not in it), slot and start (False: a zero state); `fallback` (the
     chunked form here, same arguments) runs where it cannot.
-    Returns (o [T, Hv, dv] in v's dtype, states).
+    `checkpoints` [NS, V, Hv, dk, dv] (speculative verification, V = k + 1 > 1): the decode region holds V tokens a
+    row (`engine.batch.pack(..., width=V)`; a row's padding tokens have g = beta = 0 and leave its state as it was),
+    run by the recurrent form (`gdn_verify_xla`, whatever `decode` is), and the state after each of its V tokens is
+    written to its slot's V checkpoints, from which the engine keeps the accepted one.
+    Returns (o [T, Hv, dv] in v's dtype, states), and the checkpoints when given.
     """
     C = chunk_size
     D = meta.decode_seq.shape[0]
+    N = D if checkpoints is None else D * checkpoints.shape[1]  # the decode region's tokens
     T = q.shape[0]
     fresh = meta.kv_len == meta.q_len  # [S]: no context before this step -> zero state
 
-    # 1. decode region: one recurrent step per sequence
+    # 1. decode region: one recurrent step per sequence (V when verifying drafts)
     dseq = meta.decode_seq  # [D], -1 for padding
     dslot = jnp.where(dseq >= 0, meta.slot[jnp.clip(dseq, 0)], -1)  # [D], -1: padding
     start = (dseq >= 0) & ~fresh[jnp.clip(dseq, 0)]  # [D]: continues from its slot (else from zero)
-    o_dec, states = (decode or gdn_decode_xla)(*(x[:D] for x in (q, k, v, g, beta)), dslot, start, states)
-    if T == D:
-        return o_dec.astype(v.dtype), states
+    if checkpoints is None:
+        o_dec, states = (decode or gdn_decode_xla)(*(x[:D] for x in (q, k, v, g, beta)), dslot, start, states)
+    else:
+        o_dec, states, checkpoints = gdn_verify_xla(*(x[:N] for x in (q, k, v, g, beta)), dslot, start, states,
+                                                    checkpoints)
+    done = lambda o, states: (o, states) if checkpoints is None else (o, states, checkpoints)
+    if T == N:
+        return done(o_dec.astype(v.dtype), states)
 
     # 2. prefill region: chunks aligned to sequences
-    region = meta.q_start >= D  # [S]: the sequences of the prefill region (unused ones have length 0)
-    seqs = (meta.q_start - D, jnp.where(region, meta.q_len, 0), meta.slot, ~fresh)
+    region = meta.q_start >= N  # [S]: the sequences of the prefill region (unused ones have length 0)
+    seqs = (meta.q_start - N, jnp.where(region, meta.q_len, 0), meta.slot, ~fresh)
 
     def chunked(q, k, v, g, beta, first, length, slot, start, states):  # the XLA form: chunks, with meta's layout
-        return _prefill_chunked(q, k, v, g, beta, states, meta, fresh, D, C)
+        return _prefill_chunked(q, k, v, g, beta, states, meta, fresh, N, C)
 
     o_pre, states = (prefill or (lambda *a, fallback: fallback(*a)))(
-        *(x[D:] for x in (q, k, v, g, beta)), *seqs, states, fallback=chunked)
-    return jnp.concatenate([o_dec.astype(o_pre.dtype), o_pre]).astype(v.dtype), states
+        *(x[N:] for x in (q, k, v, g, beta)), *seqs, states, fallback=chunked)
+    return done(jnp.concatenate([o_dec.astype(o_pre.dtype), o_pre]).astype(v.dtype), states)
 
 
 def _prefill_chunked(q, k, v, g, beta, states, meta, fresh, D: int, C: int):
@@ -220,6 +236,26 @@ def _prefill_chunked(q, k, v, g, beta, states, meta, fresh, D: int, C: int):
     return jnp.swapaxes(o_pre, 1, 2).reshape(n * C, Hv, dv), states  # [n, Hv, C, dv] -> [T-D, Hv, dv]
 
 
+def _row_states(slot, start, states):
+    """The state each decode row starts from [D, Hv, dk, dv] float32: its slot's, or zeros (a fresh or padding row)."""
+    return jnp.where((start & (slot >= 0))[:, None, None, None], states[jnp.maximum(slot, 0)].astype(jnp.float32),
+                     0.0)
+
+
+def gdn_verify_xla(q, k, v, g, beta, slot, start, states, checkpoints):
+    """`gdn_decode_xla` over V tokens a row (speculative verification): q, k [D V, Hk, dk]; v [D V, Hv, dv]; g, beta
+    [D V, Hv], row i's tokens at [i V, i V + V); slot, start [D] as there; checkpoints [NS, V, Hv, dk, dv].
+    1. each row's V tokens through the recurrent form from its slot's state, keeping the state after each;
+    2. the last one into its slot, all V into its slot's checkpoints (a padding row: the null slot's).
+    Returns (o [D V, Hv, dv] float32, states, checkpoints)."""
+    D, V = slot.shape[0], checkpoints.shape[1]
+    rows = lambda x: x.reshape(D, V, *x.shape[1:])
+    o, S, kept = gdn_recurrent(*map(rows, (q, k, v, g, beta)), _row_states(slot, start, states), keep_states=True)
+    at = jnp.maximum(slot, 0)
+    return (o.reshape(D * V, *o.shape[2:]), states.at[at].set(S.astype(states.dtype)),
+            checkpoints.at[at].set(kept.astype(checkpoints.dtype)))
+
+
 def gdn_decode_xla(q, k, v, g, beta, slot, start, states):
     """One recurrent step per row from its state slot: the decode region of `gdn_ragged_xla`.
 
@@ -227,7 +263,7 @@ def gdn_decode_xla(q, k, v, g, beta, slot, start, states):
     start [D] bool (False, or a padding row: starts from a zero state); states [NS, Hv, dk, dv].
     Returns (o [D, Hv, dv] float32, states with each row's new state in its slot).
     """
-    S0 = jnp.where((start & (slot >= 0))[:, None, None, None], states[jnp.maximum(slot, 0)].astype(jnp.float32), 0.0)
+    S0 = _row_states(slot, start, states)
     o, S = gdn_recurrent(*(x[:, None] for x in (q, k, v, g, beta)), S0)  # [D, 1, Hv, dv], [D, Hv, dk, dv]
     return o[:, 0], states.at[jnp.maximum(slot, 0)].set(S.astype(states.dtype))
 

@@ -148,16 +148,35 @@ def _ragged_conv(x: jax.Array, taps: jax.Array, hist: jax.Array, meta) -> tuple[
     return y, hist.at[slots].set(new.astype(hist.dtype))
 
 
+def conv_window(x: jax.Array, hist: jax.Array, windows: jax.Array, meta) -> jax.Array:
+    """Speculative verification's conv checkpoints: each decode row's history followed by its V inputs, written to
+    its slot's window (`windows` [NS, K-1+V, H, d]; x [T, H, d] with row i's tokens at [i V, i V + V), padding zero;
+    hist [NS, K-1, H, d] before this step). After n of the row's tokens are accepted its history is rows
+    [n, n + K - 1) of the window (`model.ragged.keep_accepted`)."""
+    D, V = meta.decode_seq.shape[0], windows.shape[1] - hist.shape[1]
+    row = jnp.where(meta.decode_seq >= 0, meta.slot[:D], 0)  # [D]: row i is sequence i
+    fresh = (meta.kv_len[:D] == meta.q_len[:D])[:, None, None, None]
+    prev = jnp.where(fresh, 0, hist[row]).astype(windows.dtype)  # [D, K-1, H, d]
+    return windows.at[row].set(jnp.concatenate([prev, x[:D * V].reshape(D, V, *x.shape[1:]).astype(windows.dtype)],
+                                               1))
+
+
 def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, parallelism) -> tuple[jax.Array, dict]:
     """One GDN layer over a ragged batch: x [R, T, D]; meta fields [R, ...]; cache {"conv_q", ..., "state"}
     with [R, NS, ...] pools (NS: this layer's slots, or every layer's, `meta.slot` pointing at this layer's). The same
-    math as `gdn_block`, with per-sequence state slots."""
+    math as `gdn_block`, with per-sequence state slots. With checkpoint pools in `cache` ("state_ckpt", "conv_*_ckpt":
+    speculative verification, `engine.cache`) each decode row's state after each of its tokens and its conv window
+    are kept there too."""
     with jax.named_scope("gdn"):
         valid = meta.token_seq >= 0  # [R, T]
         x = jnp.where(valid[..., None], x, 0).astype(x.dtype)
         inputs, taps = {n: linear(x, w[f"w_{n}"]) for n in "qkv"}, {n: w[f"conv_{n}"] for n in "qkv"}
         out, new_cache = {}, {}
+        verify = "state_ckpt" in cache  # speculative verification: keep what a rollback needs (`conv_window`)
         for n in "qkv":  # each its own conv: x's taps are shifted views, nothing to gain by joining them
+            if verify:
+                new_cache[f"conv_{n}_ckpt"] = jax.vmap(conv_window)(inputs[n], cache[f"conv_{n}"],
+                                                                    cache[f"conv_{n}_ckpt"], meta)
             out[n], new_cache[f"conv_{n}"] = jax.vmap(ragged_conv, (0, None, 0, 0))(inputs[n], taps[n],
                                                                                      cache[f"conv_{n}"], meta)
         z = linear(x, w["w_z"])
@@ -165,7 +184,12 @@ def gdn_ragged_block(cfg: Config, w: dict, x: jax.Array, meta, cache: dict, para
         a = linear(x, w["w_a"]).astype(jnp.float32)
         g = jnp.where(valid[..., None], -jnp.exp(w["A_log"]) * jax.nn.softplus(a + w["dt_bias"]), 0.0)
         ragged = partial(for_plan("gdn", parallelism.plan).ragged, chunk_size=cfg.gdn_chunk_size)
-        o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, out["q"], out["k"], out["v"], g, beta,
-                                                     cache["state"], meta)
+        args = (out["q"], out["k"], out["v"], g, beta, cache["state"], meta)
+        if verify:  # the state after each of a decode row's V tokens, in its slot's checkpoints
+            run = lambda *a: ragged(*a[:-1], checkpoints=a[-1])
+            o, new_cache["state"], new_cache["state_ckpt"] = parallelism.per_rank(cfg, "gdn", run, *args,
+                                                                                  cache["state_ckpt"])
+        else:
+            o, new_cache["state"] = parallelism.per_rank(cfg, "gdn", ragged, *args)
         o = gated_rms_norm(o, z, w["norm"], cfg.rms_norm_eps)
         return linear(o, w["w_out"], contract=2), new_cache

@@ -34,9 +34,10 @@ from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.layer_loop import group_layers
 from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.parallelism import check_parallelism
+from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.weights import declare_mtp, init_mtp_weights, is_info, mtp_layer_config
 
-__all__ = ["declare_mtp", "init_mtp_weights", "mtp_forward", "mtp_layer_config"]
+__all__ = ["declare_mtp", "init_mtp_weights", "mtp_forward", "mtp_input", "mtp_layer_config", "ragged_mtp"]
 
 
 def mtp_forward(config: Config, weights: dict, mtp_weights: dict, hidden, next_ids, lengths=None,
@@ -72,10 +73,7 @@ def mtp_forward(config: Config, weights: dict, mtp_weights: dict, hidden, next_i
 def _mtp_forward(cfg: Config, parallelism, w: dict, embed: jax.Array, lm_head: jax.Array, hidden: jax.Array,
                  next_ids: jax.Array, positions: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
     with jax.named_scope("mtp"):
-        e = rms_norm(embed[next_ids], w["pre_fc_norm_embedding"], cfg.rms_norm_eps)  # [B, T, D]
-        g = rms_norm(hidden, w["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # [B, T, D]
-        with jax.named_scope("fc"):
-            x = linear(jnp.stack([e, g], axis=-2), w["fc"], contract=2)  # [B, T, 2, D] @ [2, D, D] -> [B, T, D]
+        x = mtp_input(cfg, w, embed, hidden, next_ids)
         lc = mtp_layer_config(cfg)
         (layer,) = group_layers(lc, jax.tree.map(lambda a: a[0], w["layers"]))  # leaves [1, ...] -> [...]
         valid = jnp.arange(x.shape[1])[None, :] < lengths[:, None]  # [B, T]
@@ -84,6 +82,28 @@ def _mtp_forward(cfg: Config, parallelism, w: dict, embed: jax.Array, lm_head: j
         out = rms_norm(x, w["norm"], cfg.rms_norm_eps)
         with jax.named_scope("lm_head"):
             return out, linear(out, lm_head, dtype=jnp.float32)  # [B, T, D], [B, T, V]
+
+
+def mtp_input(cfg: Config, w: dict, embed: jax.Array, hidden: jax.Array, next_ids: jax.Array) -> jax.Array:
+    """The head's layer input [..., D]: steps 1-2 of `mtp_forward` (hidden [..., D], next_ids [...])."""
+    e = rms_norm(embed[next_ids], w["pre_fc_norm_embedding"], cfg.rms_norm_eps)  # [..., D]
+    g = rms_norm(hidden, w["pre_fc_norm_hidden"], cfg.rms_norm_eps)  # [..., D]
+    with jax.named_scope("fc"):
+        return linear(jnp.stack([e, g], axis=-2), w["fc"], contract=2)  # [..., 2, D] @ [2, D, D] -> [..., D]
+
+
+def ragged_mtp(cfg: Config, weights: dict, mtp_weights: dict, cache: dict, hidden: jax.Array, next_ids: jax.Array,
+               meta, parallelism=None) -> tuple[jax.Array, dict, jax.Array]:
+    """The head over a ragged batch (the engine's drafts): hidden [R, T, D] and next_ids [R, T] as `mtp_forward`
+    takes them, `meta` a RaggedMeta whose `sample_tok` [R, S] names the rows whose drafts are wanted; `cache`: the
+    head's own paged KV pool (`engine.cache.init_cache(mtp_layer_config(cfg), shape)`), addressed by the main
+    model's page tables. Returns (float32 draft logits [R, S, V], cache, the head's normed hidden states [R, T, D])."""
+    head = dict(embed=weights["embed"], layers=mtp_weights["layers"], final_norm=mtp_weights["norm"],
+                lm_head=weights["lm_head"])
+    with jax.named_scope("mtp"):
+        x = mtp_input(cfg, mtp_weights, weights["embed"], hidden, next_ids)
+        return ragged_forward(mtp_layer_config(cfg), head, cache, None, meta, parallelism, embedded=x,
+                              return_hidden=True)
 
 
 def _check_mtp_weights(config: Config, mtp_weights: dict) -> None:

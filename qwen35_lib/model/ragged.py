@@ -15,8 +15,8 @@ from qwen35_lib.model.moe import stacked_experts, with_experts
 from qwen35_lib.model.parallelism import check_parallelism
 
 
-def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism=None
-                   ) -> tuple[jax.Array, dict]:
+def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism=None, *,
+                   embedded: jax.Array | None = None, return_hidden: bool = False) -> tuple[jax.Array, ...]:
     """float32 logits at each sequence's last new token, and the updated caches.
 
     tokens: [R, T]; meta: RaggedMeta with leading R; cache: see `qwen35_lib.engine.cache`; `parallelism` as in
@@ -25,12 +25,16 @@ def ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, m
     carry, one pool a kind, each layer's pages and slots addressed as rows of it and updated in place: no layer's
     pool is sliced out), or an unrolled loop when `weights["layers"]` holds per-layer leaves (`model.layer_loop`:
     XLA:CPU; the engine passes `prepare_weights(cfg, weights, plan)`).
+    With `meta.sample_tok` [R, S, V] (speculative verification, `engine.batch`) the logits are [R, S, V, vocab].
+    `embedded` [R, T, D]: the first layer's input instead of the token embeddings (the MTP head's, whose `tokens`
+    are then unused); `return_hidden`: also the last hidden states after the final norm at every token, [R, T, D].
     """
     with jax.named_scope("model"):  # the profile's model part (`bench.profile`); the engine samples after it
-        return _ragged_forward(cfg, weights, cache, tokens, meta, check_parallelism(cfg, parallelism))
+        return _ragged_forward(cfg, weights, cache, tokens, meta, check_parallelism(cfg, parallelism), embedded,
+                               return_hidden)
 
 
-GDN_POOLS = ("conv_q", "conv_k", "conv_v", "state")
+GDN_POOLS = ("conv_q", "conv_k", "conv_v", "state", "conv_q_ckpt", "conv_k_ckpt", "conv_v_ckpt", "state_ckpt")
 ATTN_POOLS = ("kv", "kv_scale")
 
 
@@ -56,9 +60,9 @@ def layer_rows(meta, field: str, j, rows: int | None):
     return meta._replace(**{field: getattr(meta, field) + j * rows})
 
 
-def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism
-                    ) -> tuple[jax.Array, dict]:
-    h = weights["embed"][tokens]  # [R, T, D]
+def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism, embedded=None,
+                    return_hidden: bool = False) -> tuple[jax.Array, ...]:
+    h = weights["embed"][tokens] if embedded is None else embedded  # [R, T, D]
     valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
     shapes = {name: pool.shape for name, pool in cache.items() if not is_per_layer(pool)}
     cache, rows = merged_pools(cache)  # {name: [R, L*X, ...]}: every layer's update lands in place
@@ -115,8 +119,43 @@ def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, 
         with jax.named_scope("layer_group"):
             (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))
     cache = {name: pool.reshape(shapes[name]) if name in shapes else pool for name, pool in cache.items()}
-    h = jnp.take_along_axis(h, meta.sample_tok[..., None], axis=1)  # [R, S, D]
-    h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    R = h.shape[0]
+    if return_hidden:  # every token's, normed (the MTP head's input); the logits' rows taken from them
+        hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)  # [R, T, D]
+        h = jnp.take_along_axis(hidden, meta.sample_tok.reshape(R, -1)[..., None], axis=1)
+    else:
+        h = jnp.take_along_axis(h, meta.sample_tok.reshape(R, -1)[..., None], axis=1)  # [R, S, D] ([R, S V, D])
+        h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
         logits = linear(h, weights["lm_head"], dtype=jnp.float32)  # [R, S, V]
-    return logits, cache
+    logits = logits.reshape(*meta.sample_tok.shape, logits.shape[-1])
+    return (logits, cache, hidden) if return_hidden else (logits, cache)
+
+
+def keep_accepted(cache: dict, meta, accepted: jax.Array) -> dict:
+    """Roll each verified sequence's GDN state back to its accepted position: `accepted` [R, S] tokens of each
+    decode row kept (1 + its accepted drafts); its slot's state becomes checkpoint n - 1 and its conv history rows
+    [n, n + K - 1) of its window (`deltanet.conv_window`), in every GDN layer, pools of either form
+    (`layer_loop`). The KV pages need nothing: the sequence's length decides what is read, and a rejected position
+    is written over when it comes again."""
+    D = meta.decode_seq.shape[-1]
+    slot = jnp.where(meta.decode_seq >= 0, meta.slot[:, :D], 0)  # [R, D]: decode row i is sequence i
+
+    def keep(pool, ckpt, slot, first):  # one rank and layer: pool [NS, ...] <- ckpt [NS, V or K-1+V, ...]
+        state = pool.ndim < ckpt.ndim  # the state: one checkpoint; a conv history: K - 1 rows of its window
+        width = 1 if state else pool.shape[1]
+        at = (first[:, None] + jnp.arange(width)).reshape(-1, width, *([1] * (ckpt.ndim - 2)))  # [D, width, 1...]
+        rows = jnp.take_along_axis(ckpt[slot], at, axis=1)  # [D, width, ...]
+        return pool.at[slot].set(rows[:, 0] if state else rows)
+
+    out = dict(cache)
+    for name in ("conv_q", "conv_k", "conv_v", "state"):
+        if f"{name}_ckpt" not in cache:
+            continue
+        pool, ckpt = cache[name], cache[f"{name}_ckpt"]
+        first = accepted[:, :D] - (name == "state")  # [R, D]
+        if is_per_layer(pool):
+            out[name] = tuple(jax.vmap(keep)(p, c, slot, first) for p, c in zip(pool, ckpt))
+        else:  # [R, L, NS, ...]: every layer at once
+            out[name] = jax.vmap(jax.vmap(keep, (0, 0, None, None)))(pool, ckpt, slot, first)
+    return out

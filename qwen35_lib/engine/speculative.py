@@ -1,0 +1,142 @@
+"""Speculative decoding with the model's own multi-token-prediction (MTP) head: draft, verify, accept, roll back.
+
+With `EngineConfig.speculative_tokens` = k > 0 every step of the engine (`Engine.step`):
+1. verifies: each decoding sequence's row in the decode region holds its last sampled token and its drafts, up to
+   V = k + 1 tokens (`engine.batch.pack(..., width=V)`), through the same paged attention and GDN kernels as any
+   other token; the logits of all V (`sample_tok` [S, V]) give the target's greedy tokens;
+2. accepts (`accept`, greedy: the standard rule): the longest prefix of drafts equal to the target's tokens, plus
+   the target's next token: n = 1 + accepted drafts tokens kept, all of them outputs;
+3. rolls back exactly: the KV pages by length (a rejected position is written over when it comes again), the GDN
+   conv and recurrent state from the checkpoints the verification kept (`model.ragged.keep_accepted`;
+   `kernels.gdn_xla.gdn_verify_xla`);
+4. drafts k tokens a sequence for the next step (`draft_step`): the head runs over every token of the step (each
+   position t with the target's normed hidden state and token t + 1: the prompt's next token, or the token the
+   target sampled there), filling its own KV cache, and its logits at each sequence's last kept token give draft
+   1; drafts 2..k chain on the head's own hidden state and draft, one token a sequence each (as vLLM's MTP
+   proposer chains them; `bench mtp`'s `draft_chain` is the same chain over dense rows).
+
+The head's attention keeps its own KV cache, paged like a main attention layer's and addressed by the same page
+tables (a pool of one layer: `Engine.head_cache`), so it needs no bookkeeping of its own: position t of a sequence is
+row t of its pages in both. Chained drafts write positions past the last kept token, which the next step's head
+pass writes over; those past the sequence's pages (late in a long acceptance run) land in the null page and only
+cost the draft some accuracy, never the output. Greedy only: the target's output is the same with or without
+drafts, whatever the head drafts.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from qwen35_lib.config import Config
+from qwen35_lib.engine.batch import RaggedMeta
+from qwen35_lib.model.mtp import ragged_mtp
+from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.plan import ServingPlan
+
+LAYOUTS = ("single", "dp_ep")  # the layouts (and their sized instances, `dp8_ep8`) speculation is tested under
+
+
+def check_speculative(plan, k: int, mtp_weights) -> None:
+    """A ValueError in one line when `k` speculative tokens cannot run under the bound `plan` or without a head."""
+    if k < 0:
+        raise ValueError(f"speculative_tokens must be >= 0, got {k}")
+    if not k:
+        return
+    if mtp_weights is None:
+        raise ValueError(f"speculative_tokens={k} drafts with the model's MTP head, and none was given: pass "
+                         "mtp_weights=qwen35_lib.checkpoint.load_mtp(path)[1] (a checkpoint with mtp.* tensors) or set "
+                         "speculative_tokens=0")
+    general = getattr(plan, "general", None) or plan.layout
+    if plan.layout not in LAYOUTS and general not in LAYOUTS:
+        raise ValueError(f"speculative_tokens={k} runs under layouts {LAYOUTS} (and their sized forms), not "
+                         f"{plan.layout!r}: use one of them or set speculative_tokens=0")
+    for slot, ok in (("gdn", ("xla", "native")), ("attention", ("xla", "items"))):
+        if plan.kernel(slot) not in ok:
+            raise ValueError(f"speculative_tokens={k} verifies with the {slot} kernels {ok} (their per-position "
+                             f"checkpoints), not {plan.kernel(slot)!r}: bind the plan with {slot}_kernel='xla' or "
+                             "set speculative_tokens=0")
+
+
+def check_request(k: int, params) -> None:
+    """A ValueError in one line for a request speculation cannot serve yet (greedy only)."""
+    if k and (params.temperature > 0 or params.processed):
+        raise ValueError(f"speculative_tokens={k} is greedy only for now (no rejection sampling, logits processing "
+                         "or structured output): use temperature=0 without penalties, logit_bias or structured "
+                         "output, or an engine with speculative_tokens=0")
+
+
+def accept(tokens: jax.Array, meta, targets: jax.Array) -> jax.Array:
+    """The standard greedy acceptance: for decode row i (sequence i) with q_len tokens [x, d_1, ..., d_{q_len-1}] at
+    [i V, i V + V) of `tokens` [R, T], and the target's greedy tokens `targets` [R, S, V] after each of them, the
+    tokens kept: 1 + the longest prefix of drafts with d_j == targets[i, j - 1]. Other rows keep 1. Returns [R, S]."""
+    R, S, V = targets.shape
+    D = meta.decode_seq.shape[-1]
+    drafts = tokens[:, :D * V].reshape(R, D, V)[..., 1:]  # [R, D, V-1]
+    real = jnp.arange(1, V) < meta.q_len[:, :D, None]  # [R, D, V-1]: a draft, not padding
+    run = jnp.cumprod((drafts == targets[:, :D, :-1]) & real, axis=-1)  # 1 while every draft so far matched
+    kept = 1 + jnp.sum(run, axis=-1).astype(jnp.int32)  # [R, D]
+    return jnp.ones((R, S), jnp.int32).at[:, :D].set(kept)
+
+
+def head_inputs(plans, packs, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The head pass's `next_ids` [R, T] and `next_src` [R, T] from the step's plans and packs: the token after each
+    position where the host knows it (the next token of the same row, or the prompt's next one past a prefill chunk
+    that does not finish it), else (`next_src` >= 0) its index s V + j in the step's targets [S, V]: a decode row's
+    target j, and the sampled token of a prefill row that finishes its prompt (j = 0)."""
+    R, T = len(packs), packs[0][0].shape[0]
+    ids, src = np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32)
+    for rank, (plan, (_, meta)) in enumerate(zip(plans, packs)):
+        for s, (r, w) in enumerate(plan.items):
+            first, n = int(meta.q_start[s]), len(w.tokens)
+            if s < len(plan.decodes):
+                src[rank, first:first + n] = s * V + np.arange(n)
+                continue
+            ids[rank, first:first + n - 1] = w.tokens[1:]
+            end = w.start_pos + n
+            if end < len(r.known):
+                ids[rank, first + n - 1] = r.known[end]
+            else:
+                src[rank, first + n - 1] = s * V
+    return ids, src
+
+
+def replicated(x: jax.Array) -> jax.Array:
+    """`x` replicated on every device where there is a mesh: every process reads all ranks' tokens."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return jax.lax.with_sharding_constraint(x, PartitionSpec())
+    return x
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def draft_step(cfg: Config, plan: ServingPlan, k: int, weights: dict, mtp_weights: dict, cache: dict, hidden,
+               tokens, meta, targets, accepted, next_ids, next_src):
+    """k greedy drafts a sequence [R, S, k] and the head's updated KV cache (donated by nothing: small), after a
+    verified step: `hidden` [R, T, D] the target's normed hidden states, `targets` [R, S, V] and `accepted` [R, S]
+    as `Engine.step` found them, `next_ids` / `next_src` from `head_inputs`. See the module's step 4."""
+    par = parallelism(plan)
+    R, S, V = targets.shape
+    nxt = jnp.where(next_src >= 0, jnp.take_along_axis(targets.reshape(R, S * V), jnp.clip(next_src, 0), axis=1),
+                    next_ids)  # [R, T]
+    last = jnp.take_along_axis(meta.sample_tok, (accepted - 1)[..., None], axis=-1)[..., 0]  # [R, S] last kept token
+    logits, cache, out = ragged_mtp(cfg, weights, mtp_weights, cache, hidden, nxt, meta._replace(sample_tok=last),
+                                    par)
+    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, S]
+    h = jnp.take_along_axis(out, last[..., None], axis=1)  # [R, S, D]
+    active = meta.q_len > 0  # [R, S]
+    base = jnp.take_along_axis(meta.positions, last, axis=1)  # [R, S]
+    top = meta.page_table.shape[-1] * cache["kv"].shape[3] - 1  # the last position a page table can address
+    rows = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (R, S))
+    drafts = [draft]
+    for i in range(1, k):  # one token a sequence: draft i + 1 from draft i and the head's own hidden state
+        pos = jnp.minimum(base + i, top)
+        chain = RaggedMeta(token_seq=jnp.where(active, rows, -1), positions=pos, q_start=rows,
+                           q_len=active.astype(jnp.int32), kv_len=jnp.where(active, pos + 1, 0),
+                           page_table=meta.page_table, slot=jnp.zeros_like(rows), decode_seq=rows, sample_tok=rows)
+        logits, cache, h = ragged_mtp(cfg, weights, mtp_weights, cache, h, drafts[-1], chain, par)
+        drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    return replicated(jnp.stack(drafts, axis=-1)), cache
