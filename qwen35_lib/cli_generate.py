@@ -71,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV-cache page (16)")
     eng.add_argument("--max-model-len", type=int, default=1024, metavar="N",
                      help="prompt + output tokens of one request (1024)")
+    eng.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                     help="tokens each sequence drafts with the checkpoint's MTP head, verified the next step (0: off)")
     p.add_argument("--json", action="store_true", help="print one JSON document to stdout")
     p.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace of the generation to DIR "
                                                     "(plugins/profile/<run>/*.xplane.pb: TensorBoard, XProf, Perfetto)")
@@ -169,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      page_size=args.page_size, max_model_len=args.max_model_len, kv_dtype=kv_dtype(args))
+                      page_size=args.page_size, max_model_len=args.max_model_len, kv_dtype=kv_dtype(args),
+                      speculative_tokens=args.speculative_tokens)
     _ = ec.pages  # checks that the page pool holds one request
     root = resolve_checkpoint(args.checkpoint)
     check_fp8(args.fp8, root)
@@ -189,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     progress(f"loading {root}" if root else f"random weights for {args.model or 'qwen3.5-tiny'}")
     config, weights = load(root, args.model or "qwen3.5-tiny", args.dtype, plan, mesh, args.check_weights,
                             fp8=args.fp8, name=hub_name(args.checkpoint))
-    engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
+    engine = Engine(config, weights, ec, mesh=mesh, plan=plan,
+                    mtp_weights=load_head(root, config, args.dtype, ec.speculative_tokens))
     if mesh is not None:
         progress(f"layout {args.layout} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices "
                   f"{dict(mesh.shape)}: {engine.ec.ranks} data-parallel rank(s) of max_num_seqs={ec.max_num_seqs}")
@@ -315,6 +319,27 @@ def load(root: pathlib.Path | None, preset: str, dtype: str | None, plan: Any, m
 
     config = get_config(preset, **({"dtype": dtype} if dtype else {}))
     return config, init_weights(config, RANDOM_WEIGHTS_SEED)
+
+
+def load_head(root: pathlib.Path | None, config: Any, dtype: str | None, k: int) -> dict | None:
+    """The MTP head speculative decoding drafts with (`k` > 0): the checkpoint's (a one-line error where it has
+    none), or a random one for random weights; None with k = 0. The engine places it as it places the model."""
+    if not k:
+        return None
+    if root is None:
+        from qwen35_lib.weights import init_mtp_weights
+
+        return init_mtp_weights(config, RANDOM_WEIGHTS_SEED + 1)
+    from qwen35_lib.checkpoint import CheckpointError, load_mtp
+
+    try:
+        return load_mtp(root, dtype=dtype)[1]
+    except CheckpointError as e:
+        if "no multi-token-prediction head" not in str(e):
+            raise
+        raise ValueError(f"--speculative-tokens {k} drafts with the checkpoint's MTP head, and {root} has none (no "
+                         "mtp.* tensors): use a checkpoint that ships one, or leave --speculative-tokens at 0"
+                         ) from None
 
 
 def check_fp8(fp8: str, root: pathlib.Path | None) -> None:

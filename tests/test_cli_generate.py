@@ -281,3 +281,16 @@ def test_load_hands_a_checkpoint_to_the_loader(monkeypatch, tmp_path):
         "config", "weights")
     assert seen == dict(path=tmp_path, dtype=None, mesh="mesh", layout="plan", fp8="keep", name="org/m",
                         check_weights=False)
+
+
+def test_speculative_tokens_give_the_same_greedy_output(single_run, checkpoints):
+    """--speculative-tokens 2 on the random preset (its random MTP head) prints the run without it; a checkpoint
+    without a head is refused in one line, before generating."""
+    out = cli_here(*RANDOM_RUN, "--speculative-tokens", "2")
+    assert out.returncode == 0, out.stderr
+    want = json.loads(single_run.stdout)["requests"]
+    assert [r["output_ids"] for r in json.loads(out.stdout)["requests"]] == [r["output_ids"] for r in want]
+    out = cli_here("--checkpoint", str(checkpoints["qwen3_next"]), "--prompt-ids", "1 2", "--max-model-len", "160",
+                   "--speculative-tokens", "2")
+    assert out.returncode == 2 and "has none (no mtp.* tensors)" in out.stderr
+    assert len([ln for ln in out.stderr.splitlines() if ln.startswith("error")]) <= 1
