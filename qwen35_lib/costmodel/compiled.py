@@ -26,10 +26,10 @@ What the comparison shows (`python -m qwen35_lib.costmodel validate --compiled`;
 
 | decode step, per device | XLA GFLOP | model | HLO text GB | model GB | bytes ratio |
 |-------------------------|-----------|-------|-------------|----------|-------------|
-| dp_ep, replicate, fused_ag, hier_rs | 731.8 | 713.8 | 1,339-1,343 | 1,264 | 0.94 |
+| dp_ep, replicate, fused_ag, hier_rs | 731.3 | 713.4 | 1,191-1,194 | 1,116 | 0.93-0.94 |
 | kernels (around its Mosaic calls, its projections among them) | 738.6 | 732.7 | 17.9 | 15.9 | 0.89 |
-| baseline (at its largest pool, 7,168 tokens) | 329.2 | 272.1 (x0.83, unexplained) | 1,430.0 | 1,606.8 | 1.12 |
-| mixed (1,024 prefill tokens a rank), XLA DP stages | 10,079-10,080 | 10,093 | 2,865-2,901 | 1,959-1,966 | 0.68 (+) |
+| baseline (at its largest pool, 7,168 tokens) | 328.2 | 271.6 (x0.83, unexplained) | 808 | 766 | 0.95 |
+| mixed (1,024 prefill tokens a rank), XLA DP | 10,063-10,064 | 10,077 | 2,372-2,421 | 1,445-1,452 | 0.60-0.61 (+) |
 | mixed step, kernels (around its Mosaic calls) | 10,410.5 | 10,388.0 | 192.5 | 154.2 | 0.80 (+) |
 
 (+) what the mixed step's XLA glue moves around the prefill rows is not priced: the chunked GDN kernel's inputs
@@ -46,12 +46,14 @@ The bytes agree because the model charges what the compiled program moves where 
 - the engine's caches are updated in place (`engine_cache_copy_passes` = 0: each layer's pages and slots are rows of
   one pool a kind, `model.ragged`, the XLA attention's FP8 pool stored as uint32 words; the sweep records which
   pools a step's layer loop copies, `cache_pools_copied`: none of the KV pages or GDN state in any stage);
-- XLA:TPU's FP8 experts move 20.3 B a parameter (`xla_tpu_fp8_expert_bytes`: sliced copies and relayouts, a float32
-  scale broadcast, the dequantizing fusions, bf16 relayouts; `fp8_expert_bytes`), its paged attention 19.6 B a KV
-  value a decode token's walk reads and 36.0 B one an item's walk reads (`xla_tpu_paged_attention_bytes`,
-  `xla_tpu_items_attention_bytes`: gathered, unpacked from the pool's uint32 words, converted to float32, scaled;
-  an item's scores are 256 rows; `paged_attention_bytes`), its GDN decode 4 passes over a state
-  (`xla_tpu_gdn_state_passes`: gathered and scattered; `gdn_state_passes`), each read off dp_ep's texts;
+- XLA:TPU's FP8 experts move 20.3 B a parameter under EP (`xla_tpu_fp8_expert_bytes`: sliced copies and
+  relayouts, a float32 scale broadcast, the dequantizing fusions, bf16 relayouts; `fp8_expert_bytes`) and 12.4 under
+  TP (`xla_tpu_fp8_expert_bytes_tp`, the TP baseline's text: every expert's 1/8 slice), its paged attention 3.3 B a
+  KV value a decode token's walk reads and 8.0 B one an item's walk reads (`xla_tpu_paged_attention_bytes`,
+  `xla_tpu_items_attention_bytes`: the page read, unpacked from the pool's uint32 words and scaled, a group of
+  WALK_ROWS rows' gathered pages and scores in VMEM; `paged_attention_bytes`), its GDN decode 4 passes over a state
+  (`xla_tpu_gdn_state_passes`: gathered and scattered; `gdn_state_passes`), each read off dp_ep's texts but the TP
+  experts';
 - the dense projections are sliced scan inputs under XLA's dots (`xla_weight_passes`: 4.12, dp_ep's decode, some
   slices rematerialized: `scan_weight_passes`) and read in place by the Pallas projection (`pallas_dense_weight_passes`:
   1.00, the kernels decode's), beside which the router is still XLA's dot on its slice (`pallas_router_passes`: 3);
@@ -62,9 +64,9 @@ The bytes agree because the model charges what the compiled program moves where 
   engine's grouped matmul takes its FP8 block scales repeated along lanes, expanded by XLA each layer
   (`expert_scales`).
 What remains: the XLA stages' texts hold 6% more than the model at decode (by block: `validate --compiled`); the
-kernels stage's decode 11% (XLA's prefetch copies, the GDN's gates and norms, the MoE's slices), the mixed steps 20%
-(kernels) and 32% (XLA) ((+)); the baseline's model 12% more than its text. The TP baseline's FLOPs are x0.83 of
-XLA's, not yet explained.
+kernels stage's decode 11% (XLA's prefetch copies, the GDN's gates and norms, the MoE's slices); the mixed steps'
+model is 0.80 (kernels) and 0.61 (XLA) of their texts ((+)); the baseline's text 6% more than its model. The TP
+baseline's FLOPs are x0.83 of XLA's, not yet explained.
 
 The model's batch is the compiled one (`compile_batch`): every decode row the step computes, bucket padding
 included, each decode's context the pool's whole length (the compiled program does not know the lengths), the

@@ -241,13 +241,16 @@ class Walk:
 
 def xla_walk(b: Batch, pl: Placement) -> Walk:
     """`paged_attention_items`' walk where ITEM_COST x its items is fewer than the tokens a rank computes, else the
-    twin's, token by token (`walked_context`)."""
+    twin's, token by token (`walked_context`). Past one group `by_context` pads the rows to whole groups, the padding
+    after the sort, so in the group of the longest contexts: the padding rows walk to the longest."""
     T = b.computed / pl.dp
     if pl.attention == "items" and ITEM_COST * (items := attention_items(b, pl.dp)) < T:
-        groups, walk = walked_context(b, pl.dp, items, b.prefill_tokens / pl.dp / ITEM_BLOCK, ITEM_BLOCK)
-        return Walk(True, items, groups, walk, max(1, ITEM_KEYS // pl.page_size) * pl.page_size)  # whole pages a trip
-    groups, walk = walked_context(b, pl.dp, T, b.prefill_tokens / pl.dp, 1)
-    return Walk(False, T, groups, walk, pl.page_size)
+        rows, span, keys = items, ITEM_BLOCK, max(1, ITEM_KEYS // pl.page_size) * pl.page_size  # whole pages a trip
+    else:
+        rows, span, keys = T, 1, pl.page_size
+    groups, walk = walked_context(b, pl.dp, rows, b.prefill_tokens / pl.dp / span, span)
+    padded = groups * WALK_ROWS if groups > 1 else rows
+    return Walk(span > 1, padded, groups, (rows * walk + (padded - rows) * b.max_ctx) / padded, keys)
 
 
 def walked_context(b: Batch, dp: int, rows: float, prompt_rows: float, span: int) -> tuple[int, float]:

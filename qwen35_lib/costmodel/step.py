@@ -125,7 +125,8 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          onehot_threshold=onehot_threshold if production else 0,
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
                          permute_passes=2.0 if production else facts["kernels_moe_permute_passes"]["value"],
-                         expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes"]["value"] if fp8_xla else 0.0,
+                         expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes_tp" if lay.moe == "tp" else
+                                                      "xla_tpu_fp8_expert_bytes"]["value"] if fp8_xla else 0.0,
                          cache_copy_passes=facts["engine_cache_copy_passes"]["value"] if ours else 0.0,
                          kv_pool_bytes=pools.kv if pools else 0.0, gdn_pool_bytes=pools.gdn if pools else 0.0,
                          gdn_state_passes=facts["xla_tpu_gdn_state_passes"]["value"] if gdn_xla else 2.0,

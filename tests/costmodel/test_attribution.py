@@ -83,14 +83,20 @@ def test_the_table_names_every_corner(record):
 def test_expert_bytes_separates_the_weights_from_the_rows():
     """`stage_gain.expert_bytes`: the Pallas grouped matmul reads each FP8 expert parameter once (one byte) and the
     float32 block scales it takes repeated along 128 lanes (4 B per 128 parameters); XLA's path costs more per
-    parameter; the same under either layout; too few requests to hit every expert is refused."""
+    parameter, what each layout's compile moves (EP's whole local experts, TP's slices of every expert: the facts
+    `xla_tpu_fp8_expert_bytes` and `_tp`); too few requests to hit every expert is refused."""
+    from qwen35_lib.costmodel.step import kernel_facts
     from qwen35_lib.stage_gain import expert_bytes
 
     got = {st: expert_bytes(st) for st in ("kernels", "google_baseline", "hier_rs", "baseline")}
     assert got["kernels"]["bytes_per_param"] == pytest.approx(1 + 4 / 128, rel=0.01), got  # float8_e4m3fn: one byte
     assert got["google_baseline"]["bytes_per_param"] == pytest.approx(got["kernels"]["bytes_per_param"], rel=1e-3)
-    assert got["hier_rs"]["bytes_per_param"] == pytest.approx(got["baseline"]["bytes_per_param"], rel=1e-3)
-    assert got["hier_rs"]["bytes_per_param"] > 2 * got["kernels"]["bytes_per_param"], got
+    facts = kernel_facts()
+    assert got["hier_rs"]["bytes_per_param"] == pytest.approx(facts["xla_tpu_fp8_expert_bytes"]["value"], rel=1e-3)
+    assert got["baseline"]["bytes_per_param"] == pytest.approx(facts["xla_tpu_fp8_expert_bytes_tp"]["value"],
+                                                               rel=1e-3)
+    assert min(got["hier_rs"]["bytes_per_param"], got["baseline"]["bytes_per_param"]) > \
+        2 * got["kernels"]["bytes_per_param"], got
     assert got["kernels"]["local_experts"] == 64 and got["baseline"]["local_experts"] == 512
     with pytest.raises(ValueError, match="use more requests"):
         expert_bytes("kernels", requests=8)

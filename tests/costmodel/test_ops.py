@@ -57,10 +57,18 @@ def test_items_attention_reads_its_groups_longest_context_once_per_item():
     walk_tok, walk_item = (own + (512 - own) / g for own, g in ((own_tok, g_tok), (own_item, g_item)))
     assert ops.walked_context(mixed, 1, 516, 512, 1) == (g_tok, pytest.approx(walk_tok))
     assert ops.walked_context(mixed, 1, n, 32, ops.ITEM_BLOCK) == (g_item, pytest.approx(walk_item))
-    keys = -(-walk_item // 64) * 64  # a group's steps of ITEM_KEYS = 64 keys
+    # the rows padded to whole groups after the sort: the padding walks to the longest, 512
+    tok, item = (ops.xla_walk(mixed, p) for p in (xla, items))
+    assert (tok.items, tok.rows, tok.groups) == (False, g_tok * ops.WALK_ROWS, g_tok)
+    assert tok.walk == pytest.approx((516 * walk_tok + (tok.rows - 516) * 512) / tok.rows)
+    assert (item.items, item.rows, item.groups) == (True, g_item * ops.WALK_ROWS, g_item)
+    assert item.walk == pytest.approx((n * walk_item + (item.rows - n) * 512) / item.rows)
+    keys = -(-item.walk // 64) * 64  # a group's steps of ITEM_KEYS = 64 keys
     core = {p.attention: ops.attention_block(cfg, mixed, p)["attn_core"] for p in (items, xla)}
-    assert core["items"].bytes - n * keys * tok_bytes == pytest.approx(core["xla"].bytes - 516 * walk_tok * tok_bytes)
-    assert core["items"].mxu_flops == pytest.approx(4 * cfg.head_dim * cfg.num_q_heads * n * ops.ITEM_BLOCK * keys)
+    assert core["items"].bytes - item.rows * keys * tok_bytes == pytest.approx(
+        core["xla"].bytes - tok.rows * tok.walk * tok_bytes)
+    assert core["items"].mxu_flops == pytest.approx(4 * cfg.head_dim * cfg.num_q_heads * item.rows * ops.ITEM_BLOCK
+                                                    * keys)
     decode = ops.Batch(decodes=8, decode_ctx=300, max_ctx=300, padded_tokens=8, logit_rows=8)
     assert ops.attention_block(cfg, decode, items) == ops.attention_block(cfg, decode, xla)
 
