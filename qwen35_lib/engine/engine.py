@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -29,12 +28,12 @@ from qwen35_lib.engine.cache import (
 from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.engine.speculative import (
-    accept,
     check_request,
     check_speculative,
     draft_step,
     head_inputs,
     replicated,
+    verify,
 )
 from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
@@ -261,24 +260,11 @@ class Engine:
         samp = self._sampling_arrays(plans, S)
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
-        accepted = drafts = None
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
             self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
-            weights = self._step_weights()
-            if self.width == 1:
-                next_tokens, self.cache = self.step_fn(self.config, self.plan, weights, self.cache, tokens, meta,
-                                                       samp)
-            else:  # verify, accept and roll back, then draft for the next step (`engine.speculative`)
-                next_tokens, accepted, self.cache, hidden = verify_step(self.config, self.plan, weights, self.cache,
-                                                                        tokens, meta)
-                ids, src = map(self._place, head_inputs(plans, packs, self.width))
-                drafts, self.head_cache = self.draft_fn(self.config, self.plan, self.width - 1, weights,
-                                                     self.mtp_weights, self.head_cache, hidden, tokens, meta,
-                                                     next_tokens, accepted, ids, src)
-                accepted, drafts = (np.asarray(x.addressable_data(0)) for x in (accepted, drafts))
-            next_tokens = np.asarray(next_tokens.addressable_data(0))  # [R, S] ([R, S, V]), on every device
+            next_tokens, accepted, drafts = self._forward(plans, packs, tokens, meta, samp)
         self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
         now = time.perf_counter()
@@ -298,6 +284,22 @@ class Engine:
                 self._next_drafts(plan, drafts[rank])
         self._copy_forked()
         return events
+
+    def _forward(self, plans: list[Plan], packs: list, tokens, meta, samp) -> tuple:
+        """One step on the device, placed arguments: (next tokens [R, S] ([R, S, V] verified), and with drafts the
+        tokens each row keeps [R, S] and the next drafts [R, S, k], else None, None), on the host."""
+        weights = self._step_weights()
+        if self.width == 1:
+            next_tokens, self.cache = self.step_fn(self.config, self.plan, weights, self.cache, tokens, meta, samp)
+            return np.asarray(next_tokens.addressable_data(0)), None, None  # replicated on every device
+        # verify, accept and roll back, then draft for the next step (`engine.speculative`)
+        next_tokens, accepted, self.cache, hidden = verify_step(self.config, self.plan, weights, self.cache, tokens,
+                                                                meta, samp)
+        ids, src = map(self._place, head_inputs(plans, packs, self.width))
+        drafts, self.head_cache = self.draft_fn(self.config, self.plan, self.width - 1, weights, self.mtp_weights,
+                                                self.head_cache, hidden, tokens, meta, next_tokens, accepted, ids,
+                                                src)
+        return tuple(np.asarray(x.addressable_data(0)) for x in (next_tokens, accepted, drafts))
 
     def _count_drafts(self, plan: Plan, accepted: np.ndarray) -> None:
         for s, (_, w) in enumerate(plan.decodes):
@@ -334,13 +336,13 @@ class Engine:
         the devices have left once the caches are placed (on XLA:CPU the step's temporaries grow with the pools:
         the XLA paged attention gathers every sequence's pages). Once per bucket; a stand-in step without `lower`
         is not checked."""
-        fn, args = (self.step_fn, (samp,)) if self.width == 1 else (verify_step, ())  # the step this engine runs
+        fn = self.step_fn if self.width == 1 else verify_step  # the step this engine runs
         lower = getattr(fn, "lower", None)
         if lower is None or (D, T) in self._memory_checked:
             return
         key = (fn, self.config, self.plan, self.cache_shape, D, T, self.mesh)  # what the step depends on
         if key not in _STEP_BYTES:  # lowering and memory_analysis: ~0.3 s a bucket even with the compile cached
-            lowered = lower(self.config, self.plan, self._step_weights(), self.cache, tokens, meta, *args)
+            lowered = lower(self.config, self.plan, self._step_weights(), self.cache, tokens, meta, samp)
             _STEP_BYTES[key] = step_working_bytes(lowered.compile())
         self._memory_checked.add((D, T))
         devices = self.mesh.devices.flat if self.mesh is not None else [jax.devices()[0]]
@@ -425,17 +427,16 @@ class Engine:
         for D, T in buckets:
             if (D, T) not in formed:
                 raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: {formed}")
-            empty = Plan([], [])
-            tokens, meta = stack_ranks([pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk, self.width)] * R)
-            samp = self._sampling_arrays([empty] * R, S)
+            plans = [Plan([], [])] * R
+            packs = [pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk, self.width)] * R
+            tokens, meta = stack_ranks(packs)
+            samp = self._sampling_arrays(plans, S)
             if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
                 samp["proc"] = processing_arrays((R, S), self.config.vocab_size)
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)
-                out, self.cache = self.step_fn(self.config, self.plan, self._step_weights(), self.cache,
-                                               tokens, meta, samp)
-                jax.block_until_ready(out)
+                self._forward(plans, packs, tokens, meta, samp)  # on the host: done
         return {"buckets": [tuple(b) for b in buckets], "compiled": TRACES[0] - traced,
                 "seconds": time.perf_counter() - start}
 
@@ -644,13 +645,13 @@ def _gathered(cfg: Config, plan: ServingPlan, logits):
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def verify_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta):
-    """`engine_step` with drafts to verify (`engine.speculative`, greedy): the ragged forward of decode rows of V
-    tokens, the target's greedy token after each [R, S, V], the tokens each row keeps [R, S] (`accept`), the cache
-    rolled back to them (`model.ragged.keep_accepted`) and the normed hidden states [R, T, D] the head drafts from.
+def verify_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta, samp: dict):
+    """`engine_step` with drafts to verify (`engine.speculative`): the ragged forward of decode rows of V tokens,
+    the target's token after each [R, S, V] and the tokens each row keeps [R, S] (`speculative.verify`: greedy
+    acceptance, or speculative sampling with the rows' `samp`), the cache rolled back to them
+    (`model.ragged.keep_accepted`) and the normed hidden states [R, T, D] the head drafts from.
     Returns (targets, accepted, cache, hidden)."""
     TRACES[0] += 1  # runs only while tracing
     logits, cache, hidden = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan), return_hidden=True)
-    targets = jnp.argmax(_gathered(cfg, plan, logits), axis=-1).astype(jnp.int32)  # [R, S, V]
-    accepted = accept(tokens, meta, targets)
+    targets, accepted = verify(_gathered(cfg, plan, logits), tokens, meta, samp)  # [R, S, V], [R, S]
     return replicated(targets), replicated(accepted), keep_accepted(cache, meta, accepted), hidden

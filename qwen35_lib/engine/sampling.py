@@ -245,10 +245,27 @@ def sample_sorted(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     """`sample` for a batch with sampled rows: every row through the sort, greedy rows then take the argmax."""
     greedy = jnp.argmax(logits, axis=-1)
     order, sorted_logits, keep = sorted_keep(logits, temperature, top_k, top_p, min_p)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed.astype(jnp.uint32), position)
+    keys = token_keys(seed, position)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """The random key of each token to sample (any shape): fold_in(key(seed), position), the request's own stream."""
+    fold = lambda s, p: jax.random.fold_in(jax.random.key(s), p)
+    return jax.vmap(fold)(seed.reshape(-1).astype(jnp.uint32), position.reshape(-1)).reshape(seed.shape)
+
+
+def target_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                 min_p: jax.Array) -> jax.Array:
+    """The distribution `sample` draws each row from [N, V] (vocabulary order): temperature, min_p, top_k and top_p
+    applied (`sorted_keep`), renormalized; a greedy row's (temperature 0) is a point mass on its argmax."""
+    order, sorted_logits, keep = sorted_keep(logits, temperature, top_k, top_p, min_p)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    probs = jax.vmap(lambda o, p: jnp.zeros_like(p).at[o].set(p))(order, probs)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=probs.dtype)
+    return jnp.where((temperature > 0)[:, None], probs, greedy)
 
 
 def sorted_keep(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -4,8 +4,11 @@ With `EngineConfig.speculative_tokens` = k > 0 every step of the engine (`Engine
 1. verifies: each decoding sequence's row in the decode region holds its last sampled token and its drafts, up to
    V = k + 1 tokens (`engine.batch.pack(..., width=V)`), through the same paged attention and GDN kernels as any
    other token; the logits of all V (`sample_tok` [S, V]) give the target's greedy tokens;
-2. accepts (`accept`, greedy: the standard rule): the longest prefix of drafts equal to the target's tokens, plus
-   the target's next token: n = 1 + accepted drafts tokens kept, all of them outputs;
+2. accepts (`verify`): greedy, the longest prefix of drafts equal to the target's tokens plus the target's next
+   token (`accept`); sampling, speculative sampling (`rejection_sample`: draft d kept with probability
+   min(1, p(d) / q(d)), a rejection resampled from max(0, p - q), the bonus token from p), p the target's
+   distribution after the engine's temperature / top-k / top-p / min-p, q a point mass (the drafts are the head's
+   argmax, as vLLM's MTP proposer's): n = 1 + accepted drafts tokens kept, all of them outputs;
 3. rolls back exactly: the KV pages by length (a rejected position is written over when it comes again), the GDN
    conv and recurrent state from the checkpoints the verification kept (`model.ragged.keep_accepted`;
    `kernels.gdn_xla.gdn_verify_xla`);
@@ -19,9 +22,10 @@ The head's attention keeps its own KV cache, paged like a main attention layer's
 tables (a pool of one layer: `Engine.head_cache`), so it needs no bookkeeping of its own: position t of a sequence is
 row t of its pages in both. Chained drafts write positions past the last kept token, which the next step's head
 pass writes over; those past the sequence's pages (late in a long acceptance run) land in the null page and only
-cost the draft some accuracy, never the output. Greedy only: the target's output is the same with or without
-drafts, whatever the head drafts.
-"""
+cost the draft some accuracy, never the output. Greedy, the target's output is the same with or without drafts,
+whatever the head drafts; sampled, its distribution is (each token drawn with the request's own key for its
+position, so a seeded request is reproducible). Logits processing and structured output are refused
+(`check_request`)."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import RaggedMeta
+from qwen35_lib.engine.sampling import target_probs, token_keys
 from qwen35_lib.model.mtp import ragged_mtp
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import ServingPlan
@@ -63,11 +68,12 @@ def check_speculative(plan, k: int, mtp_weights) -> None:
 
 
 def check_request(k: int, params) -> None:
-    """A ValueError in one line for a request speculation cannot serve yet (greedy only)."""
-    if k and (params.temperature > 0 or params.processed):
-        raise ValueError(f"speculative_tokens={k} is greedy only for now (no rejection sampling, logits processing "
-                         "or structured output): use temperature=0 without penalties, logit_bias or structured "
-                         "output, or an engine with speculative_tokens=0")
+    """A ValueError in one line for a request speculation cannot serve: logits processing and structured output
+    (their state follows each output token, and a verified row's drafts are not outputs yet)."""
+    if k and params.processed:
+        raise ValueError(f"speculative_tokens={k} cannot apply logits processing or structured output to drafts "
+                         "(penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, a grammar): drop them, "
+                         "or use an engine with speculative_tokens=0")
 
 
 def accept(tokens: jax.Array, meta, targets: jax.Array) -> jax.Array:
@@ -81,6 +87,64 @@ def accept(tokens: jax.Array, meta, targets: jax.Array) -> jax.Array:
     run = jnp.cumprod((drafts == targets[:, :D, :-1]) & real, axis=-1)  # 1 while every draft so far matched
     kept = 1 + jnp.sum(run, axis=-1).astype(jnp.int32)  # [R, D]
     return jnp.ones((R, S), jnp.int32).at[:, :D].set(kept)
+
+
+def rejection_sample(probs: jax.Array, drafts: jax.Array, n: jax.Array, keys: jax.Array,
+                     q: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): the target's tokens stay distributed as
+    `probs` whatever the drafts. Row i verifies drafts d_1..d_n (`drafts` [N, W-1], `n` [N] real ones) with the
+    target's distribution after each of its tokens `probs` [N, W, V] (the engine's temperature / top-k / top-p /
+    min-p applied: `sampling.target_probs`) and the drafts' `q` [N, W-1, V] (None: point masses on the drafts, the
+    greedy drafter's). d_j is accepted with probability min(1, p(d_j) / q(d_j)) (uniform u_j from key j of the row,
+    folded with 1), the first rejection samples from the normalized max(0, p - q) there, and after n accepted the
+    bonus token is drawn from p (with key j itself, as `sampling.sample` draws). Returns (tokens [N, W]: the m
+    accepted drafts then the sampled token, 0 after; kept [N] = m + 1)."""
+    N, W, V = probs.shape
+    rows = jnp.arange(N)
+    p_draft = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]  # [N, W-1]
+    q_draft = 1.0 if q is None else jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :-1])
+    ok = (u * q_draft < p_draft) & (jnp.arange(W - 1) < n[:, None])  # u < p / q, and a real draft
+    m = jnp.sum(jnp.cumprod(ok, axis=-1), axis=-1).astype(jnp.int32)  # drafts accepted [N]
+    p = probs[rows, m]  # [N, V]: the target's distribution where the row stops
+    at = jnp.minimum(m, W - 2)
+    qm = jax.nn.one_hot(drafts[rows, at], V, dtype=p.dtype) if q is None else q[rows, at]
+    residual = jnp.maximum(p - qm, 0)
+    residual = jnp.where(((m < n) & (jnp.sum(residual, axis=-1) > 0))[:, None], residual, p)
+    token = jax.vmap(jax.random.categorical)(keys[rows, m], jnp.log(residual)).astype(jnp.int32)
+    padded = jnp.concatenate([drafts, jnp.zeros((N, 1), drafts.dtype)], axis=1)  # [N, W]
+    j = jnp.arange(W)
+    tokens = jnp.where(j < m[:, None], padded, jnp.where(j == m[:, None], token[:, None], 0))
+    return tokens.astype(jnp.int32), m + 1
+
+
+def verify(logits: jax.Array, tokens: jax.Array, meta, samp: dict) -> tuple[jax.Array, jax.Array]:
+    """The target's tokens after each of a row's tokens [R, S, V] and the tokens each row keeps [R, S], from the
+    verify step's logits [R, S, V, vocab]: greedy acceptance (`accept`) when every row is greedy, else
+    `rejection_sample` with each row's sampling parameters, the key of the token at position P of a request
+    fold_in(key(seed), P) as `sampling.sample`'s (a seeded request samples the same tokens alone or batched).
+    Prefill rows draft nothing: the token after their last one is drawn as `sample` draws it."""
+    R, S, V, _ = logits.shape
+    D = meta.decode_seq.shape[-1]
+
+    def greedy(logits):
+        targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return targets, accept(tokens, meta, targets)
+
+    def sampled(logits):
+        each = lambda x: jnp.repeat(x.reshape(R * S), V)  # a row's parameters for each of its V positions
+        probs = target_probs(logits.reshape(R * S * V, -1), each(samp["temperature"]), each(samp["top_k"]),
+                             each(samp["top_p"]), each(samp["min_p"]))
+        drafts = jnp.zeros((R, S, V - 1), tokens.dtype).at[:, :D].set(
+            tokens[:, :D * V].reshape(R, D, V)[..., 1:])
+        n = jnp.where(jnp.arange(S) < D, jnp.maximum(meta.q_len - 1, 0), 0)  # [R, S] drafts a row verifies
+        pos = jnp.take_along_axis(meta.positions, meta.sample_tok.reshape(R, S * V), axis=1).reshape(R, S, V) + 1
+        keys = token_keys(jnp.broadcast_to(samp["seed"][..., None], (R, S, V)), pos)
+        out, kept = rejection_sample(probs.reshape(R * S, V, -1), drafts.reshape(R * S, V - 1), n.reshape(R * S),
+                                     keys.reshape(R * S, V))
+        return out.reshape(R, S, V), kept.reshape(R, S)
+
+    return jax.lax.cond(jnp.all(samp["temperature"] <= 0), greedy, sampled, logits)
 
 
 def head_inputs(plans, packs, V: int) -> tuple[np.ndarray, np.ndarray]:

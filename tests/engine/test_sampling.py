@@ -22,6 +22,8 @@ from qwen35_lib.engine.sampling import (
     sample,
     sample_sorted,
     sorted_keep,
+    target_probs,
+    token_keys,
 )
 from qwen35_lib.model import decoder
 from qwen35_lib.model.layer_loop import prepare_weights
@@ -84,6 +86,32 @@ def test_min_p_top_k_top_p_keep_equals_reference():
         got[order[i][keep[i]]] = True
         np.testing.assert_array_equal(got, reference_keep(logits[i], p), err_msg=str(p))
     assert np.asarray(keep[1]).sum() > np.asarray(keep[5]).sum() >= 1  # a larger min_p keeps fewer
+
+
+def test_target_probs_are_the_distribution_sample_draws_from():
+    """Speculative sampling's p (`target_probs`): the reference's kept set renormalized at the temperature, a point
+    mass on the argmax for a greedy row; and `sample` with the same keys draws as often as p says."""
+    rng = np.random.default_rng(3)
+    params = [SamplingParams(temperature=t, min_p=m, top_k=k, top_p=tp) for t, m, k, tp in
+              [(1.0, 0.0, 0, 1.0), (0.7, 0.1, 0, 0.9), (1.3, 0.0, 4, 1.0), (0.0, 0.0, 0, 1.0)]]
+    logits = rng.standard_normal((len(params), 9)).astype(np.float32) * 2
+    col = lambda f, dt: np.asarray([getattr(p, f) for p in params], dt)
+    probs = np.asarray(jax.jit(target_probs)(logits, col("temperature", np.float32), col("top_k", np.int32),
+                                             col("top_p", np.float32), col("min_p", np.float32)))
+    for i, p in enumerate(params[:-1]):
+        keep = reference_keep(logits[i], p)
+        want = np.where(keep, np.exp((logits[i] - logits[i].max()) / p.temperature), 0)
+        np.testing.assert_allclose(probs[i], want / want.sum(), rtol=1e-5, atol=1e-7, err_msg=str(p))
+    np.testing.assert_array_equal(probs[-1], np.eye(9)[np.argmax(logits[-1])])
+    n, row = 4000, 1
+    tiled = lambda f, dt: np.full(n, getattr(params[row], f), dt)
+    drawn = np.asarray(jax.jit(sample)(np.repeat(logits[row:row + 1], n, 0), tiled("temperature", np.float32),
+                                       tiled("top_k", np.int32), tiled("top_p", np.float32),
+                                       np.zeros(n, np.uint32), np.arange(n, dtype=np.int32),
+                                       tiled("min_p", np.float32)))
+    assert np.abs(np.bincount(drawn, minlength=9) / n - probs[row]).sum() / 2 < 0.04
+    keys = token_keys(jnp.asarray([[1, 1], [2, 2]], jnp.uint32), jnp.asarray([[5, 6], [5, 6]], jnp.int32))
+    assert keys.shape == (2, 2) and len({str(jax.random.key_data(k)) for k in keys.reshape(-1)}) == 4
 
 
 def test_sample_greedy_rows_take_the_processed_argmax_and_sampled_rows_stay_in_the_kept_set():

@@ -2,15 +2,20 @@
 so every step verifies and rolls back; an oracle drafter: multi-token acceptance), alone, batched with preemption
 and under dp_ep; the acceptance rule by hand; the refusals."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
 from qwen35_lib import testing
 from qwen35_lib.checkpoint import load_hf_checkpoint, load_mtp
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine.batch import SeqWork, pack
-from qwen35_lib.engine.speculative import accept, check_request, check_speculative
+from qwen35_lib.engine.sampling import token_keys
+from qwen35_lib.engine.speculative import accept, check_request, check_speculative, rejection_sample
 from qwen35_lib.plan import SINGLE, get_layout, make_mesh
 
 EC = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=64)
@@ -128,8 +133,86 @@ def test_refusals_are_one_line(model):
         check_speculative(SINGLE.replace(gdn_kernel="pallas").bound(None, cfg), 2, head)
     with pytest.raises(ValueError, match="runs under layouts .* not 'tp8_kvrep'"):
         check_speculative(get_layout("tp8_kvrep").bound(make_mesh(), cfg), 2, head)
-    with pytest.raises(ValueError, match="greedy only"):
-        check_request(2, SamplingParams(temperature=0.7))
-    check_request(0, SamplingParams(temperature=0.7))
+    check_request(2, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1))  # sampling: served
+    with pytest.raises(ValueError, match="cannot apply logits processing or structured output to drafts"):
+        check_request(2, SamplingParams(temperature=0.7, presence_penalty=0.5))
+    check_request(0, SamplingParams(temperature=0.7, presence_penalty=0.5))
     with pytest.raises(ValueError, match="speculative_tokens must be >= 0"):
         EngineConfig(speculative_tokens=-1)
+
+
+def fits(tokens: np.ndarray, p: np.ndarray) -> bool:
+    """Whether tokens drawn from a vocabulary of len(p) fit the distribution p: a chi-square test at 0.1%."""
+    seen = np.bincount(tokens, minlength=len(p))
+    if seen[p == 0].any():
+        return False
+    return stats.chisquare(seen[p > 0], len(tokens) * p[p > 0]).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("drafter", ["sampled", "point"])
+def test_rejection_sampling_keeps_the_target_distribution(drafter):
+    """Speculative sampling, k = 2 drafts over a vocabulary of 6: drafts from q (or point masses, the engine's greedy
+    head), the first token out is distributed as p_0 and the second, when the first was an accepted draft, as p_1
+    (the target after it); the bonus token (both accepted) as p_2. Accepting every draft (the drafts as outputs) fails
+    the same test."""
+    N, V = 40000, 6
+    p = np.array([[0.05, 0.4, 0.25, 0.0, 0.2, 0.1], [0.3, 0.1, 0.1, 0.2, 0.2, 0.1], [0.5, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    q = np.array([[0.3, 0.1, 0.1, 0.3, 0.1, 0.1], [0.05, 0.05, 0.6, 0.1, 0.1, 0.1]])
+    rng = np.random.default_rng(0)
+    if drafter == "sampled":
+        drafts = np.stack([rng.choice(V, N, p=q[j]) for j in range(2)], axis=1).astype(np.int32)
+        qs = jnp.broadcast_to(q, (N, 2, V)).astype(jnp.float32)
+    else:
+        drafts, qs = np.tile(np.array([[1, 2]], np.int32), (N, 1)), None
+    keys = token_keys(jnp.broadcast_to(jnp.arange(N, dtype=jnp.uint32)[:, None], (N, 3)),
+                      jnp.broadcast_to(jnp.arange(10, 13, dtype=jnp.int32), (N, 3)))
+    tokens, kept = jax.jit(rejection_sample)(jnp.broadcast_to(p, (N, 3, V)).astype(jnp.float32), drafts,
+                                             jnp.full(N, 2, jnp.int32), keys, qs)
+    tokens, kept = np.asarray(tokens), np.asarray(kept)
+    assert fits(tokens[:, 0], p[0]) and fits(tokens[kept >= 2, 1], p[1]) and fits(tokens[kept == 3, 2], p[2])
+    assert set(np.unique(kept)) == {1, 2, 3}  # every path taken: a rejection at 1, at 2, both accepted
+    np.testing.assert_array_equal(tokens[kept >= 2, 0], drafts[kept >= 2, 0])  # kept drafts are the drafts
+    assert (tokens[kept == 1, 0] != drafts[kept == 1, 0]).all()  # a rejected draft is never resampled
+    assert not fits(drafts[:, 0], p[0])  # the wrong rule: every draft accepted
+    again, _ = jax.jit(rejection_sample)(jnp.broadcast_to(p, (N, 3, V)).astype(jnp.float32), drafts,
+                                         jnp.full(N, 2, jnp.int32), keys, qs)
+    np.testing.assert_array_equal(np.asarray(again), tokens)  # the same keys, the same tokens
+
+
+SAMPLED = [SamplingParams(max_new_tokens=n, temperature=1.0, top_k=4, top_p=0.95, seed=s)
+           for n, s in ((14, 1), (9, 2), (20, 3), (12, 4))]
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(model, prompts):
+    """Temperature > 0 with k = 2: the same seeds give the same outputs, run again or batched with preemption; other
+    seeds give other outputs."""
+    cfg, w, head = model
+    engine = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mtp_weights=head)
+    alone = [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, SAMPLED)]
+    assert [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, SAMPLED)] == alone
+    tight = Engine(cfg, w, EngineConfig(**TIGHT, speculative_tokens=2), mtp_weights=head)
+    assert [r.output_ids for r in tight.generate(prompts, SAMPLED)] == alone
+    assert tight.preemptions > 0 and tight.stats.drafted > 0
+    other = [dataclasses.replace(sp, seed=sp.seed + 10) for sp in SAMPLED]
+    assert [r.output_ids for r in tight.generate(prompts, other)] != alone
+
+
+def test_sampling_with_drafts_keeps_the_engine_distribution(model, prompts, reference):
+    """The engine with k = 2 and an oracle drafter (drafts the greedy continuation: often accepted) against k = 0,
+    many seeds of one prompt at temperature 1 / top_k 3: the second and third output tokens (drawn through
+    verification) have the same distribution (a two-sample chi-square test at 0.1%), and the drafts were both
+    accepted and rejected."""
+    cfg, w, head = model
+    n = 240
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=s) for s in range(n)]
+    ec = dict(EC, max_num_seqs=16, max_num_batched_tokens=128)
+    base = Engine(cfg, w, EngineConfig(**ec))
+    spec = oracle(Engine(cfg, w, EngineConfig(**ec, speculative_tokens=2), mtp_weights=head), reference, prompts,
+                  lambda k: k)
+    want = np.array([r.output_ids for r in base.generate([prompts[2]] * n, params)])
+    got = np.array([r.output_ids for r in spec.generate([prompts[2]] * n, params)])
+    for j in (1, 2):
+        ids = np.union1d(want[:, j], got[:, j])
+        table = np.array([[np.sum(x[:, j] == t) for t in ids] for x in (want, got)])
+        assert stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
+    assert 0 < spec.stats.accepted < spec.stats.drafted
