@@ -61,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--page-size", type=positive, default=16, metavar="N", help="tokens per KV-cache page (16)")
     eng.add_argument("--max-model-len", type=positive, default=1024, metavar="N",
                      help="prompt + max_tokens of one request (1024); longer requests get a 400")
+    eng.add_argument("--speculative-tokens", type=non_negative_int, default=0, metavar="K",
+                     help="tokens each sequence drafts with the checkpoint's MTP head, verified the next step "
+                          "(0: off; as generate's: greedy output unchanged, sampling's distribution kept; requests "
+                          "with logits processing or structured output get a 400)")
     eng.add_argument("--warmup", choices=("background", "all", "plain", "none"), default="background",
                      help="background (default): compile the step shapes of one short request before /health "
                           "reports ok, then every other shape this configuration can form (without, then with logits "
@@ -277,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                          "neither")
     ec = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       page_size=args.page_size, max_model_len=args.max_model_len,
-                      kv_dtype=cli_generate.kv_dtype(args))
+                      kv_dtype=cli_generate.kv_dtype(args), speculative_tokens=args.speculative_tokens)
     _ = ec.pages  # the page pool holds one request
     root = cli_generate.resolve_checkpoint(args.checkpoint)
     cli_generate.check_fp8(args.fp8, root)
@@ -296,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         use_compile_cache(cache, write=True)
         config, weights = cli_generate.load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
                                              name=cli_generate.hub_name(args.checkpoint))
-        engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
+        engine = Engine(config, weights, ec, mesh=mesh, plan=plan,
+                        mtp_weights=cli_generate.load_head(root, config, args.dtype, ec.speculative_tokens))
         first, rest = warmup_shapes(engine, "background")  # the shapes /health waits for first
         for d, t, processing in first + rest:
             engine.precompile(buckets=[(d, t)], processing=processing)
@@ -309,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
     cli_generate.progress(f"loading {root}" if root else f"random weights for {preset}")
     config, weights = cli_generate.load(root, preset, args.dtype, plan, mesh, args.check_weights, fp8=args.fp8,
                                          name=cli_generate.hub_name(args.checkpoint))
-    engine = Engine(config, weights, ec, mesh=mesh, plan=plan)
+    engine = Engine(config, weights, ec, mesh=mesh, plan=plan,
+                    mtp_weights=cli_generate.load_head(root, config, args.dtype, ec.speculative_tokens))
     _log_to_stderr()
     warmup, background = warmup_shapes(engine, args.warmup)
     filler: list = []
@@ -353,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
 
 def warmup_shapes(engine, mode: str) -> tuple[list, list]:
     """(shapes compiled before /health is ok, shapes compiled in the background after) as (D, T, processing)."""
-    every = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]
+    processing = (False,) if getattr(engine, "width", 1) > 1 else (False, True)  # drafts: none (refused)
+    every = [(d, t, p) for p in processing for d, t in all_buckets(engine)]
     if mode == "all":
         return every, []
     if mode == "plain":
@@ -366,7 +373,7 @@ def warmup_shapes(engine, mode: str) -> tuple[list, list]:
 
 def all_buckets(engine) -> list[tuple[int, int]]:
     """Every (D, T) step shape the engine can form: each decode bucket with each prefill bucket."""
-    return [(d, d + p) for d in engine.decode_buckets for p in engine.prefill_buckets]
+    return [engine.step_shape(d, p) for d in engine.decode_buckets for p in engine.prefill_buckets]
 
 
 def _log_to_stderr() -> None:

@@ -40,7 +40,7 @@ def test_options_and_defaults():
 def test_warmup_modes_split_the_shapes():
     """background: the shapes of one short request first (before /health is ok), every other after; all: every
     shape of both variants first; plain: those without logits processing; none: nothing."""
-    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64],
+    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64], step_shape=lambda d, p: (d, d + p),
                                    workload_buckets=lambda lengths, out: [(1, 65), (1, 1)])
     first, later = cli.warmup_shapes(engine, "background")
     assert first == [(1, 65, False), (1, 1, False)]
@@ -54,7 +54,7 @@ def test_longest_token_and_every_step_shape():
     vocab = {"a": 0, "hello": 1, "<|im_end|>": 2}
     text = types.SimpleNamespace(tokenizer=types.SimpleNamespace(get_vocab=lambda with_added_tokens: vocab))
     assert cli.longest_token_chars(text) == len("<|im_end|>")
-    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64])
+    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64], step_shape=lambda d, p: (d, d + p))
     assert cli.all_buckets(engine) == [(1, 1), (1, 65), (4, 4), (4, 68)]
 
 
@@ -158,3 +158,70 @@ def test_the_filler_is_waited_for_and_its_end_reported(code, said, capsys):
     child = subprocess.Popen([sys.executable, "-c", code])
     cli.watch_filler(child)
     assert child.returncode is not None and said in capsys.readouterr().err
+
+
+def _complete(monkeypatch, argv, body):
+    """`run` with `argv` (the random preset, a stubbed uvicorn) answering one /v1/completions `body`."""
+    from fastapi.testclient import TestClient
+
+    answers = []
+
+    class FakeServer:
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self, sockets):
+            with TestClient(self.app) as client:
+                answers.append(client.post("/v1/completions", json=body, timeout=120))
+
+    import uvicorn
+
+    import qwen35_lib.engine
+
+    engines = []
+
+    class Recorded(qwen35_lib.engine.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    monkeypatch.setattr(qwen35_lib.engine, "Engine", Recorded)
+    assert cli.run(_parse(["--port", "0", "--warmup", "none", "--max-model-len", "64", "--max-num-seqs", "2",
+                           "--compile-cache", "off", *argv])) == 0
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    return answer.json(), engines[0]
+
+
+def test_speculative_tokens_serve_the_same_greedy_completion(monkeypatch, tmp_path):
+    """--speculative-tokens 2 (the random preset's random MTP head: drafts verified and rolled back every step) serves
+    the greedy completion served without it; a checkpoint without a head is refused in one line before serving."""
+    body = dict(model="qwen3.5-tiny", prompt=[3, 14, 15, 92, 65], max_tokens=10, temperature=0, ignore_eos=True,
+                return_token_ids=True)
+    want, plain = _complete(monkeypatch, [], body)
+    got, spec = _complete(monkeypatch, ["--speculative-tokens", "2"], body)
+    assert got["choices"][0] == want["choices"][0] and len(want["choices"][0]["token_ids"]) == 10
+    assert spec.stats.drafted > 0 and plain.stats.drafted == 0
+    assert _parse(["--speculative-tokens", "3"]).speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        _parse(["--speculative-tokens", "-1"])
+    pytest.importorskip("transformers")
+    from qwen35_lib import testing
+
+    headless = testing.save_hf_checkpoint(testing.make_hf_model(), tmp_path / "ckpt", "fused")
+    with pytest.raises(ValueError, match=r"--speculative-tokens 2 drafts with the checkpoint's MTP head, and .* has "
+                                         r"none \(no mtp\.\* tensors\)") as e:
+        cli.run(_parse(["--port", "0", "--checkpoint", str(headless), "--speculative-tokens", "2",
+                        "--max-model-len", "64", "--compile-cache", "off"]))
+    assert "\n" not in str(e.value)
+
+
+def test_speculative_warmup_has_no_processing_variant():
+    """With drafts the processed step is never run (such requests are refused): the warm-up compiles plain shapes,
+    each `step_shape` (decode rows of k + 1 tokens)."""
+    engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64], width=3,
+                                   step_shape=lambda d, p: (d, 3 * d + p),
+                                   workload_buckets=lambda lengths, out: [(1, 67), (1, 3)])
+    first, later = cli.warmup_shapes(engine, "background")
+    assert first + later == [(1, 67, False), (1, 3, False), (4, 12, False), (4, 76, False)]
