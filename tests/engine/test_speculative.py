@@ -216,3 +216,13 @@ def test_sampling_with_drafts_keeps_the_engine_distribution(model, prompts, refe
         table = np.array([[np.sum(x[:, j] == t) for t in ids] for x in (want, got)])
         assert stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
     assert 0 < spec.stats.accepted < spec.stats.drafted
+
+
+def test_dp_ep_samples_with_drafts_as_one_device(model, prompts):
+    """Seeded sampling with k = 2 under dp_ep: the outputs of one device (the keys are the requests' own)."""
+    cfg, w, head = model
+    one = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mtp_weights=head)
+    ep = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mesh=make_mesh(), plan=get_layout("dp_ep"),
+                mtp_weights=head)
+    assert [r.output_ids for r in ep.generate(prompts, SAMPLED)] == \
+        [r.output_ids for r in one.generate(prompts, SAMPLED)]
