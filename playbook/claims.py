@@ -5,7 +5,7 @@ A notebook checks each comparison its chapter states with `qwen35_lib.notebook.c
 `claims` (`<results>/claims.json`). A chapter then states the comparison as `{{ claim: STEP.NAME }}`: the claim's own
 sentence, its numbers from the run, marked as checked and linked to the record on the results page.
 
-    {{ claim: 01.attention_largest_8k1k }}
+    {{ claim: 01.moe_largest_8k1k }}
 
 Filling a claim placeholder follows `playbook.results`' rules: an unknown step is an error; a notebook that did not
 run (or failed) shows it missing; a notebook that ran without recording it is an error naming the claims it has; a
