@@ -89,6 +89,12 @@ notebook.claim("moe_not_cheaper", "the MoE costs more per token under EP on both
                "({prefill:+.0%} on 8k/1k, {decode:+.0%} on 1k/8k)",
                all(g[wl]["component_change"]["moe"] > 0 for wl in g), "moe change > 0 on both",
                prefill=g["8k/1k"]["component_change"]["moe"], decode=g["1k/8k"]["component_change"]["moe"])
+from qwen35_lib import data
+
+facts = data.read_json("costmodel_hardware.json")["kernels"]
+notebook.claim_greater("ep_expert_bytes_more", "as compiled, XLA's FP8 experts move {ep:.1f} B a parameter for a "
+                       "device's whole local experts under EP against {tp:.1f} for its slices of every expert under TP",
+                       ep=facts["xla_tpu_fp8_expert_bytes"]["value"], tp=facts["xla_tpu_fp8_expert_bytes_tp"]["value"])
 assert all(g[wl]["component_change"]["attention"] < 0 for wl in g)
 assert all(g[wl]["component_change"]["cache"] <= 0 for wl in g)  # fewer pools a device (none, with no copies)
 assert g["1k/8k"]["component_change"]["gdn"] > 0
