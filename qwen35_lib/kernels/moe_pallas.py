@@ -19,6 +19,7 @@ group with the other groups' rows masked; `f` walks the expert's FFN dim with y 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -152,17 +153,13 @@ def _dequantize_into(w_ref, s_ref, out_ref, block: int, s_row0) -> None:
     jax.lax.fori_loop(0, w_ref.shape[0] // block, body, 0)
 
 
-def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, fixed_ref, layer_ref,  # prefetch
-                x_ref, wg_ref, wu_ref, wd_ref, *rest, tm: int, fp8_block: int | None):
-    """One (visit v, F tile f) step: acc[tile] += mask * (silu(x wg) * (x wu)) wd over this F tile; the tile's
-    last step rounds acc (float32, VMEM) into y (x's dtype)."""
-    del expert_ref, fixed_ref, layer_ref  # used by the index maps only
-    if fp8_block:
-        sg_ref, su_ref, sd_ref, y_ref, wg_s, wu_s, wd_s, acc_ref = rest
-    else:
-        y_ref, acc_ref = rest
+def ffn_accumulate(tile_ref, kind_ref, first_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, wd_ref, scales,
+                   dequantized, acc_ref, *, tm: int, fp8_block: int | None) -> jax.Array:
+    """The steps of one (visit v, F tile f): zero the tile's float32 accumulator on its first visit; for a REAL
+    visit acc += mask * (silu(x wg) * (x wu)) wd over this F tile (FP8 tiles dequantized into `dequantized` first).
+    Returns whether v is its tile's last visit (the tile's acc is whole after this visit's last F tile)."""
     v, f = pl.program_id(0), pl.program_id(1)
-    V, nf = pl.num_programs(0), pl.num_programs(1)
+    V = pl.num_programs(0)
     kind = kind_ref[v]
     last = (v == V - 1) | (tile_ref[jnp.minimum(v + 1, V - 1)] != tile_ref[v])  # the tile's last visit
 
@@ -174,6 +171,7 @@ def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, f
     def _compute():
         x = x_ref[...]  # [tm, D]
         if fp8_block:  # dequantize this step's weight tiles block by block, into x's dtype (as the XLA twin)
+            (sg_ref, su_ref, sd_ref), (wg_s, wu_s, wd_s) = scales, dequantized
             _dequantize_into(wg_ref, sg_ref, wg_s, fp8_block, 0)
             _dequantize_into(wu_ref, su_ref, wu_s, fp8_block, 0)
             _dequantize_into(wd_ref, sd_ref, wd_s, fp8_block, f * (wd_ref.shape[0] // fp8_block))
@@ -187,7 +185,23 @@ def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, f
         a = jnp.where(mask, jax.nn.silu(g) * u, 0.0).astype(x.dtype)  # other groups' rows contribute nothing
         acc_ref[...] += jnp.dot(a, wd, preferred_element_type=jnp.float32)  # [tm, D]
 
-    @pl.when((f == nf - 1) & last)
+    return last
+
+
+def _ffn_kernel(tile_ref, expert_ref, kind_ref, first_ref, start_ref, end_ref, fixed_ref, layer_ref,  # prefetch
+                x_ref, wg_ref, wu_ref, wd_ref, *rest, tm: int, fp8_block: int | None):
+    """One (visit v, F tile f) step (`ffn_accumulate`); the tile's last step rounds acc (float32, VMEM) into y
+    (x's dtype)."""
+    del expert_ref, fixed_ref, layer_ref  # used by the index maps only
+    if fp8_block:
+        sg_ref, su_ref, sd_ref, y_ref, wg_s, wu_s, wd_s, acc_ref = rest
+        scales, dequantized = (sg_ref, su_ref, sd_ref), (wg_s, wu_s, wd_s)
+    else:
+        (y_ref, acc_ref), scales, dequantized = rest, (), ()
+    last = ffn_accumulate(tile_ref, kind_ref, first_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, wd_ref, scales,
+                          dequantized, acc_ref, tm=tm, fp8_block=fp8_block)
+
+    @pl.when((pl.program_id(1) == pl.num_programs(1) - 1) & last)
     def _write():
         y_ref[...] = acc_ref[...].astype(y_ref.dtype).reshape(y_ref.shape)  # [tm, D] into the rows' tile view
 
@@ -212,6 +226,48 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     """
     interpret = interpret_default() if interpret is None else interpret
     N, D = x.shape
+    if N == 0:
+        return jnp.zeros((0, D), x.dtype)
+    c = ffn_call(x, group_sizes, w_gate_up, w_down, fp8_block, group_offset, tm, tf)
+    make_call = lambda out_shape, interpret: pl.pallas_call(
+        functools.partial(_ffn_kernel, tm=c.tm, fp8_block=c.fp8_block),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(c.plan), grid=c.grid, in_specs=c.in_specs,
+            out_specs=pl.BlockSpec((c.tm, *c.view), lambda v, f, tile, *_: (tile[v], 0, 0)),
+            scratch_shapes=[*c.dequantized, c.acc]),
+        out_shape=out_shape,
+        cost_estimate=c.cost,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=c.vmem_limit),
+        interpret=interpret,
+    )
+    T = c.grid_rows // c.tm
+    y = run_pallas(make_call, out_struct((T * c.tm, *c.view), x.dtype, *c.plan, *c.args), interpret, *c.plan, *c.args)
+    return y[:N].reshape(N, D)
+
+
+class FFNCall(NamedTuple):
+    """The parts of a grouped-FFN pallas_call (`ffn_call`): scalar-prefetched visit plan and layer index, the
+    inputs (rows x padded to whole tiles, weight and scale blocks), scratch, tiles and estimates."""
+
+    plan: tuple  # int32 [V] x 7 (`visit_plan`) and the layer index [2]
+    in_specs: list
+    args: list  # x [T*tm, D], w_gate (view), w_up (view), w_down[, scales x 3]
+    dequantized: list  # FP8: VMEM tiles the weights are dequantized into; else []
+    acc: Any  # VMEM [tm, D] float32
+    grid: tuple[int, int]  # (V visits, F / tf)
+    grid_rows: int  # T * tm
+    tm: int
+    fp8_block: int | None
+    view: tuple[int, int]  # a row's tile view (D / 128, 128), or (1, D)
+    cost: Any
+    vmem_limit: int
+
+
+def ffn_call(x, group_sizes, w_gate_up, w_down, fp8_block, group_offset, tm, tf) -> FFNCall:
+    """The grouped SwiGLU's pallas_call parts (`moe_pallas` steps 1-3), shared with kernels that extend its steps
+    (`moe_fused_ep`)."""
+    N, D = x.shape
     if isinstance(w_gate_up, LayerOf) != isinstance(w_down, LayerOf):
         raise TypeError("pallas moe_matmul takes w_gate_up and w_down both as LayerOf views or both as arrays")
     if isinstance(w_gate_up, LayerOf):  # the scan's stacks [G, P, ...] and (group, position)
@@ -223,8 +279,6 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     wgu = gu_stack.value if fp8 else gu_stack  # [G, P, E, D, 2, F] or [G, P, E, D, 2F]
     wd = d_stack.value if fp8 else d_stack  # [G, P, E, F, D]
     E, F = wgu.shape[2], wd.shape[3]
-    if N == 0:
-        return jnp.zeros((0, D), x.dtype)
     if fp8 and (D % fp8_block or F % fp8_block):
         raise ValueError(f"pallas moe_matmul needs D={D} and F={F} to be multiples of the FP8 block {fp8_block}")
     split = wgu.ndim == 6
@@ -285,19 +339,9 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     # for XLA's scheduler: each row through its expert once (masked rows of straddled tiles not counted); bytes
     # 0: XLA's cost analysis already counts a custom call's operand and result bytes, and adds these
     cost = pl.CostEstimate(flops=6 * N * D * F, transcendentals=N * F, bytes_accessed=0)
-    make_call = lambda out_shape, interpret: pl.pallas_call(
-        functools.partial(_ffn_kernel, tm=tm, fp8_block=fp8_block if fp8 else None),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(plan), grid=(plan[0].shape[0], nf), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, *view), lambda v, f, tile, *_: (tile[v], 0, 0)), scratch_shapes=scratch),
-        out_shape=out_shape,
-        cost_estimate=cost,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est)))),
-        interpret=interpret,
-    )
-    y = run_pallas(make_call, out_struct((T * tm, *view), x.dtype, *plan, *args), interpret, *plan, *args)
-    return y[:N].reshape(N, D)
+    acc = scratch[-1]
+    return FFNCall(plan, in_specs, args, scratch[:-1], acc, (plan[0].shape[0], nf), T * tm, tm,
+                   fp8_block if fp8 else None, view, cost, int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est))))
 
 
 moe_pallas.reads_stacked = True  # takes `LayerOf` views: the layer scan hands it the stacks (model.moe)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
+from qwen35_lib.kernels.registry import pallas_interpret
 from qwen35_lib.kernels.stacked import LayerOf
 from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
 from qwen35_lib.plan import ALL, ServingPlan
@@ -65,6 +66,37 @@ def local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Arra
     y = matmul(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)  # [N*k, D]: 0 past the local rows
     with jax.named_scope(PERMUTE_SCOPE):
         return permute.combine(y, order, jnp.where(mine, weights, 0)).astype(x.dtype)  # [N, D]
+
+
+def fused_local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array,
+                        first: jax.Array, count: int, own_ids: jax.Array, tm: int | None = None) -> jax.Array:
+    """The local experts on the gathered copies routed to them, each output row sent to its token's owner by the
+    fused kernel (`kernels.moe_fused_ep`): this device's tokens' copies [n, k, D] (unwritten where a copy routes
+    nowhere), to be weighed and summed by the caller.
+
+    x [N, D] and ids [N, k] gathered (device-major: token t is device t // n's), own_ids [n, k] this device's.
+    1. the permute slot sorts the N·k copies by local expert (others' in a trailing group), as `local_experts`;
+    2. each sorted row's destination: copy c = order[r] is token t = c // k, slot j = c % k, sent to device t // n,
+       row (t % n)·k + j there; -1 for the trailing group's rows;
+    3. the kernel runs the local groups and sends each row as its tile finishes; it returns once every copy of this
+       device's own tokens (those routed somewhere) has arrived (`tm`: its row tile, default by shape).
+    """
+    from qwen35_lib.kernels.moe_fused_ep import moe_fused_ep
+
+    permute = for_plan("permute", plan)
+    N, k = ids.shape
+    n = own_ids.shape[0]
+    mine = (ids >= first) & (ids < first + count)  # [N, k]
+    with jax.named_scope(PERMUTE_SCOPE):
+        x_sorted, sizes, order = permute.dispatch(x, jnp.where(mine, ids - first, count), count + 1)  # [N*k, D]
+    t, j = order // k, order % k  # [N*k]: each sorted row's token and slot
+    dest = jnp.where(mine.reshape(-1)[order], (t // n) * (n * k) + (t % n) * k + j, -1)  # [N*k]
+    expect = jnp.sum(own_ids < cfg.num_experts, dtype=jnp.int32)  # copies of this device's tokens
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes_mesh = tuple(mesh.shape[a] for a in ALL)
+    recv = moe_fused_ep(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size, None, dest, expect, n * k,
+                        sizes_mesh, interpret=pallas_interpret(plan.platform), tm=tm)  # [n*k, D]
+    return recv.reshape(n, k, -1)
 
 
 def _spec_like(w, spec: P):
@@ -156,8 +188,14 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan, *, w
         xa = all_gather(x)  # [N, D]
         ida, wa = gather_routing(ids, weights, plan.fuse_allgather)  # [N, k]
         first = jax.lax.axis_index(ALL) * count
-        y = local_experts(cfg, plan, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
+        if plan.fused_combine:  # each routed row sent home from the kernel; this device's tokens' copies here
+            recv = fused_local_experts(cfg, plan, w_gate_up, w_down, xa, ida, first, count, ids)  # [n, k, D]
+            real = (ids < cfg.num_experts)[..., None]  # copies that route nowhere were never written
+            y = jnp.einsum("nkd,nk->nd", jnp.where(real, recv, 0), weights.astype(recv.dtype),
+                           preferred_element_type=jnp.float32)
+            return y.astype(x.dtype), jnp.zeros((1,), jnp.int32), moved[None]
+        y = local_experts(cfg, plan, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep))
         return rs, jnp.zeros((1,), jnp.int32), moved[None]
 

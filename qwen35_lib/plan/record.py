@@ -44,6 +44,9 @@ class ServingPlan:
     moe_kernel: str | None = None
     permute_kernel: str | None = None
     dense_kernel: str | None = None  # the dense projections; "pallas" reads each layer's weights in place
+    # replicate: each routed row sent home by remote DMA from the grouped-matmul kernel as its row tile finishes
+    # (`kernels.moe_fused_ep`, always the Pallas FFN), instead of a local combine and the reduce-scatter
+    fused_combine: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -113,6 +116,12 @@ class ServingPlan:
 
     def collective_flags_problem(self) -> str | None:
         """None when the collective flags are off or apply here (`collective_flags_apply`), else why they cannot."""
+        if self.fused_combine and not self.collective_flags_apply:
+            return ("fused_combine (the combine by remote DMA from the grouped-matmul kernel) applies to data-parallel "
+                    f"EP layouts ('dp_ep', 'dp_tp2_ep') with routing 'replicate'; got layout {self.layout!r}, routing "
+                    f"{self.routing!r}")
+        if self.fused_combine and self.hierarchical_rs:
+            return "fused_combine replaces the reduce-scatter: set hierarchical_rs=False with it"
         if not (self.fuse_allgather or self.hierarchical_rs) or self.collective_flags_apply:
             return None
         if self.layout == "single":

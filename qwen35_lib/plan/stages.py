@@ -82,15 +82,21 @@ TPU_INFERENCE_3050 = dataclasses.replace(STAGES["kernels"], name="tpu_inference_
 # prices them beside dp8_ep8.
 LAYOUT_STAGES = {s.name: s for s in (ServingPlan("tp8_ep8", "tp8_ep8", "replicate"),
                                      ServingPlan("dp4_tp2_ep8", "dp4_tp2_ep8", "replicate"))}
-EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE, TPU_INFERENCE_3050.name: TPU_INFERENCE_3050}
+# Beyond production's published setup (issue 50, item 4): the kernels stage with the MoE's combine fused into the
+# grouped matmul, each routed row sent home by remote DMA as its row tile finishes (`kernels.moe_fused_ep`),
+# overlapped with the next tiles' matmuls, in place of the local combine and the hierarchical reduce-scatter:
+# production's fused EP MoE (tpu-inference #3288, #3346) does the same. Not a ladder stage: the chapters' ladder
+# stops at `kernels`.
+FUSED_EP = ServingPlan("fused_ep", "dp8_ep8", "replicate", fuse_allgather=True, kernels="pallas", fused_combine=True)
+EXTRA = {GOOGLE_BASELINE.name: GOOGLE_BASELINE, TPU_INFERENCE_3050.name: TPU_INFERENCE_3050, FUSED_EP.name: FUSED_EP}
 
 
 def any_stage(name: str | ServingPlan) -> ServingPlan:
-    """A ladder stage or one of `EXTRA` (`google_baseline`, `tpu_inference_3050`, the `LAYOUT_STAGES`)."""
+    """A ladder stage or one of `EXTRA` (`google_baseline`, `tpu_inference_3050`, `fused_ep`) or `LAYOUT_STAGES`."""
     if isinstance(name, ServingPlan):
         return name
     return EXTRA.get(name) or LAYOUT_STAGES.get(name) or get_stage(name)
 
 
-__all__ = ["EXTRA", "GOOGLE_BASELINE", "LADDER", "LAYOUT_STAGES", "STAGES", "TPU_INFERENCE_3050", "any_stage",
-           "custom_stage", "get_stage"]
+__all__ = ["EXTRA", "FUSED_EP", "GOOGLE_BASELINE", "LADDER", "LAYOUT_STAGES", "STAGES", "TPU_INFERENCE_3050",
+           "any_stage", "custom_stage", "get_stage"]

@@ -19,7 +19,7 @@ from qwen35_lib.plan import kernels as plan_kernels
 
 def test_one_stage_table_in_the_plan_package():
     """The ladder and its extras live in `qwen35_lib.plan` alone: no other `stages` module."""
-    assert set(plan_lib.EXTRA) == {"google_baseline", "tpu_inference_3050"}
+    assert set(plan_lib.EXTRA) == {"google_baseline", "tpu_inference_3050", "fused_ep"}
     lib = pathlib.Path(plan_lib.__file__).parents[1]
     assert [p.relative_to(lib).as_posix() for p in lib.rglob("stages.py")] == ["plan/stages.py"]
 
