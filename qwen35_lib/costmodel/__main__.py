@@ -4,7 +4,7 @@
 `python -m qwen35_lib.costmodel ladder [--json]`,
 `python -m qwen35_lib.costmodel layouts --isl N --osl N [--concurrencies 1,2,...] [--kernels K] [--engine E] [--setup S]
 [--json]` and
-`python -m qwen35_lib.costmodel validate --moe | --published | --compiled [--json]`.
+`python -m qwen35_lib.costmodel validate --moe | --published | --layouts | --ttft | --compiled [--json]`.
 
 `predict --layout auto` prices every layout of `choice.CANDIDATES` that fits (tp8_kvrep, tp8_ep8, dp4_tp2_ep8,
 dp8_ep8 with the given routing, flags and kernels) and serves the one with the most total tokens/s; its JSON names the
@@ -18,9 +18,10 @@ the layout's DP size: the published SHARDING_TABLE's settings); by default the `
 one-at-a-time extremes of the labelled assumptions of data/costmodel_assumptions.json and their joint corners), the
 mean step-time breakdown by component, and the roofline bound; `--explain` adds the breakdown per mechanism, each
 with its assumption and source; a model that does not fit is reported so (exit status 0, `fits: false`).
-`validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer (the 8
-cells of data/moe_layer_measured.json: which set the one derived constant, which judge it; then the same file's second
-shape, Qwen3-30B-A3B, priced as its arm ran, which judges it too); `validate --published`
+`validate --ttft` prints the median TTFT beside the published rows that give one (tpu-recipes' runs, each under its
+own setup); `validate --moe` prints the MoE layer sub-model beside the measured device times of production's layer
+(the 8 cells of data/moe_layer_measured.json: which set the one derived constant, which judge it; then the same file's
+second shape, Qwen3-30B-A3B, priced as its arm ran, which judges it too); `validate --published`
 prints the acceptance figures against tpu-inference #3050 under each point's own setup (about 30 s); `validate
 --compiled` sets the model's FLOPs and HBM bytes beside the stored TPU7x-8 decode compiles (`costmodel.compiled`).
 Errors in the arguments print one `error: ...` line and exit with status 2 (`--debug`: the traceback).
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--published", action="store_true", help="tpu-inference #3050 (8k/1k, c64/128/256)")
     what.add_argument("--layouts", action="store_true",
                       help="the published low-concurrency layouts (tpu-inference #3050's DP4TP2_EP row)")
+    what.add_argument("--ttft", action="store_true",
+                      help="median TTFT vs the published rows that give one (tpu-recipes' DP8_EP runs, c128)")
     what.add_argument("--compiled", action="store_true",
                       help="FLOPs and HBM bytes vs the TPU7x-8 decode compiles (data/aot/tpu7x-8.json, aot/hlo/)")
     val.add_argument("--json", action="store_true", help="print one JSON document")
@@ -171,6 +174,23 @@ def _validate(args: argparse.Namespace) -> int:
 
         rows = compiled.compare(data.read_json("aot/tpu7x-8.json"))
         print(json.dumps(rows, indent=2) if args.json else compiled.table(rows))
+        return 0
+    if args.ttft:
+        rows = validate.ttft_points()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"median TTFT, median TPOT and total tokens/s, predicted / published (stage {validate.MEASURED_STAGE}, "
+              "each row under its own setup)")
+        for r in rows:
+            pub, pred = r["published"], r["predicted"]
+            mode = "on" if r["async_scheduling"] else "off"
+            print(f"  {r['isl']}/{r['osl']} c{r['concurrency']} (async scheduling {mode}): TTFT "
+                  f"{pred['median_ttft_ms']:,.0f} / {pub['median_ttft_ms']:,.0f} ms = "
+                  f"x{r['median_ttft_ms_ratio']:.2f}  TPOT x{r['median_tpot_ms_ratio']:.2f}  total "
+                  f"x{r['total_tokens_per_s_ratio']:.2f}  (published mean / p99 TTFT "
+                  f"{pub['mean_ttft_ms']:,.0f} / {pub['p99_ttft_ms']:,.0f} ms, median / p99 ITL "
+                  f"{pub['median_itl_ms']} / {pub['p99_itl_ms']} ms)")
         return 0
     if args.layouts:
         rows = validate.layout_points()

@@ -95,6 +95,17 @@ def admit_lag(m: Mechanisms) -> int:
     return (2 if m.async_scheduling else 1) + int(round(m.request_path_steps))  # whole steps (a slider's value)
 
 
+def dp_dispatch(m: Mechanisms) -> str:
+    """How tpu-inference's DP scheduler routes a new request (`schedule.play_dp`'s dispatch): "batch" (held until dp
+    of them wait, or as many ranks were idle in its newest schedule) with `dp_batch_prefill` and async scheduling;
+    "each" (routed as it arrives) otherwise. Without async scheduling the hold never holds: `_count_idle_ranks` reads
+    the newest cached schedule and counts every rank idle when none is cached, `update_from_output` drops the cached
+    schedule, and vLLM's synchronous engine step updates from its output before the core reads its input queue; with
+    async scheduling's batch queue of 2 the step in flight keeps its schedule cached while the core reads new
+    requests (`data/costmodel_assumptions.json`, dp_batch_prefill)."""
+    return "batch" if m.dp_batch_prefill and m.async_scheduling else "each"
+
+
 def _field_value(name: str, v):
     if name == "token_padding":
         return v == "pow2"
@@ -140,5 +151,5 @@ def component_assumptions(component: str) -> tuple[str, ...]:
     return COMPONENT_ASSUMPTIONS.get(component, DEFAULT_COMPONENT)
 
 
-__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "admit_lag", "check", "component_assumptions", "extremes",
-           "records"]
+__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "admit_lag", "check", "component_assumptions", "dp_dispatch",
+           "extremes", "records"]

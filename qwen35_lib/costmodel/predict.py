@@ -26,7 +26,7 @@ from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
-from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag
+from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag, dp_dispatch
 from qwen35_lib.costmodel.schedule import lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.step import Pools, bind_to, retimed_many, step_times
@@ -185,7 +185,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     doc["dp_lockstep_applied"] = use_lockstep(mech)
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
-                      padding=mech.token_padding, dispatch="batch" if mech.dp_batch_prefill else "each",
+                      padding=mech.token_padding, dispatch=dp_dispatch(mech),
                       admit_lag=admit_lag(mech))
         sim = price(ls, fn(False))
     else:
@@ -212,7 +212,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding,
-                                  dispatch="batch" if m.dp_batch_prefill else "each", admit_lag=admit_lag(m)),
+                                  dispatch=dp_dispatch(m), admit_lag=admit_lag(m)),
                          fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                         range_ratio, admit_lag(m))

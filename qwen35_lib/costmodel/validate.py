@@ -132,7 +132,6 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
     its own setup: range ratio, prompts, token budget, sequences, KV dtype, page size). With `band`, the
     MEASURED_STAGE prediction's band (`predict(band=True)`: one-at-a-time extremes and the joint corners) and
     whether the measurement lies inside it."""
-    from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
 
     rows = []
@@ -145,9 +144,7 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
                    measured_output_tokens_per_s=m.get("output_tokens_per_s"),
                    measured_median_tpot_ms=m.get("median_tpot_ms"), measured_median_ttft_ms=m.get("median_ttft_ms"))
         setup = m.get("setup", {})
-        mech = mechanisms
-        if mechanisms == "nominal" and "dp_sched_batch_prefill" in setup:
-            mech = Mechanisms.nominal(dp_batch_prefill=setup["dp_sched_batch_prefill"])
+        mech = setup_mechanisms(setup) if mechanisms == "nominal" else mechanisms
         for st in stages:
             p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
                         max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
@@ -175,12 +172,53 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
     return rows
 
 
+def setup_mechanisms(setup: dict):
+    """The nominal mechanisms under a published row's setup switches: tpu-inference's DP_SCHED_BATCH_PREFILL
+    (`dp_sched_batch_prefill`, default true) and the server's --async-scheduling (`async_scheduling`, default true:
+    every published server here ran with it)."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+
+    return Mechanisms.nominal(dp_batch_prefill=setup.get("dp_sched_batch_prefill", True),
+                              async_scheduling=setup.get("async_scheduling", True))
+
+
+def ttft_points(stage: str = MEASURED_STAGE) -> list[dict]:
+    """The published rows that give a median TTFT (`ttft`: true in data/published.json: tpu-recipes' DP8_EP runs,
+    8k/1k and 1k/8k at 128 concurrent requests) predicted under their own setup and `stage` (the plan they ran):
+    per row the predicted and published median TTFT, median TPOT and total tokens/s, each ratio (predicted /
+    published) and whether it is within 25 %, and the published mean and p99 TTFT and median and p99 inter-token
+    latencies beside them (not judged: the model gives medians)."""
+    from qwen35_lib.costmodel.predict import predict
+
+    rows = []
+    for m in published()["measurements"]:
+        if not m.get("ttft"):
+            continue
+        setup = m["setup"]
+        p = predict("qwen3.5-397b-a17b", "tpu7x-8", stage, m["isl"], m["osl"], m["concurrency"], roofline=False,
+                    max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
+                    max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
+                    range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
+                    page_size=setup.get("page_size", 256), mechanisms=setup_mechanisms(setup))
+        row = dict(source=m["source"], setup=m["setup_label"], isl=m["isl"], osl=m["osl"],
+                   concurrency=m["concurrency"], async_scheduling=setup.get("async_scheduling", True),
+                   published={k: m[k] for k in ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                                "median_itl_ms", "p99_itl_ms", "total_tokens_per_s") if k in m},
+                   predicted=dict(median_ttft_ms=p["median_ttft_s"] * 1e3, median_tpot_ms=p["median_tpot_s"] * 1e3,
+                                  total_tokens_per_s=p["total_tokens_per_s"], mean_step_ms=p["mean_step_s"] * 1e3))
+        for key in ("median_ttft_ms", "median_tpot_ms", "total_tokens_per_s"):
+            ratio = row["predicted"][key] / m[key]
+            row[f"{key}_ratio"] = ratio
+            row[f"{key}_within_25pct"] = abs(ratio - 1) <= 0.25
+        rows.append(row)
+    return rows
+
+
 def band_drivers(stage: str = MEASURED_STAGE) -> list[dict]:
     """Why the band is as wide as it is (issue 55, item 6): for each acceptance row of data/published.json (#3050,
     8k/1k, c64/128/256), `predict(band=True)` under the row's own setup and `stage`, and per row: `high_over_low`
     (the band's width), `by_assumption` {swept assumption: its own ends' total tokens/s, high over low}, largest
     first, and `corners` (the joint pessimistic and optimistic corners over the nominal)."""
-    from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
 
     out = []
@@ -193,8 +231,7 @@ def band_drivers(stage: str = MEASURED_STAGE) -> list[dict]:
                     max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
                     range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
                     page_size=setup.get("page_size", 256),
-                    mechanisms=Mechanisms.nominal(dp_batch_prefill=setup.get("dp_sched_batch_prefill", True)),
-                    band=True)
+                    mechanisms=setup_mechanisms(setup), band=True)
         ends: dict[str, list[float]] = {}
         for e in p["band"]["extremes"]:
             ends.setdefault(e["assumption"], []).append(e["total_tokens_per_s"])
@@ -219,7 +256,6 @@ def layout_points(band: bool = False) -> list[dict]:
     total tokens/s and median TPOT ratios (predicted / published) and whether each is within 25 %."""
     import dataclasses
 
-    from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.predict import predict
     from qwen35_lib.plan import TPU_INFERENCE_3050
 
@@ -239,8 +275,7 @@ def layout_points(band: bool = False) -> list[dict]:
                     max_batched_tokens=budget, max_seqs=setup.get("max_seqs_per_rank"),
                     num_prompts=10 * m["concurrency"], range_ratio=setup.get("range_ratio", 0.8),
                     kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"), page_size=setup.get("page_size", 256),
-                    mechanisms=Mechanisms.nominal(dp_batch_prefill=setup.get("dp_sched_batch_prefill", True)),
-                    band=band)
+                    mechanisms=setup_mechanisms(setup), band=band)
         row = dict(source=m["source"], setup=m["setup_label"], layout=layout, isl=m["isl"], osl=m["osl"],
                    concurrency=m["concurrency"], max_batched_tokens_per_rank=budget,
                    measured_total_tokens_per_s=m["total_tokens_per_s"],

@@ -152,3 +152,21 @@ def test_a_rescaled_band_end_equals_the_step_timed_again(name):
                 fast = retimed(cfg, sp, st, b, base, nom, m)
                 full = step_time(cfg, sp, st, b, "float8_e4m3fn", mech=m).breakdown
                 assert fast is not None and fast == pytest.approx(full, rel=1e-9, abs=1e-15), (stage, b, end)
+
+
+def test_the_dp_scheduler_holds_new_requests_only_under_async_scheduling():
+    """tpu-inference's DP scheduler holds new requests (DP_SCHED_BATCH_PREFILL) only while a schedule is cached, which
+    async scheduling's batch queue keeps and a synchronous step drops before the core reads new requests
+    (`assumptions.dp_dispatch`): without async scheduling the schedule is the one routing requests as they arrive."""
+    assert assumptions.dp_dispatch(Mechanisms.nominal()) == "batch"
+    for m in (Mechanisms.nominal(async_scheduling=False), Mechanisms.nominal(dp_batch_prefill=False), Mechanisms.off()):
+        assert assumptions.dp_dispatch(m) == "each"
+    sync = Mechanisms.nominal(async_scheduling=False)
+    held, routed = (costmodel.predict(stage="kernels", mechanisms=m, **SMALL)
+                    for m in (sync, dataclasses.replace(sync, dp_batch_prefill=False)))
+    assert held["dp_lockstep_applied"]
+    assert held["median_ttft_s"] == routed["median_ttft_s"]
+    assert held["total_tokens_per_s"] == routed["total_tokens_per_s"]
+    hold = costmodel.predict(stage="kernels", **SMALL)  # async scheduling on: the hold holds
+    assert hold["median_ttft_s"] != costmodel.predict(stage="kernels", mechanisms=Mechanisms.nominal(
+        dp_batch_prefill=False), **SMALL)["median_ttft_s"]

@@ -104,3 +104,27 @@ def test_band_drivers_name_what_holds_the_band_open():
         assert spreads == sorted(spreads, reverse=True) and all(x >= 1 for x in spreads)
         assert r["high_over_low"] >= spreads[0]
         assert r["corners"]["pessimistic"] < 1 < r["corners"]["optimistic"]
+
+
+def test_ttft_points_predict_each_published_ttft_row_under_its_setup(monkeypatch):
+    """`validate.ttft_points` (issue 55): every row that publishes a median TTFT, predicted under its own setup (its
+    async scheduling and DP batch-prefill switches reach the mechanisms), the ratios predicted / published."""
+    predict_mod = sys.modules["qwen35_lib.costmodel.predict"]
+    seen = []
+
+    def fake(model, hw, stage, isl, osl, conc, **kw):
+        seen.append((stage, isl, kw))
+        return dict(total_tokens_per_s=1000.0, median_tpot_s=0.02, median_ttft_s=2.0, mean_step_s=0.03)
+
+    monkeypatch.setattr(predict_mod, "predict", fake)
+    rows = validate.ttft_points()
+    published = [m for m in validate.published()["measurements"] if m.get("ttft")]
+    assert len(rows) == len(published) >= 2 and all(m["median_ttft_ms"] > 0 for m in published)
+    for row, m, (stage, isl, kw) in zip(rows, published, seen):
+        assert stage == M and isl == m["isl"] and kw["num_prompts"] == m["setup"]["num_prompts"]
+        assert kw["mechanisms"].async_scheduling == m["setup"]["async_scheduling"]
+        assert kw["mechanisms"].dp_batch_prefill == m["setup"]["dp_sched_batch_prefill"]
+        assert row["median_ttft_ms_ratio"] == pytest.approx(2000.0 / m["median_ttft_ms"])
+        assert row["median_tpot_ms_ratio"] == pytest.approx(20.0 / m["median_tpot_ms"])
+        assert row["total_tokens_per_s_within_25pct"] == (abs(1000.0 / m["total_tokens_per_s"] - 1) <= 0.25)
+    assert validate.setup_mechanisms({"async_scheduling": False}).async_scheduling is False
