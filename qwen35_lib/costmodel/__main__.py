@@ -68,6 +68,17 @@ def _format(r: dict) -> str:
                      f"tokens/s (x{b['high_over_low']:.2f}); TPOT {b['median_tpot_s'][0] * 1e3:.1f} - "
                      f"{b['median_tpot_s'][1] * 1e3:.1f} ms  "
                      "(the labelled assumptions at their ends: one at a time, and all at once)")
+    if "speculation" in r:  # --speculative-tokens
+        sp = r["speculation"]
+        src = (f"assumption {sp['assumption']}, range {sp['acceptance_low']:.2f} - {sp['acceptance_high']:.2f}: "
+               f"{sp['assumption_source']}" if "assumption" in sp else "given")
+        gain = sp["output_gain"]
+        band = sp.get("output_gain_band")
+        lines.append(f"  speculation      {sp['speculative_tokens']} MTP drafts a step at acceptance length "
+                     f"{sp['acceptance_length']:.2f} ({src})")
+        lines.append(f"  without it       {sp['without']['output_tokens_per_s']:12,.0f} output tokens/s; gain "
+                     + (f"x{gain:.2f}" if gain else "-") + (f" (x{band[0]:.2f} - x{band[1]:.2f} over the acceptance "
+                                                             "range)" if band and None not in band else ""))
     if "roofline_total_tokens_per_s" in r:
         lines.append(f"  roofline bound   {r['roofline_total_tokens_per_s']:12,.0f} total tokens/s "
                      f"({r['fraction_of_roofline']:.0%} of it reached)")
@@ -125,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tpu-inference's DP_SCHED_BATCH_PREFILL=false (new requests routed one by one)")
     pr.add_argument("--explain", action="store_true", help="the mean step per component and per mechanism")
     pr.add_argument("--no-band", action="store_true", help="skip the uncertainty band")
+    pr.add_argument("--speculative-tokens", type=int, default=0,
+                    help="MTP drafts a decoding sequence verifies each step (default: %(default)s, off)")
+    pr.add_argument("--acceptance-length", type=float,
+                    help="tokens a decoding sequence emits per step with drafts (default: the labelled assumption "
+                         "mtp_acceptance_length of data/costmodel_assumptions.json)")
     pr.add_argument("--isl", type=int, default=8192, help="input tokens per request")
     pr.add_argument("--osl", type=int, default=1024, help="output tokens per request")
     lays = sub.add_parser("layouts", help="every layout priced over concurrency: the best, the next, the margin")
@@ -290,6 +306,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--no-dp-batch-prefill and --no-async-scheduling set mechanisms of the nominal model; "
                              "drop them with --mechanisms off")
         options = dict(mechanisms=mech, band=not args.no_band and args.mechanisms == "nominal", explain=args.explain)
+        if args.speculative_tokens or args.acceptance_length is not None:
+            if args.layout == "auto":
+                raise ValueError("--speculative-tokens prices one stage: name it with --stage (not --layout auto)")
+            options.update(speculative_tokens=args.speculative_tokens, acceptance_length=args.acceptance_length)
         if args.layout == "auto":
             from qwen35_lib.costmodel import choice
 

@@ -15,7 +15,8 @@ import functools
 from qwen35_lib import data
 
 FILE = "costmodel_assumptions.json"
-KINDS = ("range", "derived", "computed", "setup")  # derived: set from measured data, swept like a range
+KINDS = ("range", "derived", "computed", "setup", "option")  # derived: set from measured data, swept like a range;
+# option: read only where an option asks for it (predict --speculative-tokens), which sweeps its range itself
 SWEPT = ("range", "derived")
 REQUIRED = ("mechanism", "kind", "source", "quote", "value", "low", "high", "range_fixed")
 
@@ -39,7 +40,7 @@ def check(name: str, rec: dict) -> None:
         raise ValueError(f"{FILE} assumption {name!r}: source {rec['source']!r} is not a URL; cite where it was read")
     if rec["kind"] not in KINDS:
         raise ValueError(f"{FILE} assumption {name!r}: kind {rec['kind']!r} is not one of {', '.join(KINDS)}")
-    if rec["kind"] in SWEPT and not rec["low"] <= rec["value"] <= rec["high"]:
+    if rec["kind"] in (*SWEPT, "option") and not rec["low"] <= rec["value"] <= rec["high"]:
         raise ValueError(f"{FILE} assumption {name!r}: value {rec['value']} lies outside its range "
                          f"[{rec['low']}, {rec['high']}]")
 
@@ -127,6 +128,25 @@ def extremes(base: Mechanisms | None = None) -> list[tuple[str, str, Mechanisms]
     return out
 
 
+ACCEPTANCE = "mtp_acceptance_length"
+
+
+def acceptance_length(drafts: int, end: str = "value") -> float:
+    """The acceptance length (tokens a decoding sequence emits per verify step, 1 + drafts accepted) of `drafts`
+    MTP drafts a step, at the record's `end` ("value", "low" or "high"): the record's own figure at its draft count;
+    at another count, 1 + p + ... + p^drafts with p the constant per-draft acceptance rate that gives the record's
+    figure at its count (bisection). 1 without drafts."""
+    rec = records()[ACCEPTANCE]
+    a, k0 = float(rec[end]), int(rec["drafts"])
+    if drafts == 0 or drafts == k0:
+        return a if drafts else 1.0
+    length = lambda p, k: sum(p**i for i in range(k + 1))  # noqa: E731
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        lo, hi = ((lo + hi) / 2, hi) if length((lo + hi) / 2, k0) < a else (lo, (lo + hi) / 2)
+    return length((lo + hi) / 2, drafts)
+
+
 COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (besides the op's roofline)
     "attn_core": ("attention_kernel_efficiency", "mixed_step_attention", "hbm_efficiency", "dp_lockstep"),
     "gdn_core": ("gdn_layer_fixed_s", "matmul_efficiency", "hbm_efficiency", "dp_lockstep", "dp_batch_prefill",
@@ -151,5 +171,5 @@ def component_assumptions(component: str) -> tuple[str, ...]:
     return COMPONENT_ASSUMPTIONS.get(component, DEFAULT_COMPONENT)
 
 
-__all__ = ["COMPONENT_ASSUMPTIONS", "Mechanisms", "admit_lag", "check", "component_assumptions", "dp_dispatch",
-           "extremes", "records"]
+__all__ = ["ACCEPTANCE", "COMPONENT_ASSUMPTIONS", "Mechanisms", "acceptance_length", "admit_lag", "check",
+           "component_assumptions", "dp_dispatch", "extremes", "records"]

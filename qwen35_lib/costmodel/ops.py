@@ -38,6 +38,7 @@ from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS, WALK_ROWS
 from qwen35_lib.stats import model_stats
+from qwen35_lib.weights import mtp_layer_config
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
 
@@ -54,10 +55,17 @@ class Batch:
     max_ctx: int = 0  # longest context in the batch (the XLA attention reads it for every token)
     padded_tokens: int = 0  # tokens the compiled step computes (bucket padding); 0: exactly the real ones
     logit_rows: int = 0  # rows the LM head computes; 0: one per sequence (a full forward computes every token's)
+    drafts: int = 0  # speculative decoding: draft tokens each decode row verifies (a row of drafts + 1 tokens, every
+    # one through every layer; every sequence's logit row drafts + 1 wide, as the verify step computes them)
 
     @property
     def tokens(self) -> int:
-        return self.decodes + self.prefill_tokens
+        return self.decodes * (1 + self.drafts) + self.prefill_tokens
+
+    @property
+    def rows(self) -> int:
+        """Rows the LM head and the sampler compute: `logit_rows` (else one a sequence), drafts + 1 each."""
+        return (self.logit_rows or max(self.seqs, 1)) * (1 + self.drafts)
 
     @property
     def computed(self) -> int:
@@ -71,13 +79,13 @@ class Batch:
         """This batch without its contexts (`decode_ctx`, `prefill_ctx`, `max_ctx`): all that every op cost but the
         attention core reads (`step` caches those costs by it)."""
         return Batch(decodes=self.decodes, prefill_tokens=self.prefill_tokens, prefill_seqs=self.prefill_seqs,
-                     padded_tokens=self.padded_tokens, logit_rows=self.logit_rows)
+                     padded_tokens=self.padded_tokens, logit_rows=self.logit_rows, drafts=self.drafts)
 
     @property
     def attention_pairs(self) -> float:
         """(query, key) pairs of causal attention: decodes see their context, chunks their past + causal part."""
         n = self.prefill_tokens / self.prefill_seqs if self.prefill_seqs else 0.0
-        return self.decodes * self.decode_ctx + self.prefill_tokens * self.prefill_ctx + \
+        return self.decodes * (1 + self.drafts) * self.decode_ctx + self.prefill_tokens * self.prefill_ctx + \
             self.prefill_seqs * n * (n + 1) / 2
 
 
@@ -262,7 +270,8 @@ def walked_context(b: Batch, dp: int, rows: float, prompt_rows: float, span: int
     group: the longest, for every row)."""
     groups = max(1, math.ceil(rows / WALK_ROWS))
     chunk = b.prefill_tokens / max(b.prefill_seqs, 1)
-    own = (b.decodes / dp * b.decode_ctx + prompt_rows * (b.prefill_ctx + (chunk + span) / 2)) / max(rows, 1)
+    own = (b.decodes * (1 + b.drafts) / dp * b.decode_ctx + prompt_rows * (b.prefill_ctx + (chunk + span) / 2)) / \
+        max(rows, 1)
     own = min(own, b.max_ctx)
     return groups, own + (b.max_ctx - own) / groups
 
@@ -290,8 +299,9 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     state = hv * dk * dv * ITEMSIZE[cfg.gdn_state_dtype]  # one sequence's state on this device
     dec = b.decodes / pl.dp
     pre_seqs = b.prefill_seqs / pl.dp
-    chunks = math.ceil(max(b.computed - b.decodes, 0) / pl.dp / C)  # the prefill region, C-aligned
-    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec, bytes=pl.gdn_state_passes * state * dec, launches=6)
+    chunks = math.ceil(max(b.computed - b.decodes * (1 + b.drafts), 0) / pl.dp / C)  # the prefill region, C-aligned
+    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec * (1 + b.drafts), bytes=pl.gdn_state_passes * state * dec,
+                     launches=6) + verify_checkpoints(cfg, b, pl)
     if pl.gdn_prefill == "recurrent":  # every prompt token one update of its sequence's state, held in cache
         tokens = b.prefill_tokens / pl.dp  # the real ones: the handler skips padding
         return {"gdn_proj": proj, "gdn_core": recurrent + Cost(vector_flops=7 * dk * dv * hv * tokens,
@@ -304,6 +314,29 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
                    launches=5 * chunks + 4 if chunks else 0)
     return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "gdn_conv": conv(cfg, b, pl),
             "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+
+
+def verify_checkpoints(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """What one GDN layer's speculative verification adds for its decode rows (`b.drafts` = k > 0, V = k + 1 tokens a
+    row; `kernels.gdn_xla.gdn_verify_xla`, `model.ragged.keep_accepted`), one device: each row's V states written to
+    its slot's checkpoints, then the accepted one read back and written into the slot (V + 2 state passes), and its
+    conv window of K - 1 + V inputs a channel written, K - 1 of them read back and written. 0 without drafts."""
+    if not b.drafts:
+        return Cost()
+    V, K = 1 + b.drafts, cfg.gdn_conv_kernel
+    state = cfg.gdn_num_v_heads / pl.tp * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * ITEMSIZE[cfg.gdn_state_dtype]
+    window = cfg.gdn_conv_dim / pl.tp * sizes(cfg)["act"] * (K - 1 + V + 2 * (K - 1))
+    return Cost(bytes=b.decodes / pl.dp * ((V + 2) * state + window), launches=3)
+
+
+def checkpoint_bytes(cfg: Config, drafts: int, tp: int = 1) -> float:
+    """Bytes of one GDN layer's verification checkpoints a sequence's slot holds (`engine.cache.declare_cache`'s
+    `*_ckpt` pools at verify = drafts + 1), heads split `tp` ways: V states and a conv window of K - 1 + V inputs."""
+    if not drafts:
+        return 0.0
+    V, K = 1 + drafts, cfg.gdn_conv_kernel
+    state = cfg.gdn_num_v_heads / tp * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * ITEMSIZE[cfg.gdn_state_dtype]
+    return V * state + (K - 1 + V) * cfg.gdn_conv_dim / tp * sizes(cfg)["act"]
 
 
 def conv(cfg: Config, b: Batch, pl: Placement) -> Cost:
@@ -319,7 +352,7 @@ def conv(cfg: Config, b: Batch, pl: Placement) -> Cost:
 def sampling(cfg: Config, b: Batch, pl: Placement) -> Cost:
     """The sampler over each sequence's float32 logits [V] (the whole vocabulary on every device):
     `pl.sampling_passes` passes."""
-    S = (b.logit_rows or max(b.seqs, 1)) / pl.dp
+    S = b.rows / pl.dp
     return Cost(bytes=pl.sampling_passes * S * cfg.vocab_size * 4, launches=1 if pl.sampling_passes else 0)
 
 
@@ -433,6 +466,35 @@ def embed_and_head(cfg: Config, b: Batch, pl: Placement) -> Cost:
     """Embedding gather for every token; final norm and LM head for each sequence's last token (vocab split
     over tp)."""
     z = sizes(cfg)
-    T, S = b.computed / pl.dp, (b.logit_rows or max(b.seqs, 1)) / pl.dp
+    T, S = b.computed / pl.dp, b.rows / pl.dp
     w = z["lm_head"] / pl.tp
     return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pl.tp * 4, 4)
+
+
+def mtp_head(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+    """The MTP head's draft step after a verify step of `b` (`b.drafts` = k > 0; `engine.speculative.draft_step`),
+    one device, by the components of the layers it runs (its own layer's pieces under their own names):
+    1. pass 1, over every token the step computed: the token's embedding gathered, two RMSNorms and the fc [2D -> D],
+       one full-attention layer (its own KV pool written and read: `attention_block`) with its MoE (`moe_block`),
+       the final norm and the shared LM head at each sequence's last kept token (one row a sequence), argmax;
+    2. passes 2..k: the same for one token a decoding sequence (the draft before), at context + i - 1.
+    {} without drafts."""
+    if not b.drafts:
+        return {}
+    head = mtp_layer_config(cfg)
+    z = sizes(head)
+    D = cfg.hidden_size
+    seqs = max(b.seqs, 1)
+    passes = [(b, seqs)] + [
+        (Batch(decodes=b.decodes, decode_ctx=b.decode_ctx + i, max_ctx=b.max_ctx + i), b.decodes)
+        for i in range(1, b.drafts)]
+    out: dict[str, Cost] = {}
+    for p, rows in passes:
+        T, S = p.computed / pl.dp, rows / pl.dp
+        fc = Cost(2 * T * 2 * D * D, 0, 2 * D * D * z["act"] + T * D * z["act"] * 5, 4)  # embed, 2 norms, fc
+        w = z["lm_head"] / pl.tp
+        lm = Cost(2 * S * w, 0, w * z["act"] + S * cfg.vocab_size / pl.tp * 4, 3)
+        for name, c in (*attention_block(head, p, pl).items(), *moe_block(head, p, pl).items(),
+                        ("norms", norms(head, p, pl) + fc), ("embed_lm_head", lm)):
+            out[name] = out[name] + c if name in out else c
+    return out

@@ -24,10 +24,10 @@ import numpy as np
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config, get_config
-from qwen35_lib.costmodel import ops, traffic
+from qwen35_lib.costmodel import assumptions, ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag, dp_dispatch
-from qwen35_lib.costmodel.schedule import lockstep, price, simulate
+from qwen35_lib.costmodel.schedule import Speculation, lockstep, price, simulate
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.costmodel.step import Pools, bind_to, retimed_many, step_times
 from qwen35_lib.engine.cache import CacheShape
@@ -73,31 +73,41 @@ def weight_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan) -> float
 
 
 def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
-                              kv_dtype: str | None, page_size: int) -> dict[str, float]:
+                              kv_dtype: str | None, page_size: int, drafts: int = 0) -> dict[str, float]:
     """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
     the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
-    slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`)."""
+    slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`). With `drafts` (speculative
+    decoding, `EngineConfig.speculative_tokens`) the GDN pool holds each slot's verification checkpoints too
+    (`CacheShape.verify`), and the MTP head's weights and its one-layer KV pool are added
+    (`traffic.mtp_resident_bytes`: `mtp_weight_bytes`, `mtp_kv_bytes`)."""
     plan = bind_to(stage, cfg, sp)
     cache = CacheShape.for_requests(requests_per_rank * plan.dp, tokens, ranks=plan.dp, page_size=page_size,
                                     kv_dtype=kv_dtype)
+    if drafts:
+        cache = dataclasses.replace(cache, verify=drafts + 1)
     r = traffic.resident_bytes(plan, cfg, cache)
-    return {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
+    out = {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
+    if drafts:
+        head = traffic.mtp_resident_bytes(plan, cfg, cache)
+        out.update(mtp_weight_bytes=head["weights"], mtp_kv_bytes=head["kv"])
+    return out
 
 
 def engine_pools(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
-                 kv_dtype: str | None, page_size: int) -> Pools:
+                 kv_dtype: str | None, page_size: int, drafts: int = 0) -> Pools:
     """The cache pools, per layer on one device, of an engine sized for `requests_per_rank` requests of `tokens`
     tokens (`resident_bytes_per_device`): what its layer scan copies every step (`step.Pools`)."""
-    r = resident_bytes_per_device(cfg, sp, stage, requests_per_rank, tokens, kv_dtype, page_size)
+    r = resident_bytes_per_device(cfg, sp, stage, requests_per_rank, tokens, kv_dtype, page_size, drafts)
     z = ops.sizes(cfg)
     return Pools(kv=r["kv_bytes"] / max(z["n_attn"], 1), gdn=r["gdn_state_bytes"] / max(z["n_gdn"], 1))
 
 
 def request_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, tokens: int, kv_dtype: str | None,
-                             page_size: int = 1) -> float:
+                             page_size: int = 1, drafts: int = 0) -> float:
     """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot
-    (the pools for two requests less those for one)."""
-    one, two = (resident_bytes_per_device(cfg, sp, stage, n, tokens, kv_dtype, page_size) for n in (1, 2))
+    (the pools for two requests less those for one; with `drafts`, its checkpoints and its pages of the head's
+    pool too)."""
+    one, two = (resident_bytes_per_device(cfg, sp, stage, n, tokens, kv_dtype, page_size, drafts) for n in (1, 2))
     return float(sum(two.values()) - sum(one.values()))
 
 
@@ -107,7 +117,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
             kv_dtype: str | None = "float8_e4m3fn", page_size: int = 256,
             num_prompts: int | None = None, range_ratio: float = 0.8, seed: int = 0, roofline: bool = True,
             overlap: bool = True, mechanisms: str | Mechanisms = "nominal", band: bool = False,
-            explain: bool = False) -> dict:
+            explain: bool = False, speculative_tokens: int = 0, acceptance_length: float | None = None) -> dict:
     """Predicted serving throughput (see the module doc). Returns a JSON-able dict:
     `output_tokens_per_s`, `total_tokens_per_s` (whole slice), `..._per_chip`, `breakdown_s` (per step, mean),
     `breakdown_fraction`, `roofline_total_tokens_per_s`, `fraction_of_roofline`, `median_ttft_s`,
@@ -116,10 +126,23 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     `mechanisms`: "nominal" (every labelled assumption of data/costmodel_assumptions.json at its value: ranks in
     lockstep, padding, overlap, host time, ...), "off" (the model without them: balanced ranks, serial
     collectives), or a `Mechanisms`. `band`: also `band` (the one-at-a-time extremes of the swept assumptions and
-    their joint corners, `band_of`); `explain`: also `explain` (`explain_of`)."""
+    their joint corners, `band_of`); `explain`: also `explain` (`explain_of`).
+    `speculative_tokens` k > 0: speculative decoding with the MTP head (`speculation_of`): each decoding sequence
+    verifies k drafts a step (k + 1 query tokens through every layer, the head's draft step, the GDN checkpoints:
+    `ops.Batch.drafts`) and emits `acceptance_length` tokens a step (None: the labelled assumption
+    `assumptions.acceptance_length(k)`); the checkpoints, the head's weights and its KV pool enter the memory check;
+    the document gains `speculation` (the setup, its assumption and the gain over k = 0, with its band over the
+    assumption's range when `band`)."""
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
                     range_ratio=range_ratio)
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, numbers.Integral) or \
+            speculative_tokens < 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens!r} (--speculative-tokens): drafts a sequence "
+                         "verifies a step must be an integer >= 0")
+    k = int(speculative_tokens)
+    spec = Speculation(k, acceptance_length if acceptance_length is not None and k else
+                       assumptions.acceptance_length(k))  # checks 1 <= A <= k + 1
     cfg = serving_model(model) if isinstance(model, str) else model
     sp = specs_lib.get(hardware) if isinstance(hardware, str) else hardware
     st = any_stage(stage)
@@ -131,8 +154,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     num_prompts = num_prompts if num_prompts is not None else PROMPTS_PER_CLIENT * concurrency
     usable = sp.usable_hbm_bytes
     w = weight_bytes_per_device(cfg, sp, lay)
-    per_req = request_bytes_per_device(cfg, sp, lay, isl + osl, kv_dtype, page_size)
-    fixed = sum(resident_bytes_per_device(cfg, sp, lay, 1, isl + osl, kv_dtype, page_size).values()) - per_req
+    per_req = request_bytes_per_device(cfg, sp, lay, isl + osl, kv_dtype, page_size, k)
+    fixed = sum(resident_bytes_per_device(cfg, sp, lay, 1, isl + osl, kv_dtype, page_size, k).values()) - per_req
     # (weights, the null page and the null slot)
     # requests one rank can hold: a DP device holds its own; a TP device holds a share of every request
     max_running = hw.capacity(usable - fixed, per_req)
@@ -144,6 +167,9 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         max_batched_tokens_per_rank=budget, max_seqs_per_rank=seqs, kv_dtype=kv_dtype or cfg.dtype,
         weight_bytes_per_device=w, usable_hbm_bytes_per_device=usable, request_bytes_per_device=per_req,
         max_running_per_rank=max_running, fits=max_running >= 1)
+    if k:
+        doc["speculation"] = speculation_of(cfg, sp, lay, spec, acceptance_length is None, isl + osl, kv_dtype,
+                                            page_size)
     if not doc["fits"]:
         doc["reason"] = (f"weights need {w / 2**30:.1f} GiB per device of {usable / 2**30:.1f} GiB usable, leaving no "
                          f"room for one request of {isl + osl} tokens ({per_req / 2**30:.2f} GiB)")
@@ -151,7 +177,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
 
     mech = _mechanisms(mechanisms)
     doc["mechanisms"] = "off" if mech == Mechanisms.off() else dataclasses.asdict(mech)
-    pools = engine_pools(cfg, sp, lay, min(max_running, seqs), isl + osl, kv_dtype, page_size)
+    pools = engine_pools(cfg, sp, lay, min(max_running, seqs), isl + osl, kv_dtype, page_size, k)
     doc["cache_pool_bytes_per_layer"] = dataclasses.asdict(pools)
 
     # the distinct steps of a schedule under `mech`, timed: {batches: {component: seconds [n]}}, for the band's
@@ -186,11 +212,11 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
                       padding=mech.token_padding, dispatch=dp_dispatch(mech),
-                      admit_lag=admit_lag(mech))
+                      admit_lag=admit_lag(mech), spec=spec)
         sim = price(ls, fn(False))
     else:
         sim = simulate(fn(False), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                       range_ratio, admit_lag(mech))
+                       range_ratio, admit_lag(mech), spec)
     doc.update(
         requests_per_rank=sim.requests, played_requests_per_rank=sim.played,
         output_tokens_per_s=sim.output_tokens_per_s, total_tokens_per_s=sim.total_tokens_per_s,
@@ -203,7 +229,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:
         ideal = simulate(fn(True), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                         range_ratio, admit_lag(mech))
+                         range_ratio, admit_lag(mech), spec)
         doc.update(roofline_total_tokens_per_s=ideal.total_tokens_per_s,
                    roofline_output_tokens_per_s=ideal.output_tokens_per_s,
                    fraction_of_roofline=sim.total_tokens_per_s / ideal.total_tokens_per_s)
@@ -212,16 +238,62 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         if use_lockstep(m):
             return price(lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
                                   range_ratio, padding=m.token_padding,
-                                  dispatch=dp_dispatch(m), admit_lag=admit_lag(m)),
-                         fn(False, m))
+                                  dispatch=dp_dispatch(m), admit_lag=admit_lag(m),
+                                  spec=spec), fn(False, m))
         return simulate(fn(False, m), isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed,
-                        range_ratio, admit_lag(m))
+                        range_ratio, admit_lag(m), spec)
 
     if band:
         doc["band"] = band_of(sim, mech, rerun)
     if explain:
         doc["explain"] = explain_of(sim, mech, rerun)
+    if k:
+        again = dict(model=cfg, hardware=sp, stage=st, isl=isl, osl=osl, concurrency=concurrency,
+                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size,
+                     num_prompts=num_prompts, range_ratio=range_ratio, seed=seed, roofline=False, overlap=overlap,
+                     mechanisms=mech)
+        base = predict(**again)
+        s = doc["speculation"]
+        s["without"] = {key: base.get(key) for key in ("output_tokens_per_s", "total_tokens_per_s", "median_tpot_s",
+                                                        "max_running_per_rank")}
+        gain = lambda r: r["output_tokens_per_s"] / base["output_tokens_per_s"] if r.get("fits") and \
+            base.get("fits") else None  # noqa: E731
+        s["output_gain"] = gain(doc)
+        if band and acceptance_length is None:  # the assumption's range, the other assumptions nominal
+            ends = {end: predict(**again, speculative_tokens=k, acceptance_length=assumptions.acceptance_length(k, end))
+                    for end in ("low", "high")}
+            s["output_gain_band"] = [gain(ends["low"]), gain(ends["high"])]
+            tot = [doc["band"]["total_tokens_per_s"][0], doc["band"]["total_tokens_per_s"][1],
+                   *(e["total_tokens_per_s"] for e in ends.values())]
+            doc["band"]["total_tokens_per_s"] = [min(tot), max(tot)]
+            doc["band"]["high_over_low"] = max(tot) / min(tot)
+            doc["band"]["extremes"] += [dict(assumption=assumptions.ACCEPTANCE, end=end, value=s[f"acceptance_{end}"],
+                                             total_tokens_per_s=e["total_tokens_per_s"],
+                                             median_tpot_s=e["median_tpot_s"], median_ttft_s=e["median_ttft_s"])
+                                        for end, e in ends.items()]
     return doc
+
+
+def speculation_of(cfg: Config, sp: Specs, lay, spec: Speculation, assumed: bool, tokens: int,
+                   kv_dtype: str | None, page_size: int) -> dict:
+    """The speculative setup of a prediction: drafts, the acceptance length (and the assumption it comes from when
+    `assumed`, with its range at these drafts), and what speculation adds to one device's memory for one request
+    of `tokens` tokens (its GDN checkpoints and its pages of the head's KV pool) and once (the head's weights)."""
+    rec = assumptions.records()[assumptions.ACCEPTANCE]
+    k = spec.drafts
+    (one, two), (one_k, two_k) = ([resident_bytes_per_device(cfg, sp, lay, n, tokens, kv_dtype, page_size, d)
+                                   for n in (1, 2)] for d in (0, k))
+    out = dict(speculative_tokens=k, acceptance_length=spec.acceptance,
+               acceptance_source="assumption" if assumed else "given",
+               mtp_weight_bytes_per_device=one_k["mtp_weight_bytes"],
+               gdn_checkpoint_bytes_per_request=(two_k["gdn_state_bytes"] - one_k["gdn_state_bytes"])
+               - (two["gdn_state_bytes"] - one["gdn_state_bytes"]),
+               mtp_kv_bytes_per_request=two_k["mtp_kv_bytes"] - one_k["mtp_kv_bytes"])
+    if assumed:
+        out.update(assumption=assumptions.ACCEPTANCE, assumption_source=rec["source"], assumption_quote=rec["quote"],
+                   assumption_drafts=rec["drafts"], acceptance_low=assumptions.acceptance_length(k, "low"),
+                   acceptance_high=assumptions.acceptance_length(k, "high"))
+    return out
 
 
 def _mechanisms(m: str | Mechanisms) -> Mechanisms:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections import deque
 from typing import Callable
 
@@ -48,6 +49,37 @@ def each_step(step_fn: StepFn) -> StepsFn:
         return (np.array([t for t, _ in timed], dtype=np.float64),
                 {k: np.array([p.get(k, 0.0) for _, p in timed], dtype=np.float64) for k in names})
     return steps_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding as the schedule sees it: each decoding sequence's row holds its token and `drafts`
+    drafts (`width` tokens of the step's budget) and emits `acceptance` tokens a step on average (the acceptance
+    length: 1 + the drafts accepted; a labelled assumption, `costmodel.predict.acceptance_length`). Off: one token
+    a row, one emitted (the integer play, unchanged)."""
+
+    drafts: int = 0
+    acceptance: float = 1.0
+
+    def __post_init__(self):
+        if self.drafts < 0 or not 1 <= self.acceptance <= self.drafts + 1:
+            raise ValueError(f"speculation of {self.drafts} drafts with acceptance length {self.acceptance}: the "
+                             f"acceptance length of k drafts lies in [1, k + 1]")
+
+    @property
+    def width(self) -> int:
+        return self.drafts + 1
+
+    @property
+    def emit(self) -> float | int:
+        return self.acceptance if self.drafts else 1
+
+    def steps(self, left) -> int:
+        """Decode steps a sequence with `left` output tokens to go runs (whole steps)."""
+        return left if not self.drafts else max(1, math.ceil(left / self.acceptance - 1e-9))
+
+
+NO_SPEC = Speculation()
 
 
 EXACT_PROMPTS = 2048  # requests per rank played one by one (concurrency 8192 at DP 8, 1024 at DP 1)
@@ -122,12 +154,13 @@ def _low(n: int, range_ratio: float) -> int:
 
 def simulate(steps_fn: StepsFn, isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int,
              max_seqs: int, max_running: int, num_prompts: int | None = None, seed: int = 0,
-             range_ratio: float = 0.8, admit_lag: int = 0) -> SimResult:
+             range_ratio: float = 0.8, admit_lag: int = 0, spec: Speculation = NO_SPEC) -> SimResult:
     """Play the benchmark on one rank (see the module doc); `steps_fn` (`StepsFn`) times the play's distinct steps.
 
     `concurrency` clients over the slice (concurrency / dp per rank); `max_seqs` and `max_running` (memory)
     bound the running sequences per rank; `max_batched_tokens` is the rank's token budget per step.
     `admit_lag`: steps a client's next request waits before the scheduler can see it (`ADMISSION_LAG`).
+    `spec`: speculative decoding's rows and acceptance (`Speculation`).
     Up to `EXACT_PROMPTS` requests per rank, every request is played; beyond, a bounded sample (`_bounded`).
     """
     clients = max(1, round(concurrency / dp))
@@ -135,25 +168,25 @@ def simulate(steps_fn: StepsFn, isl: int, osl: int, concurrency: int, dp: int, m
     limit = max(1, min(max_seqs, max_running))
     if prompts > EXACT_PROMPTS:
         bounded = _bounded(steps_fn, isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
-                           admit_lag)
+                           admit_lag, spec)
         if bounded is not None:
             return bounded
     play, = _replay(_exact_record(isl, osl, clients, prompts, dp, max_batched_tokens, limit, seed, range_ratio,
-                                  admit_lag), steps_fn)
+                                  admit_lag, spec), steps_fn)
     return play.result(dp)
 
 
 @functools.lru_cache(maxsize=16)
 def _exact_record(isl: int, osl: int, clients: int, prompts: int, dp: int, max_batched_tokens: int, limit: int,
-                  seed: int, range_ratio: float, admit_lag: int = 0) -> tuple[_Record]:
+                  seed: int, range_ratio: float, admit_lag: int = 0, spec: Speculation = NO_SPEC) -> tuple[_Record]:
     """`simulate`'s play of every request, recorded once (the schedule does not depend on the step times)."""
     return (_record(draw_lengths(prompts, isl, osl, seed, range_ratio), clients, dp, max_batched_tokens, limit,
-                    admit_lag=admit_lag),)
+                    admit_lag=admit_lag, spec=spec),)
 
 
 def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, dp: int,
              max_batched_tokens: int, limit: int, seed: int, range_ratio: float,
-             admit_lag: int = 0) -> SimResult | None:
+             admit_lag: int = 0, spec: Speculation = NO_SPEC) -> SimResult | None:
     """The benchmark of `prompts` requests per rank from three short runs, in a time independent of `prompts` and
     `clients` (None when the three runs would be about the whole benchmark).
 
@@ -179,13 +212,13 @@ def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, 
     Measured against playing every request (tests/costmodel/test_schedule.py). Its cost grows with `cap`, not with
     `clients` or `prompts`.
     """
-    cap = min(limit, max_batched_tokens + 1)
+    cap = min(limit, max_batched_tokens // spec.width + 1)
     c = min(clients, cap + 1)
     if c + 2 * cap >= prompts:
         return None
-    skip = min(c, limit, max_batched_tokens, STEADY_WINDOW)  # `warm` in `_bounded_records`
+    skip = min(c, limit, max_batched_tokens // spec.width, STEADY_WINDOW)  # `warm` in `_bounded_records`
     records = _bounded_records(isl, osl, c, cap, dp, max_batched_tokens, limit, seed, range_ratio, STEADY_WINDOW,
-                               admit_lag)
+                               admit_lag, spec)
     steady, ramp, drain = _replay(records, steps_fn)
     (_, a), (_, b) = steady.snapshots
     mean_in, mean_out = mean_lengths(isl, osl, range_ratio)
@@ -210,19 +243,21 @@ def _bounded(steps_fn: StepsFn, isl: int, osl: int, clients: int, prompts: int, 
 
 @functools.lru_cache(maxsize=16)
 def _bounded_records(isl: int, osl: int, c: int, cap: int, dp: int, max_batched_tokens: int, limit: int, seed: int,
-                     range_ratio: float, window: int, admit_lag: int = 0) -> tuple[_Record, _Record, _Record]:
+                     range_ratio: float, window: int, admit_lag: int = 0, spec: Speculation = NO_SPEC
+                     ) -> tuple[_Record, _Record, _Record]:
     """`_bounded`'s steady, ramp and drain runs (its items 2-4), recorded once: the schedule does not depend on the
     step times, which `_replay` adds for each step function."""
-    warm = min(c, limit, max_batched_tokens)  # requests running at the start of the steady-state run
+    warm = min(c, limit, max_batched_tokens // spec.width)  # requests running at the start of the steady-state run
     skip = min(warm, window)
     lengths = draw_lengths(warm + skip + window + c, isl, osl, seed + 1, range_ratio)
     rng = np.random.default_rng(seed + 2)
     start = [_Req(i, o, done_prompt=i, done_output=int(rng.integers(0, o)), arrived=None) for i, o in lengths[:warm]]
     steady = _record(lengths[warm:], c, dp, max_batched_tokens, limit, marks=(skip, skip + window),
-                     start=start, collapse=True, admit_lag=admit_lag)
+                     start=start, collapse=True, admit_lag=admit_lag, spec=spec)
     ramp = _record(draw_lengths(c + cap, isl, osl, seed, range_ratio), c, dp, max_batched_tokens, limit,
-                   marks=(cap,), collapse=True, admit_lag=admit_lag)
-    drain = _record([], len(steady.running), dp, max_batched_tokens, limit, start=steady.running, collapse=True)
+                   marks=(cap,), collapse=True, admit_lag=admit_lag, spec=spec)
+    drain = _record([], len(steady.running), dp, max_batched_tokens, limit, start=steady.running, collapse=True,
+                    spec=spec)
     return steady, ramp, drain
 
 
@@ -279,13 +314,13 @@ class _Play:
 def _play(step_fn: StepFn, lengths: list[tuple[int, int]], clients: int,
           dp: int, max_batched_tokens: int, limit: int, marks: tuple[int, ...] = (),
           start: list[_Req] | None = None, collapse: bool = False, trace: list | None = None,
-          admit_lag: int = 0) -> _Play:
+          admit_lag: int = 0, spec: Speculation = NO_SPEC) -> _Play:
     """The closed loop of `clients` clients over the requests of `lengths` (steps 1-3 of the module doc), the
     clients of `start` with their requests already running; with `marks`, it stops at the last one. With
     `collapse`, a run of steps whose decodes take the whole budget (no prompt work fits) is also advanced
     together, as a run of pure-decode steps is. With `trace`, each (batch, steps) is appended to it.
     (`_record` plays the schedule, `_replay` times it with `step_fn`.)"""
-    rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse, admit_lag)
+    rec = _record(lengths, clients, dp, max_batched_tokens, limit, marks, start, collapse, admit_lag, spec)
     if trace is not None:
         trace += [(st.batch, st.n) for st in rec.steps]
     return _replay((rec,), each_step(step_fn))[0]
@@ -324,7 +359,7 @@ _RECORDS = iter(range(1 << 62))
 
 def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_tokens: int, limit: int,
             marks: tuple[int, ...] = (), start: list[_Req] | None = None, collapse: bool = False,
-            admit_lag: int = 0) -> _Record:
+            admit_lag: int = 0, spec: Speculation = NO_SPEC) -> _Record:
     """`_play`'s schedule without its times: each step's batch and counts, and when requests arrive, sample their
     first token and finish, as `_At` times (a request's `arrived` and `first` hold them). A client's next request
     reaches the scheduler `admit_lag` steps after the step its last one finished in (`ADMISSION_LAG`)."""
@@ -342,23 +377,24 @@ def _record(lengths: list[tuple[int, int]], clients: int, dp: int, max_batched_t
         firsts = []
         prompt_work = bool(waiting) and len(running) < limit or any(r.done_prompt < r.prompt for r in running)
         decoders = [r for r in running if r.done_prompt == r.prompt]
-        if collapse and len(decoders) >= max_batched_tokens:  # the budget's first decoders run alone
-            prompt_work, decoders = False, decoders[:max_batched_tokens]
+        w, e = spec.width, spec.emit  # budget tokens a decode row takes, tokens it emits a step
+        if collapse and len(decoders) * w >= max_batched_tokens:  # the budget's first decoders run alone
+            prompt_work, decoders = False, decoders[:max_batched_tokens // w]
         if not prompt_work:  # 1'. a run of pure-decode steps until the first request ends or one arrives
-            k = min(r.output - r.done_output for r in decoders)
+            k = min(spec.steps(r.output - r.done_output) for r in decoders)
             k = min(k, delayed[0][0] - t) if delayed else k
-            ctx = [r.prompt + r.done_output + (k + 1) / 2 for r in decoders]  # middle of the run
+            ctx = [r.prompt + r.done_output + e * (k + 1) / 2 for r in decoders]  # middle of the run
             batch = Batch(decodes=len(decoders) * dp, decode_ctx=float(np.mean(ctx)),
-                          max_ctx=int(max(ctx) + k / 2))
+                          max_ctx=int(max(ctx) + e * k / 2), drafts=spec.drafts)
             for r in decoders:
-                r.done_output += k
-            n_steps, dec, work = k, k * len(decoders) * dp, k * len(decoders)
+                r.done_output += e * k
+            n_steps, dec, work = k, k * len(decoders) * dp, e * k * len(decoders)
         else:  # 1-3. one mixed step
-            fields, firsts = _rank_step(running, waiting, max_batched_tokens, limit)
+            fields, firsts = _rank_step(running, waiting, max_batched_tokens, limit, spec)
             n_dec, decode_ctx, pre, seqs, prefill_ctx, max_ctx = fields
             batch = Batch(decodes=n_dec * dp, decode_ctx=decode_ctx, prefill_tokens=pre * dp, prefill_seqs=seqs * dp,
-                          prefill_ctx=prefill_ctx, max_ctx=max_ctx)
-            n_steps, dec, work = 1, n_dec * dp, n_dec + pre
+                          prefill_ctx=prefill_ctx, max_ctx=math.ceil(max_ctx), drafts=spec.drafts if n_dec else 0)
+            n_steps, dec, work = 1, n_dec * dp, n_dec * e + pre
         now = _At(pid, len(steps) + 1)
         t += n_steps
         for r in firsts:
@@ -483,18 +519,19 @@ def _pad(n: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.minimum(p, top)
 
 
-def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> tuple[tuple, list[_Req]]:
+def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int, spec: Speculation = NO_SPEC
+               ) -> tuple[tuple, list[_Req]]:
     """One step of one rank's scheduler (the module doc's 1-3): its batch fields (decodes, decode ctx, prompt
     tokens, prompt chunks, prompt ctx, longest ctx) and the requests whose first token it samples."""
     # every running request decodes but one part-way through its prompt (at most one, the last: prompts are
     # chunked in order and admitted at the end)
     decoders = running[:-1] if running and running[-1].done_prompt < running[-1].prompt else running
-    n_dec = min(len(decoders), budget)
+    n_dec = min(len(decoders), budget // spec.width)  # a row of 1 + drafts tokens each
     dec = decoders[:n_dec] if n_dec < len(decoders) else decoders
     for r in dec:
-        r.done_output += 1
+        r.done_output += spec.emit
     ctx = [r.prompt + r.done_output for r in dec]  # after its decode
-    budget -= n_dec
+    budget -= n_dec * spec.width
     chunks: list[tuple[int, int]] = []  # (tokens, ctx before)
     chunked: list[_Req] = []  # in running order
     if budget > 0 and len(decoders) < len(running):
@@ -526,7 +563,8 @@ def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int) -> 
 
 
 def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, limit: int,
-            batch_prefills: bool, admit_lag: int = 0) -> tuple[np.ndarray, list, list, float, float, float]:
+            batch_prefills: bool, admit_lag: int = 0, spec: Speculation = NO_SPEC
+            ) -> tuple[np.ndarray, list, list, float, float, float]:
     """`clients` clients over the slice, the DP scheduler of tpu-inference in front of `dp` rank schedulers: a new
     request goes to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
     soonest to free a slot; with `batch_prefills`, new requests are held until `dp` of them wait (or as many
@@ -572,21 +610,22 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
         work = [bool(rr) and rr[-1].done_prompt < rr[-1].prompt or bool(w) and len(rr) < limit
                 for rr, w in zip(running, waiting)]
         if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
-            k_steps = min([q.output - q.done_output for rr in running for q in rr])
+            k_steps = min([spec.steps(q.output - q.done_output) for rr in running for q in rr])
             k_steps = min(k_steps, delayed[0][0] - t) if delayed else k_steps  # up to the next arrival
-            mid = (k_steps + 1) / 2  # the run's middle step, past each context
+            e = spec.emit
+            mid = e * (k_steps + 1) / 2  # the run's middle step, past each context
             for k in range(dp):
-                dec = running[k][:budget]  # no prompt part-way: every running request decodes
+                dec = running[k][:budget // spec.width]  # no prompt part-way: every running request decodes
                 ctx = [q.prompt + q.done_output for q in dec]  # ints: sum(ctx) + n mid is the exact float sum
                 rows[k].append(((len(dec), (sum(ctx) + len(ctx) * mid) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
-                                 int(max(ctx) + mid + k_steps / 2) if ctx else 0), k_steps))
+                                 int(max(ctx) + mid + e * k_steps / 2) if ctx else 0), k_steps))
                 for q in dec:
-                    q.done_output += k_steps
+                    q.done_output += e * k_steps
             n_steps, idle = k_steps, sum(1 for k in range(dp) if not running[k])
         else:
             n_steps, idle = 1, 0
             for k in range(dp):
-                f, firsts = _rank_step(running[k], waiting[k], budget, limit)
+                f, firsts = _rank_step(running[k], waiting[k], budget, limit, spec)
                 rows[k].append((f, 1))
                 idle += f[0] + f[2] == 0
                 for q in firsts:
@@ -614,8 +653,8 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
 
 @functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
 def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, played_clients: int, prompts: int,
-            seed: int, range_ratio: float, dispatch: str, slice_clients: int | None = None, admit_lag: int = 0
-            ) -> tuple[np.ndarray, list, list, float, float, float]:
+            seed: int, range_ratio: float, dispatch: str, slice_clients: int | None = None, admit_lag: int = 0,
+            spec: Speculation = NO_SPEC) -> tuple[np.ndarray, list, list, float, float, float]:
     """`lockstep`'s play of the ranks: per-rank step fields [dp, steps, 6] (read-only), the finished requests'
     (arrived, first, finished) in steps, their outputs, input and output tokens, running requests summed over
     steps; kept by what it depends on, so that lockstep schedules differing only in the padding, or in a memory
@@ -626,12 +665,12 @@ def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, pl
     if dispatch != "rank":
         F, events, outputs, inp, out, run = play_dp(
             draw_lengths(prompts * dp, isl, osl, seed, range_ratio), slice_clients or played_clients * dp, dp,
-            max_batched_tokens, limit, dispatch == "batch", admit_lag)
+            max_batched_tokens, limit, dispatch == "batch", admit_lag, spec)
         cols = [F[k] for k in range(dp)]
     for r in range(dp if dispatch == "rank" else 0):
         tr: list = []
         p = _play(unit, draw_lengths(prompts, isl, osl, seed + 7919 * r, range_ratio), played_clients, 1,
-                  max_batched_tokens, limit, collapse=True, trace=tr, admit_lag=admit_lag)
+                  max_batched_tokens, limit, collapse=True, trace=tr, admit_lag=admit_lag, spec=spec)
         n = np.array([c for _, c in tr], dtype=np.int64)
         f = np.array([(b.decodes, b.decode_ctx, b.prefill_tokens, b.prefill_seqs, b.prefill_ctx, b.max_ctx)
                       for b, _ in tr], dtype=np.float64).reshape(-1, 6)
@@ -650,7 +689,8 @@ def _played(isl: int, osl: int, dp: int, max_batched_tokens: int, limit: int, pl
 @functools.lru_cache(maxsize=64)
 def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: int, max_seqs: int,
              max_running: int, num_prompts: int | None = None, seed: int = 0, range_ratio: float = 0.8,
-             min_slot: int = 4, padding: bool = True, dispatch: str = "batch", admit_lag: int = 0) -> Lockstep:
+             min_slot: int = 4, padding: bool = True, dispatch: str = "batch", admit_lag: int = 0,
+             spec: Speculation = NO_SPEC) -> Lockstep:
     """Play each of the `dp` ranks with its own clients and lengths (seeded per rank), then merge them step by
     step: a slice step is every rank's step at that index; its per-device work is the busiest rank's (most
     tokens, then most attention work), its token slots the busiest rank's padded to `_pad`'s bucket (with
@@ -659,11 +699,12 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     state is reached long before).
     `dispatch`: "batch" or "each" (the DP scheduler routes requests over the ranks, `play_dp`, holding new ones
     until dp of them wait, or not), "rank" (each rank its own clients and lengths, seeded per rank).
-    `admit_lag`: steps a client's next request waits before the scheduler sees it (`ADMISSION_LAG`)."""
+    `admit_lag`: steps a client's next request waits before the scheduler sees it (`ADMISSION_LAG`); `spec`:
+    speculative decoding (`Speculation`: a decode row's tokens and what it emits)."""
     clients = max(1, round(concurrency / dp))
     requests = max(clients, round((num_prompts or 2 * concurrency) / dp))
     limit = max(1, min(max_seqs, max_running))
-    cap = min(limit, max_batched_tokens + 1)
+    cap = min(limit, max_batched_tokens // spec.width + 1)
     played_clients = min(clients, cap + 1)  # more only wait (`_bounded`, 1.); their wait is added to the TTFT
     prompts = min(requests, max(LOCKSTEP_PROMPTS, played_clients))
     # the DP scheduler's clients: the concurrency itself where it is below dp x played_clients (c4 on DP 8: four
@@ -672,9 +713,9 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     F, events, outputs, inp, out, run = _played(isl, osl, dp, max_batched_tokens, limit, played_clients, prompts,
                                                 seed, range_ratio, dispatch,
                                                 slice_clients if slice_clients < played_clients * dp else None,
-                                                admit_lag)
+                                                admit_lag, spec)
     S = F.shape[1]
-    tokens = F[..., 0] + F[..., 2]
+    tokens = F[..., 0] * spec.width + F[..., 2]
     work = F[..., 0] * F[..., 1] + F[..., 2] * (F[..., 4] + F[..., 2])
     crit = np.lexsort((work, tokens), axis=0)[-1]  # per step: the rank with most tokens, then most work
     C = F[crit, np.arange(S)]  # [S, 6]
@@ -688,7 +729,8 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
     counts = np.diff(np.append(starts, S))
     batches = tuple(Batch(decodes=int(c[0]) * dp, decode_ctx=float(c[1]), prefill_tokens=int(c[2]) * dp,
                           prefill_seqs=int(c[3]) * dp, prefill_ctx=float(c[4]), max_ctx=int(c[5]),
-                          padded_tokens=int(sl) * dp if padding else 0, logit_rows=max(int(q), 1) * dp)
+                          padded_tokens=int(sl) * dp if padding else 0, logit_rows=max(int(q), 1) * dp,
+                          drafts=spec.drafts if c[0] else 0)
                     for c, sl, q in zip(C[starts], slot[starts], seqs[starts]))
     return Lockstep(batches, counts, np.array(events, dtype=np.float64).reshape(-1, 3),
                     np.array(outputs, dtype=np.int64), int(round(inp)), int(round(out)),

@@ -36,6 +36,7 @@ from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.temporaries import IN_PLACE_MOE
 from qwen35_lib.model.layer_loop import unrolled
 from qwen35_lib.plan import BoundPlan, ServingPlan, abstract_mesh
+from qwen35_lib.weights import mtp_layer_config
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "gdn_conv", "cache_copies", "router", "shared_expert",
               "routed_experts", "expert_scales", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head",
@@ -186,6 +187,8 @@ def _costs(cfg: Config, devices: int, pl: ops.Placement, batch: ops.Batch, kv_dt
     out = {name: c * z["n_attn"] for name, c in attn.items()}
     for name, c in _by_counts(cfg, pl, batch.counts(), dense).items():
         out[name] = out[name] + c if name in out else c
+    for name, c in ops.mtp_head(cfg, batch, pl).items():  # speculative decoding: the head's draft step
+        out[name] = out[name] + c if name in out else c
     return out
 
 
@@ -307,6 +310,9 @@ def _cost_table(cfg: Config, devices: int, pl: ops.Placement, batches: tuple[ops
     for name, c in _stacked([_by_counts(cfg, pl, counts, dense) for counts in index]).items():
         c = ops.Cost(*(v[at] for v in _COST_FIELDS(c)))
         out[name] = out[name] + c if name in out else c
+    if any(b.drafts for b in batches):  # speculative decoding: the head's draft step (`ops.mtp_head`)
+        for name, c in _stacked([ops.mtp_head(cfg, b, pl) for b in batches]).items():
+            out[name] = out[name] + c if name in out else c
     return out
 
 
@@ -341,7 +347,8 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
     if not ideal:
         hidden = 1.0 - (mech.collective_overlap if mech else 0.0)
         fp8 = bool(mech and mech.fp8_allgather)
-        keys = [(b.computed, b.logit_rows or max(b.seqs, 1)) for b in batches]  # what a step's collectives read
+        keys = [(b.computed, b.rows, b.drafts, b.decodes if b.drafts else 0) for b in batches]  # what a step's
+        # collectives read
         first = dict(zip(keys, batches))
         comms = {k: step_comms(cfg, specs, stage, b, overlap, fp8_allgather=fp8) for k, b in first.items()}
         for name in COMM:
@@ -423,8 +430,16 @@ def step_comms(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
     `hierarchical_reduce_scatter` of their N·D·b input with the micro-batch count the code runs.
     `fp8_allgather`: the MoE's hidden all-gather (its first) moves (1 + 4 / D) bytes per element instead of b.
     """
-    return dict(_comms(cfg, specs, stage, batch.computed, batch.logit_rows or max(batch.seqs, 1), overlap,
-                       fp8_allgather, traffic.step_collectives))
+    out = dict(_comms(cfg, specs, stage, batch.computed, batch.rows, overlap, fp8_allgather,
+                      traffic.step_collectives))
+    if batch.drafts:  # the MTP head's draft step: its layer's collectives over every token, then one a sequence
+        head = mtp_layer_config(cfg)
+        for tokens, rows in [(batch.computed, max(batch.seqs, 1))] + [(batch.decodes, batch.decodes)] * (
+                batch.drafts - 1):
+            for name, c in _comms(head, specs, stage, tokens, rows, overlap, fp8_allgather,
+                                  traffic.step_collectives).items():
+                out[name] = cc.Comm(out[name].seconds + c.seconds, out[name].wire_bytes + c.wire_bytes)
+    return out
 
 
 @functools.lru_cache(maxsize=4096)  # a step's collectives depend on its token and row counts only

@@ -51,7 +51,7 @@ from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.parallel.layouts import spec
 from qwen35_lib.parallel.routing import a2a_cap
 from qwen35_lib.plan import ALL, AXES, ServingPlan
-from qwen35_lib.weights import declare, is_info
+from qwen35_lib.weights import declare, declare_mtp, is_info, mtp_layer_config
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -208,5 +208,15 @@ def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict
     return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}
 
 
-__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "per_device",
-           "resident_bytes", "sizes", "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]
+def mtp_resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict[str, int]:
+    """{"weights", "kv"}: bytes one device holds of the MTP head under the bound `plan` (speculative decoding): its
+    weights (`weights.declare_mtp`) and its one-layer KV pool on the main pools' pages (`engine.Engine.head_cache`:
+    `cache` at verify 1)."""
+    placed = plan.placed(config)
+    pool = per_device(plan, declare_cache(mtp_layer_config(placed), dataclasses.replace(cache, verify=1)))
+    return {"weights": sum(per_device(plan, declare_mtp(placed)).values()),
+            "kv": pool.get("kv", 0) + pool.get("kv_scale", 0)}
+
+
+__all__ = ["KINDS", "Op", "StepShape", "collective_counts", "layer_bytes", "moe_layer_ops", "mtp_resident_bytes",
+           "per_device", "resident_bytes", "sizes", "step_collectives", "weight_bytes", "wire_bytes", "wire_itemsize"]
