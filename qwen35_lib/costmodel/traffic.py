@@ -24,10 +24,14 @@ backend "cpu"):
 | EP + all_to_all    | each layer | dispatch, packed ids+weights, return (3L)           | n·c·D·b, n·c·2k·4, n·c·D·b |
 | `tp_ep` + replicate| as TP      | as TP (local experts + shared slice, one all-reduce)| N·D·b                |
 | `tp_ep` + a2a      | as TP      | + EP + all_to_all's rows, routed output AG (L)      | N_p·D·b              |
-| `dp_tp2_ep`        | each layer | EP rows of N = R·T; over a chip's cores (group 2):  |                      |
-|                    |            | all-reduce after the mixer (L)                      | T·D·b                |
-|                    |            | all-gather of the routed output (L)                 | N_p / chips·D·b      |
-|                    |            | all-reduce of the shared expert's slices (L)        | T·D·b                |
+| `dp_tp2_ep`        | each layer | EP rows of N = R·T, the reduce-scatter an all-reduce| N_p·D·b              |
+|                    |            | over a chip's cores (group 2): all-gather of the    |                      |
+|                    |            | rank's tokens before the mixer (L) and the MoE (L)  | T·D·b                |
+|                    |            | all-reduce after the mixer (L), of the shared       |                      |
+|                    |            | expert's slices (L)                                 | T·D·b                |
+|                    | attention  | all-gather of RoPE's cos and sin (2 a layer)        | T·rotary·4           |
+|                    | embedding  | all-reduce of the vocab-split lookup (1, cores)     | T·D·b                |
+|                    | sampling   | sampled rows over the cores: pred (1), int32 (1)    | 512⌈S/512⌉, 16·S     |
 | ranks over devices | sampling   | all-reduce "every row greedy" (1), pred             | 1                    |
 |                    |            | all-gather of the next tokens (1; TPU: all-reduce)  | R·S·4                |
 
@@ -119,13 +123,24 @@ def step_collectives(plan: ServingPlan, config: Config, shape: StepShape, backen
     if plan.moe != "ep" or plan.batch_axes not in (ALL, "chip"):
         raise ValueError(f"no closed form for the collectives of layout {plan.layout!r}: the cost model covers the "
                          "TP layouts, tp_ep, dp_tp2_ep and dp_ep")
-    if plan.batch_axes == "chip":  # dp_tp2_ep: heads over the cores of a chip, a rank's T tokens on both
-        T = shape.tokens
-        Tp = N + (-N % n)  # the rank's tokens as the EP MoE splits them over its chip's cores: N_p / chips
-        out += [Op("all-reduce", T * D * b, L, cores, "mixer", "core"),  # the heads' partial sums
-                Op("all-gather", Tp / chips * D * b, L, cores, "moe", "core"),  # routed output back to both cores
-                Op("all-reduce", T * D * b, L, cores, "moe", "core")]  # the shared expert's F/2 slices
-    out += [dataclasses.replace(op, runs=op.runs * L) for op in moe_layer_ops(plan, config, N, backend)]
+    ep_ops = moe_layer_ops(plan, config, N, backend)
+    if plan.batch_axes == "chip":  # dp_tp2_ep: heads over the cores of a chip, a rank's T tokens split between them
+        T, S, n_attn = shape.tokens, shape.seqs, config.layer_types.count("full_attention")
+        out += [Op("all-reduce", T * D * b, 1, cores, "embed", "core"),  # the vocab-split lookup's partial sums
+                Op("all-gather", T * D * b, L, cores, "mixer", "core"),  # the rank's tokens on both cores
+                Op("all-gather", T * config.rotary_dim * 4, 2 * n_attn, cores, "mixer", "core"),  # RoPE cos, sin
+                Op("all-reduce", T * D * b, L, cores, "mixer", "core"),  # the heads' partial sums
+                Op("all-gather", T * D * b, L, cores, "moe", "core"),  # the rank's tokens again, for the MoE
+                Op("all-reduce", T * D * b, L, cores, "moe", "core"),  # the shared expert's F/2 slices
+                # the sampled rows, half on each core, joined as zero-padded all-reduces: a pred [S] (XLA:TPU pads
+                # it to 512 bytes) and four int32 [S] in one op
+                Op("all-reduce", -(-S // 512) * 512, 1, cores, "sample", "core"),
+                Op("all-reduce", 4 * S * 4, 1, cores, "sample", "core")]
+        # the routed output's reduce-scatter over every device and the all-gather of the rank's rows over the chip's
+        # cores that its layout then needs compile as one all-reduce over every device (the TPU7x compile)
+        ep_ops = [dataclasses.replace(op, kind="all-reduce") if op.kind == "reduce-scatter" and op.part == "moe"
+                  else op for op in ep_ops]
+    out += [dataclasses.replace(op, runs=op.runs * L) for op in ep_ops]
     if R > 1:  # XLA:TPU runs the next tokens' all-gather as an all-reduce of the zero-padded [R, S] (the compile)
         gather = "all-reduce" if backend == "tpu" else "all-gather"
         out += [Op("all-reduce", 1, 1, n, "sample"), Op(gather, R * shape.seqs * 4, 1, n, "sample")]
