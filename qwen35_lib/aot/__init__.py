@@ -9,6 +9,7 @@ the mesh once (its kernel slots resolved for the TPU: Pallas kernels lower for M
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
@@ -147,7 +148,7 @@ def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
 
 def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int, context_len: int, decode: int,
                  prefill: int = 0, page_size: int = 16, kv_dtype: str | None = None,
-                 compiler_options: dict | None = None, weight_layouts: str = "default"):
+                 compiler_options: dict | None = None, weight_layouts: str = "default", speculative_tokens: int = 0):
     """The engine's jitted step under the serving `plan` (bound here to `mesh`, e.g. `chip_core_mesh()` for
     TPU7x-8, and checked against `config`), lowered with abstract weights, caches and inputs and compiled;
     nothing is allocated.
@@ -157,11 +158,14 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     prefill region rounded up to whole GDN chunks); compiler_options: XLA options for this compile (e.g.
     {"xla_tpu_enable_async_collective_merger": "false"}); weight_layouts: "default" (each weight in the
     device's default layout, as `jax.device_put` leaves it) or "mxu" (`mxu_format`: bf16 weights tiled and
-    ordered as the step's dots read them). Returns the compiled executable.
+    ordered as the step's dots read them); speculative_tokens k > 0: the engine's verify step instead
+    (`engine.engine.verify_step`: decode rows of k + 1 tokens, `decode` rows a rank, every sequence's logits at its
+    k + 1 tokens, the GDN pools with their verification checkpoints, `CacheShape.verify`). Returns the compiled
+    executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, abstract_cache, kv_words_for
-    from qwen35_lib.engine.engine import engine_step
+    from qwen35_lib.engine.engine import engine_step, verify_step
     from qwen35_lib.parallel.layouts import batch_sharding, weight_shardings
 
     plan = plan.bound(mesh, config, kv_dtype=kv_dtype)  # the KV dtype: the plan's, else `kv_dtype`
@@ -169,11 +173,14 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     R = plan.dp
     shape = CacheShape.for_requests(requests, context_len, ranks=R, page_size=page_size, kv_dtype=plan.kv_dtype,
                                     kv_words=kv_words_for(plan))
+    V = speculative_tokens + 1  # tokens a decode row holds: its last token and its drafts
+    if V > 1:
+        shape = dataclasses.replace(shape, verify=V)
     S = shape.seqs_per_rank
     pages = -(-context_len // page_size)  # a sequence's page-table row
     C = config.gdn_chunk_size
     D = max(decode, 1)  # the decode region: at least one slot, as the engine forms its steps (`Engine.step_shape`)
-    T = D + -(-prefill // C) * C
+    T = D * V + -(-prefill // C) * C
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
     if weight_layouts == "mxu":
         weights = dense_format(jax.tree.map(lambda a: mxu_format(a, config.hidden_size), weights), weights, config,
@@ -188,11 +195,14 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     arr = lambda shp, dt=jnp.int32: jax.ShapeDtypeStruct(shp, dt, sharding=batch_sharding(plan, mesh, len(shp)))
     meta = RaggedMeta(token_seq=arr((R, T)), positions=arr((R, T)), q_start=arr((R, S)), q_len=arr((R, S)),
                       kv_len=arr((R, S)), page_table=arr((R, S, pages)), slot=arr((R, S)),
-                      decode_seq=arr((R, D)), sample_tok=arr((R, S)))
+                      decode_seq=arr((R, D)), sample_tok=arr((R, S, V) if V > 1 else (R, S)))
     samp = dict(temperature=arr((R, S), jnp.float32), top_k=arr((R, S)), top_p=arr((R, S), jnp.float32),
                 seed=arr((R, S), jnp.uint32), position=arr((R, S)))
+    if V > 1:  # the verify step's sampling also reads min-p (`speculative.verify`)
+        samp["min_p"] = arr((R, S), jnp.float32)
     with jax.set_mesh(mesh):
-        lowered = engine_step.lower(config, plan, weights, cache, arr((R, T)), meta, samp)
+        step = verify_step if V > 1 else engine_step
+        lowered = step.lower(config, plan, weights, cache, arr((R, T)), meta, samp)
         return lowered.compile(compiler_options)
 
 

@@ -100,18 +100,19 @@ def usable_bytes(topology: str | None = None) -> int:
     raise RuntimeError("the TPU compiler accepted a 1 TiB program: cannot read the usable HBM from it")
 
 
-def cache_shape(shape: ServingShape, plan, mesh):
+def cache_shape(shape: ServingShape, plan, mesh, verify: int = 1):
     """The engine's `CacheShape` for `shape` under the bound `plan` on `mesh`: each data-parallel rank's sequences'
     whole contexts in pages (and the null page), a slot each (and the null slot); the FP8 pool as the plan's
-    attention stores it (`engine.cache.kv_words_for`)."""
+    attention stores it (`engine.cache.kv_words_for`); `verify` > 1: with speculative verification's checkpoints."""
     from qwen35_lib.engine.cache import CacheShape, kv_words_for
 
     plan = plan.bound(mesh, kv_dtype=shape.kv_dtype)
-    return CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp, page_size=shape.page_size,
-                                   kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan))
+    return dataclasses.replace(
+        CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp, page_size=shape.page_size,
+                                kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan)), verify=verify)
 
 
-def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
+def resident(cfg, plan, shape: ServingShape, mesh, verify: int = 1) -> dict[str, int]:
     """Per-device bytes of the weights, KV cache and GDN state one device holds (the largest device's share) under
     the bound `plan` (`cfg` as placed: tp_kvrep's duplicated KV heads)."""
     import jax
@@ -129,7 +130,7 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
                 out[d] = out.get(d, 0) + n
         return max(out.values(), default=0)
 
-    cache = abstract_cache(cfg, cache_shape(shape, plan, mesh), plan, mesh)
+    cache = abstract_cache(cfg, cache_shape(shape, plan, mesh, verify), plan, mesh)
     kv = {k: v for k, v in cache.items() if k in ("kv", "kv_scale")}
     return {"weight_bytes": per_device(abstract_weights(cfg, weight_shardings(cfg, plan, mesh))),
             "kv_bytes": per_device(kv), "gdn_state_bytes": per_device({k: v for k, v in cache.items() if k not in kv})}
@@ -137,9 +138,10 @@ def resident(cfg, plan, shape: ServingShape, mesh) -> dict[str, int]:
 
 def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVING,
                   compiler_options: dict | None = None, usable: int | None = None,
-                  weight_layouts: str = "default", hlo_dir=None) -> dict:
+                  weight_layouts: str = "default", hlo_dir=None, speculative_tokens: int = 0) -> dict:
     """One sweep entry: `stage`'s engine step `step` compiled for `mesh` at `shape` (see the module doc);
-    `hlo_dir`: also write the optimized HLO text there, gzipped (`hlo_path`)."""
+    `hlo_dir`: also write the optimized HLO text there, gzipped (`hlo_path`); `speculative_tokens` k > 0: the
+    verify step of k drafts a decode row (`aot.compile_step`), under `speculative_plan(stage)`."""
     import jax
 
     from qwen35_lib import aot
@@ -147,17 +149,22 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
     from qwen35_lib.parallel import hlo
     from qwen35_lib.plan import any_stage
 
-    plan = any_stage(stage).bind(mesh, cfg, kv_dtype=shape.kv_dtype)  # checked; kernels for the mesh's platform
-    R = plan.dp
+    plan = any_stage(stage)
+    if speculative_tokens:
+        plan = speculative_plan(plan, mesh, cfg)
+    plan = plan.bind(mesh, cfg, kv_dtype=shape.kv_dtype)  # checked; kernels for the mesh's platform
+    R, V = plan.dp, speculative_tokens + 1
     decode, prefill = shape.tokens(step, R)
     entry: dict = {"ranks": R, "decode_tokens_per_rank": decode, "prefill_tokens_per_rank": prefill,
-                   **resident(plan.placed(), plan, shape, mesh)}  # tp_kvrep: duplicated KV heads
+                   **resident(plan.placed(), plan, shape, mesh, V)}  # tp_kvrep: duplicated KV heads
+    if speculative_tokens:
+        entry.update(speculative_tokens=speculative_tokens, kernels={s: plan.kernel(s) for s in SLOTS})
     start = time.perf_counter()
     try:
         compiled = aot.compile_step(cfg, plan, mesh, requests=shape.requests, context_len=shape.context_len,
                                     decode=decode, prefill=prefill, page_size=shape.page_size,
                                     kv_dtype=shape.kv_dtype, compiler_options=compiler_options,
-                                    weight_layouts=weight_layouts)
+                                    weight_layouts=weight_layouts, speculative_tokens=speculative_tokens)
     except jax.errors.JaxRuntimeError as e:
         entry.update(compile_s=time.perf_counter() - start, fits=False, error=str(e).splitlines()[0])
         return entry
@@ -181,12 +188,17 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
         path = hlo_path(hlo_dir, stage, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(gzip.compress(text.encode(), mtime=0))
-    entry["collectives"] = collectives(text, plan, cfg, shape.requests, decode, prefill)
+    try:
+        entry["collectives"] = collectives(text, plan, cfg, shape.requests, decode * V, prefill)
+    except ValueError as e:  # the verify step's acceptance branches (greedy / sampled) hold collectives
+        if not speculative_tokens:
+            raise
+        entry["collectives"], entry["collectives_error"] = None, str(e)
     entry["bytes_by_block"] = hlo.op_bytes(text)  # the text's own account of the bytes (`costmodel.compiled`)
     body = hlo.layer_body(text)
     entry["collectives_per_group"] = hlo.count(text, body) if body else None
     if body:  # copies of a layer's cache pool in the layer loop (`hlo_checks.cache_pool_copies`): none in place
-        pools = aot.cache_pools(plan.placed(), plan, mesh, cache_shape(shape, plan, mesh))
+        pools = aot.cache_pools(plan.placed(), plan, mesh, cache_shape(shape, plan, mesh, V))
         copies = hlo_checks.cache_pool_copies(text, pools)
         entry["cache_pool_copies"], entry["cache_pools_copied"] = len(copies), sorted({n for n, _ in copies})
     if plan.routing == "replicate" and not plan.fuse_allgather and body:
@@ -194,6 +206,21 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
         ags = entry["collectives_per_group"].get("all-gather", {}).get("count", 0)
         entry["allgathers_combined"] = ags < 3 * moe_layers  # the unfused stage issues 3 per MoE layer
     return entry
+
+
+def speculative_plan(plan, mesh, cfg):
+    """`plan` as the engine verifies drafts under it: each kernel slot the engine's verification cannot run
+    (`engine.speculative.check_speculative`: the GDN's per-position checkpoints are kept by its XLA form, the
+    attention by XLA's) replaced by the XLA one, the rest (layout, routing, collectives, MoE and dense kernels)
+    kept."""
+    from qwen35_lib.engine.speculative import VERIFY_KERNELS
+
+    bound = plan.bind(mesh, cfg)
+    return plan.replace(**{f"{slot}_kernel": ok[0] for slot, ok in VERIFY_KERNELS.items()
+                           if bound.kernel(slot) not in ok})
+
+
+SLOTS = ("attention", "gdn", "moe_matmul", "dense")
 
 
 def hlo_path(hlo_dir, stage: str, step: str) -> pathlib.Path:

@@ -44,6 +44,9 @@ from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import ServingPlan
 
 LAYOUTS = ("single", "dp_ep")  # the layouts (and their sized instances, `dp8_ep8`) speculation is tested under
+# the kernels verification runs with, by slot: the GDN's keep per-position checkpoints (its XLA form; `native` runs
+# XLA's verify), the attention's are tested with rows of drafts; the first of each is the one to bind instead
+VERIFY_KERNELS = {"gdn": ("xla", "native"), "attention": ("items", "xla")}
 
 
 def check_speculative(plan, k: int, mtp_weights) -> None:
@@ -60,7 +63,7 @@ def check_speculative(plan, k: int, mtp_weights) -> None:
     if plan.layout not in LAYOUTS and general not in LAYOUTS:
         raise ValueError(f"speculative_tokens={k} runs under layouts {LAYOUTS} (and their sized forms), not "
                          f"{plan.layout!r}: use one of them or set speculative_tokens=0")
-    for slot, ok in (("gdn", ("xla", "native")), ("attention", ("xla", "items"))):
+    for slot, ok in VERIFY_KERNELS.items():
         if plan.kernel(slot) not in ok:
             raise ValueError(f"speculative_tokens={k} verifies with the {slot} kernels {ok} (their per-position "
                              f"checkpoints), not {plan.kernel(slot)!r}: bind the plan with {slot}_kernel='xla' or "
