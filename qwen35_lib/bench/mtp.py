@@ -4,6 +4,14 @@ distilling it on the base model's own greedy continuations (offline, teacher-for
 1. The base model: `--model` (default qwen3.5-mini, float32) with seeded random weights (`init_weights`, as `bench
    engine` builds it), or `--checkpoint DIR` (its head too, when it ships one); the head random
    (`weights.init_mtp_weights`) otherwise: the test checkpoints' heads are random, so they draft at about 1/V.
+   A random base's greedy continuation has no structure a head can learn (measured on qwen3.5-mini, seed 0, 256
+   continuations of 96 tokens: the next token equals the training data's most frequent successor of the previous
+   one at 0.05% of held-out positions, loops of period <= 16 at 0.6%, 3,584 distinct tokens in the last 32
+   positions of 320 rows), so distilling on it raised the held-out acceptance nowhere. `--structured-base SCALE`
+   gives the random base a structure instead (`structured_base`): its LM head tied to a seeded permutation pi of
+   its normalized embedding and its layers' output projections scaled by SCALE, so that its greedy next token is
+   often pi(last token) (measured: 18.6% of 768 greedy tokens at SCALE 1, 100% at 0.3); the shared LM head
+   applies pi, so a head that carries the token's embedding through drafts pi(token) for any token.
 2. Data: seeded synthetic prompts (uniform token ids, `--prompt-len` each), continued greedily by the base model for
    `--new-tokens` (its full forward, argmax), `--train-prompts` of them to train on and `--eval-prompts` held out.
    One teacher-forced forward per sequence gives the head's input (`forward(..., return_hidden=True)`: the last
@@ -22,10 +30,12 @@ distilling it on the base model's own greedy continuations (offline, teacher-for
 5. Acceptance again; the table printed and the JSON document returned (`--json`). A benchmark reports: nothing here
    asserts a rate.
 
-Not measured here: the engine's tokens/s with and without speculation. It needs the engine's speculative step
-(issue 54, item 2: `--speculative-tokens k`, the verify step and the GDN rollback), which does not exist yet; the
-document's `engine_speculation` says so, and `run` marks where that measurement plugs in. Nothing is estimated in its
-place.
+6. The engine, measured (`engine_speculation`): the held-out prompts served greedily by the engine twice in one run,
+   without speculation and with `--k` drafts a step from the distilled head (`EngineConfig.speculative_tokens`),
+   the same knobs; each engine precompiled first, then timed: output tokens/s of each, their ratio, the outputs
+   compared (greedy: identical), and the acceptance length the engine counted (1 + accepted drafts per verified
+   row). Beside it the cost model's CPU prediction for the same run (`cpu_prediction`: `costmodel.predict` on the
+   measured `cpu` specs, one device, the engine's knobs, at the acceptance length the engine counted).
 
 The head's programs run on one device with the XLA `capacity` MoE kernel (`HEAD_PLAN`: dropless and exact, and
 differentiable, which the CPU's native kernel is not); the base model runs with the platform's default kernels.
@@ -77,6 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=3, help="drafted tokens, the most (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the prompts and the training order")
     p.add_argument("--quick", action="store_true", help="a small end-to-end run (tiny model, few prompts and steps)")
+    p.add_argument("--structured-base", type=float, metavar="SCALE", help="a random base with structure: LM head "
+                   "tied to a permuted normalized embedding, layer outputs scaled by SCALE (see the module doc)")
+    p.add_argument("--serve-tokens", type=int, help="tokens the engine generates a held-out prompt when it is timed "
+                   "with and without speculation (default: --new-tokens)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="the timed engine's running sequences (default: "
+                   "%(default)s)")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine's timed runs")
 
 
 # --- data: the base model's greedy continuations ---------------------------------------------------------------
@@ -242,6 +259,63 @@ def evaluate(config: Config, weights: dict, head: dict, seqs: Sequences, k: int)
 # --- the command ------------------------------------------------------------------------------------------------
 
 
+def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.ndarray, new_tokens: int, k: int,
+                       max_num_seqs: int = 16) -> dict:
+    """The engine's greedy run of `prompts` [N, P] (`new_tokens` each, EOS ignored) without speculation and with `k`
+    drafts a step from `head`, the same knobs otherwise (`max_num_seqs`, a budget of every decode row plus one
+    prompt, pages for every sequence): each engine precompiled for the workload, then `generate` timed. Returns
+    {"0": run, str(k): run, "speedup", "same_outputs", "acceptance_length"}, a run {"wall_s", "output_tokens",
+    "output_tokens_per_s", "steps", "drafted", "accepted", "traces_while_timed"}; the acceptance length the engine
+    counted: 1 + accepted drafts per verified row (k drafts a row)."""
+    from qwen35_lib.engine import Engine
+    from qwen35_lib.engine.engine import EngineConfig
+    from qwen35_lib.engine.sampling import SamplingParams
+
+    N, P = prompts.shape
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    out, outputs = {}, {}
+    for drafts in (0, k):
+        ec = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * (k + 1) + P,
+                          max_model_len=P + new_tokens + k + 1, speculative_tokens=drafts)
+        eng = Engine(config, weights, ec, mtp_weights=head if drafts else None)
+        eng.precompile([P] * N, new_tokens)
+        traces = eng.stats.traces
+        start = time.perf_counter()
+        res = eng.generate(prompts.tolist(), params)
+        wall = time.perf_counter() - start
+        outputs[drafts] = [r.output_ids for r in res]
+        n = sum(len(o) for o in outputs[drafts])
+        out[str(drafts)] = {"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall,
+                            "steps": eng.stats.steps, "drafted": eng.stats.drafted, "accepted": eng.stats.accepted,
+                            "traces_while_timed": eng.stats.traces - traces}
+    run = out[str(k)]
+    rows = run["drafted"] / k if run["drafted"] else 0
+    return out | {"k": k, "max_num_seqs": max_num_seqs, "prompts": N, "prompt_len": P, "new_tokens": new_tokens,
+                  "speedup": run["output_tokens_per_s"] / out["0"]["output_tokens_per_s"],
+                  "same_outputs": outputs[0] == outputs[k],
+                  "acceptance_length": 1 + run["accepted"] / rows if rows else None}
+
+
+def cpu_prediction(config: Config, measured: dict) -> dict:
+    """The cost model's prediction of `engine_speculation`'s two runs on this CPU: `costmodel.predict` on the measured
+    `cpu` specs (`costmodel.cpu_bench`), one device under the engine's plan, the run's prompts, lengths (range ratio
+    1), sequences and budget, no serving mechanisms (those are TPU servers'), with k drafts at the acceptance length
+    the engine counted. Returns {"output_tokens_per_s": {"0", str(k)}, "speedup", "acceptance_length"}."""
+    from qwen35_lib.costmodel.predict import predict
+    from qwen35_lib.plan import SINGLE as plan
+
+    k, A = measured["k"], measured["acceptance_length"] or 1.0
+    common = dict(isl=measured["prompt_len"], osl=measured["new_tokens"], concurrency=measured["prompts"],
+                  max_batched_tokens=measured["max_num_seqs"] * (k + 1) + measured["prompt_len"],
+                  max_seqs=measured["max_num_seqs"], kv_dtype=None, page_size=16, num_prompts=measured["prompts"],
+                  range_ratio=1.0, roofline=False, mechanisms="off")
+    with_k = predict(config, "cpu", plan, **common, speculative_tokens=k, acceptance_length=min(A, k + 1.0))
+    without = with_k["speculation"]["without"]["output_tokens_per_s"]
+    return {"output_tokens_per_s": {"0": without, str(k): with_k["output_tokens_per_s"]},
+            "speedup": with_k["output_tokens_per_s"] / without, "acceptance_length": A,
+            "breakdown_s": with_k["breakdown_s"]}
+
+
 def _resolve(args: argparse.Namespace) -> dict:
     base = QUICK if args.quick else DEFAULTS
     r = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in base.items()}
@@ -254,13 +328,35 @@ def _resolve(args: argparse.Namespace) -> dict:
     return r
 
 
+OUTPUT_PROJECTIONS = ("w_o", "w_out", "w_down", "shared_down")  # each layer's writes into the residual stream
+
+
+def structured_base(weights: dict, scale: float, seed: int = 0) -> dict:
+    """`weights` with a structure a one-layer head can learn: the LM head [D, V] tied to a seeded permutation pi of
+    the row-normalized embedding (logit of token pi(x) = the hidden state's cosine with x's embedding, times the
+    old head's mean column norm), and every layer's output projection (`OUTPUT_PROJECTIONS`) times `scale`, so
+    that the last token's embedding dominates the final hidden state and the greedy next token is often pi(last
+    token)."""
+    emb = weights["embed"]  # [V, D]
+    V = emb.shape[0]
+    perm = np.random.default_rng(seed).permutation(V)
+    unit = emb / jnp.linalg.norm(emb, axis=-1, keepdims=True)
+    lm = jnp.zeros_like(weights["lm_head"]).at[:, perm].set(unit.T) * jnp.linalg.norm(weights["lm_head"], axis=0).mean()
+    layers = {part: {n: a * scale if n in OUTPUT_PROJECTIONS else a for n, a in leaves.items()}
+              if isinstance(leaves, dict) else leaves for part, leaves in weights["layers"].items()}
+    return dict(weights, lm_head=lm.astype(weights["lm_head"].dtype), layers=layers)
+
+
 def build(args: argparse.Namespace, model: str) -> tuple[Config, dict, dict, str]:
     """(config, weights, head, where the head came from): a checkpoint's, or seeded random ones."""
     from qwen35_lib.weights import init_mtp_weights, init_weights
 
     if not args.checkpoint:
         config = get_config(model, dtype=args.dtype)
-        return config, init_weights(config, args.seed), init_mtp_weights(config, args.seed + 1), "random"
+        weights = init_weights(config, args.seed)
+        if getattr(args, "structured_base", None) is not None:
+            weights = structured_base(weights, args.structured_base, args.seed)
+        return config, weights, init_mtp_weights(config, args.seed + 1), "random"
     from qwen35_lib.checkpoint import CheckpointError, load_hf_checkpoint, load_mtp
 
     config, weights = load_hf_checkpoint(args.checkpoint, dtype=args.dtype)
@@ -286,7 +382,9 @@ def run(args: argparse.Namespace) -> dict:
     train = greedy_sequences(config, weights, prompts[:opts["train_prompts"]], G, "greedy (train)")
     held = greedy_sequences(config, weights, prompts[opts["train_prompts"]:], G, "greedy (held out)")
     wall["greedy_s"] = time.perf_counter() - t
-    print(f"mtp benchmark: {config.name} ({'checkpoint ' + str(args.checkpoint) if args.checkpoint else 'random'} "
+    base = "random" if getattr(args, "structured_base", None) is None else \
+        f"random, structured (scale {args.structured_base})"
+    print(f"mtp benchmark: {config.name} ({'checkpoint ' + str(args.checkpoint) if args.checkpoint else base} "
           f"weights, seed {args.seed}), {config.dtype}, head {head_source}; {len(train.ids)} training and "
           f"{len(held.ids)} held-out prompts of {P} tokens + {G} greedy; drafting k <= {k}, teacher-forced")
 
@@ -299,7 +397,6 @@ def run(args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     after = evaluate(config, weights, head, held, k) if opts["distill"] else before
     wall["evaluate_after_s"] = time.perf_counter() - t
-    wall["total_s"] = time.perf_counter() - start
 
     rows = []
     for label, r in (("head as built", before), (f"distilled ({opts['distill']} steps)", after)):
@@ -308,18 +405,37 @@ def run(args: argparse.Namespace) -> dict:
     print(format_table(["head", "held-out loss", *[f"accept @{j}" for j in range(1, k + 1)],
                         *[f"length k={j}" for j in range(1, k + 1)]], rows))
     print(f"{before['origins']} draft origins; accept @j: drafts 1..j all equal the base model's greedy tokens; "
-          f"length k: 1 + the first k rates (tokens a verify step yields). Distilling took {wall['distill_s']:.1f} s, "
-          f"the whole run {wall['total_s']:.1f} s. Engine tokens/s with speculation: not measured (needs issue 54, "
-          "item 2's speculative step)")
-    # Issue 54, item 2 plugs in here: with the engine's speculative step, run `bench.engine.measure_run` on the same
-    # prompts twice, without speculation and with `--speculative-tokens k` drafting with this distilled `head`, and
-    # put both tokens/s and their ratio in `engine_speculation` beside the cost model's prediction for `after`'s
-    # acceptance length.
+          f"length k: 1 + the first k rates (tokens a verify step yields). Distilling took {wall['distill_s']:.1f} s")
+    served = predicted = None
+    if not getattr(args, "no_engine", False):
+        t = time.perf_counter()
+        serve_tokens = getattr(args, "serve_tokens", None) or G
+        served = engine_speculation(config, weights, head, prompts[opts["train_prompts"]:], serve_tokens, k,
+                                    getattr(args, "max_num_seqs", 16))
+        wall["engine_s"] = time.perf_counter() - t
+        try:
+            predicted = cpu_prediction(config, served)
+        except (ValueError, KeyError) as e:  # the cost model cannot price this run: said, not estimated
+            predicted = {"error": str(e)}
+        base, spec = served["0"], served[str(k)]
+        print(format_table(["engine (measured, CPU)", "output tok/s", "steps", "acceptance length", "cost model tok/s"],
+                           [["no speculation", f"{base['output_tokens_per_s']:.1f}", base["steps"], "-",
+                             f"{predicted['output_tokens_per_s']['0']:.1f}" if "error" not in predicted else "-"],
+                            [f"k = {k} drafts (distilled head)", f"{spec['output_tokens_per_s']:.1f}", spec["steps"],
+                             f"{served['acceptance_length']:.3f}" if served["acceptance_length"] else "-",
+                             f"{predicted['output_tokens_per_s'][str(k)]:.1f}" if "error" not in predicted else
+                             "-"]]))
+        pred = f"x{predicted['speedup']:.2f}" if "error" not in predicted else f"- ({predicted['error']})"
+        print(f"speedup measured x{served['speedup']:.2f}, cost model {pred}; greedy outputs identical: "
+              f"{served['same_outputs']}")
+    wall["total_s"] = time.perf_counter() - start
     return {
         "benchmark": "mtp",
         "model": config.name,
         "dtype": config.dtype,
-        "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else "init_weights",
+        "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else "init_weights" + (
+            f", structured_base(scale={args.structured_base})" if getattr(args, "structured_base", None) is not None
+            else ""),
         "head": head_source,
         "seed": args.seed,
         "data": {"train_prompts": len(train.ids), "eval_prompts": len(held.ids), "prompt_len": P, "new_tokens": G,
@@ -333,13 +449,13 @@ def run(args: argparse.Namespace) -> dict:
                    "state (vLLM's MTP proposer), accepted while equal to the base model's greedy tokens",
         "before": before,
         "after": after,
-        "engine_speculation": {"measured": False, "reason": "needs the engine's speculative step (issue 54, item 2: "
-                               "--speculative-tokens, verification, GDN rollback); not estimated here"},
+        "engine_speculation": served if served is not None else {"measured": False, "reason": "--no-engine"},
+        "cpu_prediction": predicted,
         "wall_s": wall,
         "head_kernels": {"moe_matmul": HEAD_PLAN.moe_kernel},
         "environment": environment(loadavg_1m_before=load_before),
     }
 
 
-__all__ = ["Sequences", "acceptance", "distill", "draft_chain", "evaluate", "greedy_sequences", "origins", "run",
-           "synthetic_prompts"]
+__all__ = ["Sequences", "acceptance", "cpu_prediction", "distill", "draft_chain", "engine_speculation", "evaluate",
+           "greedy_sequences", "origins", "run", "structured_base", "synthetic_prompts"]

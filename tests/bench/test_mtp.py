@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,19 +116,32 @@ def test_distillation_lowers_the_loss_and_raises_acceptance(tiny, data):
     np.testing.assert_array_equal(head["fc"], init_mtp_weights(cfg, 1)["fc"])  # the head given is not changed
 
 
-def test_run_reports_before_and_after_without_engine_figures(tiny, monkeypatch, capsys):
+def test_run_reports_before_and_after(tiny, monkeypatch, capsys):
     cfg, w = tiny
     monkeypatch.setattr(mtp, "build", lambda args, model: (cfg, w, init_mtp_weights(cfg, 1), "random"))
     p = argparse.ArgumentParser()
     mtp.add_arguments(p)
     sizes = [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
-    args = p.parse_args(["--distill", "2", "--batch", "16", *sizes])
+    args = p.parse_args(["--distill", "2", "--batch", "16", "--no-engine", *sizes])
     doc = mtp.run(args)
     assert doc["benchmark"] == "mtp" and doc["distill"]["steps"] == 2 and len(doc["distill"]["losses"]) == 2
     assert set(doc["before"]["acceptance_length"]) == {"1", "2", "3"} and doc["after"]["origins"] == 8 * 6
-    assert doc["engine_speculation"]["measured"] is False
-    out = capsys.readouterr().out
-    assert "distilled (2 steps)" in out and "not measured" in out
+    assert doc["engine_speculation"] == {"measured": False, "reason": "--no-engine"}
+    assert "distilled (2 steps)" in capsys.readouterr().out
+
+
+def test_the_engine_is_timed_with_and_without_drafts_beside_the_cost_models_cpu_prediction(tiny):
+    """The only check of the measured comparison `bench mtp` prints: two engines over the same prompts, the same
+    greedy outputs, the engine's own acceptance count, nothing compiled while timed; the cost model's CPU prediction
+    for the same run."""
+    cfg, w = tiny
+    prompts = mtp.synthetic_prompts(1, 4, cfg.vocab_size, 0)
+    e = mtp.engine_speculation(cfg, w, init_mtp_weights(cfg, 1), prompts, 3, 1, max_num_seqs=1)
+    assert e["same_outputs"] and e["0"]["output_tokens"] == e["1"]["output_tokens"] == 3
+    assert e["1"]["drafted"] > 0 and 1 <= e["acceptance_length"] <= 2 and e["speedup"] > 0
+    assert e["0"]["traces_while_timed"] == e["1"]["traces_while_timed"] == 0  # precompiled
+    c = mtp.cpu_prediction(cfg, e)
+    assert set(c["output_tokens_per_s"]) == {"0", "1"} and c["speedup"] > 0
 
 
 def test_options_are_checked():
@@ -156,3 +170,15 @@ def test_a_checkpoint_brings_its_head(tmp_path, capsys):
     without = testing.save_hf_checkpoint(model, tmp_path / "without", "fused", mtp=False)
     *_, source = mtp.build(p.parse_args(["--checkpoint", str(without)]), "unused")
     assert source == "random" and "a random head instead" in capsys.readouterr().err
+
+
+def test_the_structured_base_ties_its_lm_head_to_a_permuted_embedding(tiny):
+    cfg, w = tiny
+    s = mtp.structured_base(w, 0.5, seed=3)
+    perm = np.random.default_rng(3).permutation(cfg.vocab_size)
+    unit = w["embed"] / jnp.linalg.norm(w["embed"], axis=-1, keepdims=True)
+    logits = unit @ s["lm_head"]  # [V, V]: a token's own direction scores highest at pi(token)
+    assert (np.asarray(jnp.argmax(logits, axis=-1)) == perm).all()
+    np.testing.assert_allclose(s["layers"]["moe"]["w_down"], w["layers"]["moe"]["w_down"] * 0.5)
+    np.testing.assert_array_equal(s["layers"]["moe"]["router"], w["layers"]["moe"]["router"])
+    assert jax.tree.structure(s) == jax.tree.structure(w)
