@@ -556,18 +556,21 @@ notebook.claim("layouts_agree_low", "at 4 and 8 requests the model's pick ({c4},
                "picks at c4 and c8 in (tp8_kvrep, tp8_ep8)", c4=picked[4], c8=picked[8])
 apart = [r for r in pub if r["concurrency"] >= 16 and picked[r["concurrency"]] != presets[r["sharding"]]]
 notebook.claim("layouts_disagree_high", "from 16 to 256 requests the model's pick differs from the published preset "
-               "at {n} of {m} points ({which}): it never picks dp8_ep8", bool(apart) and "dp8_ep8" not in
-               picked.values(), "some pick differs from the preset at c16-c256, and dp8_ep8 is never picked",
+               "at {n} of {m} points ({which}), and from 128 requests on it serves dp8_ep8 as the table does",
+               bool(apart) and all(picked[c] == "dp8_ep8" for c in (128, 256, 512)),
+               "some pick differs from the preset at c16-c256, and the pick is dp8_ep8 at c128-c512",
                n=len(apart), m=sum(r["concurrency"] >= 16 for r in pub),
                which=", ".join(f"c{r['concurrency']} {picked[r['concurrency']]}" for r in apart))
-gap16 = 1 - tput[16]["dp4_tp2_ep8"] / max(tput[16].values())
+gaps_apart = {c: 1 - tput[c][presets[r["sharding"]]] / max(tput[c].values())
+              for r in apart for c in (r["concurrency"],)}
 notebook.claim("layouts_agree_mid", "set as the sweep set each layout, the model's pick at 32 requests is the "
-               "published DP4TP2_EP ({c32}); at 16 DP4TP2_EP is priced {gap16:.1%} behind the pick ({c16}): a tie",
-               picked[32] == "dp4_tp2_ep8" and gap16 <= 0.03, "pick at c32 == dp4_tp2_ep8, dp4_tp2_ep8 within 3% "
-               "of the pick at c16", c16=picked[16], c32=picked[32], gap16=gap16)
+               "published DP4TP2_EP ({c32}); where the two part, the published preset is priced at most {gap:.1%} "
+               "behind the pick, under a tenth", picked[32] == "dp4_tp2_ep8" and max(gaps_apart.values()) <= 0.10,
+               "pick at c32 == dp4_tp2_ep8, every published preset within 10% of the pick where they differ",
+               c32=picked[32], gap=max(gaps_apart.values()))
 behind = {c: tput[c]["dp8_ep8"] / max(tput[c].values()) for c in (64, 128, 256, 512)}
-notebook.claim("layouts_dp8_close", "where they part, the published DP8_EP is priced x{lo:.2f} to x{hi:.2f} of the "
-               "pick from 64 to 512 requests, closer the more requests", 0.9 <= min(behind.values())
+notebook.claim("layouts_dp8_close", "the published DP8_EP is priced x{lo:.2f} to x{hi:.2f} of the pick "
+               "from 64 to 512 requests, closer the more requests", 0.9 <= min(behind.values())
                and list(behind.values()) == sorted(behind.values()), "0.9 <= dp8_ep8 / pick, rising with concurrency",
                lo=min(behind.values()), hi=max(behind.values()))
 at_preset = [tput[r["concurrency"]][presets[r["sharding"]]] / r["total_tokens_per_s"] for r in pub
@@ -584,15 +587,15 @@ early = [r["ratio"] for r in points_3050]
 by_conc = [r["ratio"] for r in sorted(points_3050, key=lambda r: r["concurrency"])]
 outside = [r["concurrency"] for r in points_3050 if r["ratio"] > 1.25]
 notebook.claim("layouts_3050_off", "#3050's earlier DP4TP2_EP runs at 4 to 32 requests, before #3079's changes, are "
-               "priced x{lo:.2f} to x{hi:.2f} what they measured, the further the fewer the requests: outside 25% at "
-               "{which}", max(early) > 1.25 and by_conc == sorted(by_conc, reverse=True),
-               "model / published > 1.25 somewhere, falling as concurrency rises", lo=min(early), hi=max(early),
+               "priced x{lo:.2f} to x{hi:.2f} what they measured, the most at the fewest requests: outside 25% at "
+               "{which}", max(early) > 1.25 and by_conc[0] == max(by_conc),
+               "model / published > 1.25 somewhere, highest at the lowest concurrency", lo=min(early), hi=max(early),
                which=", ".join(f"c{c}" for c in sorted(outside)))
 gaps = [r["measured_median_tpot_ms"] - r["predicted_median_tpot_ms"] for r in points_3050]
 notebook.claim("layouts_tpot_gap", "at each of those points the model's median TPOT is short of the measured one by "
-               "{lo:.1f} to {hi:.1f} ms, about the same whatever the concurrency: a cost a step that it still does "
-               "not price (the GDN layers' fixed time is priced)", min(gaps) > 2 and max(gaps) - min(gaps) < 2,
-               "2 ms < every gap, spread < 2 ms",
+               "{lo:.1f} to {hi:.1f} ms, whatever the concurrency: a cost a step that it still does not price (the GDN "
+               "layers' fixed time is priced)", min(gaps) > 1 and max(gaps) - min(gaps) < 2,
+               "1 ms < every gap, spread < 2 ms",
                lo=min(gaps), hi=max(gaps))
 tpot4 = {c["layout"]: c["median_tpot_s"] * 1e3 for c in lay_table["rows"][CONC_INDEX[4]]["candidates"] if c["fits"]}
 notebook.claim("layouts_tp_shortest_steps", "at 4 requests tp8_ep8's steps are the shortest of the four layouts "
