@@ -59,6 +59,7 @@ class Mechanisms:
     host_step_time_sync_s: float = 0.0  # the whole host turnaround a step, with async_scheduling off
     expert_imbalance: float = 1.0
     collective_overlap: float = 0.0
+    fused_combine_overlap: float = 0.0  # fused_ep: the fraction of the grouped matmul its combine hides behind
     sparsecore_permute: float = 1.0
     attention_kernel_efficiency: float | None = None  # None: the HBM efficiency of every read
     mixed_step_attention: float = 1.0
@@ -160,7 +161,7 @@ COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (bes
     "all_gather": ("ici_efficiency", "collective_overlap", "fp8_allgather", "token_padding"),
     "reduce_scatter": ("ici_efficiency", "collective_overlap", "moe_chunk", "token_padding"),
     "all_reduce": ("ici_efficiency", "collective_overlap"),
-    "all_to_all": ("ici_efficiency", "collective_overlap"),
+    "all_to_all": ("ici_efficiency", "collective_overlap", "fused_combine_overlap"),
     "host": ("async_scheduling", "host_step_overhead_s", "host_step_time_sync_s"),
     "dp": ("dp_lockstep", "dp_batch_prefill", "token_padding"),
 }

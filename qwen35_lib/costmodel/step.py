@@ -30,7 +30,7 @@ import numpy as np
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import ops, traffic
+from qwen35_lib.costmodel import fused_combine, ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.temporaries import IN_PLACE_MOE
@@ -125,7 +125,8 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
                          onehot_threshold=onehot_threshold if production else 0,
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
-                         permute_passes=2.0 if production else facts["kernels_moe_permute_passes"]["value"],
+                         permute_passes=2.0 if production else fused_combine.permute_passes(cfg, lay.ep)
+                         if stage.fused_combine else facts["kernels_moe_permute_passes"]["value"],
                          expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes_tp" if lay.moe == "tp" else
                                                       "xla_tpu_fp8_expert_bytes"]["value"] if fp8_xla else 0.0,
                          cache_copy_passes=facts["engine_cache_copy_passes"]["value"] if ours else 0.0,
@@ -243,6 +244,10 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
         for name, comm in step_comms(cfg, specs, stage, batch, overlap, fp8_allgather=fp8).items():
             out[name] += comm.seconds * hidden
             wire += comm.wire_bytes
+        if stage.fused_combine:  # the combine's remote DMAs, behind the grouped matmul (`fused_combine`)
+            c = fused_combine.combine_comm(cfg, specs, batch.computed)
+            out["all_to_all"] += fused_combine.exposed(c.seconds, out["routed_experts"], mech)
+            wire += c.wire_bytes
     if mech is not None:
         _mechanism_rules(out, cfg, s, pl, batch, mech)
     return StepTime(sum(out.values()), out, flops, hbm, wire)
@@ -353,6 +358,9 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
         comms = {k: step_comms(cfg, specs, stage, b, overlap, fp8_allgather=fp8) for k, b in first.items()}
         for name in COMM:
             out[name] = out[name] + np.array([comms[k][name].seconds for k in keys], dtype=np.float64) * hidden
+        if stage.fused_combine:  # the combine's remote DMAs, behind the grouped matmul (`fused_combine`)
+            c = np.array([fused_combine.combine_comm(cfg, specs, b.computed).seconds for b in batches])
+            out["all_to_all"] = out["all_to_all"] + fused_combine.exposed(c, out["routed_experts"], mech)
     if mech is not None:
         _mechanism_rules(out, cfg, s, pl, _Steps.of(batches), mech)
     return sum(out.values()), out

@@ -163,6 +163,8 @@ def moe_layer_ops(plan: ServingPlan, config: Config, tokens: float, backend: str
     out = [Op("all-gather", Np * D * b, 1, n, "moe")]
     out += [Op("all-gather", Np * 2 * k * 4, 1, n, "moe")] if plan.fuse_allgather else \
         [Op("all-gather", Np * k * 4, 1, n, "moe"), Op("all-gather", Np * k * b, 1, n, "moe")]
+    if plan.fused_combine:  # the rows go home by remote DMA from the grouped-matmul kernel (`costmodel.fused_combine`)
+        return out
     if plan.hierarchical_rs:
         m = plan.rs_slices(int(Np), n)
         return out + [Op("reduce-scatter", Np * D * b / m, m, cores, "moe_rs_core"),

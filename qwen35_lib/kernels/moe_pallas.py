@@ -169,7 +169,8 @@ def ffn_accumulate(tile_ref, kind_ref, first_ref, start_ref, end_ref, x_ref, wg_
 
     @pl.when(kind == REAL)
     def _compute():
-        x = x_ref[...]  # [tm, D]
+        x = x_ref[...]
+        x = x.reshape(x.shape[0], -1)  # [tm, D] (a [tm, D/128, 128] row-tile view too)
         if fp8_block:  # dequantize this step's weight tiles block by block, into x's dtype (as the XLA twin)
             (sg_ref, su_ref, sd_ref), (wg_s, wu_s, wd_s) = scales, dequantized
             _dequantize_into(wg_ref, sg_ref, wg_s, fp8_block, 0)
@@ -291,7 +292,8 @@ def ffn_call(x, group_sizes, w_gate_up, w_down, fp8_block, group_offset, tm, tf)
     nf = F // tf
     T = pl.cdiv(N, tm)
     plan = (*visit_plan(group_sizes, group_offset, E, N, tm), layer)
-    xp = jnp.pad(x, ((0, T * tm - N), (0, 0)))  # [T*tm, D]
+    # [T*tm, D]; x a ShapeDtypeStruct: a kernel that fetches its rows itself (`moe_fused_ep`) replaces this input
+    xp = jnp.pad(x, ((0, T * tm - N), (0, 0))) if isinstance(x, jax.Array) else x
 
     def f_of(v, f, fixed):  # the F tile a visit's weight blocks point at (see visit_plan)
         fx = fixed[v]

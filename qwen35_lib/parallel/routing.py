@@ -70,33 +70,58 @@ def local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Arra
 
 def fused_local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array,
                         first: jax.Array, count: int, own_ids: jax.Array, tm: int | None = None) -> jax.Array:
-    """The local experts on the gathered copies routed to them, each output row sent to its token's owner by the
-    fused kernel (`kernels.moe_fused_ep`): this device's tokens' copies [n, k, D] (unwritten where a copy routes
-    nowhere), to be weighed and summed by the caller.
+    """The local experts on the gathered copies routed to them, in one kernel that fetches their rows and sends each
+    output row to its token's owner (`kernels.moe_fused_ep`): this device's tokens' copies [n, k, *view] (each row
+    in the kernel's tile view, (D/128, 128); unwritten where a copy routes nowhere), for the caller to weigh and
+    sum.
 
     x [N, D] and ids [N, k] gathered (device-major: token t is device t // n's), own_ids [n, k] this device's.
-    1. the permute slot sorts the N·k copies by local expert (others' in a trailing group), as `local_experts`;
-    2. each sorted row's destination: copy c = order[r] is token t = c // k, slot j = c % k, sent to device t // n,
-       row (t % n)·k + j there; -1 for the trailing group's rows;
-    3. the kernel runs the local groups and sends each row as its tile finishes; it returns once every copy of this
-       device's own tokens (those routed somewhere) has arrived (`tm`: its row tile, default by shape).
+    1. the N·k copies sorted by local expert, others' last (int32 work: no row is moved here); `copy` [N·k]: each
+       sorted row's flat copy index t·k + j, -1 for the rows of other devices' experts;
+    2. the kernel fetches the routed rows, runs the local groups and sends each row home as its tile finishes
+       (`tm`: its row tile, default by shape); it returns once every copy of this device's own tokens that routes
+       somewhere has arrived (`expect`). Off a TPU in the TPU interpreter (`moe_ep` runs `fused_twin` there).
     """
     from qwen35_lib.kernels.moe_fused_ep import moe_fused_ep
 
-    permute = for_plan("permute", plan)
     N, k = ids.shape
+    n = own_ids.shape[0]
+    mine = ((ids >= first) & (ids < first + count)).reshape(-1)  # [N*k]
+    with jax.named_scope(PERMUTE_SCOPE):
+        order = jnp.argsort(jnp.where(mine, ids.reshape(-1) - first, count), stable=True)  # [N*k]
+        sizes = jnp.bincount(jnp.where(mine, ids.reshape(-1) - first, count), length=count).astype(jnp.int32)
+        copy = jnp.where(mine[order], order, -1).astype(jnp.int32)  # [N*k]
+    expect = jnp.sum(own_ids < cfg.num_experts, dtype=jnp.int32)  # copies of this device's tokens
+    mesh = jax.sharding.get_abstract_mesh()
+    recv = moe_fused_ep(x, copy, sizes, w_gate_up, w_down, cfg.fp8_block_size, k, expect, n * k,
+                        tuple(mesh.shape[a] for a in ALL), interpret=pallas_interpret(plan.platform), tm=tm)
+    return recv.reshape(n, k, *recv.shape[1:])  # [n, k, *view]
+
+
+def fused_twin(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array, first: jax.Array,
+               count: int, own_ids: jax.Array) -> jax.Array:
+    """`fused_local_experts`' XLA twin, what `moe_ep` runs off a TPU: the same copies [n, k, *view] in XLA ops.
+
+    1. the permute slot sorts the copies and the moe_matmul slot runs the local groups (as `local_experts`);
+    2. each output row is put at its flat copy index t·k + j of a zero [N·k, D] buffer, and one reduce-scatter
+       hands each device its tokens' n·k rows: a copy's row comes from the one device owning its expert (the others
+       add exact zeros), as the kernel's remote DMAs deliver it.
+    Why not the kernel: in jax 0.10.2 the TPU interpreter (which the kernel's remote DMAs need) runs it in a layer and
+    in `forward` on the 8 simulated devices (tests), but inside the engine's step every device's thread blocks in
+    the interpreter's first buffer allocation (`interpret_pallas_call._allocate_buffer`, the np.array of its operand
+    device_put to CPU device 0) and the step never returns.
+    """
+    permute, matmul = for_plan("permute", plan), for_plan("moe_matmul", plan)
+    (N, k), D = ids.shape, x.shape[1]
     n = own_ids.shape[0]
     mine = (ids >= first) & (ids < first + count)  # [N, k]
     with jax.named_scope(PERMUTE_SCOPE):
         x_sorted, sizes, order = permute.dispatch(x, jnp.where(mine, ids - first, count), count + 1)  # [N*k, D]
-    t, j = order // k, order % k  # [N*k]: each sorted row's token and slot
-    dest = jnp.where(mine.reshape(-1)[order], (t // n) * (n * k) + (t % n) * k + j, -1)  # [N*k]
-    expect = jnp.sum(own_ids < cfg.num_experts, dtype=jnp.int32)  # copies of this device's tokens
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes_mesh = tuple(mesh.shape[a] for a in ALL)
-    recv = moe_fused_ep(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size, None, dest, expect, n * k,
-                        sizes_mesh, interpret=pallas_interpret(plan.platform), tm=tm)  # [n*k, D]
-    return recv.reshape(n, k, -1)
+    y = matmul(x_sorted, sizes[:count], w_gate_up, w_down, cfg.fp8_block_size)  # [N*k, D]: 0 past the local rows
+    y = jnp.where(mine.reshape(-1)[order][:, None], y, 0)
+    full = jnp.zeros((N * k, D), y.dtype).at[order].set(y)  # [N*k, D] in copy order
+    recv = jax.lax.psum_scatter(full, ALL, scatter_dimension=0, tiled=True)  # [n*k, D]
+    return recv.reshape(n, k, *((D // 128, 128) if D % 128 == 0 else (1, D)))
 
 
 def _spec_like(w, spec: P):
@@ -190,11 +215,13 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan, *, w
         first = jax.lax.axis_index(ALL) * count
         moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
         if plan.fused_combine:  # each routed row sent home from the kernel; this device's tokens' copies here
-            recv = fused_local_experts(cfg, plan, w_gate_up, w_down, xa, ida, first, count, ids)  # [n, k, D]
-            real = (ids < cfg.num_experts)[..., None]  # copies that route nowhere were never written
-            y = jnp.einsum("nkd,nk->nd", jnp.where(real, recv, 0), weights.astype(recv.dtype),
-                           preferred_element_type=jnp.float32)
-            return y.astype(x.dtype), jnp.zeros((1,), jnp.int32), moved[None]
+            fused = fused_twin if pallas_interpret(plan.platform) else fused_local_experts  # see fused_twin
+            recv = fused(cfg, plan, w_gate_up, w_down, xa, ida, first, count, ids)  # [n, k, D/128, 128]: as DMA'd
+            if pad:  # padding tokens' copies route nowhere: their rows were never written (a select over recv)
+                recv = jnp.where((ids < cfg.num_experts)[..., None, None], recv, 0)
+            y = jnp.einsum("nkab,nk->nab", recv, weights.astype(recv.dtype),
+                           preferred_element_type=jnp.float32)  # weighed in the rows' view: no relayout of recv
+            return y.astype(x.dtype).reshape(x.shape), jnp.zeros((1,), jnp.int32), moved[None]
         y = local_experts(cfg, plan, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
         rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep))
         return rs, jnp.zeros((1,), jnp.int32), moved[None]

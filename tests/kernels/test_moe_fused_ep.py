@@ -1,6 +1,6 @@
-"""The fused EP MoE kernel (`kernels.moe_fused_ep`: grouped SwiGLU whose routed rows go home by remote DMA) against
-the dense routed twin and the replicate path it replaces, on the 8 simulated devices in the TPU interpreter (remote
-DMAs, semaphores and the device barrier run there)."""
+"""The fused EP MoE kernel (`kernels.moe_fused_ep`: its routed rows fetched and sent home by DMAs from the grouped
+matmul) against its XLA twin (`routing.fused_twin`), the dense routed output and the replicate path it replaces, on the
+8 simulated devices, the kernel in the TPU interpreter (remote DMAs, semaphores and the device barrier run there)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.model.moe import moe_dense_reference, route, shared_expert
 from qwen35_lib.parallel.collectives import all_gather, gather_routing
-from qwen35_lib.parallel.routing import fused_local_experts, run_layer
+from qwen35_lib.parallel.routing import fused_local_experts, fused_twin, run_layer
 from qwen35_lib.plan import ALL, ServingPlan, any_stage, make_mesh
 
 FUSED = ServingPlan("fused", "dp_ep", "replicate", fuse_allgather=True, kernels="pallas", fused_combine=True)
@@ -40,9 +40,10 @@ def _dense(cfg, w, x):
     return np.asarray(moe_dense_reference(cfg, moe, x) - shared_expert(moe, x))
 
 
-def test_fused_layer_equals_the_replicate_twin_and_the_dense_output(sharp, mesh):
-    """moe_ep with fused_combine, 13 tokens (padded to 16: padding copies route nowhere and are never waited for),
-    equals the replicate path's reduce-scatter (the kernels stage's combine) and the dense twin."""
+def test_fused_layer_off_a_tpu_equals_the_replicate_path_and_the_dense_output(sharp, mesh):
+    """moe_ep with fused_combine off a TPU (its XLA twin, `routing.fused_twin`: the copies delivered by one
+    reduce-scatter), 13 tokens (padded to 16: padding copies route nowhere), equals the replicate path's local
+    combine and reduce-scatter (the kernels stage's) and the dense twin."""
     cfg, w = sharp
     x = np.random.default_rng(1).standard_normal((13, cfg.hidden_size)).astype(np.float32)
     out, dropped = run_layer(cfg, FUSED, w, x, mesh)
@@ -52,28 +53,38 @@ def test_fused_layer_equals_the_replicate_twin_and_the_dense_output(sharp, mesh)
     np.testing.assert_allclose(out, _dense(cfg, w, x), rtol=1e-4, atol=1e-5)
 
 
-def test_kernel_row_tiles_of_16_reuse_both_stages(sharp, mesh):
-    """61 tokens (8 a device after padding, 192 sorted copies a device) in row tiles of 16: 12 tiles, so each VMEM
-    stage is reused after its sends are waited for; each device's received copies, weighted, are the dense output of
-    its tokens; a copy slot of a token's expert is filled once, by the device owning that expert."""
+def test_kernel_equals_its_twin_in_row_tiles_of_16_with_padding_tokens(sharp, mesh):
+    """The kernel in the TPU interpreter (remote DMAs, semaphores, the device barrier): 64 tokens (8 a device, 192
+    sorted copies a device) in row tiles of 16, so each VMEM stage is reused after its sends are waited for; the last
+    device's last 3 tokens route nowhere (as moe_ep's padding: never fetched, sent or waited for). Each device's
+    received copies, weighted, equal the twin's (`fused_twin`) and the dense output of its real tokens."""
     cfg, w = sharp
     moe = jax.tree.map(lambda a: a[0, 0], w["layers"]["moe"])
     plan = FUSED.bind(mesh, cfg)
     x = np.random.default_rng(2).standard_normal((64, cfg.hidden_size)).astype(np.float32)
     count = cfg.num_experts // 8
+    real = np.arange(64) < 61
 
-    def body(x, router, wgu, wd):
+    def body(x, real, router, wgu, wd):
         weights, ids = route(cfg, router, x)
+        ids = jnp.where(real[:, None], ids, cfg.num_experts)  # padding: routed nowhere
         xa = all_gather(x)
         ida, _ = gather_routing(ids, weights, True)
         first = jax.lax.axis_index(ALL) * count
-        recv = fused_local_experts(cfg, plan, wgu, wd, xa, ida, first, count, ids, tm=16)  # [n, k, D]
-        return jnp.einsum("nkd,nk->nd", recv, weights)
+        ok = (ids < cfg.num_experts)[:, :, None]
+        weigh = lambda recv: jnp.einsum("nkd,nk->nd", jnp.where(ok, recv.reshape(*recv.shape[:2], -1), 0), weights)
+        kernel = fused_local_experts(cfg, plan, wgu, wd, xa, ida, first, count, ids, tm=16)  # [n, k, 1, D]
+        twin = fused_twin(cfg, plan, wgu, wd, xa, ida, first, count, ids)
+        return weigh(kernel), weigh(twin)
 
     with jax.set_mesh(mesh):
-        run = jax.jit(jax.shard_map(body, in_specs=(P(ALL), P(), P(ALL), P(ALL)), out_specs=P(ALL), check_vma=False))
-        out = np.asarray(run(jnp.asarray(x), moe["router"], moe["w_gate_up"], moe["w_down"]))
-    np.testing.assert_allclose(out, _dense(cfg, w, x), rtol=1e-4, atol=1e-5)
+        run = jax.jit(jax.shard_map(body, in_specs=(P(ALL), P(ALL), P(), P(ALL), P(ALL)), out_specs=(P(ALL), P(ALL)),
+                                    check_vma=False))
+        out, twin = (np.asarray(a) for a in run(jnp.asarray(x), jnp.asarray(real), moe["router"], moe["w_gate_up"],
+                                                  moe["w_down"]))
+    np.testing.assert_allclose(out, twin, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[real], _dense(cfg, w, x)[real], rtol=1e-4, atol=1e-5)
+    assert np.all(out[~real] == 0)
 
 
 def test_fused_combine_is_refused_where_there_is_no_reduce_scatter_to_replace(mesh):

@@ -239,9 +239,9 @@ def _compile_expert_parallel_for_tpu7x() -> bool:
 
 
 def _compile_fused_ep_for_tpu7x() -> dict:
-    """The fused EP kernel (`moe_fused_ep`) per device of a TPU7x-8: the replicated decode step's 5120 sorted copies
-    (512 tokens x top-10), 64 local FP8 experts, each routed row sent home by remote DMA: its temporary bytes and
-    the collectives XLA adds (none: the kernel moves the rows itself)."""
+    """The fused EP kernel (`moe_fused_ep`) per device of a TPU7x-8: the replicated decode step's 512 tokens, their
+    5120 sorted copies (top-10), 64 local FP8 experts, each routed row fetched and sent home by DMAs: its temporary
+    bytes and the collectives XLA adds (none: the kernel moves the rows itself)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -250,17 +250,17 @@ def _compile_fused_ep_for_tpu7x() -> dict:
     from qwen35_lib.parallel import hlo
 
     mesh = chip_core_mesh(topology_devices())
-    ep, b, rows, n_out = P(("chip", "core")), BLOCK, 5120, 64 * 10
+    ep, b, tokens, k = P(("chip", "core")), BLOCK, 512, 10
 
-    def body(x, sizes, wgu, wd, dest, expect):
-        return moe_fused_ep(x[0], sizes, wgu, wd, b, None, dest[0], expect[0], n_out, (4, 2), interpret=False)[None]
+    def body(x, copy, sizes, wgu, wd, expect):
+        return moe_fused_ep(x, copy[0], sizes, wgu, wd, b, k, expect[0], tokens // 8 * k, (4, 2), interpret=False)[None]
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(ep, P(), ep, ep, ep, ep), out_specs=ep)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), ep, P(), ep, ep, ep), out_specs=ep)
     S = lambda shape, dtype, spec=ep: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
     wgu = BlockFP8(S((G397, D397, 2, F397), jnp.float8_e4m3fn), S((G397, D397 // b, 2, F397 // b), jnp.float32))
     wd = BlockFP8(S((G397, F397, D397), jnp.float8_e4m3fn), S((G397, F397 // b, D397 // b), jnp.float32))
-    compiled = jax.jit(fn).lower(S((8, rows, D397), jnp.bfloat16), S((E_LOCAL,), jnp.int32, P()), wgu, wd,
-                                 S((8, rows), jnp.int32), S((8,), jnp.int32)).compile()
+    compiled = jax.jit(fn).lower(S((tokens, D397), jnp.bfloat16, P()), S((8, tokens * k), jnp.int32),
+                                 S((E_LOCAL,), jnp.int32, P()), wgu, wd, S((8,), jnp.int32)).compile()
     return {"temp": compiled.memory_analysis().temp_size_in_bytes,
             "collectives": len(hlo.collectives(compiled.as_text()))}
 

@@ -144,3 +144,15 @@ def test_google_baseline_every_pallas_kernel_under_tp8_kvrep(mesh, weights, refe
     assert engine.plan.kernel("attention") == engine.plan.kernel("gdn") == "pallas"
     assert engine.plan.kernel("dense") == "xla"
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]
+
+
+def test_fused_ep_stage_gives_the_kernels_stage_tokens(mesh, weights, reference_tokens):
+    """Beyond the ladder (issue 50, item 4): the kernels stage with the MoE's dispatch and combine fused into the
+    grouped matmul (`kernels.moe_fused_ep` on a TPU; here its XLA twin `routing.fused_twin`, the kernel's TPU
+    interpreter blocking inside the engine's step: tests/kernels/test_moe_fused_ep.py checks the kernel against the
+    twin) gives the single-device XLA engine's tokens, as the kernels stage does."""
+    from qwen35_lib.plan import any_stage
+
+    engine = Engine(BASE, weights, EC, mesh=mesh, plan=any_stage("fused_ep"))
+    assert engine.plan.fused_combine and not engine.plan.hierarchical_rs
+    assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == reference_tokens[:3]
