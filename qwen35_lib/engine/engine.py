@@ -405,6 +405,10 @@ class Engine:
                 seen.append(shape)
             for sched, plan in zip(ranks, plans):
                 sched.commit(plan, [0] * len(plan.items))
+        if self.width > 1:  # drafts: how many tokens a step keeps is the acceptance's, so sequences finish at steps
+            # the dry run cannot know and any smaller decode bucket may come (the dry run keeps one token a step)
+            top = max(D for D, _ in seen)
+            seen += [b for b in (self.step_shape(d, 0) for d in self.decode_buckets if d <= top) if b not in seen]
         return seen
 
     def precompile(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int | Sequence[int] = 1,

@@ -123,6 +123,16 @@ def test_dp_ep_verifies_as_one_device(model, prompts, reference):
     assert engine.stats.drafted > 0
 
 
+def test_a_workload_with_drafts_precompiles_every_decode_bucket_below_its_largest(model):
+    """Sequences with drafts finish at steps the acceptance decides, so a run may step with any smaller decode bucket
+    (the dry run keeps one token a step: bench mtp's workload, 16 prompts of 16 + 64, missed D = 1, and the run
+    compiled while timed)."""
+    cfg, w, head = model
+    ec = EngineConfig(max_num_seqs=16, max_num_batched_tokens=80, max_model_len=84, speculative_tokens=3)
+    got = Engine(cfg, w, ec, mtp_weights=head).workload_buckets([16] * 16, 64)
+    assert {(d, 4 * d) for d in (1, 2, 4, 8, 16)} <= set(got)  # pure decode steps: D rows of 4 tokens
+
+
 def test_refusals_are_one_line(model):
     cfg, w, head = model
     with pytest.raises(ValueError, match="drafts with the model's MTP head, and none was given"):
