@@ -320,7 +320,12 @@ def verify_checkpoints(cfg: Config, b: Batch, pl: Placement) -> Cost:
     """What one GDN layer's speculative verification adds for its decode rows (`b.drafts` = k > 0, V = k + 1 tokens a
     row; `kernels.gdn_xla.gdn_verify_xla`, `model.ragged.keep_accepted`), one device: each row's V states written to
     its slot's checkpoints, then the accepted one read back and written into the slot (V + 2 state passes), and its
-    conv window of K - 1 + V inputs a channel written, K - 1 of them read back and written. 0 without drafts."""
+    conv window of K - 1 + V inputs a channel written, K - 1 of them read back and written. 0 without drafts.
+    This is a kernel's traffic (each row's state kept on chip over its V tokens), not yet the engine's: the Pallas
+    GDN takes no drafts, and the XLA twin (`gdn_xla.gdn_verify_xla`) compiled for TPU7x moves 24 (k = 1, c512) and
+    56 (k = 3, 48 rows) bf16 state sizes a row and GDN layer in its GDN block (`compiled.gdn_state_passes`' count
+    on the kernels stage's verify step at 2 groups; its V checkpoints moved about 8 and 12 times over), against
+    4 + V + 2 = 8 and 10 priced here; the gap is a GDN verify kernel's to close."""
     if not b.drafts:
         return Cost()
     V, K = 1 + b.drafts, cfg.gdn_conv_kernel
