@@ -132,7 +132,6 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
     its own setup: range ratio, prompts, token budget, sequences, KV dtype, page size). With `band`, the
     MEASURED_STAGE prediction's band (`predict(band=True)`: one-at-a-time extremes and the joint corners) and
     whether the measurement lies inside it."""
-    from qwen35_lib.costmodel.predict import predict
 
     rows = []
     for m in published()["measurements"]:
@@ -146,12 +145,7 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
         setup = m.get("setup", {})
         mech = setup_mechanisms(setup) if mechanisms == "nominal" else mechanisms
         for st in stages:
-            p = predict("qwen3.5-397b-a17b", "tpu7x-8", st, m["isl"], m["osl"], m["concurrency"], roofline=False,
-                        max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
-                        max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
-                        range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
-                        page_size=setup.get("page_size", 256), mechanisms=mech,
-                        band=band and st == MEASURED_STAGE and mechanisms == "nominal")
+            p = predict_as_run(m, st, mechanisms=mech, band=band and st == MEASURED_STAGE and mechanisms == "nominal")
             row[f"predicted_total_{st}"] = p["total_tokens_per_s"]
             row[f"ratio_{st}"] = p["total_tokens_per_s"] / m["total_tokens_per_s"]
             row[f"predicted_median_tpot_ms_{st}"] = p["median_tpot_s"] * 1e3
@@ -172,6 +166,21 @@ def published_comparison(stages: tuple[str, ...] = ("fused_ag", "kernels", MEASU
     return rows
 
 
+def predict_as_run(m: dict, stage: str, **kwargs) -> dict:
+    """`predict` of published row `m` as it was run: its workload and concurrency, its setup's token budget,
+    sequences, prompts, range ratio, KV dtype and page size, and (unless `kwargs` gives them) the mechanisms its
+    setup switches name (`setup_mechanisms`); `stage` the plan it is priced under."""
+    from qwen35_lib.costmodel.predict import predict
+
+    setup = m.get("setup", {})
+    kwargs.setdefault("mechanisms", setup_mechanisms(setup))
+    return predict("qwen3.5-397b-a17b", "tpu7x-8", stage, m["isl"], m["osl"], m["concurrency"], roofline=False,
+                   max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
+                   max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
+                   range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
+                   page_size=setup.get("page_size", 256), **kwargs)
+
+
 def setup_mechanisms(setup: dict):
     """The nominal mechanisms under a published row's setup switches: tpu-inference's DP_SCHED_BATCH_PREFILL
     (`dp_sched_batch_prefill`, default true) and the server's --async-scheduling (`async_scheduling`, default true:
@@ -188,18 +197,13 @@ def ttft_points(stage: str = MEASURED_STAGE) -> list[dict]:
     per row the predicted and published median TTFT, median TPOT and total tokens/s, each ratio (predicted /
     published) and whether it is within 25 %, and the published mean and p99 TTFT and median and p99 inter-token
     latencies beside them (not judged: the model gives medians)."""
-    from qwen35_lib.costmodel.predict import predict
 
     rows = []
     for m in published()["measurements"]:
         if not m.get("ttft"):
             continue
         setup = m["setup"]
-        p = predict("qwen3.5-397b-a17b", "tpu7x-8", stage, m["isl"], m["osl"], m["concurrency"], roofline=False,
-                    max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
-                    max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
-                    range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
-                    page_size=setup.get("page_size", 256), mechanisms=setup_mechanisms(setup))
+        p = predict_as_run(m, stage)
         row = dict(source=m["source"], setup=m["setup_label"], isl=m["isl"], osl=m["osl"],
                    concurrency=m["concurrency"], async_scheduling=setup.get("async_scheduling", True),
                    published={k: m[k] for k in ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -219,19 +223,12 @@ def band_drivers(stage: str = MEASURED_STAGE) -> list[dict]:
     8k/1k, c64/128/256), `predict(band=True)` under the row's own setup and `stage`, and per row: `high_over_low`
     (the band's width), `by_assumption` {swept assumption: its own ends' total tokens/s, high over low}, largest
     first, and `corners` (the joint pessimistic and optimistic corners over the nominal)."""
-    from qwen35_lib.costmodel.predict import predict
 
     out = []
     for m in published()["measurements"]:
         if not m.get("acceptance"):
             continue
-        setup = m["setup"]
-        p = predict("qwen3.5-397b-a17b", "tpu7x-8", stage, m["isl"], m["osl"], m["concurrency"], roofline=False,
-                    max_batched_tokens=setup.get("max_batched_tokens_per_rank"),
-                    max_seqs=setup.get("max_seqs_per_rank"), num_prompts=setup.get("num_prompts"),
-                    range_ratio=setup.get("range_ratio", 0.8), kv_dtype=setup.get("kv_dtype", "float8_e4m3fn"),
-                    page_size=setup.get("page_size", 256),
-                    mechanisms=setup_mechanisms(setup), band=True)
+        p = predict_as_run(m, stage, band=True)
         ends: dict[str, list[float]] = {}
         for e in p["band"]["extremes"]:
             ends.setdefault(e["assumption"], []).append(e["total_tokens_per_s"])
