@@ -22,6 +22,17 @@
 //   -> o [N, Hv, dv] float32 (0 at tokens of no sequence), and states (aliased) updated in place.
 // Work units are (sequence, value head): each runs its tokens in order on its slot's state, which stays in L1
 // (16 KiB at dk = dv = 64). The chunked form (gdn_xla.gdn_chunked) computes the same recurrence in another order.
+//
+// qwen35_gdn_verify: speculative verification, V tokens a decode row (its last token and its drafts):
+//   q, k [D V, Hk, dk], v [D V, Hv, dv], g, beta [D V, Hv] as above, row r's tokens at [r V, r V + V) (padding
+//   tokens g = beta = 0: the state unchanged); slot, start [D] int32 as in qwen35_gdn_decode; states
+//   [NS, Hv, dk, dv] and checkpoints [NS, V, Hv, dk, dv] float32
+//   -> o [D V, Hv, dv] float32; states (aliased): each real row's state after its V tokens in its slot;
+//   checkpoints (aliased): the state after each of its V tokens in its slot's V checkpoints.
+// Work units are (row, value head): the row's tokens run in order on its slot's state (in L1), each token's state
+// copied out to its checkpoint. The same token step as qwen35_gdn_decode: checkpoint n is bitwise the state of
+// decoding the row's first n + 1 tokens one step at a time. Padding rows write nothing (the XLA form writes the
+// null slot's).
 
 #include <algorithm>
 #include <cmath>
@@ -187,6 +198,33 @@ void prefill(ffi::ThreadPool& pool, const Dims& d, int64_t S, const T* q, const 
   qwen35::parallel_for(pool, d.B * S * d.Hv, run);
 }
 
+// Verification: per rank b, D rows of V tokens; unit (b, r, h) runs row r's tokens on value head h from its slot,
+// copying the state after each token to its checkpoint. d.D: the tokens of a rank (D V).
+template <typename T>
+void verify(ffi::ThreadPool& pool, const Dims& d, int64_t D, int64_t V, const T* q, const T* k, const T* v,
+            const float* g, const float* beta, const int32_t* slot, const int32_t* start, float* states,
+            float* ckpt, float* o) {
+  const int64_t state = d.dk * d.dv, scratch = 2 * d.dk + d.dv + state;
+  auto run = [&](int64_t unit) {
+    const int64_t h = unit % d.Hv, br = unit / d.Hv, b = br / D;
+    thread_local std::vector<float> buf;
+    if (int64_t(buf.size()) < scratch) buf.resize(scratch);
+    const bool pad = slot[br] < 0, from_slot = !pad && start[br];
+    const int64_t at = b * d.NS + (pad ? 0 : slot[br]);  // the row's slot in the ranks' pools
+    float* S = pad ? buf.data() + 2 * d.dk + d.dv : states + (at * d.Hv + h) * state;
+    for (int64_t j = 0; j < V; ++j) {
+      token_step(d, br * V + j, h, q, k, v, g, beta, S, j == 0 && !from_slot, o, buf.data());
+      if (!pad) std::copy(S, S + state, ckpt + ((at * V + j) * d.Hv + h) * state);
+    }
+  };
+  constexpr int64_t kSerialFloats = 1 << 17;  // as in decode: below half a MiB of states, no hand-off
+  const int64_t units = d.B * D * d.Hv;
+  if (units * V * state < kSerialFloats)
+    for (int64_t i = 0; i < units; ++i) run(i);
+  else
+    qwen35::parallel_for(pool, units, run);
+}
+
 ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::S32> slot,
                      ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> states, ffi::Result<ffi::Buffer<ffi::F32>> o,
@@ -269,6 +307,51 @@ ffi::Error GdnPrefill(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   return ffi::Error::Success();
 }
 
+ffi::Error GdnVerify(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::S32> slot,
+                     ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> states, ffi::Buffer<ffi::F32> ckpt,
+                     ffi::Result<ffi::Buffer<ffi::F32>> o, ffi::Result<ffi::Buffer<ffi::F32>> states_out,
+                     ffi::Result<ffi::Buffer<ffi::F32>> ckpt_out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = states.dimensions(),
+             cd = ckpt.dimensions(), rd = slot.dimensions();
+  const size_t lead = qd.size() == 4 ? 1 : 0;  // a leading rank axis (`vmap_method="broadcast_all"`)
+  if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead ||
+      cd.size() != 5 + lead || rd.size() != 1 + lead)
+    return ffi::Error::InvalidArgument("gdn_native: want q, k [D V, Hk, dk], v [D V, Hv, dv], slot [D], states "
+                                       "[NS, Hv, dk, dv], checkpoints [NS, V, Hv, dk, dv]");
+  const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
+  const int64_t D = rd[lead], V = cd[lead + 1];
+  if ((lead && (kd[0] != d.B || vd[0] != d.B || sd[0] != d.B || cd[0] != d.B || rd[0] != d.B)) ||
+      vd[lead] != d.D || kd[lead] != d.D || kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 ||
+      sd[lead + 1] != d.Hv || sd[lead + 2] != d.dk || sd[lead + 3] != d.dv || d.D != D * V || cd[lead] != d.NS ||
+      cd[lead + 2] != d.Hv || cd[lead + 3] != d.dk || cd[lead + 4] != d.dv)
+    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [D V, Hk, dk], v [D V, Hv, dv], slot "
+                                       "[D], states [NS, Hv, dk, dv], checkpoints [NS, V, Hv, dk, dv])");
+  if (g.element_count() != d.B * d.D * d.Hv || beta.element_count() != d.B * d.D * d.Hv ||
+      start.element_count() != d.B * D)
+    return ffi::Error::InvalidArgument("gdn_native: want g, beta [D V, Hv], slot and start [D]");
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+  const int32_t* slots = slot.typed_data();
+  for (int64_t r = 0; r < d.B * D; ++r)
+    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn_native: a slot beyond the state pool");
+  float* St = states_out->typed_data();  // aliased with `states` and `ckpt`: updated in place
+  float* Ck = ckpt_out->typed_data();
+  if (St != states.typed_data())
+    std::copy(states.typed_data(), states.typed_data() + states.element_count(), St);
+  if (Ck != ckpt.typed_data()) std::copy(ckpt.typed_data(), ckpt.typed_data() + ckpt.element_count(), Ck);
+  if (q.element_type() == ffi::DataType::F32)
+    verify(pool, d, D, V, static_cast<const float*>(q.untyped_data()), static_cast<const float*>(k.untyped_data()),
+           static_cast<const float*>(v.untyped_data()), g.typed_data(), beta.typed_data(), slots,
+           start.typed_data(), St, Ck, o->typed_data());
+  else
+    verify(pool, d, D, V, static_cast<const bf16*>(q.untyped_data()), static_cast<const bf16*>(k.untyped_data()),
+           static_cast<const bf16*>(v.untyped_data()), g.typed_data(), beta.typed_data(), slots,
+           start.typed_data(), St, Ck, o->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // q, k, v, g, beta: the operands both handlers start with
@@ -297,5 +380,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_prefill, GdnPrefill,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start
                                   .Arg<ffi::Buffer<ffi::F32>>()  // states
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qwen35_gdn_verify, GdnVerify,
+                              BindRecurrence()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // states
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // checkpoints
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

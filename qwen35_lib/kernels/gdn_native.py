@@ -1,6 +1,6 @@
 """The GDN recurrence as native CPU kernels: the `gdn` slot's `native` implementation.
 
-Two C++ handlers (`gdn_native.cc`, built on first use, `kernels.native`) run the recurrent step of
+Three C++ handlers (`gdn_native.cc`, built on first use, `kernels.native`) run the recurrent step of
 `gdn_xla.gdn_recurrent` and update the state slots in place:
 - `qwen35_gdn_decode`, the decode region of the ragged step (one token per sequence, each from its slot). What it
   removes on XLA:CPU: the recurrent step's batched matrix-vector products (`einsum("bhkv,bhk->bhv")`: about
@@ -11,9 +11,15 @@ Two C++ handlers (`gdn_native.cc`, built on first use, `kernels.native`) run the
   (`gdn_chunked`: per-chunk WY terms, a triangular inverse, a scan of small dots), made of many small ops: on
   qwen3.5-mini's heads, one layer jitted alone, 5.6 ms against 1.2 at 8 sequences of 60 tokens, 38 against 4.9
   at one of 2,048 (2 cores).
-The chunked form computes the same recurrence in another order (outputs agree to ~1e-7 on O(1) values).
+- `qwen35_gdn_verify`, speculative verification's decode region (V = k + 1 tokens a row): each row's tokens in
+  order on its slot's state (in L1), the state after each copied to its slot's checkpoints, both pools in place.
+  What it removes on XLA:CPU (`gdn_xla.gdn_verify_xla`): the scan's V recurrent steps of small batched dots, the
+  [D, V, Hv, dk, dv] states it stacks, and the scatters of the slots and checkpoints around them.
+The chunked form computes the same recurrence in another order (outputs agree to ~1e-7 on O(1) values); the decode
+and verify handlers run the same token step, so a verification's checkpoint n is bitwise the state of decoding its
+row's first n + 1 tokens one step at a time.
 
-Where it cannot run, `gdn_decode_xla` runs, with the same result up to rounding:
+Where it cannot run, `gdn_decode_xla` (`gdn_verify_xla`) runs, with the same result up to rounding:
 - the C++ library could not be built (`native.unavailable("gdn_native")` says why) or `QWEN35_NATIVE=0`;
 - a state pool other than float32, or q, k, v not float32 / bfloat16;
 - a platform other than the CPU (a plan bound for a TPU runs the XLA form; called directly, without the plan's
@@ -30,10 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_lib.kernels import native
-from qwen35_lib.kernels.gdn_xla import gdn_decode_xla, gdn_ragged_xla, gdn_xla
+from qwen35_lib.kernels.gdn_xla import gdn_decode_xla, gdn_ragged_xla, gdn_verify_xla, gdn_xla
 from qwen35_lib.kernels.registry import GdnKernels, register
 
-LIBRARY, HANDLER, PREFILL = "gdn_native", "qwen35_gdn_decode", "qwen35_gdn_prefill"
+LIBRARY, HANDLER, PREFILL, VERIFY = "gdn_native", "qwen35_gdn_decode", "qwen35_gdn_prefill", "qwen35_gdn_verify"
 
 
 def native_target(q, v, states, handler: str = HANDLER) -> str | None:
@@ -66,6 +72,23 @@ def gdn_decode_native(q, k, v, g, beta, slot, start, states, *, platform: str | 
     args = (q, k.astype(q.dtype), v, g.astype(jnp.float32), beta.astype(jnp.float32), slot.astype(jnp.int32),
             start.astype(jnp.int32), states)
     xla = lambda q, k, v, g, beta, slot, start, states: gdn_decode_xla(q, k, v, g, beta, slot, start > 0, states)
+    return native.on_cpu(platform, args, lambda *a: tuple(call(*a)), xla)
+
+
+def gdn_verify_native(q, k, v, g, beta, slot, start, states, checkpoints, *, platform: str | None = None):
+    """`gdn_verify_xla`'s protocol (q, k [D V, Hk, dk], v [D V, Hv, dv], g, beta [D V, Hv], row i's tokens at
+    [i V, i V + V); slot, start [D]; states [NS, Hv, dk, dv]; checkpoints [NS, V, Hv, dk, dv]) -> (o [D V, Hv, dv]
+    float32, states, checkpoints), by the C++ handler, both pools in place; `platform`: the plan's."""
+    target = native_target(q, v, states, VERIFY)
+    if target is None or checkpoints.dtype != jnp.float32 or _partitioned():
+        return gdn_verify_xla(q, k, v, g, beta, slot, start, states, checkpoints)
+    N, Hv, dv = v.shape
+    shapes = (jax.ShapeDtypeStruct((N, Hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, states.dtype),
+              jax.ShapeDtypeStruct(checkpoints.shape, checkpoints.dtype))
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="broadcast_all", input_output_aliases={7: 1, 8: 2})
+    args = (q, k.astype(q.dtype), v, g.astype(jnp.float32), beta.astype(jnp.float32), slot.astype(jnp.int32),
+            start.astype(jnp.int32), states, checkpoints)
+    xla = lambda q, k, v, g, beta, slot, start, *pools: gdn_verify_xla(q, k, v, g, beta, slot, start > 0, *pools)
     return native.on_cpu(platform, args, lambda *a: tuple(call(*a)), xla)
 
 
@@ -106,4 +129,5 @@ def gdn_dense_native(q, k, v, g, beta, state, chunk_size: int = 64, *, platform:
 register("gdn", "native", per_platform=True)(lambda platform: GdnKernels(
     dense=partial(gdn_dense_native, platform=platform),
     ragged=partial(gdn_ragged_xla, decode=partial(gdn_decode_native, platform=platform),
-                   prefill=partial(gdn_prefill_native, platform=platform))))
+                   prefill=partial(gdn_prefill_native, platform=platform),
+                   verify=partial(gdn_verify_native, platform=platform))))

@@ -151,7 +151,7 @@ def gdn_xla(q, k, v, g, beta, state, chunk_size: int = 64):
 
 
 def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=None, prefill=None,
-                   checkpoints=None):
+                   checkpoints=None, verify=None):
     """The delta rule over one rank's flat ragged tokens, with per-sequence state slots.
 
     q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv] (0 at padding); states: [NS, Hv, dk, dv] (slot 0: null).
@@ -168,8 +168,9 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
     chunked form here, same arguments) runs where it cannot.
     `checkpoints` [NS, V, Hv, dk, dv] (speculative verification, V = k + 1 > 1): the decode region holds V tokens a
     row (`engine.batch.pack(..., width=V)`; a row's padding tokens have g = beta = 0 and leave its state as it was),
-    run by the recurrent form (`gdn_verify_xla`, whatever `decode` is), and the state after each of its V tokens is
-    written to its slot's V checkpoints, from which the engine keeps the accepted one.
+    run by `verify` (default `gdn_verify_xla`, the recurrent form; its protocol's other implementation:
+    `gdn_native`'s handler), and the state after each of its V tokens is written to its slot's V checkpoints, from
+    which the engine keeps the accepted one.
     Returns (o [T, Hv, dv] in v's dtype, states), and the checkpoints when given.
     """
     C = chunk_size
@@ -185,8 +186,8 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
     if checkpoints is None:
         o_dec, states = (decode or gdn_decode_xla)(*(x[:D] for x in (q, k, v, g, beta)), dslot, start, states)
     else:
-        o_dec, states, checkpoints = gdn_verify_xla(*(x[:N] for x in (q, k, v, g, beta)), dslot, start, states,
-                                                    checkpoints)
+        o_dec, states, checkpoints = (verify or gdn_verify_xla)(*(x[:N] for x in (q, k, v, g, beta)), dslot, start,
+                                                                states, checkpoints)
     done = lambda o, states: (o, states) if checkpoints is None else (o, states, checkpoints)
     if T == N:
         return done(o_dec.astype(v.dtype), states)

@@ -199,3 +199,64 @@ def test_a_step_xla_partitions_runs_the_xla_form():
     with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("x",))):
         assert gdn_native.HANDLER not in jax.jit(gdn_native.gdn_decode_native).lower(*args).as_text()
         assert gdn_native.PREFILL not in jax.jit(gdn_native.gdn_dense_native).lower(*x, s0).as_text()
+
+
+def _verify_inputs(D, V, NS, key=20, dtype=jnp.float32, heads=HEADS):
+    """D rows of V tokens (row 2's last token padding: g = beta = 0), a state pool of NS slots and its
+    checkpoints, both random (what a slot held before is overwritten or kept, never read as zeros)."""
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(key), (D * V,), **heads, dtype=jnp.dtype(dtype))
+    pad = jnp.zeros(D * V, bool).at[2 * V + V - 1].set(True)[:, None]
+    g, beta = jnp.where(pad, 0.0, g), jnp.where(pad, 0.0, beta)
+    states = _state(jax.random.key(key + 1), (NS,), **heads)
+    ckpt = _state(jax.random.key(key + 2), (NS, V), **heads)
+    return (q, k, v, g, beta), states, ckpt
+
+
+@pytest.mark.parametrize("heads", [HEADS, dict(Hk=2, Hv=4, dk=64, dv=64)], ids=["scalar", "vectorised"])
+def test_verify_equals_the_xla_form_in_place(heads):
+    """Rows continuing, fresh, a padding row and a padding token: outputs, states and checkpoints equal
+    `gdn_verify_xla`'s (but the null slot, which the handler leaves alone); slots no row names keep their contents;
+    with the pools donated XLA aliases both to the results (no copy of either)."""
+    D, V, NS = 5, 4, 8
+    x, states, ckpt = _verify_inputs(D, V, NS, heads=heads)
+    slot = jnp.array([3, 1, 6, -1, 2], jnp.int32)
+    start = jnp.array([True, False, True, True, True])
+    run = jax.jit(gdn_native.gdn_verify_native, donate_argnums=(7, 8))
+    compiled = run.lower(*x, slot, start, states, ckpt).compile()
+    assert gdn_native.VERIFY in compiled.as_text()
+    assert compiled.memory_analysis().alias_size_in_bytes >= states.nbytes + ckpt.nbytes
+    o, s, c = run(*x, slot, start, jnp.copy(states), jnp.copy(ckpt))
+    o_x, s_x, c_x = jax.jit(gdn_xla.gdn_verify_xla)(*x, slot, start, states, ckpt)
+    np.testing.assert_allclose(np.asarray(o)[:3 * V], np.asarray(o_x)[:3 * V], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(o)[4 * V:], np.asarray(o_x)[4 * V:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s[1:], s_x[1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(c[1:], c_x[1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(c[6, V - 1], c[6, V - 2])  # the padding token: the state as it was
+    untouched = [0, 4, 5, 7]
+    np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(states)[untouched])
+    np.testing.assert_array_equal(np.asarray(c)[untouched], np.asarray(ckpt)[untouched])
+
+
+def test_verify_checkpoints_are_bitwise_the_decode_steps():
+    """Rollback is exact under the handlers: checkpoint n of a row is, bitwise, the state of decoding its first
+    n + 1 tokens one step at a time with the decode handler (the k = 0 path), its last in the slot; through the
+    `native` ragged kernel on two ranks (vmapped, as the model runs it), bfloat16 activations."""
+    from tests.kernels.test_gdn_xla import _verify_meta
+
+    D, V, NS = 3, 4, 6
+    meta = jax.tree.map(lambda x: jnp.stack([jnp.asarray(x)] * 2), _verify_meta(D, V))
+    x, states, ckpt = _verify_inputs(D * 2, V, NS, key=30, dtype=jnp.bfloat16)
+    ranks = lambda a: a.reshape(2, D * V, *a.shape[1:])
+    x, states, ckpt = tuple(map(ranks, x)), jnp.stack([states, -states]), jnp.stack([ckpt, ckpt])
+    ragged = jax.jit(jax.vmap(lambda *a: get("gdn", "native").ragged(*a[:-1], chunk_size=8, checkpoints=a[-1])))
+    assert gdn_native.VERIFY in ragged.lower(*x, states, meta, ckpt).as_text()
+    o, after, kept = ragged(*x, states, meta, ckpt)
+    for r in range(2):
+        for i in range(D):
+            s = states[r]
+            for n in range(V):
+                t = i * V + n
+                o_n, s = decode(*(a[r, t:t + 1] for a in x), jnp.array([i + 1]), jnp.array([True]), s)
+                np.testing.assert_array_equal(kept[r, i + 1, n], s[i + 1])
+                np.testing.assert_array_equal(o[r, t], o_n[0].astype(o.dtype))
+            np.testing.assert_array_equal(after[r, i + 1], s[i + 1])
