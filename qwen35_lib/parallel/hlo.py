@@ -385,8 +385,10 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
     start's operands, the done's result), times the runs of its computation (a `while` body its known trip count,
     `trips[body]` when given, else once; a `conditional` its costliest branch, since one runs). A fusion that only
     slices an operand reads the slices, and one that updates a buffer in place (a root `dynamic-update-slice` or
-    `scatter`) writes the update (`_fused_access`). Only HBM counts: an array XLA:TPU placed in VMEM or SMEM (a layout
-    with S(1) or S(2)) moves no bytes, so a prefetch into VMEM reads HBM once and the ops reading it there nothing.
+    `scatter`) writes the update (`_fused_access`); a gather XLA:TPU offloads to the SparseCore (an async call,
+    OFFLOAD_GATHER) reads the rows it gathers, not its whole table. Only HBM counts: an array XLA:TPU placed in VMEM
+    or SMEM (a layout with S(1) or S(2)) moves no bytes, so a prefetch into VMEM reads HBM once and the ops reading it
+    there nothing.
 
     This, not XLA:TPU's `cost_analysis()["bytes accessed"]`, is the compile's count to compare a model with: that
     counts a `while` body once, and a reduction's input and a dot's right operand five times
@@ -434,6 +436,9 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
                 write = sizes[var]
                 if op.endswith("-done"):
                     read = 0
+                elif op == "call-start" and _OFFLOAD_GATHER in line:  # reads the rows it gathers, not its table
+                    table = sizes.get(operands[0], 0) if operands else 0  # 0: in VMEM, its rows read there
+                    read = (_gathered_bytes(shape) if table else 0) + sum(sizes.get(a, 0) for a in operands[1:])
                 elif op == "fusion" and (acc := access.get(callee)):
                     reads, write = acc
                     read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
@@ -445,6 +450,22 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
     runs: dict[str, int] = {}
     visit(_ENTRY.search(hlo_text)[1], 1, runs)
     return sorted(rows_of(runs), key=lambda r: -r.bytes), once
+
+
+_OFFLOAD_GATHER = '"offload":"OFFLOAD_GATHER"'  # an async call XLA:TPU runs on the SparseCore as a gather
+
+
+def _gathered_bytes(shape: str) -> int:
+    """The bytes of the rows an offloaded gather's start gathers: its result, the first array after its operands'
+    tuple (`((bf16[8704,4096]{..}, s32[87040]{..}, token[]), bf16[87040,4096]{..})` -> the [87040, 4096] rows),
+    wherever it is placed (each row is read from the table)."""
+    depth = 0
+    for i, ch in enumerate(shape):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 1 and ch == ")":  # the operands' tuple closed
+            m = _ARRAY.search(shape, i + 1)
+            return _BYTES.get(m[1], 0) * math.prod(int(d) for d in m[2].split(",") if d) if m else 0
+    return 0
 
 
 def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, object]:

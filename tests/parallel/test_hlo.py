@@ -126,3 +126,33 @@ def test_an_array_in_vmem_moves_no_hbm_bytes():
     got = hlo.op_bytes(text)["bytes"]
     assert got["moe"] == 2 * whole  # %out read from HBM, %cd from VMEM, the result written to HBM
     assert got["other"] == whole + 4 * 3 * 4  # the prefetch reads HBM; its VMEM copy and the SMEM flag move none
+
+
+GATHER = """HloModule m
+
+%gathering (p0: bf16[1024,64], p1: s32[16], p2: token[]) -> bf16[16,64] {
+  %p0 = bf16[1024,64]{1,0} parameter(0)
+  %p1 = s32[16]{0} parameter(1)
+  %p2 = token[] parameter(2)
+  ROOT %g = bf16[16,64]{1,0} gather(%p0, %p1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, \
+index_vector_dim=1, slice_sizes={1,64}
+}
+
+ENTRY %main (table: bf16[1024,64], idx: s32[16]) -> bf16[16,64] {
+  %table = bf16[1024,64]{1,0} parameter(0)
+  %idx = s32[16]{0} parameter(1)
+  %tok = token[] after-all()
+  %gs = ((bf16[1024,64]{1,0}, s32[16]{0}, token[]), bf16[16,64]{1,0}) call-start(%table, %idx, %tok), \
+async_execution_thread="sparsecore", to_apply=%gathering, metadata={op_name="f/model/gather"}, \
+backend_config={"sparse_core_config":{"offload":"OFFLOAD_GATHER"}}
+  ROOT %gd = bf16[16,64]{1,0} call-done(%gs), metadata={op_name="f/model/gather"}
+}
+"""
+
+
+def test_a_sparsecore_gather_reads_the_rows_it_gathers_not_its_table():
+    rows = 16 * 64 * 2  # the [16, 64] bf16 rows gathered, of a [1024, 64] table (128 KiB)
+    got = hlo.op_bytes(GATHER)["bytes"]
+    assert got["embed"] == rows + 16 * 4 + rows  # the start reads the rows and the indices, the done writes the rows
+    plain = GATHER.replace('"offload":"OFFLOAD_GATHER"', '"offload":"OFFLOAD_OTHER"')
+    assert hlo.op_bytes(plain)["bytes"]["embed"] == 1024 * 64 * 2 + 16 * 4 + rows  # another call reads its operands
