@@ -25,7 +25,7 @@ GROUPS = {"attention": ("attn_proj", "attn_core"), "gdn": ("gdn_proj", "gdn_core
           "moe": ("router", "shared_expert", "routed_experts", "expert_scales", "permute", "onehot_permute",
                   "moe_rows"),
           "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
-          "other": ("norms", "embed_lm_head", "sampling", "host")}
+          "other": ("norms", "glue", "embed_lm_head", "sampling", "host")}
 WORKLOADS = {"8k/1k": (8192, 1024), "1k/8k": (1024, 8192)}
 KEPT = ("total_tokens_per_s", "output_tokens_per_s", "median_ttft_s", "median_tpot_s", "max_running_per_rank",
         "mean_step_s", "dp", "tp")

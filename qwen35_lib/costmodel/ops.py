@@ -129,6 +129,11 @@ class Placement:
     # gather and scatter: kernels.xla_tpu_gdn_state_passes)
     sampling_passes: float = 0.0  # passes over each sampled sequence's float32 logits [V] (the sort over the
     # vocabulary, its masks and the draw: kernels.sampling_logit_passes on TPU); 0: not charged
+    combine_sum_hbm_bytes: float = 0.0  # this engine's Pallas combine: its float32 sums [N, D] (and their cast to the
+    # activation dtype) move in HBM once larger than this (XLA:TPU's scoped VMEM, `SCOPED_VMEM_BYTES`); 0: not charged
+    gdn_glue_passes: float = 0.0  # this engine's Pallas step: the XLA ops around its kernels (`glue`), in passes
+    attn_glue_passes: float = 0.0  # over a computed token's GDN / attention activations a layer, and over its
+    stream_glue_passes: float = 0.0  # residual-stream row a layer (kernels.pallas_*_glue_passes); 0: not charged
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
     # form) or "recurrent" (the CPU's native handler, `kernels.gdn_native`: one state update per token)
 
@@ -441,7 +446,36 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         out["expert_scales"] = scales
     if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
         out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes))
+        sums = b.computed * D * 4  # the combine's float32 sums of every gathered token (replicate routing)
+        if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written, read by the cast; its cast written
+            out["permute"] = out["permute"] + Cost(bytes=sums * (2 + z["act"] / 4), launches=1)
     return out
+
+
+# XLA:TPU's scoped VMEM on TPU7x: 33,554,432 bytes, the `scoped_memory_configs` size of every op in the stored
+# TPU7x-8 texts (data/aot/hlo/): an array larger than it cannot be placed in VMEM. The kernels stage's combine keeps
+# its float32 sums there at decode (f32[512, 4096], 8.4 MB) and writes them to HBM in the mixed step (f32[8704, 4096],
+# 143 MB); where between the two XLA switches is not measured: any threshold in that range prices both steps alike
+SCOPED_VMEM_BYTES = 33_554_432
+
+
+def glue(cfg: Config, b: Batch, pl: Placement) -> Cost:
+    """What this engine's Pallas step moves in XLA's ops around its kernels, the whole step on one device, beyond
+    what the components price (the conv, the norms): relayouts of the projections' outputs for the kernels, the
+    GDN's float32 gate and gated norm, the prefill region's slices and head-major transposes, the attention's
+    rotary and KV-write layouts, the residual stream's copies and prefetches between kernels and the hierarchical
+    reduce-scatter's micro-batches sliced out of the combine and put back: `pl.*_glue_passes` (measured off the
+    compile, kernels.pallas_*_glue_passes) over each computed token's GDN activations (q, k, v, z, o), attention
+    activations (q, gate, o, k, v) and residual row (D), per layer of each kind. Bytes only: its many small ops'
+    launches are not charged."""
+    z = sizes(cfg)
+    T = b.computed / pl.dp
+    hv, hk = cfg.gdn_num_v_heads / pl.tp, cfg.gdn_num_k_heads / pl.tp
+    gdn_row = (2 * hk * cfg.gdn_k_head_dim + 3 * hv * cfg.gdn_v_head_dim) * z["act"]
+    attn_row = (3 * cfg.num_q_heads / pl.tp + 2 * kv_heads_per_device(cfg, pl.tp)) * cfg.head_dim * z["act"]
+    moved = T * (pl.gdn_glue_passes * gdn_row * z["n_gdn"] + pl.attn_glue_passes * attn_row * z["n_attn"]
+                 + pl.stream_glue_passes * cfg.hidden_size * z["act"] * cfg.num_layers)
+    return Cost(bytes=moved)
 
 
 def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float,

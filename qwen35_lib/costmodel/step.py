@@ -40,7 +40,7 @@ from qwen35_lib.weights import mtp_layer_config
 
 COMPONENTS = ("attn_proj", "attn_core", "gdn_proj", "gdn_core", "gdn_conv", "cache_copies", "router", "shared_expert",
               "routed_experts", "expert_scales", "permute", "onehot_permute", "moe_rows", "norms", "embed_lm_head",
-              "sampling", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "host")
+              "sampling", "glue", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "host")
 COMM = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -118,7 +118,14 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
     gdn_xla = gdn == "xla" and specs.kind == "tpu"
     xla_fp8_kv = attention in ("xla", "items") and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn"
-    return ops.Placement(dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
+    # this engine's Pallas step on the TPU: the XLA ops around its kernels, as its compile moves them (`ops.glue`)
+    parts = (("gdn", "gdn", "gdn"), ("attn", "attention", "attention"), ("stream", "stream", "dense"))
+    glue = {} if production or specs.kind != "tpu" else {
+        f"{part}_glue_passes": facts[f"pallas_{name}_glue_passes"]["value"] for part, name, slot in parts
+        if lay.kernel(slot) == "pallas"}
+    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and not production and not stage.fused_combine \
+        and specs.kind == "tpu" else 0.0
+    return ops.Placement(**glue, combine_sum_hbm_bytes=sums,dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,
                          expert_imbalance=expert_imbalance,
@@ -214,7 +221,7 @@ def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch, dense: ops.Plac
         moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
     out: dict[str, ops.Cost] = {}
     norms, L = {"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers
-    once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pl)}
+    once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pl), "glue": ops.glue(cfg, batch, pl)}
     for costs, times in ((gdn, z["n_gdn"]), (moe, L), (norms, L), (once, 1)):
         for name, c in costs.items():
             out[name] = out[name] + c * times if name in out else c * times

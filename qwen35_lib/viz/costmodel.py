@@ -19,7 +19,7 @@ GROUPS = {  # breakdown components, grouped for the stacked bars
     "cache copies": ("cache_copies",), "routed experts": ("routed_experts", "expert_scales"),
     "shared expert + router": ("shared_expert", "router"),
     "permute and row bookkeeping": ("permute", "onehot_permute", "moe_rows"),
-    "norms, head, sampling": ("norms", "embed_lm_head", "sampling"),
+    "norms, glue, head, sampling": ("norms", "glue", "embed_lm_head", "sampling"),
     "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), "host": ("host",),
 }
 COLORS = ["#DD8452", "#4C72B0", "#64B5CD", "#8C8C8C", "#55A868", "#937860", "#DA8BC3", "#C44E52", "#CCB974"]

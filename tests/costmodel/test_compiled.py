@@ -12,8 +12,18 @@ DOC = data.read_json("aot/tpu7x-8.json")
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "decode"}
+def compared():
+    return compiled.compare(DOC)
+
+
+@pytest.fixture(scope="module")
+def rows(compared):
+    return {r["stage"]: r for r in compared if r["step"] == "decode"}
+
+
+@pytest.fixture(scope="module")
+def mixed(compared):
+    return {r["stage"]: r for r in compared if r["step"] == "mixed"}
 
 
 def test_every_stage_has_a_compiled_decode_step_read_from_its_text(rows):
@@ -46,15 +56,47 @@ def test_decode_hbm_bytes_within_25_percent(rows, stage):
 def test_the_kernels_stage_decode_bytes_are_the_models_within_15_percent(rows):
     # issue 50 item 2: around its Mosaic calls the kernels stage's decode moves what the model prices (its permute
     # with the Pallas combine, router, norms, LM head, sampler, the conv's rows, the FP8 scales' expansion, the
-    # collectives' buffers); before the conv's decode path, the VMEM-aware count and those components: 0.41
+    # collectives' buffers, the XLA glue around its kernels at the mixed step's passes: x1.06); before the conv's
+    # decode path, the VMEM-aware count and those components: 0.41; before the glue: 0.89
     assert abs(rows["kernels"]["bytes_ratio"] - 1) <= 0.15, compiled.table([rows["kernels"]])
 
 
-@pytest.mark.xfail(strict=True, reason="the kernels stage's mixed step: the chunked GDN kernel's inputs converted to "
-                   "float32 and relaid out, the GDN and MoE glue around the prefill rows, unpriced (issue 50)")
-def test_the_kernels_stage_mixed_bytes_are_the_models_within_15_percent():
-    mixed = {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "mixed"}["kernels"]
-    assert abs(mixed["bytes_ratio"] - 1) <= 0.15, compiled.table([mixed])
+def test_the_kernels_stage_mixed_bytes_are_the_models_within_15_percent(mixed):
+    # issue 50 item 2: around its Mosaic calls the mixed step (1,088 tokens a rank) moves what the model prices: its
+    # permute with the combine's float32 sums in HBM (too large for VMEM), and the XLA glue around its Pallas kernels
+    # (`ops.glue`, measured off this text: `test_the_glue_passes_are_read_off_the_kernels_mixed_compile`); was 0.80
+    # (0.67 once the count read the SparseCore's gathered rows) before the sums and the glue were priced
+    assert abs(mixed["kernels"]["bytes_ratio"] - 1) <= 0.15, compiled.table([mixed["kernels"]])
+
+
+def test_the_glue_passes_are_read_off_the_kernels_mixed_compile():
+    # the passes `ops.glue` charges, measured on the kernels stage's mixed step; they are the mixed step's, where its
+    # arrays no longer fit VMEM: the decode step's (64 tokens a rank) are lower, so charging them to every computed
+    # token overstates a decode step (its bytes x1.06 of its text, within 15% above; the attention's by the most)
+    facts = kernel_facts()
+    measured = compiled.glue_passes(DOC, "kernels", "8k/1k mixed")
+    decode = compiled.glue_passes(DOC, "kernels", "8k/1k decode")
+    for part, name in (("gdn", "gdn"), ("attention", "attention"), ("stream", "stream")):
+        assert facts[f"pallas_{name}_glue_passes"]["value"] == pytest.approx(measured[part], abs=0.01), part
+        assert 0 < decode[part] <= measured[part], part
+
+
+def test_the_permute_is_the_compiles_at_decode_and_in_the_mixed_step(compared):
+    # the model's permute (the fact's 3 passes over the routed rows, and in the mixed step the combine's float32 sums
+    # [8704, 4096] written, read and cast: too large for the scoped VMEM) against the text's PERMUTE_SCOPE ops; the
+    # SparseCore gather of the mixed step read as the rows it gathers (`parallel.hlo.op_rows`)
+    for r in (r for r in compared if r["stage"] == "kernels"):
+        text = sum(o.bytes for o in compiled.step_parts(compiled.stored_text("kernels", f"8k/1k {r['step']}"))
+                   ["permute"])
+        assert r["model_bytes_by_component"]["permute"] / text == pytest.approx(1.0, abs=0.02), r["step"]
+
+
+def test_the_fused_ep_steps_are_priced_by_the_kernels_stages_glue_within_15_percent():
+    # the fused_ep stage's steps (data/aot/tpu7x-8-beyond.json): another compile, the same GDN, attention and residual
+    # stream code around its kernels, priced with the glue measured on the kernels stage's mixed step (was x0.27 for
+    # the mixed step, unpriced; its decode x0.81)
+    beyond = {r["step"]: r for r in compiled.compare(data.read_json("aot/tpu7x-8-beyond.json"))}
+    assert all(abs(r["bytes_ratio"] - 1) <= 0.15 for r in beyond.values()), compiled.table(list(beyond.values()))
 
 
 def test_a_pallas_stage_is_compared_around_its_mosaic_calls(rows):
@@ -84,8 +126,7 @@ def test_a_one_group_sweep_is_refused():
         compiled.compare(dict(DOC, groups=1))
 
 
-def test_the_mixed_steps_with_texts_are_compared_too():
-    mixed = {r["stage"]: r for r in compiled.compare(DOC) if r["step"] == "mixed"}
+def test_the_mixed_steps_with_texts_are_compared_too(mixed):
     assert {"fused_ag", "kernels"} <= set(mixed)
     assert all(abs(r["flops_ratio"] - 1) <= 0.05 for r in mixed.values()), compiled.table(list(mixed.values()))
 

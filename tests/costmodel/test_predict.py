@@ -62,16 +62,18 @@ def test_predict_contract_and_fit():
 # own longest): x1.02 to x1.17 for `baseline`, `kernels`, rooflines and steps unchanged. Then (issue 50, the XLA
 # stages re-compiled with the groups: a group's gathered pages and scores stay in VMEM, the walk 3.3 B a KV value read
 # (was 19.6), the items 8.0 (36.0); the TP baseline's FP8 experts 12.4 B a parameter, read off its own compile (it
-# was priced at EP's 20.3)): x1.66 to x1.90 for `baseline`, `kernels`, rooflines and steps unchanged.
+# was priced at EP's 20.3)): x1.66 to x1.90 for `baseline`, `kernels`, rooflines and steps unchanged. Then (issue 50,
+# item 2: the kernels stage's XLA glue around its Pallas kernels, `ops.glue`, and its combine's float32 sums in HBM
+# once too large for VMEM, both read off its mixed step's compile): `kernels` x0.87 to x0.99, the rest unchanged.
 BEFORE = {
     ('baseline', 8192, 1024, 64): (2228.309508962479, 40746.69099369322, 2229),
-    ('kernels', 8192, 1024, 64): (20409.483403128, 44434.37219714788, 2030),
+    ('kernels', 8192, 1024, 64): (19358.408181858733, 44434.37219714788, 2030),
     ('baseline', 1024, 8192, 64): (324.65990255475094, 6314.657262827242, 16248),
-    ('kernels', 1024, 8192, 64): (3298.022960042407, 6361.624932950116, 15838),
+    ('kernels', 1024, 8192, 64): (3275.887596210178, 6361.624932950116, 15838),
     ('baseline', 8192, 1024, 512): (6185.967299111642, 92157.35915759462, 5100),
-    ('kernels', 8192, 1024, 512): (53474.014816391056, 144878.7568651295, 2466),
+    ('kernels', 8192, 1024, 512): (46747.53285255042, 144878.7568651295, 2466),
     ('baseline', 1024, 8192, 512): (2136.612033300154, 27564.308014343587, 16752),
-    ('kernels', 1024, 8192, 512): (15341.287992410118, 27960.880882333484, 16248),
+    ('kernels', 1024, 8192, 512): (14872.893454303947, 27960.880882333484, 16248),
 }
 
 

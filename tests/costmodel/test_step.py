@@ -113,8 +113,8 @@ def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
     for costs, times in ((ops.attention_block(cfg, long, pl), z["n_attn"]), (ops.gdn_block(cfg, long, pl), z["n_gdn"]),
                          (ops.moe_block(cfg, long, pl), cfg.num_layers),
                          ({"norms": ops.norms(cfg, long, pl)}, cfg.num_layers),
-                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl), "sampling": ops.sampling(cfg, long, pl)},
-                          1)):
+                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl), "sampling": ops.sampling(cfg, long, pl),
+                           "glue": ops.glue(cfg, long, pl)}, 1)):
         for name, c in costs.items():
             hand[name] = hand[name] + c * times if name in hand else c * times
     assert step_costs(cfg, s, STAGES[stage], long, "float8_e4m3fn") == hand
