@@ -39,7 +39,10 @@ traffic, and a relayout of the FP8 scale pool once a layer (4 GB).
 this very text (`glue_passes`: 53.6 GB of the 229.0), so this row agrees by construction; what checks the pricing is
 the other steps it prices from those passes: this stage's decode (x1.06: 64 tokens a rank keep more of the glue's
 arrays in VMEM, the attention's most) and the fused_ep stage's decode and mixed steps (data/aot/tpu7x-8-beyond.json,
-x1.12 and x0.94, another compile with the same GDN, attention and residual-stream code). The permute is priced
+x1.05 and x0.99, another compile with the same GDN, attention and residual-stream code, no hierarchical
+reduce-scatter, and its all-gathered tokens relaid out twice a layer, `fused_combine.GATHERED_RELAYOUTS`, a count read
+off its own mixed text); the residual stream's passes are nearly the same at decode (15.7) as in the mixed step
+(15.8), the attention's are not (1.8 against 9.6: at decode its arrays stay in VMEM). The permute is priced
 from the structure: the fact's 3 passes and, in the mixed step, the combine's float32 sums [8704, 4096] written,
 read and cast (21.4 GB: too large for the scoped VMEM, `ops.SCOPED_VMEM_BYTES`), 149.7 GB against the text's 150.0
 
@@ -70,7 +73,8 @@ The bytes agree because the model charges what the compiled program moves where 
   engine's grouped matmul takes its FP8 block scales repeated along lanes, expanded by XLA each layer
   (`expert_scales`);
 - this engine's XLA glue around its Pallas kernels (`ops.glue`: `pallas_gdn_glue_passes`,
-  `pallas_attention_glue_passes`, `pallas_stream_glue_passes`, read off the kernels stage's mixed text by
+  `pallas_attention_glue_passes`, `pallas_stream_glue_passes`, `pallas_hier_rs_glue_passes` (the hierarchical
+  reduce-scatter's micro-batch slices, where the plan has it), read off the kernels stage's mixed text by
   `glue_passes`, its ops sorted by `step_parts`).
 What remains: the XLA stages' texts hold 6% more than the model at decode (by block: `validate --compiled`); the
 kernels stage's decode 6% less (the glue's passes are the mixed step's, (++)); the XLA stages' mixed steps' model is
@@ -403,9 +407,10 @@ def gdn_state_passes(hlo_text: str, config: Config, sequences: int) -> float:
 
 
 # the parts of a Pallas stage's step that XLA compiles around its Mosaic calls and the model prices as glue
-# (`ops.glue`): the GDN's and the attention's ops, and the residual stream's (copies and prefetches of the rows
-# between the kernels, the hierarchical reduce-scatter's micro-batches sliced out of the combine and put back)
-GLUE_PARTS = ("gdn", "attention", "stream")
+# (`ops.glue`): the GDN's and the attention's ops, the residual stream's (copies and prefetches of the rows between
+# the kernels, the reduce-scatters' results put back), and the hierarchical reduce-scatter's micro-batches sliced out
+# of the combine's rows ([core, chip, micro-batch, rows, D] views, `parallel.collectives.reduce_scatter`)
+GLUE_PARTS = ("gdn", "attention", "stream", "hier_rs")
 
 
 def step_parts(hlo_text: str) -> dict[str, list]:
@@ -414,7 +419,8 @@ def step_parts(hlo_text: str) -> dict[str, list]:
     and reduce-scatters' own ops), "scan_slices" (the layer scan's weight slices: the weight passes), "moe_priced"
     (the router's dot, the FP8 scales' float32 expansion), "gdn", "attention", "stream" (`GLUE_PARTS`), "head"
     (embedding, LM head, sampler). An op XLA left unnamed (a relayout copy, a SparseCore data-format call, a
-    prefetch into VMEM, a collective's second stage) takes the part of the nearest named op it reads."""
+    prefetch into VMEM, a collective's second stage) takes the part of the nearest named op it reads; "hier_rs" holds
+    the hierarchical reduce-scatter's slices of the combine's rows into micro-batches (`GLUE_PARTS`)."""
     rows, once = hlo.op_rows(hlo_text)
     if once:  # a Pallas stage's step has none (its attention is a kernel)
         raise ValueError(f"loops of unknown trip count: {once}; step_parts reads a Pallas stage's step")
@@ -434,6 +440,9 @@ def step_parts(hlo_text: str) -> dict[str, list]:
 
     out: dict[str, list] = {p: [] for p in ("permute", "collectives", "scan_slices", "moe_priced", *GLUE_PARTS,
                                             "head")}
+
+    def _micro_batches(shape: str) -> bool:  # a [core, chip, micro-batch, rows, D] view of the combine's rows
+        return any(len(dims.split(",")) == 5 for _, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
     for r in rows:
         if r.op == "custom-call" and "pallas_call" in r.jax_name and f"/{PERMUTE_SCOPE}/" not in r.jax_name:
             continue
@@ -450,6 +459,8 @@ def step_parts(hlo_text: str) -> dict[str, list]:
             part = "moe_priced"
         elif block in ("gdn", "attention"):
             part = block
+        elif block == "moe" and jax.endswith("/slice") and _micro_batches(r.shape):
+            part = "hier_rs"
         elif block in ("embed", "lm_head", "sample"):
             part = "head"
         else:
@@ -463,7 +474,7 @@ def glue_passes(doc: dict, stage: str, step: str, text: str | None = None) -> di
     the bytes of each of `GLUE_PARTS` beyond what the model's own components price there (the GDN's conv,
     `gdn_conv`; the norms and residual adds, `norms`), over each computed token's GDN activations (q, k, v, z, o)
     a GDN layer, attention activations (q, gate, o, k, v) an attention layer, and residual row (D) a layer, on one
-    device."""
+    device; the hierarchical reduce-scatter's slices over the combine's rows [N, D] (every rank's tokens) a layer."""
     from qwen35_lib.costmodel.predict import serving_model
 
     config = serving_model(doc["model"], **doc.get("overrides", {}))
@@ -479,4 +490,5 @@ def glue_passes(doc: dict, stage: str, step: str, text: str | None = None) -> di
     moved = {p: sum(r.bytes for r in parts[p]) for p in GLUE_PARTS}
     return {"gdn": (moved["gdn"] - m["gdn_conv"]) / (z["n_gdn"] * T * gdn_row),
             "attention": moved["attention"] / (z["n_attn"] * T * attn_row),
-            "stream": (moved["stream"] - m["norms"]) / (config.num_layers * T * config.hidden_size * z["act"])}
+            "stream": (moved["stream"] - m["norms"]) / (config.num_layers * T * config.hidden_size * z["act"]),
+            "hier_rs": moved["hier_rs"] / (config.num_layers * T * entry["ranks"] * config.hidden_size * z["act"])}

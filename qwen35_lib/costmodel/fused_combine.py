@@ -16,7 +16,9 @@ HBM (`permute_passes`): no sorted copy of the rows is written and no partial sum
 the routed rows (N·k/ep a device) and their outputs land in their owners' recv, which is the grouped matmul's own row
 traffic (`ops.moe`'s routed rows, read and written once); what is left is the weighing of a device's received
 copies: recv [n·k, D] read, the output [n, D] written, (1 + 1/k) / ep passes over the [N·k, D] rows the kernels stage
-moves 3 times (its compiled fact `kernels_moe_permute_passes`). The expert sort is int32 work, not charged.
+moves 3 times (its compiled fact `kernels_moe_permute_passes`). The expert sort is int32 work, not charged. Besides,
+XLA relays the all-gathered tokens [N, D] out twice a layer for the kernel's row fetches (`GATHERED_RELAYOUTS`, on
+the SparseCore), in HBM once larger than the scoped VMEM (`ops.moe_block`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def combine_comm(cfg: Config, specs: Specs, computed: int) -> cc.Comm:
     return cc.Comm(one.seconds * cfg.num_layers, one.wire_bytes * cfg.num_layers)
 
 
+# [N, D] relayouts of the all-gathered tokens a MoE layer in the fused_ep stage's compile: the all-gather's result
+# from (16, 128) tiles to (8, 128) and a [n, ranks, D/128, 128] view of it transposed, each a SparseCore copy
+# (data/aot/hlo/fused_ep-8k_1k-mixed.hlo.gz: 2 x 71 MB read and written a layer, 17.1 GB a step;
+# tests/costmodel/test_compiled.py holds the count to the text); its decode step's are smaller than the scoped VMEM
+GATHERED_RELAYOUTS = 2
+
+
 def permute_passes(cfg: Config, ep: int) -> float:
     """Passes over the [N·k, D] routed rows the fused layer's permute moves (the module doc): (1 + 1/k) / ep."""
     return (1 + 1 / cfg.num_experts_per_tok) / ep
@@ -56,4 +65,4 @@ def exposed(combine_s, routed_s, mech: Mechanisms | None):
     return combine_s - hide * np.minimum(combine_s, routed_s)
 
 
-__all__ = ["combine_comm", "exposed", "permute_passes"]
+__all__ = ["GATHERED_RELAYOUTS", "combine_comm", "exposed", "permute_passes"]

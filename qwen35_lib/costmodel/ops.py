@@ -134,6 +134,10 @@ class Placement:
     gdn_glue_passes: float = 0.0  # this engine's Pallas step: the XLA ops around its kernels (`glue`), in passes
     attn_glue_passes: float = 0.0  # over a computed token's GDN / attention activations a layer, and over its
     stream_glue_passes: float = 0.0  # residual-stream row a layer (kernels.pallas_*_glue_passes); 0: not charged
+    hier_rs_glue_passes: float = 0.0  # the hierarchical reduce-scatter's micro-batch slices: passes over the
+    # combine's rows [N, D] a layer (kernels.pallas_hier_rs_glue_passes); 0: not charged
+    gathered_relayouts: int = 0  # fused_ep: [N, D] relayouts of the all-gathered tokens a layer, in HBM once larger
+    # than the scoped VMEM (`fused_combine.GATHERED_RELAYOUTS`)
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
     # form) or "recurrent" (the CPU's native handler, `kernels.gdn_native`: one state update per token)
 
@@ -449,6 +453,10 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         sums = b.computed * D * 4  # the combine's float32 sums of every gathered token (replicate routing)
         if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written, read by the cast; its cast written
             out["permute"] = out["permute"] + Cost(bytes=sums * (2 + z["act"] / 4), launches=1)
+        gathered = b.computed * D * z["act"]  # every rank's tokens, all-gathered
+        if pl.gathered_relayouts and gathered > SCOPED_VMEM_BYTES:  # each read and written
+            out["permute"] = out["permute"] + Cost(bytes=2 * pl.gathered_relayouts * gathered,
+                                                   launches=pl.gathered_relayouts)
     return out
 
 
@@ -466,7 +474,8 @@ def glue(cfg: Config, b: Batch, pl: Placement) -> Cost:
     rotary and KV-write layouts, the residual stream's copies and prefetches between kernels and the hierarchical
     reduce-scatter's micro-batches sliced out of the combine and put back: `pl.*_glue_passes` (measured off the
     compile, kernels.pallas_*_glue_passes) over each computed token's GDN activations (q, k, v, z, o), attention
-    activations (q, gate, o, k, v) and residual row (D), per layer of each kind. Bytes only: its many small ops'
+    activations (q, gate, o, k, v) and residual row (D), per layer of each kind, and, under the hierarchical
+    reduce-scatter, over the combine's rows [N, D] of every rank's tokens a layer. Bytes only: its many small ops'
     launches are not charged."""
     z = sizes(cfg)
     T = b.computed / pl.dp
@@ -475,6 +484,7 @@ def glue(cfg: Config, b: Batch, pl: Placement) -> Cost:
     attn_row = (3 * cfg.num_q_heads / pl.tp + 2 * kv_heads_per_device(cfg, pl.tp)) * cfg.head_dim * z["act"]
     moved = T * (pl.gdn_glue_passes * gdn_row * z["n_gdn"] + pl.attn_glue_passes * attn_row * z["n_attn"]
                  + pl.stream_glue_passes * cfg.hidden_size * z["act"] * cfg.num_layers)
+    moved += pl.hier_rs_glue_passes * b.computed * cfg.hidden_size * z["act"] * cfg.num_layers
     return Cost(bytes=moved)
 
 

@@ -120,9 +120,12 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     xla_fp8_kv = attention in ("xla", "items") and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn"
     # this engine's Pallas step on the TPU: the XLA ops around its kernels, as its compile moves them (`ops.glue`)
     parts = (("gdn", "gdn", "gdn"), ("attn", "attention", "attention"), ("stream", "stream", "dense"))
+    parts += (("hier_rs", "hier_rs", "dense"),) if stage.hierarchical_rs else ()
     glue = {} if production or specs.kind != "tpu" else {
         f"{part}_glue_passes": facts[f"pallas_{name}_glue_passes"]["value"] for part, name, slot in parts
         if lay.kernel(slot) == "pallas"}
+    if stage.fused_combine and specs.kind == "tpu":
+        glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
     sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and not production and not stage.fused_combine \
         and specs.kind == "tpu" else 0.0
     return ops.Placement(**glue, combine_sum_hbm_bytes=sums,dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
