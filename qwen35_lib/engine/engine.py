@@ -40,7 +40,7 @@ from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.mtp import declare_mtp, mtp_layer_config
 from qwen35_lib.model.ragged import keep_accepted, ragged_forward
-from qwen35_lib.parallel.layouts import batch_sharding, shard_weights, shardings
+from qwen35_lib.parallel.layouts import batch_sharding, shard_weights
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE, BoundPlan, ServingPlan, axis_size
 
@@ -182,8 +182,8 @@ class Engine:
         self.mtp_weights = self.head_cache = None
         if self.width > 1:  # the MTP head, placed as the plan places a layer, and its own paged KV pool
             lc = mtp_layer_config(config)
-            self.mtp_weights = mtp_weights if self.mesh is None else jax.device_put(
-                mtp_weights, shardings(declare_mtp(config), plan, mesh))
+            self.mtp_weights = mtp_weights if self.mesh is None else shard_weights(config, plan, mtp_weights, mesh,
+                                                                                   declare_mtp)
             self.head_cache = self._init_cache(lc, dataclasses.replace(self.cache_shape, verify=1), per_layer=False)
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]

@@ -57,10 +57,11 @@ def weight_shardings(config: Config, plan: ServingPlan, mesh) -> dict:
     return shardings(declare(placed_config(config, plan, mesh)), plan, mesh)
 
 
-def duplicate_kv_heads(config: Config, plan: ServingPlan, weights: dict, mesh) -> dict:
+def duplicate_kv_heads(config: Config, plan: ServingPlan, weights: dict, mesh, declared=declare) -> dict:
     """`weights` with each KV projection's heads repeated as `placed_config` says (head h -> copies h*r .. h*r +
-    r - 1, so query head q still reads a copy of head q // (Hq / Hkv)); arrays already so are kept."""
-    want = declare(placed_config(config, plan, mesh))  # config may be placed already: shapes decide
+    r - 1, so query head q still reads a copy of head q // (Hq / Hkv)); arrays already so are kept. `declared`: the
+    tree's declaration of a config (`weights.declare`; the MTP head's `weights.declare_mtp`)."""
+    want = declared(placed_config(config, plan, mesh))  # config may be placed already: shapes decide
 
     def dup(x, info):
         if not is_info(info) or "kv_heads" not in info.logical_axes:
@@ -72,18 +73,19 @@ def duplicate_kv_heads(config: Config, plan: ServingPlan, weights: dict, mesh) -
     return jax.tree.map(dup, weights, want, is_leaf=lambda v: is_info(v) or not isinstance(v, dict))
 
 
-def shard_weights(config: Config, plan: ServingPlan, weights: dict, mesh) -> dict:
-    """`weights` placed on `mesh` under the bound `plan` (arrays already placed so are not moved).
+def shard_weights(config: Config, plan: ServingPlan, weights: dict, mesh, declared=declare) -> dict:
+    """`weights` placed on `mesh` under the bound `plan` (arrays already placed so are not moved), their KV heads
+    duplicated as the plan says (`duplicate_kv_heads`); `declared` as there (the MTP head: `weights.declare_mtp`).
 
     Across processes (`jax.distributed`), each process passes its own copy, the same in every process, and
     supplies from it only the shards its devices hold (`device_put` would check equality with a collective per
     array); global arrays are resharded by `device_put`.
     """
-    weights = duplicate_kv_heads(config, plan, weights, mesh)
-    shardings = weight_shardings(config, plan, mesh)
+    weights = duplicate_kv_heads(config, plan, weights, mesh, declared)
+    placed = shardings(declared(placed_config(config, plan, mesh)), plan, mesh)
     if jax.process_count() == 1:
-        return jax.device_put(weights, shardings)
-    return jax.tree.map(_place_local_copy, weights, shardings)
+        return jax.device_put(weights, placed)
+    return jax.tree.map(_place_local_copy, weights, placed)
 
 
 def _place_local_copy(x, sharding: NamedSharding):

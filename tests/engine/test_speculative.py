@@ -1,6 +1,6 @@
 """engine.speculative: greedy output with drafts verified is the output without them (random heads: acceptance ~0,
 so every step verifies and rolls back; an oracle drafter: multi-token acceptance), alone, batched with preemption
-and under dp_ep; the acceptance rule by hand; the refusals."""
+and under dp_ep and the tensor-parallel layouts; the acceptance rule by hand; the refusals."""
 
 import dataclasses
 
@@ -8,19 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from scipy import stats
 
 from qwen35_lib import testing
 from qwen35_lib.checkpoint import load_hf_checkpoint, load_mtp
 from qwen35_lib.engine import Engine, EngineConfig, SamplingParams
 from qwen35_lib.engine.batch import SeqWork, pack
+from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.engine.sampling import token_keys
 from qwen35_lib.engine.speculative import accept, check_request, check_speculative, rejection_sample
+from qwen35_lib.kernels import gdn_xla
+from qwen35_lib.model.ragged import keep_accepted
+from qwen35_lib.parallel.layouts import spec as layout_spec
+from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import SINGLE, get_layout, make_mesh
 
 EC = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=64)
 TIGHT = dict(EC, num_pages=9)  # 8 pages of 8 for requests of 17 pages in all: preemptions
 PARAMS = [SamplingParams(max_new_tokens=n) for n in (14, 9, 20, 12)]
+SAMPLED = [SamplingParams(max_new_tokens=n, temperature=1.0, top_k=4, top_p=0.95, seed=s)
+           for n, s in ((14, 1), (9, 2), (20, 3), (12, 4))]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +53,14 @@ def reference(model, prompts):
     cfg, w, _ = model
     engine = Engine(cfg, w, EngineConfig(**EC))
     return [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def sampled_alone(model, prompts):
+    """A one-device engine with k = 2 and its seeded outputs of SAMPLED, each request alone."""
+    cfg, w, head = model
+    engine = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mtp_weights=head)
+    return engine, [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, SAMPLED)]
 
 
 def test_accept_keeps_the_longest_matching_prefix_and_the_next_token():
@@ -116,12 +132,89 @@ def test_accepted_drafts_are_kept_and_the_output_is_the_same(model, prompts, ref
     assert 0 < engine.stats.accepted < engine.stats.drafted and engine.preemptions > 0
 
 
-def test_dp_ep_verifies_as_one_device(model, prompts, reference):
+def test_dp_ep_verifies_as_one_device(model, prompts, reference, sampled_alone):
+    """k = 2 under dp_ep, one engine: greedy outputs are one device's without drafts, and seeded sampling's are one
+    device's with drafts (the keys are the requests' own)."""
     cfg, w, head = model
     engine = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mesh=make_mesh(), plan=get_layout("dp_ep"),
                     mtp_weights=head)
     assert [r.output_ids for r in engine.generate(prompts, PARAMS)] == reference
     assert engine.stats.drafted > 0
+    assert [r.output_ids for r in engine.generate(prompts, SAMPLED)] == sampled_alone[1]
+
+
+def _spec(engine, name: str) -> tuple:
+    """The PartitionSpec of `engine`'s cache pool `name`, one entry a dim."""
+    a = engine.cache[name]
+    return tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec))
+
+
+# (layout, devices, k), on meshes whose size splits the test checkpoint's 4 GDN value heads (over 8 devices they stay
+# whole): every head axis over 2 devices (`tp`), over 4 with the experts split too (`tp_ep`, tpu-inference's TP_EP:
+# the 2 KV heads duplicated to 1 a device, the 2 GDN key heads whole), heads over a chip's 2 cores with 4 ranks
+# (`dp4_tp2_ep8`); a k each, so that k = 1, 2, 3 all verify under tensor parallelism
+TP_CASES = [("tp", 2, 3), ("tp_ep", 4, 1), ("dp4_tp2_ep8", 8, 2)]
+
+
+@pytest.mark.parametrize("layout,devices,k", TP_CASES)
+def test_tensor_parallel_layouts_verify_as_one_device(model, prompts, reference, layout, devices, k):
+    """Heads split over devices: the checkpoint pools are placed as the GDN state (each device its heads' states
+    and conv windows), and the greedy outputs are one device's without drafts, alone and batched (with preemption
+    where one rank serves the batch). One engine for both, as the single-device test."""
+    cfg, w, head = model
+    engine = Engine(cfg, w, EngineConfig(**TIGHT, speculative_tokens=k), mesh=make_mesh(jax.devices()[:devices]),
+                    plan=get_layout(layout), mtp_weights=head)
+    assert _spec(engine, "state")[3] == engine.plan.axes("gdn_v_heads") is not None  # the state split by heads
+    for name in ("conv_q", "conv_k", "conv_v", "state"):  # the slot's checkpoint axis unsplit, the rest as the pool
+        want = _spec(engine, name)
+        assert _spec(engine, f"{name}_ckpt") == (*want[:3], None, *want[3 + (name != "state"):])
+    assert engine.generate([prompts[0]], [PARAMS[0]])[0].output_ids == reference[0]
+    assert engine.preemptions == 0 and engine.stats.drafted >= k * (PARAMS[0].max_new_tokens - 1) // 2
+    drafted = engine.stats.drafted
+    assert [r.output_ids for r in engine.generate(prompts, PARAMS)] == reference
+    assert engine.stats.drafted > drafted and (engine.preemptions > 0) == (engine.ec.ranks == 1)
+
+
+def test_rollback_is_exact_with_gdn_heads_split(model):
+    """The GDN's verification and rollback as the engine runs them under `tp` on 2 devices (the value heads split,
+    the pools placed by the plan, the kernel partitioned by XLA): 3 decode rows of V = 3 tokens, then
+    `keep_accepted` with 1, 2 and 3 tokens kept: each slot's state is, bitwise in float32, the state of decoding its
+    kept tokens one at a time on one device (`gdn_decode_xla`, the k = 0 path)."""
+    cfg = model[0]
+    D, V, Hk, Hv, dk, dv = 3, 3, cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_head_dim, cfg.gdn_v_head_dim
+    mesh = make_mesh(jax.devices()[:2])
+    plan = get_layout("tp").bound(mesh, cfg)
+    _, meta = pack([SeqWork([1] * V, 5, [1], i + 1) for i in range(D)], [], D, D * V, D, 4, 8, width=V)
+    meta = type(meta)(*(jnp.asarray(f)[None] for f in meta))
+    ks = jax.random.split(jax.random.key(3), 6)
+    q, k = (jax.random.normal(key, (1, D * V, Hk, dk)) for key in ks[:2])
+    v = jax.random.normal(ks[2], (1, D * V, Hv, dv))
+    g, beta = -jax.nn.softplus(jax.random.normal(ks[3], (1, D * V, Hv))), jax.nn.sigmoid(jax.random.normal(ks[4], (
+        1, D * V, Hv)))
+    states = 0.1 * jax.random.normal(ks[5], (1, 1, D + 1, Hv, dk, dv))  # [R, L, NS, ...]: one rank and layer
+    decl = declare_cache(cfg, CacheShape(num_slots=D + 1, verify=V))
+    place = lambda x, name: jax.device_put(x, NamedSharding(mesh, layout_spec(plan, mesh, decl[name].logical_axes,
+                                                                                x.shape)))
+    pools = {"state": place(states, "state"), "state_ckpt": place(jnp.zeros((1, 1, D + 1, V, Hv, dk, dv)),
+                                                                   "state_ckpt")}
+    assert pools["state_ckpt"].sharding.spec[4] == pools["state"].sharding.spec[3] == plan.axes("gdn_v_heads")
+    accepted = jnp.array([[1, 2, 3]], jnp.int32)
+
+    @jax.jit
+    def verify_and_keep(pools, q, k, v, g, beta):
+        run = lambda *a: gdn_xla.gdn_ragged_xla(*a[:-1], chunk_size=8, checkpoints=a[-1])
+        _, state, ckpt = parallelism(plan).per_rank(cfg, "gdn", run, q, k, v, g, beta, pools["state"][:, 0], meta,
+                                                    pools["state_ckpt"][:, 0])
+        return keep_accepted({"state": state[:, None], "state_ckpt": ckpt[:, None]}, meta, accepted)["state"]
+
+    with jax.set_mesh(mesh):
+        kept = np.asarray(verify_and_keep(pools, q, k, v, g, beta))[0, 0]
+    decode = jax.jit(gdn_xla.gdn_decode_xla)
+    for i, n in enumerate(accepted[0].tolist()):
+        s = states[0, 0]
+        for t in range(i * V, i * V + n):
+            _, s = decode(*(x[0, t:t + 1] for x in (q, k, v, g, beta)), jnp.array([i + 1]), jnp.array([True]), s)
+        np.testing.assert_array_equal(kept[i + 1], s[i + 1])
 
 
 def test_a_workload_with_drafts_precompiles_every_decode_bucket_below_its_largest(model):
@@ -142,8 +235,7 @@ def test_refusals_are_one_line(model):
     check_speculative(plan, 0, None)  # off: nothing to check
     with pytest.raises(ValueError, match="gdn kernels .* not 'pallas'"):
         check_speculative(SINGLE.replace(gdn_kernel="pallas").bound(None, cfg), 2, head)
-    with pytest.raises(ValueError, match="runs under layouts .* not 'tp8_kvrep'"):
-        check_speculative(get_layout("tp8_kvrep").bound(make_mesh(), cfg), 2, head)
+    check_speculative(get_layout("tp8_kvrep").bound(make_mesh(), cfg), 2, head)  # every layout: served
     check_request(2, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1))  # sampling: served
     with pytest.raises(ValueError, match="cannot apply logits processing or structured output to drafts"):
         check_request(2, SamplingParams(temperature=0.7, presence_penalty=0.5))
@@ -190,16 +282,11 @@ def test_rejection_sampling_keeps_the_target_distribution(drafter):
     np.testing.assert_array_equal(np.asarray(again), tokens)  # the same keys, the same tokens
 
 
-SAMPLED = [SamplingParams(max_new_tokens=n, temperature=1.0, top_k=4, top_p=0.95, seed=s)
-           for n, s in ((14, 1), (9, 2), (20, 3), (12, 4))]
-
-
-def test_seeded_sampling_with_drafts_is_reproducible(model, prompts):
+def test_seeded_sampling_with_drafts_is_reproducible(model, prompts, sampled_alone):
     """Temperature > 0 with k = 2: the same seeds give the same outputs, run again or batched with preemption; other
     seeds give other outputs."""
     cfg, w, head = model
-    engine = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mtp_weights=head)
-    alone = [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, SAMPLED)]
+    engine, alone = sampled_alone
     assert [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, SAMPLED)] == alone
     tight = Engine(cfg, w, EngineConfig(**TIGHT, speculative_tokens=2), mtp_weights=head)
     assert [r.output_ids for r in tight.generate(prompts, SAMPLED)] == alone
@@ -227,13 +314,3 @@ def test_sampling_with_drafts_keeps_the_engine_distribution(model, prompts, refe
         table = np.array([[np.sum(x[:, j] == t) for t in ids] for x in (want, got)])
         assert stats.chi2_contingency(table).pvalue > 1e-3, (j, table)
     assert 0 < spec.stats.accepted < spec.stats.drafted
-
-
-def test_dp_ep_samples_with_drafts_as_one_device(model, prompts):
-    """Seeded sampling with k = 2 under dp_ep: the outputs of one device (the keys are the requests' own)."""
-    cfg, w, head = model
-    one = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mtp_weights=head)
-    ep = Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2), mesh=make_mesh(), plan=get_layout("dp_ep"),
-                mtp_weights=head)
-    assert [r.output_ids for r in ep.generate(prompts, SAMPLED)] == \
-        [r.output_ids for r in one.generate(prompts, SAMPLED)]
