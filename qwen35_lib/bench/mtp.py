@@ -260,7 +260,7 @@ def evaluate(config: Config, weights: dict, head: dict, seqs: Sequences, k: int)
 
 
 def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.ndarray, new_tokens: int, k: int,
-                       max_num_seqs: int = 16) -> dict:
+                       max_num_seqs: int = 16, precompile: bool = True) -> dict:
     """The engine's greedy run of `prompts` [N, P] (`new_tokens` each, EOS ignored) without speculation and with `k`
     drafts a step from `head`, the same knobs otherwise (`max_num_seqs`, a budget of every decode row plus one
     prompt, pages for every sequence): each engine precompiled for the workload and run once untimed (programs a
@@ -268,7 +268,8 @@ def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.nd
     engine's `generate` timed. Returns
     {"0": run, str(k): run, "speedup", "same_outputs", "acceptance_length"}, a run {"wall_s", "output_tokens",
     "output_tokens_per_s", "steps", "drafted", "accepted", "traces_while_timed"}; the acceptance length the engine
-    counted: 1 + accepted drafts per verified row (k drafts a row)."""
+    counted: 1 + accepted drafts per verified row (k drafts a row). `precompile=False` leaves the compiling to the
+    untimed run (greedy: the timed run steps through the same shapes; `traces_while_timed` says if it did not)."""
     from qwen35_lib.engine import Engine
     from qwen35_lib.engine.engine import EngineConfig
     from qwen35_lib.engine.sampling import SamplingParams
@@ -280,7 +281,8 @@ def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.nd
         ec = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * (k + 1) + P,
                           max_model_len=P + new_tokens + k + 1, speculative_tokens=drafts)
         warm = Engine(config, weights, ec, mtp_weights=head if drafts else None)
-        warm.precompile([P] * N, new_tokens)
+        if precompile:
+            warm.precompile([P] * N, new_tokens)
         warm.generate(prompts.tolist(), params)
         eng = Engine(config, weights, ec, mtp_weights=head if drafts else None)
         traces = eng.stats.traces
