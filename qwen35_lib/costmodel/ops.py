@@ -134,8 +134,8 @@ class Placement:
     gdn_glue_passes: float = 0.0  # this engine's Pallas step: the XLA ops around its kernels (`glue`), in passes
     attn_glue_passes: float = 0.0  # over a computed token's GDN / attention activations a layer, and over its
     stream_glue_passes: float = 0.0  # residual-stream row a layer (kernels.pallas_*_glue_passes); 0: not charged
-    hier_rs_glue_passes: float = 0.0  # the hierarchical reduce-scatter's micro-batch slices: passes over the
-    # combine's rows [N, D] a layer (kernels.pallas_hier_rs_glue_passes); 0: not charged
+    hier_rs_glue_passes: float = 0.0  # the hierarchical reduce-scatter's micro-batch slices (this engine's, XLA's
+    # kernels or Pallas): passes over the combine's rows [N, D] a layer (kernels.pallas_hier_rs_glue_passes)
     gathered_relayouts: int = 0  # fused_ep: [N, D] relayouts of the all-gathered tokens a layer, in HBM once larger
     # than the scoped VMEM (`fused_combine.GATHERED_RELAYOUTS`)
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked

@@ -118,17 +118,19 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     production = stage.name in OTHER_ENGINE  # tpu-inference's MoE layer around the grouped matmul
     gdn_xla = gdn == "xla" and specs.kind == "tpu"
     xla_fp8_kv = attention in ("xla", "items") and specs.kind == "tpu" and kv_dtype == "float8_e4m3fn"
-    # this engine's Pallas step on the TPU: the XLA ops around its kernels, as its compile moves them (`ops.glue`)
+    # this engine's Pallas step on the TPU: the XLA ops around its kernels, as its compile moves them (`ops.glue`);
+    # the hierarchical reduce-scatter's micro-batch slices wherever this engine's plan has it, XLA's kernels or not
+    # (the change of that collective step: the XLA hier_rs stage's texts hold the same slices)
     parts = (("gdn", "gdn", "gdn"), ("attn", "attention", "attention"), ("stream", "stream", "dense"))
-    parts += (("hier_rs", "hier_rs", "dense"),) if stage.hierarchical_rs else ()
-    glue = {} if production or specs.kind != "tpu" else {
-        f"{part}_glue_passes": facts[f"pallas_{name}_glue_passes"]["value"] for part, name, slot in parts
-        if lay.kernel(slot) == "pallas"}
+    ours_tpu = not production and specs.kind == "tpu"
+    glue = {f"{part}_glue_passes": facts[f"pallas_{name}_glue_passes"]["value"] for part, name, slot in parts
+            if lay.kernel(slot) == "pallas"} if ours_tpu else {}
+    if ours_tpu and stage.hierarchical_rs:
+        glue["hier_rs_glue_passes"] = facts["pallas_hier_rs_glue_passes"]["value"]
     if stage.fused_combine and specs.kind == "tpu":
         glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
-    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and not production and not stage.fused_combine \
-        and specs.kind == "tpu" else 0.0
-    return ops.Placement(**glue, combine_sum_hbm_bytes=sums,dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
+    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and ours_tpu and not stage.fused_combine else 0.0
+    return ops.Placement(**glue, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,
                          expert_imbalance=expert_imbalance,
