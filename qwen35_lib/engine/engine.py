@@ -436,7 +436,7 @@ class Engine:
             tokens, meta = stack_ranks(packs)
             samp = self._sampling_arrays(plans, S)
             if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
-                samp["proc"] = processing_arrays((R, S), self.config.vocab_size)
+                samp["proc"] = self.processing_arrays(R, S)
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)
@@ -466,8 +466,11 @@ class Engine:
                    top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
                    position=np.zeros((R, S), np.int32), min_p=np.zeros((R, S), np.float32))
         processed = any(r.params.processed for p in plans for r, _ in p.items)
-        if processed:  # the [R, S, V] logits-processing path (a second compile of the step, used only when needed)
-            arr["proc"] = processing_arrays((R, S), self.config.vocab_size)
+        W = self.width  # with drafts, a row of processing a verified position ([R, S, W]: its state after the drafts
+        # before it, as vLLM's rejection sampler processes each position)
+        if processed:  # the [R, S, vocab] logits-processing path (a second compile of the step, used only when needed)
+            arr["proc"] = self.processing_arrays(R, S)
+            flat = {k: v.reshape(R * S * W, *v.shape[2 + (W > 1):]) for k, v in arr["proc"].items()}
         for rank, plan in enumerate(plans):
             for s, (r, w) in enumerate(plan.items):
                 p = r.params
@@ -476,9 +479,16 @@ class Engine:
                 arr["seed"][rank, s], arr["min_p"][rank, s] = p.seed, p.min_p
                 arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
                 if processed and p.processed:
-                    flat = {k: v.reshape(R * S, *v.shape[2:]) for k, v in arr["proc"].items()}
-                    fill_processing_row(flat, rank * S + s, p, r.prompt, r.output, sorted(r.stop_ids), r.matcher)
+                    drafts = list(w.tokens[1:]) if s < len(plan.decodes) else []  # a decode row: [last, drafts]
+                    for j in range(W):  # the outputs before position j: the request's, then drafts 1..j
+                        fill_processing_row(flat, (rank * S + s) * W + j, p, r.prompt, r.output + drafts[:j],
+                                            sorted(r.stop_ids), r.matcher)
         return arr
+
+    def processing_arrays(self, R: int, S: int) -> dict:
+        """Neutral logits-processing arrays of a step (`sampling.processing_arrays`): rows [R, S], or [R, S, W]
+        with drafts (one a verified position)."""
+        return processing_arrays((R, S) if self.width == 1 else (R, S, self.width), self.config.vocab_size)
 
     def _record(self, plans: list[Plan]) -> None:
         st = self.stats

@@ -24,8 +24,10 @@ row t of its pages in both. Chained drafts write positions past the last kept to
 pass writes over; those past the sequence's pages (late in a long acceptance run) land in the null page and only
 cost the draft some accuracy, never the output. Greedy, the target's output is the same with or without drafts,
 whatever the head drafts; sampled, its distribution is (each token drawn with the request's own key for its
-position, so a seeded request is reproducible). Logits processing and structured output are refused
-(`check_request`).
+position, so a seeded request is reproducible). Logits processing (penalties, logit_bias, allowed_token_ids, bad
+words, min_tokens) applies to each verified position with the request's outputs followed by the drafts before it
+(its state after accepting them, as vLLM's rejection sampler processes drafts), so the accepted tokens are the
+ones processed sampling takes without drafts; structured output is refused (`check_request`).
 
 Every layout runs it: the checkpoint pools are declared with the GDN state's logical axes (`engine.cache`), so a
 layout places them as it places the state (split by GDN heads under `tp`, by ranks under `dp_ep`), and the head as a
@@ -43,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import RaggedMeta
-from qwen35_lib.engine.sampling import target_probs, token_keys
+from qwen35_lib.engine.sampling import process_logits, target_probs, token_keys
 from qwen35_lib.model.mtp import ragged_mtp
 from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import ServingPlan
@@ -71,11 +73,12 @@ def check_speculative(plan, k: int, mtp_weights) -> None:
 
 
 def check_request(k: int, params) -> None:
-    """A ValueError in one line for a request speculation cannot serve: logits processing and structured output
-    (their state follows each output token, and a verified row's drafts are not outputs yet)."""
-    if k and params.processed:
-        raise ValueError(f"speculative_tokens={k} cannot apply logits processing or structured output to drafts "
-                         "(penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, a grammar): drop them, "
+    """A ValueError in one line for a request speculation cannot serve: structured output (a grammar's matcher
+    consumes outputs for good, and a verified position's mask is the matcher's state after drafts that may be
+    rejected: it would have to consume them and roll back). Logits processing is served: each verified position
+    is processed with the request's outputs and the drafts before it (`Engine._sampling_arrays`)."""
+    if k and params.structured is not None:
+        raise ValueError(f"speculative_tokens={k} cannot apply structured output (a grammar) to drafts: drop it, "
                          "or use an engine with speculative_tokens=0")
 
 
@@ -126,9 +129,13 @@ def verify(logits: jax.Array, tokens: jax.Array, meta, samp: dict) -> tuple[jax.
     verify step's logits [R, S, V, vocab]: greedy acceptance (`accept`) when every row is greedy, else
     `rejection_sample` with each row's sampling parameters, the key of the token at position P of a request
     fold_in(key(seed), P) as `sampling.sample`'s (a seeded request samples the same tokens alone or batched).
+    With `samp["proc"]` ([R, S, V, ...] rows) each position's logits are processed first (`sampling.process_logits`).
     Prefill rows draft nothing: the token after their last one is drawn as `sample` draws it."""
     R, S, V, _ = logits.shape
     D = meta.decode_seq.shape[-1]
+    if "proc" in samp:  # logits processing, each position's own row [R, S, V, ...] (`Engine._sampling_arrays`)
+        proc = jax.tree.map(lambda x: x.reshape(R * S * V, *x.shape[3:]), samp["proc"])
+        logits = process_logits(logits.reshape(R * S * V, -1), proc).reshape(R, S, V, -1)
 
     def greedy(logits):
         targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -3,6 +3,7 @@ so every step verifies and rolls back; an oracle drafter: multi-token acceptance
 and under dp_ep and the tensor-parallel layouts; the acceptance rule by hand; the refusals."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +49,16 @@ def prompts(model):
 
 
 @pytest.fixture(scope="module")
-def reference(model, prompts):
-    """Greedy outputs without speculation, each request alone."""
+def plain(model):
+    """A one-device engine without speculation."""
     cfg, w, _ = model
-    engine = Engine(cfg, w, EngineConfig(**EC))
-    return [engine.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, PARAMS)]
+    return Engine(cfg, w, EngineConfig(**EC))
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
+    """Greedy outputs without speculation, each request alone."""
+    return [plain.generate([p], [sp])[0].output_ids for p, sp in zip(prompts, PARAMS)]
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +135,27 @@ def test_accepted_drafts_are_kept_and_the_output_is_the_same(model, prompts, ref
     engine = oracle(Engine(cfg, w, EngineConfig(**TIGHT, speculative_tokens=k), mtp_weights=head), reference,
                     prompts, lambda k: int(rng.integers(0, k + 1)))
     assert [r.output_ids for r in engine.generate(prompts, PARAMS)] == reference
+    assert 0 < engine.stats.accepted < engine.stats.drafted and engine.preemptions > 0
+
+
+# penalties, a bias that a frequency penalty wears down (its count decides each position), bad words, min_tokens
+PROCESSED = [SamplingParams(max_new_tokens=n, presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3,
+                            logit_bias=((7, 4.0), (11, 3.0)), bad_words_ids=((5, 9), (13,)), min_tokens=2)
+             for n in (14, 9, 20, 12)]
+
+
+def test_logits_processing_applies_to_each_verified_position(model, prompts, reference, plain):
+    """k = 3 with an oracle drafter (the processed greedy continuation, right for a random number of positions),
+    batched with preemption: the outputs are the processed ones without drafts (which differ from the unprocessed
+    ones). Each position is processed after the drafts before it: with the request's outputs alone there, a
+    position after an accepted draft counts the penalties and bias wrong and takes other tokens."""
+    cfg, w, head = model
+    want = [r.output_ids for r in plain.generate(prompts, PROCESSED)]
+    assert want != reference
+    rng = np.random.default_rng(1)
+    engine = oracle(Engine(cfg, w, EngineConfig(**TIGHT, speculative_tokens=3), mtp_weights=head), want, prompts,
+                    lambda k: int(rng.integers(0, k + 1)))
+    assert [r.output_ids for r in engine.generate(prompts, PROCESSED)] == want
     assert 0 < engine.stats.accepted < engine.stats.drafted and engine.preemptions > 0
 
 
@@ -237,9 +264,11 @@ def test_refusals_are_one_line(model):
         check_speculative(SINGLE.replace(gdn_kernel="pallas").bound(None, cfg), 2, head)
     check_speculative(get_layout("tp8_kvrep").bound(make_mesh(), cfg), 2, head)  # every layout: served
     check_request(2, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1))  # sampling: served
-    with pytest.raises(ValueError, match="cannot apply logits processing or structured output to drafts"):
-        check_request(2, SamplingParams(temperature=0.7, presence_penalty=0.5))
-    check_request(0, SamplingParams(temperature=0.7, presence_penalty=0.5))
+    check_request(2, SamplingParams(temperature=0.7, presence_penalty=0.5))  # logits processing: served
+    grammar = SamplingParams(structured=types.SimpleNamespace(matcher=lambda: None))
+    with pytest.raises(ValueError, match="cannot apply structured output"):
+        check_request(2, grammar)
+    check_request(0, grammar)
     with pytest.raises(ValueError, match="speculative_tokens must be >= 0"):
         EngineConfig(speculative_tokens=-1)
 
