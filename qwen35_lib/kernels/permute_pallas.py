@@ -4,7 +4,8 @@ Same protocol as `permute_xla`. The index work (a stable argsort of the T*k expe
 permutation) stays in XLA: it is O(T*k) int32. The bytes are moved by DMAs that the kernels issue themselves,
 one row per DMA, with the source rows named by scalar-prefetched indices:
 - dispatch: x_sorted[r] = x[order[r] // k], HBM -> HBM, never staged in VMEM;
-- combine: out[t] = sum_j w[t, j] * y_sorted[inv[t*k + j]], rows DMA'd into VMEM, then reduced in float32.
+- combine: out[t] = sum_j w[t, j] * y_sorted[inv[t*k + j]], rows DMA'd into VMEM, reduced in float32 and written in
+  y's dtype (the float32 sums never reach HBM: the caller's cast to the activations' dtype, done in VMEM).
 On TPU7x the SparseCores are the natural home of both (tpu-inference's `ragged_gather`/`ragged_gather_reduce`);
 these TensorCore versions are the portable form, and what `interpret=True` can check here. The slot registers the
 combine with XLA's dispatch (the note at the end: the DMA dispatch's tile view costs a relayout on TPU7x);
@@ -79,21 +80,22 @@ def _gather_reduce_kernel(src_ref, w_ref, y_hbm, o_ref, buf, sem, *, tb: int, k:
     acc = jnp.zeros((tb, R * L), jnp.float32)
     for j in range(k):  # static: k is top-k
         acc = acc + w[:, j:j + 1] * buf[j].astype(jnp.float32).reshape(tb, R * L)
-    o_ref[...] = acc
+    o_ref[...] = acc.astype(o_ref.dtype)  # rounded once, as XLA's convert of the float32 sums would
 
 
 def gather_reduce(y: jax.Array, src: jax.Array, weights: jax.Array, *, tb: int | None = None,
-                  interpret: bool | None = None) -> jax.Array:
-    """out[t] = sum_j weights[t, j] * y[src[t*k + j]]. y: [M, D], src: [T*k], weights: [T, k] -> [T, D] float32.
+                  out_dtype=jnp.float32, interpret: bool | None = None) -> jax.Array:
+    """out[t] = sum_j weights[t, j] * y[src[t*k + j]]. y: [M, D], src: [T*k], weights: [T, k] -> [T, D] out_dtype.
 
     1. Pad the tokens to whole blocks of tb (padding tokens read row 0 with weight 0).
-    2. Grid over token blocks: each step DMAs its tb*k rows (as [R, L] = `row_view` tiles) into VMEM and
-       reduces them in float32."""
+    2. Grid over token blocks: each step DMAs its tb*k rows (as [R, L] = `row_view` tiles) into VMEM, reduces them
+       in float32 and writes the block in `out_dtype` (bitwise the float32 result cast: one rounding)."""
     interpret = interpret_default() if interpret is None else interpret
     T, k = weights.shape
     M, D = y.shape
     R, L = row_view(D)
-    tb = tb or int(min(64, max(8, 1 << (T - 1).bit_length())))  # a multiple of 8 (sublanes)
+    sub = 8 * 4 // jnp.dtype(out_dtype).itemsize  # the output's sublane tile: 8 rows of float32, 16 of bf16
+    tb = tb or int(min(64, max(sub, 1 << (T - 1).bit_length())))  # a multiple of the output's sublane tile
     Tp = pl.cdiv(T, tb) * tb
     src = jnp.pad(src.astype(jnp.int32), (0, (Tp - T) * k))
     w = jnp.pad(weights, ((0, Tp - T), (0, 0)))
@@ -111,7 +113,7 @@ def gather_reduce(y: jax.Array, src: jax.Array, weights: jax.Array, *, tb: int |
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )
-    return run_pallas(make_call, out_struct((Tp, D), jnp.float32, *args), interpret, *args)[:T]
+    return run_pallas(make_call, out_struct((Tp, D), out_dtype, *args), interpret, *args)[:T]
 
 
 def dispatch_pallas(x: jax.Array, expert_ids: jax.Array, num_experts: int, *, interpret: bool | None = None):
@@ -127,13 +129,16 @@ def dispatch_pallas(x: jax.Array, expert_ids: jax.Array, num_experts: int, *, in
 
 
 def combine_pallas(y_sorted: jax.Array, order: jax.Array, weights: jax.Array, *, interpret: bool | None = None):
-    """y_sorted [T*k, D], order [T*k], weights [T, k] -> [T, D] float32, as `combine_xla`.
+    """y_sorted [T*k, D], order [T*k], weights [T, k] -> [T, D] in y_sorted's dtype: `combine_xla`'s float32 sums
+    cast to it (the callers cast them to the activations', which the routed rows are).
 
     1. inv = the inverse permutation (copy -> its sorted row), a scatter of T*k int32 (XLA).
-    2. gather_reduce(y_sorted, inv, weights) (Pallas)."""
+    2. gather_reduce(y_sorted, inv, weights) (Pallas), written in y_sorted's dtype: on TPU7x a float32 [T, D]
+       would be written, read and cast in HBM once larger than XLA's scoped VMEM (the 397B mixed step's
+       [8704, 4096]: 21.4 GB of its 229 GB besides the Mosaic calls)."""
     n = order.shape[0]
     inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))  # [T*k]
-    return gather_reduce(y_sorted, inv, weights, interpret=interpret)
+    return gather_reduce(y_sorted, inv, weights, out_dtype=y_sorted.dtype, interpret=interpret)
 
 
 # The slot's "pallas": XLA's sort and gather for the dispatch, the Pallas gather-reduce for the combine. On TPU7x
