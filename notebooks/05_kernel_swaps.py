@@ -165,8 +165,9 @@ display(fig)
 # and its scatter back, `xla_tpu_gdn_state_passes` as compiled, against the kernel's one read and one write: the `mib`
 # column); its prefill the same. The permutes (no FLOPs at all: drawn at the left edge) move fewer bytes under the
 # kernels, by the ratio of their passes over the routed rows: this library's layer around the Pallas grouped GEMM makes
-# `kernels_moe_permute_passes` of them as compiled, where the model prices XLA's path at four. A saving, but a small one
-# beside the others.
+# `kernels_moe_permute_passes` of them as compiled, where the model prices XLA's path at four (in prefill the Pallas
+# combine also writes, reads and casts its float32 sums, in HBM once they outgrow the scoped VMEM: a little more). A
+# saving, but a small one beside the others.
 
 # %%
 from qwen35_lib import data as data_files
@@ -177,8 +178,9 @@ assert abs(mib["gdn", "decode", "xla"] / mib["gdn", "decode", "pallas"] - gdn_pa
 assert mib["gdn", "prefill", "xla"] == mib["gdn", "prefill", "pallas"], mib
 
 permute_passes = data_files.read_json("costmodel_hardware.json")["kernels"]["kernels_moe_permute_passes"]["value"]
-for case in ("decode", "prefill"):  # the ratio of their passes over the routed rows: the kernels' compiled, XLA's 4
-    assert abs(mib["permute", case, "pallas"] / mib["permute", case, "xla"] - permute_passes / 4) < 1e-6, mib
+# the ratio of their passes over the routed rows (the kernels' compiled, XLA's 4); in prefill the combine's float32 sums
+assert abs(mib["permute", "decode", "pallas"] / mib["permute", "decode", "xla"] - permute_passes / 4) < 1e-6, mib
+assert permute_passes / 4 - 1e-6 <= mib["permute", "prefill", "pallas"] / mib["permute", "prefill", "xla"] < 1, mib
 bound = {(r["kernel"], r["case"], r["implementation"]): r["bound"] for r in roof}
 assert all(b == "memory" for (_, case, _), b in bound.items() if case == "decode"), bound  # all five, either family
 assert mib["dense", "decode", "xla"] > mib["dense", "decode", "pallas"], mib  # the passes over the scan's slices
@@ -378,7 +380,7 @@ for wl in ("8k/1k", "1k/8k"):
     before, after = buys["hier_rs", wl]["breakdown_s"], buys["kernels", wl]["breakdown_s"]
     assert after["routed_experts"] < before["routed_experts"] and after["attn_core"] < before["attn_core"]
     assert after["gdn_core"] < before["gdn_core"]
-    assert abs(after["permute"] / before["permute"] - permute_passes / 4) < 1e-6  # section 1's ratio of passes
+    assert permute_passes / 4 - 1e-6 <= after["permute"] / before["permute"] < 1  # section 1's passes, + the sums
     assert after["cache_copies"] == before["cache_copies"] == 0
     assert after["attn_proj"] < before["attn_proj"] and after["gdn_proj"] < before["gdn_proj"]  # read in place
     assert before["onehot_permute"] == before["moe_rows"] == after["onehot_permute"] == after["moe_rows"] == 0

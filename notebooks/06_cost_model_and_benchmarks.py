@@ -359,7 +359,7 @@ PARTS = {"attention": ("attn_core",), "experts": ("routed_experts", "expert_scal
          "dense": ("attn_proj", "gdn_proj", "shared_expert", "router"), "gdn": ("gdn_core", "gdn_conv"),
          "permutes": ("permute", "onehot_permute", "moe_rows"),
          "collectives": ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"),
-         "rest": ("norms", "embed_lm_head", "sampling", "host", "cache_copies")}
+         "rest": ("norms", "embed_lm_head", "sampling", "host", "cache_copies", "glue")}
 
 
 def parts_ms(p):
@@ -484,10 +484,11 @@ notebook.claim("fused_ep_compiles", "compiled for TPU7x at the 397B serving shap
                n=len(beyond_compile), h=beyond_compile["8k/1k decode"]["headroom_bytes"] / 1e9)
 
 # %% [markdown]
-# What the compile does not yet back: the mixed step's bytes outside the kernels are not the model's (the kernels
-# stage's mixed step has the same gap, a strict expected failure in `tests/costmodel/test_compiled.py`), so the
-# prefill-heavy gain rests on the decode step's agreement; and the gain shrinks toward the low end of the overlap's
-# range (`python -m qwen35_lib.costmodel predict --stage fused_ep --band`).
+# What the compile does not back: the overlap of the per-copy combine with the experts' matmuls is an assumption
+# (its range: `python -m qwen35_lib.costmodel predict --stage fused_ep --band`; the gain shrinks toward its low end),
+# and the glue around the Pallas calls is priced from the `kernels` stage's mixed compile (`costmodel.compiled`'s
+# `glue_passes`), so its mixed step agrees with that compile by construction; the fused step's own relayouts of the
+# gathered tokens are counted on its own compile.
 
 # %% [markdown]
 # ## 4. Validation (a): the real engine on this CPU
@@ -685,9 +686,9 @@ print(cm_compiled.table(byte_rows))
 # prices the glue XLA compiles, the GDN's causal conv and the grouped matmul's FP8 scales expanded along lanes (from
 # their shapes), the router's sliced read and the sampler's passes over the logits (passes read off the compiled
 # text). The DP stages' FLOPs are within `FLOPS_TOLERANCE` (the TP baseline's fall short of XLA's, not yet
-# explained: the table). The mixed steps agree less on bytes: the `kernels` stage's XLA glue around its prefill rows
-# (the chunked GDN kernel's inputs converted to float32 and relaid out) is not priced (`costmodel.compiled`'s doc; a
-# strict xfail in the tests).
+# explained: the table). The XLA stages' mixed steps agree less on bytes: their glue around the prefill rows is not
+# priced. The `kernels` stage's is (the `glue` component: passes over each token's GDN, attention and residual rows
+# read off its mixed compile, so that step agrees by construction; its decode step is the check).
 
 # %%
 FLOPS_TOLERANCE = 0.05
