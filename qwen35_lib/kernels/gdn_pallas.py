@@ -1,6 +1,6 @@
 """The gated delta rule as Pallas TPU kernels: the `gdn` slot's "pallas" implementation (twins: `gdn_xla`).
 
-Two kernels, both reading and writing the engine's state slots `[NS, Hv, dk, dv]` in place (aliased):
+Three kernels, each reading and writing the engine's state slots `[NS, Hv, dk, dv]` in place (aliased):
 - `_chunk_call`: the chunked (WY/UT) form, chunk C = 64. Grid (Hv, N chunks); the chunk axis is sequential
   and carries the `[dk, dv]` float32 state in a VMEM scratch. Each step does one chunk's intra-chunk WY/UT
   terms (on the MXU: (I + A)⁻¹ by block doubling, no triangular solve), its output and the state update.
@@ -10,6 +10,11 @@ Two kernels, both reading and writing the engine's state slots `[NS, Hv, dk, dv]
   i.e. after each sequence's last chunk. A chunk that starts mid-sequence simply loads the slot.
 - `_decode_call`: one recurrent step per sequence (decode), grid (D tokens, Hv / hb head blocks), the state
   block gathered from the token's slot by its index map; memory-bound on the state, VPU only.
+- `_verify_call`: speculative verification, V = k + 1 tokens a decode row, grid (D rows, Hv / hb head blocks): the
+  row's state read from its slot once, its V steps run on chip, the state after each written to the slot's
+  checkpoints `[NS, V, Hv, dk, dv]` (aliased, never read) and the last to the slot: V + 2 state passes a row
+  (`costmodel.ops.verify_checkpoints`), where the XLA twin's scan compiled for TPU7x moves 24 (k = 1) to 56
+  (k = 3) state sizes.
 Glue in XLA (cheap, O(T·H·d)): head-major transposes, repeating key heads for decode, the chunk-local cumsum
 of g, padding and the per-chunk metadata. Math: fla-org/flash-linear-attention's chunked gated delta rule
 (fla/ops/gated_delta_rule/chunk.py), and its XLA twin `kernels/gdn_xla.py`.
@@ -24,8 +29,9 @@ profile says it pays.
 VMEM per grid step at 397B (dk = dv = 128, bf16 activations, float32 state), double-buffered blocks included:
 chunk kernel ~0.6 MiB (q, k, v, o tiles of 16 KiB, state in and out 64 KiB each, 64 KiB scratch) plus
 [64, 64] / [64, 128] float32 temporaries; decode kernel ~4.5 MiB with bf16 activations (16 heads' state in and
-out, 1 MiB each).
-Both far under the 64 MiB of a TPU7x core; the tpu7x:2x2x1 compile in the tests confirms they lower.
+out, 1 MiB each); verify kernel at k = 3 with a bf16 state ~8.5 MiB (16 heads' checkpoints, 2 MiB a buffer;
+its scoped limit raised to max(32 MiB, twice its blocks)).
+All far under the 64 MiB of a TPU7x core; the tpu7x:2x2x1 compiles in the tests confirm they lower.
 """
 
 from __future__ import annotations
@@ -242,6 +248,73 @@ def _decode_call(q, k, v, gb, pool, slot, fresh, *, interpret: bool | None):
     )(slot, fresh, q, k, v, gb, pool)
 
 
+def _verify_kernel(slot_ref, fresh_ref, q_ref, k_ref, v_ref, gb_ref, s_in_ref, ck_in_ref, o_ref, s_out_ref,
+                   ck_out_ref, *, scale):
+    """Speculative verification: V recurrent steps of one row's tokens for hb value heads, the state kept in
+    registers / VMEM between them, each step's state written to the row's checkpoint block.
+
+    Refs: q, k [V, hb, dk]; v [V, hb, dv]; gb [V, hb, 2] = (g, beta); s_in / s_out [hb, dk, dv] (the row's slot);
+    ck_in: the checkpoint pool in HBM (aliased to ck_out, never read); ck_out [V, hb, dk, dv] (the slot's
+    checkpoints); o [V, hb, dv]. Each token's step is `_decode_kernel`'s; the state is read once and written
+    V + 1 times (its V checkpoints and the slot), the least a verification moves (`costmodel.ops.verify_checkpoints`).
+    """
+    del ck_in_ref
+    d = pl.program_id(0)
+    keep = fresh_ref[d] == 0
+    V, hb = v_ref.shape[0], v_ref.shape[1]
+    qT = [(_l2(q_ref[t].astype(F32), -1) * scale).T for t in range(V)]  # V x [dk, hb]
+    kT = [_l2(k_ref[t].astype(F32), -1).T for t in range(V)]
+    for j in range(hb):
+        S = jnp.where(keep, s_in_ref[j].astype(F32), 0.0)  # [dk, dv]
+        for t in range(V):
+            gb = gb_ref[t, j : j + 1, :]  # [1, 2]
+            S = S * jnp.exp(gb[:, 0:1])
+            k_j = kT[t][:, j : j + 1]  # [dk, 1]
+            kS = jnp.sum(S * k_j, axis=0, keepdims=True)  # [1, dv]
+            S = S + k_j * (gb[:, 1:2] * (v_ref[t, j : j + 1, :].astype(F32) - kS))
+            o_ref[t, j : j + 1, :] = jnp.sum(S * qT[t][:, j : j + 1], axis=0, keepdims=True).astype(o_ref.dtype)
+            ck_out_ref[t, j] = S.astype(ck_out_ref.dtype)
+        s_out_ref[j] = S.astype(s_out_ref.dtype)
+
+
+def _verify_call(q, k, v, gb, pool, ckpt, slot, fresh, *, interpret: bool | None):
+    """Run `_verify_kernel` for D rows of V tokens, updating `pool` and `ckpt` in place.
+
+    q, k: [D, V, Hv, dk] (key heads repeated to value heads); v: [D, V, Hv, dv]; gb: [D, V, Hv, 2] float32;
+    pool: [NS, Hv, dk, dv]; ckpt: [NS, V, Hv, dk, dv]; slot, fresh: [D] int32. Returns (o [D, V, Hv, dv] in v's
+    dtype, pool, ckpt). Grid (D, Hv / hb) as `_decode_call`'s.
+    """
+    D, V, Hv, dk = q.shape
+    dv = v.shape[-1]
+    tile = 8 * 4 // v.dtype.itemsize  # as in _decode_call
+    hb = tile if Hv % tile == 0 else Hv
+    tok = lambda d, j, s, f: (d, 0, j, 0)
+    slot_block = pl.BlockSpec((None, hb, dk, dv), lambda d, j, s, f: (s[d], j, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(D, Hv // hb),
+        in_specs=[pl.BlockSpec((None, V, hb, dk), tok), pl.BlockSpec((None, V, hb, dk), tok),
+                  pl.BlockSpec((None, V, hb, dv), tok), pl.BlockSpec((None, V, hb, 2), tok), slot_block,
+                  pl.BlockSpec(memory_space=pl.ANY)],  # the checkpoints: written, never read
+        out_specs=[pl.BlockSpec((None, V, hb, dv), tok), slot_block,
+                   pl.BlockSpec((None, V, hb, dk, dv), lambda d, j, s, f: (s[d], 0, j, 0, 0))],
+    )
+    block = hb * dk * dv * (pool.dtype.itemsize * 2 * 2 + V * ckpt.dtype.itemsize * 2)  # state in / out, ckpt: x2
+    cost = pl.CostEstimate(flops=8 * D * V * Hv * dk * dv, transcendentals=D * V * Hv, bytes_accessed=0)
+    return pl.pallas_call(
+        partial(_verify_kernel, scale=dk**-0.5),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((D, V, Hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+                   jax.ShapeDtypeStruct(ckpt.shape, ckpt.dtype)],
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=max(32 << 20, 2 * block)),
+        interpret=_interpret(interpret),
+        cost_estimate=cost,
+        name="gdn_verify",
+    )(slot, fresh, q, k, v, gb, pool, ckpt)
+
+
 def _decode_step(q, k, v, g, beta, pool, slot, fresh, interpret):
     """Glue for `_decode_call` from token-major inputs: q, k [D, Hk, dk]; v [D, Hv, dv]; g, beta [D, Hv]."""
     r = v.shape[1] // k.shape[1]
@@ -285,45 +358,60 @@ def gdn_dense_pallas(q, k, v, g, beta, state, chunk_size: int = 64, *, interpret
     return o, pool
 
 
-def _ragged_pallas(q, k, v, g, beta, states, meta, chunk_size: int = 64, *, interpret: bool | None = None):
+def _ragged_pallas(q, k, v, g, beta, states, meta, checkpoints=None, chunk_size: int = 64, *,
+                   interpret: bool | None = None):
     """The `ragged` protocol over one rank (see `gdn_xla.gdn_ragged_xla` for the layout and shapes).
 
-    1. Decode region [0, D): the decode kernel, token i reading and writing the slot of sequence i (zeros for a
-       new sequence; padding tokens use the null slot 0 with zeros).
-    2. Prefill region [D, T): the chunk kernel over its (T - D) / C chunks; a chunk is FIRST when it starts
+    1. Decode region [0, N): the decode kernel, token i reading and writing the slot of sequence i (zeros for a
+       new sequence; padding tokens use the null slot 0 with zeros); with `checkpoints` [NS, V, Hv, dk, dv]
+       (speculative verification) N = D V, row i's V tokens through the verify kernel, the state after each into
+       its slot's checkpoints (a padding row's into the null slot's, as the XLA twin writes them).
+    2. Prefill region [N, T): the chunk kernel over its (T - N) / C chunks; a chunk is FIRST when it starts
        its sequence's tokens this step (the sequence then continues from its slot, possibly mid-sequence),
        FRESH when the sequence has no context before this step; padding chunks are both, on slot 0.
-    Returns (o [T, Hv, dv] in v's dtype, states).
+    Returns (o [T, Hv, dv] in v's dtype, states), and the checkpoints when given.
     """
     C = chunk_size
     D, T = meta.decode_seq.shape[0], q.shape[0]
+    N = D if checkpoints is None else D * checkpoints.shape[1]
     fresh = meta.kv_len == meta.q_len  # [S]
     outs = []
     if D:
         dseq = meta.decode_seq  # [D]
         ds = jnp.clip(dseq, 0)
-        o_dec, states = _decode_step(q[:D], k[:D], v[:D], g[:D], beta[:D], states,
-                                     jnp.where(dseq >= 0, meta.slot[ds], 0), (dseq < 0) | fresh[ds], interpret)
+        dslot, dfresh = jnp.where(dseq >= 0, meta.slot[ds], 0), (dseq < 0) | fresh[ds]
+        if checkpoints is None:
+            o_dec, states = _decode_step(q[:D], k[:D], v[:D], g[:D], beta[:D], states, dslot, dfresh, interpret)
+        else:
+            V, r = checkpoints.shape[1], v.shape[1] // k.shape[1]
+            rows = lambda x: x[:N].reshape(D, V, *x.shape[1:])
+            gb = jnp.stack([rows(g), rows(beta)], -1).astype(F32)  # [D, V, Hv, 2]
+            o_dec, states, checkpoints = _verify_call(
+                jnp.repeat(rows(q), r, axis=2), jnp.repeat(rows(k), r, axis=2), rows(v), gb, states, checkpoints,
+                dslot.astype(jnp.int32), dfresh.astype(jnp.int32), interpret=interpret)
+            o_dec = o_dec.reshape(N, *o_dec.shape[2:])
         outs.append(o_dec)
-    if T > D:
-        n = (T - D) // C
-        first_tok = D + jnp.arange(n) * C
+    if T > N:
+        n = (T - N) // C
+        first_tok = N + jnp.arange(n) * C
         cseq = meta.token_seq[first_tok]  # [n], -1 for padding chunks
         cs = jnp.clip(cseq, 0)
         pad = cseq < 0
         first = pad | (first_tok == meta.q_start[cs])
         flags = jnp.where(first, FIRST, 0) | jnp.where(pad | fresh[cs], FRESH, 0)
         slot = jnp.where(pad, 0, meta.slot[cs])
-        inputs = _chunk_inputs(q[D:], k[D:], v[D:], g[D:], beta[D:], C)
+        inputs = _chunk_inputs(q[N:], k[N:], v[N:], g[N:], beta[N:], C)
         o_pre, states = _chunk_call(*inputs, states, slot.astype(jnp.int32), flags.astype(jnp.int32), chunk=C,
                                     interpret=interpret)
-        outs.append(jnp.swapaxes(o_pre, 0, 1))  # [T - D, Hv, dv]
+        outs.append(jnp.swapaxes(o_pre, 0, 1))  # [T - N, Hv, dv]
     if not outs:  # an empty step
-        return jnp.zeros((0, *v.shape[1:]), v.dtype), states
-    return jnp.concatenate(outs) if len(outs) > 1 else outs[0], states
+        outs.append(jnp.zeros((0, *v.shape[1:]), v.dtype))
+    o = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    return (o, states) if checkpoints is None else (o, states, checkpoints)
 
 
-def gdn_ragged_pallas(q, k, v, g, beta, states, meta, chunk_size: int = 64, *, interpret: bool | None = None):
+def gdn_ragged_pallas(q, k, v, g, beta, states, meta, chunk_size: int = 64, *, interpret: bool | None = None,
+                      checkpoints=None):
     """`_ragged_pallas`, batched over data-parallel ranks (the model vmaps it) by a loop over ranks."""
     fn = jax.custom_batching.custom_vmap(partial(_ragged_pallas, chunk_size=chunk_size, interpret=interpret))
 
@@ -331,9 +419,10 @@ def gdn_ragged_pallas(q, k, v, g, beta, states, meta, chunk_size: int = 64, *, i
     def _(axis_size, in_batched, *args):
         widen = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
         out = jax.lax.map(lambda xs: fn(*xs), jax.tree.map(widen, tuple(args), tuple(in_batched)))
-        return out, (True, True)
+        return out, (True,) * len(out)
 
-    return fn(q, k, v, g, beta, states, meta)
+    extra = () if checkpoints is None else (checkpoints,)
+    return fn(q, k, v, g, beta, states, meta, *extra)
 
 
 register("gdn", "pallas", per_platform=True)(lambda platform: GdnKernels(

@@ -135,6 +135,57 @@ def test_ragged_in_tpu_interpret_mode():
     np.testing.assert_allclose(s[:, 1:], s_x[:, 1:], atol=1e-5, rtol=1e-5)
 
 
+def _verify_case(D=2, V=3, prefill=8, ranks=2):
+    """Two ranks of D decode rows of V tokens (rank 1's last row padding) and a prefill of `prefill` tokens in
+    chunks of 8; random state and checkpoint pools (a slot's old checkpoints are overwritten, never read)."""
+    from tests.kernels.test_gdn_xla import _verify_meta
+
+    metas = [_verify_meta(D, V, prefill), _verify_meta(D, V, prefill)]
+    metas[-1] = metas[-1]._replace(decode_seq=metas[-1].decode_seq.copy())
+    metas[-1].decode_seq[D - 1] = -1
+    metas[-1].token_seq[(D - 1) * V:D * V] = -1
+    meta = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(a) for a in x]), *metas[:ranks])
+    valid = meta.token_seq >= 0
+    q, k, v, g, beta = random_gdn_inputs(jax.random.key(0), valid.shape, **HEADS)
+    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+    pools = _state(jax.random.key(1), (ranks, D + 2), **HEADS), _state(jax.random.key(2), (ranks, D + 2, V), **HEADS)
+    return (q, k, v, g, beta), meta, pools, np.asarray(valid)
+
+
+def _verified(fn, x, meta, pools, **kw):
+    return jax.jit(jax.vmap(lambda *a: fn(*a[:-1], chunk_size=8, checkpoints=a[-1], **kw)))(*x, pools[0], meta,
+                                                                                              pools[1])
+
+
+def test_verify_matches_xla():
+    """Speculative verification (V = 3 tokens a decode row, a padding row, a prefill in the same step, two ranks):
+    outputs, states (the null slot aside) and the checkpoints equal the XLA twin's (`gdn_ragged_xla(...,
+    checkpoints=)`), the null slot's included (both write a padding row's there)."""
+    x, meta, pools, valid = _verify_case()
+    o, s, c = _verified(gdn_pallas.gdn_ragged_pallas, x, meta, pools)
+    o_x, s_x, c_x = _verified(gdn_xla.gdn_ragged_xla, x, meta, pools)
+    np.testing.assert_allclose(np.asarray(o)[valid], np.asarray(o_x)[valid], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s[:, 1:], s_x[:, 1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(c, c_x, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(c[:, 1:4], pools[1][:, 1:4])  # the rows' checkpoints were written
+
+
+def test_verify_in_tpu_interpret_mode():
+    """The verify kernel under the TPU interpreter (VMEM blocks, the checkpoint pool in HBM never read: NaN if it
+    were uninitialised and read, races detected), one rank of 2 rows of 2 tokens, no prefill."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc  # private: where the flag lives
+    from jax.experimental.pallas import tpu as pltpu
+
+    x, meta, pools, valid = _verify_case(D=2, V=2, prefill=0, ranks=1)
+    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+    o, s, c = jax.block_until_ready(_verified(gdn_pallas.gdn_ragged_pallas, x, meta, pools, interpret=params))
+    assert ipc.races is not None and not ipc.races.races_found
+    o_x, s_x, c_x = _verified(gdn_xla.gdn_ragged_xla, x, meta, pools)
+    np.testing.assert_allclose(np.asarray(o)[valid], np.asarray(o_x)[valid], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(s[:, 1:], s_x[:, 1:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(c, c_x, atol=1e-5, rtol=1e-5)
+
+
 def test_model_and_engine_run_with_pallas_gdn():
     """The tiny model with gdn_kernel="pallas" matches `forward` with the XLA kernels:
     1. `forward` (the dense protocol) on right-padded rows A (100 tokens) and B (6);
@@ -194,9 +245,33 @@ def _compile_ragged_for_tpu7x(state_dtype: str, D: int = GDN397["D"], chunks: in
                 alias_bytes=compiled.memory_analysis().alias_size_in_bytes)
 
 
+def _compile_verify_for_tpu7x(state_dtype: str, D: int = GDN397["D"], V: int = 4) -> dict:  # in the same child
+    """The ragged step's decode region as a verification (D rows of V tokens, checkpoints [NS, V, Hv, dk, dv])."""
+    from qwen35_lib.aot import topology_devices
+
+    one = jax.sharding.SingleDeviceSharding(topology_devices()[0])
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=one)
+    Hk, Hv, dk, dv, NS, _, S = GDN397.values()
+    T = D * V
+    args = (sds((T, Hk, dk), "bfloat16"), sds((T, Hk, dk), "bfloat16"), sds((T, Hv, dv), "bfloat16"),
+            sds((T, Hv), "float32"), sds((T, Hv), "float32"), sds((NS, Hv, dk, dv), state_dtype),
+            sds((NS, V, Hv, dk, dv), state_dtype))
+    i32 = lambda *shape: sds(shape, "int32")
+    meta = RaggedMeta(token_seq=i32(T), positions=i32(T), q_start=i32(S), q_len=i32(S), kv_len=i32(S),
+                      page_table=i32(S, 4), slot=i32(S), decode_seq=i32(D), sample_tok=i32(S))
+    fn = jax.jit(lambda q, k, v, g, b, st, ck, meta: gdn_pallas.gdn_ragged_pallas(
+        q, k, v, g, b, st, meta, interpret=False, checkpoints=ck), donate_argnums=(5, 6))
+    compiled = fn.lower(*args, meta).compile()
+    hlo = compiled.as_text()
+    return dict(kernels=[k for k in ("gdn_chunk", "gdn_decode", "gdn_verify") if k in hlo],
+                alias_bytes=compiled.memory_analysis().alias_size_in_bytes,
+                temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+
+
 @pytest.fixture(scope="module")
 def tpu7x():
     jobs = {dt: (_compile_ragged_for_tpu7x, dt) for dt in ("float32", "bfloat16")}
+    jobs["verify"] = (_compile_verify_for_tpu7x, "bfloat16")  # tpu-inference's state dtype, the sweep's
     # the serving mixed step's rank: 64 decodes + 1,024 prompt tokens (Mosaic refused the decode kernel's 8-head
     # blocks of these bf16 operands, a half sublane tile, once XLA laid them out in (16, 128) tiles)
     jobs["mixed"] = (_compile_ragged_for_tpu7x, "bfloat16", 64, 16)
@@ -214,6 +289,18 @@ def test_kernels_compile_for_tpu7x_at_397b(tpu7x, state_dtype):
     item = jnp.dtype("bfloat16" if state_dtype == "mixed" else state_dtype).itemsize
     state_bytes = GDN397["NS"] * GDN397["Hv"] * GDN397["dk"] * GDN397["dv"] * item
     assert compiled["alias_bytes"] >= state_bytes  # the slot pool is updated in place
+
+
+@pytest.mark.tpu_compile
+def test_verify_kernel_compiles_for_tpu7x_at_397b(tpu7x):
+    """The verify kernel lowered by Mosaic for one TPU7x core at the 397B GDN shapes: 8 rows of 4 tokens (k = 3),
+    bf16 state and checkpoints; both pools updated in place (no copy of either)."""
+    compiled = tpu7x["verify"]
+    assert "error" not in compiled, compiled
+    assert compiled["kernels"] == ["gdn_verify"]
+    state = GDN397["NS"] * GDN397["Hv"] * GDN397["dk"] * GDN397["dv"] * 2
+    assert compiled["alias_bytes"] >= state * (1 + 4)
+    assert compiled["temp_bytes"] < state  # no temporary copy of a pool
 
 
 def test_bench_rows_smoke():
