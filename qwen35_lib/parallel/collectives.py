@@ -4,7 +4,8 @@
   packed int32 array (`fuse_allgather`: with the hidden states, 3 all-gathers become 2).
 - `reduce_scatter`: `psum_scatter` over both mesh axes, or hierarchically (`hierarchical_rs`): over `core`
   (inside a chip), then over `chip` (across chips), in micro-batches so the second phase of one micro-batch can
-  overlap the first phase of the next.
+  overlap the first phase of the next. The MoE gathers its tokens in `token_axes` order: over ('core', 'chip')
+  when hierarchical, so each phase scatters contiguous blocks and no block is reordered.
 - `on_each_device`, `reduce_scatter_ops`: run a collective by hand on the 8 devices, and read the reduce-scatters
   XLA compiles for the hierarchical version (notebook 04).
 """
@@ -18,6 +19,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib.plan import ALL
+
+HIER_AXES = ("core", "chip")  # the hierarchical reduce-scatter's device order: its phases' order, major first
+
+
+def token_axes(hierarchical: bool) -> tuple[str, ...]:
+    """The device order to gather the MoE's tokens in (`all_gather`, `gather_routing`) for `reduce_scatter`:
+    ALL = ('chip', 'core') flat; HIER_AXES = ('core', 'chip') hierarchical, device (chip c, core j)'s rows at
+    block j * chips + c, so a scatter over `core` keeps a contiguous half and the one over `chip` a contiguous
+    quarter of it (in ALL order the blocks were transposed to [core, chip] first: a relayout of the combine's
+    [N, D] rows every layer on TPU7x, 0.9 of its 2.9 passes in the kernels stage's mixed step)."""
+    return HIER_AXES if hierarchical else ALL
 
 
 def all_gather(x: jax.Array, axes=ALL) -> jax.Array:
@@ -40,34 +52,41 @@ def gather_routing(ids: jax.Array, weights: jax.Array, fused: bool, axes=ALL) ->
     return packed[:, :k], w
 
 
-def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2) -> jax.Array:
-    """Sum `x` [N, ...] over all devices of ('chip', 'core') and keep this device's block of N / devices rows.
-
-    Flat: one `psum_scatter` over ('chip', 'core'): device (c, j) (chip c, core j) gets block 2c + j (with 2
-    cores a chip; the 8-device figures below are that mesh's).
+def reduce_scatter(x: jax.Array, hierarchical: bool, micro_batches: int = 2, order=ALL) -> jax.Array:
+    """Sum `x` [N, ...] over all devices and keep this device's block of n = N / devices rows, x's rows being
+    blocks in `order` (ALL or HIER_AXES; the MoE's tokens are gathered in `token_axes(hierarchical)`): each device
+    keeps its own block, as one `psum_scatter` over `order` does (the flat version; the 8-device figures below
+    are the ('chip' 4, 'core' 2) mesh's: device (c, j)'s block is 2c + j in ALL order, 4j + c in HIER_AXES).
     Hierarchical:
-    1. rows reordered so that a scatter over `core` first, then over `chip`, leaves device (c, j) with block
-       2c + j too: view the 8 blocks as [chip 4, core 2] and transpose to [core, chip] (a scatter over `core`
-       takes the leading half for core 0; the one over `chip` then takes the c-th quarter of that half);
-    2. each block is split into `micro_batches` row slices; for each: psum_scatter over `core` (the 2 cores
-       of a chip exchange halves), then over `chip` (4 chips exchange quarters of what is left);
+    1. each block's n rows split into `micro_batches` slices, blocks viewed in HIER_AXES order ([core, chip], so a
+       scatter over `core` keeps core j's contiguous half and the one over `chip` chip c's quarter of it): a view
+       when x is in that order; from ALL order the [chip, core] blocks are transposed (a relayout on TPU7x);
+    2. for each micro-batch i: its [core * chip, n/m] rows (a slice, copied once), psum_scatter over `core` (the
+       2 cores of a chip exchange halves), then over `chip` (4 chips exchange quarters of what is left); with 1
+       micro-batch in HIER_AXES order the phases read x itself;
     3. the slices are concatenated back. The phases of different micro-batches are independent, so XLA can
        run one's inter-chip phase while the next one's intra-chip phase is in flight.
     """
+    if tuple(order) not in (ALL, HIER_AXES):
+        raise ValueError(f"reduce_scatter: rows in device order {order}; gather them in ALL {ALL} or HIER_AXES "
+                         f"{HIER_AXES} (token_axes)")
     if not hierarchical:
-        return jax.lax.psum_scatter(x, ALL, scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(x, tuple(order), scatter_dimension=0, tiled=True)
     n_chip, n_core = jax.lax.axis_size("chip"), jax.lax.axis_size("core")
-    N = x.shape[0]
+    N, rest = x.shape[0], x.shape[1:]
     n = N // (n_chip * n_core)  # rows each device keeps
     m = micro_batches if n % micro_batches == 0 else 1
-    blocks = x.reshape(n_chip, n_core, m, n // m, *x.shape[1:])  # [chip, core, mb, n/m, ...]
-    blocks = jnp.swapaxes(blocks, 0, 1)  # [core, chip, mb, n/m, ...]: scatter order core, then chip
+    if tuple(order) == HIER_AXES:
+        blocks = x.reshape(n_core * n_chip, m, n // m, *rest)  # [core * chip, mb, n/m, ...]: a view
+    else:  # [chip, core] blocks transposed to [core, chip]
+        blocks = jnp.swapaxes(x.reshape(n_chip, n_core, m, n // m, *rest), 0, 1).reshape(n_core * n_chip, m, -1, *rest)
     out = []
     for i in range(m):
-        part = blocks[:, :, i].reshape(N // m, *x.shape[1:])  # [core * chip * n/m, ...]
+        whole = m == 1 and tuple(order) == HIER_AXES
+        part = x if whole else blocks[:, i].reshape(N // m, *rest)  # [core * chip * n/m, ...]
         part = jax.lax.psum_scatter(part, "core", scatter_dimension=0, tiled=True)  # [chip * n/m, ...]
         out.append(jax.lax.psum_scatter(part, "chip", scatter_dimension=0, tiled=True))  # [n/m, ...]
-    return jnp.concatenate(out, axis=0)  # [n, ...]
+    return out[0] if m == 1 else jnp.concatenate(out, axis=0)  # [n, ...]
 
 
 def on_each_device(fn, x, mesh) -> np.ndarray:

@@ -37,7 +37,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.registry import pallas_interpret
 from qwen35_lib.kernels.stacked import LayerOf
-from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter
+from qwen35_lib.parallel.collectives import all_gather, gather_routing, reduce_scatter, token_axes
 from qwen35_lib.plan import ALL, ServingPlan
 from qwen35_lib.weights import BlockFP8
 
@@ -210,8 +210,9 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan, *, w
         if plan.routing == "all_to_all":
             y, dropped, moved = _all_to_all(cfg, plan, w_gate_up, w_down, x, ids, weights, ep, count)
             return y, dropped[None], moved[None]
-        xa = all_gather(x)  # [N, D]
-        ida, wa = gather_routing(ids, weights, plan.fuse_allgather)  # [N, k]
+        order = token_axes(plan.hierarchical_rs)  # the device order reduce_scatter returns each device's rows in
+        xa = all_gather(x, order)  # [N, D]
+        ida, wa = gather_routing(ids, weights, plan.fuse_allgather, order)  # [N, k]
         first = jax.lax.axis_index(ALL) * count
         moved = jnp.sum((ida >= first) & (ida < first + count), dtype=jnp.int32)
         if plan.fused_combine:  # each routed row sent home from the kernel; this device's tokens' copies here
@@ -223,7 +224,7 @@ def moe_ep(cfg: Config, w: dict, x: jax.Array, route_fn, plan: ServingPlan, *, w
                            preferred_element_type=jnp.float32)  # weighed in the rows' view: no relayout of recv
             return y.astype(x.dtype).reshape(x.shape), jnp.zeros((1,), jnp.int32), moved[None]
         y = local_experts(cfg, plan, w_gate_up, w_down, xa, ida, wa, first, count)  # [N, D] partial sums
-        rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep))
+        rs = reduce_scatter(y, plan.hierarchical_rs, plan.rs_slices(N + pad, ep), order)
         return rs, jnp.zeros((1,), jnp.int32), moved[None]
 
     out, dropped, moved = jax.shard_map(body, in_specs=(rows, P(), _spec_like(w["w_gate_up"], P(ALL)),
