@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--speculative-tokens", type=non_negative_int, default=0, metavar="K",
                      help="tokens each sequence drafts with the checkpoint's MTP head, verified the next step "
                           "(0: off; as generate's: greedy output unchanged, sampling's distribution kept; requests "
-                          "with logits processing or structured output get a 400)")
+                          "with structured output get a 400)")
     eng.add_argument("--warmup", choices=("background", "all", "plain", "none"), default="background",
                      help="background (default): compile the step shapes of one short request before /health "
                           "reports ok, then every other shape this configuration can form (without, then with logits "
@@ -359,8 +359,7 @@ def run(args: argparse.Namespace) -> int:
 
 def warmup_shapes(engine, mode: str) -> tuple[list, list]:
     """(shapes compiled before /health is ok, shapes compiled in the background after) as (D, T, processing)."""
-    processing = (False,) if getattr(engine, "width", 1) > 1 else (False, True)  # drafts: none (refused)
-    every = [(d, t, p) for p in processing for d, t in all_buckets(engine)]
+    every = [(d, t, p) for p in (False, True) for d, t in all_buckets(engine)]  # with drafts too (97cb0ec)
     if mode == "all":
         return every, []
     if mode == "plain":

@@ -217,11 +217,13 @@ def test_speculative_tokens_serve_the_same_greedy_completion(monkeypatch, tmp_pa
     assert "\n" not in str(e.value)
 
 
-def test_speculative_warmup_has_no_processing_variant():
-    """With drafts the processed step is never run (such requests are refused): the warm-up compiles plain shapes,
-    each `step_shape` (decode rows of k + 1 tokens)."""
+def test_speculative_warmup_compiles_the_processing_variant_too():
+    """With drafts a processed request (penalties, bias, bad words, min_tokens) runs the processed step, each verified
+    position processed with the drafts before it: the warm-up compiles it beside the plain one, each `step_shape`
+    (decode rows of k + 1 tokens)."""
     engine = types.SimpleNamespace(decode_buckets=[1, 4], prefill_buckets=[0, 64], width=3,
                                    step_shape=lambda d, p: (d, 3 * d + p),
                                    workload_buckets=lambda lengths, out: [(1, 67), (1, 3)])
     first, later = cli.warmup_shapes(engine, "background")
-    assert first + later == [(1, 67, False), (1, 3, False), (4, 12, False), (4, 76, False)]
+    assert first + later == [(1, 67, False), (1, 3, False), (4, 12, False), (4, 76, False),
+                             (1, 3, True), (1, 67, True), (4, 12, True), (4, 76, True)]
