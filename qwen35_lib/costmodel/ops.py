@@ -129,8 +129,8 @@ class Placement:
     # gather and scatter: kernels.xla_tpu_gdn_state_passes)
     sampling_passes: float = 0.0  # passes over each sampled sequence's float32 logits [V] (the sort over the
     # vocabulary, its masks and the draw: kernels.sampling_logit_passes on TPU); 0: not charged
-    combine_sum_hbm_bytes: float = 0.0  # this engine's Pallas combine: its float32 sums [N, D] (and their cast to the
-    # activation dtype) move in HBM once larger than this (XLA:TPU's scoped VMEM, `SCOPED_VMEM_BYTES`); 0: not charged
+    combine_sum_hbm_bytes: float = 0.0  # this engine's Pallas combine: its sums [N, D] (in the activations' dtype) are
+    # written to HBM once larger than this (XLA:TPU's scoped VMEM, `SCOPED_VMEM_BYTES`); 0: not charged
     gdn_glue_passes: float = 0.0  # this engine's Pallas step: the XLA ops around its kernels (`glue`), in passes
     attn_glue_passes: float = 0.0  # over a computed token's GDN / attention activations a layer, and over its
     stream_glue_passes: float = 0.0  # residual-stream row a layer (kernels.pallas_*_glue_passes); 0: not charged
@@ -450,9 +450,9 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         out["expert_scales"] = scales
     if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
         out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes))
-        sums = b.computed * D * 4  # the combine's float32 sums of every gathered token (replicate routing)
-        if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written, read by the cast; its cast written
-            out["permute"] = out["permute"] + Cost(bytes=sums * (2 + z["act"] / 4), launches=1)
+        sums = b.computed * D * z["act"]  # the combine's sums of every gathered token (replicate routing)
+        if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written once (its float32 stays in VMEM)
+            out["permute"] = out["permute"] + Cost(bytes=sums)
         gathered = b.computed * D * z["act"]  # every rank's tokens, all-gathered
         if pl.gathered_relayouts and gathered > SCOPED_VMEM_BYTES:  # each read and written
             out["permute"] = out["permute"] + Cost(bytes=2 * pl.gathered_relayouts * gathered,
@@ -461,9 +461,10 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 
 
 # XLA:TPU's scoped VMEM on TPU7x: 33,554,432 bytes, the `scoped_memory_configs` size of every op in the stored
-# TPU7x-8 texts (data/aot/hlo/): an array larger than it cannot be placed in VMEM. The kernels stage's combine keeps
-# its float32 sums there at decode (f32[512, 4096], 8.4 MB) and writes them to HBM in the mixed step (f32[8704, 4096],
-# 143 MB); where between the two XLA switches is not measured: any threshold in that range prices both steps alike
+# TPU7x-8 texts (data/aot/hlo/): an array larger than it cannot be placed in VMEM. The kernels stage's Pallas combine
+# writes its sums in the activations' dtype from a float32 accumulator (`kernels.permute_pallas.gather_reduce`): in
+# VMEM at decode (bf16[512, 4096], 4.2 MB), in HBM in the mixed step (bf16[8704, 4096], 71 MB; it wrote float32 sums
+# there before, read and cast by XLA: 21.4 GB a mixed step); where between the two XLA switches is not measured
 SCOPED_VMEM_BYTES = 33_554_432
 
 
