@@ -180,9 +180,9 @@ def _spec(engine, name: str) -> tuple:
 
 # (layout, devices, k), on meshes whose size splits the test checkpoint's 4 GDN value heads (over 8 devices they stay
 # whole): every head axis over 2 devices (`tp`), over 4 with the experts split too (`tp_ep`, tpu-inference's TP_EP:
-# the 2 KV heads duplicated to 1 a device, the 2 GDN key heads whole), heads over a chip's 2 cores with 4 ranks
-# (`dp4_tp2_ep8`); a k each, so that k = 1, 2, 3 all verify under tensor parallelism
-TP_CASES = [("tp", 2, 3), ("tp_ep", 4, 1), ("dp4_tp2_ep8", 8, 2)]
+# the 2 KV heads duplicated to 1 a device, the 2 GDN key heads whole); k = 2 verifies under dp_ep and one device
+# (dp4_tp2_ep8 at k = 2, heads over a chip's 2 cores with 4 ranks, passed too: 12 s of CI, dropped for the budget)
+TP_CASES = [("tp", 2, 3), ("tp_ep", 4, 1)]
 
 
 @pytest.mark.parametrize("layout,devices,k", TP_CASES)

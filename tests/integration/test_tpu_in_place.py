@@ -16,7 +16,12 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
   are about 1 with the Pallas projection (`kernels.dense_pallas`, the stacks and the layer's (group, position));
   the control, a step with XLA's dots on the scan's slices, makes more than 2.5: the stored 397B dp_ep decode
   step's text (the same function on it; compiling the reduced step again with `dense_kernel='xla'` cost 33 s).
-- Depth: temporaries at 2 and 15 layer groups agree within 1%, with the weights placed as the step reads them
+- Depth (no longer compiled here: the 15-group step cost about 25 s of CI for a strict expected failure; the 397B
+  serving shape's temporaries are the sweep's, data/aot/tpu7x-8.json): since the caches became rows of one pool a
+  kind (issue 50) the reduced step's temporaries were 0.9348 GB at 2 groups and 0.9507 GB at 15 (+1.7%: at this size
+  each layer's whole KV pool fits VMEM and memory-space assignment stages it there around each attention layer, a
+  ConcatBitcast of its slices, f8e4m3fn[75,256,1024] at 15 groups; not explained in full). Before: temporaries at 2
+  and 15 layer groups agreed within 1%, with the weights placed as the step reads them
   (`aot.mxu_format`: bf16 in 16 x 128 tiles, stacked input projections stored D second-minor; `aot.scale_format`:
   the FP8 block scales in the grouped matmul's layout): 0.9408 / 0.9392 GB at 2 / 15 groups (libtpu 0.0.42.1, 16
   requests; before the one-gather conv, 0.9447 / 0.9438 / 0.9434 GB at 2 / 3 / 15). How it got there, measured at 64
@@ -44,7 +49,7 @@ from tests import aot_subprocess
 pytestmark = [pytest.mark.tpu_compile, pytest.mark.timeout(600)]  # the fixture: 3 compiles, one child process
 MODEL, REQUESTS, CONTEXT, PAGE = "qwen3.5-397b-a17b", 16, 512, 256
 REDUCED = {"vocab_size": 4096, "num_experts": 64}
-DEPTHS = (2, 15)
+DEPTHS = (2,)  # the depth check at 15 groups: the module doc
 CONTROL_LAYERS = 1  # MoE layers a group in the control (module doc)
 
 
@@ -240,8 +245,8 @@ def _mosaic_slots(text: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tpu7x():
-    """The two depths and the controls in one child (about 42 s in all on the idle 2-core machine, the
-    controls 13 s of it; under the 600 s timeout of the first test's setup)."""
+    """The step at 2 groups and the controls in one child (the controls about 13 s of it on the idle 2-core machine;
+    under the 600 s timeout of the first test's setup)."""
     return aot_subprocess.run({f"{g} groups": (_step, g) for g in DEPTHS} | {"sliced": (_sliced_moe_loop,)}
                               | {f"cache {p}": (_cache_loop, p) for p in ("sliced", "rows")}
                               | {"xla pool": (_xla_pool,)}
@@ -278,17 +283,6 @@ def test_the_dense_projections_are_read_in_place(tpu7x):
     assert tpu7x["2 groups"]["dense_passes"] < 1.05, tpu7x["2 groups"]["dense_passes"]
     xla = compiled.scan_weight_passes(compiled.stored_text("dp_ep", "8k/1k decode"), serving_config(MODEL), "dp_ep")
     assert xla > 2.5, xla
-
-
-@pytest.mark.xfail(strict=True, reason="since the caches are rows of one pool a kind (issue 50), 0.9348 GB at 2 groups "
-                   "and 0.9507 GB at 15 (+1.7%): at this reduced size the whole KV pool of every layer fits VMEM and "
-                   "memory-space assignment stages it there around each attention layer (a ConcatBitcast of its "
-                   "slices, f8e4m3fn[75,256,1024] at 15 groups); at the 397B serving shape the step's temporaries "
-                   "fell (1.28 -> 1.13 GB, data/aot/tpu7x-8.json); not yet explained in full")
-def test_temporaries_do_not_grow_with_depth(tpu7x):
-    temp = {g: tpu7x[f"{g} groups"]["temp"] for g in DEPTHS}
-    for g in DEPTHS[1:]:
-        assert abs(temp[g] - temp[2]) <= 0.01 * temp[2], temp
 
 
 def test_the_caches_are_donated_and_updated_in_place(tpu7x):
