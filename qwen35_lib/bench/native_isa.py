@@ -10,7 +10,9 @@ as the engine stores them:
   (GB/s of their weights: memory-bound);
 - `moe prefill`: the same on 512 tokens (GFLOP/s of the useful FLOPs, 2 T k 3 D F: compute-bound);
 - `dense rows`: 8 rows times a [512, 4096] weight (`dense_native.linear_packed`; GB/s of the weight);
-- `gdn decode`: one decode step of 8 rows (`gdn_decode_native`; GB/s of the states read and written).
+- `gdn decode`: one decode step of 8 rows (`gdn_decode_native`; GB/s of the states read and written);
+- `gdn verify`: one speculative verify step of 8 rows of 4 tokens (`gdn_verify_native`: 3 drafts; GB/s of each
+  row's state read once and written 5 times, its 4 checkpoints and its slot).
 The outputs of every variant are compared with the first one's (max |Δ|). `bench engine` and `bench vs-transformers`
 measure the variants end to end with `--native-isa all` (one process each, one after the other).
 """
@@ -85,6 +87,12 @@ def cases(config, seed: int = 0) -> dict[str, tuple]:
     gdn = lambda *a: gdn_native.gdn_decode_native(*a, platform="cpu")
     out["gdn decode"] = (gdn, (q, kk, v, g, beta, slot, jnp.ones((rows,), bool), states), 2 * 4 * rows * Hv * dk * dv,
                          None)
+    V = 4  # tokens a row: 3 drafts and the token before them
+    tok = lambda x: jnp.repeat(x, V, axis=0)  # [rows V, ...]: row i's tokens at [i V, i V + V)
+    checkpoints = jnp.zeros((rows + 1, V, Hv, dk, dv), jnp.float32)
+    verify = lambda *a: gdn_native.gdn_verify_native(*a, platform="cpu")
+    out["gdn verify"] = (verify, (*map(tok, (q, kk, v, g, beta)), slot, jnp.ones((rows,), bool), states, checkpoints),
+                         (1 + V + 1) * 4 * rows * Hv * dk * dv, None)
     return out
 
 

@@ -15,7 +15,6 @@ def test_native_isa_runs_every_variant_interleaved():
         pytest.skip("no native variant runs here")
     doc = native_isa.run(argparse.Namespace(model="qwen3.5-tiny", isas="all", repeats=1, settle=0))
     assert doc["isas"] == list(native.host_isas())
-    assert {(r["case"], r["isa"]) for r in doc["results"]} == {(c, v) for c in ("moe decode", "moe prefill",
-                                                                                 "dense rows", "gdn decode")
-                                                               for v in native.host_isas()}
+    cases = ("moe decode", "moe prefill", "dense rows", "gdn decode", "gdn verify")
+    assert {(r["case"], r["isa"]) for r in doc["results"]} == {(c, v) for c in cases for v in native.host_isas()}
     assert all(r["max_abs_diff"] < 1e-5 for r in doc["results"])
