@@ -80,7 +80,8 @@ slices = {wl: -h[wl]["saved_ms_per_1k_tokens"]["other"] for wl in ("8k/1k", "1k/
 notebook.claim("hier_rs_links_against_slices", "the hierarchical reduce-scatter saves {l8:.3f} and {l1:.3f} ms of "
                "collectives per 1,000 tokens (8k/1k, 1k/8k), and this engine's micro-batch slices before its phases "
                "cost {s8:.3f} and {s1:.3f} ms of HBM traffic: net {n8:+.2%} and {n1:+.2%}",
-               all(links[wl] > 0 and slices[wl] > 0 for wl in links), "links saved > 0, slices paid > 0",
+               all(links[wl] > 0 and slices[wl] > 0 and h[wl]["change"] < 0 for wl in links),
+               "links saved > 0, slices paid > 0, net < 0 on both",
                l8=links["8k/1k"], l1=links["1k/8k"], s8=slices["8k/1k"], s1=slices["1k/8k"], n8=h["8k/1k"]["change"],
                n1=h["1k/8k"]["change"])
 changes = [rec[wl]["change"] for rec in stages.values() for wl in ("8k/1k", "1k/8k")]

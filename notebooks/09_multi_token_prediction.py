@@ -130,8 +130,8 @@ plt.show()
 # request the step is the dense weights and the ten experts its token picks: drafts read more experts, yet the dense
 # weights are shared by the verified tokens. At a middling concurrency the drafts' tokens pick experts no other token in
 # the step picked, so the routed experts' bytes grow almost with the tokens: the gain dips. Once a step reads every
-# expert anyway, the gain is highest; at 512 the GDN state, written once a verified token as its
-# checkpoint, has become the largest part of the step, and the gain falls again.
+# expert anyway, the gain recovers; at 512 the GDN state, written once a verified token as its
+# checkpoint, is the largest of what the drafts add, and the gain falls again.
 
 # %%
 lo_c, dip_c, top_c, hi_c = 1, 16, 256, 512
@@ -279,8 +279,8 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **Check.** Where every request's checkpoints fit, the prediction follows the roofline of section 1; where they do
-# not, the engine holds fewer sequences a step than the load offers, and the gain falls. The compile agrees on where
+# **Check.** Where the checkpoints of every request do not fit, the engine holds fewer sequences a step than the load
+# offers, and the gain falls. The compile agrees on where
 # that limit lies: the verify step holding every request at the highest concurrency runs out of HBM, a smaller one
 # fits.
 
