@@ -210,9 +210,9 @@ def compile_entry(cfg, stage: str, step: str, mesh, shape: ServingShape = SERVIN
 
 def speculative_plan(plan, mesh, cfg):
     """`plan` as the engine verifies drafts under it: each kernel slot the engine's verification cannot run
-    (`engine.speculative.check_speculative`: the GDN's per-position checkpoints are kept by its XLA form, the
-    attention by XLA's) replaced by the XLA one, the rest (layout, routing, collectives, MoE and dense kernels)
-    kept."""
+    (`engine.speculative.VERIFY_KERNELS`: the GDN's per-position checkpoints are kept by its XLA, Pallas and native
+    forms, the attention's by XLA's) replaced by the slot's first there, the rest (layout, routing, collectives,
+    MoE and dense kernels) kept."""
     from qwen35_lib.engine.speculative import VERIFY_KERNELS
 
     bound = plan.bind(mesh, cfg)

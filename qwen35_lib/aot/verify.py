@@ -6,9 +6,9 @@
 Each entry is `sweep.compile_entry`'s decode step with k drafts a decode row (`aot.compile_step(...,
 speculative_tokens=k)`: `engine.engine.verify_step`, decode rows of k + 1 tokens, the GDN pools with k + 1 state
 checkpoints a slot) under the stage's layout with the kernels the engine verifies with (`sweep.speculative_plan`:
-the XLA GDN, whose recurrent form keeps the per-position checkpoints, and the XLA attention by items; the MoE and
-dense kernels the stage's), at `sweep.SERVING`'s pools of 9,216 tokens a request for each of `--requests`
-(default 512). Entries are keyed "k drafts, N requests". Beside each, `model`: what
+the stage's GDN where it keeps the per-position checkpoints, the Pallas verify kernel under `kernels`, and the XLA
+attention by items; the MoE and dense kernels the stage's), at `sweep.SERVING`'s pools of 9,216 tokens a request
+for each of `--requests` (default 512). Entries are keyed "k drafts, N requests". Beside each, `model`: what
 `costmodel.predict.resident_bytes_per_device` puts on a device for the same pools (weights, KV, GDN state with
 its checkpoints, and the MTP head's weights and KV pool, which the verify step does not read and the compile
 therefore does not hold), and `fits_with_head`: the compile's total plus the head's bytes within the usable HBM.

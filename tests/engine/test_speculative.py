@@ -262,8 +262,9 @@ def test_refusals_are_one_line(model):
         Engine(cfg, w, EngineConfig(**EC, speculative_tokens=2))
     plan = SINGLE.bound(None, cfg)
     check_speculative(plan, 0, None)  # off: nothing to check
-    with pytest.raises(ValueError, match="gdn kernels .* not 'pallas'"):
-        check_speculative(SINGLE.replace(gdn_kernel="pallas").bound(None, cfg), 2, head)
+    with pytest.raises(ValueError, match="attention kernels .* not 'pallas'"):
+        check_speculative(SINGLE.replace(attention_kernel="pallas").bound(None, cfg), 2, head)
+    check_speculative(SINGLE.replace(gdn_kernel="pallas").bound(None, cfg), 2, head)  # its verify kernel
     check_speculative(get_layout("tp8_kvrep").bound(make_mesh(), cfg), 2, head)  # every layout: served
     check_request(2, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1))  # sampling: served
     check_request(2, SamplingParams(temperature=0.7, presence_penalty=0.5))  # logits processing: served
