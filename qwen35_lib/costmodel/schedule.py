@@ -528,8 +528,9 @@ def _rank_step(running: list[_Req], waiting: deque, budget: int, limit: int, spe
     decoders = running[:-1] if running and running[-1].done_prompt < running[-1].prompt else running
     n_dec = min(len(decoders), budget // spec.width)  # a row of 1 + drafts tokens each
     dec = decoders[:n_dec] if n_dec < len(decoders) else decoders
+    e = spec.emit
     for r in dec:
-        r.done_output += spec.emit
+        r.done_output += e
     ctx = [r.prompt + r.done_output for r in dec]  # after its decode
     budget -= n_dec * spec.width
     chunks: list[tuple[int, int]] = []  # (tokens, ctx before)
@@ -610,7 +611,7 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
         work = [bool(rr) and rr[-1].done_prompt < rr[-1].prompt or bool(w) and len(rr) < limit
                 for rr, w in zip(running, waiting)]
         if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
-            k_steps = min([spec.steps(q.output - q.done_output) for rr in running for q in rr])
+            k_steps = spec.steps(min([q.output - q.done_output for rr in running for q in rr]))  # steps: monotone
             k_steps = min(k_steps, delayed[0][0] - t) if delayed else k_steps  # up to the next arrival
             e = spec.emit
             mid = e * (k_steps + 1) / 2  # the run's middle step, past each context
@@ -633,8 +634,10 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
         t += n_steps
         for k in range(dp):
             run += len(running[k]) * n_steps
-            for q in [q for q in running[k] if q.done_output >= q.output]:
-                running[k].remove(q)
+            done = [q for q in running[k] if q.done_output >= q.output]
+            if done:
+                running[k] = [q for q in running[k] if q.done_output < q.output]
+            for q in done:
                 events.append((q.arrived, q.first, t))
                 outputs.append(q.output)
                 inp, out = inp + q.prompt, out + q.output
