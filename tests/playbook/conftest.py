@@ -8,7 +8,7 @@ import jupytext
 import nbformat
 import pytest
 
-from playbook import run, site
+from playbook import explorer, run, site
 
 PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="  # 1 x 1
 
@@ -44,4 +44,9 @@ def checkout(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib
     chapters.joinpath("01_later.md").write_text("# 1 · Later\n\nNo notebook yet.\n")
     monkeypatch.setattr(run, "NOTEBOOKS", notebooks)
     monkeypatch.setattr(site, "CHAPTERS", chapters)
+    # the site's explorer page over one point of each grid: its grids are test_explorer's, and `make playbook`
+    # builds the whole page (the whole grid took 17 s of every site test in CI)
+    monkeypatch.setattr(explorer, "SHARDING", dict(explorer.SHARDING, hardware=("tpu7x-8",), layouts=("dp_ep",),
+                                                   contexts=(explorer.WHOLE_CONTEXT,), requests=(512,)))
+    monkeypatch.setattr(explorer, "LADDER", dict(explorer.LADDER, workloads=((1024, 1024),), concurrencies=(16,)))
     return tmp_path
