@@ -45,7 +45,8 @@ playbook: $(STAMP)
 # cores with every process it starts (conftest.py's _own_cores). worksteal hands each worker a contiguous half of the
 # items (a file mostly stays on one, its compiled fixtures shared) and, after a crash, reports it and goes on
 # (loadfile waited forever for the crashed worker's file: the CI timeout). A crashed worker fails the run.
-# build/test.log keeps the output.
+# build/test.log keeps the output; build/test-times.xml every item's seconds (junit), to find what to cut
+# when the run nears CI's 15 minutes.
 # jemalloc, where installed (Debian's libjemalloc2; .ci/run installs it), for the test processes and every process they
 # start: XLA's and libtpu's compiles spend about a tenth of their time in glibc's malloc and free. Measured on this
 # 2-core machine, each variant pinned to its own core and then swapped: test_engine with test_decoder 51.8 / 54.0 s
@@ -59,7 +60,7 @@ PRELOAD := $(if $(JEMALLOC),LD_PRELOAD="$(strip $(JEMALLOC) $(LD_PRELOAD))" MALL
 
 test: $(STAMP) lint
 	@mkdir -p build
-	$(PRELOAD) $(PY) -m pytest -q -n 2 --dist worksteal 2>&1 | tee build/test.log; exit $${PIPESTATUS[0]}
+	$(PRELOAD) $(PY) -m pytest -q -n 2 --dist worksteal --junitxml=build/test-times.xml 2>&1 | tee build/test.log; exit $${PIPESTATUS[0]}
 
 # The ahead-of-time sweep: every stage's engine steps compiled for TPU7x-8 at the serving shape (512 requests,
 # whole-context FP8 KV pools), from this CPU; resumable, and long at full depth (see qwen35_lib/aot/sweep.py).
