@@ -223,26 +223,38 @@ def _validate(args: argparse.Namespace) -> int:
         return 0
     if args.moe:
         rows, derived = validate.moe_layer_comparison(), validate.moe_row_overhead()
-        second = validate.moe_second_shape_comparison()
+        second, rand = validate.moe_second_shape_comparison(), validate.moe_random_routing_comparison()
         if args.json:
-            print(json.dumps(dict(cells=rows, moe_row_overhead=derived, second_shape=second), indent=2))
+            print(json.dumps(dict(cells=rows, moe_row_overhead=derived, random_routing=rand, second_shape=second),
+                             indent=2))
             return 0
+
+        def table(cells: list[dict], roles: bool = False) -> None:
+            print(f"{'N':>6} {'measured us':>12} {'model us':>10} {'model/meas':>10}  {'kernels us':>10} "
+                  f"{'model':>7} {'outside x':>9}" + ("  role" if roles else ""))
+            for r in cells:
+                flag = "" if r["within_25pct"] else "  OUTSIDE 25%"
+                print(f"{r['tokens']:>6} {r['measured_us']:>12.1f} {r['model_us']:>10.1f} {r['ratio']:>10.2f}  "
+                      f"{r['kernel_us']:>10.1f} {r['model_kernel_us']:>7.1f} {r['outside_ratio']:>9.2f}"
+                      + (f"  {r['role']}" if roles else "") + flag)
+            print(f"{sum(r['within_25pct'] for r in cells)}/{len(cells)} cells within 25%")
+
         print("MoE layer, Qwen3.5-397B-A17B-FP8 on TPU7x-8 (EP8), device time per layer call: model vs measured "
-              "(production's layer, recorded routing; data/moe_layer_measured.json)")
-        print(f"{'N':>6} {'measured us':>12} {'model us':>10} {'model/meas':>10}  role")
-        for r in rows:
-            flag = "" if r["within_25pct"] else "  OUTSIDE 25%"
-            print(f"{r['tokens']:>6} {r['measured_us']:>12.1f} {r['model_us']:>10.1f} {r['ratio']:>10.2f}  "
-                  f"{r['role']}{flag}")
-        print(f"moe_row_overhead_s = {derived['value'] * 1e9:.2f} ns a routed row, set from N in {derived['cells']} "
-              f"(single cells {derived['low'] * 1e9:.2f} - {derived['high'] * 1e9:.2f} ns); "
-              f"{sum(r['within_25pct'] for r in rows)}/{len(rows)} cells within 25%")
+              "(production's layer, recorded routing; data/moe_layer_measured.json); beside it the grouped-matmul "
+              "kernels (measured, and the model's routed_experts) and the rest of the layer (outside x: model / "
+              "measured)")
+        table(rows, roles=True)
+        f = derived["fixed"]
+        print(f"moe_layer_fixed_s = {f['value'] * 1e6:.1f} us a call ({f['low'] * 1e6:.1f} - {f['high'] * 1e6:.1f}) "
+              f"and moe_row_overhead_s = {derived['value'] * 1e9:.2f} ns a routed row ({derived['low'] * 1e9:.2f} - "
+              f"{derived['high'] * 1e9:.2f}; ranges: the fits leaving one cell out), set from the time outside the "
+              f"kernels of N in {derived['cells']}")
+        print("the same shape under random routing (the routing the model's touched-expert count assumes), nothing "
+              "set from it:")
+        table(rand)
         print("second shape, Qwen3-30B-A3B (128 experts top-8, hidden 2048, FFN 768; upstream defaults: no "
               "all-gathers, ragged permutes at every N, an all-reduce combine; random routing), nothing set from it:")
-        for r in second:
-            flag = "" if r["within_25pct"] else "  OUTSIDE 25%"
-            print(f"{r['tokens']:>6} {r['measured_us']:>12.1f} {r['model_us']:>10.1f} {r['ratio']:>10.2f}{flag}")
-        print(f"{sum(r['within_25pct'] for r in second)}/{len(second)} cells within 25%")
+        table(second)
         return 0
     acc = validate.acceptance()
     if args.json:

@@ -68,6 +68,8 @@ class Mechanisms:
     ici_efficiency: float | None = None
     onehot_permute_threshold: int = 0  # production's MoE permutes by one-hot matmuls while N·k <= this (0: never)
     moe_row_overhead_s: float = 0.0  # seconds a routed row of the slice costs every device (`moe_layer`)
+    moe_layer_fixed_s: float = 0.0  # seconds a MoE layer call costs every device outside its grouped matmul, whatever
+    # its rows (`moe_layer`)
     admission_lag: bool = False  # a client's next request waits for the engine's steps in flight (`admit_lag`)
     request_path_steps: int = 0  # steps more it needs to reach the engine core (HTTP, chat template, tokenizer)
     gdn_layer_fixed_s: float = 0.0  # device seconds each GDN layer's core costs a step whatever its tokens (TPU)
@@ -157,7 +159,7 @@ COMPONENT_ASSUMPTIONS = {  # component -> the assumptions its time rests on (bes
                        "dp_lockstep", "token_padding"),
     "permute": ("sparsecore_permute", "onehot_permute_threshold", "hbm_efficiency", "token_padding"),
     "onehot_permute": ("onehot_permute_threshold", "matmul_efficiency", "token_padding"),
-    "moe_rows": ("moe_row_overhead_s", "token_padding"),
+    "moe_rows": ("moe_row_overhead_s", "moe_layer_fixed_s", "token_padding"),
     "all_gather": ("ici_efficiency", "collective_overlap", "fp8_allgather", "token_padding"),
     "reduce_scatter": ("ici_efficiency", "collective_overlap", "moe_chunk", "token_padding"),
     "all_reduce": ("ici_efficiency", "collective_overlap"),

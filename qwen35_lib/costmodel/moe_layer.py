@@ -16,11 +16,18 @@ half of what TPU7x measures (issue 30): production's layer (tpu_inference/layers
 - `onehot_permute`: the one-hot matmuls (MXU FLOPs) while N·k is under the threshold, else nothing;
 - `permute`: the N·k-row buffers (HBM bytes); above the threshold the SparseCore gathers these rows, so the step
   model scales it by the `sparsecore_permute` assumption there (and only there);
-- `moe_rows`: the per-row bookkeeping of item 1 and every other [N·k]-sized pass (sorts, group counts, masks,
-  index gathers) at `moe_row_overhead_s` a routed row. That one constant is the only figure of this model set
-  from measured data: from the benchmark cells with N <= 1,024 (`costmodel.validate.moe_row_overhead`), and
-  judged by the cells with N >= 2,048 (data/moe_layer_measured.json; `python -m qwen35_lib.costmodel validate
-  --moe`).
+- `moe_rows`: what the layer call costs outside its grouped matmul beyond the above and the collectives: the
+  per-row bookkeeping of item 1 and every other [N·k]-sized pass (sorts, group counts, masks, index gathers) at
+  `moe_row_overhead_s` a routed row, and `moe_layer_fixed_s` a call whatever its rows (the top-k, the sorts and
+  the small ops around the two grouped matmuls, each starting and draining once a call: about 50 us a call at
+  N <= 256, where the per-row term is under 20). These two constants are the only figures of this model set from
+  measured data: from the time outside the grouped-matmul kernels (whole-layer device time less the kernels' own,
+  both from the benchmark's device profiles) of the recorded-routing cells with N <= 1,024
+  (`costmodel.validate.moe_row_overhead`), which does not depend on which experts the rows go to; the grouped
+  matmul itself is priced from the specs (weights read, FLOPs) and never from the cells. Judged by every cell's
+  whole-layer time: the same shape under random routing (the routing the model's touched-expert count assumes),
+  the recorded cells with N >= 2,048, and the second shape (data/moe_layer_measured.json; `python -m
+  qwen35_lib.costmodel validate --moe`).
 `layer_time(cfg, specs, tokens, mech)` is one whole layer call at N tokens in the slice, as the benchmark times
 it: these, the grouped matmul, the top-k, and the layer's collectives (hidden and routing all-gathers, the
 reduce-scatter) priced by `collectives`; the prediction code never reads the measured cells.
@@ -58,7 +65,8 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
     ep = ep or sp.devices
     pl = ops.Placement(dp=ep, tp=1, moe="ep", ep=ep, attention="pallas", moe_impl="gmm",
                        expert_imbalance=mech.expert_imbalance, gmm_tile_rows=mech.gmm_tile_rows,
-                       onehot_threshold=mech.onehot_permute_threshold, row_overhead_s=mech.moe_row_overhead_s)
+                       onehot_threshold=mech.onehot_permute_threshold, row_overhead_s=mech.moe_row_overhead_s,
+                       layer_fixed_s=mech.moe_layer_fixed_s)
     b = ops.Batch(prefill_tokens=tokens, prefill_seqs=1, max_ctx=tokens)
     moe = ops.moe_block(cfg, b, pl)
     out = {name: ops.seconds(moe[name], sp) for name in ("routed_experts", "onehot_permute", "permute", "moe_rows")}

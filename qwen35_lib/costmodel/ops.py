@@ -116,6 +116,8 @@ class Placement:
     gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
     onehot_threshold: int = 0  # gmm: one-hot matmul permutes while N·k <= this (`moe_layer`); 0: never
     row_overhead_s: float = 0.0  # gmm: seconds a routed row of the slice costs every device (`moe_layer`)
+    layer_fixed_s: float = 0.0  # gmm: seconds every layer call costs every device outside its grouped matmul,
+    # whatever its rows (`moe_layer`)
     production_moe: bool = True  # gmm: tpu-inference's layer around the grouped matmul (`moe_layer`: one-hot
     # permutes, per-row overhead, SparseCore gathers); False: this library's (XLA gathers and a scatter-add)
     permute_passes: float = 2.0  # gmm: passes over the [N·k, D] routed rows around the grouped matmul
@@ -449,7 +451,8 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     if scales is not None:
         out["expert_scales"] = scales
     if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
-        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes))
+        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes,
+                               pl.layer_fixed_s))
         sums = b.computed * D * z["act"]  # the combine's sums of every gathered token (replicate routing)
         if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written once (its float32 stays in VMEM)
             out["permute"] = out["permute"] + Cost(bytes=sums)
@@ -490,12 +493,13 @@ def glue(cfg: Config, b: Batch, pl: Placement) -> Cost:
 
 
 def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_s: float,
-                permute_passes: float = 2.0) -> dict[str, Cost]:
+                permute_passes: float = 2.0, fixed_s: float = 0.0) -> dict[str, Cost]:
     """Production's MoE layer around its grouped matmul (`costmodel.moe_layer`'s items 1-3), one layer, one device;
     `tokens` = N, the slice's tokens (every device sorts and permutes all N·k routed rows under token replication);
     `permute_passes` over the [N·k, D] rows (production's: written, then read; this library's kernels stage: its
     compiled gathers, relayouts and scatter-add, `kernels.kernels_moe_permute_passes`), with no one-hot permute and
-    no per-row overhead (threshold and overhead 0)."""
+    no per-row overhead (threshold and overhead 0); `fixed_s`: the layer call's time outside its grouped matmul
+    that does not grow with its rows, charged to `moe_rows` with the per-row overhead."""
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
     act = ITEMSIZE[cfg.dtype]
     rows = tokens * k  # [N·k] routed rows
@@ -503,7 +507,7 @@ def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_
     permute_flops = 4 * k * tokens * tokens * D if onehot else 0.0  # 2 matmuls of 2·(N·k)·N·D
     return {"onehot_permute": Cost(mxu_flops=permute_flops, launches=2 if onehot else 0),
             "permute": Cost(bytes=permute_passes * rows * D * act, launches=2),
-            "moe_rows": Cost(seconds=rows * row_overhead_s)}
+            "moe_rows": Cost(seconds=rows * row_overhead_s + fixed_s)}
 
 
 def norms(cfg: Config, b: Batch, pl: Placement) -> Cost:

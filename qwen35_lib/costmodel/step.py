@@ -92,7 +92,7 @@ def expert_weight_passes(plan: BoundPlan) -> float:
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
 def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
-              row_overhead_s: float = 0.0, pools: Pools | None = None) -> ops.Placement:
+              row_overhead_s: float = 0.0, pools: Pools | None = None, layer_fixed_s: float = 0.0) -> ops.Placement:
     """The `ops.Placement` of a stage on a system (bound there: each slot's implementation for its kind, priced by
     the facts of that implementation); `pools`: the engine's cache pools (None: no copies charged)."""
     if ideal:
@@ -137,6 +137,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
                          gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
                          onehot_threshold=onehot_threshold if production else 0,
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
+                         layer_fixed_s=layer_fixed_s if production else 0.0,
                          permute_passes=2.0 if production else fused_combine.permute_passes(cfg, lay.ep)
                          if stage.fused_combine else facts["kernels_moe_permute_passes"]["value"],
                          expert_bytes_per_param=facts["xla_tpu_fp8_expert_bytes_tp" if lay.moe == "tp" else
@@ -170,7 +171,7 @@ def _mech_placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str
     specs = mech_specs(specs, mech)
     return specs, placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
         (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
-        if mech else (1.0, 0, 0, 0.0)), pools=pools)
+        if mech else (1.0, 0, 0, 0.0)), pools=pools, layer_fixed_s=mech.moe_layer_fixed_s if mech else 0.0)
 
 
 def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, kv_dtype: str | None = None,
@@ -320,7 +321,8 @@ def _cost_table(cfg: Config, devices: int, pl: ops.Placement, batches: tuple[ops
     per distinct token counts (`_by_counts`)."""
     z = ops.sizes(cfg)
     dense = _dense(devices, kv_dtype, page_size) if ideal else None
-    moe_free = dataclasses.replace(pl, expert_imbalance=1.0, gmm_tile_rows=0, onehot_threshold=0, row_overhead_s=0.0)
+    moe_free = dataclasses.replace(pl, expert_imbalance=1.0, gmm_tile_rows=0, onehot_threshold=0, row_overhead_s=0.0,
+                                   layer_fixed_s=0.0)
     out = {name: c * z["n_attn"] for name, c in _attention_table(cfg, moe_free, dense, batches).items()}
     index: dict[ops.Batch, int] = {}
     at = np.array([index.setdefault(b.counts(), len(index)) for b in batches], dtype=np.int64)  # [n]
@@ -381,7 +383,7 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
 # Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
 # is priced from the nominal breakdown instead of from the op costs again (exactly; tests/costmodel/test_assumptions)
 RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling", "collective_overlap",
-            "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute", "moe_row_overhead_s")
+            "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute")
 
 
 @functools.lru_cache(maxsize=256)  # asked once per step of a schedule, for the same two mechanisms
@@ -393,8 +395,8 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | _S
             old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
     """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
     (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
-    (1 - overlap) ratio, the attention core by its efficiency and mixed-step ratios, the SparseCore permute share,
-    and the per-row MoE overhead."""
+    (1 - overlap) ratio, the attention core by its efficiency and mixed-step ratios, the SparseCore permute share
+    (production's MoE overheads, per row and per layer call, share `moe_rows`: their ends are priced again)."""
     if not _rescaled_only(old, new):
         return None
     out = dict(breakdown)
@@ -420,10 +422,6 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | _S
             big = batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold
             out["permute"] = _where(big, out["permute"] * (new.sparsecore_permute / old.sparsecore_permute),
                                     out["permute"])
-    if new.moe_row_overhead_s != old.moe_row_overhead_s:
-        if not old.moe_row_overhead_s:
-            return None
-        out["moe_rows"] = out["moe_rows"] * (new.moe_row_overhead_s / old.moe_row_overhead_s)
     return out
 
 

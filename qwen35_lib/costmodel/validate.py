@@ -10,10 +10,11 @@
 (c) `published_comparison()`: the rows of data/published.json next to `predict` for the same setup. Only this
     function (and `acceptance`, `notebook_data`, which call it) reads that file; `predict` never does.
 (d) `moe_layer_comparison()`: the MoE layer sub-model (`moe_layer.layer_time`) against the device times of
-    production's layer (data/moe_layer_measured.json, judging data); `moe_row_overhead()` derives the one constant
-    set from it (`moe_row_overhead_s`) from the cells with N <= 1,024 only.
+    production's layer (data/moe_layer_measured.json, judging data); `moe_row_overhead()` derives the two constants
+    set from it (`moe_row_overhead_s`, `moe_layer_fixed_s`) from the time outside the grouped-matmul kernels of the
+    recorded cells with N <= 1,024 only. `moe_random_routing_comparison()`: the same shape under random routing;
     `moe_second_shape_comparison()`: the same file's second shape (Qwen3-30B-A3B's MoE, run at tpu-inference's
-    upstream defaults) against the same model, nothing set from it.
+    upstream defaults); nothing set from either.
 `notebook_data()` is everything notebook 06 quotes from issue 13 as one dict: the comparison, the acceptance
 figures, the explained prediction with its band for both workloads at 512, and the ladder explained.
 """
@@ -299,7 +300,8 @@ def _mesh8():
     return abstract_mesh(8)
 
 
-MOE_SET_FROM = 1024  # moe_row_overhead_s is set from the cells with N <= this; the larger cells judge it
+MOE_SET_FROM = 1024  # the MoE layer's two derived constants are set from the cells with N <= this; the rest judge
+MOE_DERIVED = ("moe_row_overhead_s", "moe_layer_fixed_s")  # the only figures of the model set from measured data
 
 
 def moe_measured() -> dict:
@@ -307,49 +309,101 @@ def moe_measured() -> dict:
     return data.read_json("moe_layer_measured.json")
 
 
-def _moe_cells() -> dict[int, float]:
-    return {int(n): us * 1e-6 for n, us in moe_measured()["cells_us"].items()}
+def _moe_cells(part: dict | None = None) -> dict[int, tuple[float, float]]:
+    """{N: (whole-layer seconds, grouped-matmul kernels' seconds)} of a set of cells (default: the recorded-routing
+    cells of data/moe_layer_measured.json)."""
+    part = part or moe_measured()
+    return {int(n): (us * 1e-6, part["kernel_us"][n] * 1e-6) for n, us in part["cells_us"].items()}
 
 
-def moe_row_overhead(cells: dict[int, float] | None = None) -> dict:
-    """The per-routed-row constant of `moe_layer`, from the cells with N <= MOE_SET_FROM: with every other
-    assumption nominal and this one 0, the model's time m_i; the measured t_i; r_i = N_i k routed rows;
-    1. c minimises sum_i ((m_i + c r_i) / t_i - 1)^2 (least squares on the relative error):
-       c = sum_i (r_i / t_i)(1 - m_i / t_i) / sum_i (r_i / t_i)^2;
-    2. low / high: the single-cell values (t_i - m_i) / r_i, smallest and largest (not below 0).
-    Returns {"value", "low", "high", "cells"}; data/costmodel_assumptions.json records the result."""
+def _outside_fit(u: dict[int, float], r: dict[int, float], k: int) -> tuple[float, float]:
+    """(a, c) >= 0 minimising sum_i ((o_i + a + c N_i k) / u_i - 1)^2 given the residuals r_i = u_i - o_i: least
+    squares on the relative error of the time outside the kernels; where the free solution has a < 0 or c < 0,
+    that one is 0 and the other is solved alone."""
+    ns = sorted(u)
+    A = np.array([[1 / u[n], n * k / u[n]] for n in ns])
+    y = np.array([r[n] / u[n] for n in ns])
+    a, c = np.linalg.lstsq(A, y, rcond=None)[0] if len(ns) > 1 else (0.0, -1.0)
+    if a < 0 or c < 0:
+        one = [(A[:, 1], "c"), (A[:, 0], "a")] if a < 0 else [(A[:, 0], "a"), (A[:, 1], "c")]
+        for col, name in one:
+            v = max(0.0, float(col @ y / (col @ col)))
+            if v > 0 or name == one[-1][1]:
+                a, c = (0.0, v) if name == "c" else (v, 0.0)
+                break
+    return float(a), float(c)
+
+
+def moe_row_overhead(cells: dict[int, tuple[float, float]] | None = None) -> dict:
+    """The two constants of `moe_layer` set from measured data, from the cells with N <= MOE_SET_FROM (`cells`:
+    {N: (whole-layer seconds, grouped-matmul kernels' seconds)}, default the recorded-routing cells): the time
+    outside the kernels u_i = t_i - g_i (which does not depend on which experts the rows go to); with both
+    constants 0 and every other assumption nominal, the model's time outside its grouped matmul o_i (the layer
+    less `routed_experts`: permutes, collectives, top-k); r_i = N_i k routed rows;
+    1. `moe_layer_fixed_s` a and `moe_row_overhead_s` c minimise sum_i ((o_i + a + c r_i) / u_i - 1)^2 (least
+       squares on the relative error; neither below 0);
+    2. low / high of each: the smallest and largest of the fits leaving one cell out (and the fit itself).
+    Returns {"value", "low", "high" (moe_row_overhead_s), "fixed": {"value", "low", "high"} (moe_layer_fixed_s),
+    "cells"}; data/costmodel_assumptions.json records the result."""
     from qwen35_lib.costmodel.assumptions import Mechanisms
     from qwen35_lib.costmodel.moe_layer import layer_time
     from qwen35_lib.costmodel.predict import serving_model
 
     cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
-    mech = Mechanisms.nominal(moe_row_overhead_s=0.0)
-    cells = {n: t for n, t in (cells or _moe_cells()).items() if n <= MOE_SET_FROM}
+    mech = Mechanisms.nominal(moe_row_overhead_s=0.0, moe_layer_fixed_s=0.0)
+    cells = {n: tg for n, tg in (cells or _moe_cells()).items() if n <= MOE_SET_FROM}
     k = cfg.num_experts_per_tok
-    m = {n: layer_time(cfg, sp, n, mech).seconds for n in cells}
-    num = sum((n * k / t) * (1 - m[n] / t) for n, t in cells.items())
-    den = sum((n * k / t) ** 2 for n, t in cells.items())
-    single = [max(0.0, (t - m[n]) / (n * k)) for n, t in cells.items()]
-    return dict(value=max(0.0, num / den), low=min(single), high=max(single), cells=sorted(cells))
+    u = {n: t - g for n, (t, g) in cells.items()}
+    o = {}
+    for n in cells:
+        lt = layer_time(cfg, sp, n, mech)
+        o[n] = lt.seconds - lt.breakdown["routed_experts"]
+    r = {n: u[n] - o[n] for n in cells}
+    a, c = _outside_fit(u, r, k)
+    loo = [_outside_fit({n: u[n] for n in cells if n != m}, r, k) for m in cells] if len(cells) > 2 else []
+    fa, fc = [a] + [x for x, _ in loo], [c] + [y for _, y in loo]
+    return dict(value=c, low=min(fc), high=max(fc), fixed=dict(value=a, low=min(fa), high=max(fa)),
+                cells=sorted(cells))
+
+
+def _layer_rows(cfg: Config, cells: dict[int, tuple[float, float]], mech, role, **kwargs) -> list[dict]:
+    """Per cell: N, the measured and modelled layer time (us), their ratio, within 25 %, `role(N)`, the model's
+    components, and the grouped matmul apart: measured kernels vs the model's `routed_experts`, and the rest."""
+    from qwen35_lib.costmodel.moe_layer import layer_time
+
+    sp = specs_lib.get("tpu7x-8")
+    rows = []
+    for n, (t, g) in sorted(cells.items()):
+        lt = layer_time(cfg, sp, n, mech, **kwargs)
+        gm = lt.breakdown["routed_experts"]
+        rows.append(dict(tokens=n, measured_us=t * 1e6, model_us=lt.seconds * 1e6, ratio=lt.seconds / t,
+                         within_25pct=abs(lt.seconds / t - 1) <= 0.25, role=role(n),
+                         kernel_us=g * 1e6, model_kernel_us=gm * 1e6, kernel_ratio=gm / g,
+                         outside_ratio=(lt.seconds - gm) / (t - g),
+                         breakdown_us={key: v * 1e6 for key, v in lt.breakdown.items() if v}))
+    return rows
 
 
 def moe_layer_comparison(mechanisms=None) -> list[dict]:
-    """Per measured cell: N, the measured and modelled layer time (µs), their ratio, the model's components, and
-    whether the cell set `moe_row_overhead_s` or judges it."""
+    """Per recorded-routing cell: N, the measured and modelled layer time (us), their ratio, the model's
+    components, the grouped matmul apart (`_layer_rows`), and whether the cell set the derived constants or judges
+    them. The recorded routing is skewed (evaluation traffic): fewer experts are touched at small N than the
+    model's uniform count, so its grouped matmul is priced above these cells' kernels there."""
     from qwen35_lib.costmodel.assumptions import Mechanisms
-    from qwen35_lib.costmodel.moe_layer import layer_time
     from qwen35_lib.costmodel.predict import serving_model
 
-    cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
-    mech = mechanisms or Mechanisms.nominal()
-    rows = []
-    for n, t in sorted(_moe_cells().items()):
-        r = layer_time(cfg, sp, n, mech)
-        rows.append(dict(tokens=n, measured_us=t * 1e6, model_us=r.seconds * 1e6, ratio=r.seconds / t,
-                         within_25pct=abs(r.seconds / t - 1) <= 0.25,
-                         role="sets moe_row_overhead_s" if n <= MOE_SET_FROM else "judges",
-                         breakdown_us={k: v * 1e6 for k, v in r.breakdown.items() if v}))
-    return rows
+    role = lambda n: "sets " + ", ".join(MOE_DERIVED) if n <= MOE_SET_FROM else "judges"  # noqa: E731
+    return _layer_rows(serving_model(), _moe_cells(), mechanisms or Mechanisms.nominal(), role)
+
+
+def moe_random_routing_comparison(mechanisms=None) -> list[dict]:
+    """`moe_layer_comparison` on the same shape's random-routing cells (data/moe_layer_measured.json
+    `random_routing`: the routing the model's touched-expert count assumes); nothing is set from them."""
+    from qwen35_lib.costmodel.assumptions import Mechanisms
+    from qwen35_lib.costmodel.predict import serving_model
+
+    return _layer_rows(serving_model(), _moe_cells(moe_measured()["random_routing"]),
+                       mechanisms or Mechanisms.nominal(), lambda n: "judges (random routing)")
 
 
 def second_shape_config() -> Config:
@@ -367,22 +421,13 @@ def moe_second_shape_comparison(mechanisms=None) -> list[dict]:
     """`moe_layer_comparison` on the second shape, nothing set from it: each cell of `second_shape` next to
     `moe_layer.layer_time` of its config under the arm it ran (`second_shape.flags`: upstream defaults, so no one-hot
     permute, and `gathered=False`: no all-gathers, the combine's all-reduce), every assumption nominal."""
-    import dataclasses
-
     from qwen35_lib.costmodel.assumptions import Mechanisms
-    from qwen35_lib.costmodel.moe_layer import layer_time
 
     second = moe_measured()["second_shape"]
-    cfg, sp = second_shape_config(), specs_lib.get("tpu7x-8")
     mech = dataclasses.replace(mechanisms or Mechanisms.nominal(),
                                onehot_permute_threshold=second["flags"]["ONEHOT_MOE_PERMUTE_THRESHOLD"])
-    rows = []
-    for n, us in sorted((int(n), us) for n, us in second["cells_us"].items()):
-        r = layer_time(cfg, sp, n, mech, gathered=False)
-        rows.append(dict(tokens=n, measured_us=us, model_us=r.seconds * 1e6, ratio=r.seconds * 1e6 / us,
-                         within_25pct=abs(r.seconds * 1e6 / us - 1) <= 0.25, role="judges (second shape)",
-                         breakdown_us={k: v * 1e6 for k, v in r.breakdown.items() if v}))
-    return rows
+    return _layer_rows(second_shape_config(), _moe_cells(second), mech, lambda n: "judges (second shape)",
+                       gathered=False)
 
 
 def acceptance(rows: list[dict] | None = None, stage: str = MEASURED_STAGE) -> dict:
