@@ -48,7 +48,7 @@ from qwen35_lib.serve import protocol, responses, scoring, structured
 from qwen35_lib.serve.choices import Gone, Run, choice, collect, disconnected, stream
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.protocol import APIError, Limits
-from qwen35_lib.serve.request import Parsed, chat_prompt, encode, parse
+from qwen35_lib.serve.request import Parsed, chat_prompt, encode, from_request
 from qwen35_lib.versions import library_version
 
 log = logging.getLogger("qwen35_lib.serve")
@@ -212,7 +212,8 @@ class _Server:
     def parse_generation(self, body: dict, chat: bool) -> Parsed:
         """The body parsed, its structured-output grammar compiled (a bad schema is a 400 naming its field), and each
         choice checked by the engine's own `validate_request` (a choice with nothing to generate: its prompt)."""
-        parsed = parse(body, self.text, chat, self.limits)
+        # read_json ran protocol.check_sizes and check_body: not again (5 us of the 35-55 us a fuzz body took here)
+        parsed = from_request(protocol.read_request(body, chat, self.limits), self.text, self.limits)
         spec = structured.parse_spec(body, self.limits)
         if spec is not None:
             grammar = self.grammars.compile(spec)

@@ -31,6 +31,7 @@ the answers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -144,12 +145,16 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 }
 
 
+def _is_neutral(field: str, value: Any) -> bool:
+    """Whether a `REFUSED` field's value is one of its neutral values (of the same JSON type: 0 is not false)."""
+    return any(value is None if v is None else (type(value) is type(v) and value == v) for v in REFUSED[field][0])
+
+
 def _neutral(value: Any, info: ValidationInfo) -> Any:
-    """A `REFUSED` field passes only with one of its neutral values (of the same JSON type: 0 is not false)."""
-    neutral, why = REFUSED[info.field_name]
-    if any(value is None if v is None else (type(value) is type(v) and value == v) for v in neutral):
+    """A `REFUSED` field passes only with a neutral value."""
+    if _is_neutral(info.field_name, value):
         return value
-    raise PydanticCustomError("refused", "is not supported by this server: {why}", {"why": why})
+    raise PydanticCustomError("refused", "is not supported by this server: {why}", {"why": REFUSED[info.field_name][1]})
 
 
 Refused = Annotated[Any, AfterValidator(_neutral)]
@@ -340,9 +345,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
-def _honoured(model: type[BaseModel]) -> frozenset[str]:
+@functools.cache
+def _refused(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` refused unless neutral (those checked by `_neutral`)."""
     return frozenset(name for name, f in model.model_fields.items()
-                     if name not in NO_EFFECT and not any(getattr(m, "func", None) is _neutral for m in f.metadata))
+                     if any(getattr(m, "func", None) is _neutral for m in f.metadata))
+
+
+def _honoured(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) - NO_EFFECT - _refused(model)
 
 
 NO_EFFECT = frozenset(_NoEffect.model_fields)
@@ -358,14 +369,37 @@ def validate(model: type[BaseModel], body: dict, where: str, ignore_unknown: boo
     where its type says less)."""
     if ignore_unknown:
         body = {k: v for k, v in body.items() if k in model.model_fields}
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = refusals.first(e.errors(include_url=False), body)
-        field = str(err["loc"][0]) if err["loc"] else None
-        message, param = (f"`{field}` {must[field]}", field) if must and field in must else \
-            refusals.message(err, where)
-        raise APIError(message, param) from None
+    err = None if ignore_unknown else _unknown_first(model, body)
+    if err is None:
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            err = refusals.first(e.errors(include_url=False), body)
+    field = str(err["loc"][0]) if err["loc"] else None
+    message, param = (f"`{field}` {must[field]}", field) if must and field in must else refusals.message(err, where)
+    raise APIError(message, param) from None
+
+
+def _unknown_first(model: type[BaseModel], body: dict) -> dict | None:
+    """The error `refusals.first` would pick from pydantic's when `body` holds a field `model` forbids, found
+    without validating (pydantic builds the whole model first: `validate` of a 5-field completion body with an
+    unknown field took 13-19 us that way, 2-4 us this way): the first unknown field in body order, unless a refused
+    field with a value that is not neutral comes before it (then None: pydantic words that one)."""
+    forbid, fields, refused = _keys(model)
+    if not forbid:
+        return None
+    for key, value in body.items():
+        if key not in fields:
+            return {"type": "extra_forbidden", "loc": (key,), "msg": "Extra inputs are not permitted", "input": value}
+        if key in refused and not _is_neutral(key, value):
+            return None
+    return None
+
+
+@functools.cache
+def _keys(model: type[BaseModel]) -> tuple[bool, frozenset[str], frozenset[str]]:
+    """(whether `model` forbids unknown fields, its fields, those refused unless neutral)."""
+    return model.model_config.get("extra") == "forbid", frozenset(model.model_fields), _refused(model)
 
 
 def read_request(body: dict, chat: bool, limits: Limits) -> CompletionRequest | ChatRequest:

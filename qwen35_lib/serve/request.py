@@ -66,7 +66,12 @@ def parse(body: Any, text: Any, chat: bool, limits: Limits) -> Parsed:
     """A request body into prompts and sampling parameters, or an APIError naming the field."""
     check_sizes(body, limits)  # the bounded lists by length, before any walk over their values
     check_body(body, limits)
-    req = read_request(body, chat, limits)
+    return from_request(read_request(body, chat, limits), text, limits)
+
+
+def from_request(req: CompletionRequest | ChatRequest, text: Any, limits: Limits) -> Parsed:
+    """A validated request into prompts and sampling parameters (`parse` after its checks of the raw body)."""
+    chat = isinstance(req, ChatRequest)
     n = req.n or 1
     if (req.best_of or n) != n:
         raise APIError("`best_of` other than `n` is not supported (vLLM's V1 engine refuses it too); send `n`",

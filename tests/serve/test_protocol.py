@@ -294,6 +294,33 @@ def test_the_field_sets_are_the_models_fields():
     assert "prompt" in protocol.COMPLETION - protocol.CHAT and "messages" in protocol.CHAT - protocol.COMPLETION
 
 
+
+def test_unknown_fields_are_refused_as_pydantic_refuses_them(monkeypatch):
+    """`validate` finds an unknown field before building the model (`_unknown_first`); its answer is pydantic's for
+    every order of an unknown field, a refused field sent neutral or not, a value of the wrong type, a field of the
+    other route and a valid one, on both routes (the reference: the same calls with the shortcut off)."""
+    import itertools
+
+    parts = [("frobnicate", 1), ("suffix", "x"), ("suffix", None), ("n", "x"), ("messages", []), ("prompt", [1]),
+             ("tool_choice", "auto")]
+    bodies = [dict(c) for k in (1, 2, 3) for c in itertools.permutations(parts, k)]
+
+    def answers() -> list:
+        out = []
+        for model, where in ((protocol.CompletionRequest, "/v1/completions"), (protocol.ChatRequest, "/v1/chat")):
+            for body in bodies:
+                try:
+                    protocol.validate(model, body, where)
+                    out.append(None)
+                except protocol.APIError as e:
+                    out.append((e.param, e.message))
+        return out
+
+    fast = answers()
+    monkeypatch.setattr(protocol, "_unknown_first", lambda model, body: None)
+    assert answers() == fast
+    assert sum(a is not None and a[0] == "frobnicate" for a in fast) > 100 and fast.count(None) > 0
+
 def test_every_known_field_is_exercised():
     """No field is accepted without a test in this module sending it (honoured, neutral-only, or refused): every
     field the protocol knows is named, quoted, in this file (the structured-output fields: in test_structured.py,
