@@ -282,3 +282,54 @@ def test_fuzz_byte_flips_load_only_what_the_reference_loads(tmp_path, raw):
             assert (sl.get_dtype(), tuple(sl.get_shape())) == (SafeTensorsFile(path).tensors[name].dtype,
                                                               got[name].shape), name
     assert ref_names == got.keys()
+
+
+# the writer and the reader against the `safetensors` package (moved from the checkpoint tests)
+
+
+def test_safetensors_round_trip_and_interop(tmp_path):
+    """Our writer and reader agree with each other and with the `safetensors` package, for every dtype."""
+    torch = pytest.importorskip("torch")
+    import safetensors.numpy
+    import safetensors.torch
+
+    rng = np.random.default_rng(0)
+    arrays = {dt: rng.standard_normal((3, 5)).astype(dt) for dt in
+              ("float64", "float32", "float16", ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn)}
+    arrays.update({dt: rng.integers(-100, 100, (4,)).astype(dt) for dt in ("int64", "int32", "int16", "int8")})
+    tensors = {f"t.{np.dtype(dt).name}": a for dt, a in arrays.items()}
+    tensors.update({"u8": np.arange(7, dtype=np.uint8), "bool": np.array([True, False]), "empty": np.zeros((0, 3))})
+    safetensors_io.save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "np"})
+    with safetensors_io.SafeTensorsFile(tmp_path / "ours.safetensors") as f:
+        assert f.metadata == {"format": "np"}
+        for name, a in tensors.items():
+            got = f.get(name)
+            assert got.dtype == a.dtype and got.shape == a.shape and not got.flags.writeable
+            np.testing.assert_array_equal(got.view(np.uint8), a.view(np.uint8), err_msg=name)
+    with safetensors.safe_open(tmp_path / "ours.safetensors", "pt") as f:  # the reference reader reads our file
+        for name, a in tensors.items():
+            t = f.get_tensor(name)
+            if a.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):  # numpy-less dtypes: compare the bits
+                t, a = t.view(torch.uint8), a.view(np.uint8)
+            np.testing.assert_array_equal(t.numpy(), a, err_msg=name)
+    plain = {n: a for n, a in tensors.items() if "bfloat16" not in n and "float8" not in n}
+    torch_tensors = {"bf16": torch.randn(4, 3).bfloat16(), "f8": torch.randn(5).to(torch.float8_e4m3fn)}
+    safetensors.torch.save_file(torch_tensors, tmp_path / "torch.safetensors")
+    safetensors.numpy.save_file(plain, tmp_path / "np.safetensors")
+    ours = safetensors_io.load_file(tmp_path / "torch.safetensors")
+    for name, t in torch_tensors.items():
+        np.testing.assert_array_equal(ours[name].view(np.uint8), t.view(torch.uint8).numpy(), err_msg=name)
+    for name, a in safetensors_io.load_file(tmp_path / "np.safetensors").items():
+        np.testing.assert_array_equal(a, plain[name], err_msg=name)
+
+
+def test_safetensors_rejects_bad_files(tmp_path):
+    (tmp_path / "short").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        safetensors_io.SafeTensorsFile(tmp_path / "short")
+    safetensors_io.save_file({"x": np.zeros(10, np.float32)}, tmp_path / "x.safetensors")
+    data = (tmp_path / "x.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    with pytest.raises(safetensors_io.SafeTensorsError, match=r"cover 40 data bytes, the file holds 32: truncated"):
+        safetensors_io.SafeTensorsFile(tmp_path / "cut.safetensors")
+
