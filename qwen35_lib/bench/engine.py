@@ -43,30 +43,22 @@ cache), timed interleaved; the greedy tokens compared request by request. Each t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import sys
-import tempfile
-import time
-from typing import Any
-
-import numpy as np
 
 from qwen35_lib.bench import workloads as wl
+from qwen35_lib.bench.closed_loop import ablate_experts, engine_config, knobs, measure_run
 from qwen35_lib.bench.timing import (
-    BusyMonitor,
     environment,
     format_table,
-    measure,
     native_isa_text,
-    progress,
     ratio_text,
     warn_if_busy,
-    xla_cpu_threads,
 )
-from qwen35_lib.config import Config, get_config
-from qwen35_lib.plan import SINGLE, ServingPlan
+from qwen35_lib.bench.vs_transformers import compare_with_transformers, hf_twin, reference_available
+from qwen35_lib.config import get_config
+from qwen35_lib.plan import SINGLE
 
 DESCRIPTION = ("serving throughput, TTFT, TPOT of the engine per workload and concurrency (closed loop); "
                "decode vs transformers' generate")
@@ -74,7 +66,6 @@ DEFAULTS = dict(model="qwen3.5-mini", concurrency="1,8,64", workloads="8k/1k,1k/
                 vs_requests=8)
 QUICK = dict(model="qwen3.5-tiny", concurrency="1,2", workloads="1k/1k", scale="1/64", vs_requests=2)
 DECODE_TARGET = 4.0  # decode tokens/s at the largest concurrency over that at 1
-VS_TARGET = 2.0  # our output tokens/s over transformers' at `vs_requests`
 PAGE_SIZE = 16
 
 
@@ -103,361 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "costs per step kind, unprofiled (default: on)")
     p.add_argument("--quick", action="store_true",
                    help="a small end-to-end run (tiny model, concurrency 1,2, 1k/1k at 1/64, one repeat)")
-
-
-# --- the engine under a closed loop ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StepLog:
-    """What each engine step did and how long it took (seconds)."""
-
-    wall: list[float] = dataclasses.field(default_factory=list)  # the whole `engine.step()` call
-    device: list[float] = dataclasses.field(default_factory=list)  # the jitted step, until its tokens are ready
-    tokens: list[int] = dataclasses.field(default_factory=list)  # new tokens fed (decodes + prefill chunks)
-    decode_only: list[bool] = dataclasses.field(default_factory=list)  # every sequence fed one token and sampled
-    traced: list[int] = dataclasses.field(default_factory=list)  # compilations during the step
-    contexts: list[list[int]] = dataclasses.field(default_factory=list)  # per step, each sequence's context after it
-    cpu_share: float | None = None  # this process's CPU seconds / (wall seconds x cores): low = others competed
-    loadavg: float | None = None  # 1-minute load average at the end
-
-
-def _cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def run_requests(config: Config, weights: dict, ec, requests: list[tuple[list[int], int]], desc: str,
-                 plan: ServingPlan = SINGLE):
-    """Submit every request at once, step the engine until all are done; returns (engine, StepLog, wall seconds).
-
-    A tqdm bar on stderr counts output tokens.
-    """
-    from qwen35_lib.engine import Engine, SamplingParams
-
-    engine = Engine(config, weights, ec, plan=plan)
-    log = StepLog()
-    cpu_start, wall_start = _cpu_seconds(), time.perf_counter()
-    with progress(sum(o for _, o in requests), desc) as bar:
-        for prompt, out in requests:
-            engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
-        while engine.has_work:
-            contexts = [r.computed + 1 for sched in engine.ranks for r in sched.running]  # if it decodes them all
-            traces, start = engine.stats.traces, time.perf_counter()
-            events = engine.step()
-            log.contexts.append(contexts)
-            log.wall.append(time.perf_counter() - start)
-            fed, seqs = engine.stats.tokens[-1], engine.stats.seqs[-1]
-            log.tokens.append(fed)
-            log.decode_only.append(fed == seqs == len(events))
-            log.traced.append(engine.stats.traces - traces)
-            bar.update(len(events))
-    log.device = list(engine.stats.step_seconds)
-    log.cpu_share = (_cpu_seconds() - cpu_start) / ((time.perf_counter() - wall_start) * (os.cpu_count() or 1))
-    log.loadavg = _loadavg()
-    results = list(engine.results.values())
-    wall = max(r.token_times[-1] for r in results) - min(r.arrival for r in results)
-    return engine, log, wall
-
-
-def _percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
-    return {"p50": float(np.percentile(values, 50)) * scale, "p99": float(np.percentile(values, 99)) * scale}
-
-
-def step_split(log: StepLog, steps: list[int]) -> dict | None:
-    """Per step (p50 and mean, ms): the whole `engine.step()`, the jitted step in it (dispatch, the device,
-    its tokens read back: `Engine.stats.step_seconds`), and the host rest (scheduling, packing, transfers in,
-    sampling bookkeeping)."""
-    if not steps or not log.device:
-        return None
-    wall = np.array([log.wall[i] for i in steps]) * 1e3
-    jitted = np.array([log.device[i] for i in steps]) * 1e3
-    host = wall - jitted
-    stat = lambda a: {"p50": float(np.median(a)), "mean": float(np.mean(a))}
-    return {"steps": len(steps), "wall_ms": stat(wall), "jitted_ms": stat(jitted), "host_ms": stat(host),
-            "host_fraction": float(host.sum() / wall.sum())}
-
-
-def decode_roofline(config: Config, log: StepLog, steps: list[int], bandwidth: float | None) -> dict | None:
-    """The decode steps' fraction of the memory roofline: Σ (bytes each must read / `bandwidth`) over Σ their
-    measured time (the jitted step, and the whole step), with the mean bytes per step and their parts."""
-    from qwen35_lib.bench.roofline import decode_bytes
-
-    if not steps or not bandwidth or not log.device:
-        return None
-    parts = [decode_bytes(config, log.contexts[i]) for i in steps]
-    need = sum(p["total"] for p in parts) / bandwidth
-    return {"bandwidth_gb_s": bandwidth / 1e9, "mean_bytes_per_step": float(np.mean([p["total"] for p in parts])),
-            "mean_bytes_by_part": {k: float(np.mean([p[k] for p in parts])) for k in parts[0] if k != "total"},
-            "roofline_ms_per_step": 1e3 * need / len(steps),
-            "fraction_of_jitted": need / sum(log.device[i] for i in steps),
-            "fraction_of_step": need / sum(log.wall[i] for i in steps)}
-
-
-def metrics(engine, log: StepLog, wall: float, bandwidth: float | None = None) -> dict:
-    """Throughput, latency percentiles and where the time went, for one finished closed-loop run."""
-    results = list(engine.results.values())
-    out_tokens = sum(len(r.output_ids) for r in results)
-    in_tokens = sum(len(r.prompt_ids) for r in results)
-    dec = [i for i, d in enumerate(log.decode_only) if d]
-    pre = [i for i, d in enumerate(log.decode_only) if not d]
-    dec_time = sum(log.wall[i] for i in dec)
-    step_time, device_time = sum(log.wall), sum(log.device) if log.device else None
-    return {
-        "requests": len(results),
-        "input_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "wall_s": wall,
-        "output_tokens_per_s": out_tokens / wall,
-        "total_tokens_per_s": (in_tokens + out_tokens) / wall,
-        "ttft_ms": _percentiles([r.ttft for r in results]),
-        "tpot_ms": _percentiles([r.tpot for r in results]),
-        "steps": engine.stats.steps,
-        "mean_tokens_per_step": float(np.mean(log.tokens)),
-        "mean_seqs_per_step": float(np.mean(engine.stats.seqs)),
-        "decode_steps": len(dec),
-        "prefill_steps": len(pre),
-        "mixed_steps": engine.stats.mixed_steps,
-        "decode_tokens_per_s": sum(log.tokens[i] for i in dec) / dec_time if dec_time else None,
-        "decode_step_ms": _percentiles([log.wall[i] for i in dec]) if dec else None,
-        "prefill_tokens_per_s": sum(log.tokens[i] for i in pre) / sum(log.wall[i] for i in pre) if pre else None,
-        "time_s": {"prefill_steps": sum(log.wall[i] for i in pre), "decode_steps": dec_time,
-                   "device": device_time, "host_in_steps": step_time - device_time if device_time else None,
-                   "outside_steps": wall - step_time},
-        "per_step": {"decode": step_split(log, dec), "prefill": step_split(log, pre)},
-        "decode_roofline": decode_roofline(engine.config, log, dec, bandwidth),
-        "preemptions": engine.preemptions,
-        "recomputed_tokens": sum(engine.stats.recomputed),  # computed again after a preemption
-        "waste": engine.stats.waste,  # recomputed over useful (computed once) tokens
-        "cpu_share": log.cpu_share,
-        "loadavg_1m_after": log.loadavg,
-        "traces": engine.stats.traces,
-        "buckets": sorted(list(b) for b in engine.stats.buckets),
-    }
-
-
-def engine_config(n: int, max_model_len: int, budget: int, page_size: int):
-    """Knobs under which n requests of up to max_model_len tokens run together without preemption."""
-    from qwen35_lib.engine import EngineConfig
-
-    return EngineConfig(max_num_seqs=n, max_num_batched_tokens=budget, page_size=page_size, num_pages=None,
-                        max_model_len=max_model_len)
-
-
-def knobs(config: Config, ec) -> dict:
-    from qwen35_lib.engine.cache import cache_bytes
-
-    shape = ec.cache_shape()
-    return {"max_num_seqs": ec.max_num_seqs, "max_num_batched_tokens": ec.max_num_batched_tokens,
-            "page_size": ec.page_size, "num_pages": ec.pages, "max_model_len": ec.max_model_len, "ranks": ec.ranks,
-            "cache_mib": cache_bytes(config, shape) / 2**20}
-
-
-def measure_run(config: Config, weights: dict, ec, requests, label: str, machine: dict | None = None,
-                profile: bool = True, plan: ServingPlan = SINGLE) -> dict:
-    """Compile every bucket the run will use (`Engine.precompile`, timed on its own), then the measured run
-    (again if it still compiled something), then (`profile`, with the `machine`'s floors) the profiled replay."""
-    from qwen35_lib.engine import Engine
-
-    start = time.perf_counter()
-    info = Engine(config, weights, ec, plan=plan).precompile([len(p) for p, _ in requests],
-                                                             [o for _, o in requests])
-    compile_info = {"wall_s": time.perf_counter() - start, "buckets": [list(b) for b in info["buckets"]],
-                    "traces": info["compiled"], "compile_steps_s": info["seconds"]}
-    with BusyMonitor() as monitor:
-        engine, log, wall = run_requests(config, weights, ec, requests, label, plan)
-    remeasured = engine.stats.traces > 0
-    if remeasured:
-        print(f"note: {label}: the measured run compiled {engine.stats.traces} step(s) precompile did not; "
-              "measuring again", file=sys.stderr)
-        with BusyMonitor() as monitor:
-            engine, log, wall = run_requests(config, weights, ec, requests, f"{label} again", plan)
-    m = metrics(engine, log, wall, machine["copy_bandwidth_gb_s"] * 1e9 if machine else None)
-    m |= {"compile": compile_info, "remeasured": remeasured, "load": monitor.result()}
-    if profile and machine:
-        host = {k: v["host_ms"]["mean"] for k, v in m["per_step"].items() if v}
-        m["profile"] = profile_run(config, weights, ec, requests, machine, host, plan)
-    return m
-
-
-def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host_ms: dict,
-                plan: ServingPlan = SINGLE) -> dict:
-    """Where each step kind's time goes (`bench.profile`): the run replayed under `jax.profiler` on a fresh engine
-    (the same requests and compiled buckets), each step's executable split into components by the named scopes
-    of its ops, beside each component's floors (`roofline.step_components` of the step's own tokens and
-    contexts, over the bandwidth and matmul peak measured in this run); `host_ms` per kind from the measured run.
-
-    1. Wrap the engine's step function to record each step's bucket, new tokens and contexts (host arrays);
-    2. trace the whole run; match the step executions (in start order) to the recorded steps;
-    3. per bucket, the op_name of every instruction from its compiled HLO (compiled already: a cache hit);
-    4. per kind (decode: every sequence fed one token; prefill: the rest), `profile.summarize`.
-    """
-    from qwen35_lib.bench import profile as prof
-    from qwen35_lib.bench.roofline import component_floors, step_components
-    from qwen35_lib.engine import Engine, SamplingParams
-    from qwen35_lib.engine.engine import engine_step
-    from qwen35_lib.model.layer_loop import prepare_weights
-
-    engine = Engine(config, weights, ec, plan=plan)
-    steps: list[dict] = []
-    first_args: dict[tuple, tuple] = {}
-
-    def recording_step(cfg, plan, w, cache, tokens, meta, samp):
-        q, kv = np.asarray(meta.q_len).ravel(), np.asarray(meta.kv_len).ravel()
-        bucket_key = (int(np.shape(meta.decode_seq)[-1]), int(np.shape(tokens)[-1]))
-        first_args.setdefault(bucket_key, (tokens, meta, samp))
-        steps.append({"bucket": bucket_key, "q": q, "kv": kv, "decode": bool(np.all(q[q > 0] == 1))})
-        return engine_step(cfg, plan, w, cache, tokens, meta, samp)
-
-    engine.step_fn = recording_step  # no `lower`: the memory check is skipped (it ran in the measured run)
-
-    def run():
-        for prompt, out in requests:
-            engine.add_request(prompt, SamplingParams(max_new_tokens=out, ignore_eos=True))
-        while engine.has_work:
-            engine.step()
-
-    lines = prof.trace(run, calls=1)
-    pw = prepare_weights(engine.config, weights, engine.plan)
-    lower = lambda args: engine_step.lower(engine.config, engine.plan, pw, engine.cache, *args)
-    names = {b: prof.op_names(lower(args).compile().as_text()) for b, args in first_args.items()}
-    module = "jit_engine_step"
-    order = prof.execution_order(lines, module)
-    if len(order) != len(steps):
-        return {"error": f"{len(order)} step executions traced for {len(steps)} steps; no profile"}
-    bucket_of = {rid: s["bucket"] for rid, s in zip(order, steps)}
-    per_run = prof.component_times(lines, lambda rid: names.get(bucket_of.get(rid), {}), module)
-    walls = prof.execution_walls(lines, module)
-    bw, peak = machine["copy_bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
-    out = {"method": prof.__doc__.splitlines()[0], "profiled_steps": len(steps)}
-    for kind in ("decode", "prefill"):
-        idx = [i for i, s in enumerate(steps) if s["decode"] == (kind == "decode")]
-        if not idx:
-            continue
-        floors = [component_floors(step_components(config, steps[i]["q"], steps[i]["kv"],
-                                                   int(np.sum(steps[i]["q"] > 0))), bw, peak) for i in idx]
-        runs = [order[i] for i in idx]
-        out[kind] = prof.summarize(per_run, runs, floors, walls, host_ms.get(kind))
-        out[kind]["top_ops"] = prof.top_ops(lines, lambda rid: names.get(bucket_of.get(rid), {}), module, runs)
-    return out
-
-
-# --- vs transformers -------------------------------------------------------------------------------------------
-
-
-def hf_twin(config: Config, seed: int) -> tuple[Any, Config, dict]:
-    """(the seeded random HF model of `config`, and our (config, float32 weights) loaded from its checkpoint).
-
-    The same construction as `vs-transformers`: `make_hf_model` with `hf_fields(config)`, `save_pretrained`,
-    `load_hf_checkpoint`, and a check that the loaded config is the preset's architecture.
-    """
-    from qwen35_lib.bench.vs_transformers import check_same_model, hf_fields
-    from qwen35_lib.checkpoint import load_hf_checkpoint
-    from qwen35_lib.testing import make_hf_model
-
-    hf = make_hf_model("qwen3_5_moe", seed=seed, dtype="float32", **hf_fields(config))
-    with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
-        hf.save_pretrained(tmp)
-        ours, weights = load_hf_checkpoint(tmp, dtype="float32")
-    check_same_model(config, ours)
-    return hf, ours, weights
-
-
-def _reference_available() -> bool:
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def hf_generate(hf, requests: list[tuple[list[int], int]]) -> Any:
-    """transformers' greedy `generate` on one left-padded batch, max_new_tokens = the longest output, EOS off.
-
-    Returns the generated ids [B, max_new] (torch)."""
-    import torch
-
-    B, L = len(requests), max(len(p) for p, _ in requests)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for i, (p, _) in enumerate(requests):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in requests),
-                          do_sample=False, pad_token_id=0)
-    return out[:, L:]
-
-
-def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, repeats: int,
-                              plan: ServingPlan = SINGLE) -> dict:
-    """Our engine vs transformers' generate on the same requests, timed interleaved; greedy tokens compared."""
-    import torch
-    import transformers
-
-    from qwen35_lib.engine import Engine, SamplingParams
-
-    hf.generation_config.eos_token_id = None  # ignore_eos on both sides: exact lengths
-    n_out = sum(o for _, o in requests)
-    hf_new = max(o for _, o in requests)
-
-    start = time.perf_counter()
-    info = Engine(config, weights, ec, plan=plan).precompile([len(p) for p, _ in requests],
-                                                             [o for _, o in requests])
-    compile_s = time.perf_counter() - start
-
-    def ours():
-        results = Engine(config, weights, ec, plan=plan).generate(
-            [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
-        return [r.output_ids for r in results]
-
-    with BusyMonitor() as monitor:
-        timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
-                                   repeats=repeats, warmup=1, settle=0,
-                                   desc=f"vs transformers, {len(requests)} requests")
-    hf_ids = outputs["transformers"].tolist()
-    same_prefix = []
-    for mine, theirs, (_, o) in zip(outputs["ours"], hf_ids, requests):
-        k = next((i for i, (a, b) in enumerate(zip(mine, theirs[:o])) if a != b), o)
-        same_prefix.append(k)
-    t_ours, t_hf = timings["ours"].median, timings["transformers"].median
-    tps = {"ours": n_out / t_ours, "transformers": len(requests) * hf_new / t_hf,
-           "transformers_useful": n_out / t_hf}
-    return {
-        "requests": len(requests),
-        "prompt_lengths": [len(p) for p, _ in requests],
-        "output_lengths": [o for _, o in requests],
-        "dtype": "float32",
-        "transformers": {"version": transformers.__version__, "torch": torch.__version__,
-                         "threads": torch.get_num_threads(), "mode": "generate, greedy, left-padded batch, "
-                         f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
-                         "attention": hf.config._attn_implementation,
-                         "experts": getattr(hf.config, "_experts_implementation", None)},
-        "ours": {"engine": knobs(config, ec), "moe_kernel": _moe_kernel(plan), "threads": xla_cpu_threads(),
-                 "precompile": {"seconds": compile_s, "buckets": len(info["buckets"]), "traces": info["compiled"]}},
-        "timings": {n: t.to_json() for n, t in timings.items()},
-        "output_tokens_per_s": tps,
-        "speedup": tps["ours"] / tps["transformers"],
-        "speedup_useful": tps["ours"] / tps["transformers_useful"],
-        "load": monitor.result(),
-        "target": VS_TARGET,
-        "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
-                         "first_32_identical": sum(k >= min(32, o) for k, (_, o) in zip(same_prefix, requests)),
-                         "tokens_before_first_difference": same_prefix,
-                         "tokens_compared": n_out},
-    }
-
-
-def _moe_kernel(plan: ServingPlan) -> str:
-    return plan.kernel("moe_matmul")
 
 
 # --- the benchmark ---------------------------------------------------------------------------------------------
@@ -490,8 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     opts = _resolve(args)
     vs = args.vs_transformers
     if vs is None:
-        vs = _reference_available()
-    elif vs and not _reference_available():
+        vs = reference_available()
+    elif vs and not reference_available():
         raise ValueError("--vs-transformers needs the 'reference' extra (torch, transformers); install with: "
                          "pip install -e '.[reference]'")
     load_before = warn_if_busy()
@@ -518,7 +154,8 @@ def run(args: argparse.Namespace) -> dict:
                                                 round(wl.max_num_batched_tokens() * wl.parse_factor(scale)))
     configs = {n: engine_config(n, max_len, budget, args.page_size) for n in opts["concurrency"]}
     print(f"engine benchmark: {config.name} ({'the HF twin, ' if vs else ''}random weights, seed {args.seed}), "
-          f"{config.dtype}, moe_matmul={_moe_kernel(plan)}, native kernels {native_isa_text()}; lengths x{scale}: "
+          f"{config.dtype}, moe_matmul={plan.kernel('moe_matmul')}, native kernels {native_isa_text()}; "
+          f"lengths x{scale}: "
           + ", ".join(f"{n} -> {w.input_len}/{w.output_len}" for n, w in loads.items())
           + f" (each uniform in [{next(iter(loads.values())).range_ratio} L, L]); closed loop, all N requests at t=0, "
           "ignore_eos")
@@ -558,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
         "dtype": config.dtype,
         "weights": "HF twin (make_hf_model), loaded with load_hf_checkpoint" if vs else "init_weights",
         "seed": args.seed,
-        "moe_kernel": _moe_kernel(plan),
+        "moe_kernel": plan.kernel("moe_matmul"),
         "scale": scale,
         "workloads": {name: w.to_json() for name, w in loads.items()},
         "concurrency": opts["concurrency"],
@@ -618,45 +255,6 @@ def decode_scaling(runs: list[dict]) -> dict | None:
     for k, v in out.items():
         if v["withheld"]:
             print(f"{k}: ratios withheld: {v['withheld']}")
-    return out
-
-
-ZERO_EXPERTS = "bench_zero_experts"  # the ablation's moe_matmul: zeros, registered for the ablated run only
-
-
-def zero_experts(kernel):
-    """A `moe_matmul` that computes nothing (y_sorted = 0 [N, D]) and fuses the dispatch and combine where `kernel`
-    does (then the routed experts' output is 0 [T, D], with no dispatch or combine either)."""
-    import jax.numpy as jnp
-
-    def zeros(x, group_sizes, w_gate_up, w_down, fp8_block=None):
-        return jnp.zeros_like(x)
-
-    if hasattr(kernel, "fuses"):
-        zeros.fuses = kernel.fuses
-        zeros.fused = lambda x, ids, weights, num_groups, w_gate_up, w_down, fp8_block=None: jnp.zeros_like(x)
-    return zeros
-
-
-def ablate_experts(config: Config, weights: dict, ec, requests, label: str, measured: dict,
-                   plan: ServingPlan = SINGLE) -> dict:
-    """The run again with the grouped matmul replaced by zeros (`ZERO_EXPERTS`, fusing where the plan's kernel
-    fuses): per step kind, the jitted step's p50 with and without it, the difference and its share of the step
-    (`measured`: the run's `metrics`)."""
-    from qwen35_lib.kernels import registry
-
-    kernel = registry.get("moe_matmul", plan.kernel("moe_matmul"))
-    with registry.registered("moe_matmul", ZERO_EXPERTS, zero_experts(kernel)):
-        zero = measure_run(config, weights, ec, requests, f"{label} zero experts", profile=False,
-                           plan=plan.replace(moe_kernel=ZERO_EXPERTS))
-    out = {"load": zero["load"]}
-    for kind, split in measured["per_step"].items():
-        other = zero["per_step"].get(kind)
-        if not split or not other:
-            continue
-        with_ms, without_ms = split["jitted_ms"]["p50"], other["jitted_ms"]["p50"]
-        out[kind] = {"with_ms": with_ms, "without_ms": without_ms, "experts_ms": with_ms - without_ms,
-                     "share": (with_ms - without_ms) / with_ms}
     return out
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
 
+from qwen35_lib.bench.closed_loop import knobs
 from qwen35_lib.bench.timing import (
     BusyMonitor,
     environment,
@@ -32,6 +34,7 @@ from qwen35_lib.bench.timing import (
     xla_cpu_threads,
 )
 from qwen35_lib.config import Config, get_config
+from qwen35_lib.plan import SINGLE, ServingPlan
 from qwen35_lib.versions import installed_version
 
 DESCRIPTION = "prefill tokens/s: our jitted forward vs HF transformers eager (float32, same random weights)"
@@ -267,3 +270,113 @@ def _import_reference():
         raise ValueError(f"vs-transformers needs the 'reference' extra (torch, transformers): {e}; "
                          "install with: pip install -e '.[reference]'") from None
     return torch
+
+
+# --- the engine's generate vs transformers' (`bench engine --vs-transformers`) ---------------------------------
+
+VS_TARGET = 2.0  # our output tokens/s over transformers' at `bench engine`'s vs_requests
+
+
+def hf_twin(config: Config, seed: int) -> tuple[Any, Config, dict]:
+    """(the seeded random HF model of `config`, and our (config, float32 weights) loaded from its checkpoint).
+
+    The same construction as `vs-transformers`: `make_hf_model` with `hf_fields(config)`, `save_pretrained`,
+    `load_hf_checkpoint`, and a check that the loaded config is the preset's architecture.
+    """
+    from qwen35_lib.bench.vs_transformers import check_same_model, hf_fields
+    from qwen35_lib.checkpoint import load_hf_checkpoint
+    from qwen35_lib.testing import make_hf_model
+
+    hf = make_hf_model("qwen3_5_moe", seed=seed, dtype="float32", **hf_fields(config))
+    with tempfile.TemporaryDirectory(prefix="qwen35_bench_") as tmp:
+        hf.save_pretrained(tmp)
+        ours, weights = load_hf_checkpoint(tmp, dtype="float32")
+    check_same_model(config, ours)
+    return hf, ours, weights
+
+
+def reference_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hf_generate(hf, requests: list[tuple[list[int], int]]) -> Any:
+    """transformers' greedy `generate` on one left-padded batch, max_new_tokens = the longest output, EOS off.
+
+    Returns the generated ids [B, max_new] (torch)."""
+    import torch
+
+    B, L = len(requests), max(len(p) for p, _ in requests)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for i, (p, _) in enumerate(requests):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(o for _, o in requests),
+                          do_sample=False, pad_token_id=0)
+    return out[:, L:]
+
+
+def compare_with_transformers(hf, config: Config, weights: dict, ec, requests, repeats: int,
+                              plan: ServingPlan = SINGLE) -> dict:
+    """Our engine vs transformers' generate on the same requests, timed interleaved; greedy tokens compared."""
+    import torch
+    import transformers
+
+    from qwen35_lib.engine import Engine, SamplingParams
+
+    hf.generation_config.eos_token_id = None  # ignore_eos on both sides: exact lengths
+    n_out = sum(o for _, o in requests)
+    hf_new = max(o for _, o in requests)
+
+    start = time.perf_counter()
+    info = Engine(config, weights, ec, plan=plan).precompile([len(p) for p, _ in requests],
+                                                             [o for _, o in requests])
+    compile_s = time.perf_counter() - start
+
+    def ours():
+        results = Engine(config, weights, ec, plan=plan).generate(
+            [p for p, _ in requests], [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in requests])
+        return [r.output_ids for r in results]
+
+    with BusyMonitor() as monitor:
+        timings, outputs = measure({"ours": ours, "transformers": lambda: hf_generate(hf, requests)},
+                                   repeats=repeats, warmup=1, settle=0,
+                                   desc=f"vs transformers, {len(requests)} requests")
+    hf_ids = outputs["transformers"].tolist()
+    same_prefix = []
+    for mine, theirs, (_, o) in zip(outputs["ours"], hf_ids, requests):
+        k = next((i for i, (a, b) in enumerate(zip(mine, theirs[:o])) if a != b), o)
+        same_prefix.append(k)
+    t_ours, t_hf = timings["ours"].median, timings["transformers"].median
+    tps = {"ours": n_out / t_ours, "transformers": len(requests) * hf_new / t_hf,
+           "transformers_useful": n_out / t_hf}
+    return {
+        "requests": len(requests),
+        "prompt_lengths": [len(p) for p, _ in requests],
+        "output_lengths": [o for _, o in requests],
+        "dtype": "float32",
+        "transformers": {"version": transformers.__version__, "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "mode": "generate, greedy, left-padded batch, "
+                         f"max_new_tokens={hf_new} for every row, eager, torch.no_grad, KV/state cache",
+                         "attention": hf.config._attn_implementation,
+                         "experts": getattr(hf.config, "_experts_implementation", None)},
+        "ours": {"engine": knobs(config, ec), "moe_kernel": plan.kernel("moe_matmul"), "threads": xla_cpu_threads(),
+                 "precompile": {"seconds": compile_s, "buckets": len(info["buckets"]), "traces": info["compiled"]}},
+        "timings": {n: t.to_json() for n, t in timings.items()},
+        "output_tokens_per_s": tps,
+        "speedup": tps["ours"] / tps["transformers"],
+        "speedup_useful": tps["ours"] / tps["transformers_useful"],
+        "load": monitor.result(),
+        "target": VS_TARGET,
+        "greedy_match": {"requests_identical": sum(k == o for k, (_, o) in zip(same_prefix, requests)),
+                         "first_32_identical": sum(k >= min(32, o) for k, (_, o) in zip(same_prefix, requests)),
+                         "tokens_before_first_difference": same_prefix,
+                         "tokens_compared": n_out},
+    }
+

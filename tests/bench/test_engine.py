@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from qwen35_lib.bench import engine as engine_bench
+from qwen35_lib.bench import closed_loop
 from qwen35_lib.bench.__main__ import main
 from qwen35_lib.kernels import available
 
@@ -58,7 +58,7 @@ def test_engine_bench_smoke(tmp_path):
     _check_doc(doc, [1, 2], plot)
     assert doc["vs_transformers"] is None
     assert all({"decode", "prefill"} <= set(r["ablation"]) for r in doc["runs"])
-    assert engine_bench.ZERO_EXPERTS not in available("moe_matmul")  # registered for the ablated runs only
+    assert closed_loop.ZERO_EXPERTS not in available("moe_matmul")  # registered for the ablated runs only
     assert doc["decode_scaling"]["1k/1k"]["low"] == 1 and doc["decode_scaling"]["1k/1k"]["high"] == 2
 
 
@@ -75,16 +75,3 @@ def test_engine_bench_vs_transformers_smoke(tmp_path):
     assert vs["requests"] == 2 and vs["dtype"] == "float32" and vs["speedup"] > 0
     assert vs["greedy_match"]["requests_identical"] == 2  # same weights, float32 both: the same greedy tokens
     assert vs["greedy_match"]["first_32_identical"] == 2 and vs["ours"]["precompile"]["buckets"] > 0
-
-
-def test_the_zero_experts_fuse_where_the_measured_kernel_does():
-    import jax.numpy as jnp
-
-    from qwen35_lib.kernels import get
-
-    native, ragged = get("moe_matmul", "native"), get("moe_matmul", "ragged_dot")
-    fused = engine_bench.zero_experts(native)
-    assert fused.fuses is native.fuses and not hasattr(engine_bench.zero_experts(ragged), "fuses")
-    x = jnp.ones((3, 4))
-    assert not fused.fused(x, jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2)), 5, None, None).any()
-    assert not fused(x, jnp.array([3], jnp.int32), None, None).any()
