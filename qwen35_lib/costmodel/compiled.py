@@ -349,7 +349,7 @@ def sampling_passes(hlo_text: str, config: Config, rows: int) -> float:
     of the step's one conditional (`engine.sampling.sample`: the argmax when every row is greedy, else the sort over
     the vocabulary with its top-k / top-p / min-p masks and the draw; `parallel.hlo.op_rows` counts the costlier
     branch, as a batch with a sampled row runs it). `rows`: the sequences one device samples."""
-    branches = [line for lines in hlo._computations(hlo_text).values() for line in lines if " conditional(" in line]
+    branches = [line for lines in hlo.computations(hlo_text).values() for line in lines if " conditional(" in line]
     if len(branches) != 1:
         raise ValueError(f"the step should hold one conditional (the sampler), found {len(branches)}")
     inside = set().union(*(hlo.called(hlo_text, b.strip().lstrip("%"))
@@ -402,7 +402,7 @@ def gdn_state_passes(hlo_text: str, config: Config, sequences: int) -> float:
             d = [int(x) for x in dims.split(",") if x]
             if f"{dims}]".endswith(tail) and len(d) >= 4 and d[-4] >= sequences:
                 moved += r.bytes
-                state = d[-3] * d[-2] * d[-1] * hlo._BYTES[dt]
+                state = d[-3] * d[-2] * d[-1] * hlo.BYTES[dt]
                 break
     return moved / (ops.sizes(c)["n_gdn"] * sequences * state) if state else 0.0
 
@@ -427,11 +427,11 @@ def step_parts(hlo_text: str) -> dict[str, list]:
         raise ValueError(f"loops of unknown trip count: {once}; step_parts reads a Pallas stage's step")
     named, operands = {}, {}
     for line in hlo_text.splitlines():
-        m = hlo._INSTR.match(line)
+        m = hlo.INSTR.match(line)
         if m:
-            j = hlo._OP_NAME.search(line)
-            named[m[2]] = (hlo._block(line), j[1], m[2]) if j else None
-            operands[m[2]] = hlo._VAR.findall(m[5])
+            j = hlo.OP_NAME.search(line)
+            named[m[2]] = (hlo.block(line), j[1], m[2]) if j else None
+            operands[m[2]] = hlo.VAR.findall(m[5])
 
     def source(var: str, seen: int = 0) -> tuple[str, str, str] | None:  # (block, jax name, HLO name)
         if named.get(var) or seen > 16:

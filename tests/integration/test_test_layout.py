@@ -16,6 +16,7 @@ PACKAGES = {"qwen35_lib": pathlib.PurePosixPath(), "playbook": pathlib.PurePosix
 EXEMPT = {
     "qwen35_lib/__init__.py", "qwen35_lib/costmodel/__init__.py", "qwen35_lib/engine/__init__.py",
     "qwen35_lib/kernels/__init__.py", "qwen35_lib/model/__init__.py", "qwen35_lib/parallel/__init__.py",
+    "qwen35_lib/parallel/hlo/__init__.py",
     "qwen35_lib/plan/__init__.py", "qwen35_lib/serve/__init__.py", "qwen35_lib/viz/__init__.py",
     "playbook/__init__.py",
 }
