@@ -48,16 +48,26 @@ class SamplingParams:
     def __post_init__(self):
         """Types first (a TypeError naming every wrong one), then ranges (a ValueError); numbers are stored as
         Python ints and floats (numpy scalars accepted), id lists as tuples."""
-        ints = ("max_new_tokens", "top_k", "seed", "min_tokens")
-        reals = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-        wrong = [f"{f} must be an integer, got {getattr(self, f)!r}" for f in ints if not _is_int(getattr(self, f))]
-        wrong += [f"{f} must be a number, got {getattr(self, f)!r}" for f in reals if not _is_real(getattr(self, f))]
+        wrong = self._type_errors()
+        if wrong:
+            raise TypeError("invalid sampling parameters: " + "; ".join(wrong))
+        self._normalise()
+        problems = self._range_errors()
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    _INTS = ("max_new_tokens", "top_k", "seed", "min_tokens")
+    _REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+    def _type_errors(self) -> list[str]:
+        wrong = [f"{f} must be an integer, got {getattr(self, f)!r}" for f in self._INTS
+                 if not _is_int(getattr(self, f))]
+        wrong += [f"{f} must be a number, got {getattr(self, f)!r}" for f in self._REALS
+                  if not _is_real(getattr(self, f))]
         for f in ("stop_token_ids", "allowed_token_ids"):
             if not _ids_or_none(getattr(self, f)):
                 wrong.append(f"{f} must be None or a sequence of integer token ids, got {getattr(self, f)!r}")
-        bias = self.logit_bias
-        if isinstance(bias, dict):
-            bias = tuple(bias.items())
+        bias = _pairs(self.logit_bias)
         if bias is not None and not (isinstance(bias, (tuple, list)) and all(
                 isinstance(p, (tuple, list)) and len(p) == 2 and _is_int(p[0]) and _is_real(p[1]) for p in bias)):
             wrong.append(f"logit_bias must be None, a dict or (token id, bias) pairs, got {self.logit_bias!r}")
@@ -70,41 +80,42 @@ class SamplingParams:
         if self.structured is not None and not callable(getattr(self.structured, "matcher", None)):
             wrong.append(f"structured must be None or a compiled grammar (engine.structured), got "
                          f"{type(self.structured).__name__}")
-        if wrong:
-            raise TypeError("invalid sampling parameters: " + "; ".join(wrong))
-        for f in ints:
+        return wrong
+
+    def _normalise(self) -> None:
+        """Python ints and floats, id lists as tuples (the types checked already)."""
+        for f in self._INTS:
             object.__setattr__(self, f, int(getattr(self, f)))
-        for f in reals:
+        for f in self._REALS:
             object.__setattr__(self, f, float(getattr(self, f)))
         for f in ("stop_token_ids", "allowed_token_ids"):
             if getattr(self, f) is not None:
                 object.__setattr__(self, f, tuple(int(t) for t in getattr(self, f)))
+        bias = _pairs(self.logit_bias)
         if bias is not None:
             object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
-        if bad is not None:
-            object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in w) for w in bad))
-        problems = []
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            problems.append(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 <= self.top_k < 2**31:
-            problems.append(f"top_k must be an integer >= 0 (0 = off) and < 2**31, got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            problems.append(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not (0 <= self.min_p <= 1):
-            problems.append(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
-        for f in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, f) <= 2:
-                problems.append(f"{f} must be in [-2, 2] (0 = off), got {getattr(self, f)!r}")
-        if not (0 < self.repetition_penalty <= 1e4):
-            problems.append(f"repetition_penalty must be in (0, 1e4] (1 = off), got {self.repetition_penalty!r}")
-        if self.logit_bias is not None and not all(math.isfinite(b) for _, b in self.logit_bias):
-            problems.append("logit_bias values must be finite numbers")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            problems.append(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
-        if not 0 <= self.seed < 2**32:
-            problems.append(f"seed must be an integer in [0, 2**32), got {self.seed}")
+        if self.bad_words_ids is not None:
+            object.__setattr__(self, "bad_words_ids", tuple(tuple(int(t) for t in w) for w in self.bad_words_ids))
+
+    def _range_errors(self) -> list[str]:
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"),
+            (0 <= self.top_k < 2**31, f"top_k must be an integer >= 0 (0 = off) and < 2**31, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}"),
+            *((-2 <= getattr(self, f) <= 2, f"{f} must be in [-2, 2] (0 = off), got {getattr(self, f)!r}")
+              for f in ("presence_penalty", "frequency_penalty")),
+            (0 < self.repetition_penalty <= 1e4,
+             f"repetition_penalty must be in (0, 1e4] (1 = off), got {self.repetition_penalty!r}"),
+            (self.logit_bias is None or all(math.isfinite(b) for _, b in self.logit_bias),
+             "logit_bias values must be finite numbers"),
+            (0 <= self.min_tokens <= self.max_new_tokens,
+             f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"),
+            (0 <= self.seed < 2**32, f"seed must be an integer in [0, 2**32), got {self.seed}"),
+        ]
+        problems = [message for ok, message in checks if not ok]
         for f, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
                        ("logit_bias", [t for t, _ in self.logit_bias or ()]),
                        ("bad_words_ids", [t for w in self.bad_words_ids or () for t in w])):
@@ -114,8 +125,7 @@ class SamplingParams:
             problems.append("allowed_token_ids must not be empty (None: every token)")
         if self.bad_words_ids is not None and not all(self.bad_words_ids):
             problems.append("bad_words_ids must not hold an empty sequence")
-        if problems:
-            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+        return problems
 
     @property
     def processed(self) -> bool:
@@ -129,6 +139,11 @@ class SamplingParams:
         return {"stop token": list(self.stop_token_ids or ()), "allowed_token_ids token": list(
             self.allowed_token_ids or ()), "logit_bias token": [t for t, _ in self.logit_bias or ()],
             "bad_words token": [t for w in self.bad_words_ids or () for t in w]}
+
+
+def _pairs(bias):
+    """logit_bias as given: a dict as its (token id, bias) items."""
+    return tuple(bias.items()) if isinstance(bias, dict) else bias
 
 
 def _is_int(x) -> bool:  # bool is an int in Python, not a count or an id
