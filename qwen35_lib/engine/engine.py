@@ -184,6 +184,11 @@ class Engine:
             lc = mtp_layer_config(config)
             self.mtp_weights = mtp_weights if self.mesh is None else shard_weights(config, plan, mtp_weights, mesh,
                                                                                    declare_mtp)
+            # its layer per-layer on XLA:CPU as the model's (`prepare_weights`, once): stacked [1, 1, ...] it ran in
+            # a one-group scan whose weight slices XLA:CPU copies, in each of the k draft passes (`model.layer_loop`;
+            # the LM head handed over is packed a second time, kept beside the head's layer)
+            self.mtp_weights = dict(self.mtp_weights, layers=prepare_weights(lc, dict(
+                layers=self.mtp_weights["layers"], lm_head=self.weights["lm_head"]), plan)["layers"])
             self.head_cache = self._init_cache(lc, dataclasses.replace(self.cache_shape, verify=1), per_layer=False)
         self.ranks = [RankScheduler(ec.pages, ec.page_size, ec.max_num_seqs + 1, ec.max_num_seqs,
                                     ec.max_num_batched_tokens, self.prefill_buckets[-1], C) for _ in range(ec.ranks)]

@@ -252,7 +252,9 @@ def test_a_workload_with_drafts_precompiles_every_decode_bucket_below_its_larges
     compiled while timed)."""
     cfg, w, head = model
     ec = EngineConfig(max_num_seqs=16, max_num_batched_tokens=80, max_model_len=84, speculative_tokens=3)
-    got = Engine(cfg, w, ec, mtp_weights=head).workload_buckets([16] * 16, 64)
+    engine = Engine(cfg, w, ec, mtp_weights=head)
+    assert isinstance(engine.mtp_weights["layers"], tuple)  # the head's layer per-layer, as the model's (XLA:CPU)
+    got = engine.workload_buckets([16] * 16, 64)
     assert {(d, 4 * d) for d in (1, 2, 4, 8, 16)} <= set(got)  # pure decode steps: D rows of 4 tokens
 
 
