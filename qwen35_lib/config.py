@@ -291,15 +291,8 @@ def _show(v: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, source: str | None = None,
-                   **changes: Any) -> Config:
-    """A `Config` from an HF `config.json` (a dict, the file, or the checkpoint directory holding it).
-
-    Reads the nested Qwen3.5 form (`model_type` `qwen3_5_moe` with `text_config`), its text-only form
-    (`qwen3_5_moe_text`) and the flat Qwen3-Next form (`qwen3_next`). `changes` override fields (e.g. `dtype`).
-    source: how errors name a dict's file (default "config.json"; the file's path when a path is given).
-    Every field is type- and range-checked: a wrong one is a `ConfigError` naming the file, the field and the fix.
-    """
+def _read_hf(hf: dict | str | os.PathLike, source: str | None) -> tuple[dict, str]:
+    """(the config.json object, how errors name its file): a dict as given, or read from a file or its folder."""
     if isinstance(hf, (str, os.PathLike)):
         path = pathlib.Path(hf)
         path = path / "config.json" if path.is_dir() else path
@@ -311,42 +304,81 @@ def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, so
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: holds {_json_type(hf)}, not a JSON object of model fields; use the "
                           "checkpoint's own config.json")
-    known = [f.name for f in dataclasses.fields(Config)]
-    unknown = sorted(set(changes) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown Config fields {unknown}; the fields are those of qwen35_lib.config.Config")
+    return hf, where
+
+
+def _text_config(hf: dict, where: str) -> tuple[dict, set[str], str]:
+    """(the text model's fields, the keys copied into them from the top level, their prefix in errors) of the nested
+    Qwen3.5 form (`text_config`), its text-only form or the flat Qwen3-Next one."""
     top_type = hf.get("model_type")
-    if top_type == "qwen3_5_moe":
-        if not isinstance(hf.get("text_config"), dict):
-            raise ConfigError(f"{where}: model_type 'qwen3_5_moe' needs a 'text_config' object, found "
-                              f"{_json_type(hf.get('text_config'))}; use the checkpoint's own config.json")
-        text = dict(hf["text_config"])
-        text.setdefault("model_type", "qwen3_5_moe_text")
-        copied = {k for k in ("quantization_config", "torch_dtype", "dtype", "eos_token_id")  # may live at the top
-                  if k in hf and k not in text}
-        text.update({k: hf[k] for k in copied})
-        prefix = "text_config."
-    elif top_type in ("qwen3_5_moe_text", "qwen3_next"):
-        text, copied, prefix = hf, set(), ""
-    else:
+    if top_type in ("qwen3_5_moe_text", "qwen3_next"):
+        return hf, set(), ""
+    if top_type != "qwen3_5_moe":
         raise ConfigError(
             f"{where}: unknown model_type {_show(top_type)}; this library loads Qwen3.5 MoE "
             "('qwen3_5_moe', 'qwen3_5_moe_text') and Qwen3-Next ('qwen3_next') checkpoints")
-    model_type = "qwen3_next" if top_type == "qwen3_next" else "qwen3_5_moe"
-    r = _Fields(text, where, prefix, copied, top_type)
+    if not isinstance(hf.get("text_config"), dict):
+        raise ConfigError(f"{where}: model_type 'qwen3_5_moe' needs a 'text_config' object, found "
+                          f"{_json_type(hf.get('text_config'))}; use the checkpoint's own config.json")
+    text = dict(hf["text_config"])
+    text.setdefault("model_type", "qwen3_5_moe_text")
+    copied = {k for k in ("quantization_config", "torch_dtype", "dtype", "eos_token_id")  # may live at the top
+              if k in hf and k not in text}
+    text.update({k: hf[k] for k in copied})
+    return text, copied, "text_config."
 
+
+def _rope(r: _Fields, text: dict) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor), each from the rope object (`rope_parameters` / `rope_scaling`), else
+    the top level; only the default RoPE."""
     rope = r.of("rope_parameters", (dict,), "an object", {}) or r.of("rope_scaling", (dict,), "an object", {})
     rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", None):
         raise r.fail(rope_key, f"has rope_type {_show(rope_type)}, which is not supported (only the default RoPE)")
 
-    def rope_field(key: str, default: float, high: float = math.inf) -> float:  # in the rope object, else top level
+    def rope_field(key: str, default: float, high: float = math.inf) -> float:
         if key in rope:
             return r.float(f"{rope_key}.{key}", rope[key], high=high)
         return r.float(key, r.raw(key, default), high=high)
 
-    rope_theta, partial = rope_field("rope_theta", 10_000.0), rope_field("partial_rotary_factor", 0.25, high=1.0)
+    return rope_field("rope_theta", 10_000.0), rope_field("partial_rotary_factor", 0.25, high=1.0)
+
+
+def _layer_types(r: _Fields, num_layers: int) -> list[str]:
+    """Each layer's kind: `layer_types`, else every `full_attention_interval`-th layer full attention."""
+    layer_types = r.of("layer_types", (list,), "a list of layer types")
+    if layer_types is None:
+        interval = r.int("full_attention_interval", 4)
+        layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
+    elif len(layer_types) != num_layers:
+        raise r.fail("layer_types", f"lists {len(layer_types)} layers but num_hidden_layers is {num_layers}; they "
+                     "must agree")
+    bad = [t for t in layer_types if t not in (LINEAR, FULL)]
+    if bad:
+        raise r.fail("layer_types", f"holds {_show(bad[0])}; each entry must be {LINEAR!r} or {FULL!r}")
+    return layer_types
+
+
+def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, source: str | None = None,
+                   **changes: Any) -> Config:
+    """A `Config` from an HF `config.json` (a dict, the file, or the checkpoint directory holding it).
+
+    Reads the nested Qwen3.5 form (`model_type` `qwen3_5_moe` with `text_config`), its text-only form
+    (`qwen3_5_moe_text`) and the flat Qwen3-Next form (`qwen3_next`). `changes` override fields (e.g. `dtype`).
+    source: how errors name a dict's file (default "config.json"; the file's path when a path is given).
+    Every field is type- and range-checked: a wrong one is a `ConfigError` naming the file, the field and the fix.
+    """
+    hf, where = _read_hf(hf, source)
+    known = [f.name for f in dataclasses.fields(Config)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown Config fields {unknown}; the fields are those of qwen35_lib.config.Config")
+    text, copied, prefix = _text_config(hf, where)
+    top_type = hf.get("model_type")
+    model_type = "qwen3_next" if top_type == "qwen3_next" else "qwen3_5_moe"
+    r = _Fields(text, where, prefix, copied, top_type)
+    rope_theta, partial = _rope(r, text)
     vocab = r.int("vocab_size")
     hidden = r.int("hidden_size")
     num_layers = r.int("num_hidden_layers")
@@ -370,17 +402,7 @@ def from_hf_config(hf: dict | str | pathlib.Path, name: str | None = None, *, so
     if top_k > num_experts:
         raise r.fail("num_experts_per_tok", f"({top_k}) is more than num_experts ({num_experts}); it must be in "
                      f"[1, {num_experts}]")
-    layer_types = r.of("layer_types", (list,), "a list of layer types")
-    if layer_types is None:
-        interval = r.int("full_attention_interval", 4)
-        layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(num_layers)]
-    elif len(layer_types) != num_layers:
-        raise r.fail("layer_types", f"lists {len(layer_types)} layers but num_hidden_layers is {num_layers}; they "
-                     "must agree")
-    bad = [t for t in layer_types if t not in (LINEAR, FULL)]
-    if bad:
-        raise r.fail("layer_types", f"holds {_show(bad[0])}; each entry must be {LINEAR!r} or {FULL!r}")
-    pattern = _find_pattern(tuple(layer_types))
+    pattern = _find_pattern(tuple(_layer_types(r, num_layers)))
     if model_type == "qwen3_next":
         if r.of("mlp_only_layers", (list,), "a list", []) or r.int("decoder_sparse_step", 1) != 1:
             raise ConfigError(f"{where}: Qwen3-Next configs with dense (mlp_only) layers are not supported: "
