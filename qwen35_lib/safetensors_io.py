@@ -116,6 +116,15 @@ def parse_header(raw: bytes, data_size: int, where: str) -> tuple[dict[str, Tens
     def fail(message: str) -> SafeTensorsError:
         return SafeTensorsError(f"{where}: {message}")
 
+    header = _header_json(raw, fail)
+    metadata = _metadata(header.pop("__metadata__", None), fail)
+    tensors = {name: _entry(name, h, fail) for name, h in header.items()}
+    _check_tiling(tensors, data_size, fail)
+    return tensors, metadata
+
+
+def _header_json(raw: bytes, fail: Callable[[str], SafeTensorsError]) -> dict[str, Any]:
+    """Step 1: UTF-8 JSON, no NaN constants, no duplicate names, no lone surrogate escapes, an object."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -145,18 +154,23 @@ def parse_header(raw: bytes, data_size: int, where: str) -> tuple[dict[str, Tens
         raise fail("the header is nested too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise fail(f"the header is a JSON {_json_type(header)}, not an object of tensor entries")
-    metadata = header.pop("__metadata__", None)
+    return header
+
+
+def _metadata(metadata: Any, fail: Callable[[str], SafeTensorsError]) -> dict[str, str]:
+    """Step 2: `__metadata__` absent, null or an object of strings."""
     if metadata is None:
-        metadata = {}
-    elif not isinstance(metadata, dict):
+        return {}
+    if not isinstance(metadata, dict):
         raise fail(f"__metadata__ is a JSON {_json_type(metadata)}; it must be an object of strings")
     for k, v in metadata.items():
         if not isinstance(v, str):
             raise fail(f"__metadata__[{quote(k)}] is a JSON {_json_type(v)}; metadata values must be strings")
+    return metadata
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, h in header.items():
-        tensors[name] = _entry(name, h, fail)
+
+def _check_tiling(tensors: dict[str, TensorInfo], data_size: int, fail: Callable[[str], SafeTensorsError]) -> None:
+    """Step 4: sorted by offsets, the entries tile [0, data_size) exactly."""
     end = 0
     for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin != end:
@@ -167,7 +181,6 @@ def parse_header(raw: bytes, data_size: int, where: str) -> tuple[dict[str, Tens
     if end != data_size:
         raise fail(f"the tensors cover {end} data bytes, the file holds {data_size}: "
                    + ("truncated: download it again" if end > data_size else "bytes after the last tensor"))
-    return tensors, metadata
 
 
 def _entry(name: str, h: Any, fail: Callable[[str], SafeTensorsError]) -> TensorInfo:
