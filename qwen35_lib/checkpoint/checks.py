@@ -27,32 +27,7 @@ def check(root: pathlib.Path, c: Config, tensors: dict, groups: list[Group], blo
     declared leaves (integers for floats), FP8 tensors without (right) scales and leftover tensors; warn once
     about skipped vision / MTP tensors; note once the float-to-float casts the copy will do. For the MTP head
     (`mtp_prefix` given), leftovers are its own unread tensors only, and nothing is said of the rest."""
-    used: set[str] = set()
-    missing: list[str] = []
-    wrong: list[str] = []
-    fp8_wrong: list[str] = []
-    kinds: list[str] = []
-    casts: collections.Counter[str] = collections.Counter()
-    for grp in groups:
-        leaf_dtypes = {np.dtype(infos[p].dtype) for p in grp.leaves.values()}
-        leaf_kinds = {_kind(d) for d in leaf_dtypes}
-        for op in grp.ops:
-            for name, shape in zip(op.sources, op.shapes, strict=True):
-                used.add(name)
-                if name not in tensors:
-                    missing.append(name)
-                    continue
-                info = tensors[name].tensors[name]
-                if safetensors_io.kind(info.dtype) not in leaf_kinds:
-                    kinds.append(f"{name} is stored as {info.dtype} ({safetensors_io.kind(info.dtype)}s), but its "
-                                 f"weight is {' / '.join(sorted(d.name for d in leaf_dtypes))}")
-                    continue
-                target = _cast_target(name, info.dtype, op.raw, leaf_dtypes)
-                if target is not None and safetensors_io.DTYPES[info.dtype] != target:
-                    casts[f"{info.dtype} -> {target.name}"] += 1
-                if info.shape != shape:
-                    wrong.append(f"{name}: config.json implies {shape}, the file has {info.shape}")
-                _check_fp8(name, info, shape, op.raw, block, tensors, used, missing, wrong, fp8_wrong)
+    used, missing, wrong, fp8_wrong, kinds, casts = _scan(tensors, groups, block, infos)
     where = f"{root} (model_type {c.model_type}, {c.num_layers} layers, {c.num_experts} experts)"
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} tensors that config.json implies are missing: "
@@ -87,6 +62,38 @@ def check(root: pathlib.Path, c: Config, tensors: dict, groups: list[Group], blo
     if casts:
         log.warning("note: %s: %d tensors are cast to their weights' dtype (%s)", root, sum(casts.values()),
                     ", ".join(f"{n} x {k}" for k, n in sorted(casts.items())))
+
+
+def _scan(tensors: dict, groups: list[Group], block: int | None, infos: dict[Path, ArrayInfo]) -> tuple:
+    """Every source the plan reads, against the files: (used names, missing, misshapen, FP8 problems, stored as
+    another kind of number, {"stored -> leaf dtype": count} of the float casts)."""
+    used: set[str] = set()
+    missing: list[str] = []
+    wrong: list[str] = []
+    fp8_wrong: list[str] = []
+    kinds: list[str] = []
+    casts: collections.Counter[str] = collections.Counter()
+    for grp in groups:
+        leaf_dtypes = {np.dtype(infos[p].dtype) for p in grp.leaves.values()}
+        leaf_kinds = {_kind(d) for d in leaf_dtypes}
+        for op in grp.ops:
+            for name, shape in zip(op.sources, op.shapes, strict=True):
+                used.add(name)
+                if name not in tensors:
+                    missing.append(name)
+                    continue
+                info = tensors[name].tensors[name]
+                if safetensors_io.kind(info.dtype) not in leaf_kinds:
+                    kinds.append(f"{name} is stored as {info.dtype} ({safetensors_io.kind(info.dtype)}s), but its "
+                                 f"weight is {' / '.join(sorted(d.name for d in leaf_dtypes))}")
+                    continue
+                target = _cast_target(name, info.dtype, op.raw, leaf_dtypes)
+                if target is not None and safetensors_io.DTYPES[info.dtype] != target:
+                    casts[f"{info.dtype} -> {target.name}"] += 1
+                if info.shape != shape:
+                    wrong.append(f"{name}: config.json implies {shape}, the file has {info.shape}")
+                _check_fp8(name, info, shape, op.raw, block, tensors, used, missing, wrong, fp8_wrong)
+    return used, missing, wrong, fp8_wrong, kinds, casts
 
 
 def _check_fp8(name: str, info: safetensors_io.TensorInfo, shape: tuple[int, ...], raw: bool, block: int | None,
