@@ -327,14 +327,11 @@ def _chat_texts(prompts: list[list[int]], tokenizer: str | None) -> list[str]:
     return [" ".join(f"w{t}" for t in p) for p in prompts]
 
 
-def run(args: argparse.Namespace) -> dict:
-    from qwen35_lib.bench import workloads
-
-    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+def _options(args: argparse.Namespace) -> tuple[str, dict, tuple, tuple, dict]:
+    """The flags that need parsing: (endpoint, goodput, percentiles, the metrics they apply to, metadata)."""
     endpoint = args.endpoint or (CHAT if args.backend == "openai-chat" else "/v1/completions")
     if endpoint not in ("/v1/completions", CHAT):
         raise ValueError(f"--endpoint {endpoint}: give /v1/completions or {CHAT}")
-    chat = endpoint == CHAT
     goodput = parse_goodput(args.goodput)
     try:
         percentiles = tuple(float(x) for x in args.metric_percentiles.split(","))
@@ -347,6 +344,27 @@ def run(args: argparse.Namespace) -> dict:
         if not sep or not key:
             raise ValueError(f"--metadata {item!r}: give KEY=VALUE")
         meta[key] = value
+    return endpoint, goodput, percentiles, which, meta
+
+
+def _workloads(args: argparse.Namespace) -> tuple[list[str], list]:
+    """(names, workloads): vllm's random dataset when its flags are given, else the named workloads, scaled."""
+    from qwen35_lib.bench import workloads
+
+    random = random_dataset(args)
+    if random is not None:
+        return [random.name], [random]
+    names = workloads.parse_names(args.workloads) if args.workloads != "all" else list(workloads.load())
+    scale = args.scale if args.scale is not None else workloads.cpu_scale()
+    return names, [workloads.scaled(name, scale) for name in names]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from qwen35_lib.bench import workloads
+
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint, goodput, percentiles, which, meta = _options(args)
+    chat = endpoint == CHAT
     result_dir = args.result_dir or ("." if args.save_result or args.result_filename else None)
     args.model = args.model or args.served_model_name
     try:
@@ -354,13 +372,7 @@ def run(args: argparse.Namespace) -> dict:
     except Exception as e:  # noqa: BLE001 - one line naming the server
         raise ValueError(f"--base-url {base}: cannot list its models ({type(e).__name__}: {e}); is the server "
                          "up?") from None
-    random = random_dataset(args)
-    if random is not None:
-        names, ws = [random.name], [random]
-    else:
-        names = workloads.parse_names(args.workloads) if args.workloads != "all" else list(workloads.load())
-        scale = args.scale if args.scale is not None else workloads.cpu_scale()
-        ws = [workloads.scaled(name, scale) for name in names]
+    names, ws = _workloads(args)
     runs = []
     for name, w in zip(names, ws):
         for conc in args.concurrency:
@@ -384,17 +396,7 @@ def run(args: argparse.Namespace) -> dict:
                        scale=w.scale, concurrency=conc, input_range=list(w.bounds(w.input_len)),
                        output_range=list(w.bounds(w.output_len))) | meta | \
                 metrics(outs, duration, goodput, percentiles, which)
-            if goodput:
-                doc["goodput"] = goodput
-            errors = sorted({o.error for o in outs if not o.success})
-            if errors:
-                doc["errors"] = errors[:5]
-            if args.save_detailed:
-                doc |= dict(input_lens=[o.prompt_len for o in outs], output_lens=[o.output_tokens for o in outs],
-                            ttfts=[o.ttft for o in outs], itls=[o.itl for o in outs],
-                            generated_texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
-                            prompts=[p for p, _ in reqs[:n]], max_tokens=[m for _, m in reqs[:n]])
-            runs.append(doc)
+            runs.append(_finish(doc, outs, reqs[:n], goodput, args.save_detailed))
             if result_dir:
                 _write_result(result_dir, doc, args.result_filename,
                               several=len(names) * len(args.concurrency) > 1)
@@ -410,6 +412,22 @@ def run(args: argparse.Namespace) -> dict:
               f"{first[:300]})", file=sys.stderr)
         out["exit_status"] = 1
     return out
+
+
+def _finish(doc: dict, outs: list, reqs: list, goodput: dict, detailed: bool) -> dict:
+    """A run's record with its goodput targets, its first errors and (`detailed`) every request's lengths,
+    latencies, texts and tokens."""
+    if goodput:
+        doc["goodput"] = goodput
+    errors = sorted({o.error for o in outs if not o.success})
+    if errors:
+        doc["errors"] = errors[:5]
+    if detailed:
+        doc |= dict(input_lens=[o.prompt_len for o in outs], output_lens=[o.output_tokens for o in outs],
+                    ttfts=[o.ttft for o in outs], itls=[o.itl for o in outs],
+                    generated_texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
+                    prompts=[p for p, _ in reqs], max_tokens=[m for _, m in reqs])
+    return doc
 
 
 @dataclasses.dataclass(frozen=True)
