@@ -80,6 +80,43 @@ def _work_items(token_seq, positions, block_q: int, page_size: int, num_items: i
     return block, seq, lo, hi, pages, first, last, n_runs
 
 
+def _softmax_step(h: int, q_ref, kv, mask, key_in, scale_rows, m_ref, l_ref, acc_ref, head_dim: int) -> None:
+    """KV head h's online-softmax update over one step's keys (`_attention_kernel`, step 2): kv [K, 2*Hkv*d] (K of
+    head h in lanes [2h*d, (2h+1)*d), V in the next d), mask [R, K], key_in [K, 1] (keys on fetched pages);
+    `scale_rows(r)` [1, K] the FP8 scale rows (None: not FP8)."""
+    d = q_ref.shape[-1]
+    fp8 = scale_rows is not None
+    k = kv[:, 2 * h * d:(2 * h + 1) * d]  # [K, d]
+    v = kv[:, (2 * h + 1) * d:(2 * h + 2) * d]
+    q = q_ref[h]  # [R, d]
+    if fp8:
+        k, q = k.astype(jnp.float32), q.astype(jnp.float32)
+    v = jnp.where(key_in, v.astype(jnp.float32), 0.0)  # pages not fetched hold stale VMEM
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if fp8:
+        s = s * scale_rows(2 * h)  # [R, K] * [1, K]: K of key t dequantized by its scale
+    s = jnp.where(mask, s * head_dim**-0.5, NEG)  # [R, K] (stale keys' NaN masked away)
+    m_prev = m_ref[h]  # [R, 1]
+    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [R, K]
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
+    pv = p
+    if fp8:  # V of key t dequantized by its scale; masked so a stale scale cannot make 0 * inf
+        pv = jnp.where(mask, p * scale_rows(2 * h + 1), 0.0)
+    acc_ref[h] = alpha * acc_ref[h] + jnp.dot(pv, v, preferred_element_type=jnp.float32)
+    m_ref[h] = m_new
+
+
+def _kernel_refs(rest: tuple, fp8: bool) -> tuple:
+    """`_attention_kernel`'s refs after the inputs: (sc_hbm, o_ref, kvbuf, scbuf, sem, m, l, acc); the scale refs
+    None when not FP8."""
+    if fp8:
+        return rest
+    o_ref, kvbuf, sem, m_ref, l_ref, acc_ref = rest
+    return None, o_ref, kvbuf, None, sem, m_ref, l_ref, acc_ref
+
+
 def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_ref, pt_ref,  # SMEM [W] / [S*n]
                       q_ref, pos_ref, kv_hbm, *rest, block_q: int, group: int, head_dim: int, page_size: int,
                       pages_per_step: int, max_pages: int, fp8: bool):
@@ -98,11 +135,7 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
        the same sums as dequantizing K and V rows first (a [1, K] row per head, no transpose)
     3. on the block's last item, write o = acc / l (0 for rows no item touched: padding)
     """
-    if fp8:
-        sc_hbm, o_ref, kvbuf, scbuf, sem, m_ref, l_ref, acc_ref = rest
-    else:
-        o_ref, kvbuf, sem, m_ref, l_ref, acc_ref = rest
-        sc_hbm = scbuf = None
+    sc_hbm, o_ref, kvbuf, scbuf, sem, m_ref, l_ref, acc_ref = _kernel_refs(rest, fp8)
     i = pl.program_id(0)
     Hkv, R, d = q_ref.shape
     ps, pps = page_size, pages_per_step
@@ -161,26 +194,7 @@ def _attention_kernel(blk_ref, seq_ref, lo_ref, hi_ref, np_ref, first_ref, last_
                 return sc[0, r:r + 1] if pps == 1 else jnp.concatenate([sc[j, r:r + 1] for j in range(pps)], axis=1)
 
             for h in range(Hkv):
-                k = kv[:, 2 * h * d:(2 * h + 1) * d]  # [K, d]
-                v = kv[:, (2 * h + 1) * d:(2 * h + 2) * d]
-                q = q_ref[h]  # [R, d]
-                if fp8:
-                    k, q = k.astype(jnp.float32), q.astype(jnp.float32)
-                v = jnp.where(key_in, v.astype(jnp.float32), 0.0)  # pages not fetched hold stale VMEM
-                s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                if fp8:
-                    s = s * rows(2 * h)  # [R, K] * [1, K]: K of key t dequantized by its scale
-                s = jnp.where(mask, s * head_dim**-0.5, NEG)  # [R, K] (stale keys' NaN masked away)
-                m_prev = m_ref[h]  # [R, 1]
-                m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-                p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [R, K]
-                alpha = jnp.exp(m_prev - m_new)
-                l_ref[h] = alpha * l_ref[h] + p.sum(axis=-1, keepdims=True)
-                pv = p
-                if fp8:  # V of key t dequantized by its scale; masked so a stale scale cannot make 0 * inf
-                    pv = jnp.where(mask, p * rows(2 * h + 1), 0.0)
-                acc_ref[h] = alpha * acc_ref[h] + jnp.dot(pv, v, preferred_element_type=jnp.float32)
-                m_ref[h] = m_new
+                _softmax_step(h, q_ref, kv, mask, key_in, rows if fp8 else None, m_ref, l_ref, acc_ref, head_dim)
             return carry
 
         jax.lax.fori_loop(0, n_steps, body, 0)
