@@ -260,14 +260,17 @@ def evaluate(config: Config, weights: dict, head: dict, seqs: Sequences, k: int)
 
 
 def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.ndarray, new_tokens: int, k: int,
-                       max_num_seqs: int = 16, precompile: bool = True) -> dict:
+                       max_num_seqs: int = 16, precompile: bool = True, repeats: int = 3) -> dict:
     """The engine's greedy run of `prompts` [N, P] (`new_tokens` each, EOS ignored) without speculation and with `k`
     drafts a step from `head`, the same knobs otherwise (`max_num_seqs`, a budget of every decode row plus one
     prompt, pages for every sequence): each engine precompiled for the workload and run once untimed (programs a
     run steps with that the precompile's dry run did not foresee are compiled then, not while timed), then a fresh
-    engine's `generate` timed. Returns
-    {"0": run, str(k): run, "speedup", "same_outputs", "acceptance_length"}, a run {"wall_s", "output_tokens",
-    "output_tokens_per_s", "steps", "drafted", "accepted", "traces_while_timed"}; the acceptance length the engine
+    engine's `generate` timed, `repeats` times, the two engines alternating (a busy machine's load moves within
+    seconds: one timed run each measured x0.57 and x0.73 in two runs of the same settings); each run's wall is the
+    median of its `repeats`. Returns
+    {"0": run, str(k): run, "speedup", "same_outputs", "acceptance_length"}, a run {"wall_s", "wall_s_each",
+    "output_tokens", "output_tokens_per_s", "steps", "drafted", "accepted", "traces_while_timed"} (the counts of
+    one timed run: greedy, each is the same); the acceptance length the engine
     counted: 1 + accepted drafts per verified row (k drafts a row). `precompile=False` leaves the compiling to the
     untimed run (greedy: the timed run steps through the same shapes; `traces_while_timed` says if it did not)."""
     from qwen35_lib.engine import Engine
@@ -276,27 +279,33 @@ def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.nd
 
     N, P = prompts.shape
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    out, outputs = {}, {}
+    out, outputs, configs, walls = {}, {}, {}, {0: [], k: []}
     for drafts in (0, k):
-        ec = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * (k + 1) + P,
-                          max_model_len=P + new_tokens + k + 1, speculative_tokens=drafts)
-        warm = Engine(config, weights, ec, mtp_weights=head if drafts else None)
+        configs[drafts] = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * (k + 1) + P,
+                                       max_model_len=P + new_tokens + k + 1, speculative_tokens=drafts)
+        warm = Engine(config, weights, configs[drafts], mtp_weights=head if drafts else None)
         if precompile:
             warm.precompile([P] * N, new_tokens)
         warm.generate(prompts.tolist(), params)
-        eng = Engine(config, weights, ec, mtp_weights=head if drafts else None)
-        traces = eng.stats.traces
-        start = time.perf_counter()
-        res = eng.generate(prompts.tolist(), params)
-        wall = time.perf_counter() - start
-        outputs[drafts] = [r.output_ids for r in res]
-        n = sum(len(o) for o in outputs[drafts])
-        out[str(drafts)] = {"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall,
-                            "steps": eng.stats.steps, "drafted": eng.stats.drafted, "accepted": eng.stats.accepted,
-                            "traces_while_timed": eng.stats.traces - traces}
+    for _ in range(repeats):
+        for drafts in (0, k):
+            eng = Engine(config, weights, configs[drafts], mtp_weights=head if drafts else None)
+            traces = eng.stats.traces
+            start = time.perf_counter()
+            res = eng.generate(prompts.tolist(), params)
+            walls[drafts].append(time.perf_counter() - start)
+            outputs[drafts] = [r.output_ids for r in res]
+            n = sum(len(o) for o in outputs[drafts])
+            wall = float(np.median(walls[drafts]))
+            out[str(drafts)] = {"wall_s": wall, "wall_s_each": walls[drafts], "output_tokens": n,
+                                "output_tokens_per_s": n / wall, "steps": eng.stats.steps,
+                                "drafted": eng.stats.drafted, "accepted": eng.stats.accepted,
+                                "traces_while_timed": max(out.get(str(drafts), {}).get("traces_while_timed", 0),
+                                                          eng.stats.traces - traces)}
     run = out[str(k)]
     rows = run["drafted"] / k if run["drafted"] else 0
     return out | {"k": k, "max_num_seqs": max_num_seqs, "prompts": N, "prompt_len": P, "new_tokens": new_tokens,
+                  "repeats": repeats,
                   "speedup": run["output_tokens_per_s"] / out["0"]["output_tokens_per_s"],
                   "same_outputs": outputs[0] == outputs[k],
                   "acceptance_length": 1 + run["accepted"] / rows if rows else None}
