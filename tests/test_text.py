@@ -105,3 +105,19 @@ def test_generate_chat_applies_the_template_and_streams_text(tmp_path, capsys):
     assert list((tmp_path / "prof").glob("plugins/profile/*/*.xplane.pb"))
     assert main(["generate", "--chat", "--prompt-ids", "1 2"]) == 2
     assert "--chat applies the checkpoint's chat template" in capsys.readouterr().err
+
+
+def test_a_template_is_compiled_once_and_a_broken_one_refused_each_time():
+    from qwen35_lib import text as text_mod
+
+    tpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ strftime_now('%Y') | length }}"
+    text_mod._compiled.cache_clear()
+    first = render_chat(tpl, [{"role": "user", "content": "a"}])
+    second = render_chat(tpl, [{"role": "user", "content": "b"}])
+    assert (first, second) == ("<user>a4", "<user>b4")
+    info = text_mod._compiled.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    for _ in range(2):  # a compile error is not cached away: refused, in one line, every time
+        with pytest.raises(ValueError, match="the chat template failed on these messages: .*") as e:
+            render_chat("{% for m in messages %}", [])
+        assert "\n" not in str(e.value)
