@@ -32,6 +32,15 @@ def short(v: Any) -> str:
     return repr(v) if isinstance(v, (int, float, type(None))) else repr(v)[:40]
 
 
+def _name(field: str, limit: int = 60) -> str:
+    """A field name the client sent, quoted for a one-line message: as written when printable and short, else its
+    repr (newlines escaped), cut to `limit` characters."""
+    if field.isprintable() and len(field) <= limit:
+        return f"`{field}`"
+    r = repr(field)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 def _path(loc: tuple) -> tuple[str, str, bool]:
     """(`messages[0].content` as written, `messages.content` as HELP keys it, whether a union tag was cut off)."""
     shown, key = "", []
@@ -54,8 +63,8 @@ def message(err: dict, where: str) -> tuple[str, str | None]:
     field = str(loc[0])
     shown, key, cut = _path(loc)
     if kind == "extra_forbidden" and len(loc) == 1:
-        return (f"unknown field `{field}` for {where}; remove it, or start the server with --ignore-unknown-fields "
-                "to ignore fields it does not know"), field
+        return (f"unknown field {_name(field)} for {where}; remove it, or start the server with "
+                "--ignore-unknown-fields to ignore fields it does not know"), field
     if kind in ("rule", "refused"):
         return f"`{shown}` {err['msg']}", field
     if field in HELP and field != "messages":  # its help covers whatever inside it is wrong

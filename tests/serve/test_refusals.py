@@ -27,3 +27,11 @@ def test_the_first_error_is_a_refused_or_unknown_field_then_body_order():
               {"type": "extra_forbidden", "loc": ("zz",)}]
     assert refusals.first(errors, {"top_k": 1, "n": 1, "zz": 1})["loc"] == ("zz",)
     assert refusals.first(errors[:2], {"top_k": 1, "n": 1})["loc"] == ("top_k",)
+
+
+def test_an_unknown_field_name_is_shown_in_one_short_line():
+    for name in ("a\nb", "x" * 10_000, "\u2028", "tab\there"):
+        text, param = refusals.message({"type": "extra_forbidden", "loc": (name,), "input": 1, "msg": ""}, "/v1/x")
+        assert param == name and len(text) < 200 and text.isprintable(), text
+    assert refusals.message({"type": "extra_forbidden", "loc": ("a\nb",), "input": 1, "msg": ""}, "/v1/x")[0] \
+        .startswith("unknown field 'a\\nb' for /v1/x;")
