@@ -137,62 +137,74 @@ def op_rows(hlo_text: str, trips: dict[str, int] | None = None) -> tuple[list[Op
     counts a `while` body once, and a reduction's input and a dot's right operand five times
     (`aot.validate.xla_bytes_accessed_factors`, measured on single-op programs)."""
     prog = _program(hlo_text)
-    comps, headers, fused, access = prog.comps, prog.headers, prog.fused, prog.access
     once: list[str] = []
-
-    def visit(name: str, times: int, runs: dict[str, int]) -> None:
-        runs[name] = runs.get(name, 0) + times
-        for line in comps.get(name, ()):
-            if " while(" in line:
-                body = BODY.search(line)[1]
-                known = KNOWN_TRIPS.search(line) or counted_loop(comps, name, line, COND.search(line)[1], body,
-                                                                 prog.defs)
-                n = int(known[1]) if known else (trips or {}).get(body)
-                if n is None and body not in once:
-                    once.append(body)
-                visit(body, times * (n or 1), runs)
-            elif " call(" in line or " conditional(" in line:
-                targets = [t for item in _CALL_TARGETS.findall(line) for t in item.replace("%", "").split(", ")
-                           if t not in fused]
-                if " conditional(" in line and len(targets) > 1:  # one branch runs: the costliest
-                    def total(t: str) -> int:
-                        r: dict[str, int] = {}
-                        visit(t, 1, r)
-                        return sum(row.bytes for row in rows_of(r))
-                    targets = [max(targets, key=total)]
-                for t in targets:
-                    visit(t, times, runs)
-
-    def rows_of(runs: dict[str, int]) -> list[OpBytes]:
-        out = []
-        for name, times in runs.items():
-            sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(headers.get(name, ""))}
-            for line in comps.get(name, ()):
-                if line not in prog.instrs:
-                    prog.instrs[line] = _top_level_instr(line)
-                if prog.instrs[line] is None:
-                    continue
-                var, shape, op, nbytes, operands, callee, block, jax_name = prog.instrs[line]
-                sizes[var] = 0 if op.endswith("-start") else nbytes
-                if op in _NO_BYTES:
-                    continue
-                write = sizes[var]
-                if op.endswith("-done"):
-                    read = 0
-                elif op == "call-start" and _OFFLOAD_GATHER in line:  # reads the rows it gathers, not its table
-                    table = sizes.get(operands[0], 0) if operands else 0  # 0: in VMEM, its rows read there
-                    read = (_gathered_bytes(shape) if table else 0) + sum(sizes.get(a, 0) for a in operands[1:])
-                elif op == "fusion" and (acc := access.get(callee)):
-                    reads, write = acc
-                    read = sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads))
-                else:
-                    read = sum(sizes.get(a, 0) for a in operands)
-                out.append(OpBytes(times * (read + write), times, block, op, var, shape, jax_name, name))
-        return out
-
     runs: dict[str, int] = {}
-    visit(ENTRY.search(hlo_text)[1], 1, runs)
-    return sorted(rows_of(runs), key=lambda r: -r.bytes), once
+    _visit(prog, ENTRY.search(hlo_text)[1], 1, runs, trips or {}, once)
+    return sorted(_rows(prog, runs), key=lambda r: -r.bytes), once
+
+
+def _visit(prog: _Program, name: str, times: int, runs: dict[str, int], trips: dict[str, int], once: list[str]
+           ) -> None:
+    """Add `times` runs of computation `name` and of what it calls to `runs` (`op_rows`' rule); loop bodies whose
+    trips nothing gives go to `once`."""
+    runs[name] = runs.get(name, 0) + times
+    for line in prog.comps.get(name, ()):
+        if " while(" in line:
+            body = BODY.search(line)[1]
+            known = KNOWN_TRIPS.search(line) or counted_loop(prog.comps, name, line, COND.search(line)[1], body,
+                                                             prog.defs)
+            n = int(known[1]) if known else trips.get(body)
+            if n is None and body not in once:
+                once.append(body)
+            _visit(prog, body, times * (n or 1), runs, trips, once)
+        elif " call(" in line or " conditional(" in line:
+            targets = [t for item in _CALL_TARGETS.findall(line) for t in item.replace("%", "").split(", ")
+                       if t not in prog.fused]
+            if " conditional(" in line and len(targets) > 1:  # one branch runs: the costliest
+                targets = [max(targets, key=lambda t: _branch_bytes(prog, t, trips, once))]
+            for t in targets:
+                _visit(prog, t, times, runs, trips, once)
+
+
+def _branch_bytes(prog: _Program, branch: str, trips: dict[str, int], once: list[str]) -> int:
+    r: dict[str, int] = {}
+    _visit(prog, branch, 1, r, trips, once)
+    return sum(row.bytes for row in _rows(prog, r))
+
+
+def _rows(prog: _Program, runs: dict[str, int]) -> list[OpBytes]:
+    """Every top-level op of the computations in `runs`, with the bytes its runs read and write."""
+    out = []
+    for name, times in runs.items():
+        sizes = {p: _shape_bytes(s) for p, s in _NAMED.findall(prog.headers.get(name, ""))}
+        for line in prog.comps.get(name, ()):
+            if line not in prog.instrs:
+                prog.instrs[line] = _top_level_instr(line)
+            if prog.instrs[line] is None:
+                continue
+            var, shape, op, nbytes, operands, callee, block, jax_name = prog.instrs[line]
+            sizes[var] = 0 if op.endswith("-start") else nbytes
+            if op in _NO_BYTES:
+                continue
+            read, write = _read_write(line, op, shape, operands, prog.access.get(callee) if callee else None, sizes,
+                                      sizes[var])
+            out.append(OpBytes(times * (read + write), times, block, op, var, shape, jax_name, name))
+    return out
+
+
+def _read_write(line: str, op: str, shape: str, operands: list[str], access, sizes: dict[str, int], write: int
+                ) -> tuple[int, int]:
+    """(bytes read, bytes written) of one op: an async done reads nothing; an offloaded gather reads the rows it
+    gathers; a fusion that slices or updates in place what `_fused_access` says; any other op its operands."""
+    if op.endswith("-done"):
+        return 0, write
+    if op == "call-start" and _OFFLOAD_GATHER in line:  # reads the rows it gathers, not its table
+        table = sizes.get(operands[0], 0) if operands else 0  # 0: in VMEM, its rows read there
+        return (_gathered_bytes(shape) if table else 0) + sum(sizes.get(a, 0) for a in operands[1:]), write
+    if op == "fusion" and access:
+        reads, write = access
+        return sum(sizes.get(a, 0) if r is None else r for a, r in zip(operands, reads)), write
+    return sum(sizes.get(a, 0) for a in operands), write
 
 
 _OFFLOAD_GATHER = '"offload":"OFFLOAD_GATHER"'  # an async call XLA:TPU runs on the SparseCore as a gather
@@ -219,6 +231,19 @@ def op_bytes(hlo_text: str, trips: dict[str, int] | None = None) -> dict[str, ob
     for r in rows:
         out[r.block] += r.bytes
     return {"bytes": out, "loops_counted_once": once}
+
+
+def _updated_in_place(root: tuple[str, tuple], defs: dict) -> tuple[str | None, int | None]:
+    """(the parameter a root `dynamic-update-slice` or `scatter` updates in place, through views of it; the bytes of
+    its update), or (None, None)."""
+    if root[1][0] not in ("dynamic-update-slice", "scatter"):  # operands: buffer, (indices,) update
+        return None, None
+    buf, upd = root[1][2][0], root[1][2][1 if root[1][0] == "dynamic-update-slice" else -1]
+    while buf in defs and defs[buf][4]:
+        buf = defs[buf][2][0]
+    if defs.get(buf, ("",))[0] != "parameter":
+        return None, None
+    return buf, _shape_bytes(defs[upd][1]) if upd in defs else None
 
 
 def _fused_access(lines: list[str], header: str, comps: dict | None = None, headers: dict | None = None,
@@ -266,14 +291,7 @@ def _fused_access(lines: list[str], header: str, comps: dict | None = None, head
             out += uses(u) if defs[u][4] else [(u, j)]
         return out
 
-    in_place = write = None
-    if root[1][0] in ("dynamic-update-slice", "scatter"):  # operands: buffer, (indices,) update
-        buf, upd = root[1][2][0], root[1][2][1 if root[1][0] == "dynamic-update-slice" else -1]
-        while buf in defs and defs[buf][4]:
-            buf = defs[buf][2][0]
-        if defs.get(buf, ("",))[0] == "parameter":
-            in_place = buf
-            write = _shape_bytes(defs[upd][1]) if upd in defs else None
+    in_place, write = _updated_in_place(root, defs)
     reads: list[int | None] = []
     changed = write is not None
     for i in range(len(params) or len(pnames)):
