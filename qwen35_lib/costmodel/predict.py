@@ -17,6 +17,7 @@ The prediction never reads published measurements.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any
 
@@ -136,11 +137,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     check_arguments(isl=isl, osl=osl, concurrency=concurrency, max_batched_tokens=max_batched_tokens,
                     max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size, num_prompts=num_prompts,
                     range_ratio=range_ratio)
-    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, numbers.Integral) or \
-            speculative_tokens < 0:
-        raise ValueError(f"speculative_tokens={speculative_tokens!r} (--speculative-tokens): drafts a sequence "
-                         "verifies a step must be an integer >= 0")
-    k = int(speculative_tokens)
+    k = _drafts(speculative_tokens)
     spec = Speculation(k, acceptance_length if acceptance_length is not None and k else
                        assumptions.acceptance_length(k))  # checks 1 <= A <= k + 1
     cfg = serving_model(model) if isinstance(model, str) else model
@@ -180,34 +177,8 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
     pools = engine_pools(cfg, sp, lay, min(max_running, seqs), isl + osl, kv_dtype, page_size, k)
     doc["cache_pool_bytes_per_layer"] = dataclasses.asdict(pools)
 
-    # the distinct steps of a schedule under `mech`, timed: {batches: {component: seconds [n]}}, for the band's
-    # rescaled ends (a rescaled mechanism never changes the schedule); kept without `layer_fixed`'s time
-    nominal: dict[tuple[ops.Batch, ...], dict[str, np.ndarray]] = {}
-    n_gdn = ops.sizes(cfg)["n_gdn"] if sp.kind == "tpu" else 0
-
-    def layer_fixed(parts: dict[str, np.ndarray], m: Mechanisms) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The step's seconds and components with the GDN layers' fixed time (`gdn_layer_fixed_s` a layer, on a
-        TPU) added to `gdn_core`: a time below the roofline, which the ideal schedule leaves out."""
-        if n_gdn and m.gdn_layer_fixed_s:
-            parts = dict(parts, gdn_core=parts["gdn_core"] + n_gdn * m.gdn_layer_fixed_s)
-        return sum(parts.values()), parts
-
-    def fn(ideal: bool, m: Mechanisms | None = mech):  # a schedule's distinct steps timed at once (`StepsFn`)
-        def run(batches: tuple[ops.Batch, ...]):
-            if not ideal and m is not mech and batches in nominal:
-                fast = retimed_many(cfg, sp, lay, batches, nominal[batches], mech, m)
-                if fast is not None:
-                    return layer_fixed(fast, m)
-            secs, parts = step_times(cfg, sp, lay, batches, kv_dtype, page_size, ideal=ideal, overlap=overlap,
-                                     mech=m, pools=pools)
-            if not ideal and m is mech:
-                nominal[batches] = parts
-            return (secs, parts) if ideal else layer_fixed(parts, m)
-        return run
-
-    def use_lockstep(m: Mechanisms) -> bool:  # beyond LOCKSTEP_RUNNING running a rank fills its budget every step
-        return m.dp_lockstep and lay.dp > 1 and min(seqs, max_running, budget + 1) <= LOCKSTEP_RUNNING
-
+    fn = _StepTimer(cfg, sp, lay, kv_dtype, page_size, overlap, mech, pools)
+    use_lockstep = functools.partial(_use_lockstep, dp=lay.dp, limit=min(seqs, max_running, budget + 1))
     doc["dp_lockstep_applied"] = use_lockstep(mech)
     if use_lockstep(mech):
         ls = lockstep(isl, osl, concurrency, lay.dp, budget, seqs, max_running, num_prompts, seed, range_ratio,
@@ -252,26 +223,76 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
                      max_batched_tokens=max_batched_tokens, max_seqs=max_seqs, kv_dtype=kv_dtype, page_size=page_size,
                      num_prompts=num_prompts, range_ratio=range_ratio, seed=seed, roofline=False, overlap=overlap,
                      mechanisms=mech)
-        base = predict(**again)
-        s = doc["speculation"]
-        s["without"] = {key: base.get(key) for key in ("output_tokens_per_s", "total_tokens_per_s", "median_tpot_s",
-                                                        "max_running_per_rank")}
-        gain = lambda r: r["output_tokens_per_s"] / base["output_tokens_per_s"] if r.get("fits") and \
-            base.get("fits") else None  # noqa: E731
-        s["output_gain"] = gain(doc)
-        if band and acceptance_length is None:  # the assumption's range, the other assumptions nominal
-            ends = {end: predict(**again, speculative_tokens=k, acceptance_length=assumptions.acceptance_length(k, end))
-                    for end in ("low", "high")}
-            s["output_gain_band"] = [gain(ends["low"]), gain(ends["high"])]
-            tot = [doc["band"]["total_tokens_per_s"][0], doc["band"]["total_tokens_per_s"][1],
-                   *(e["total_tokens_per_s"] for e in ends.values())]
-            doc["band"]["total_tokens_per_s"] = [min(tot), max(tot)]
-            doc["band"]["high_over_low"] = max(tot) / min(tot)
-            doc["band"]["extremes"] += [dict(assumption=assumptions.ACCEPTANCE, end=end, value=s[f"acceptance_{end}"],
-                                             total_tokens_per_s=e["total_tokens_per_s"],
-                                             median_tpot_s=e["median_tpot_s"], median_ttft_s=e["median_ttft_s"])
-                                        for end, e in ends.items()]
+        _speculation_gain(doc, again, k, band=band and acceptance_length is None)
     return doc
+
+
+class _StepTimer:
+    """`fn(ideal, m)`: a schedule's distinct steps timed at once (`StepsFn`) under mechanisms `m` (default: the
+    prediction's), with the GDN layers' fixed time added (`layer_fixed`). The nominal mechanisms' components are kept
+    by schedule ({batches: {component: seconds [n]}}, without `layer_fixed`'s time), so that the band's rescaled ends
+    re-time them (`retimed_many`) instead of pricing them again (a rescaled mechanism never changes the schedule)."""
+
+    def __init__(self, cfg: Config, sp: Specs, lay, kv_dtype: str | None, page_size: int, overlap: bool,
+                 mech: Mechanisms, pools):
+        self.cfg, self.sp, self.lay, self.kv_dtype, self.page_size = cfg, sp, lay, kv_dtype, page_size
+        self.overlap, self.mech, self.pools = overlap, mech, pools
+        self.nominal: dict[tuple[ops.Batch, ...], dict[str, np.ndarray]] = {}
+        self.n_gdn = ops.sizes(cfg)["n_gdn"] if sp.kind == "tpu" else 0
+
+    def layer_fixed(self, parts: dict[str, np.ndarray], m: Mechanisms) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The step's seconds and components with the GDN layers' fixed time (`gdn_layer_fixed_s` a layer, on a
+        TPU) added to `gdn_core`: a time below the roofline, which the ideal schedule leaves out."""
+        if self.n_gdn and m.gdn_layer_fixed_s:
+            parts = dict(parts, gdn_core=parts["gdn_core"] + self.n_gdn * m.gdn_layer_fixed_s)
+        return sum(parts.values()), parts
+
+    def __call__(self, ideal: bool, m: Mechanisms | None = None):
+        m = self.mech if m is None else m
+
+        def run(batches: tuple[ops.Batch, ...]):
+            if not ideal and m is not self.mech and batches in self.nominal:
+                fast = retimed_many(self.cfg, self.sp, self.lay, batches, self.nominal[batches], self.mech, m)
+                if fast is not None:
+                    return self.layer_fixed(fast, m)
+            secs, parts = step_times(self.cfg, self.sp, self.lay, batches, self.kv_dtype, self.page_size, ideal=ideal,
+                                     overlap=self.overlap, mech=m, pools=self.pools)
+            if not ideal and m is self.mech:
+                self.nominal[batches] = parts
+            return (secs, parts) if ideal else self.layer_fixed(parts, m)
+        return run
+
+
+def _use_lockstep(m: Mechanisms, dp: int, limit: int) -> bool:
+    """The ranks played in lockstep: with `dp_lockstep`, DP > 1 and at most LOCKSTEP_RUNNING requests a rank
+    (beyond, a rank fills its budget every step)."""
+    return m.dp_lockstep and dp > 1 and limit <= LOCKSTEP_RUNNING
+
+
+def _speculation_gain(doc: dict, again: dict, k: int, band: bool) -> None:
+    """`doc["speculation"]` gains the prediction without drafts (`again`: the same setup) and the output gain over
+    it; with `band`, the gain at the acceptance assumption's two ends, which widen `doc["band"]`."""
+    base = predict(**again)
+    s = doc["speculation"]
+    s["without"] = {key: base.get(key) for key in ("output_tokens_per_s", "total_tokens_per_s", "median_tpot_s",
+                                                    "max_running_per_rank")}
+
+    def gain(r: dict) -> float | None:
+        return r["output_tokens_per_s"] / base["output_tokens_per_s"] if r.get("fits") and base.get("fits") else None
+
+    s["output_gain"] = gain(doc)
+    if not band:
+        return
+    ends = {end: predict(**again, speculative_tokens=k, acceptance_length=assumptions.acceptance_length(k, end))
+            for end in ("low", "high")}  # the assumption's range, the other assumptions nominal
+    s["output_gain_band"] = [gain(ends["low"]), gain(ends["high"])]
+    tot = [doc["band"]["total_tokens_per_s"][0], doc["band"]["total_tokens_per_s"][1],
+           *(e["total_tokens_per_s"] for e in ends.values())]
+    doc["band"]["total_tokens_per_s"] = [min(tot), max(tot)]
+    doc["band"]["high_over_low"] = max(tot) / min(tot)
+    doc["band"]["extremes"] += [dict(assumption=assumptions.ACCEPTANCE, end=end, value=s[f"acceptance_{end}"],
+                                     total_tokens_per_s=e["total_tokens_per_s"], median_tpot_s=e["median_tpot_s"],
+                                     median_ttft_s=e["median_ttft_s"]) for end, e in ends.items()]
 
 
 def speculation_of(cfg: Config, sp: Specs, lay, spec: Speculation, assumed: bool, tokens: int,
@@ -294,6 +315,14 @@ def speculation_of(cfg: Config, sp: Specs, lay, spec: Speculation, assumed: bool
                    assumption_drafts=rec["drafts"], acceptance_low=assumptions.acceptance_length(k, "low"),
                    acceptance_high=assumptions.acceptance_length(k, "high"))
     return out
+
+
+def _drafts(speculative_tokens) -> int:
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, numbers.Integral) or \
+            speculative_tokens < 0:
+        raise ValueError(f"speculative_tokens={speculative_tokens!r} (--speculative-tokens): drafts a sequence "
+                         "verifies a step must be an integer >= 0")
+    return int(speculative_tokens)
 
 
 def _mechanisms(m: str | Mechanisms) -> Mechanisms:
