@@ -582,29 +582,18 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
     events, outputs = [], []
     t, inp, out, run, idle = 0, 0.0, 0.0, 0.0, dp
 
-    def route(rs: list[_Req]) -> None:
-        # per rank: (pending prompt tokens, requests in flight, fewest output tokens left to a running request)
-        keys = [(sum(q.prompt - q.done_prompt for q in running[k]) + sum(q.prompt for q in waiting[k]),
-                 len(running[k]) + len(waiting[k]), min((q.output - q.done_output for q in running[k]), default=0))
-                for k in range(dp)]
-        for r in rs:
-            k = min(range(dp), key=keys.__getitem__)
-            waiting[k].append(r)
-            pend, n, rem = keys[k]
-            keys[k] = (pend + r.prompt, n + 1, rem)
-
     def arrive(r: _Req) -> None:
         if batch_prefills:
             held.append(r)
         else:
-            route([r])
+            _route([r], running, waiting)
 
     for _ in range(min(clients, len(queue))):
         arrive(queue.popleft())
     while held or any(running) or any(waiting) or delayed:
         _release(delayed, t, not (held or any(running) or any(waiting)), arrive)
         if held and (not batch_prefills or len(held) >= dp or idle >= len(held)):
-            route(held)
+            _route(held, running, waiting)
             held = []
         # prompt work per rank: a request to admit, or one part-way through its prompt (at most one: the last
         # running, as prompts are chunked in order and admitted at the end)
@@ -612,17 +601,9 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
                 for rr, w in zip(running, waiting)]
         if not any(work) and any(running):  # a run of pure-decode steps on every rank until the first ends
             k_steps = spec.steps(min([q.output - q.done_output for rr in running for q in rr]))  # steps: monotone
-            k_steps = min(k_steps, delayed[0][0] - t) if delayed else k_steps  # up to the next arrival
-            e = spec.emit
-            mid = e * (k_steps + 1) / 2  # the run's middle step, past each context
-            for k in range(dp):
-                dec = running[k][:budget // spec.width]  # no prompt part-way: every running request decodes
-                ctx = [q.prompt + q.done_output for q in dec]  # ints: sum(ctx) + n mid is the exact float sum
-                rows[k].append(((len(dec), (sum(ctx) + len(ctx) * mid) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
-                                 int(max(ctx) + mid + e * k_steps / 2) if ctx else 0), k_steps))
-                for q in dec:
-                    q.done_output += e * k_steps
-            n_steps, idle = k_steps, sum(1 for k in range(dp) if not running[k])
+            n_steps = min(k_steps, delayed[0][0] - t) if delayed else k_steps  # up to the next arrival
+            _decode_run(running, rows, n_steps, budget, spec)
+            idle = sum(1 for rr in running if not rr)
         else:
             n_steps, idle = 1, 0
             for k in range(dp):
@@ -643,15 +624,46 @@ def play_dp(lengths: list[tuple[int, int]], clients: int, dp: int, budget: int, 
                 inp, out = inp + q.prompt, out + q.output
                 if queue:
                     delayed.append((t + admit_lag, dataclasses.replace(queue.popleft(), arrived=t)))
+    return _fields(rows), events, outputs, inp, out, run
+
+
+def _route(rs: list[_Req], running: list[list[_Req]], waiting: list[deque]) -> None:
+    """Each of `rs` to the rank with the fewest pending prompt tokens, then fewest requests in flight, then the
+    soonest to free a slot (`play_dp`'s DP scheduler)."""
+    keys = [(sum(q.prompt - q.done_prompt for q in rr) + sum(q.prompt for q in w), len(rr) + len(w),
+             min((q.output - q.done_output for q in rr), default=0)) for rr, w in zip(running, waiting)]
+    for r in rs:
+        k = min(range(len(keys)), key=keys.__getitem__)
+        waiting[k].append(r)
+        pend, n, rem = keys[k]
+        keys[k] = (pend + r.prompt, n + 1, rem)
+
+
+def _decode_run(running: list[list[_Req]], rows: list[list[tuple]], k_steps: int, budget: int,
+                spec: Speculation) -> None:
+    """`k_steps` pure-decode steps on every rank at once: each rank's row of fields (at the run's middle step) and
+    its requests' outputs advanced."""
+    e = spec.emit
+    mid = e * (k_steps + 1) / 2  # the run's middle step, past each context
+    for rr, rk in zip(running, rows):
+        dec = rr[:budget // spec.width]  # no prompt part-way: every running request decodes
+        ctx = [q.prompt + q.done_output for q in dec]  # ints: sum(ctx) + n mid is the exact float sum
+        rk.append(((len(dec), (sum(ctx) + len(ctx) * mid) / len(ctx) if ctx else 0.0, 0, 0, 0.0,
+                    int(max(ctx) + mid + e * k_steps / 2) if ctx else 0), k_steps))
+        for q in dec:
+            q.done_output += e * k_steps
+
+
+def _fields(rows: list[list[tuple]]) -> np.ndarray:
+    """Per-rank (fields, steps) rows as [dp, steps, 6], each row repeated over its steps, short ranks zero-padded."""
     F = []
-    for k in range(dp):
-        f = np.array([x for x, _ in rows[k]], dtype=np.float64).reshape(-1, 6)
-        F.append(np.repeat(f, np.array([n for _, n in rows[k]], dtype=np.int64), axis=0))
-    S = max(len(x) for x in F)
-    FF = np.zeros((dp, S, 6))
+    for rk in rows:
+        f = np.array([x for x, _ in rk], dtype=np.float64).reshape(-1, 6)
+        F.append(np.repeat(f, np.array([n for _, n in rk], dtype=np.int64), axis=0))
+    FF = np.zeros((len(rows), max(len(x) for x in F), 6))
     for k, x in enumerate(F):
         FF[k, :len(x)] = x
-    return FF, events, outputs, inp, out, run
+    return FF
 
 
 @functools.lru_cache(maxsize=4)  # a play of 1k/8k at 512 requests holds [8, 88k, 6] float64 (34 MB)
