@@ -192,8 +192,16 @@ def corrupted(draw) -> tuple[bytes, str]:
     name = draw(st.sampled_from(names))
     kind = draw(st.sampled_from(["drop_key", "dtype", "shape", "offsets", "shift", "reshape", "length", "truncate",
                                  "append", "not_object", "garbage", "duplicate", "entry_type", "metadata"]))
+    blob = _break_header(draw, kind, header, name)
+    if blob is None:
+        blob = json.dumps(header).encode()
+    return _break_file(draw, kind, struct.pack("<Q", len(blob)) + blob + data, len(blob)), kind
+
+
+def _break_header(draw, kind: str, header: dict, name: str) -> bytes | None:
+    """`corrupted`'s header corruptions: `header` changed in place, or the header bytes themselves (None: the
+    changed header, as JSON)."""
     entry = header[name]
-    blob = None
     if kind == "drop_key":
         del entry[draw(st.sampled_from(["dtype", "shape", "data_offsets"]))]
     elif kind == "dtype":
@@ -206,36 +214,43 @@ def corrupted(draw) -> tuple[bytes, str]:
         i = draw(st.integers(0, 1))
         entry["data_offsets"][i] += draw(st.integers(-40, 40).filter(bool))
     elif kind == "reshape":
-        shape = draw(st.lists(st.integers(0, 5), max_size=3))
-        itemsize = DTYPES[entry["dtype"]].itemsize
-        if math.prod(shape) * itemsize == entry["data_offsets"][1] - entry["data_offsets"][0]:
-            shape = [*shape, 2] if math.prod(shape) else [1]  # the product must change
-            if math.prod(shape) * itemsize == entry["data_offsets"][1] - entry["data_offsets"][0]:
-                shape = [3, *shape]
-        entry["shape"] = shape
+        entry["shape"] = _other_shape(draw, entry)
     elif kind == "not_object":
-        blob = json.dumps(draw(JSON.filter(lambda v: not isinstance(v, dict)))).encode()
+        return json.dumps(draw(JSON.filter(lambda v: not isinstance(v, dict)))).encode()
     elif kind == "garbage":
-        blob = draw(st.binary(min_size=1, max_size=40)).replace(b"{", b"(")  # never an object
+        return draw(st.binary(min_size=1, max_size=40)).replace(b"{", b"(")  # never an object
     elif kind == "duplicate":
         text = json.dumps(header)
-        blob = (text[:-1] + ", " + json.dumps(name) + ": " + json.dumps(entry) + "}").encode()
+        return (text[:-1] + ", " + json.dumps(name) + ": " + json.dumps(entry) + "}").encode()
     elif kind == "entry_type":
         header[name] = draw(JSON.filter(lambda v: not isinstance(v, dict)))
     elif kind == "metadata":
         header["__metadata__"] = draw(JSON.filter(lambda v: v is not None and not (
             isinstance(v, dict) and all(isinstance(x, str) for x in v.values()))))
-    if blob is None:
-        blob = json.dumps(header).encode()
-    raw = struct.pack("<Q", len(blob)) + blob + data
+    return None
+
+
+def _other_shape(draw, entry: dict) -> list[int]:
+    """A shape whose bytes differ from the entry's offsets' span."""
+    shape = draw(st.lists(st.integers(0, 5), max_size=3))
+    itemsize = DTYPES[entry["dtype"]].itemsize
+    if math.prod(shape) * itemsize == entry["data_offsets"][1] - entry["data_offsets"][0]:
+        shape = [*shape, 2] if math.prod(shape) else [1]  # the product must change
+        if math.prod(shape) * itemsize == entry["data_offsets"][1] - entry["data_offsets"][0]:
+            shape = [3, *shape]
+    return shape
+
+
+def _break_file(draw, kind: str, raw: bytes, header_len: int) -> bytes:
+    """`corrupted`'s file corruptions: the header length moved, the file cut short or appended to."""
     if kind == "length":  # moves the data section: the tensors no longer cover it
-        n = len(blob) + draw(st.integers(-len(blob), 64).filter(bool))
-        raw = struct.pack("<Q", n) + raw[8:]
-    elif kind == "truncate":
-        raw = raw[:draw(st.integers(0, len(raw) - 1))]
-    elif kind == "append":
-        raw += draw(st.binary(min_size=1, max_size=16))
-    return raw, kind
+        n = header_len + draw(st.integers(-header_len, 64).filter(bool))
+        return struct.pack("<Q", n) + raw[8:]
+    if kind == "truncate":
+        return raw[:draw(st.integers(0, len(raw) - 1))]
+    if kind == "append":
+        return raw + draw(st.binary(min_size=1, max_size=16))
+    return raw
 
 
 @FUZZ

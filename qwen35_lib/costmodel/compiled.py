@@ -441,35 +441,38 @@ def step_parts(hlo_text: str) -> dict[str, list]:
 
     out: dict[str, list] = {p: [] for p in ("permute", "collectives", "scan_slices", "moe_priced", *GLUE_PARTS,
                                             "head")}
-
-    def _micro_batches(shape: str) -> bool:  # a micro-batch of the combine's rows: [core * chip, 1, rows, D] slices
-        # of its HIER_AXES view (`parallel.collectives.reduce_scatter`), [core, chip, 1, rows, D] of the ALL-ordered one
-        dims = [d.split(",") for _, d in re.findall(r"(\w+)\[([\d,]*)\]", shape)]
-        return any(len(d) == 5 or (len(d) == 4 and d[1] == "1") for d in dims)
     for r in rows:
         if r.op == "custom-call" and "pallas_call" in r.jax_name and f"/{PERMUTE_SCOPE}/" not in r.jax_name:
             continue
         block, jax, name = (r.block, r.jax_name, r.name) if r.jax_name else source(r.name) or ("other", "", "")
-        collective = any(k in n for n in (r.name, name) for k in ("all-gather", "reduce-scatter")) or \
-            any(k in jax for k in ("/all_gather", "/reduce_scatter"))
-        if f"/{PERMUTE_SCOPE}/" in f"{jax}/":
-            part = "permute"
-        elif collective and r.op.startswith("call-") and (r.jax_name or "reduce-scatter" in r.name):
-            part = "collectives"  # a collective's start and done (the second stage's too: unnamed, its own)
-        elif block == "other" and any(s in jax for s in SCAN_SLICES) and r.jax_name:
-            part = "scan_slices"
-        elif block == "moe" and not collective and (r.shape.lstrip("(").startswith("f32") or "/dot_general" in jax):
-            part = "moe_priced"
-        elif block in ("gdn", "attention"):
-            part = block
-        elif block == "moe" and jax.endswith("/slice") and _micro_batches(r.shape):
-            part = "hier_rs"
-        elif block in ("embed", "lm_head", "sample"):
-            part = "head"
-        else:
-            part = "stream"
-        out[part].append(r)
+        out[_part(r, block, jax, name)].append(r)
     return out
+
+
+def _part(r, block: str, jax: str, name: str) -> str:
+    """Which of `step_parts`' parts op row `r` is, its block, jax name and HLO name those of the op it is named by."""
+    collective = any(k in n for n in (r.name, name) for k in ("all-gather", "reduce-scatter")) or \
+        any(k in jax for k in ("/all_gather", "/reduce_scatter"))
+    if f"/{PERMUTE_SCOPE}/" in f"{jax}/":
+        return "permute"
+    if collective and r.op.startswith("call-") and (r.jax_name or "reduce-scatter" in r.name):
+        return "collectives"  # a collective's start and done (the second stage's too: unnamed, its own)
+    if block == "other" and any(s in jax for s in SCAN_SLICES) and r.jax_name:
+        return "scan_slices"
+    if block == "moe" and not collective and (r.shape.lstrip("(").startswith("f32") or "/dot_general" in jax):
+        return "moe_priced"
+    if block in ("gdn", "attention"):
+        return block
+    if block == "moe" and jax.endswith("/slice") and _micro_batches(r.shape):
+        return "hier_rs"
+    return "head" if block in ("embed", "lm_head", "sample") else "stream"
+
+
+def _micro_batches(shape: str) -> bool:
+    """A micro-batch of the combine's rows: [core * chip, 1, rows, D] slices of its HIER_AXES view
+    (`parallel.collectives.reduce_scatter`), [core, chip, 1, rows, D] of the ALL-ordered one."""
+    dims = [d.split(",") for _, d in re.findall(r"(\w+)\[([\d,]*)\]", shape)]
+    return any(len(d) == 5 or (len(d) == 4 and d[1] == "1") for d in dims)
 
 
 def glue_passes(doc: dict, stage: str, step: str, text: str | None = None) -> dict[str, float]:
