@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from qwen35_lib.bench import workloads
+
 DESCRIPTION = "the playbook's workloads against an OpenAI-compatible server (vllm bench serve's metrics)"
 PERCENTILES = (99,)
 
@@ -349,8 +351,6 @@ def _options(args: argparse.Namespace) -> tuple[str, dict, tuple, tuple, dict]:
 
 def _workloads(args: argparse.Namespace) -> tuple[list[str], list]:
     """(names, workloads): vllm's random dataset when its flags are given, else the named workloads, scaled."""
-    from qwen35_lib.bench import workloads
-
     random = random_dataset(args)
     if random is not None:
         return [random.name], [random]
@@ -360,8 +360,6 @@ def _workloads(args: argparse.Namespace) -> tuple[list[str], list]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from qwen35_lib.bench import workloads
-
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint, goodput, percentiles, which, meta = _options(args)
     chat = endpoint == CHAT
@@ -430,21 +428,7 @@ def _finish(doc: dict, outs: list, reqs: list, goodput: dict, detailed: bool) ->
     return doc
 
 
-@dataclasses.dataclass(frozen=True)
-class RandomLengths:
-    """vllm bench serve's random dataset lengths: uniform in [int(L (1 - r)), int(L (1 + r))] (at least 1)."""
-
-    name: str
-    input_len: int
-    output_len: int
-    ratio: float
-    scale: str = "1"
-
-    def bounds(self, length: int) -> tuple[int, int]:
-        return max(1, int(length * (1 - self.ratio))), max(1, int(length * (1 + self.ratio)))
-
-
-def random_dataset(args: argparse.Namespace) -> RandomLengths | None:
+def random_dataset(args: argparse.Namespace) -> workloads.RandomLengths | None:
     """The random dataset's lengths when any of its flags is given (vLLM's defaults for the rest), else None."""
     given = [f for f in ("dataset_name", "random_input_len", "random_output_len", "random_range_ratio")
              if getattr(args, f, None) is not None]
@@ -454,7 +438,7 @@ def random_dataset(args: argparse.Namespace) -> RandomLengths | None:
     if not 0 <= r < 1:
         raise ValueError(f"--random-range-ratio {r}: give a number in [0, 1)")
     i, o = args.random_input_len or 1024, args.random_output_len or 128
-    return RandomLengths(f"random_{i}_{o}", i, o, r)
+    return workloads.RandomLengths(f"random_{i}_{o}", i, o, r)
 
 
 def _write_result(folder: str, doc: dict, filename: str | None = None, several: bool = False) -> pathlib.Path:

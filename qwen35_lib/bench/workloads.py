@@ -123,3 +123,17 @@ def parse_names(text: str, path: str | pathlib.Path = DATA) -> list[str]:
     if bad or not names:
         raise ValueError(f"unknown or no workloads {bad or text!r}; available: {', '.join(known)}")
     return names
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomLengths:
+    """vllm bench serve's random dataset lengths: uniform in [int(L (1 - r)), int(L (1 + r))] (at least 1)."""
+
+    name: str
+    input_len: int
+    output_len: int
+    ratio: float
+    scale: str = "1"
+
+    def bounds(self, length: int) -> tuple[int, int]:
+        return max(1, int(length * (1 - self.ratio))), max(1, int(length * (1 + self.ratio)))
