@@ -206,7 +206,8 @@ def _validate(args: argparse.Namespace) -> int:
                   f"x{r['median_ttft_ms_ratio']:.2f}  TPOT x{r['median_tpot_ms_ratio']:.2f}  total "
                   f"x{r['total_tokens_per_s_ratio']:.2f}  (published mean / p99 TTFT "
                   f"{pub['mean_ttft_ms']:,.0f} / {pub['p99_ttft_ms']:,.0f} ms, median / p99 ITL "
-                  f"{pub['median_itl_ms']} / {pub['p99_itl_ms']} ms)")
+                  f"{pub['median_itl_ms']} / {pub['p99_itl_ms']} ms; model "
+                  f"{pred['median_itl_ms']:.1f} / {pred['p99_itl_ms']:.1f} ms)")
         return 0
     if args.layouts:
         rows = validate.layout_points()

@@ -196,6 +196,7 @@ def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "
         seconds=sim.seconds, steps=sim.steps, mean_step_s=sim.seconds / sim.steps,
         mean_decode_batch=sim.mean_decode_batch, mean_running_per_rank=sim.mean_running,
         median_ttft_s=sim.median_ttft_s, median_tpot_s=sim.median_tpot_s,
+        median_itl_s=sim.median_itl_s, p99_itl_s=sim.p99_itl_s,
         breakdown_s={k: v / sim.steps for k, v in sim.breakdown.items()},
         breakdown_fraction={k: v / sim.seconds for k, v in sim.breakdown.items()})
     if roofline:

@@ -113,6 +113,17 @@ def _latencies_of(times: np.ndarray, outputs: np.ndarray) -> tuple[float, float]
     return ttft, tpot
 
 
+def _itl(per_step: np.ndarray, decodes: np.ndarray) -> tuple[float, float]:
+    """(median, p99) inter-token latency as `vllm bench serve` collects it (one gap a streamed chunk, a chunk a
+    decode row): each step's seconds `per_step` [steps], once for each of its `decodes` [steps]; NaN when none."""
+    if decodes.sum() <= 0:
+        return float("nan"), float("nan")
+    order = np.argsort(per_step, kind="stable")
+    cum = np.cumsum(decodes[order])
+    at = lambda q: float(per_step[order][np.searchsorted(cum, q * cum[-1])])  # noqa: E731  (lower quantile)
+    return at(0.5), at(0.99)
+
+
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     seconds: float
@@ -126,6 +137,8 @@ class SimResult:
     requests: int = 0  # requests per rank in the benchmark (more than `played`: the rest at the steady cost)
     median_ttft_s: float = float("nan")  # time to first token, median over the requests played
     median_tpot_s: float = float("nan")  # time per output token after the first, median
+    median_itl_s: float = float("nan")  # inter-token latency over every decoded token: its step's time (`_itl`)
+    p99_itl_s: float = float("nan")
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -753,10 +766,10 @@ def lockstep(isl: int, osl: int, concurrency: int, dp: int, max_batched_tokens: 
 
 
 def price(ls: Lockstep, steps_fn: StepsFn) -> SimResult:
-    """The lockstep schedule timed by `steps_fn` (its distinct steps at once): seconds, breakdown,
-    and the latencies of every request. A benchmark longer than the played run is the played run's cost per
-    request times its requests; clients who could not run wait in the queue (`median_queue_wait`, added to the
-    TTFT)."""
+    """The lockstep schedule timed by `steps_fn` (its distinct steps at once): seconds, breakdown, the latencies
+    of every request and the inter-token latencies of every decoded token (`_itl`). A benchmark longer than the
+    played run is the played run's cost per request times its requests; clients who could not run wait in the
+    queue (`median_queue_wait`, added to the TTFT)."""
     batches, at = ls.distinct
     secs, by_name = steps_fn(batches)  # [distinct], {component: [distinct]}
     names = sorted(by_name)
@@ -771,6 +784,8 @@ def price(ls: Lockstep, steps_fn: StepsFn) -> SimResult:
     k = ls.requests / ls.played
     if ls.clients > ls.cap + 1:
         ttft += median_queue_wait(ls.clients, ls.cap, ls.requests, ls.played / cum[-1])
+    itl = _itl(per_step, np.repeat(np.array([b.decodes for b in ls.batches], dtype=np.float64), ls.counts))
     return SimResult(float(cum[-1]) * k, round(steps * k), round(ls.input_tokens * k), round(ls.output_tokens * k),
                      {n: v * k for n, v in breakdown.items()}, ls.decodes / max(steps, 1), ls.running / max(steps, 1),
-                     played=ls.played, requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot)
+                     played=ls.played, requests=ls.requests, median_ttft_s=ttft, median_tpot_s=tpot,
+                     median_itl_s=itl[0], p99_itl_s=itl[1])

@@ -22,6 +22,7 @@ figures, the explained prediction with its band for both workloads at 512, and t
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -197,7 +198,8 @@ def ttft_points(stage: str = MEASURED_STAGE) -> list[dict]:
     8k/1k and 1k/8k at 128 concurrent requests) predicted under their own setup and `stage` (the plan they ran):
     per row the predicted and published median TTFT, median TPOT and total tokens/s, each ratio (predicted /
     published) and whether it is within 25 %, and the published mean and p99 TTFT and median and p99 inter-token
-    latencies beside them (not judged: the model gives medians)."""
+    latencies beside them, the model's median and p99 inter-token latency in `predicted` (not judged: they say
+    which steps the model prices apart from the run: decode-only steps set the median, prompt steps the p99)."""
 
     rows = []
     for m in published()["measurements"]:
@@ -210,7 +212,9 @@ def ttft_points(stage: str = MEASURED_STAGE) -> list[dict]:
                    published={k: m[k] for k in ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                                 "median_itl_ms", "p99_itl_ms", "total_tokens_per_s") if k in m},
                    predicted=dict(median_ttft_ms=p["median_ttft_s"] * 1e3, median_tpot_ms=p["median_tpot_s"] * 1e3,
-                                  total_tokens_per_s=p["total_tokens_per_s"], mean_step_ms=p["mean_step_s"] * 1e3))
+                                  total_tokens_per_s=p["total_tokens_per_s"], mean_step_ms=p["mean_step_s"] * 1e3,
+                                  median_itl_ms=p.get("median_itl_s", math.nan) * 1e3,
+                                  p99_itl_ms=p.get("p99_itl_s", math.nan) * 1e3))
         for key in ("median_ttft_ms", "median_tpot_ms", "total_tokens_per_s"):
             ratio = row["predicted"][key] / m[key]
             row[f"{key}_ratio"] = ratio

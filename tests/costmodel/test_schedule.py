@@ -4,6 +4,7 @@ request, the closed-form queue wait, and the data-parallel ranks in lockstep."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -149,3 +150,15 @@ def test_admission_lag_is_two_steps_with_async_scheduling_and_one_without():
     assert admit_lag(Mechanisms.nominal(async_scheduling=False)) == 1
     assert admit_lag(Mechanisms.nominal(request_path_steps=1)) == 3
     assert admit_lag(Mechanisms.off()) == 0
+
+
+def test_inter_token_latency_counts_each_decoded_token_at_its_steps_time():
+    """`_itl`: one gap a decoded token, its step's time (steps of 1 s x 1 decode, 2 s x 3, 10 s x 1: gaps
+    1, 2, 2, 2, 10); `price` gives the quantiles of its own steps' times."""
+    med, p99 = schedule._itl(np.array([1.0, 2.0, 10.0]), np.array([1.0, 3.0, 1.0]))
+    assert (med, p99) == (2.0, 10.0)
+    assert all(math.isnan(x) for x in schedule._itl(np.array([1.0]), np.array([0.0])))
+    ls = schedule.lockstep(512, 64, 32, 4, 256, 16, 10**6, 64, 0, 0.8)
+    r = schedule.price(ls, schedule.each_step(toy))
+    times = [toy(b)[0] for b in ls.batches if b.decodes]
+    assert r.median_itl_s in times and min(times) <= r.median_itl_s <= r.p99_itl_s <= max(times)
