@@ -22,8 +22,10 @@ def test_the_document_is_the_serving_shape_at_full_depth():
     assert DOC["groups"] == CFG.num_groups == 15 and DOC["stage"] == "kernels"
     assert DOC["usable_bytes"] == round(94.75 * 2**30)
     assert {k: v for k, v in vars(sweep.SERVING).items() if k != "requests"} == DOC["shape"]
-    for e in DOC["verify"].values():  # the engine's verify kernels under the kernels stage's layout
-        assert e["kernels"] == {"attention": "items", "gdn": "xla", "moe_matmul": "pallas", "dense": "pallas"}
+    for e in DOC["verify"].values():  # the engine's verify kernels under the kernels stage's layout (the Pallas
+        # GDN's verify kernel, `gdn_pallas._verify_call`; the attention by items)
+        assert e["kernels"] == {"attention": "items", "gdn": "pallas", "moe_matmul": "pallas", "dense": "pallas"}
+        assert e.get("cache_pool_copies", 0) == 0  # the pools updated in place (the XLA twin's copied 9 at k = 1)
 
 
 def test_one_draft_fits_at_512_requests_and_three_only_with_fewer():
