@@ -753,11 +753,12 @@ viz.plot_ratios(pub, [f"ratio_{M}"], "label", "(c) predicted / published total t
 
 # %% [markdown]
 # **Check.** Under random routing every MoE layer cell is within a quarter of its measured device time. Under the
-# recorded routing, six of the eight are: at 128 tokens the recorded (skewed) routing touches fewer experts than the
-# model's uniform count, and at 4,096 the layer ran its SparseCore permutes, whose time outside the kernels the model
-# prices low. Every published row is predicted within a quarter in total tokens per second, and #3050's in median
-# time per output token too, with no trend over concurrency: the model's error, under each point's own setup, with
-# the two derived constants the only figures taken from a measurement (of the MoE layer, not of serving throughput).
+# recorded routing two are not (the claim below names them): at the smaller the recorded (skewed) routing touches
+# fewer experts than the model's uniform count, and at the larger the layer ran its SparseCore permutes, whose time
+# outside the kernels the model prices low. Every published row is predicted within a quarter in total tokens per
+# second, and #3050's in median time per output token too, with no trend over concurrency: the model's error, under
+# each point's own setup, with the two derived constants the only figures taken from a measurement (of the MoE layer,
+# not of serving throughput).
 
 # %%
 outside = [r for r in moe_cells if not r["within_25pct"]]

@@ -21,7 +21,7 @@ from qwen35_lib import safetensors_io, testing  # noqa: E402
 from qwen35_lib.checkpoint import CheckpointError, load_hf_checkpoint, load_mtp, path_infos  # noqa: E402
 from qwen35_lib.model.mtp import declare_mtp, mtp_forward  # noqa: E402
 from qwen35_lib.weights import BlockFP8, dequantize_fp8  # noqa: E402
-from tests.test_checkpoint import _edited  # noqa: E402  (a copy of a checkpoint with tensors dropped / added)
+from tests.checkpoint.support import edited  # noqa: E402  (a copy of a checkpoint with tensors dropped / added)
 
 pytestmark = [pytest.mark.reference, pytest.mark.filterwarnings("ignore:.*falling back:UserWarning"),
               pytest.mark.filterwarnings("ignore:.*skipped .* vision:UserWarning")]
@@ -312,9 +312,9 @@ def test_errors_name_the_head(ckpts, tmp_path):
         load_mtp(ckpts("qwen3_5_moe", "fused", mtp=False))
     src = ckpts("qwen3_5_moe", "fused")
     with pytest.raises(CheckpointError, match=r"1 tensors that config.json implies are missing: mtp\.norm\.weight"):
-        load_mtp(_edited(src, tmp_path / "missing", drop=["mtp.norm.weight"]))
+        load_mtp(edited(src, tmp_path / "missing", drop=["mtp.norm.weight"]))
     extra = {"mtp.layers.1.input_layernorm.weight": np.zeros(64, np.float32)}
     with pytest.raises(CheckpointError, match=r"1 MTP tensors are not weights of a one-layer .*layers\.1\.input"):
-        load_mtp(_edited(src, tmp_path / "extra", add=extra))
+        load_mtp(edited(src, tmp_path / "extra", add=extra))
     with pytest.raises(CheckpointError, match=r"mtp\.fc\.weight: config.json implies \(64, 128\), the file has"):
-        load_mtp(_edited(src, tmp_path / "shape", add={"mtp.fc.weight": np.zeros((64, 64), np.float32)}))
+        load_mtp(edited(src, tmp_path / "shape", add={"mtp.fc.weight": np.zeros((64, 64), np.float32)}))
