@@ -36,11 +36,11 @@ def predict_speed(concurrency: int = 512) -> dict[str, float]:
     the lockstep cache cleared first)."""
     import time
 
-    from qwen35_lib.costmodel import predict, schedule
+    from qwen35_lib.costmodel import lockstep, predict
 
     out = {}
     for isl, osl in ((8192, 1024), (1024, 8192)):
-        schedule.lockstep.cache_clear()
+        lockstep.lockstep.cache_clear()
         t = time.perf_counter()
         predict(isl=isl, osl=osl, concurrency=concurrency, band=True)
         out[f"{isl // 1024}k/{osl // 1024}k"] = time.perf_counter() - t

@@ -9,7 +9,8 @@ and the ladder predicted stage by stage (the stages are `qwen35_lib.plan.STAGES`
 """
 
 from qwen35_lib.costmodel.ops import Batch
-from qwen35_lib.costmodel.predict import ladder, predict, serving_model
+from qwen35_lib.costmodel.predict import predict, serving_model
+from qwen35_lib.costmodel.stage_ladder import ladder
 from qwen35_lib.costmodel.step import step_time
 from qwen35_lib.costmodel.traffic import StepShape, collective_counts, resident_bytes
 

@@ -37,7 +37,8 @@ from qwen35_lib import cli_errors
 from qwen35_lib.config import PRESETS
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.choice import CONCURRENCIES, ENGINES, SETUPS
-from qwen35_lib.costmodel.predict import KV_DTYPES, ladder, predict, serving_model
+from qwen35_lib.costmodel.predict import KV_DTYPES, predict, serving_model
+from qwen35_lib.costmodel.stage_ladder import ladder
 from qwen35_lib.plan import FAMILIES, ROUTINGS
 from qwen35_lib.plan import cli as plan_cli
 

@@ -92,7 +92,7 @@ class Mechanisms:
 
 def admit_lag(m: Mechanisms) -> int:
     """Steps a client's next request waits, after the step whose outputs ended its last one, before a schedule can
-    include it (`schedule.ADMISSION_LAG`): the steps the engine core has in flight when it next reads its input queue
+    include it (`play.ADMISSION_LAG`): the steps the engine core has in flight when it next reads its input queue
     (2 with async scheduling's batch queue of 2, 1 without) plus `request_path_steps`; 0 with `admission_lag` off."""
     if not m.admission_lag:
         return 0
@@ -100,7 +100,7 @@ def admit_lag(m: Mechanisms) -> int:
 
 
 def dp_dispatch(m: Mechanisms) -> str:
-    """How tpu-inference's DP scheduler routes a new request (`schedule.play_dp`'s dispatch): "batch" (held until dp
+    """How tpu-inference's DP scheduler routes a new request (`lockstep.play_dp`'s dispatch): "batch" (held until dp
     of them wait, or as many ranks were idle in its newest schedule) with `dp_batch_prefill` and async scheduling;
     "each" (routed as it arrives) otherwise. Without async scheduling the hold never holds: `_count_idle_ranks` reads
     the newest cached schedule and counts every rank idle when none is cached, `update_from_output` drops the cached

@@ -6,11 +6,12 @@
    stage's ranks, so a stage's gain is never a scheduling difference; sequences the same way (`seq_budget`: the
    recipe's 64 a rank at its DP 8, 512 for the slice, over the stage's ranks); 10 x CONC prompts (InferenceX's
    bench.sh `num_prompts = 10 x CONC`);
-2. memory: weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
+2. memory (`memory`): weights per device under the layout, then how many requests of ISL + OSL tokens fit per rank
    (KV + GDN state); a model whose weights do not fit is reported so (`fits: False`) with no throughput;
-3. the scheduler simulation (`schedule.simulate`) with the step-time model (`step.step_time`), and the same
-   schedule at the roofline bound (`ideal=True`);
-4. whole-slice output and total (input + output) tokens/s, per chip, the step-time breakdown by component.
+3. the scheduler simulation (`schedule.simulate`, or `lockstep.lockstep` for DP ranks) with the step-time model
+   (`step.step_time`), and the same schedule at the roofline bound (`ideal=True`);
+4. whole-slice output and total (input + output) tokens/s, per chip, the step-time breakdown by component; with
+   `band` or `explain`, the schedule re-timed under other mechanisms (`band`).
 The prediction never reads published measurements.
 """
 
@@ -25,13 +26,21 @@ import numpy as np
 
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config, get_config
-from qwen35_lib.costmodel import assumptions, ops, traffic
+from qwen35_lib.costmodel import assumptions, ops
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms, admit_lag, dp_dispatch
-from qwen35_lib.costmodel.schedule import Speculation, lockstep, price, simulate
+from qwen35_lib.costmodel.band import band_of, explain_of
+from qwen35_lib.costmodel.lockstep import lockstep, price
+from qwen35_lib.costmodel.memory import (
+    engine_pools,
+    request_bytes_per_device,
+    resident_bytes_per_device,
+    weight_bytes_per_device,
+)
+from qwen35_lib.costmodel.play import Speculation
+from qwen35_lib.costmodel.schedule import simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import Pools, bind_to, retimed_many, step_times
-from qwen35_lib.engine.cache import CacheShape
+from qwen35_lib.costmodel.step import bind_to, retimed_many, step_times
 from qwen35_lib.plan import ServingPlan, any_stage
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head
@@ -67,49 +76,6 @@ def serving_model(name: str = "qwen3.5-397b-a17b", **changes: Any) -> Config:
     return get_config(name, **base)
 
 
-def weight_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan) -> float:
-    """Weights one device holds under the stage's plan on the system's devices (`traffic.resident_bytes`: each
-    declared weight over the ways the plan splits it; replicated ones, such as the router and norms, whole)."""
-    return float(traffic.weight_bytes(bind_to(stage, cfg, sp), cfg))
-
-
-def resident_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
-                              kv_dtype: str | None, page_size: int, drafts: int = 0) -> dict[str, float]:
-    """What the engine allocates on one device for `requests_per_rank` requests of `tokens` tokens each: weights,
-    the KV pool (every request's whole pages + the engine's null page) and the GDN pool (a slot each + the null
-    slot), from `engine.cache.declare_cache` split by the plan (`traffic.resident_bytes`). With `drafts` (speculative
-    decoding, `EngineConfig.speculative_tokens`) the GDN pool holds each slot's verification checkpoints too
-    (`CacheShape.verify`), and the MTP head's weights and its one-layer KV pool are added
-    (`traffic.mtp_resident_bytes`: `mtp_weight_bytes`, `mtp_kv_bytes`)."""
-    plan = bind_to(stage, cfg, sp)
-    cache = CacheShape.for_requests(requests_per_rank * plan.dp, tokens, ranks=plan.dp, page_size=page_size,
-                                    kv_dtype=kv_dtype)
-    if drafts:
-        cache = dataclasses.replace(cache, verify=drafts + 1)
-    r = traffic.resident_bytes(plan, cfg, cache)
-    out = {"weight_bytes": r["weights"], "kv_bytes": r["kv"], "gdn_state_bytes": r["gdn_state"]}
-    if drafts:
-        head = traffic.mtp_resident_bytes(plan, cfg, cache)
-        out.update(mtp_weight_bytes=head["weights"], mtp_kv_bytes=head["kv"])
-    return out
-
-
-def engine_pools(cfg: Config, sp: Specs, stage: ServingPlan, requests_per_rank: int, tokens: int,
-                 kv_dtype: str | None, page_size: int, drafts: int = 0) -> Pools:
-    """The cache pools, per layer on one device, of an engine sized for `requests_per_rank` requests of `tokens`
-    tokens (`resident_bytes_per_device`): what its layer scan copies every step (`step.Pools`)."""
-    r = resident_bytes_per_device(cfg, sp, stage, requests_per_rank, tokens, kv_dtype, page_size, drafts)
-    z = ops.sizes(cfg)
-    return Pools(kv=r["kv_bytes"] / max(z["n_attn"], 1), gdn=r["gdn_state_bytes"] / max(z["n_gdn"], 1))
-
-
-def request_bytes_per_device(cfg: Config, sp: Specs, stage: ServingPlan, tokens: int, kv_dtype: str | None,
-                             page_size: int = 1, drafts: int = 0) -> float:
-    """Cache one request of `tokens` tokens puts on each device holding it: its whole pages and its GDN slot
-    (the pools for two requests less those for one; with `drafts`, its checkpoints and its pages of the head's
-    pool too)."""
-    one, two = (resident_bytes_per_device(cfg, sp, stage, n, tokens, kv_dtype, page_size, drafts) for n in (1, 2))
-    return float(sum(two.values()) - sum(one.values()))
 
 
 def predict(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
@@ -336,57 +302,6 @@ def _mechanisms(m: str | Mechanisms) -> Mechanisms:
     raise ValueError(f"mechanisms={m!r}: use 'nominal', 'off' or an assumptions.Mechanisms")
 
 
-def band_of(sim, mech: Mechanisms, rerun) -> dict:
-    """The uncertainty band of a prediction:
-    1. one at a time: each swept assumption ('range' or 'derived') at its low and its high end, the others nominal;
-    2. jointly: the pessimistic corner (every swept assumption at the end that lowered total tokens/s in step 1)
-       and the optimistic corner (every one at the other end);
-    3. band = [min, max] of total tokens/s and of median TPOT over steps 1-2 and the nominal."""
-    from qwen35_lib.costmodel.assumptions import extremes
-
-    rows = []
-    for name, end, m in extremes(mech):
-        r = rerun(m)
-        rows.append(dict(assumption=name, end=end, value=getattr(m, name), total_tokens_per_s=r.total_tokens_per_s,
-                         median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
-    worse, better = {}, {}
-    for name in dict.fromkeys(r["assumption"] for r in rows):
-        lo, hi = (next(r for r in rows if r["assumption"] == name and r["end"] == e) for e in ("low", "high"))
-        w, b = (lo, hi) if lo["total_tokens_per_s"] <= hi["total_tokens_per_s"] else (hi, lo)
-        worse[name], better[name] = w["value"], b["value"]
-    corners = []
-    for corner, values in (("pessimistic", worse), ("optimistic", better)):
-        r = rerun(dataclasses.replace(mech, **values))
-        corners.append(dict(corner=corner, values=values, total_tokens_per_s=r.total_tokens_per_s,
-                            median_tpot_s=r.median_tpot_s, median_ttft_s=r.median_ttft_s))
-    tot = [r["total_tokens_per_s"] for r in rows + corners] + [sim.total_tokens_per_s]
-    tpot = [r["median_tpot_s"] for r in rows + corners] + [sim.median_tpot_s]
-    return dict(total_tokens_per_s=[min(tot), max(tot)], median_tpot_s=[min(tpot), max(tpot)],
-                high_over_low=max(tot) / min(tot), extremes=rows, corners=corners)
-
-
-def explain_of(sim, mech: Mechanisms, rerun) -> dict:
-    """The mean step per component (each with the assumptions it rests on) and per mechanism: what switching
-    that one mechanism off changes (mean step, total tokens/s), with its assumption record."""
-    from qwen35_lib.costmodel.assumptions import component_assumptions, records
-
-    comps = {k: dict(seconds=v / sim.steps, fraction=v / sim.seconds, assumptions=list(component_assumptions(k)))
-             for k, v in sorted(sim.breakdown.items(), key=lambda kv: -kv[1]) if v > 0}
-    recs = records()
-    mechs = {}
-    for name in [f.name for f in dataclasses.fields(Mechanisms)]:
-        off = mech.neutral(name)
-        if off == mech:
-            mechs[name] = dict(applied=False, assumption=recs[name])
-            continue
-        r = rerun(off)
-        mechs[name] = dict(applied=True, value=getattr(mech, name), off_value=getattr(off, name),
-                           mean_step_s_delta=sim.seconds / sim.steps - r.seconds / r.steps,
-                           total_tokens_per_s_without=r.total_tokens_per_s,
-                           total_tokens_per_s_ratio=sim.total_tokens_per_s / r.total_tokens_per_s,
-                           assumption=recs[name])
-    return dict(mean_step_s=sim.seconds / sim.steps, components=comps, mechanisms=mechs,
-                other_assumptions={k: v for k, v in recs.items() if k not in mechs})
 
 
 POSITIVE = {"isl": "input tokens per request", "osl": "output tokens per request",
@@ -415,93 +330,6 @@ def check_arguments(**values: Any) -> None:
             raise ValueError(f"{name}={value!r}{flag}: {POSITIVE[name]} must be an integer >= 1")
 
 
-def ladder(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
-           workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)), concurrency: int = 512,
-           stages: tuple[str, ...] | None = None, google_baseline: bool = True, **kwargs: Any) -> list[dict]:
-    """`predict` for every stage of the ladder and workload; each row gains `gain` (over the previous stage),
-    `vs_baseline` and, with `google_baseline`, `google_baseline_total_tokens_per_s` and `vs_google_baseline` (over
-    the `google_baseline` plan, predicted for the same workload; not a ladder stage)."""
-    from qwen35_lib.plan import LADDER
-
-    rows = []
-    for isl, osl in workloads:
-        prev = base = None
-        g = predict(model, hardware, "google_baseline", isl, osl, concurrency, **kwargs) if google_baseline else None
-        gt = g["total_tokens_per_s"] if g and g.get("fits") else None
-        for name in stages or LADDER:
-            r = predict(model, hardware, name, isl, osl, concurrency, **kwargs)
-            r["workload"] = f"{_k(isl)}/{_k(osl)}"
-            if r.get("fits"):
-                base = base or r["total_tokens_per_s"]
-                r["gain"] = r["total_tokens_per_s"] / prev if prev else 1.0
-                r["vs_baseline"] = r["total_tokens_per_s"] / base
-                if gt:
-                    r["google_baseline_total_tokens_per_s"] = gt
-                    r["vs_google_baseline"] = r["total_tokens_per_s"] / gt
-                prev = r["total_tokens_per_s"]
-            rows.append(r)
-    return rows
-
-
-def ladder_explained(model: str | Config = "qwen3.5-397b-a17b", hardware: str | Specs = "tpu7x-8",
-                     concurrency: int = 512, workloads: tuple[tuple[int, int], ...] = ((8192, 1024), (1024, 8192)),
-                     **kwargs: Any) -> dict:
-    """The ladder explained, as data (issue 13, item 7; notebook 06 quotes it): per workload, each stage's total
-    tokens/s, gain and ratios (`ladder`), and what it buys per component: the mean step's seconds per token
-    computed, per component, before and after it (a stage changes the per-token cost; `delta_s_per_token`
-    < 0 is a saving). Also the published 3.1x / 4.7x beside the model's end-to-end ratios over `baseline` and
-    over `google_baseline`, and the per-token cost of `kernels` against `google_baseline` by component."""
-    from qwen35_lib import data
-
-    rows = ladder(model, hardware, workloads, concurrency, **kwargs)
-    google = {f"{_k(i)}/{_k(o)}": predict(model, hardware, "google_baseline", i, o, concurrency, **kwargs)
-              for i, o in workloads}
-    pub = data.read_json("published.json")["reported_ladder"]
-    reported = {"8k/1k": pub["prefill_heavy_gain"], "1k/8k": pub["decode_heavy_gain"]}
-    out: dict[str, Any] = dict(concurrency=concurrency, reported_source=pub["source"], workloads={})
-    for wl in dict.fromkeys(r["workload"] for r in rows):
-        rs = [r for r in rows if r["workload"] == wl and r.get("fits")]
-        per_tok = {r["stage"]: _per_token(r) for r in rs}
-        g = google[wl]
-        stages, prev = [], None
-        for r in rs:
-            row = dict(stage=r["stage"], total_tokens_per_s=r["total_tokens_per_s"],
-                       median_tpot_s=r["median_tpot_s"], median_ttft_s=r["median_ttft_s"],
-                       gain=r.get("gain"), vs_baseline=r.get("vs_baseline"),
-                       vs_google_baseline=r.get("vs_google_baseline"), s_per_token=per_tok[r["stage"]])
-            if prev is not None:
-                row["delta_s_per_token"] = _delta(per_tok[prev], per_tok[r["stage"]])
-            prev = r["stage"]
-            stages.append(row)
-        k = next((r for r in rs if r["stage"] == "kernels"), None)
-        summary = dict(reported_gain=reported.get(wl), model_vs_baseline=k and k.get("vs_baseline"),
-                       model_vs_google_baseline=k and k.get("vs_google_baseline"))
-        gb = None
-        if g.get("fits"):
-            gb = dict(total_tokens_per_s=g["total_tokens_per_s"], median_tpot_s=g["median_tpot_s"],
-                      s_per_token=_per_token(g))
-            if k:
-                summary["kernels_vs_google_baseline_delta_s_per_token"] = _delta(gb["s_per_token"],
-                                                                               per_tok["kernels"])
-        out["workloads"][wl] = dict(stages=stages, google_baseline=gb, summary=summary)
-    return out
-
-
-def _per_token(r: dict) -> dict[str, float]:
-    """Seconds per token (input + output) of the slice, by component."""
-    tokens = r["total_tokens_per_s"] * r["seconds"]
-    return {k: v * r["steps"] / tokens for k, v in r["breakdown_s"].items()}
-
-
-def _delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: b.get(k, 0.0) - a.get(k, 0.0) for k in sorted(set(a) | set(b), key=lambda k: b.get(k, 0.0) -
-                                                              a.get(k, 0.0)) if b.get(k, 0.0) != a.get(k, 0.0)}
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
-__all__ = ["KV_DTYPES", "PROMPTS_PER_CLIENT", "RECIPE_DP", "RECIPE_MAX_SEQS", "band_of", "check_arguments",
-           "explain_of", "ladder", "ladder_explained", "predict", "request_bytes_per_device",
-           "resident_bytes_per_device", "seq_budget", "serving_model", "token_budget", "weight_bytes_per_device"]
+__all__ = ["KV_DTYPES", "PROMPTS_PER_CLIENT", "RECIPE_DP", "RECIPE_MAX_SEQS", "check_arguments", "predict",
+           "request_bytes_per_device", "resident_bytes_per_device", "seq_budget", "serving_model", "token_budget",
+           "weight_bytes_per_device"]

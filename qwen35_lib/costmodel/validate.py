@@ -67,7 +67,9 @@ def cpu_engine_steps(cfg: Config, weights: dict, cases: list[StepCase] | None = 
     import jax
 
     from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
-    from qwen35_lib.engine.engine import Engine, EngineConfig, engine_step
+    from qwen35_lib.engine.engine import Engine
+    from qwen35_lib.engine.engine_config import EngineConfig
+    from qwen35_lib.engine.step import engine_step
     from qwen35_lib.model.layer_loop import prepare_weights
 
     cases = cases or default_cases()
@@ -458,8 +460,9 @@ def acceptance(rows: list[dict] | None = None, stage: str = MEASURED_STAGE) -> d
 def notebook_data(concurrency: int = 512) -> dict:
     """Issue 13's results as one JSON-able dict: `comparison` (`published_comparison(band=True)`), `acceptance`,
     `explain` ({"8k/1k" | "1k/8k": `predict(explain=True, band=True)` of `kernels` at `concurrency`}) and `ladder`
-    (`predict.ladder_explained`); a few minutes on 2 CPU cores."""
-    from qwen35_lib.costmodel.predict import ladder_explained, predict
+    (`stage_ladder.ladder_explained`); a few minutes on 2 CPU cores."""
+    from qwen35_lib.costmodel.predict import predict
+    from qwen35_lib.costmodel.stage_ladder import ladder_explained
 
     rows = published_comparison(("kernels", MEASURED_STAGE), band=True)
     explain = {f"{i // 1024}k/{o // 1024}k": predict(stage="kernels", isl=i, osl=o, concurrency=concurrency,

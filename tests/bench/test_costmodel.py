@@ -11,7 +11,7 @@ import pytest
 from qwen35_lib import costmodel, data
 from qwen35_lib.aot import validate as aot_validate
 from qwen35_lib.bench import costmodel as bench
-from qwen35_lib.costmodel import cpu_bench, schedule, validate
+from qwen35_lib.costmodel import cpu_bench, lockstep, validate
 
 
 def _args(*argv):
@@ -30,7 +30,7 @@ def test_options_and_their_defaults():
 
 def test_predict_speed_times_both_workloads_from_a_fresh_schedule(monkeypatch):
     calls = []
-    monkeypatch.setattr(schedule.lockstep, "cache_clear", lambda: calls.append("clear"))
+    monkeypatch.setattr(lockstep.lockstep, "cache_clear", lambda: calls.append("clear"))
     monkeypatch.setattr(costmodel, "predict", lambda **kw: calls.append((kw["isl"], kw["osl"], kw["band"])))
     out = bench.predict_speed(64)
     assert list(out) == ["8k/1k", "1k/8k"] and all(v >= 0 for v in out.values())

@@ -1,5 +1,5 @@
 """The cost model's labelled serving mechanisms (issue 13): every assumption has a source, a quote and a range; the
-data-parallel ranks in lockstep; the band; `--explain`; one token budget for every stage; `google_baseline`."""
+data-parallel ranks in lockstep; `--explain`; one token budget for every stage; the admission lag."""
 
 from __future__ import annotations
 
@@ -52,26 +52,6 @@ def test_the_model_without_mechanisms_is_the_old_model():
     assert off["total_tokens_per_s"] != nominal["total_tokens_per_s"]
 
 
-def test_band_brackets_the_prediction_and_names_each_end():
-    r = costmodel.predict(stage="kernels", band=True, **SMALL)
-    b = r["band"]
-    lo, hi = b["total_tokens_per_s"]
-    assert lo <= r["total_tokens_per_s"] <= hi and b["high_over_low"] == pytest.approx(hi / lo)
-    swept = [n for n, rec in assumptions.records().items() if rec["kind"] in assumptions.SWEPT
-             and n != "host_step_time_sync_s"]  # async scheduling is on: the synchronous host time is not in force
-    assert sorted((x["assumption"], x["end"]) for x in b["extremes"]) == sorted(
-        (n, e) for n in swept for e in ("low", "high"))
-    tpot = {(x["assumption"], x["end"]): x["median_tpot_s"] for x in b["extremes"]}
-    assert tpot[("host_step_overhead_s", "high")] > r["median_tpot_s"] > tpot[("host_step_overhead_s", "low")]
-    # the joint corners: every swept assumption at its worse (better) end at once, outside every single extreme
-    c = {x["corner"]: x for x in b["corners"]}
-    singles = [x["total_tokens_per_s"] for x in b["extremes"]]
-    assert c["pessimistic"]["total_tokens_per_s"] <= min(singles) and max(singles) <= c["optimistic"][
-        "total_tokens_per_s"]
-    assert [lo, hi] == [c["pessimistic"]["total_tokens_per_s"], c["optimistic"]["total_tokens_per_s"]]
-    assert set(c["pessimistic"]["values"]) == set(swept)
-
-
 def test_async_scheduling_is_a_setup_switch_for_the_host_time():
     on = costmodel.predict(stage="kernels", **SMALL)
     off = costmodel.predict(stage="kernels", mechanisms=Mechanisms.nominal(async_scheduling=False), **SMALL)
@@ -103,16 +83,6 @@ def test_one_token_budget_for_every_stage(isl):
     for stage in (*LADDER, "google_baseline"):
         r = costmodel.predict(stage=stage, isl=isl, osl=256, concurrency=8, roofline=False, mechanisms="off")
         assert r["max_batched_tokens_per_rank"] * r["dp"] == 8 * max(isl // 8, 1024), stage
-
-
-def test_ladder_reports_ratios_against_google_baseline():
-    rows = costmodel.ladder(workloads=((1024, 256),), concurrency=16, stages=("baseline", "kernels"),
-                            mechanisms="off", roofline=False)
-    g = costmodel.predict(stage="google_baseline", isl=1024, osl=256, concurrency=16, mechanisms="off",
-                          roofline=False)
-    assert g["layout"] == "tp8_kvrep" and g["kernels"] == "pallas"
-    for r in rows:
-        assert r["vs_google_baseline"] == pytest.approx(r["total_tokens_per_s"] / g["total_tokens_per_s"])
 
 
 def test_acceptance_figures_from_comparison_rows():
@@ -170,3 +140,11 @@ def test_the_dp_scheduler_holds_new_requests_only_under_async_scheduling():
     hold = costmodel.predict(stage="kernels", **SMALL)  # async scheduling on: the hold holds
     assert hold["median_ttft_s"] != costmodel.predict(stage="kernels", mechanisms=Mechanisms.nominal(
         dp_batch_prefill=False), **SMALL)["median_ttft_s"]
+
+
+def test_admission_lag_is_two_steps_with_async_scheduling_and_one_without():
+    """`assumptions.admit_lag`: the steps vLLM's engine core has in flight when it next reads its input queue."""
+    assert assumptions.admit_lag(Mechanisms.nominal()) == 2
+    assert assumptions.admit_lag(Mechanisms.nominal(async_scheduling=False)) == 1
+    assert assumptions.admit_lag(Mechanisms.nominal(request_path_steps=1)) == 3
+    assert assumptions.admit_lag(Mechanisms.off()) == 0
