@@ -192,7 +192,7 @@ assert KV_FACTOR == 8 // tiny.num_kv_heads and kvrep_plan.kv_heads_per_device(ti
 import jax
 import numpy as np
 
-from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 
 weights = qwen35_lib.init_weights(tiny, 0)

@@ -409,7 +409,7 @@ notebook.claim_greater("kernels_temporaries_smaller", "the `kernels` stage's dec
 # single-device logits at its last prompt position.
 
 # %%
-from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine import Engine, EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 
 engine = Engine(tiny, weights, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),

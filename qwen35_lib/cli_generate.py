@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [_parse_ids(s) if kind == "ids" else encode(s) for kind, s in args.prompts]
 
     from qwen35_lib.config import from_hf_config, get_config
-    from qwen35_lib.engine.engine import validate_request
+    from qwen35_lib.engine.requests import validate_request
 
     shape = from_hf_config(root) if root else get_config(args.model or "qwen3.5-tiny")  # config.json only
     for p in prompts:

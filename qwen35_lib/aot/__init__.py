@@ -165,7 +165,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     """
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import CacheShape, abstract_cache, kv_words_for
-    from qwen35_lib.engine.engine import engine_step, verify_step
+    from qwen35_lib.engine.step import engine_step, verify_step
     from qwen35_lib.parallel.layouts import batch_sharding, weight_shardings
 
     plan = plan.bound(mesh, config, kv_dtype=kv_dtype)  # the KV dtype: the plan's, else `kv_dtype`

@@ -212,7 +212,7 @@ def profile_run(config: Config, weights: dict, ec, requests, machine: dict, host
     from qwen35_lib.bench import profile as prof
     from qwen35_lib.bench.roofline import component_floors, step_components
     from qwen35_lib.engine import Engine, SamplingParams
-    from qwen35_lib.engine.engine import engine_step
+    from qwen35_lib.engine.step import engine_step
     from qwen35_lib.model.layer_loop import prepare_weights
 
     engine = Engine(config, weights, ec, plan=plan)

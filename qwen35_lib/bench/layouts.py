@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from qwen35_lib.cli_generate import layout_mesh
     from qwen35_lib.config import get_config
-    from qwen35_lib.engine.engine import engine_step
+    from qwen35_lib.engine.step import engine_step
     from qwen35_lib.weights import init_weights
 
     opts = options(args)

@@ -274,7 +274,7 @@ def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.nd
     counted: 1 + accepted drafts per verified row (k drafts a row). `precompile=False` leaves the compiling to the
     untimed run (greedy: the timed run steps through the same shapes; `traces_while_timed` says if it did not)."""
     from qwen35_lib.engine import Engine
-    from qwen35_lib.engine.engine import EngineConfig
+    from qwen35_lib.engine.engine_config import EngineConfig
     from qwen35_lib.engine.sampling import SamplingParams
 
     N, P = prompts.shape

@@ -1,4 +1,5 @@
-"""The serving engine: requests in, tokens out, one jitted ragged step at a time."""
+"""The serving engine: requests in, tokens out, one jitted ragged step at a time (the step: `engine.step`; the knobs:
+`engine.engine_config`; a request checked and its result: `engine.requests`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from functools import partial
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.batch import bucket, pack, stack_ranks
@@ -20,100 +20,25 @@ from qwen35_lib.engine.cache import (
     cache_shardings,
     copy_rows,
     init_cache,
-    kv_words_for,
-    memory_shortfall,
     step_memory_shortfall,
     step_working_bytes,
 )
-from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays, sample
+from qwen35_lib.engine.engine_config import EngineConfig, check_cache_memory
+from qwen35_lib.engine.requests import Result, stop_set, validate_request
+from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays
 from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
 from qwen35_lib.engine.speculative import (
-    check_request,
     check_speculative,
     draft_step,
     head_inputs,
-    replicated,
-    verify,
 )
+from qwen35_lib.engine.step import TRACES, engine_step, rs_row_tile, verify_step
 from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.mtp import declare_mtp, mtp_layer_config
-from qwen35_lib.model.ragged import keep_accepted, ragged_forward
 from qwen35_lib.parallel.layouts import batch_sharding, shard_weights
-from qwen35_lib.parallel.parallelism import parallelism
-from qwen35_lib.plan import SINGLE, BoundPlan, ServingPlan, axis_size
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    max_num_seqs: int = 8  # running sequences per rank
-    max_num_batched_tokens: int = 128  # new tokens per step per rank (decodes + prefill chunks)
-    page_size: int = 16
-    num_pages: int | None = None  # per rank, null page included; None: enough for max_num_seqs full contexts
-    max_model_len: int = 1024  # prompt + output tokens of one request
-    ranks: int = 1  # data-parallel ranks, each with its own pools
-    # the KV cache's dtype where the plan names none (None: the model dtype; "float8_e4m3fn": FP8 with per-token
-    # scales); the engine reads the bound plan's (`BoundPlan.kv_dtype`), its one home
-    kv_dtype: str | None = None
-    # k: tokens each running sequence drafts with the model's MTP head and the next step verifies
-    # (`engine.speculative`); 0: off
-    speculative_tokens: int = 0
-
-    def __post_init__(self):
-        for f in ("max_num_seqs", "max_num_batched_tokens", "page_size", "max_model_len", "ranks"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"EngineConfig.{f} must be >= 1, got {getattr(self, f)}")
-        if self.speculative_tokens < 0:
-            raise ValueError(f"EngineConfig.speculative_tokens must be >= 0, got {self.speculative_tokens}")
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
-
-    @property
-    def pages(self) -> int:
-        """Pages per rank, the null page included: `num_pages`, else max_num_seqs whole contexts of max_model_len
-        (`CacheShape.for_requests`, the one pool-for-N-requests formula)."""
-        n = self.num_pages if self.num_pages is not None else CacheShape.for_requests(
-            self.max_num_seqs, self.max_model_len, page_size=self.page_size).num_pages
-        if n - 1 < self.pages_per_seq:
-            raise ValueError(f"num_pages={n} cannot hold one request of max_model_len={self.max_model_len} "
-                             f"({self.pages_per_seq} pages of {self.page_size} + the null page): raise num_pages "
-                             "or lower max_model_len")
-        return n
-
-    def cache_shape(self, plan: BoundPlan | None = None) -> CacheShape:
-        """The pools these knobs give each rank under the bound `plan`: `pages` pages, a slot for each of
-        max_num_seqs sequences and the null slot; the KV dtype the plan is bound with, stored as its attention
-        asks (`engine.cache.kv_words_for`). No plan: these knobs' own KV dtype, as values."""
-        if plan is None:
-            return CacheShape(ranks=self.ranks, num_pages=self.pages, page_size=self.page_size,
-                              num_slots=self.max_num_seqs + 1, kv_dtype=self.kv_dtype,
-                              verify=self.speculative_tokens + 1)
-        return dataclasses.replace(self.cache_shape(), kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan))
-
-
-@dataclasses.dataclass
-class Result:
-    """A finished request."""
-
-    id: int
-    prompt_ids: list[int]
-    output_ids: list[int]  # without the prompt; with the EOS token if one ended it
-    finish_reason: str  # "eos" or "length"
-    arrival: float
-    token_times: list[float]
-    preemptions: int
-
-    @property
-    def ttft(self) -> float:  # time to first token (s)
-        return self.token_times[0] - self.arrival
-
-    @property
-    def tpot(self) -> float:  # mean time per output token after the first (s)
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else 0.0
+from qwen35_lib.plan import SINGLE, ServingPlan
 
 
 @dataclasses.dataclass
@@ -537,89 +462,6 @@ class Engine:
         return [self.results[i] for i in ids]
 
 
-def validate_request(config: Config, ec: EngineConfig, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-    """The prompt as a list of ints, or a ValueError naming what is wrong with the request and how to fix it.
-    Needs no weights: a CLI can check requests before loading a checkpoint."""
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"a request's params must be a SamplingParams (or None), got {type(params).__name__}")
-    prompt = _prompt_ids(prompt_ids)
-    if not prompt:
-        raise ValueError("empty prompt: a request needs at least one token id")
-    bad = [t for t in prompt if not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    for what, ids in params.token_ids().items():
-        bad = [t for t in ids if t >= config.vocab_size]
-        if bad:
-            raise ValueError(f"{what} id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-    check_request(ec.speculative_tokens, params)
-    total = len(prompt) + params.max_new_tokens
-    if total > ec.max_model_len:
-        raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} = {total} "
-                         f"exceeds max_model_len={ec.max_model_len}: shorten the prompt, lower max_new_tokens, "
-                         "or build the engine with a larger max_model_len")
-    return prompt
-
-
-def stop_set(config: Config, params: SamplingParams) -> frozenset[int]:
-    """The tokens that end a request (finish "eos"): none with ignore_eos, else its stop_token_ids where given,
-    else the model's EOS ids."""
-    if params.ignore_eos:
-        return frozenset()
-    return frozenset(params.stop_token_ids if params.stop_token_ids is not None else config.eos_token_ids)
-
-
-def _prompt_ids(prompt_ids) -> list[int]:
-    """A 1-D sequence of integer token ids (list, tuple, range, 1-D integer array) as a list of ints; anything
-    else (a string, a nested list, floats, bools) is refused, never flattened or rounded."""
-    if hasattr(prompt_ids, "ndim") and hasattr(prompt_ids, "dtype"):  # a numpy or JAX array
-        arr = np.asarray(prompt_ids)
-        if arr.ndim != 1:
-            raise ValueError(f"a prompt is a 1-D sequence of token ids; got an array of shape {arr.shape}: give "
-                             "each request its own prompt")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"a prompt is a sequence of integer token ids; got {arr.dtype} values")
-        return [int(t) for t in arr]
-    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-        raise ValueError(f"a prompt is a 1-D sequence of integer token ids; got {type(prompt_ids).__name__} "
-                         f"{prompt_ids!r:.40}")
-    for i, t in enumerate(prompt_ids):
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-            kind = "a nested sequence (give each request its own prompt)" if isinstance(t, (Sequence, np.ndarray)) \
-                else f"{type(t).__name__} {t!r:.20}"
-            raise ValueError(f"a prompt is a 1-D sequence of integer token ids; element {i} is {kind}")
-    return [int(t) for t in prompt_ids]
-
-
-def check_cache_memory(config: Config, ec: EngineConfig, shape: CacheShape, mesh=None,
-                       plan: ServingPlan | None = None) -> None:
-    """A ValueError naming the knobs to lower when the KV pages and GDN slots of `shape` cannot fit the memory of
-    the devices that would hold them (host RAM on CPU, HBM on an accelerator; on `mesh` under the bound `plan`).
-    Allocates nothing."""
-    short = memory_shortfall(config, shape, mesh, plan)
-    if short is None:
-        return
-    what = (f"{shape.ranks} rank(s) x ({shape.num_pages} KV pages of {shape.page_size} tokens, {shape.num_slots} "
-            "GDN slots)")
-    fix = (f"lower num_pages ({ec.num_pages})" if ec.num_pages is not None else
-           f"lower max_num_seqs ({ec.max_num_seqs}) or max_model_len ({ec.max_model_len}), or set num_pages below "
-           f"{shape.num_pages}")
-    if config.attn_per_group and not shape.kv_dtype:
-        fix += ", or use kv_dtype='float8_e4m3fn'"
-    raise ValueError(f"{short} for {what}: {fix}")
-
-
-def rs_row_tile(plan: ServingPlan) -> int:
-    """Rows a rank's step must be a multiple of, with a prefill region, for the bound `plan`'s MoE to keep its
-    reduce-scatters: 64 where expert parallelism with token replication reduce-scatters each rank's rows over the
-    devices, else 1. Read off the TPU7x compiles (libtpu 0.0.42.1): XLA:TPU keeps a reduce-scatter whose blocks
-    are whole 8-row tiles on every device and micro-batch; at 64 + 1,024 rows a rank the step keeps its 960, at
-    63 + 1,024 or 8 + 1,024 it compiles all-reduces and collective-permutes instead (issues 30 and 50; the
-    hierarchical reduce-scatter's 1-8 micro-batches split each device's block further: 64 = 8 rows x 8)."""
-    ep_rs = plan.moe == "ep" and plan.routing == "replicate" and plan.dp > 1
-    return 64 if ep_rs else 1
-
-
 def _powers_of_two(n: int) -> tuple[int, ...]:
     out, b = [], 1
     while b < n:
@@ -629,48 +471,3 @@ def _powers_of_two(n: int) -> tuple[int, ...]:
 
 
 _STEP_BYTES: dict[tuple, int | None] = {}  # (step fn, config, plan, cache shape, D, T, mesh) -> working bytes
-TRACES = [0]  # how many times the step has been traced (compiled), process-wide
-
-
-@partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def engine_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta, samp):
-    """The engine's jitted step, shared by all engines (one compilation per config, bound plan and bucket): the
-    ragged forward of every rank's packed tokens [R, T] (`engine.batch`) under the bound `plan`, then sampling.
-    Returns (next tokens [R, S], the updated cache, donated). `engine_step.lower(cfg, plan, weights, cache, tokens,
-    meta, samp)` with placed or abstract arguments compiles it for a mesh (`qwen35_lib.aot.compile_step`)."""
-    TRACES[0] += 1  # runs only while tracing
-    logits, cache = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan))  # [R, S, V]
-    logits = _gathered(cfg, plan, logits)
-    R, S, V = logits.shape
-    flat = lambda x: x.reshape(R * S)
-    # optional keys: callers that lower the step with the older arrays (aot, costmodel.validate) need neither
-    proc = jax.tree.map(lambda x: x.reshape(R * S, *x.shape[2:]), samp["proc"]) if "proc" in samp else None
-    min_p = flat(samp["min_p"]) if "min_p" in samp else None
-    next_tokens = sample(logits.reshape(R * S, V), flat(samp["temperature"]), flat(samp["top_k"]),
-                         flat(samp["top_p"]), flat(samp["seed"]), flat(samp["position"]), min_p, proc)
-    return replicated(next_tokens.reshape(R, S)), cache
-
-
-def _gathered(cfg: Config, plan: ServingPlan, logits):
-    """Logits [R, ..., V] computed vocab-parallel where the plan splits the vocabulary, then gathered once (vLLM's
-    logits gather), split by rank only."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:
-        vocab, inner = plan.axes("vocab"), (None,) * (logits.ndim - 2)
-        if vocab is not None and cfg.vocab_size % axis_size(mesh, vocab) == 0:
-            logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes, *inner, vocab))
-        logits = jax.lax.with_sharding_constraint(logits, PartitionSpec(plan.batch_axes))  # [R_x, ..., V]
-    return logits
-
-
-@partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def verify_step(cfg: Config, plan: ServingPlan, weights: dict, cache: dict, tokens, meta, samp: dict):
-    """`engine_step` with drafts to verify (`engine.speculative`): the ragged forward of decode rows of V tokens,
-    the target's token after each [R, S, V] and the tokens each row keeps [R, S] (`speculative.verify`: greedy
-    acceptance, or speculative sampling with the rows' `samp`), the cache rolled back to them
-    (`model.ragged.keep_accepted`) and the normed hidden states [R, T, D] the head drafts from.
-    Returns (targets, accepted, cache, hidden)."""
-    TRACES[0] += 1  # runs only while tracing
-    logits, cache, hidden = ragged_forward(cfg, weights, cache, tokens, meta, parallelism(plan), return_hidden=True)
-    targets, accepted = verify(_gathered(cfg, plan, logits), tokens, meta, samp)  # [R, S, V], [R, S]
-    return replicated(targets), replicated(accepted), keep_accepted(cache, meta, accepted), hidden

@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from qwen35_lib.engine import SamplingParams
-from qwen35_lib.engine.engine import validate_request
+from qwen35_lib.engine.requests import validate_request
 from qwen35_lib.serve import protocol, responses, scoring, structured
 from qwen35_lib.serve.choices import Gone, Run, choice, collect, disconnected, stream
 from qwen35_lib.serve.loop import EngineLoop, Sink

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from qwen35_lib.engine.engine import stop_set
+from qwen35_lib.engine.requests import stop_set
 from qwen35_lib.serve import parsers, responses, scoring, structured
 from qwen35_lib.serve.loop import EngineLoop, Sink
 from qwen35_lib.serve.output import ChoiceOutput

@@ -107,7 +107,7 @@ class _Lowered(Exception):
 def test_compile_step_lowers_the_pools_for_requests_as_abstract_cache_declares_them(mesh, monkeypatch):
     # the step's caches are `CacheShape.for_requests` of its requests and context (each rank's sequences' pages +
     # the null page, a slot each + the null slot), built by `abstract_cache`: computed here as anywhere else
-    from qwen35_lib.engine import engine as engine_module
+    from qwen35_lib.engine import step as engine_module
     from qwen35_lib.engine.cache import abstract_cache, kv_words_for
 
     class Step:

@@ -22,7 +22,8 @@ import pytest
 from qwen35_lib import forward, get_config, init_weights
 from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
 from qwen35_lib.engine.cache import CacheShape, init_cache
-from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.engine import Engine
+from qwen35_lib.engine.engine_config import EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.ragged import ragged_forward
 from qwen35_lib.parallel.parallelism import parallelism

@@ -8,8 +8,8 @@ import numpy as np
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
 from qwen35_lib.engine.cache import CacheShape, init_cache
-from qwen35_lib.engine.engine import verify_step
 from qwen35_lib.engine.speculative import check_speculative
+from qwen35_lib.engine.step import verify_step
 from qwen35_lib.plan import SINGLE
 
 

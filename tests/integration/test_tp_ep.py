@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.engine import Engine
+from qwen35_lib.engine.engine_config import EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.plan import get_layout, make_mesh
 

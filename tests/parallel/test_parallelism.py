@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from qwen35_lib import forward, get_config, init_weights
-from qwen35_lib.engine.engine import Engine, EngineConfig
+from qwen35_lib.engine.engine import Engine
+from qwen35_lib.engine.engine_config import EngineConfig
 from qwen35_lib.engine.sampling import SamplingParams
 from qwen35_lib.model.moe import local_moe, route
 from qwen35_lib.parallel import shard_weights

@@ -201,7 +201,7 @@ def test_background_compiles_serve_without_a_second_compile(tmp_path):
     compiles the given shapes, and a request of those shapes then steps without tracing the step again; its tokens
     are the engine's run alone. `on_compiled` is called once the background is done (the compile-cache filler's
     cue)."""
-    from qwen35_lib.engine import engine as engine_module
+    from qwen35_lib.engine import step as engine_module
 
     called = threading.Event()
     with serve_support.running(tmp_path / "tok", background=True, on_compiled=called.set) as s:
