@@ -38,9 +38,10 @@ from qwen35_lib.costmodel.memory import (
     weight_bytes_per_device,
 )
 from qwen35_lib.costmodel.play import Speculation
+from qwen35_lib.costmodel.retime import retimed_many
 from qwen35_lib.costmodel.schedule import simulate
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import bind_to, retimed_many, step_times
+from qwen35_lib.costmodel.step import bind_to, step_times
 from qwen35_lib.plan import ServingPlan, any_stage
 
 KV_DTYPES = tuple(ops.ITEMSIZE)  # float8_e4m3fn: one byte + a float32 scale per token and head

@@ -16,6 +16,7 @@ mixed-step slowdown, the permute's SparseCore share, the FP8 hidden all-gather, 
 behind compute, and a host time per step (component `host`). `mech=None` is the model without them.
 `ideal=True` gives the roofline bound: the same work with every weight and token spread over all devices, every
 weight read once, only the experts hit read, efficiencies 1, no collectives, no launch overheads.
+A step timed here is re-priced under mechanisms that only rescale its components by `retime` (a band's ends).
 """
 
 from __future__ import annotations
@@ -266,28 +267,28 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
-def _mechanism_rules(out: dict, cfg: Config, s: Specs, pl: ops.Placement, batch: ops.Batch | _Steps,
+def _mechanism_rules(out: dict, cfg: Config, s: Specs, pl: ops.Placement, batch: ops.Batch | Steps,
                      mech: Mechanisms) -> None:
-    """`mech`'s rules on the seconds of `out` ({component: seconds}, or [n] arrays of n steps with `_Steps`), in
+    """`mech`'s rules on the seconds of `out` ({component: seconds}, or [n] arrays of n steps with `Steps`), in
     place (new values, never arrays changed in place)."""
     if mech.attention_kernel_efficiency:
         out["attn_core"] = out["attn_core"] * (s.eff_hbm / mech.attention_kernel_efficiency)
     mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
-    out["attn_core"] = _where(mixed, out["attn_core"] * mech.mixed_step_attention, out["attn_core"])
+    out["attn_core"] = where(mixed, out["attn_core"] * mech.mixed_step_attention, out["attn_core"])
     if pl.moe_impl == "gmm" and pl.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
         # and the one-hot matmuls below the threshold, stay on the TensorCore
         big = batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold
-        out["permute"] = _where(big, out["permute"] * mech.sparsecore_permute, out["permute"])
+        out["permute"] = where(big, out["permute"] * mech.sparsecore_permute, out["permute"])
     out["host"] = out["host"] + (mech.host_step_overhead_s if mech.async_scheduling else mech.host_step_time_sync_s)
 
 
-def _where(cond, x, y):
+def where(cond, x, y):
     """x where `cond` holds, else y: `cond` a bool (one step) or a bool array [n] (n steps)."""
     return np.where(cond, x, y) if isinstance(cond, np.ndarray) else x if cond else y
 
 
 @dataclasses.dataclass(frozen=True)
-class _Steps:
+class Steps:
     """The fields of n batches that the mechanism rules read, as [n] arrays."""
 
     decodes: np.ndarray
@@ -296,8 +297,8 @@ class _Steps:
 
     @staticmethod
     @functools.lru_cache(maxsize=8)  # a band asks it of the same schedule for every mechanism
-    def of(batches: tuple[ops.Batch, ...]) -> _Steps:
-        return _Steps(*np.array([(b.decodes, b.prefill_tokens, b.computed) for b in batches],
+    def of(batches: tuple[ops.Batch, ...]) -> Steps:
+        return Steps(*np.array([(b.decodes, b.prefill_tokens, b.computed) for b in batches],
                                 dtype=np.int64).reshape(-1, 3).T)
 
 
@@ -376,59 +377,8 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
             c = np.array([fused_combine.combine_comm(cfg, specs, b.computed).seconds for b in batches])
             out["all_to_all"] = out["all_to_all"] + fused_combine.exposed(c, out["routed_experts"], mech)
     if mech is not None:
-        _mechanism_rules(out, cfg, s, pl, _Steps.of(batches), mech)
+        _mechanism_rules(out, cfg, s, pl, Steps.of(batches), mech)
     return sum(out.values()), out
-
-
-# Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
-# is priced from the nominal breakdown instead of from the op costs again (exactly; tests/costmodel/test_assumptions)
-RESCALED = ("host_step_overhead_s", "host_step_time_sync_s", "async_scheduling", "collective_overlap",
-            "attention_kernel_efficiency", "mixed_step_attention", "sparsecore_permute")
-
-
-@functools.lru_cache(maxsize=256)  # asked once per step of a schedule, for the same two mechanisms
-def _rescaled_only(old: Mechanisms, new: Mechanisms) -> bool:
-    return all(getattr(old, f) == getattr(new, f) for f in old.__dataclass_fields__ if f not in RESCALED)
-
-
-def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | _Steps, breakdown: dict[str, float],
-            old: Mechanisms, new: Mechanisms) -> dict[str, float] | None:
-    """`breakdown` (a step of `batch` under `old`) under `new`, when the two differ only in RESCALED mechanisms
-    (else None): step_time's own rules, item by item, as factors: the host time replaced, the collectives by
-    (1 - overlap) ratio, the attention core by its efficiency and mixed-step ratios, the SparseCore permute share
-    (production's MoE overheads, per row and per layer call, share `moe_rows`: their ends are priced again)."""
-    if not _rescaled_only(old, new):
-        return None
-    out = dict(breakdown)
-    host = new.host_step_overhead_s if new.async_scheduling else new.host_step_time_sync_s
-    out["host"] = np.full_like(out["host"], host) if isinstance(out["host"], np.ndarray) else host
-    if new.collective_overlap != old.collective_overlap:
-        if old.collective_overlap >= 1:
-            return None
-        f = (1 - new.collective_overlap) / (1 - old.collective_overlap)
-        for name in COMM:
-            out[name] = out[name] * f
-    if new.attention_kernel_efficiency != old.attention_kernel_efficiency:
-        if not (old.attention_kernel_efficiency and new.attention_kernel_efficiency):
-            return None
-        out["attn_core"] = out["attn_core"] * (old.attention_kernel_efficiency / new.attention_kernel_efficiency)
-    if new.mixed_step_attention != old.mixed_step_attention:
-        mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
-        out["attn_core"] = _where(mixed, out["attn_core"] * (new.mixed_step_attention / old.mixed_step_attention),
-                                  out["attn_core"])
-    if new.sparsecore_permute != old.sparsecore_permute:
-        pl = placement(cfg, specs, stage)
-        if pl.moe_impl == "gmm" and pl.production_moe:
-            big = batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold
-            out["permute"] = _where(big, out["permute"] * (new.sparsecore_permute / old.sparsecore_permute),
-                                    out["permute"])
-    return out
-
-
-def retimed_many(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[ops.Batch],
-                 breakdown: dict[str, np.ndarray], old: Mechanisms, new: Mechanisms) -> dict[str, np.ndarray] | None:
-    """`retimed` of every one of `batches` at once: `breakdown` {component: seconds [n]} (as `step_times` gives)."""
-    return retimed(cfg, specs, stage, _Steps.of(tuple(batches)), breakdown, old, new)
 
 
 def expected_a2a_rows(cfg: Config, tokens: float, ep: int) -> float:

@@ -13,7 +13,6 @@ import pytest
 from qwen35_lib import costmodel
 from qwen35_lib.costmodel import assumptions
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.ops import Batch
 from qwen35_lib.plan import LADDER
 
 SMALL = dict(isl=1024, osl=256, concurrency=16, roofline=False)
@@ -95,33 +94,6 @@ def test_acceptance_figures_from_comparison_rows():
     assert [p["within_25pct"] for p in a["points"]] == [True, True, False]
     assert [p["tpot_within_25pct"] for p in a["points"]] == [True, True, False] and not a["all_within_25pct"]
     assert a["all_inside_band"] and a["stage"] == "kernels"
-
-
-@pytest.mark.parametrize("name", [n for n in __import__("qwen35_lib.costmodel.step", fromlist=["RESCALED"]).RESCALED
-                                  if assumptions.records()[n]["kind"] in assumptions.SWEPT])
-def test_a_rescaled_band_end_equals_the_step_timed_again(name):
-    """The band prices the ends of the RESCALED mechanisms from the nominal breakdown (`step.retimed`): exactly
-    what step_time gives when it times the step again, for decode, mixed and prefill steps of a Pallas and an
-    XLA stage, below and above the one-hot threshold."""
-    from qwen35_lib.costmodel import specs as specs_lib
-    from qwen35_lib.costmodel.predict import serving_model
-    from qwen35_lib.costmodel.step import retimed, step_time
-    from qwen35_lib.plan import any_stage
-
-    cfg, sp, nom = serving_model(), specs_lib.get("tpu7x-8"), Mechanisms.nominal()
-    rec = assumptions.records()[name]
-    batches = [Batch(decodes=512, decode_ctx=4000, max_ctx=9000), Batch(decodes=256, decode_ctx=3000,
-               prefill_tokens=4096, prefill_seqs=4, prefill_ctx=1000, max_ctx=9000),
-               Batch(prefill_tokens=8192, prefill_seqs=8, prefill_ctx=2048, max_ctx=9000)]
-    for stage in ("kernels", "fused_ag"):
-        st = any_stage(stage)
-        for b in batches:
-            base = step_time(cfg, sp, st, b, "float8_e4m3fn", mech=nom).breakdown
-            for end in ("low", "high"):
-                m = dataclasses.replace(nom, **{name: rec[end]})
-                fast = retimed(cfg, sp, st, b, base, nom, m)
-                full = step_time(cfg, sp, st, b, "float8_e4m3fn", mech=m).breakdown
-                assert fast is not None and fast == pytest.approx(full, rel=1e-9, abs=1e-15), (stage, b, end)
 
 
 def test_the_dp_scheduler_holds_new_requests_only_under_async_scheduling():
