@@ -33,7 +33,7 @@ HELP = ("run the benchmark once per native-kernel ISA variant, each in its own p
 def variants(text: str) -> list[str]:
     """The variants `--native-isa` names: `all` -> those this CPU runs, best first; else each name resolved and
     checked to run here (ValueError naming what does)."""
-    from qwen35_lib.kernels import native
+    from qwen35_lib.kernels.native import build as native
 
     here = list(native.host_isas())
     if text.strip() == "all":

@@ -36,9 +36,9 @@ from qwen35_lib import data
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy, write_json
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.kernels import registry
-from qwen35_lib.kernels.moe_pallas import moe_megablox
-from qwen35_lib.kernels.moe_xla import moe_tiled, tile_rows
-from qwen35_lib.kernels.permute_pallas import combine_pallas, dispatch_pallas
+from qwen35_lib.kernels.moe.pallas import moe_megablox
+from qwen35_lib.kernels.moe.xla import moe_tiled, tile_rows
+from qwen35_lib.kernels.permute.pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.model.moe import route
 
 DESCRIPTION = "moe_matmul implementations (ragged_dot, tiled, ...) vs dense matmuls, decode and prefill sizes"
@@ -367,9 +367,9 @@ def tpu7x_compile_rows(model: str = "qwen3.5-397b-a17b", seqs: int = 64, context
 
     from qwen35_lib.aot import topology_devices
     from qwen35_lib.engine.batch import RaggedMeta
-    from qwen35_lib.kernels.attention_pallas import paged_attention_pallas
-    from qwen35_lib.kernels.gdn_pallas import gdn_ragged_pallas
-    from qwen35_lib.kernels.moe_pallas import moe_pallas
+    from qwen35_lib.kernels.attention.pallas import paged_attention_pallas
+    from qwen35_lib.kernels.gdn.pallas import gdn_ragged_pallas
+    from qwen35_lib.kernels.moe.pallas import moe_pallas
     from qwen35_lib.weights import BlockFP8
 
     cfg = get_config(model)

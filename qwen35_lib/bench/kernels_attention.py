@@ -16,8 +16,8 @@ import numpy as np
 from qwen35_lib.bench.timing import measure
 from qwen35_lib.config import get_config
 from qwen35_lib.engine.batch import SeqWork, pack
-from qwen35_lib.kernels.attention_pallas import paged_attention_pallas
-from qwen35_lib.kernels.attention_xla import paged_attention_items, paged_attention_xla
+from qwen35_lib.kernels.attention.pallas import paged_attention_pallas
+from qwen35_lib.kernels.attention.xla import paged_attention_items, paged_attention_xla
 
 # name -> (decode context lengths, prefill chunks (start position, new tokens))
 CASES = {

@@ -22,7 +22,11 @@ import jax.numpy as jnp
 from qwen35_lib.bench.timing import measure
 from qwen35_lib.config import get_config
 from qwen35_lib.engine.batch import SeqWork, pack
-from qwen35_lib.kernels import gdn_native, gdn_pallas, gdn_xla, get, native
+from qwen35_lib.kernels import get
+from qwen35_lib.kernels.gdn import native as gdn_native
+from qwen35_lib.kernels.gdn import pallas as gdn_pallas
+from qwen35_lib.kernels.gdn import xla as gdn_xla
+from qwen35_lib.kernels.native import build as native
 
 
 def random_gdn_inputs(key, lead: tuple[int, ...], Hk: int, Hv: int, dk: int, dv: int, dtype=jnp.float32):

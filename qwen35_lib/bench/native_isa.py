@@ -55,8 +55,10 @@ def _variant(isa: str):
 
 def cases(config, seed: int = 0) -> dict[str, tuple]:
     """{case: (fn, args, bytes or None, flops or None)}: the kernels and their operands (see the module)."""
-    from qwen35_lib.kernels import dense_native, gdn_native, moe_native
-    from qwen35_lib.kernels.packed import pack_panels
+    from qwen35_lib.kernels.dense import native as dense_native
+    from qwen35_lib.kernels.gdn import native as gdn_native
+    from qwen35_lib.kernels.moe import native as moe_native
+    from qwen35_lib.kernels.native.packed import pack_panels
 
     D, E, k, F = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_ffn
     keys = jax.random.split(jax.random.key(seed), 12)
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     """1. The variants (`--isas`); 2. per case, one jitted function per variant, traced under it; 3. all timed
     interleaved; 4. the table: ms, GB/s or GFLOP/s, the ratio to the first variant, max |Δ| to its output."""
     from qwen35_lib.bench import isa as isa_runner
-    from qwen35_lib.kernels import native
+    from qwen35_lib.kernels.native import build as native
 
     load_before = warn_if_busy()
     isas = isa_runner.variants(args.isas)

@@ -211,7 +211,7 @@ def environment(**extra: Any) -> dict:
 def native_isa() -> str | None:
     """The ISA variant of the native CPU kernels this process runs (`kernels.native.isa()`; None: none runs, or
     they are off, `QWEN35_NATIVE=0`, or the backend is not the CPU)."""
-    from qwen35_lib.kernels import native
+    from qwen35_lib.kernels.native import build as native
 
     if jax.default_backend() != "cpu" or os.environ.get("QWEN35_NATIVE", "1") == "0":
         return None
@@ -220,7 +220,7 @@ def native_isa() -> str | None:
 
 def native_isa_text() -> str:
     """"x86-64-v3 (AVX2 + FMA, 16 registers of 8 floats)", or why the XLA kernels run instead."""
-    from qwen35_lib.kernels import native
+    from qwen35_lib.kernels.native import build as native
 
     if jax.default_backend() != "cpu":
         return f"off (backend {jax.default_backend()})"

@@ -36,7 +36,7 @@ from qwen35_lib import plan
 from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS, WALK_ROWS
+from qwen35_lib.kernels.attention.xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS, WALK_ROWS
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import mtp_layer_config
 

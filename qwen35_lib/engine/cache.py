@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
-from qwen35_lib.kernels.attention_xla import WORD
+from qwen35_lib.kernels.attention.xla import WORD
 from qwen35_lib.parallel.layouts import shardings
 from qwen35_lib.plan import BoundPlan, ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
@@ -81,7 +81,7 @@ class CacheShape:
 
 def kv_words_for(plan: BoundPlan) -> bool:
     """Whether the bound `plan` keeps its FP8 KV pool (`BoundPlan.kv_dtype`) as uint32 words, as its attention asks
-    (`AttentionKernels.kv_words`: the XLA attention on a TPU, `kernels.attention_xla.kv_words`)."""
+    (`AttentionKernels.kv_words`: the XLA attention on a TPU, `kernels.attention.xla.kv_words`)."""
     return plan.kv_dtype == "float8_e4m3fn" and for_plan("attention", plan).kv_words
 
 

@@ -11,7 +11,7 @@ With `EngineConfig.speculative_tokens` = k > 0 every step of the engine (`Engine
    argmax, as vLLM's MTP proposer's): n = 1 + accepted drafts tokens kept, all of them outputs;
 3. rolls back exactly: the KV pages by length (a rejected position is written over when it comes again), the GDN
    conv and recurrent state from the checkpoints the verification kept (`model.ragged.keep_accepted`;
-   `kernels.gdn_xla.gdn_verify_xla`, or the Pallas verify kernel `kernels.gdn_pallas._verify_call` under
+   `kernels.gdn.xla.gdn_verify_xla`, or the Pallas verify kernel `kernels.gdn.pallas._verify_call` under
    gdn_kernel="pallas", equal to it: tests/engine/test_speculative_pallas.py);
 4. drafts k tokens a sequence for the next step (`draft_step`): the head runs over every token of the step (each
    position t with the target's normed hidden state and token t + 1: the prompt's next token, or the token the
@@ -53,7 +53,7 @@ from qwen35_lib.parallel.parallelism import parallelism
 from qwen35_lib.plan import ServingPlan
 
 # the kernels verification runs with, by slot: the GDN's keep per-position checkpoints (the Pallas verify kernel
-# `gdn_pallas._verify_call`, its XLA twin; `native` runs XLA's verify), the attention's are tested with rows of
+# `gdn.pallas._verify_call`, its XLA twin; `native` runs XLA's verify), the attention's are tested with rows of
 # drafts; the first of each is the one to bind instead
 VERIFY_KERNELS = {"gdn": ("xla", "pallas", "native"), "attention": ("items", "xla")}
 

@@ -40,7 +40,7 @@ class AttentionKernels(NamedTuple):
     # positions) -> (o, kv_pages, kv_scales); `model/attention.py` uses it when present, else write then paged
     paged_write: Callable | None = None
     # the pool keeps an 8-bit KV cache as uint32 words, four values a word along the minor dim
-    # (`attention_xla.kv_words`): XLA:TPU scatters 8-bit rows only after relaying out the whole pool
+    # (`attention.xla.kv_words`): XLA:TPU scatters 8-bit rows only after relaying out the whole pool
     kv_words: bool = False
 
 
@@ -126,9 +126,12 @@ def for_plan(slot: str, plan: Any) -> Any:
     return get(slot, plan.kernel(slot), plan.platform)
 
 
+IMPLEMENTATIONS = ("xla", "pallas", "native")  # kernels/<slot>/<name>.py: the modules that register
+
+
 @functools.cache
 def _load_all() -> None:
-    """Import every implementation module (`kernels/*_xla.py`, `*_pallas.py`, `*_native.py`): importing registers
+    """Import every implementation module (`kernels/<slot>/xla.py`, `pallas.py`, `native.py`): importing registers
     them. Once: the engine looks kernels up every step, and listing the package took about 1 ms a step under the
     profiler."""
     import importlib
@@ -136,6 +139,8 @@ def _load_all() -> None:
 
     import qwen35_lib.kernels as pkg
 
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name.endswith(("_xla", "_pallas", "_native")):
-            importlib.import_module(f"qwen35_lib.kernels.{mod.name}")
+    for folder in pkgutil.iter_modules(pkg.__path__):
+        if folder.ispkg and folder.name != "native":  # native/: the C++ wing's build, no slot's implementation
+            for mod in pkgutil.iter_modules([f"{pkg.__path__[0]}/{folder.name}"]):
+                if mod.name in IMPLEMENTATIONS:
+                    importlib.import_module(f"{pkg.__name__}.{folder.name}.{mod.name}")

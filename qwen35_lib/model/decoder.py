@@ -143,7 +143,7 @@ def check_weights(config: Config, weights: dict) -> None:
     if is_per_layer(weights.get("layers") if isinstance(weights, dict) else None):
         expected = dict(expected, layers=jax.eval_shape(lambda l: per_layer_weights(config, {"layers": l})["layers"],
                                                         expected["layers"]))
-    # a re-laid weight (`moe_native.PanelPacked`, from `prepare_weights`) is checked by its logical shape and dtype
+    # a re-laid weight (panel-packed by `prepare_weights`) is checked by its logical shape and dtype
     leaf = lambda x: hasattr(x, "shape") and hasattr(x, "dtype")
     exp_leaves, exp_tree = jax.tree_util.tree_flatten_with_path(expected, is_leaf=leaf)
     got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(weights, is_leaf=leaf)

@@ -12,12 +12,13 @@ per-layer buffers (`per_layer_cache`), each layer's slot and page updates in-pla
 buffer; the scan keeps one pool a kind and addresses a layer's rows in it (`model.ragged`), also in place.
 
 The scan need not slice what a kernel can read in place: where the plan's MoE kernel reads stacks, the routed
-experts stay whole (`model.moe.stacked_experts`); where its `dense` kernel does (`kernels.dense_pallas`, the TPU's
+experts stay whole (`model.moe.stacked_experts`); where its `dense` kernel does (`kernels.dense.pallas`, the TPU's
 default), so do the projections of `STACKED_DENSE` (`stacked_dense`), each layer handed `LayerOf` views of them
 (`with_dense`) that `layers.linear` runs through that kernel on every device's own rows.
 
 Where the native CPU kernels load, the per-layer weights they read are also re-laid for them once, here: the routed
-expert stacks and the projections as 64-column panels (`kernels.packed.PanelPacked`), each a contiguous stream.
+expert stacks and the projections as 64-column panels (the MoE kernel's `pack`, `kernels.dense.pack`), each a
+contiguous stream.
 
 Weight forms (`weights["layers"]`):
 - stacked (the checkpoint's tree, `weights.abstract_weights`): leaves [G, n, ...] (n layers of a kind per group);
@@ -34,8 +35,7 @@ from typing import NamedTuple
 import jax
 
 from qwen35_lib.config import LINEAR, Config
-from qwen35_lib.kernels import for_plan
-from qwen35_lib.kernels.dense_native import pack_dense
+from qwen35_lib.kernels import dense, for_plan
 from qwen35_lib.kernels.stacked import LayerOf, layer_index
 from qwen35_lib.model.moe import EXPERT_WEIGHTS
 from qwen35_lib.plan import SINGLE, ServingPlan
@@ -103,11 +103,11 @@ PROJECTIONS = {"w_q": 1, "w_k": 1, "w_v": 1, "w_z": 1, "w_gate": 1, "w_out": 2, 
 
 
 def _packed(lw: LayerWeights, pack) -> LayerWeights:
-    """One layer with its projections re-laid by `dense_native.pack_dense` and its routed expert stacks by `pack`
+    """One layer with its projections re-laid by `kernels.dense.pack` and its routed expert stacks by `pack`
     (each as it was where its handler cannot take it)."""
-    dense = lambda tree: {n: pack_dense(a, PROJECTIONS[n]) if n in PROJECTIONS else a for n, a in tree.items()}
-    moe = dense(lw.moe)
-    return lw._replace(mixer=dense(lw.mixer), moe=dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS}))
+    projections = lambda tree: {n: dense.pack(a, PROJECTIONS[n]) if n in PROJECTIONS else a for n, a in tree.items()}
+    moe = projections(lw.moe)
+    return lw._replace(mixer=projections(lw.mixer), moe=dict(moe, **{n: pack(moe[n]) for n in EXPERT_WEIGHTS}))
 
 
 def _as_is(w):
@@ -136,9 +136,9 @@ _CACHE: dict[tuple, tuple] = {}
 def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> dict:
     """The weight form `unrolled(cfg, plan)` wants: per-layer leaves on XLA:CPU (split once per set of stacked arrays
     and remembered while they live), else the stacked tree as given. Abstract or traced weights pass through.
-    The per-layer projections are stored in `dense_native`'s layout where that library loads, and the routed expert
-    stacks in the plan's MoE kernel's where it has a `pack` (the CPU's `native`; `kernels.packed.PanelPacked`); so
-    is the LM head (`pack_dense`: decode steps run it on a few rows; XLA's dot read it at about 4.7 GB/s there,
+    The per-layer projections are stored as `kernels.dense.pack` lays them (panels where the native library
+    loads), and the routed expert stacks in the plan's MoE kernel's where it has a `pack` (the CPU's `native`); so
+    is the LM head (`kernels.dense.pack`: decode steps run it on a few rows; XLA's dot read it at about 4.7 GB/s there,
     1.8 ms of a qwen3.5-mini decode step of 8 under the profiler; the handler 0.8 ms)."""
     layers = weights["layers"]
     if is_per_layer(layers) or not unrolled(cfg, plan):
@@ -154,7 +154,7 @@ def prepare_weights(cfg: Config, weights: dict, plan: ServingPlan = SINGLE) -> d
     if hit is None or hit[1] != cfg.layer_pattern or any(r() is not a for r, a in zip(hit[0], leaves)):
         drop = lambda _: _CACHE.pop(key, None)
         hit = (tuple(weakref.ref(a, drop) for a in leaves), cfg.layer_pattern,
-               (_split(cfg, layers, pack), pack_dense(weights["lm_head"])))
+               (_split(cfg, layers, pack), dense.pack(weights["lm_head"])))
         _CACHE[key] = hit
     split, lm_head = hit[2]
     return dict(weights, layers=split, lm_head=lm_head)
@@ -169,7 +169,7 @@ STACKED_DENSE = {"gdn": ("w_q", "w_k", "w_v", "w_z", "w_b", "w_a", "w_out"),
 
 def stacked_dense(cfg: Config, layers: dict, plan: ServingPlan = SINGLE) -> tuple[dict, dict]:
     """Split the stacked layer tree for the layer scan: (the scan's xs, the dense projection stacks it must not
-    slice). Where the plan's `dense` kernel reads stacks in place (`reads_stacked`: `kernels.dense_pallas`), the
+    slice). Where the plan's `dense` kernel reads stacks in place (`reads_stacked`: `kernels.dense.pallas`), the
     projections of `STACKED_DENSE` leave the scanned tree and stay whole; `with_dense` hands each layer `LayerOf`
     views of them. Elsewhere the tree is scanned as it is ({} kept whole)."""
     if not getattr(for_plan("dense", plan), "reads_stacked", False):

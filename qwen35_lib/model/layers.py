@@ -5,9 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qwen35_lib.kernels.dense_native import linear_packed
-from qwen35_lib.kernels.packed import PanelPacked
-from qwen35_lib.kernels.stacked import LayerOf
+from qwen35_lib.kernels import dense
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -39,16 +37,9 @@ def rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> j
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-def linear(x: jax.Array, w: jax.Array, contract: int = 1, dtype=None) -> jax.Array:
+def linear(x: jax.Array, w, contract: int = 1, dtype=None) -> jax.Array:
     """x [..., in...] @ w [in..., out...] over the last `contract` dims of x, accumulated in float32, returned in
-    `dtype` (default: x's). A weight the CPU engine packed (`kernels.packed.PanelPacked`) runs
-    `dense_native.linear_packed`; a layer of a stack (`kernels.stacked.LayerOf`, the layer scan's) the plan's
-    `dense` kernel, which reads it in place."""
-    xd = tuple(range(x.ndim - contract, x.ndim))
+    `dtype` (default: x's), for w in any form the layers hold it (an array, a stack's layer the plan's `dense` kernel
+    reads in place, a weight the CPU engine packed: `kernels.dense.linear`)."""
     with jax.named_scope("proj"):  # the profile's "dense matmuls" (`bench.profile`)
-        if isinstance(w, LayerOf):
-            return w.read(x, w, contract, dtype)
-        if isinstance(w, PanelPacked):
-            return linear_packed(x, w, contract, dtype)
-        y = jax.lax.dot_general(x, w, ((xd, tuple(range(contract))), ((), ())), preferred_element_type=jnp.float32)
-        return y.astype(dtype or x.dtype)
+        return dense.linear(x, w, contract, dtype)

@@ -39,7 +39,7 @@ def routed_experts(cfg: Config, w: dict, x: jax.Array, weights: jax.Array, ids: 
     no expert: their copies go to a trailing group E that the grouped matmul never computes (rows past the sum of
     the group sizes), so they take no expert's capacity; their routed output is 0.
     An implementation with `fuses(copies, E)` true at this size does all three in one (`fused`), without the sorted
-    copies of the rows: the CPU's `native` kernel at every size, `moe_xla.moe_loop` where it loops (prefill sizes).
+    copies of the rows: the CPU's `native` kernel at every size, `moe.xla.moe_loop` where it loops (prefill sizes).
     """
     E = cfg.num_experts
     if valid is not None:

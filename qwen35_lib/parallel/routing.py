@@ -82,7 +82,7 @@ def fused_local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: ja
        (`tm`: its row tile, default by shape); it returns once every copy of this device's own tokens that routes
        somewhere has arrived (`expect`). Off a TPU in the TPU interpreter (`moe_ep` runs `fused_twin` there).
     """
-    from qwen35_lib.kernels.moe_fused_ep import moe_fused_ep
+    from qwen35_lib.kernels.moe.fused_ep import moe_fused_ep
 
     N, k = ids.shape
     n = own_ids.shape[0]

@@ -8,7 +8,7 @@ import pytest
 
 from qwen35_lib.bench import isa
 from qwen35_lib.bench.__main__ import build_parser
-from qwen35_lib.kernels import native
+from qwen35_lib.kernels.native import build as native
 
 
 def test_all_is_every_variant_this_cpu_runs_and_names_are_checked():

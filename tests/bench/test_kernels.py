@@ -3,7 +3,8 @@
 import json
 
 from qwen35_lib.bench.__main__ import main
-from qwen35_lib.kernels import gdn_native, native
+from qwen35_lib.kernels.gdn import native as gdn_native
+from qwen35_lib.kernels.native import build as native
 
 
 def test_kernels_smoke(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 
 from qwen35_lib import get_config
 from qwen35_lib.bench import kernels_gdn
-from qwen35_lib.kernels import gdn_native, native
+from qwen35_lib.kernels.gdn import native as gdn_native
+from qwen35_lib.kernels.native import build as native
 
 
 def test_inputs_have_the_models_shapes_and_valid_gates():

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from qwen35_lib.bench import native_isa
-from qwen35_lib.kernels import native
+from qwen35_lib.kernels.native import build as native
 
 
 def test_native_isa_runs_every_variant_interleaved():

@@ -196,7 +196,7 @@ def test_the_xla_kernels_facts_are_read_off_the_xla_compiles():
     # page a trip, the items padded to whole groups of WALK_ROWS), the FP8 experts per parameter and layer, the GDN
     # decode per state
     from qwen35_lib.aot.sweep import serving_config
-    from qwen35_lib.kernels.attention_xla import ITEM_BLOCK, WALK_ROWS
+    from qwen35_lib.kernels.attention.xla import ITEM_BLOCK, WALK_ROWS
 
     cfg = serving_config(DOC["model"])
     decode, mixed = (DOC["stages"]["dp_ep"]["steps"][f"8k/1k {s}"] for s in ("decode", "mixed"))

@@ -19,7 +19,7 @@ from qwen35_lib.engine.batch import SeqWork, pack
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.engine.sampling import token_keys
 from qwen35_lib.engine.speculative import accept, check_request, check_speculative, rejection_sample
-from qwen35_lib.kernels import gdn_xla
+from qwen35_lib.kernels.gdn import xla as gdn_xla
 from qwen35_lib.model.ragged import keep_accepted
 from qwen35_lib.parallel.layouts import spec as layout_spec
 from qwen35_lib.parallel.parallelism import parallelism

@@ -1,10 +1,10 @@
 // A standalone check of the native kernels' inner loops, built for one ISA variant and run as a program (for
 // aarch64 on an x86-64 machine: under qemu-aarch64; tests/integration/test_native_isa.py builds and runs it). It
 // includes a kernel's source whole (the handlers are never called, so no XLA is needed at run time):
-//   default: moe_native.cc: qwen35::matmul (float32 and bfloat16 weights, row-major and packed, every register
+//   default: moe.cc: qwen35::matmul (float32 and bfloat16 weights, row-major and packed, every register
 //            block's row count, widths that are not whole vectors) and the SwiGLU's vectorised exp, against double
 //            precision loops;
-//   -DCHECK_GDN: gdn_native.cc: one token's delta-rule update of a state (column blocks, and the scalar loop of a
+//   -DCHECK_GDN: gdn.cc: one token's delta-rule update of a state (column blocks, and the scalar loop of a
 //            width that is not whole vectors) against a double precision loop.
 // Prints the ISA and "ok", or the first mismatch, and exits 1 on a mismatch.
 
@@ -14,9 +14,9 @@
 #include <vector>
 
 #ifdef CHECK_GDN
-#include "gdn_native.cc"
+#include "gdn.cc"
 #else
-#include "moe_native.cc"
+#include "moe.cc"
 #endif
 
 namespace {

@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 from qwen35_lib.bench.kernels_gdn import random_gdn_inputs
-from qwen35_lib.kernels import dense_native, gdn_native, gdn_xla, moe_native, moe_xla, native
+from qwen35_lib.kernels.dense import native as dense_native
+from qwen35_lib.kernels.gdn import native as gdn_native
+from qwen35_lib.kernels.gdn import xla as gdn_xla
+from qwen35_lib.kernels.moe import native as moe_native
+from qwen35_lib.kernels.moe import xla as moe_xla
+from qwen35_lib.kernels.native import build as native
 
 AVX512 = "flags\t\t: fpu sse sse2 avx avx2 fma bmi1 bmi2 f16c movbe avx512f avx512bw avx512cd avx512dq avx512vl\n"
 AVX2 = "flags\t\t: fpu sse sse2 avx avx2 fma bmi1 bmi2 f16c movbe\n"

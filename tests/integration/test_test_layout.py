@@ -15,8 +15,10 @@ PACKAGES = {"qwen35_lib": pathlib.PurePosixPath(), "playbook": pathlib.PurePosix
 # constant), and `qwen35_lib/__init__.py`, whose one function hands its arguments to `checkpoint.load_hf_checkpoint`.
 EXEMPT = {
     "qwen35_lib/__init__.py", "qwen35_lib/costmodel/__init__.py", "qwen35_lib/engine/__init__.py",
-    "qwen35_lib/kernels/__init__.py", "qwen35_lib/model/__init__.py", "qwen35_lib/parallel/__init__.py",
-    "qwen35_lib/parallel/hlo/__init__.py",
+    "qwen35_lib/kernels/__init__.py", "qwen35_lib/kernels/attention/__init__.py",
+    "qwen35_lib/kernels/dense/__init__.py", "qwen35_lib/kernels/gdn/__init__.py", "qwen35_lib/kernels/moe/__init__.py",
+    "qwen35_lib/kernels/native/__init__.py", "qwen35_lib/kernels/permute/__init__.py", "qwen35_lib/model/__init__.py",
+    "qwen35_lib/parallel/__init__.py", "qwen35_lib/parallel/hlo/__init__.py",
     "qwen35_lib/plan/__init__.py", "qwen35_lib/serve/__init__.py", "qwen35_lib/viz/__init__.py",
     "playbook/__init__.py",
 }

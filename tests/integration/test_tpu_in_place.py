@@ -63,7 +63,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.costmodel.compiled import scan_weight_passes
-    from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.kernels.moe import pallas as moe_pallas
     from qwen35_lib.parallel.layouts import placed_config
     from qwen35_lib.plan import get_stage
 
@@ -146,7 +146,7 @@ def _sliced_moe_loop() -> dict:
 
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks, sweep
-    from qwen35_lib.kernels import moe_pallas
+    from qwen35_lib.kernels.moe import pallas as moe_pallas
     from qwen35_lib.model.moe import route, stacked_experts
     from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.parallel.routing import moe_ep
@@ -203,7 +203,7 @@ def _kv_write_loop(words: bool) -> dict:
 
     from qwen35_lib import aot
     from qwen35_lib.aot import hlo_checks
-    from qwen35_lib.kernels.attention_xla import WORD, kv_values, kv_words
+    from qwen35_lib.kernels.attention.xla import WORD, kv_values, kv_words
     from qwen35_lib.plan import ALL
 
     G, n, NS, R, P, W, T = 2, 3, 64, 8, 256, 1024, 8
