@@ -4,7 +4,8 @@
 1. weight bytes per device, from the weight declarations (`qwen35_lib.stats`), for a weight placement:
    `even` spreads every weight over all devices (the floor any layout can reach); `experts_sharded` splits the
    routed experts over the devices and replicates everything else: the weights of the `dp_ep` layout plan
-   (data-parallel attention + expert parallelism; `dp8_ep8` on 8 devices), `LAYOUT_OF["experts_sharded"]`;
+   (data-parallel attention + expert parallelism; `dp8_ep8` on 8 devices), `LAYOUT_OF["experts_sharded"]` (the
+   resident-bytes reference's bytes, `costmodel.traffic.weight_bytes`: tests/test_budget.py);
 2. free bytes = devices x (HBM per device - weights per device - reserve per device);
 3. caches of `concurrency` requests holding `context_len` tokens each: KV bytes per token x tokens, plus one
    GDN state (recurrent + conv) per request, which does not grow with the context;

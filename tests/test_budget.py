@@ -1,4 +1,5 @@
-"""qwen35_lib.budget: the HBM budget's fit boundary, and its weight bytes per device against the TPU7x compile's."""
+"""qwen35_lib.budget: the HBM budget's fit boundary, and its weight bytes per device against the resident-bytes
+reference and the TPU7x compile's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ def test_max_concurrency_is_the_fit_boundary():
     n = budget.hbm_budget(fp8, "tpu7x-8", 1, 8192).max_concurrency
     assert budget.hbm_budget(fp8, "tpu7x-8", n, 8192).fits
     assert not budget.hbm_budget(fp8, "tpu7x-8", n + 1, 8192).fits
+
+
+@pytest.mark.parametrize("model", ["qwen3.5-397b-a17b", "qwen3.5-tiny"])
+def test_experts_sharded_weight_bytes_are_the_references(model):
+    """The budget's `experts_sharded` weights a device (the routed experts split, the rest whole) are the resident-bytes
+    reference's (`costmodel.traffic.weight_bytes`) for the plan it names (`LAYOUT_OF`), bound to that many devices."""
+    from qwen35_lib.costmodel import traffic
+    from qwen35_lib.plan import abstract_mesh
+
+    for expert_dtype in (None, "float8_e4m3fn"):
+        cfg = get_config(model, expert_dtype=expert_dtype)
+        for devices in (2, 8):
+            plan = budget.LAYOUT_OF["experts_sharded"].bind(abstract_mesh(devices), cfg)
+            assert budget.weight_bytes_per_device(cfg, devices, "experts_sharded") == traffic.weight_bytes(plan, cfg)
 
 
 def _compiled_weight_bytes(placement: str, expert_dtype: str | None) -> dict:  # in aot_subprocess's child

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from qwen35_lib.config import Config
-from qwen35_lib.plan import SINGLE, ServingPlan
+from qwen35_lib.plan import SINGLE, BoundPlan, ServingPlan
 from qwen35_lib.weights import abstract_weights
 
 TPU7X_8 = "tpu7x:2x2x1"
@@ -146,6 +146,18 @@ def scale_format(a: jax.ShapeDtypeStruct, name: str) -> jax.ShapeDtypeStruct:
                                                                   a.sharding))
 
 
+def serving_pools(plan: BoundPlan, requests: int, context_len: int, page_size: int, verify: int = 1):
+    """The engine's `CacheShape` for `requests` sequences of `context_len` tokens under the bound `plan` (what the
+    compiles and the sweep give the step): `CacheShape.for_requests` over the plan's data-parallel ranks, the KV
+    dtype it is bound with, stored as its attention asks (`engine.cache.kv_words_for`: uint32 words for the XLA
+    attention on a TPU); `verify` > 1: with speculative verification's checkpoints (`CacheShape.verify`)."""
+    from qwen35_lib.engine.cache import CacheShape, kv_words_for
+
+    shape = CacheShape.for_requests(requests, context_len, ranks=plan.dp, page_size=page_size, kv_dtype=plan.kv_dtype,
+                                    kv_words=kv_words_for(plan))
+    return dataclasses.replace(shape, verify=verify) if verify > 1 else shape
+
+
 def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int, context_len: int, decode: int,
                  prefill: int = 0, page_size: int = 16, kv_dtype: str | None = None,
                  compiler_options: dict | None = None, weight_layouts: str = "default", speculative_tokens: int = 0):
@@ -164,18 +176,15 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     executable.
     """
     from qwen35_lib.engine.batch import RaggedMeta
-    from qwen35_lib.engine.cache import CacheShape, abstract_cache, kv_words_for
+    from qwen35_lib.engine.cache import abstract_cache
     from qwen35_lib.engine.step import engine_step, verify_step
     from qwen35_lib.parallel.layouts import batch_sharding, weight_shardings
 
     plan = plan.bound(mesh, config, kv_dtype=kv_dtype)  # the KV dtype: the plan's, else `kv_dtype`
     config = plan.placed(config)  # tp_kvrep: the duplicated KV heads the weights and cache carry
     R = plan.dp
-    shape = CacheShape.for_requests(requests, context_len, ranks=R, page_size=page_size, kv_dtype=plan.kv_dtype,
-                                    kv_words=kv_words_for(plan))
     V = speculative_tokens + 1  # tokens a decode row holds: its last token and its drafts
-    if V > 1:
-        shape = dataclasses.replace(shape, verify=V)
+    shape = serving_pools(plan, requests, context_len, page_size, V)
     S = shape.seqs_per_rank
     pages = -(-context_len // page_size)  # a sequence's page-table row
     C = config.gdn_chunk_size

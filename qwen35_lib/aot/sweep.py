@@ -101,15 +101,14 @@ def usable_bytes(topology: str | None = None) -> int:
 
 
 def cache_shape(shape: ServingShape, plan, mesh, verify: int = 1):
-    """The engine's `CacheShape` for `shape` under the bound `plan` on `mesh`: each data-parallel rank's sequences'
-    whole contexts in pages (and the null page), a slot each (and the null slot); the FP8 pool as the plan's
-    attention stores it (`engine.cache.kv_words_for`); `verify` > 1: with speculative verification's checkpoints."""
-    from qwen35_lib.engine.cache import CacheShape, kv_words_for
+    """The engine's `CacheShape` for `shape` under the bound `plan` on `mesh` (`aot.serving_pools`, what
+    `compile_step` gives the step): each data-parallel rank's sequences' whole contexts in pages (and the null page),
+    a slot each (and the null slot); the FP8 pool as the plan's attention stores it; `verify` > 1: with speculative
+    verification's checkpoints."""
+    from qwen35_lib import aot
 
-    plan = plan.bound(mesh, kv_dtype=shape.kv_dtype)
-    return dataclasses.replace(
-        CacheShape.for_requests(shape.requests, shape.context_len, ranks=plan.dp, page_size=shape.page_size,
-                                kv_dtype=plan.kv_dtype, kv_words=kv_words_for(plan)), verify=verify)
+    return aot.serving_pools(plan.bound(mesh, kv_dtype=shape.kv_dtype), shape.requests, shape.context_len,
+                             shape.page_size, verify)
 
 
 def resident(cfg, plan, shape: ServingShape, mesh, verify: int = 1) -> dict[str, int]:
@@ -339,10 +338,13 @@ def largest_pool(cfg, stage: str, mesh, shape: ServingShape, usable: int, decode
     Returns {"pages_per_seq", "tokens_per_seq", "exact", "tried": {pages: total bytes or the refusal}, "decode":
     the entry of the largest pool that compiled (its `context_len` with it; its HLO text as step "pool decode" in
     `hlo_dir`)}."""
+    from qwen35_lib.engine.cache import CacheShape
+
     page = shape.page_size
-    now = -(-shape.context_len // page)
-    seqs = -(-shape.requests // decode["ranks"])
-    per_page = decode["kv_bytes"] / (seqs * now + 1)  # bytes a device holds per pool page
+    now = -(-shape.context_len // page)  # pages a sequence's context takes now
+    pool = CacheShape.for_requests(shape.requests, shape.context_len, ranks=decode["ranks"], page_size=page)
+    seqs = pool.seqs_per_rank
+    per_page = decode["kv_bytes"] / pool.num_pages  # bytes a device holds per pool page
     lo, hi = (now, None) if decode.get("fits") else (0, now)
     guess = now + int(decode.get("headroom_bytes", 0) // (per_page * seqs)) if decode.get("fits") else now // 2
     tried: dict = {}

@@ -218,8 +218,8 @@ def weight_bytes(plan: ServingPlan, config: Config) -> int:
 def resident_bytes(plan: ServingPlan, config: Config, cache: CacheShape) -> dict[str, int]:
     """{"weights", "kv", "gdn_state"}: bytes one device holds under the bound `plan` with caches of `cache`. The
     reference of the bytes a device holds: every other computation of them (`aot.sweep.resident`, `placement`,
-    `engine.cache.device_cache_bytes`, the compile's `aot.resident_bytes`) is a test against this one
-    (tests/integration/test_one_truth.py, tests/aot/test_init.py)."""
+    `engine.cache.device_cache_bytes`, the compile's `aot.resident_bytes`, `budget`'s experts-sharded weights) is a
+    test against this one (tests/integration/test_one_truth.py, tests/aot/test_init.py, tests/test_budget.py)."""
     caches = per_device(plan, declare_cache(plan.placed(config), cache))
     kv = caches.pop("kv", 0) + caches.pop("kv_scale", 0)
     return {"weights": weight_bytes(plan, config), "kv": kv, "gdn_state": sum(caches.values())}

@@ -4,6 +4,8 @@ resident bytes of a placed model against the sum of its shards (compiled for the
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,4 +128,6 @@ def test_compile_step_lowers_the_pools_for_requests_as_abstract_cache_declares_t
     assert plan.kv_dtype == "float8_e4m3fn"  # compile_step's kv_dtype, bound into the plan
     assert (shape.num_pages, shape.num_slots) == (11, 3)  # 2 sequences a rank of 5 pages, + the null page / slot
     assert cache == abstract_cache(config, shape, plan, mesh)
+    assert aot.serving_pools(plan, 10, 40, 8) == shape  # the one home of these pools (the sweep's `cache_shape` too)
+    assert aot.serving_pools(plan, 10, 40, 8, verify=3) == dataclasses.replace(shape, verify=3)
     assert meta.page_table.shape == (8, 2, 5) and meta.slot.shape == (8, 2)
