@@ -24,7 +24,7 @@ def rs_row_tile(plan: ServingPlan) -> int:
     are whole 8-row tiles on every device and micro-batch; at 64 + 1,024 rows a rank the step keeps its 960, at
     63 + 1,024 or 8 + 1,024 it compiles all-reduces and collective-permutes instead (issues 30 and 50; the
     hierarchical reduce-scatter's 1-8 micro-batches split each device's block further: 64 = 8 rows x 8)."""
-    ep_rs = plan.moe == "ep" and plan.routing == "replicate" and plan.dp > 1
+    ep_rs = plan.collective_flags_apply and plan.dp > 1  # the plan record's rule: its MoE reduce-scatters the rows
     return 64 if ep_rs else 1
 
 
