@@ -16,6 +16,7 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Callable, NamedTuple
@@ -139,6 +140,7 @@ def declare(config: Config) -> dict:
     )
 
 
+@functools.lru_cache(maxsize=64)  # the cost model asks once a step shape it prices
 def mtp_layer_config(config: Config) -> Config:
     """The MTP head's decoder layer as a model of its own: `config` with one layer, a full-attention one (with its
     MoE: same experts, top-k, shared expert and dtypes as the main layers)."""
