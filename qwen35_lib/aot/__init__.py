@@ -247,10 +247,16 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
     plan = plan.bound(mesh, config)
     config = plan.placed(config)
     weights = abstract_weights(config, weight_shardings(config, plan, mesh))
-    cache = abstract_cache(config, cache_shape, plan, mesh)
-    touch = jax.jit(lambda w, c: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)
+    return argument_bytes(weights, abstract_cache(config, cache_shape, plan, mesh))
+
+
+def argument_bytes(weights: dict, *more) -> tuple[int | None, str | None]:
+    """Per-device bytes XLA assigns to abstract `weights` (and the trees of `more`, e.g. caches), each leaf with its
+    sharding: (argument bytes, None) from `memory_analysis()` of a program that keeps every input, or (None, the
+    compiler's refusal, e.g. RESOURCE_EXHAUSTED). Nothing is allocated."""
+    touch = jax.jit(lambda w, *rest: w["final_norm"].astype(jnp.float32).sum(), keep_unused=True)
     try:
-        return touch.lower(weights, cache).compile().memory_analysis().argument_size_in_bytes, None
+        return touch.lower(weights, *more).compile().memory_analysis().argument_size_in_bytes, None
     except jax.errors.JaxRuntimeError as e:
         return None, str(e).splitlines()[0]
 
