@@ -135,7 +135,8 @@ def placement(config: Config, layout: str, devices: int = 8, kv_dtype: str | Non
     3. caches: R = the layout's data-parallel size (KV heads as `tp_kvrep` duplicates them: the config the
        program runs, `BoundPlan.place`); requests go round-robin to the R ranks (the engine sends each
        new request to the least-loaded rank); each rank holds pages for ceil(requests / R) contexts of
-       `context_len` tokens plus the null page, and as many GDN slots plus the null slot (`EngineConfig`'s rule);
+       `context_len` tokens plus the null page, and as many GDN slots plus the null slot (`CacheShape.for_requests`,
+       the one pool-for-N-requests formula);
     4. bytes per device: every weight and cache leaf's bytes / the number of shards its spec makes;
     5. per device: the index range of each axis in HELD and of the requests, from the device's mesh coordinates;
     6. what the layout asks to split but cannot (size does not divide), with the extra bytes per device it costs.
