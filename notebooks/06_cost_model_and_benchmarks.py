@@ -437,7 +437,7 @@ notebook.claim("layout_attention_xla_more", "the layout saves more attention tim
 # ### Beyond production: the MoE's dispatch and combine inside the grouped matmul
 #
 # The ladder ends where tpu-inference's engine is. One step further is the fused EP MoE its own hill-climb
-# measured: `fused_ep` is the `kernels` stage with the MoE layer as one Pallas kernel (`kernels.moe_fused_ep`) that
+# measured: `fused_ep` is the `kernels` stage with the MoE layer as one Pallas kernel (`kernels.moe.fused_ep`) that
 # fetches only the rows routed to its own experts from the gathered tokens, runs gate, up, activation and down on
 # them, and sends each finished row home by a remote DMA while the next tiles compute. No sorted copy of the rows is
 # made and no partial sums are reduce-scattered. It is priced here as a stage after `kernels`, not on the ladder: the

@@ -93,7 +93,7 @@ def mxu_format(a: jax.ShapeDtypeStruct, hidden: int | None = None, tile: tuple[i
     embedding and the head-split projections, and jax then refuses the compiled step (an AssertionError on the
     layout override). Every EP stage replicates its bf16 weights, so this changes none of them.
 
-    `tile`: (8, 128) for the stacks a Pallas kernel reads in place (`kernels.dense_pallas`, `dense_format`): XLA
+    `tile`: (8, 128) for the stacks a Pallas kernel reads in place (`kernels.dense.pallas`, `dense_format`): XLA
     hands a Mosaic call its operands in 8 x 128 tiles, so stacks in 16 x 128 were relaid out whole before the loop
     (each one whose minor dim is not 128: 16 x 128 and 8 x 128 tiles of a 128-wide bf16 row are the same bytes),
     while the in-projections' D-second-minor order makes the kernel's [A, D, N] view a bitcast."""
@@ -171,7 +171,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     {"xla_tpu_enable_async_collective_merger": "false"}); weight_layouts: "default" (each weight in the
     device's default layout, as `jax.device_put` leaves it) or "mxu" (`mxu_format`: bf16 weights tiled and
     ordered as the step's dots read them); speculative_tokens k > 0: the engine's verify step instead
-    (`engine.engine.verify_step`: decode rows of k + 1 tokens, `decode` rows a rank, every sequence's logits at its
+    (`engine.step.verify_step`: decode rows of k + 1 tokens, `decode` rows a rank, every sequence's logits at its
     k + 1 tokens, the GDN pools with their verification checkpoints, `CacheShape.verify`). Returns the compiled
     executable.
     """

@@ -4,7 +4,7 @@
                                     [--groups N] [--json PATH]
 
 Each entry is `sweep.compile_entry`'s decode step with k drafts a decode row (`aot.compile_step(...,
-speculative_tokens=k)`: `engine.engine.verify_step`, decode rows of k + 1 tokens, the GDN pools with k + 1 state
+speculative_tokens=k)`: `engine.step.verify_step`, decode rows of k + 1 tokens, the GDN pools with k + 1 state
 checkpoints a slot) under the stage's layout with the kernels the engine verifies with (`sweep.speculative_plan`:
 the stage's GDN where it keeps the per-position checkpoints, the Pallas verify kernel under `kernels`, and the XLA
 attention by items; the MoE and dense kernels the stage's), at `sweep.SERVING`'s pools of 9,216 tokens a request

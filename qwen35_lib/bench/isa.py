@@ -1,6 +1,6 @@
 """`--native-isa`: a benchmark run once per ISA variant of the native CPU kernels, and their figures side by side.
 
-The native kernels are built per instruction set (`kernels.native`: `x86-64-v4` AVX-512, `x86-64-v3` AVX2,
+The native kernels are built per instruction set (`kernels.native.build.ISAS`: `x86-64-v4` AVX-512, `x86-64-v3` AVX2,
 `aarch64` NEON) and the variant is chosen per process (`QWEN35_NATIVE_ISA`, else the best this CPU runs). So that
 one command measures every variant this machine runs (an AVX-512 machine runs the AVX2 build too):
 1. for each variant (`--native-isa x86-64-v3,x86-64-v4`, or `all`: `native.host_isas()`), the same benchmark command

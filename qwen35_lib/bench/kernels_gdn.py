@@ -1,4 +1,4 @@
-"""The `gdn` slot side by side: Pallas kernels (and on the CPU the native C++ ones, `gdn_native`) vs the XLA
+"""The `gdn` slot side by side: Pallas kernels (and on the CPU the native C++ ones, `kernels.gdn.native`) vs the XLA
 reference, at CPU size (and TPU7x compile costs).
 
 `gdn_rows` times both implementations on the same inputs in one run (interleaved, medians; see `timing`):

@@ -9,7 +9,7 @@ The stages of the playbook's ladder (`qwen35_lib.plan.STAGES`, XLA kernels): `ba
    rank holding everything; dp8_ep8 has 8): decode-sized (`--seqs` sequences decoding one token each at
    `--context`) and prefill-sized (`--prefill-seqs` prompts of `--prefill-len` tokens), packed as the engine
    packs them, placed on the devices once.
-3. The jitted step (`engine.engine.engine_step`) of every (stage, batch) is compiled, then all are timed
+3. The jitted step (`engine.step.engine_step`) of every (stage, batch) is compiled, then all are timed
    interleaved (`timing.measure`); medians and speedups over `baseline` measured in the same run.
 4. The greedy tokens of each batch's first (warm-up) step are compared across stages (same weights, same fresh
    cache, so they agree unless a near-tie rounds differently under another reduction order).

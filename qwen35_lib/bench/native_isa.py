@@ -1,7 +1,7 @@
 """`python -m qwen35_lib.bench native-isa`: the native CPU kernels' ISA variants side by side, in one process.
 
-Every variant this CPU runs (`kernels.native.host_isas()`: an AVX-512 machine runs the AVX2 build too) is built and
-its handlers registered under their own custom-call targets; each case is then traced once per variant (the
+Every variant this CPU runs (`kernels.native.build.host_isas()`: an AVX-512 machine runs the AVX2 build too) is built
+and its handlers registered under their own custom-call targets; each case is then traced once per variant (the
 variant chosen by `QWEN35_NATIVE_ISA` while it traces) and all are timed interleaved (`timing.measure`, the order
 rotating from round to round), so the ratios between variants share one load. Cases, at the model's shapes
 (qwen3.5-mini: D 512, 64 experts top-8 of F 128; GDN 4 key / 8 value heads of 64), float32, panel-packed weights
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
                     text = jitted.lower(*fargs).as_text()
                     if v.replace("-", "_") not in text:
                         raise RuntimeError(f"{name}: the {v} handler is not in the traced program "
-                                           f"({native.unavailable('moe_native') or 'not loaded'})")
+                                           f"({native.unavailable('moe') or 'not loaded'})")
                     jitted(*fargs)  # compiled under the variant: its target is in the executable
                 fns[v] = lambda jitted=jitted, fargs=fargs: jitted(*fargs)
             timings, outputs = measure(fns, repeats=args.repeats, warmup=1, settle=args.settle, desc=name)

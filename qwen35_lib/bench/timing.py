@@ -202,14 +202,14 @@ def environment(**extra: Any) -> dict:
         "platform": platform.platform(),
         "loadavg_1m_after": _loadavg(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),  # huge pages or not (`bench.__main__`)
-        "native_isa": native_isa(),  # the native CPU kernels' variant that ran (`kernels.native`; None: XLA's)
+        "native_isa": native_isa(),  # the native CPU kernels' variant that ran (`native.build.isa()`; None: XLA's)
     }
     env.update(extra)
     return env
 
 
 def native_isa() -> str | None:
-    """The ISA variant of the native CPU kernels this process runs (`kernels.native.isa()`; None: none runs, or
+    """The ISA variant of the native CPU kernels this process runs (`kernels.native.build.isa()`; None: none runs, or
     they are off, `QWEN35_NATIVE=0`, or the backend is not the CPU)."""
     from qwen35_lib.kernels.native import build as native
 

@@ -287,7 +287,7 @@ def scan_weight_passes(hlo_text: str, config: Config, stage: str) -> float:
     ops named `dynamic_index_in_dim` / `dynamic_slice` outside a model block: each group's slice read, written, and
     read again where XLA rematerializes it; the FP8 experts' slices, which the XLA stages also take, are not
     dense weights) over the dense weight bytes one device holds (`config` at full depth). A `dense` kernel that
-    reads the stacks in place (`kernels.dense_pallas`) leaves only the small per-layer vectors sliced: about 1; the
+    reads the stacks in place (`kernels.dense.pallas`) leaves only the small per-layer vectors sliced: about 1; the
     router, still XLA's dot on its slice there, is measured apart (`router_passes`)."""
     sp = specs_lib.get("tpu7x-8")
     plan = bind_to(any_stage(stage), config, sp)

@@ -1,4 +1,4 @@
-"""The fused EP combine's price (`ServingPlan.fused_combine`, stage `fused_ep`; `kernels.moe_fused_ep`).
+"""The fused EP combine's price (`ServingPlan.fused_combine`, stage `fused_ep`; `kernels.moe.fused_ep`).
 
 The grouped-matmul kernel sends each routed row home by remote DMA as its row tile finishes, while the next tiles
 compute; no local combine writes partial sums and no reduce-scatter follows (`traffic.moe_layer_ops` lists only the

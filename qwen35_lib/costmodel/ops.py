@@ -6,7 +6,7 @@ function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
     + launches * op_overhead
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
-- attention `xla` (qwen35_lib/kernels/attention_xla.py): every computed token reads the longest context of its
+- attention `xla` (qwen35_lib/kernels/attention/xla.py): every computed token reads the longest context of its
   group (tokens sorted by context in groups of WALK_ROWS: `walked_context`) and scores against it; `items` (the xla
   family's, `paged_attention_items`): where ITEM_COST x its items (runs of a sequence's tokens in blocks of
   ITEM_BLOCK, at most blocks + S: every one computed) is fewer than its tokens, each item reads its group's longest
@@ -141,7 +141,7 @@ class Placement:
     gathered_relayouts: int = 0  # fused_ep: [N, D] relayouts of the all-gathered tokens a layer, in HBM once larger
     # than the scoped VMEM (`fused_combine.GATHERED_RELAYOUTS`)
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
-    # form) or "recurrent" (the CPU's native handler, `kernels.gdn_native`: one state update per token)
+    # form) or "recurrent" (the CPU's native handler, `kernels.gdn.native`: one state update per token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +329,7 @@ def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 
 def verify_checkpoints(cfg: Config, b: Batch, pl: Placement) -> Cost:
     """What one GDN layer's speculative verification adds for its decode rows (`b.drafts` = k > 0, V = k + 1 tokens a
-    row; `kernels.gdn_xla.gdn_verify_xla`, `model.ragged.keep_accepted`), one device: each row's V states written to
+    row; `kernels.gdn.xla.gdn_verify_xla`, `model.ragged.keep_accepted`), one device: each row's V states written to
     its slot's checkpoints, then the accepted one read back and written into the slot (V + 2 state passes), and its
     conv window of K - 1 + V inputs a channel written, K - 1 of them read back and written. 0 without drafts.
     This is a kernel's traffic (each row's state kept on chip over its V tokens), not yet the engine's: the Pallas
@@ -465,7 +465,7 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 
 # XLA:TPU's scoped VMEM on TPU7x: 33,554,432 bytes, the `scoped_memory_configs` size of every op in the stored
 # TPU7x-8 texts (data/aot/hlo/): an array larger than it cannot be placed in VMEM. The kernels stage's Pallas combine
-# writes its sums in the activations' dtype from a float32 accumulator (`kernels.permute_pallas.gather_reduce`): in
+# writes its sums in the activations' dtype from a float32 accumulator (`kernels.permute.pallas.gather_reduce`): in
 # VMEM at decode (bf16[512, 4096], 4.2 MB), in HBM in the mixed step (bf16[8704, 4096], 71 MB; it wrote float32 sums
 # there before, read and cast by XLA: 21.4 GB a mixed step); where between the two XLA switches is not measured
 SCOPED_VMEM_BYTES = 33_554_432

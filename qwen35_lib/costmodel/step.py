@@ -105,7 +105,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
     expert_passes = expert_weight_passes(lay)
     # the dense projections: the plan's `dense` kernel on the layer scan (XLA's dots on the scan's sliced inputs;
-    # the Pallas projection reads the stacks in place, `kernels.dense_pallas`), each measured off its compile;
+    # the Pallas projection reads the stacks in place, `kernels.dense.pallas`), each measured off its compile;
     # another engine's unscanned layers, and this engine's unrolled loop (`layer_loop.unrolled`: per-layer weights
     # and caches), are read in place
     in_place = unrolled(cfg, lay)

@@ -58,7 +58,7 @@ from qwen35_lib.weights import declare, is_info
 
 REFUSAL = re.compile(r"total memory required for HLO temporaries \(([\d.]+)G\)")  # the TPU compiler's OOM message
 IN_PLACE_MOE = ("pallas",)  # MoE kernels that read the stacked expert weights in place (kernels/stacked.py)
-IN_PLACE_DENSE = ("pallas",)  # dense kernels that read the stacked projections in place (kernels/dense_pallas.py)
+IN_PLACE_DENSE = ("pallas",)  # dense kernels that read the stacked projections in place (kernels/dense/pallas.py)
 
 
 def _ways(plan: ServingPlan, info) -> int:

@@ -1,6 +1,6 @@
 """The cost model's validations: (a) CPU engine steps, (b) TPU7x ahead-of-time compiles, (c) published figures.
 
-(a) `cpu_engine_steps(cfg, cases)`: the real engine's jitted step (`engine.engine.engine_step`) on this CPU, for
+(a) `cpu_engine_steps(cfg, cases)`: the real engine's jitted step (`engine.step.engine_step`) on this CPU, for
     hand-made batches (`StepCase`: decodes with their context, prefill chunks), packed exactly as the engine
     packs them (`engine.batch.pack`, its buckets). Each case is compiled once, then the cases are timed
     interleaved, `repeats` rounds; the median is compared with `step_time` on the `cpu` specs (measured by

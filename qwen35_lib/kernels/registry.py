@@ -46,7 +46,7 @@ class AttentionKernels(NamedTuple):
 
 class GdnKernels(NamedTuple):
     dense: Callable  # (q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv], state [B,Hv,dk,dv], chunk_size) -> (o, S)
-    ragged: Callable  # (q, k, v, g, beta over flat tokens, state slots, conv..., batch metadata): see gdn_xla
+    ragged: Callable  # (q, k, v, g, beta over flat tokens, state slots, conv..., batch metadata): see gdn.xla
 
 
 _IMPLS: dict[str, dict[str, Any]] = {slot: {} for slot in SLOTS}

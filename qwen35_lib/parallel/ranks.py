@@ -57,10 +57,10 @@ def per_device(fn: Callable, x: jax.Array, *shared, plan: ServingPlan):
     return jax.shard_map(fn, in_specs=(P(ALL), *specs), out_specs=P(ALL), check_vma=False)(x, *shared)
 
 
-# the attention slot's per-rank arrays [R, ...] by parameter name: the dim of their heads (`kernels.attention_xla`:
+# the attention slot's per-rank arrays [R, ...] by parameter name: the dim of their heads (`kernels.attention.xla`:
 # q [R, T, Hq, d], k / v [R, T, Hkv, d], kv_pages [R, P, ps, 2·Hkv·d] (head h's K and V side by side, so an even
 # split of the last dim is a split of the heads), kv_scales [R, P, 2·Hkv, ps]); other arrays are per rank only
-# ; the GDN slot's (`kernels.gdn_xla.gdn_ragged_xla`): q, k [R, T, Hk, dk], v [R, T, Hv, dv], g, beta [R, T, Hv],
+# ; the GDN slot's (`kernels.gdn.xla.gdn_ragged_xla`): q, k [R, T, Hk, dk], v [R, T, Hv, dv], g, beta [R, T, Hv],
 # states [R, NS, Hv, dk, dv]; its `meta` (a pytree) per rank only
 _HEAD_DIM = {"attention": {"q": 2, "k": 2, "v": 2, "kv_pages": 3, "kv_scales": 2},
              "gdn": {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 2, "states": 2}}

@@ -71,7 +71,7 @@ def local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Arra
 def fused_local_experts(cfg: Config, plan: ServingPlan, w_gate_up, w_down, x: jax.Array, ids: jax.Array,
                         first: jax.Array, count: int, own_ids: jax.Array, tm: int | None = None) -> jax.Array:
     """The local experts on the gathered copies routed to them, in one kernel that fetches their rows and sends each
-    output row to its token's owner (`kernels.moe_fused_ep`): this device's tokens' copies [n, k, *view] (each row
+    output row to its token's owner (`kernels.moe.fused_ep`): this device's tokens' copies [n, k, *view] (each row
     in the kernel's tile view, (D/128, 128); unwritten where a copy routes nowhere), for the caller to weigh and
     sum.
 

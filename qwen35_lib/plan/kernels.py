@@ -8,11 +8,11 @@ which reads these tables.
 | `pallas` | pallas                   | pallas                    | pallas                           | pallas  | pallas|
 
 Where the `xla` family is not XLA code: on the CPU two C++ XLA FFI handlers that XLA calls like any op, each
-running its XLA twin where it cannot be built. The MoE's grouped matmul is `native` (`kernels/moe_native.py`;
+running its XLA twin where it cannot be built. The MoE's grouped matmul is `native` (`kernels/moe/native.py`;
 else the XLA `loop`): XLA:CPU runs few-row expert matmuls at about half the memory bandwidth after copying each
-expert, which no formulation in XLA ops avoided (the `moe_xla` docstrings). The GDN's decode step is `native`
-(`kernels/gdn_native.py`; its prefill chunks stay XLA's): XLA:CPU's batched matrix-vector products over the state
-cost about ten passes over it. The attention is XLA's on every backend, by items (`attention_xla.
+expert, which no formulation in XLA ops avoided (the `kernels.moe.xla` docstrings). The GDN's decode step is `native`
+(`kernels/gdn/native.py`; its prefill chunks stay XLA's): XLA:CPU's batched matrix-vector products over the state
+cost about ten passes over it. The attention is XLA's on every backend, by items (`attention.xla.
 paged_attention_items`: a page read once per run of a sequence's tokens in a block of 16, not once per token; the
 twin where that would cost more, as at decode, where a token is its sequence's one). On a TPU the twin alone made
 every prompt token of a mixed step read the batch's longest context: 78% of the dp_ep stage's priced mean step at
@@ -31,9 +31,9 @@ KERNEL_FIELDS = {"attention": "attention_kernel", "gdn": "gdn_kernel", "moe_matm
                  "permute": "permute_kernel", "dense": "dense_kernel"}  # slot -> ServingPlan field
 # "auto" by backend. CPU choices come from `python -m qwen35_lib.bench kernels` (data/kernel_choice_cpu.json),
 # except the MoE's, chosen from `bench engine --moe-kernel` side by side: `loop` over `capacity` (decode step 70.6 ->
-# 45.7 ms), then `native` (the C++ handler, `kernels/moe_native.py`; `loop` where it cannot be built) over `loop`
+# 45.7 ms), then `native` (the C++ handler, `kernels/moe/native.py`; `loop` where it cannot be built) over `loop`
 # (qwen3.5-mini 1k/1k N=8, float32: decode step 50.2 -> 22.3 ms, prefill step 387.7 -> 326.1 ms); the GDN's
-# `native` (its decode step a C++ handler, `kernels/gdn_native.py`) over `xla` from the engine's compiled decode
+# `native` (its decode step a C++ handler, `kernels/gdn/native.py`) over `xla` from the engine's compiled decode
 # step alone (bench engine's configuration at 8 sequences: 21.5 -> 20.1 ms, 19.4 with `model.layer_loop`'s per-layer
 # caches, which the handler updates in place). The stored file
 # (2026-12-04) names `native` overall; in bfloat16 at 512 and 4,096 tokens XLA's batched `capacity` beat it on
@@ -42,7 +42,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
     "cpu": {"attention": "items", "gdn": "native", "moe_matmul": "native", "permute": "xla", "dense": "xla"},
     # TPU: the Pallas kernels (compiled for tpu7x in the tests; not yet timed on a TPU). The Pallas permute moves
     # rows with DMAs of whole [8, 128] tiles, which needs a relayout of the activations; XLA's gather does not.
-    # The dense projections read each layer's weights in place from the stacks (`kernels.dense_pallas`).
+    # The dense projections read each layer's weights in place from the stacks (`kernels.dense.pallas`).
     "tpu": {"attention": "pallas", "gdn": "pallas", "moe_matmul": "pallas", "permute": "xla", "dense": "pallas"},
     "gpu": {"attention": "xla", "gdn": "xla", "moe_matmul": "ragged_dot", "permute": "xla", "dense": "xla"},
 }

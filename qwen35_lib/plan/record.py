@@ -45,7 +45,7 @@ class ServingPlan:
     permute_kernel: str | None = None
     dense_kernel: str | None = None  # the dense projections; "pallas" reads each layer's weights in place
     # replicate: each routed row sent home by remote DMA from the grouped-matmul kernel as its row tile finishes
-    # (`kernels.moe_fused_ep`, always the Pallas FFN), instead of a local combine and the reduce-scatter
+    # (`kernels.moe.fused_ep`, always the Pallas FFN), instead of a local combine and the reduce-scatter
     fused_combine: bool = False
 
     def __post_init__(self):

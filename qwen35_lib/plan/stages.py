@@ -83,7 +83,7 @@ TPU_INFERENCE_3050 = dataclasses.replace(STAGES["kernels"], name="tpu_inference_
 LAYOUT_STAGES = {s.name: s for s in (ServingPlan("tp8_ep8", "tp8_ep8", "replicate"),
                                      ServingPlan("dp4_tp2_ep8", "dp4_tp2_ep8", "replicate"))}
 # Beyond production's published setup (issue 50, item 4): the kernels stage with the MoE's combine fused into the
-# grouped matmul, each routed row sent home by remote DMA as its row tile finishes (`kernels.moe_fused_ep`),
+# grouped matmul, each routed row sent home by remote DMA as its row tile finishes (`kernels.moe.fused_ep`),
 # overlapped with the next tiles' matmuls, in place of the local combine and the hierarchical reduce-scatter:
 # production's fused EP MoE (tpu-inference #3288, #3346) does the same. Not a ladder stage: the chapters' ladder
 # stops at `kernels`.

@@ -1,5 +1,5 @@
 """The stored TPU7x-8 compile of the fused_ep stage beside the ladder (`data/aot/tpu7x-8-beyond.json`, issue 50
-item 4: the kernels stage with the MoE's dispatch and combine in the grouped-matmul kernel, `kernels.moe_fused_ep`),
+item 4: the kernels stage with the MoE's dispatch and combine in the grouped-matmul kernel, `kernels.moe.fused_ep`),
 at full 397B depth and the ladder sweep's serving shape, judged as every ladder stage is: it fits, its collectives are
 the cost model's closed form, no cache pool is copied, its decode FLOPs and bytes are the model's. Kept apart from
 tpu7x-8.json (the ladder's record, which chapters 01-06 read whole). Written by `python -m qwen35_lib.aot sweep

@@ -8,8 +8,8 @@ interpret mode on CPU) against the reference path (the XLA kernels), on `qwen3.5
 
 Tolerance of 2: each Pallas kernel does its twin's float32 math in another summation order (attention: pages
 grouped per softmax update; GDN: the chunk's WY/UT inverse by block doubling on the chip; MoE: row and FFN tiles;
-permute: the combine's float32 sum). Alone each agrees with its twin to ~1e-6 relative (tests/kernels/test_*_pallas.py
-.py). Through 4 layers the rounding differences add, not multiply (no layer amplifies a 1e-6 perturbation by more
+permute: the combine's float32 sum). Alone each agrees with its twin to ~1e-6 relative (tests/kernels/*/test_pallas.py).
+Through 4 layers the rounding differences add, not multiply (no layer amplifies a 1e-6 perturbation by more
 than its O(1) gain). Seen: at most 2.6e-7 on logits of magnitude ~0.45, so atol = rtol = 1e-5 leaves a 40x margin
 for other CPUs and XLA versions, while a wrong page, slot, group or tile (an O(1) error) fails it by 4 orders.
 """

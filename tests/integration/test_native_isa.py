@@ -1,4 +1,4 @@
-"""kernels.native's ISA variants: which ones a CPU runs (from its flags), which one runs (`QWEN35_NATIVE_ISA` or the
+"""`native.build`'s ISA variants: which ones a CPU runs (from its flags), which one runs (`QWEN35_NATIVE_ISA` or the
 best), a CPU or a request the kernels do not serve falling back to XLA with a warning; and every variant this CPU
 runs (an AVX-512 machine runs the AVX2 build too) checked against the XLA twins: the grouped SwiGLU (sorted and
 fused, float32 and bfloat16, row-major and packed; row counts that take every register block, widths that are not

@@ -1,5 +1,5 @@
 """engine.speculative with the Pallas GDN: `gdn_kernel="pallas"` verifies with its verify kernel
-(`kernels.gdn_pallas._verify_call`, interpret mode here), through the engine's own verify step, as the XLA twin."""
+(`kernels.gdn.pallas._verify_call`, interpret mode here), through the engine's own verify step, as the XLA twin."""
 
 import jax
 import jax.numpy as jnp

@@ -13,7 +13,7 @@ child. (At qwen3.5-mini's widths the TPU compiler keeps whole weight stacks in V
   fail. One MoE layer a group: each layer's Pallas calls are lowered by Mosaic again, so the group's 4 MoE layers
   cost 15 s of compile (24 copies), one 7 s (the whole step as the control compiled in about 40 s).
 - Dense projections read in place: the step's passes over its dense weights (`costmodel.compiled.scan_weight_passes`)
-  are about 1 with the Pallas projection (`kernels.dense_pallas`, the stacks and the layer's (group, position));
+  are about 1 with the Pallas projection (`kernels.dense.pallas`, the stacks and the layer's (group, position));
   the control, a step with XLA's dots on the scan's slices, makes more than 2.5: the stored 397B dp_ep decode
   step's text (the same function on it; compiling the reduced step again with `dense_kernel='xla'` cost 33 s).
 - Depth (no longer compiled here: the 15-group step cost about 25 s of CI for a strict expected failure; the 397B
@@ -274,7 +274,7 @@ def test_no_expert_weight_copies_in_the_layer_loop(tpu7x):
 
 
 def test_the_dense_projections_are_read_in_place(tpu7x):
-    # the Pallas projection (`kernels.dense_pallas`) reads each layer's blocks from the stacks: one pass over the
+    # the Pallas projection (`kernels.dense.pallas`) reads each layer's blocks from the stacks: one pass over the
     # dense weights (the per-layer norms and gates still sliced: a few MB). The control, the stored 397B dp_ep step
     # with XLA's dots on the scan's slices, moves them three times or more: the check can fail
     from qwen35_lib.aot.sweep import serving_config

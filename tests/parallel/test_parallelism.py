@@ -151,8 +151,8 @@ def test_google_baseline_every_pallas_kernel_under_tp8_kvrep(mesh, weights, refe
 
 def test_fused_ep_stage_gives_the_kernels_stage_tokens(mesh, weights, reference_tokens):
     """Beyond the ladder (issue 50, item 4): the kernels stage with the MoE's dispatch and combine fused into the
-    grouped matmul (`kernels.moe_fused_ep` on a TPU; here its XLA twin `routing.fused_twin`, the kernel's TPU
-    interpreter blocking inside the engine's step: tests/kernels/test_moe_fused_ep.py checks the kernel against the
+    grouped matmul (`kernels.moe.fused_ep` on a TPU; here its XLA twin `routing.fused_twin`, the kernel's TPU
+    interpreter blocking inside the engine's step: tests/kernels/moe/test_fused_ep.py checks the kernel against the
     twin) gives the single-device XLA engine's tokens, as the kernels stage does."""
     from qwen35_lib.plan import any_stage
 

@@ -162,14 +162,14 @@ def gdn_ragged_xla(q, k, v, g, beta, states, meta, chunk_size: int = 64, decode=
       spans two sequences): the chunked form, as one scan over all chunks whose state is reloaded from the
       slot (or zeroed, for a sequence's first step) at each sequence's first chunk, and stored after its last.
     `decode` (default `gdn_decode_xla`) runs the decode region and `prefill` the prefill region: another
-    implementation of their protocols (`gdn_native`'s handlers) replaces either. `prefill(q, k, v, g, beta, first,
+    implementation of their protocols (`gdn.native`'s handlers) replaces either. `prefill(q, k, v, g, beta, first,
     length, slot, start, states, fallback)` takes the region's tokens and, per sequence, its tokens [first,
     first + length) of the region (length 0: not in it), slot and start (False: a zero state); `fallback` (the
     chunked form here, same arguments) runs where it cannot.
     `checkpoints` [NS, V, Hv, dk, dv] (speculative verification, V = k + 1 > 1): the decode region holds V tokens a
     row (`engine.batch.pack(..., width=V)`; a row's padding tokens have g = beta = 0 and leave its state as it was),
     run by `verify` (default `gdn_verify_xla`, the recurrent form; its protocol's other implementation:
-    `gdn_native`'s handler), and the state after each of its V tokens is written to its slot's V checkpoints, from
+    `gdn.native`'s handler), and the state after each of its V tokens is written to its slot's V checkpoints, from
     which the engine keeps the accepted one.
     Returns (o [T, Hv, dv] in v's dtype, states), and the checkpoints when given.
     """

@@ -1,6 +1,6 @@
 """The grouped SwiGLU expert FFNs as a native CPU kernel: the `moe_matmul` slot's `native` implementation.
 
-Same protocol as `moe_xla` (`fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`), computed by
+Same protocol as `moe.xla` (`fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`), computed by
 the C++ handler of `native/moe.cc` (built on first use for this CPU's ISA, `kernels.native.build`): units of (expert, up
 to 96 of its rows) over XLA's intra-op threads, each two register-blocked matmuls that read the expert's weights in
 place.

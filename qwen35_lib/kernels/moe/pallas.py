@@ -1,6 +1,6 @@
 """Grouped SwiGLU expert FFNs as one Pallas TPU kernel: the `moe_matmul` slot's "pallas" implementation.
 
-Same protocol as `moe_xla` (x_sorted [N, D] sorted by expert, group_sizes, w_gate_up [E, D, 2, F], w_down
+Same protocol as `moe.xla` (x_sorted [N, D] sorted by expert, group_sizes, w_gate_up [E, D, 2, F], w_down
 [E, F, D], dense or `BlockFP8`; y_sorted [N, D] in x's dtype, 0 for rows of no local expert), plus `group_offset`
 for expert parallelism: `group_sizes` [G] counts the rows of G groups in sorted order, the weights hold the
 E <= G local experts `group_offset .. group_offset + E - 1`, and rows of every other group give 0 (so can a

@@ -22,7 +22,7 @@ and register count (`native/common.h`, `native/gemm.h`): `x86-64-v4` (AVX-512: 3
 3. The library records its ISA (`qwen35_native_isa()`); `load` checks it is the variant asked for.
 - Where no compiler works, `load` returns None and `unavailable(name)` says why; callers fall back to XLA kernels.
 - `QWEN35_NATIVE=0` turns native kernels off (the XLA fallbacks run).
-- `python -m qwen35_lib.kernels.native.build [--isa NAME|all]` builds them now and says which variant each is.
+- `python -m qwen35_lib.kernels.native [--isa NAME|all]` (`main`) builds them now and says which variant each is.
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     architecture with its cross compiler, not loaded) and say where each went; 1 if one failed."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m qwen35_lib.kernels.native.build", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m qwen35_lib.kernels.native", description=main.__doc__)
     p.add_argument("--isa", help=f"{', '.join(ISAS)}, an alias ({', '.join(ALIASES)}) or all (default: this CPU's)")
     args = p.parse_args(argv)
     variants = list(ISAS) if args.isa == "all" else [resolve(args.isa) if args.isa else isa()]
@@ -287,7 +287,3 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
                 print(f"{source.stem} [{variant}]: unavailable: {e}")
     return int(failed)
-
-
-if __name__ == "__main__":  # python -m qwen35_lib.kernels.native.build: build every native kernel now
-    raise SystemExit(main())

@@ -46,10 +46,10 @@ ffi::Error DenseRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || w.dimensions().size() != 1 || yd[0] != xd[0] ||
       int64_t(w.element_count()) != xd[1] * yd[1])
-    return ffi::Error::InvalidArgument("dense_native: want x [M, K], w [K * N] (packed) and y [M, N]");
+    return ffi::Error::InvalidArgument("dense.native: want x [M, K], w [K * N] (packed) and y [M, N]");
   if (x.element_type() != w.element_type() ||
       (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("dense_native: x and w float32 or bfloat16, one dtype");
+    return ffi::Error::InvalidArgument("dense.native: x and w float32 or bfloat16, one dtype");
   if (x.element_type() == ffi::DataType::F32)
     rows(pool, static_cast<const float*>(x.untyped_data()), static_cast<const float*>(w.untyped_data()), xd[0],
          xd[1], yd[1], y->typed_data());

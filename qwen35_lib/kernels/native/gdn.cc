@@ -233,23 +233,23 @@ ffi::Error GdnDecode(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), sd = states.dimensions();
   const size_t lead = qd.size() == 4 ? 1 : 0;
   if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead)
-    return ffi::Error::InvalidArgument("gdn_native: want q, k [D, Hk, dk], v [D, Hv, dv], states [NS, Hv, dk, dv]");
+    return ffi::Error::InvalidArgument("gdn.native: want q, k [D, Hk, dk], v [D, Hv, dv], states [NS, Hv, dk, dv]");
   const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
   if ((lead && (kd[0] != d.B || vd[0] != d.B || sd[0] != d.B)) || vd[lead] != d.D || kd[lead] != d.D ||
       kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 || sd[lead + 1] != d.Hv ||
       sd[lead + 2] != d.dk || sd[lead + 3] != d.dv)
-    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [D, Hk, dk], v [D, Hv, dv], states "
+    return ffi::Error::InvalidArgument("gdn.native: shapes disagree (q, k [D, Hk, dk], v [D, Hv, dv], states "
                                        "[NS, Hv, dk, dv], Hv a multiple of Hk)");
   const int64_t rows = d.B * d.D;
   if (g.element_count() != rows * d.Hv || beta.element_count() != rows * d.Hv || slot.element_count() != rows ||
       start.element_count() != rows)
-    return ffi::Error::InvalidArgument("gdn_native: want g, beta [D, Hv], slot and start [D]");
+    return ffi::Error::InvalidArgument("gdn.native: want g, beta [D, Hv], slot and start [D]");
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+    return ffi::Error::InvalidArgument("gdn.native: q, k, v float32 or bfloat16, one dtype");
   const int32_t* slots = slot.typed_data();
   for (int64_t r = 0; r < rows; ++r)
-    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn_native: a slot beyond the state pool");
+    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn.native: a slot beyond the state pool");
   float* S = states_out->typed_data();  // aliased with `states`: updated in place
   if (S != states.typed_data())
     std::copy(states.typed_data(), states.typed_data() + states.element_count(), S);
@@ -274,25 +274,25 @@ ffi::Error GdnPrefill(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   const size_t lead = qd.size() == 4 ? 1 : 0;  // a leading rank axis (`vmap_method="broadcast_all"`)
   if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead ||
       fd.size() != 1 + lead)
-    return ffi::Error::InvalidArgument("gdn_native: want q, k [N, Hk, dk], v [N, Hv, dv], first [S], states "
+    return ffi::Error::InvalidArgument("gdn.native: want q, k [N, Hk, dk], v [N, Hv, dv], first [S], states "
                                        "[NS, Hv, dk, dv]");
   const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
   if ((lead && (kd[0] != d.B || vd[0] != d.B || sd[0] != d.B || fd[0] != d.B)) || vd[lead] != d.D ||
       kd[lead] != d.D || kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 || sd[lead + 1] != d.Hv ||
       sd[lead + 2] != d.dk || sd[lead + 3] != d.dv)
-    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [N, Hk, dk], v [N, Hv, dv], states "
+    return ffi::Error::InvalidArgument("gdn.native: shapes disagree (q, k [N, Hk, dk], v [N, Hv, dv], states "
                                        "[NS, Hv, dk, dv], Hv a multiple of Hk)");
   const int64_t S = fd[lead], seqs = d.B * S;
   if (g.element_count() != d.B * d.D * d.Hv || beta.element_count() != d.B * d.D * d.Hv ||
       len.element_count() != seqs || slot.element_count() != seqs || start.element_count() != seqs)
-    return ffi::Error::InvalidArgument("gdn_native: want g, beta [N, Hv], and first, len, slot, start [S]");
+    return ffi::Error::InvalidArgument("gdn.native: want g, beta [N, Hv], and first, len, slot, start [S]");
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+    return ffi::Error::InvalidArgument("gdn.native: q, k, v float32 or bfloat16, one dtype");
   const int32_t *fs = first.typed_data(), *ls = len.typed_data(), *ss = slot.typed_data();
   for (int64_t i = 0; i < seqs; ++i)
     if (ls[i] > 0 && (fs[i] < 0 || int64_t(fs[i]) + ls[i] > d.D || ss[i] >= d.NS))
-      return ffi::Error::InvalidArgument("gdn_native: a sequence beyond the tokens, or a slot beyond the pool");
+      return ffi::Error::InvalidArgument("gdn.native: a sequence beyond the tokens, or a slot beyond the pool");
   float* St = states_out->typed_data();  // aliased with `states`: updated in place
   if (St != states.typed_data())
     std::copy(states.typed_data(), states.typed_data() + states.element_count(), St);
@@ -317,7 +317,7 @@ ffi::Error GdnVerify(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   const size_t lead = qd.size() == 4 ? 1 : 0;  // a leading rank axis (`vmap_method="broadcast_all"`)
   if (qd.size() != 3 + lead || kd.size() != 3 + lead || vd.size() != 3 + lead || sd.size() != 4 + lead ||
       cd.size() != 5 + lead || rd.size() != 1 + lead)
-    return ffi::Error::InvalidArgument("gdn_native: want q, k [D V, Hk, dk], v [D V, Hv, dv], slot [D], states "
+    return ffi::Error::InvalidArgument("gdn.native: want q, k [D V, Hk, dk], v [D V, Hv, dv], slot [D], states "
                                        "[NS, Hv, dk, dv], checkpoints [NS, V, Hv, dk, dv]");
   const Dims d{lead ? qd[0] : 1, qd[lead], qd[lead + 1], vd[lead + 1], qd[lead + 2], vd[lead + 2], sd[lead]};
   const int64_t D = rd[lead], V = cd[lead + 1];
@@ -325,17 +325,17 @@ ffi::Error GdnVerify(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
       vd[lead] != d.D || kd[lead] != d.D || kd[lead + 1] != d.Hk || kd[lead + 2] != d.dk || d.Hv % d.Hk != 0 ||
       sd[lead + 1] != d.Hv || sd[lead + 2] != d.dk || sd[lead + 3] != d.dv || d.D != D * V || cd[lead] != d.NS ||
       cd[lead + 2] != d.Hv || cd[lead + 3] != d.dk || cd[lead + 4] != d.dv)
-    return ffi::Error::InvalidArgument("gdn_native: shapes disagree (q, k [D V, Hk, dk], v [D V, Hv, dv], slot "
+    return ffi::Error::InvalidArgument("gdn.native: shapes disagree (q, k [D V, Hk, dk], v [D V, Hv, dv], slot "
                                        "[D], states [NS, Hv, dk, dv], checkpoints [NS, V, Hv, dk, dv])");
   if (g.element_count() != d.B * d.D * d.Hv || beta.element_count() != d.B * d.D * d.Hv ||
       start.element_count() != d.B * D)
-    return ffi::Error::InvalidArgument("gdn_native: want g, beta [D V, Hv], slot and start [D]");
+    return ffi::Error::InvalidArgument("gdn.native: want g, beta [D V, Hv], slot and start [D]");
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       (q.element_type() != ffi::DataType::F32 && q.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("gdn_native: q, k, v float32 or bfloat16, one dtype");
+    return ffi::Error::InvalidArgument("gdn.native: q, k, v float32 or bfloat16, one dtype");
   const int32_t* slots = slot.typed_data();
   for (int64_t r = 0; r < d.B * D; ++r)
-    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn_native: a slot beyond the state pool");
+    if (slots[r] >= d.NS) return ffi::Error::InvalidArgument("gdn.native: a slot beyond the state pool");
   float* St = states_out->typed_data();  // aliased with `states` and `ckpt`: updated in place
   float* Ck = ckpt_out->typed_data();
   if (St != states.typed_data())

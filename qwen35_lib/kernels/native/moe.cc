@@ -4,7 +4,7 @@
 // qwen35_moe_grouped_swiglu, the `moe_matmul` slot's protocol (qwen35_lib/kernels/moe/xla.py):
 //   x [N, D] rows sorted by expert, group_sizes [E] int32, w_gate_up [E, D, 2, F], w_down [E, F, D] -> y [N, D]
 //   (the weights may come packed instead, [E, D * 2F] and [E, F * D]: each expert's matrix as its 64-column
-//   panels one after another, so that a register block streams its panel contiguously; moe_native.pack_experts)
+//   panels one after another, so that a register block streams its panel contiguously; moe/native.py pack_experts)
 // qwen35_moe_grouped_swiglu_fused, dispatch and combine inside (as moe_xla.moe_loop_fused):
 //   x [T, D], ids [T, k] int32 (>= E: routed nowhere), weights [T, k], w_gate_up, w_down
 //   -> out [T, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), and copies [T * k, D] float32 (scratch)
@@ -14,7 +14,7 @@
 // to float32) and runs two register-blocked matmuls straight from the expert's weights (each touched expert read
 // in place, once per chunk):
 //   h [m, 2F] = x_rows [m, D] @ w_gate_up[e]  (float32 accumulators)
-//   a [m, F] = silu(h_gate) * h_up (a vectorised exp), rounded to x's dtype (as moe_xla's _swiglu)
+//   a [m, F] = silu(h_gate) * h_up (a vectorised exp), rounded to x's dtype (as moe/xla.py's _swiglu)
 //   y_rows [m, D] = a @ w_down[e], rounded to x's dtype
 // Sorted: rows past the sum of the group sizes (padding) are written 0. Fused: each copy's rounded output times
 // its routing weight goes to its row of `copies`; a second parallel pass sums each token's k rows in slot order
@@ -219,17 +219,17 @@ const char* check_experts(ffi::AnyBuffer& w_gate_up, ffi::AnyBuffer& w_down, int
   if (gd.size() == 2 && dd.size() == 2) {
     dims = {gd[0], D, D > 0 ? gd[1] / (2 * D) : 0, true};
     if (D <= 0 || gd[1] != 2 * D * dims.F || dd[0] != dims.E || dd[1] != dims.F * D)
-      return "moe_native: packed shapes disagree (x [.., D], w_gate_up [E, D * 2F], w_down [E, F * D])";
+      return "moe.native: packed shapes disagree (x [.., D], w_gate_up [E, D * 2F], w_down [E, F * D])";
   } else if (gd.size() == 4 && dd.size() == 3) {
     dims = {gd[0], gd[1], gd[3], false};
     if (gd[1] != D || gd[2] != 2 || dd[0] != dims.E || dd[1] != dims.F || dd[2] != D)
-      return "moe_native: shapes disagree (x [.., D], w_gate_up [E, D, 2, F], w_down [E, F, D])";
+      return "moe.native: shapes disagree (x [.., D], w_gate_up [E, D, 2, F], w_down [E, F, D])";
   } else {
-    return "moe_native: want w_gate_up [E, D, 2, F] and w_down [E, F, D] (or both packed: [E, D * 2F], [E, F * D])";
+    return "moe.native: want w_gate_up [E, D, 2, F] and w_down [E, F, D] (or both packed: [E, D * 2F], [E, F * D])";
   }
   if (w_gate_up.element_type() != t || w_down.element_type() != t)
-    return "moe_native: x and the expert weights must share one dtype";
-  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return "moe_native: float32 or bfloat16 only";
+    return "moe.native: x and the expert weights must share one dtype";
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16) return "moe.native: float32 or bfloat16 only";
   return "";
 }
 
@@ -242,12 +242,12 @@ ffi::Error GroupedSwiglu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
                          ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y) {
   const auto xd = x.dimensions();
   if (xd.size() != 2 || group_sizes.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("moe_native: want x [N, D] and group_sizes [E]");
+    return ffi::Error::InvalidArgument("moe.native: want x [N, D] and group_sizes [E]");
   Dims w;
   if (const char* bad = check_experts(w_gate_up, w_down, xd[1], x.element_type(), w); *bad)
     return ffi::Error::InvalidArgument(bad);
   if (group_sizes.dimensions()[0] != w.E || y->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("moe_native: group_sizes [E] and y of x's dtype");
+    return ffi::Error::InvalidArgument("moe.native: group_sizes [E] and y of x's dtype");
   const int32_t* gs = group_sizes.typed_data();
   if (x.element_type() == ffi::DataType::F32)
     grouped(pool, xd[0], w.D, w.E, w.F, data<float>(x), gs, data<float>(w_gate_up), data<float>(w_down),
@@ -264,12 +264,12 @@ ffi::Error GroupedSwigluFused(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffe
   const auto xd = x.dimensions(), id = ids.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || weights.dimensions().size() != 2 ||
       weights.dimensions()[0] != id[0] || weights.dimensions()[1] != id[1])
-    return ffi::Error::InvalidArgument("moe_native: want x [T, D], ids [T, k] and weights [T, k]");
+    return ffi::Error::InvalidArgument("moe.native: want x [T, D], ids [T, k] and weights [T, k]");
   Dims w;
   if (const char* bad = check_experts(w_gate_up, w_down, xd[1], x.element_type(), w); *bad)
     return ffi::Error::InvalidArgument(bad);
   if (weights.element_type() != x.element_type() || out->element_type() != x.element_type())
-    return ffi::Error::InvalidArgument("moe_native: weights and the output of x's dtype");
+    return ffi::Error::InvalidArgument("moe.native: weights and the output of x's dtype");
   float* cp = copies->typed_data();
   if (x.element_type() == ffi::DataType::F32)
     grouped_fused(pool, xd[0], id[1], w.D, w.E, w.F, data<float>(x), ids.typed_data(), data<float>(weights),

@@ -1,6 +1,6 @@
 """Token permutation for the MoE as Pallas TPU kernels (TensorCore, DMA engine): the `permute` slot's "pallas".
 
-Same protocol as `permute_xla`. The index work (a stable argsort of the T*k expert ids, a bincount, the inverse
+Same protocol as `permute.xla`. The index work (a stable argsort of the T*k expert ids, a bincount, the inverse
 permutation) stays in XLA: it is O(T*k) int32. The bytes are moved by DMAs that the kernels issue themselves,
 one row per DMA, with the source rows named by scalar-prefetched indices:
 - dispatch: x_sorted[r] = x[order[r] // k], HBM -> HBM, never staged in VMEM;

@@ -5,7 +5,7 @@ XLA's chunked and recurrent forms; the ragged protocol against the XLA twin on a
 cannot run (a bfloat16 state pool, a partitioned step) the XLA form runs; the engine's CPU default runs the handler.
 
 Tolerances: float32 against float64 the rounding of a 64-term sum (1e-5 on O(1) values); the mixed batch as in
-test_gdn_pallas (the same maths in another order)."""
+gdn/test_pallas (the same maths in another order)."""
 
 import jax
 import jax.numpy as jnp
