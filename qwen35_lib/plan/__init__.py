@@ -16,7 +16,7 @@ This package imports nothing of `qwen35_lib` but `config` (for the type of the m
 from qwen35_lib.plan.bound import BoundPlan
 from qwen35_lib.plan.cli import add_arguments, from_args
 from qwen35_lib.plan.kernels import FAMILIES, family_kernels
-from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS
+from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUT_RULES, LAYOUTS, ROUTINGS
 from qwen35_lib.plan.mesh import ALL, AXES, abstract_mesh, axis_size, make_mesh
 from qwen35_lib.plan.record import (
     LAYOUT_PLANS,
@@ -40,7 +40,7 @@ from qwen35_lib.plan.stages import (
 )
 
 __all__ = ["ALL", "AXES", "EXTRA", "FAMILIES", "GENERAL", "GOOGLE_BASELINE", "INSTANCES", "LADDER", "LAYOUTS",
-           "LAYOUT_PLANS", "LAYOUT_STAGES", "PLACEMENTS", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050",
+           "LAYOUT_PLANS", "LAYOUT_RULES", "LAYOUT_STAGES", "ROUTINGS", "SINGLE", "STAGES", "TPU_INFERENCE_3050",
            "BoundPlan", "ServingPlan",
            "abstract_mesh", "add_arguments", "any_stage", "axis_size", "custom_stage", "family_kernels", "from_args",
            "get_layout", "get_stage", "kv_copies", "kv_heads_per_device", "make_mesh", "micro_batches"]

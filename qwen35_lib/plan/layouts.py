@@ -20,6 +20,8 @@ size, naming the general form.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from qwen35_lib.plan.mesh import ALL
 
 # 8-device instances, then the general forms (sizes from the mesh)
@@ -31,26 +33,38 @@ Axes = tuple[str, ...] | str | None
 
 _TP_HEADS = (("q_heads", ALL), ("gdn_k_heads", ALL), ("gdn_v_heads", ALL), ("ffn", ALL), ("moe_ffn", ALL),
              ("vocab", ALL), ("kv_heads", ALL))
-# general layout -> (rules: (logical axis, mesh axes), axes not named are replicated; MoE mode; KV heads
-# duplicated to max(1, Hkv / tp) per device; summary)
-PLACEMENTS: dict[str, tuple[tuple[tuple[str, Axes], ...], str, bool, str]] = {
-    "single": ((), "local", False, "everything on one device"),
-    "tp": (_TP_HEADS, "tp", False, "tensor parallelism over every device: every head axis and the expert FFN split"),
-    "tp_kvrep": (_TP_HEADS, "tp", True, "tensor parallelism with the KV heads duplicated in the weights so each "
-                 "device keeps the max(1, Hkv/tp) KV heads its query heads read"),
-    "tp_ep": (tuple(r for r in _TP_HEADS if r[0] != "moe_ffn") + (("experts", ALL),), "ep", True,
-              "tensor-parallel attention and GDN with the KV heads duplicated as tp_kvrep's, experts over every "
-              "device as dp_ep's (tokens on every device)"),
-    "dp_tp2_ep": ((("batch", "chip"), ("q_heads", "core"), ("kv_heads", "core"), ("gdn_k_heads", "core"),
-                   ("gdn_v_heads", "core"), ("ffn", "core"), ("experts", ALL)), "ep", False,
-                  "data-parallel ranks over the chips, heads split over the 2 cores of a chip, experts over all"),
-    "dp_ep": ((("batch", ALL), ("experts", ALL)), "ep", False,
-              "data-parallel ranks over every device (attention and GDN whole per device), experts over all"),
+
+
+class LayoutRules(NamedTuple):
+    """How one general layout places the model: read by `ServingPlan` through its layout's general form."""
+
+    rules: tuple[tuple[str, Axes], ...]  # (logical axis, mesh axes); axes not named are replicated
+    moe: str  # "local" | "tp" (expert FFN split, all-reduce) | "ep" (experts split, routed)
+    kv_replicated: bool  # KV heads duplicated in the weights to max(1, Hkv / tp) per device
+    summary: str
+
+
+LAYOUT_RULES: dict[str, LayoutRules] = {  # general layout -> its rules
+    "single": LayoutRules((), "local", False, "everything on one device"),
+    "tp": LayoutRules(_TP_HEADS, "tp", False,
+                      "tensor parallelism over every device: every head axis and the expert FFN split"),
+    "tp_kvrep": LayoutRules(_TP_HEADS, "tp", True, "tensor parallelism with the KV heads duplicated in the weights "
+                            "so each device keeps the max(1, Hkv/tp) KV heads its query heads read"),
+    "tp_ep": LayoutRules(tuple(r for r in _TP_HEADS if r[0] != "moe_ffn") + (("experts", ALL),), "ep", True,
+                         "tensor-parallel attention and GDN with the KV heads duplicated as tp_kvrep's, experts over "
+                         "every device as dp_ep's (tokens on every device)"),
+    "dp_tp2_ep": LayoutRules((("batch", "chip"), ("q_heads", "core"), ("kv_heads", "core"), ("gdn_k_heads", "core"),
+                              ("gdn_v_heads", "core"), ("ffn", "core"), ("experts", ALL)), "ep", False,
+                             "data-parallel ranks over the chips, heads split over the 2 cores of a chip, experts over "
+                             "all"),
+    "dp_ep": LayoutRules((("batch", ALL), ("experts", ALL)), "ep", False,
+                         "data-parallel ranks over every device (attention and GDN whole per device), experts over "
+                         "all"),
 }
 INSTANCES = {"tp8": "tp", "tp8_kvrep": "tp_kvrep", "tp8_ep8": "tp_ep", "dp4_tp2_ep8": "dp_tp2_ep",
              "dp8_ep8": "dp_ep"}  # 8 devices
 GENERAL = {name: INSTANCES.get(name, name) for name in LAYOUTS}  # every layout name -> its general form
-assert set(GENERAL.values()) == set(PLACEMENTS)
+assert set(GENERAL.values()) == set(LAYOUT_RULES)
 
 
-__all__ = ["GENERAL", "INSTANCES", "PLACEMENTS", "Axes"]
+__all__ = ["GENERAL", "INSTANCES", "LAYOUT_RULES", "Axes", "LayoutRules"]

@@ -1,7 +1,7 @@
 """The serving plan: one frozen, hashable record of how a model is served on a mesh.
 
 A `ServingPlan` names a layout (how attention, GDN and the MoE are placed: the logical-axis rules of
-`plan.layouts.PLACEMENTS`), the MoE routing of an EP layout, the collective options, the kernel family (resolved
+`plan.layouts.LAYOUT_RULES`), the MoE routing of an EP layout, the collective options, the kernel family (resolved
 per backend by `plan.kernels.family_kernels`) and the cache dtypes. Sizes are never written in a plan: they come
 from the mesh it is bound to, so the general layouts run on any `('chip', 'core')` mesh whose sizes divide (1, 2,
 4, 8, 16 devices). A plan's name is its layout's for a layout plan (`get_layout`), or a stage's (`plan.stages`).
@@ -18,7 +18,7 @@ import dataclasses
 from qwen35_lib.config import Config
 from qwen35_lib.plan.bound import BoundPlan, bind, kv_copies, kv_heads_per_device
 from qwen35_lib.plan.kernels import FAMILIES, resolve
-from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUTS, PLACEMENTS, ROUTINGS, Axes
+from qwen35_lib.plan.layouts import GENERAL, INSTANCES, LAYOUT_RULES, LAYOUTS, ROUTINGS, Axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +72,19 @@ class ServingPlan:
 
     @property
     def rules(self) -> tuple[tuple[str, Axes], ...]:
-        return PLACEMENTS[self.general][0]
+        return LAYOUT_RULES[self.general].rules
 
     @property
     def moe(self) -> str:  # "local" | "tp" (expert FFN split, all-reduce) | "ep" (experts split, routed)
-        return PLACEMENTS[self.general][1]
+        return LAYOUT_RULES[self.general].moe
 
     @property
     def kv_replicated(self) -> bool:
-        return PLACEMENTS[self.general][2]
+        return LAYOUT_RULES[self.general].kv_replicated
 
     @property
     def summary(self) -> str:
-        return PLACEMENTS[self.general][3]
+        return LAYOUT_RULES[self.general].summary
 
     @property
     def devices(self) -> int | None:
