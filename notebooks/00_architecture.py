@@ -221,7 +221,7 @@ print(f"predicted weights: bf16 {human_bytes(predicted_bf16)}, FP8 experts {huma
 # %% [markdown]
 # **Compute.** `qwen35_lib.budget.hbm_budget` puts the weights on the devices and asks what the caches of 512
 # concurrent requests need, at a request's whole context (9,216 tokens: 8k in and 1k out, or 1k in and 8k out) and
-# at 1k tokens of context each. `even` placement spreads every weight
+# at 1k tokens of context each. The `even` spread splits every weight
 # over the 8 devices: the best any layout can do.
 
 # %%
@@ -243,7 +243,7 @@ viz.plot_hbm_budget(budgets)
 #
 # bf16 under `experts_sharded`. Placed `even`, the bf16 weights already fill most of a device's HBM; replicating
 # every weight that is not a routed expert adds seven more copies of the dense weights to the slice, and a
-# device's share no longer fits. With FP8 experts both placements fit. The printout gives XLA's bytes per device, or
+# device's share no longer fits. With FP8 experts both spreads fit. The printout gives XLA's bytes per device, or
 # its refusal.
 # </details>
 #
@@ -261,14 +261,14 @@ from qwen35_lib.costmodel import temporaries
 compiled = {}
 if importlib.util.find_spec("libtpu") is not None:  # the 'tpu' extra
     for m in (bf16, fp8):
-        for placement in budget.PLACEMENTS:
-            compiled[m.expert_dtype or m.dtype, placement] = (m, budget.compiled_weight_bytes(m, placement))
+        for spread in budget.WEIGHT_SPREADS:
+            compiled[m.expert_dtype or m.dtype, spread] = (m, budget.compiled_weight_bytes(m, spread))
 else:
     print("libtpu not installed (pip install 'jax[tpu]'): skipped the ahead-of-time compiles")
-for (dtype, placement), (m, r) in compiled.items():
-    predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
+for (dtype, spread), (m, r) in compiled.items():
+    predicted = budget.weight_bytes_per_device(m, tpu.devices, spread)
     got = human_bytes(r.argument_bytes_per_device) if r.error is None else r.error
-    print(f"{dtype:<14} {placement:<16} predicted {human_bytes(predicted)} per device; XLA: {got}")
+    print(f"{dtype:<14} {spread:<16} predicted {human_bytes(predicted)} per device; XLA: {got}")
     if r.error is not None:  # the refusal's "HLO temporaries" figure, read as bytes
         print(f"{'':<31} the refusal's figure: {human_bytes(temporaries.refused_bytes(r.error))}, the weights' "
               f"{human_bytes(predicted)}")
@@ -295,10 +295,10 @@ routed_share = stats.params_by_part["routed_experts"] / stats.total_params
 active_routed_share = predicted_routed * k // E / stats.active_params
 notebook.claim_greater("experts_most_bytes", "the routed experts are {share:.0%} of the parameters but "
                        "{active:.0%} of those a token uses", share=routed_share, active=active_routed_share)
-for (dtype, placement), (m, r) in compiled.items():
-    predicted = budget.weight_bytes_per_device(m, tpu.devices, placement)
+for (dtype, spread), (m, r) in compiled.items():
+    predicted = budget.weight_bytes_per_device(m, tpu.devices, spread)
     if r.error is None:
-        assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (dtype, placement, r)
+        assert abs(r.argument_bytes_per_device - predicted) <= 1e-3 * predicted, (dtype, spread, r)
     else:
         assert "RESOURCE_EXHAUSTED" in r.error and predicted > tpu.hbm_bytes_per_device, r
         assert abs(temporaries.refused_bytes(r.error) - predicted) <= 0.01 * predicted, r  # the whole footprint
@@ -383,10 +383,10 @@ notebook.save_results("architecture", record)
 #    the 8 devices. How many extra bytes does that cost the slice with FP8 experts, and what is left for caches?
 #    <details><summary>Answer</summary>
 #
-#    `budget.hbm_budget(fp8, tpu, 512, 9216, placement="experts_sharded")`: `weight_bytes_on_devices -
+#    `budget.hbm_budget(fp8, tpu, 512, 9216, spread="experts_sharded")`: `weight_bytes_on_devices -
 #    weight_bytes` is 7 extra copies of the dense weights (attention, GDN, shared experts, router, embeddings),
 #    and `free_bytes` shrinks by as much; `.fits` tells whether 512 requests of 9,216 tokens still fit. With bf16
-#    weights the same placement does not even fit the weights: XLA refused it above.
+#    weights the same spread does not even fit the weights: XLA refused it above.
 #    </details>
 #
 # 3. **[State dtype]** Keep HF's float32 GDN state instead of bf16. How many requests of 9,216 tokens fit with FP8
@@ -421,7 +421,7 @@ n = serve_stats.gdn_state_bytes_per_seq // serve_stats.kv_bytes_per_token
 notebook.answer(1, "At {n:,} tokens: a request's GDN state ({gdn:.1f} MiB) equals that many tokens of KV cache "
                 "({kv:,} bytes a token); below it the GDN layers cost more.", n=n,
                 gdn=serve_stats.gdn_state_bytes_per_seq / 2**20, kv=serve_stats.kv_bytes_per_token)
-rep = budget.hbm_budget(fp8, tpu, 512, CONTEXT, placement="experts_sharded")
+rep = budget.hbm_budget(fp8, tpu, 512, CONTEXT, spread="experts_sharded")
 notebook.answer(2, "{extra:.1f} GiB of extra copies over the slice; {free:.1f} GiB left for caches; 512 requests of "
                 "{ctx:,} tokens fit: {fits}.", extra=(rep.weight_bytes_on_devices - rep.weight_bytes) / GiB,
                 free=rep.free_bytes / GiB, ctx=CONTEXT, fits=rep.fits)

@@ -43,7 +43,7 @@ def _run_info(args: argparse.Namespace) -> int:
     if (args.concurrency or args.context_len) and hardware is None:
         raise ValueError("--concurrency and --context-len need --hardware")
     report = model_report(config, hardware, args.concurrency, args.context_len, kv_dtype=args.kv_dtype,
-                          placement=args.placement)
+                          spread=args.spread)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -63,7 +63,7 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gdn-state-dtype", choices=DTYPES, help="recurrent GDN state (default: the preset's)")
     p.add_argument("--concurrency", type=int, default=0, help="requests held at once (with --hardware)")
     p.add_argument("--context-len", type=int, default=0, help="tokens each request holds (with --hardware)")
-    p.add_argument("--placement", choices=budget_lib.PLACEMENTS, default="even",
+    p.add_argument("--spread", choices=budget_lib.WEIGHT_SPREADS, default="even",
                    help="weights on devices: 'even' (all split) or 'experts_sharded' (the rest replicated)")
     p.set_defaults(run=_run_info)
 

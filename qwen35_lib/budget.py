@@ -1,10 +1,10 @@
 """The memory budget of serving a model on a system: weights first, then what is left for the caches.
 
 `hbm_budget(config, hardware, concurrency, context_len)`:
-1. weight bytes per device, from the weight declarations (`qwen35_lib.stats`), for a weight placement:
+1. weight bytes per device, from the weight declarations (`qwen35_lib.stats`), for a weight spread:
    `even` spreads every weight over all devices (the floor any layout can reach); `experts_sharded` splits the
    routed experts over the devices and replicates everything else: the weights of the `dp_ep` layout plan
-   (data-parallel attention + expert parallelism; `dp8_ep8` on 8 devices), `LAYOUT_OF["experts_sharded"]` (the
+   (data-parallel attention + expert parallelism; `dp8_ep8` on 8 devices), `SPREAD_PLANS["experts_sharded"]` (the
    resident-bytes reference's bytes, `costmodel.traffic.weight_bytes`: tests/test_budget.py);
 2. free bytes = devices x (HBM per device - weights per device - reserve per device);
 3. caches of `concurrency` requests holding `context_len` tokens each: KV bytes per token x tokens, plus one
@@ -14,7 +14,7 @@
 Activations and compiler workspace are not modelled; pass `reserve_bytes_per_device` to hold some back.
 
 `compiled_weight_bytes` checks step 1 against XLA: it compiles a program taking the weights (abstract, nothing
-allocated) placed as `placement` says on a TPU topology (`tpu7x:2x2x1` by default, needs libtpu) and reads the
+allocated) placed as `spread` says on a TPU topology (`tpu7x:2x2x1` by default, needs libtpu) and reads the
 per-device argument bytes, or the compiler's refusal when they do not fit.
 """
 
@@ -32,8 +32,8 @@ from qwen35_lib.plan import get_layout
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import abstract_weights, declare, is_info
 
-PLACEMENTS = ("even", "experts_sharded")
-LAYOUT_OF = {"experts_sharded": get_layout("dp_ep")}  # the plan a placement is; `even` is a floor, not a layout
+WEIGHT_SPREADS = ("even", "experts_sharded")  # how the weights are spread over the devices (module docstring)
+SPREAD_PLANS = {"experts_sharded": get_layout("dp_ep")}  # the plan a spread is; `even` is a floor, not a layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +42,13 @@ class HbmBudget:
 
     model: str
     hardware: str
-    placement: str
+    spread: str
     devices: int
     hbm_bytes_per_device: int
     usable_hbm_bytes_per_device: int  # what a program may use: where fits are judged
     reserve_bytes_per_device: int
     weight_bytes: int  # the model once
-    weight_bytes_per_device: int  # under `placement`
+    weight_bytes_per_device: int  # under `spread`
     weight_dtypes: str  # e.g. "bfloat16 + float8_e4m3fn experts"
     kv_dtype: str
     gdn_state_dtype: str
@@ -127,19 +127,19 @@ def routed_expert_bytes(config: Config) -> int:
     return sum(i.nbytes for i in jax.tree.leaves((moe["w_gate_up"], moe["w_down"]), is_leaf=is_info))
 
 
-def weight_bytes_per_device(config: Config, devices: int, placement: str = "even") -> int:
-    """Weight bytes on each of `devices` devices under `placement` (see the module docstring)."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown weight placement {placement!r}; use one of {PLACEMENTS}")
+def weight_bytes_per_device(config: Config, devices: int, spread: str = "even") -> int:
+    """Weight bytes on each of `devices` devices under `spread` (see the module docstring)."""
+    if spread not in WEIGHT_SPREADS:
+        raise ValueError(f"unknown weight spread {spread!r}; use one of {WEIGHT_SPREADS}")
     total = model_stats(config).weight_bytes
-    if placement == "even":
+    if spread == "even":
         return -(-total // devices)
     experts = routed_expert_bytes(config)
     return total - experts + -(-experts // devices)
 
 
 def hbm_budget(config: Config, hardware: hw.Hardware | str, concurrency: int = 0, context_len: int = 0, *,
-               kv_dtype: str | None = None, placement: str = "even", reserve_bytes_per_device: int = 0) -> HbmBudget:
+               kv_dtype: str | None = None, spread: str = "even", reserve_bytes_per_device: int = 0) -> HbmBudget:
     """Weights of `config` on `hardware` and the caches of `concurrency` requests of `context_len` tokens.
 
     Dtypes come from the config (`dtype`, `expert_dtype`, `gdn_state_dtype`); `kv_dtype` defaults to `dtype`.
@@ -150,44 +150,44 @@ def hbm_budget(config: Config, hardware: hw.Hardware | str, concurrency: int = 0
     stats = model_stats(config, kv_dtype=kv_dtype)
     experts = f" + {config.expert_dtype} experts" if config.expert_dtype else ""
     return HbmBudget(
-        model=config.name, hardware=hardware.name, placement=placement, devices=hardware.devices,
+        model=config.name, hardware=hardware.name, spread=spread, devices=hardware.devices,
         hbm_bytes_per_device=hardware.hbm_bytes_per_device,
         usable_hbm_bytes_per_device=hardware.usable_hbm_bytes_per_device,
         reserve_bytes_per_device=reserve_bytes_per_device,
         weight_bytes=stats.weight_bytes,
-        weight_bytes_per_device=weight_bytes_per_device(config, hardware.devices, placement),
+        weight_bytes_per_device=weight_bytes_per_device(config, hardware.devices, spread),
         weight_dtypes=config.dtype + experts, kv_dtype=kv_dtype or config.dtype,
         gdn_state_dtype=config.gdn_state_dtype, kv_bytes_per_token=stats.kv_bytes_per_token,
         gdn_state_bytes_per_seq=stats.gdn_state_bytes_per_seq, concurrency=concurrency, context_len=context_len)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The same placement, compiled ahead of time for a TPU topology.
+# The same spread, compiled ahead of time for a TPU topology.
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledWeights:
-    """What XLA made of the weights under a placement: per-device bytes, or why it refused."""
+    """What XLA made of the weights under a spread: per-device bytes, or why it refused."""
 
-    placement: str
+    spread: str
     topology: str
     argument_bytes_per_device: int | None  # None when the compile failed
     error: str | None  # the compiler's message (e.g. RESOURCE_EXHAUSTED: Ran out of memory on HBM ...)
 
 
-def weight_shardings(config: Config, mesh: Mesh, placement: str = "even") -> Any:
-    """`NamedSharding`s over all axes of `mesh` for every weight, as `placement` says.
+def weight_shardings(config: Config, mesh: Mesh, spread: str = "even") -> Any:
+    """`NamedSharding`s over all axes of `mesh` for every weight, as `spread` says.
 
     `experts_sharded`: the `dp_ep` layout's own shardings (`parallel.layouts.weight_shardings`: the `experts`
     logical axis over the whole mesh, the rest replicated). `even`: each weight split on its first dim the mesh
     size divides (replicated when none does: a few norm-sized arrays at most).
     """
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown weight placement {placement!r}; use one of {PLACEMENTS}")
-    if placement in LAYOUT_OF:
+    if spread not in WEIGHT_SPREADS:
+        raise ValueError(f"unknown weight spread {spread!r}; use one of {WEIGHT_SPREADS}")
+    if spread in SPREAD_PLANS:
         from qwen35_lib.parallel.layouts import weight_shardings as layout_shardings
 
-        return layout_shardings(config, LAYOUT_OF[placement].bind(mesh, config), mesh)
+        return layout_shardings(config, SPREAD_PLANS[spread].bind(mesh, config), mesh)
     axes, size = tuple(mesh.axis_names), mesh.devices.size
 
     def spec(info) -> PartitionSpec:
@@ -197,11 +197,11 @@ def weight_shardings(config: Config, mesh: Mesh, placement: str = "even") -> Any
     return jax.tree.map(lambda i: NamedSharding(mesh, spec(i)), declare(config), is_leaf=is_info)
 
 
-def compiled_weight_bytes(config: Config, placement: str = "even", topology: str | None = None) -> CompiledWeights:
+def compiled_weight_bytes(config: Config, spread: str = "even", topology: str | None = None) -> CompiledWeights:
     """Per-device weight bytes as XLA compiles them for `topology` (default TPU7x-8), nothing allocated."""
     from qwen35_lib import aot
 
     topology = topology or aot.TPU7X_8
     mesh = aot.chip_core_mesh(aot.topology_devices(topology))
-    weights = abstract_weights(config, weight_shardings(config, mesh, placement))
-    return CompiledWeights(placement, topology, *aot.argument_bytes(weights))
+    weights = abstract_weights(config, weight_shardings(config, mesh, spread))
+    return CompiledWeights(spread, topology, *aot.argument_bytes(weights))

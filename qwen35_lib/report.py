@@ -38,7 +38,7 @@ def billions(n: float) -> str:
 
 
 def model_report(config: Config, hardware: str | hw.Hardware | None = None, concurrency: int = 0,
-                 context_len: int = 0, *, kv_dtype: str | None = None, placement: str = "even") -> dict[str, Any]:
+                 context_len: int = 0, *, kv_dtype: str | None = None, spread: str = "even") -> dict[str, Any]:
     """Sizes of `config` (and its budget on `hardware`), as a JSON-ready dict."""
     stats = model_stats(config, kv_dtype=kv_dtype)
     types = config.layer_types
@@ -64,7 +64,7 @@ def model_report(config: Config, hardware: str | hw.Hardware | None = None, conc
     )
     if hardware is not None:
         hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
-        b = budget_lib.hbm_budget(config, hardware, concurrency, context_len, kv_dtype=kv_dtype, placement=placement)
+        b = budget_lib.hbm_budget(config, hardware, concurrency, context_len, kv_dtype=kv_dtype, spread=spread)
         report["hardware"] = hardware.as_dict()
         report["budget"] = b.as_dict()
     return report
@@ -102,7 +102,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"hardware {h['name']}: {h['chips']} chips x {h['devices_per_chip']} devices, "
             f"{human_bytes(h['hbm_bytes_per_device'])} per device ({human_bytes(h['usable_hbm_bytes_per_device'])} "
             f"usable), {human_bytes(h['hbm_bytes'])} in all",
-            f"weights per device {human_bytes(b['weight_bytes_per_device'])} ({b['placement']} placement): "
+            f"weights per device {human_bytes(b['weight_bytes_per_device'])} ({b['spread']} spread): "
             + ("fit" if b["weights_fit"] else "DO NOT FIT"),
         ]
         if b["weights_fit"]:

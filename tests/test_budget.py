@@ -20,34 +20,35 @@ def test_max_concurrency_is_the_fit_boundary():
 @pytest.mark.parametrize("model", ["qwen3.5-397b-a17b", "qwen3.5-tiny"])
 def test_experts_sharded_weight_bytes_are_the_references(model):
     """The budget's `experts_sharded` weights a device (the routed experts split, the rest whole) are the resident-bytes
-    reference's (`costmodel.traffic.weight_bytes`) for the plan it names (`LAYOUT_OF`), bound to that many devices."""
+    reference's (`costmodel.traffic.weight_bytes`) for the plan it names (`SPREAD_PLANS`), bound to that many
+    devices."""
     from qwen35_lib.costmodel import traffic
     from qwen35_lib.plan import abstract_mesh
 
     for expert_dtype in (None, "float8_e4m3fn"):
         cfg = get_config(model, expert_dtype=expert_dtype)
         for devices in (2, 8):
-            plan = budget.LAYOUT_OF["experts_sharded"].bind(abstract_mesh(devices), cfg)
+            plan = budget.SPREAD_PLANS["experts_sharded"].bind(abstract_mesh(devices), cfg)
             assert budget.weight_bytes_per_device(cfg, devices, "experts_sharded") == traffic.weight_bytes(plan, cfg)
 
 
-def _compiled_weight_bytes(placement: str, expert_dtype: str | None) -> dict:  # in aot_subprocess's child
+def _compiled_weight_bytes(spread: str, expert_dtype: str | None) -> dict:  # in aot_subprocess's child
     import dataclasses
 
     config = get_config("qwen3.5-397b-a17b", expert_dtype=expert_dtype)
-    return dataclasses.asdict(budget.compiled_weight_bytes(config, placement))
+    return dataclasses.asdict(budget.compiled_weight_bytes(config, spread))
 
 
 @pytest.mark.tpu_compile
 def test_compiled_weight_bytes_match_the_budget():
     """XLA, compiling for tpu7x:2x2x1, puts as many weight bytes on each device as the budget predicts."""
     fp8 = get_config("qwen3.5-397b-a17b", expert_dtype="float8_e4m3fn")
-    jobs = {p: (_compiled_weight_bytes, p, "float8_e4m3fn") for p in budget.PLACEMENTS}
+    jobs = {p: (_compiled_weight_bytes, p, "float8_e4m3fn") for p in budget.WEIGHT_SPREADS}
     compiled = aot_subprocess.run(jobs | {"refused": (_compiled_weight_bytes, "experts_sharded", None)})
-    for placement in budget.PLACEMENTS:
-        r = compiled[placement]
+    for spread in budget.WEIGHT_SPREADS:
+        r = compiled[spread]
         assert r["error"] is None, r
-        predicted = budget.weight_bytes_per_device(fp8, 8, placement)
-        assert abs(r["argument_bytes_per_device"] - predicted) <= 1e-3 * predicted, (placement, r, predicted)
+        predicted = budget.weight_bytes_per_device(fp8, 8, spread)
+        assert abs(r["argument_bytes_per_device"] - predicted) <= 1e-3 * predicted, (spread, r, predicted)
     refused = compiled["refused"]
     assert refused["argument_bytes_per_device"] is None and "RESOURCE_EXHAUSTED" in refused["error"]

@@ -83,7 +83,7 @@ def test_bf16_weights_squeeze_in_but_leave_no_room_for_512_requests():
     assert budget.hbm_budget(fp8, "tpu7x-8", concurrency=512, context_len=8192).fits
     # replicating everything but the routed experts (dp8_ep8) costs 7 extra copies of the dense weights
     even = budget.hbm_budget(bf16, "tpu7x-8")
-    rep = budget.hbm_budget(bf16, "tpu7x-8", placement="experts_sharded")
+    rep = budget.hbm_budget(bf16, "tpu7x-8", spread="experts_sharded")
     dense = even.weight_bytes - budget.routed_expert_bytes(bf16)
     assert rep.weight_bytes_on_devices - even.weight_bytes_on_devices == pytest.approx(7 * dense, abs=16)
     assert not rep.weights_fit

@@ -99,7 +99,7 @@ def plot_hbm_budget(budgets: Sequence[HbmBudget], labels: Sequence[str] | None =
     fig.legend(handles=[Patch(color=COLORS["weights"], label="weights"), Patch(color=COLORS["kv"], label="KV cache"),
                         Patch(color=COLORS["gdn_state"], label="GDN state"),
                         Patch(color=COLORS["capacity"], label="usable HBM")], loc="outside right upper", fontsize=8)
-    ax.set_xlabel(f"weights; requests x tokens held (placement: {', '.join(sorted({b.placement for b in budgets}))})")
+    ax.set_xlabel(f"weights; requests x tokens held (weights spread: {', '.join(sorted({b.spread for b in budgets}))})")
     hws = sorted({(b.hardware, b.devices, b.usable_hbm_bytes_per_device) for b in budgets})
     ax.set_title("; ".join(f"{h}: {d} x {m / GiB:,.2f} GiB usable" for h, d, m in hws))
     return fig

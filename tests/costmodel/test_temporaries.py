@@ -78,12 +78,12 @@ def test_a_refusal_is_read_as_the_whole_footprint():
     assert temporaries.refused_bytes("INTERNAL: something else") is None
 
 
-def _weights_only(placement: str) -> dict:
-    """In the child process: notebook 00's program of the 397B model's bf16 weights placed `placement`."""
+def _weights_only(spread: str) -> dict:
+    """In the child process: notebook 00's program of the 397B model's bf16 weights spread as `spread`."""
     cfg = get_config("qwen3.5-397b-a17b").replace(gdn_state_dtype="bfloat16")  # bf16 experts, as the checkpoint
-    compiled = budget.compiled_weight_bytes(cfg, placement)
+    compiled = budget.compiled_weight_bytes(cfg, spread)
     return dict(error=compiled.error, compiled=compiled.argument_bytes_per_device,
-                arguments=budget.weight_bytes_per_device(cfg, 8, placement))
+                arguments=budget.weight_bytes_per_device(cfg, 8, spread))
 
 
 @pytest.mark.tpu_compile

@@ -68,7 +68,7 @@ def test_budget_bench_and_the_model_read_the_same_plan_objects():
     from qwen35_lib.bench import layouts as bench_layouts
     from qwen35_lib.parallel import parallelism
 
-    assert budget.LAYOUT_OF["experts_sharded"] is plan_lib.LAYOUT_PLANS["dp_ep"]
+    assert budget.SPREAD_PLANS["experts_sharded"] is plan_lib.LAYOUT_PLANS["dp_ep"]
     assert set(bench_layouts.STAGE_NAMES) == {n for n, s in plan_lib.STAGES.items() if s.kernels == "xla"}
     cfg = get_config("qwen3.5-mini")
     mesh = plan_lib.make_mesh()
