@@ -13,8 +13,16 @@ The CPU runs of the engine compute in float32 on one XLA:CPU device; so do these
    the CPU MoE kernel's expert slots), FLOPs / seconds;
 6. `vector_flops`: element-wise multiply-adds on a cache-resident [64, 1024] float32 array, 16 a step in one
    fusion, 64 steps in a `fori_loop` (the vector work of norms, softmax and the GDN recurrence, which runs on
-   the same cores as the matmuls), FLOPs / seconds.
-Each runs jitted, warmed up once, then timed `repeats` times; the median is kept.
+   the same cores as the matmuls), FLOPs / seconds;
+7. `dense_rows_flops`: the dense projections' dot with few rows, as the engine's steps run it past the native
+   handler's rows (`kernels.dense.native.MAX_ROWS`): [R, 512] x [512, 1024] float32 (qwen3.5-mini's hidden size
+   and its widest projection), 8 distinct weights a call, at each R of DENSE_ROWS; ((R, FLOPs / seconds), ...);
+8. `moe_rows_flops`: the native MoE handler (`kernels.moe.native.moe_native`, the grouped SwiGLU experts the
+   engine runs on the CPU) on a panel-packed stack of 64 experts [512 -> 2 x 128 -> 512] (qwen3.5-mini's), every
+   expert given R rows, at each R of MOE_ROWS (the weights, 50 MiB, stream from memory as a layer's do);
+   ((R, FLOPs / seconds), ...).
+Each runs jitted, warmed up once, then timed `repeats` times; the median is kept. `measure` is cached per process;
+`measure_now` measures again (a benchmark that times other work measures beside it, under the same load).
 """
 
 from __future__ import annotations
@@ -30,7 +38,12 @@ DESCRIPTIONS = {
     "copy_bytes_per_s": "x*2+1 over 64 MiB into a fresh output, read + write (qwen35_lib.costmodel.cpu_bench)",
     "small_matmul_flops": "float32 [64,32,512]x[64,512,256] batched matmul (qwen35_lib.costmodel.cpu_bench)",
     "vector_flops": "element-wise multiply-adds on a cache-resident float32 [64,1024] (qwen35_lib.costmodel.cpu_bench)",
+    "dense_rows_flops": "float32 [R,512]x[512,1024] XLA dots at R = 16..256 rows (qwen35_lib.costmodel.cpu_bench)",
+    "moe_rows_flops": "the native MoE handler on 64 float32 experts [512,2x128,512] at R = 1..96 rows each "
+                      "(qwen35_lib.costmodel.cpu_bench)",
 }
+DENSE_ROWS = (16, 32, 64, 128, 256)  # rows of the few-rows dots (the peak's chain has 512)
+MOE_ROWS = (1, 2, 8, 32, 96)  # rows an expert (96: the handler's unit, `kernels/native/moe.cc`)
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:
@@ -44,9 +57,14 @@ def median_time(fn, *args, repeats: int = 5) -> float:
 
 
 @functools.cache
-def measure(repeats: int = 5) -> dict[str, float]:
+def measure(repeats: int = 5) -> dict:
+    """`measure_now(repeats)`, once per process."""
+    return measure_now(repeats)
+
+
+def measure_now(repeats: int = 5) -> dict:
     """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s", "small_matmul_flops",
-    "vector_flops"} of this machine (see the module doc)."""
+    "vector_flops", "dense_rows_flops", "moe_rows_flops"} of this machine, measured now (see the module doc)."""
     import jax
     import jax.numpy as jnp
 
@@ -95,4 +113,58 @@ def measure(repeats: int = 5) -> dict[str, float]:
     return {"matmul_flops": 2 * n**3 * chain / t_mm, "memory_bytes_per_s": big.nbytes / t_bw,
             "op_overhead_s": t_ops / (steps * ops_per_step), "copy_bytes_per_s": 2 * big.nbytes / t_copy,
             "small_matmul_flops": 2 * 64 * 32 * 512 * 256 / t_small,
-            "vector_flops": 2 * fmas * v_steps * vec.size / t_vec}
+            "vector_flops": 2 * fmas * v_steps * vec.size / t_vec,
+            "dense_rows_flops": _dense_rows(cpu, repeats), "moe_rows_flops": _moe_rows(cpu, repeats)}
+
+
+@functools.cache
+def _sum_of_dots():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x, ws: sum(jnp.sum(x @ w) for w in ws))
+
+
+def _dense_rows(cpu, repeats: int) -> tuple[tuple[int, float], ...]:
+    """((R, FLOP/s), ...) of [R, 512] x [512, 1024] float32 dots, 8 distinct weights a call."""
+    import jax
+    import jax.numpy as jnp
+
+    K, N, count = 512, 1024, 8
+    ws = [jax.device_put(jnp.full((K, N), 1.0 / K / (i + 1), jnp.float32), cpu) for i in range(count)]
+    out = []
+    for R in DENSE_ROWS:
+        x = jax.device_put(jnp.ones((R, K), jnp.float32), cpu)
+        out.append((R, 2 * R * K * N * count / median_time(_sum_of_dots(), x, ws, repeats=repeats)))
+    return tuple(out)
+
+
+def _moe_rows(cpu, repeats: int) -> tuple[tuple[int, float], ...]:
+    """((R, FLOP/s), ...) of the native MoE handler on 64 packed experts [512 -> 2 x 128 -> 512], R rows each."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_lib.kernels.moe.native import moe_native, pack_experts
+
+    E, D, F = 64, 512, 128
+    wgu = pack_experts(jax.device_put(jnp.full((E, D, 2, F), 1.0 / D, jnp.float32), cpu))
+    wd = pack_experts(jax.device_put(jnp.full((E, F, D), 1.0 / F, jnp.float32), cpu))
+    fn = jax.jit(lambda x, sizes, wgu, wd: moe_native(x, sizes, wgu, wd, platform="cpu"))
+    out = []
+    for R in MOE_ROWS:
+        x = jax.device_put(jnp.ones((E * R, D), jnp.float32), cpu)
+        sizes = jax.device_put(jnp.full((E,), R, jnp.int32), cpu)
+        out.append((R, 2 * E * R * 3 * D * F / median_time(fn, x, sizes, wgu, wd, repeats=repeats)))
+    return tuple(out)
+
+
+def median_of(measured: list[dict]) -> dict:
+    """Each figure's median over several `measure_now` results (a table's: each row's), e.g. taken between the
+    timed runs of a benchmark, so that the specs see the load the runs saw."""
+    out = {}
+    for key, first in measured[0].items():
+        if isinstance(first, (tuple, list)):
+            out[key] = tuple((r, statistics.median(m[key][i][1] for m in measured)) for i, (r, _) in enumerate(first))
+        else:
+            out[key] = statistics.median(m[key] for m in measured)
+    return out

@@ -23,8 +23,19 @@ def test_median_time_warms_up_then_takes_the_median(monkeypatch):
 
 def test_measure_returns_positive_figures_for_every_described_spec():
     m = cpu_bench.measure(1)
+    tables = {"dense_rows_flops": cpu_bench.DENSE_ROWS, "moe_rows_flops": cpu_bench.MOE_ROWS}
     assert set(m) == {"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s",
-                      "small_matmul_flops", "vector_flops"}
-    assert all(v > 0 and math.isfinite(v) for v in m.values())
+                      "small_matmul_flops", "vector_flops", *tables}
+    assert all(v > 0 and math.isfinite(v) for k, v in m.items() if k not in tables)
+    for key, rows in tables.items():  # (rows, FLOP/s) at every measured row count
+        assert tuple(r for r, _ in m[key]) == rows and all(f > 0 and math.isfinite(f) for _, f in m[key])
     assert cpu_bench.measure(1) is m  # cached per process
-    assert {"op_overhead_s", "copy_bytes_per_s", "small_matmul_flops", "vector_flops"} <= set(cpu_bench.DESCRIPTIONS)
+    assert {"op_overhead_s", "copy_bytes_per_s", "small_matmul_flops", "vector_flops", *tables} <= \
+        set(cpu_bench.DESCRIPTIONS)
+
+
+def test_the_median_of_several_measurements_is_taken_figure_by_figure():
+    a = {"matmul_flops": 3.0, "dense_rows_flops": ((16, 1.0), (32, 6.0))}
+    b = {"matmul_flops": 1.0, "dense_rows_flops": ((16, 2.0), (32, 5.0))}
+    c = {"matmul_flops": 2.0, "dense_rows_flops": ((16, 3.0), (32, 4.0))}
+    assert cpu_bench.median_of([a, b, c]) == {"matmul_flops": 2.0, "dense_rows_flops": ((16, 2.0), (32, 5.0))}
