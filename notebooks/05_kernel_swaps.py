@@ -332,7 +332,7 @@ from qwen35_lib.costmodel.predict import predict
 from qwen35_lib.costmodel.step import COMPONENTS
 from qwen35_lib.stage_gain import gain_table, stage_gain
 
-buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False, band=True)
+buys = {(st, wl): predict(stage=st, isl=isl, osl=osl, concurrency=512, roofline=False, band=st == "kernels")
         for st in ("hier_rs", "kernels") for wl, (isl, osl) in (("8k/1k", (8192, 1024)), ("1k/8k", (1024, 8192)))}
 stages = {"kernels": notebook.add_totals(stage_gain("kernels", predictions=buys))}  # by component group, totals
 print(gain_table(stages["kernels"]))
