@@ -527,8 +527,8 @@ notebook.save_results("kernel_swaps", record)
 #    XLA's fall less than the kernel's: a rank's decode tokens walk in groups of `WALK_ROWS` sorted by context, each
 #    group to its own longest (`ops.walked_context`: the mean plus the gap to the longest over the groups), so a
 #    rank's decodes still read a share of the gap. The kernel's fall with the mean, the contexts it really reads.
-#    Check with `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pl)["attn_core"]`
-#    for the placements `costmodel.step.placement(cfg, specs.get("tpu7x-8"), get_stage(stage),
+#    Check with `ops.attention_block(cfg, ops.Batch(decodes=512, decode_ctx=922, max_ctx=9216), pr)["attn_core"]`
+#    for the pricings `costmodel.step.pricing(cfg, specs.get("tpu7x-8"), get_stage(stage),
 #    kv_dtype="float8_e4m3fn")` of `hier_rs` and `kernels` (`cfg = costmodel.predict.serving_model()`).
 #    </details>
 #
@@ -557,7 +557,7 @@ notebook.save_results("kernel_swaps", record)
 # %%
 from qwen35_lib.costmodel import ops, specs
 from qwen35_lib.costmodel.predict import serving_model
-from qwen35_lib.costmodel.step import placement as stage_placement
+from qwen35_lib.costmodel.step import pricing
 from qwen35_lib.plan import get_stage
 
 ridge = roof[0]["ridge"]
@@ -569,8 +569,8 @@ notebook.answer(1, "the ridge is {ridge:.0f} FLOPs a byte: compute-bound from ab
                 copies=copies, factor=ridge / 2 / copies)
 attn = {}
 for st in ("hier_rs", "kernels"):
-    pl = stage_placement(cfg_s, tpu_s, get_stage(st), kv_dtype="float8_e4m3fn")
-    attn[st] = [ops.attention_block(cfg_s, ops.Batch(decodes=512, decode_ctx=ctx, max_ctx=9216), pl)[
+    pr = pricing(cfg_s, tpu_s, get_stage(st), kv_dtype="float8_e4m3fn")
+    attn[st] = [ops.attention_block(cfg_s, ops.Batch(decodes=512, decode_ctx=ctx, max_ctx=9216), pr)[
         "attn_core"].hbm_bytes for ctx in (4608, 922)]
 notebook.answer(2, "XLA's attention moves {x0:.2f} GiB a device at a mean context of half the longest and {x1:.2f} "
                 "GiB at a tenth ({xratio:.0%} of it: each group of its tokens walks to its own longest); the Pallas "

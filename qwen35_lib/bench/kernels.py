@@ -426,7 +426,7 @@ SLOT_COMPONENT = {"attention": "attn_core", "moe_matmul": "routed_experts", "gdn
                   "dense": "dense"}
 
 
-def _dense_projections(cfg, b, pl) -> dict:
+def _dense_projections(cfg, b, pr) -> dict:
     """{"dense": the `dense` slot's cost for one layer, averaged over the layer pattern}: attention's projections
     in the share of attention layers, GDN's in the share of GDN layers, and the shared expert and router of every
     layer's MoE (`costmodel.ops`)."""
@@ -434,9 +434,9 @@ def _dense_projections(cfg, b, pl) -> dict:
 
     z = ops.sizes(cfg)
     n = z["n_attn"] + z["n_gdn"]
-    moe = ops.moe_block(cfg, b, pl)
-    projections = (ops.attention_block(cfg, b, pl)["attn_proj"] * (z["n_attn"] / n)
-                   + ops.gdn_block(cfg, b, pl)["gdn_proj"] * (z["n_gdn"] / n))
+    moe = ops.moe_block(cfg, b, pr)
+    projections = (ops.attention_block(cfg, b, pr)["attn_proj"] * (z["n_attn"] / n)
+                   + ops.gdn_block(cfg, b, pr)["gdn_proj"] * (z["n_gdn"] / n))
     return {"dense": projections + moe["shared_expert"] + moe["router"]}
 
 
@@ -447,12 +447,12 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
     1. Two whole-slice steps of the serving model (FP8 experts, FP8 KV cache): `decode` = `concurrency` decodes at a
        mean context of `context` / 2 (the longest `context`); `prefill` = one `prefill_chunk` chunk per rank at
        `context` / 2 tokens already cached.
-    2. The placements of the `hier_rs` stage (XLA kernels) and the `kernels` stage (Pallas), from `step.placement`.
+    2. The pricings of the `hier_rs` stage (XLA kernels) and the `kernels` stage (Pallas), from `step.pricing`.
     3. Per kernel's component, one layer on one device: FLOPs, HBM bytes, arithmetic intensity (FLOPs per byte)
        against the ridge point (peak FLOP/s / HBM bytes/s), the bound, and the roofline seconds (`ops.seconds`).
     4. `dense` (the projections' slot): one layer's dense projections averaged over the model's layer pattern (its
        attention and GDN layers' projections in their proportion), plus the shared expert and the router every layer
-       has; XLA's dots read the weights in the passes the stage's placement charges (`weight_passes`), the Pallas
+       has; XLA's dots read the weights in the passes the stage's pricing charges (`weight_passes`), the Pallas
        projection in place.
     The cost model credits the GDN kernel with nothing over XLA at prefill (same bytes, same FLOPs): its rows say so
     by being equal.
@@ -471,10 +471,10 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
               "permute": ops.moe_block, "dense": _dense_projections}
     out = []
     for stage, impl in (("hier_rs", "xla"), ("kernels", "pallas")):
-        pl = step.placement(cfg, sp, get_stage(stage), kv_dtype="float8_e4m3fn")
+        pr = step.pricing(cfg, sp, get_stage(stage), kv_dtype="float8_e4m3fn")
         for case, b in batches.items():
             for kernel, comp in SLOT_COMPONENT.items():
-                c = blocks[comp](cfg, b, pl)[comp]
+                c = blocks[comp](cfg, b, pr)[comp]
                 ai = c.flops / c.hbm_bytes if c.hbm_bytes else float("inf")
                 out.append({"kernel": kernel, "case": case, "implementation": impl, "stage": stage, "model": cfg.name,
                             "hardware": sp.name, "flops": c.flops, "hbm_bytes": c.hbm_bytes, "intensity": ai,

@@ -96,7 +96,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops, traffic
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms
-from qwen35_lib.costmodel.step import Pools, bind_to, placement, step_costs
+from qwen35_lib.costmodel.step import Pools, bind_to, pricing, step_costs
 from qwen35_lib.parallel import hlo
 from qwen35_lib.parallel.routing import PERMUTE_SCOPE
 from qwen35_lib.plan import any_stage
@@ -161,7 +161,7 @@ def model_side(config: Config, stage: str, entry: dict, shape: dict) -> dict:
     # a Pallas kernel states its FLOPs to XLA (`pl.CostEstimate`): the grouped matmul's as XLA counts ragged_dot's
     dense = flops - gcosts["routed_experts"].flops + ragged_dot_flops(group, plan, batch)
     if plan.kernel("attention") != "pallas":  # XLA counts the XLA attention's walk once: one trip of one group
-        walk = ops.xla_walk(batch, placement(group, sp, st, shape["kv_dtype"], shape["page_size"]))
+        walk = ops.xla_walk(batch, pricing(group, sp, st, shape["kv_dtype"], shape["page_size"]))
         dense -= gcosts["attn_core"].flops * (1 - 1 / (walk.groups * walk.trips))
     by_component = {k: c.hbm_bytes for k, c in costs.items()} | {"collectives": blocks["collectives"]}
     return dict(flops=flops, flops_as_xla_counts=dense, hbm_bytes=sum(by_component.values()), bytes_by_block=blocks,

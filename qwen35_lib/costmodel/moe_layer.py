@@ -63,12 +63,12 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
 
     sp = mech_specs(specs, mech)
     ep = ep or sp.devices
-    pl = ops.Placement(dp=ep, tp=1, moe="ep", ep=ep, attention="pallas", moe_impl="gmm",
+    pr = ops.Pricing(dp=ep, tp=1, moe="ep", ep=ep, attention="pallas", moe_impl="gmm",
                        expert_imbalance=mech.expert_imbalance, gmm_tile_rows=mech.gmm_tile_rows,
                        onehot_threshold=mech.onehot_permute_threshold, row_overhead_s=mech.moe_row_overhead_s,
                        layer_fixed_s=mech.moe_layer_fixed_s)
     b = ops.Batch(prefill_tokens=tokens, prefill_seqs=1, max_ctx=tokens)
-    moe = ops.moe_block(cfg, b, pl)
+    moe = ops.moe_block(cfg, b, pr)
     out = {name: ops.seconds(moe[name], sp) for name in ("routed_experts", "onehot_permute", "permute", "moe_rows")}
     out["top_k"] = ops.seconds(dataclasses.replace(moe["router"], mxu_flops=0.0, bytes=tokens / ep * cfg.num_experts
                                                    * 4, copy_bytes=0.0), sp)

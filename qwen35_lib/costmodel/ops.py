@@ -1,6 +1,7 @@
 """Op costs from the Config: FLOPs, HBM bytes and launched ops of each block, per device, for one step.
 
-A step is described by a `Batch` (whole slice); a `Placement` says what one device holds and computes. Each
+A step is described by a `Batch` (whole slice); a `Pricing` says what one device holds and computes and how it is
+priced (its share of the mesh, each slot's implementation, the measured pass factors). Each
 function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
     max(mxu_flops / (peak * eff_matmul) + vector_flops / (peak * vector_fraction), bytes / (bw * eff_hbm))
     + launches * op_overhead
@@ -15,7 +16,7 @@ moved, as data/costmodel_hardware.json 'kernels' records from the code:
   `pallas` (ragged paged attention): each sequence's context is read once;
 - MoE `ragged_dot` (XLA on TPU): ideal FLOPs, but every local expert's weights are read, and FP8 weights are
   dequantized to a bf16 copy first: on TPU, the bytes per parameter the compiled step moves
-  (`Placement.expert_bytes_per_param`: the scan's slice and its relayouts, a float32 scale broadcast, the
+  (`Pricing.expert_bytes_per_param`: the scan's slice and its relayouts, a float32 scale broadcast, the
   dequantizing fusions, bf16 relayouts, the matmul's read: 'xla_tpu_fp8_expert_bytes'), elsewhere +2 B written +2 B
   read per parameter; `capacity`: every expert computes C
   slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `loop` (the CPU default,
@@ -90,8 +91,9 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
-    """What one device holds and computes: `dp` ranks split the tokens, `tp` splits heads and FFNs."""
+class Pricing:
+    """How one device's share of a step is priced: what it holds and computes (`dp` ranks split the tokens, `tp`
+    splits heads and FFNs, `ep` the experts), each slot's implementation, and the passes each op makes."""
 
     dp: int = 1
     tp: int = 1
@@ -198,9 +200,9 @@ def sizes(cfg: Config) -> dict[str, float]:
         norms=p.get("norms", 0), act=act, exp_item=exp_item, n_attn=n_attn, n_gdn=n_gdn)
 
 
-def kv_item(cfg: Config, pl: Placement) -> float:
+def kv_item(cfg: Config, pr: Pricing) -> float:
     """Bytes per cached K or V element (FP8: 1 B + a float32 scale per token and head)."""
-    dtype = pl.kv_dtype or cfg.dtype
+    dtype = pr.kv_dtype or cfg.dtype
     return 1 + 4 / cfg.head_dim if dtype == "float8_e4m3fn" else ITEMSIZE[dtype]
 
 
@@ -210,35 +212,35 @@ def kv_heads_per_device(cfg: Config, tp: int) -> int:
     return plan.kv_heads_per_device(cfg, tp, replicated=True)
 
 
-def attention_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+def attention_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     """One attention layer: projections (q+gate, k, v, o) and the attention core over the paged cache."""
     z = sizes(cfg)
-    T = b.computed / pl.dp  # tokens this device computes
-    hd, hq = cfg.head_dim, cfg.num_q_heads / pl.tp
-    kvh = kv_heads_per_device(cfg, pl.tp)
+    T = b.computed / pr.dp  # tokens this device computes
+    hd, hq = cfg.head_dim, cfg.num_q_heads / pr.tp
+    kvh = kv_heads_per_device(cfg, pr.tp)
     w_kv = 2 * cfg.hidden_size * cfg.num_kv_heads * hd
-    w = (z["attn"] - w_kv) / pl.tp + w_kv * kvh / cfg.num_kv_heads  # params on this device
+    w = (z["attn"] - w_kv) / pr.tp + w_kv * kvh / cfg.num_kv_heads  # params on this device
     proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
-                copy_bytes=w * z["act"] * (pl.weight_passes - 1))
-    tok_bytes = 2 * kvh * hd * kv_item(cfg, pl)  # K and V of one token on this device
-    new = b.tokens / pl.dp * tok_bytes  # the KV-cache write
+                copy_bytes=w * z["act"] * (pr.weight_passes - 1))
+    tok_bytes = 2 * kvh * hd * kv_item(cfg, pr)  # K and V of one token on this device
+    new = b.tokens / pr.dp * tok_bytes  # the KV-cache write
     qo = T * hq * hd * z["act"] * 2
-    if pl.attention == "pallas":
+    if pr.attention == "pallas":
         chunk = b.prefill_tokens / max(b.prefill_seqs, 1)
-        keys = (b.decodes * b.decode_ctx + b.prefill_seqs * (b.prefill_ctx + chunk)) / pl.dp  # each context once
-        pairs = b.attention_pairs / pl.dp
+        keys = (b.decodes * b.decode_ctx + b.prefill_seqs * (b.prefill_ctx + chunk)) / pr.dp  # each context once
+        pairs = b.attention_pairs / pr.dp
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, keys * tok_bytes + new + qo, 2)
-    elif (walk := xla_walk(b, pl)).items:
+    elif (walk := xla_walk(b, pr)).items:
         keys = walk.trips * walk.keys_a_trip
         pairs = walk.rows * ITEM_BLOCK * keys  # every item's block of rows against every key of its group's loop
-        read = 2 * kvh * hd * pl.items_read_bytes if pl.items_read_bytes else tok_bytes  # per (item, key) pair
+        read = 2 * kvh * hd * pr.items_read_bytes if pr.items_read_bytes else tok_bytes  # per (item, key) pair
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, walk.rows * keys * read + new + qo,
                     walk.groups * 4 * walk.trips + 2)
     else:
         pairs = walk.rows * walk.walk  # every token scores (and reads) its group's longest context
-        read = 2 * kvh * hd * pl.kv_read_bytes if pl.kv_read_bytes else tok_bytes  # per (token, key) pair
+        read = 2 * kvh * hd * pr.kv_read_bytes if pr.kv_read_bytes else tok_bytes  # per (token, key) pair
         core = Cost(4 * hd * hq * pairs, 5 * hq * pairs, pairs * read + new + qo, walk.groups * 4 * walk.trips + 2)
-    return {"attn_proj": proj, "attn_core": core, "cache_copies": cache_copies(pl, pl.kv_pool_bytes)}
+    return {"attn_proj": proj, "attn_core": core, "cache_copies": cache_copies(pr, pr.kv_pool_bytes)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,16 +260,16 @@ class Walk:
         return math.ceil(self.walk / self.keys_a_trip)
 
 
-def xla_walk(b: Batch, pl: Placement) -> Walk:
+def xla_walk(b: Batch, pr: Pricing) -> Walk:
     """`paged_attention_items`' walk where ITEM_COST x its items is fewer than the tokens a rank computes, else the
     twin's, token by token (`walked_context`). Past one group `by_context` pads the rows to whole groups, the padding
     after the sort, so in the group of the longest contexts: the padding rows walk to the longest."""
-    T = b.computed / pl.dp
-    if pl.attention == "items" and ITEM_COST * (items := attention_items(b, pl.dp)) < T:
-        rows, span, keys = items, ITEM_BLOCK, max(1, ITEM_KEYS // pl.page_size) * pl.page_size  # whole pages a trip
+    T = b.computed / pr.dp
+    if pr.attention == "items" and ITEM_COST * (items := attention_items(b, pr.dp)) < T:
+        rows, span, keys = items, ITEM_BLOCK, max(1, ITEM_KEYS // pr.page_size) * pr.page_size  # whole pages a trip
     else:
-        rows, span, keys = T, 1, pl.page_size
-    groups, walk = walked_context(b, pl.dp, rows, b.prefill_tokens / pl.dp / span, span)
+        rows, span, keys = T, 1, pr.page_size
+    groups, walk = walked_context(b, pr.dp, rows, b.prefill_tokens / pr.dp / span, span)
     padded = groups * WALK_ROWS if groups > 1 else rows
     return Walk(span > 1, padded, groups, (rows * walk + (padded - rows) * b.max_ctx) / padded, keys)
 
@@ -293,41 +295,41 @@ def attention_items(b: Batch, dp: int) -> int:
     return math.ceil(b.computed / dp / ITEM_BLOCK) + math.ceil((b.logit_rows or b.seqs) / dp)
 
 
-def gdn_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+def gdn_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     """One Gated DeltaNet layer: projections + conv, and the delta rule (recurrent for decodes; for prompt tokens
-    recurrent too where `pl.gdn_prefill` says so, ~7 dk dv vector FLOPs a token and head, else chunked for
+    recurrent too where `pr.gdn_prefill` says so, ~7 dk dv vector FLOPs a token and head, else chunked for
     prompt chunks: per chunk of C tokens and head ~ 2 C^2 (3 dk + 2 dv) + 6 C dk dv MXU FLOPs, plus the chunk's
     (I + A)^-1 by block doubling on whole [C, C] matrices as the Pallas kernel computes it: log2 C steps of two
     C x C x C matmuls, 4 C^3 log2 C FLOPs; the XLA twin `gdn_xla.unit_lower_inverse` now inverts the diagonal
     blocks only, C^3 / 3 multiply-adds, which this count does not yet distinguish)."""
     z = sizes(cfg)
-    T = b.computed / pl.dp
-    w = z["gdn"] / pl.tp
+    T = b.computed / pr.dp
+    w = z["gdn"] / pr.tp
     proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
-                copy_bytes=w * z["act"] * (pl.weight_passes - 1))
-    hv = cfg.gdn_num_v_heads / pl.tp
+                copy_bytes=w * z["act"] * (pr.weight_passes - 1))
+    hv = cfg.gdn_num_v_heads / pr.tp
     dk, dv, C = cfg.gdn_k_head_dim, cfg.gdn_v_head_dim, cfg.gdn_chunk_size
     state = hv * dk * dv * ITEMSIZE[cfg.gdn_state_dtype]  # one sequence's state on this device
-    dec = b.decodes / pl.dp
-    pre_seqs = b.prefill_seqs / pl.dp
-    chunks = math.ceil(max(b.computed - b.decodes * (1 + b.drafts), 0) / pl.dp / C)  # the prefill region, C-aligned
-    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec * (1 + b.drafts), bytes=pl.gdn_state_passes * state * dec,
-                     launches=6) + verify_checkpoints(cfg, b, pl)
-    if pl.gdn_prefill == "recurrent":  # every prompt token one update of its sequence's state, held in cache
-        tokens = b.prefill_tokens / pl.dp  # the real ones: the handler skips padding
+    dec = b.decodes / pr.dp
+    pre_seqs = b.prefill_seqs / pr.dp
+    chunks = math.ceil(max(b.computed - b.decodes * (1 + b.drafts), 0) / pr.dp / C)  # the prefill region, C-aligned
+    recurrent = Cost(vector_flops=7 * dk * dv * hv * dec * (1 + b.drafts), bytes=pr.gdn_state_passes * state * dec,
+                     launches=6) + verify_checkpoints(cfg, b, pr)
+    if pr.gdn_prefill == "recurrent":  # every prompt token one update of its sequence's state, held in cache
+        tokens = b.prefill_tokens / pr.dp  # the real ones: the handler skips padding
         return {"gdn_proj": proj, "gdn_core": recurrent + Cost(vector_flops=7 * dk * dv * hv * tokens,
                                                                 bytes=2 * state * pre_seqs),
-                "gdn_conv": conv(cfg, b, pl),
-                "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+                "gdn_conv": conv(cfg, b, pr),
+                "cache_copies": cache_copies(pr, pr.gdn_pool_bytes)}
     inverse = 4 * C**3 * math.log2(C)
     chunked = Cost(mxu_flops=chunks * hv * (2 * C * C * (3 * dk + 2 * dv) + 6 * C * dk * dv + inverse),
                    bytes=2 * state * pre_seqs + chunks * C * hv * (dk + dv) * 4 * 2,
                    launches=5 * chunks + 4 if chunks else 0)
-    return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "gdn_conv": conv(cfg, b, pl),
-            "cache_copies": cache_copies(pl, pl.gdn_pool_bytes)}
+    return {"gdn_proj": proj, "gdn_core": recurrent + chunked, "gdn_conv": conv(cfg, b, pr),
+            "cache_copies": cache_copies(pr, pr.gdn_pool_bytes)}
 
 
-def verify_checkpoints(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def verify_checkpoints(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """What one GDN layer's speculative verification adds for its decode rows (`b.drafts` = k > 0, V = k + 1 tokens a
     row; `kernels.gdn.xla.gdn_verify_xla`, `model.ragged.keep_accepted`), one device: each row's V states written to
     its slot's checkpoints, then the accepted one read back and written into the slot (V + 2 state passes), and its
@@ -340,9 +342,9 @@ def verify_checkpoints(cfg: Config, b: Batch, pl: Placement) -> Cost:
     if not b.drafts:
         return Cost()
     V, K = 1 + b.drafts, cfg.gdn_conv_kernel
-    state = cfg.gdn_num_v_heads / pl.tp * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * ITEMSIZE[cfg.gdn_state_dtype]
-    window = cfg.gdn_conv_dim / pl.tp * sizes(cfg)["act"] * (K - 1 + V + 2 * (K - 1))
-    return Cost(bytes=b.decodes / pl.dp * ((V + 2) * state + window), launches=3)
+    state = cfg.gdn_num_v_heads / pr.tp * cfg.gdn_k_head_dim * cfg.gdn_v_head_dim * ITEMSIZE[cfg.gdn_state_dtype]
+    window = cfg.gdn_conv_dim / pr.tp * sizes(cfg)["act"] * (K - 1 + V + 2 * (K - 1))
+    return Cost(bytes=b.decodes / pr.dp * ((V + 2) * state + window), launches=3)
 
 
 def checkpoint_bytes(cfg: Config, drafts: int, tp: int = 1) -> float:
@@ -355,27 +357,27 @@ def checkpoint_bytes(cfg: Config, drafts: int, tp: int = 1) -> float:
     return V * state + (K - 1 + V) * cfg.gdn_conv_dim / tp * sizes(cfg)["act"]
 
 
-def conv(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def conv(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """One GDN layer's causal conv over its q, k, v channels: each token's input read and output written, each
     sequence's K - 1 previous inputs read and written back (the least any engine moves; `model.deltanet.ragged_conv`
     moves that at decode)."""
-    C = cfg.gdn_conv_dim / pl.tp
-    rows = 2 * b.computed / pl.dp + 2 * b.seqs / pl.dp * (cfg.gdn_conv_kernel - 1)
-    return Cost(vector_flops=2 * cfg.gdn_conv_kernel * b.computed / pl.dp * C, bytes=rows * C * sizes(cfg)["act"],
+    C = cfg.gdn_conv_dim / pr.tp
+    rows = 2 * b.computed / pr.dp + 2 * b.seqs / pr.dp * (cfg.gdn_conv_kernel - 1)
+    return Cost(vector_flops=2 * cfg.gdn_conv_kernel * b.computed / pr.dp * C, bytes=rows * C * sizes(cfg)["act"],
                 launches=2)
 
 
-def sampling(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def sampling(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """The sampler over each sequence's float32 logits [V] (the whole vocabulary on every device):
-    `pl.sampling_passes` passes."""
-    S = b.rows / pl.dp
-    return Cost(bytes=pl.sampling_passes * S * cfg.vocab_size * 4, launches=1 if pl.sampling_passes else 0)
+    `pr.sampling_passes` passes."""
+    S = b.rows / pr.dp
+    return Cost(bytes=pr.sampling_passes * S * cfg.vocab_size * 4, launches=1 if pr.sampling_passes else 0)
 
 
-def cache_copies(pl: Placement, pool_bytes: float) -> Cost:
-    """What an engine's layer loop pays for one layer's cache pool a step: `pl.cache_copy_passes` passes over the
+def cache_copies(pr: Pricing, pool_bytes: float) -> Cost:
+    """What an engine's layer loop pays for one layer's cache pool a step: `pr.cache_copy_passes` passes over the
     whole pool (a slice copied out of a stacked cache and written back), whatever the batch; 0 in place."""
-    return Cost(copy_bytes=pl.cache_copy_passes * pool_bytes, launches=2 if pl.cache_copy_passes else 0)
+    return Cost(copy_bytes=pr.cache_copy_passes * pool_bytes, launches=2 if pr.cache_copy_passes else 0)
 
 
 def capacity_slots(rows: float, experts: int, sigmas: float = 4.0) -> int:
@@ -384,41 +386,41 @@ def capacity_slots(rows: float, experts: int, sigmas: float = 4.0) -> int:
     return -(-int(np.ceil(mean + sigmas * np.sqrt(mean) + 2)) // 8) * 8
 
 
-def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
-    """One MoE layer: router, shared expert, routed experts (weights touched per `pl.moe_impl`), permutes."""
+def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
+    """One MoE layer: router, shared expert, routed experts (weights touched per `pr.moe_impl`), permutes."""
     z = sizes(cfg)
     D, E, k, F = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_ffn
-    T_dev = b.computed / pl.dp  # tokens whose router and shared expert this device runs
-    copies = pl.weight_passes - 1  # a sliced copy: written once and read once more
-    router_copies = copies if pl.router_passes is None else pl.router_passes - 1
+    T_dev = b.computed / pr.dp  # tokens whose router and shared expert this device runs
+    copies = pr.weight_passes - 1  # a sliced copy: written once and read once more
+    router_copies = copies if pr.router_passes is None else pr.router_passes - 1
     router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
                   z["router"] * z["act"] * router_copies)
     # the shared expert's FFN is split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores): a layout's ranks times
-    # its head ways are its devices (the ideal roofline's dense placement, dp = tp = ep, keeps it whole per device)
-    shared_w = z["shared"] / (pl.tp if pl.moe == "tp" or pl.dp * pl.tp == pl.ep else 1)
+    # its head ways are its devices (the ideal roofline's dense pricing, dp = tp = ep, keeps it whole per device)
+    shared_w = z["shared"] / (pr.tp if pr.moe == "tp" or pr.dp * pr.tp == pr.ep else 1)
     shared = Cost(2 * T_dev * shared_w, 0, shared_w * z["act"] + T_dev * D * z["act"] * 3, 4,
                   shared_w * z["act"] * copies)
-    if pl.moe == "ep":
-        experts_dev, f_dev = E / pl.ep, F
-        rows = b.computed * k / pl.ep  # every token of the slice, k copies, spread over the EP devices
+    if pr.moe == "ep":
+        experts_dev, f_dev = E / pr.ep, F
+        rows = b.computed * k / pr.ep  # every token of the slice, k copies, spread over the EP devices
     else:
-        experts_dev, f_dev = E, F / pl.tp
+        experts_dev, f_dev = E, F / pr.tp
         rows = b.computed * k
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
     small = 0.0
     scales = None
-    copies = (pl.weight_passes if pl.expert_passes is None else pl.expert_passes) - 1
-    if pl.moe == "ep":
-        rows *= pl.expert_imbalance  # the busiest device's
-        ideal *= pl.expert_imbalance
-    if pl.moe_impl == "gmm":
+    copies = (pr.weight_passes if pr.expert_passes is None else pr.expert_passes) - 1
+    if pr.moe == "ep":
+        rows *= pr.expert_imbalance  # the busiest device's
+        ideal *= pr.expert_imbalance
+    if pr.moe_impl == "gmm":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
-        if pl.gmm_tile_rows and touched:  # whole tiles of tile_m rows per expert group hit
-            tm = pl.gmm_tile_rows
+        if pr.gmm_tile_rows and touched:  # whole tiles of tile_m rows per expert group hit
+            tm = pr.gmm_tile_rows
             ideal *= touched * math.ceil(rows / touched / tm) * tm / rows
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], touched * w_expert * z["exp_item"] * copies
-        if not pl.production_moe and cfg.expert_dtype == "float8_e4m3fn":
+        if not pr.production_moe and cfg.expert_dtype == "float8_e4m3fn":
             # this library's grouped matmul takes the FP8 block scales repeated along lanes (`moe_pallas`): XLA
             # expands every local expert's each layer (compact read, expanded written), the kernel reads the
             # touched experts' expanded
@@ -426,10 +428,10 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
             expanded = 4 * (D // bs * 2 * f_dev + f_dev // bs * D)  # one expert's scales, bytes
             scales = Cost(bytes=experts_dev * expanded * (1 + 1 / bs), launches=2)
             wbytes += touched * expanded
-    elif pl.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
+    elif pr.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], 0.0
-    elif pl.moe_impl == "loop":
+    elif pr.moe_impl == "loop":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0
         mxu, small = 0.0, ideal
@@ -437,29 +439,29 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
     else:
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0  # bf16 copy written and read
         wbytes = experts_dev * w_expert * z["exp_item"]
-        copy = experts_dev * w_expert * (pl.expert_bytes_per_param - z["exp_item"] if pl.expert_bytes_per_param
+        copy = experts_dev * w_expert * (pr.expert_bytes_per_param - z["exp_item"] if pr.expert_bytes_per_param
                                          else z["exp_item"] * copies + dequant)
         mxu = ideal
-        if pl.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
+        if pr.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
             mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
     routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small)
     # the permute moves the static buffer the code sorts (`parallel.routing.local_experts`): under EP every
     # device's N·min(k, E/ep) rows (dropless worst case, the gathered or received tokens), not just its copies
-    buffer = b.computed * min(k, E // pl.ep) if pl.moe == "ep" and pl.static_buffers else rows
+    buffer = b.computed * min(k, E // pr.ep) if pr.moe == "ep" and pr.static_buffers else rows
     out = {"router": router, "shared_expert": shared, "routed_experts": routed,
            "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
     if scales is not None:
         out["expert_scales"] = scales
-    if pl.moe_impl == "gmm" and pl.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
-        out.update(layer_costs(cfg, b.computed, pl.onehot_threshold, pl.row_overhead_s, pl.permute_passes,
-                               pl.layer_fixed_s))
+    if pr.moe_impl == "gmm" and pr.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
+        out.update(layer_costs(cfg, b.computed, pr.onehot_threshold, pr.row_overhead_s, pr.permute_passes,
+                               pr.layer_fixed_s))
         sums = b.computed * D * z["act"]  # the combine's sums of every gathered token (replicate routing)
-        if pl.combine_sum_hbm_bytes and sums > pl.combine_sum_hbm_bytes:  # written once (its float32 stays in VMEM)
+        if pr.combine_sum_hbm_bytes and sums > pr.combine_sum_hbm_bytes:  # written once (its float32 stays in VMEM)
             out["permute"] = out["permute"] + Cost(bytes=sums)
         gathered = b.computed * D * z["act"]  # every rank's tokens, all-gathered
-        if pl.gathered_relayouts and gathered > SCOPED_VMEM_BYTES:  # each read and written
-            out["permute"] = out["permute"] + Cost(bytes=2 * pl.gathered_relayouts * gathered,
-                                                   launches=pl.gathered_relayouts)
+        if pr.gathered_relayouts and gathered > SCOPED_VMEM_BYTES:  # each read and written
+            out["permute"] = out["permute"] + Cost(bytes=2 * pr.gathered_relayouts * gathered,
+                                                   launches=pr.gathered_relayouts)
     return out
 
 
@@ -471,24 +473,24 @@ def moe_block(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
 SCOPED_VMEM_BYTES = 33_554_432
 
 
-def glue(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def glue(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """What this engine's Pallas step moves in XLA's ops around its kernels, the whole step on one device, beyond
     what the components price (the conv, the norms): relayouts of the projections' outputs for the kernels, the
     GDN's float32 gate and gated norm, the prefill region's slices and head-major transposes, the attention's
     rotary and KV-write layouts, the residual stream's copies and prefetches between kernels and the hierarchical
-    reduce-scatter's micro-batches sliced out of the combine and put back: `pl.*_glue_passes` (measured off the
+    reduce-scatter's micro-batches sliced out of the combine and put back: `pr.*_glue_passes` (measured off the
     compile, kernels.pallas_*_glue_passes) over each computed token's GDN activations (q, k, v, z, o), attention
     activations (q, gate, o, k, v) and residual row (D), per layer of each kind, and, under the hierarchical
     reduce-scatter, over the combine's rows [N, D] of every rank's tokens a layer. Bytes only: its many small ops'
     launches are not charged."""
     z = sizes(cfg)
-    T = b.computed / pl.dp
-    hv, hk = cfg.gdn_num_v_heads / pl.tp, cfg.gdn_num_k_heads / pl.tp
+    T = b.computed / pr.dp
+    hv, hk = cfg.gdn_num_v_heads / pr.tp, cfg.gdn_num_k_heads / pr.tp
     gdn_row = (2 * hk * cfg.gdn_k_head_dim + 3 * hv * cfg.gdn_v_head_dim) * z["act"]
-    attn_row = (3 * cfg.num_q_heads / pl.tp + 2 * kv_heads_per_device(cfg, pl.tp)) * cfg.head_dim * z["act"]
-    moved = T * (pl.gdn_glue_passes * gdn_row * z["n_gdn"] + pl.attn_glue_passes * attn_row * z["n_attn"]
-                 + pl.stream_glue_passes * cfg.hidden_size * z["act"] * cfg.num_layers)
-    moved += pl.hier_rs_glue_passes * b.computed * cfg.hidden_size * z["act"] * cfg.num_layers
+    attn_row = (3 * cfg.num_q_heads / pr.tp + 2 * kv_heads_per_device(cfg, pr.tp)) * cfg.head_dim * z["act"]
+    moved = T * (pr.gdn_glue_passes * gdn_row * z["n_gdn"] + pr.attn_glue_passes * attn_row * z["n_attn"]
+                 + pr.stream_glue_passes * cfg.hidden_size * z["act"] * cfg.num_layers)
+    moved += pr.hier_rs_glue_passes * b.computed * cfg.hidden_size * z["act"] * cfg.num_layers
     return Cost(bytes=moved)
 
 
@@ -510,22 +512,22 @@ def layer_costs(cfg: Config, tokens: float, onehot_threshold: int, row_overhead_
             "moe_rows": Cost(seconds=rows * row_overhead_s + fixed_s)}
 
 
-def norms(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def norms(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """The two RMSNorms of a layer (and residual adds): element-wise passes over [T, D]."""
-    T = b.computed / pl.dp
+    T = b.computed / pr.dp
     return Cost(0, 8 * T * cfg.hidden_size * 2, T * cfg.hidden_size * sizes(cfg)["act"] * 4, 2)
 
 
-def embed_and_head(cfg: Config, b: Batch, pl: Placement) -> Cost:
+def embed_and_head(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     """Embedding gather for every token; final norm and LM head for each sequence's last token (vocab split
     over tp)."""
     z = sizes(cfg)
-    T, S = b.computed / pl.dp, b.rows / pl.dp
-    w = z["lm_head"] / pl.tp
-    return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pl.tp * 4, 4)
+    T, S = b.computed / pr.dp, b.rows / pr.dp
+    w = z["lm_head"] / pr.tp
+    return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pr.tp * 4, 4)
 
 
-def mtp_head(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
+def mtp_head(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     """The MTP head's draft step after a verify step of `b` (`b.drafts` = k > 0; `engine.speculative.draft_step`),
     one device, by the components of the layers it runs (its own layer's pieces under their own names):
     1. pass 1, over every token the step computed: the token's embedding gathered, two RMSNorms and the fc [2D -> D],
@@ -544,11 +546,11 @@ def mtp_head(cfg: Config, b: Batch, pl: Placement) -> dict[str, Cost]:
         for i in range(1, b.drafts)]
     out: dict[str, Cost] = {}
     for p, rows in passes:
-        T, S = p.computed / pl.dp, rows / pl.dp
+        T, S = p.computed / pr.dp, rows / pr.dp
         fc = Cost(2 * T * 2 * D * D, 0, 2 * D * D * z["act"] + T * D * z["act"] * 5, 4)  # embed, 2 norms, fc
-        w = z["lm_head"] / pl.tp
-        lm = Cost(2 * S * w, 0, w * z["act"] + S * cfg.vocab_size / pl.tp * 4, 3)
-        for name, c in (*attention_block(head, p, pl).items(), *moe_block(head, p, pl).items(),
-                        ("norms", norms(head, p, pl) + fc), ("embed_lm_head", lm)):
+        w = z["lm_head"] / pr.tp
+        lm = Cost(2 * S * w, 0, w * z["act"] + S * cfg.vocab_size / pr.tp * 4, 3)
+        for name, c in (*attention_block(head, p, pr).items(), *moe_block(head, p, pr).items(),
+                        ("norms", norms(head, p, pr) + fc), ("embed_lm_head", lm)):
             out[name] = out[name] + c if name in out else c
     return out

@@ -14,7 +14,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel import ops
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs
-from qwen35_lib.costmodel.step import COMM, Steps, placement, where
+from qwen35_lib.costmodel.step import COMM, Steps, pricing, where
 from qwen35_lib.plan import ServingPlan
 
 # Mechanisms that only scale or replace components of a step already timed (`retimed`): a band's end of one of these
@@ -54,8 +54,8 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | St
         out["attn_core"] = where(mixed, out["attn_core"] * (new.mixed_step_attention / old.mixed_step_attention),
                                  out["attn_core"])
     if new.sparsecore_permute != old.sparsecore_permute:
-        pl = placement(cfg, specs, stage)
-        if pl.moe_impl == "gmm" and pl.production_moe:
+        pr = pricing(cfg, specs, stage)
+        if pr.moe_impl == "gmm" and pr.production_moe:
             big = batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold
             out["permute"] = where(big, out["permute"] * (new.sparsecore_permute / old.sparsecore_permute),
                                    out["permute"])

@@ -1,8 +1,8 @@
 """The step-time model: one mixed step (prefill chunks + decodes) under a stage, per device, by component.
 
 `step_time(cfg, specs, stage, batch)`:
-1. the stage bound to the system's devices (`bind_to`: `predict` binds once and hands the bound plan down) as a
-   `Placement`;
+1. the stage bound to the system's devices (`bind_to`: `predict` binds once and hands the bound plan down) as an
+   `ops.Pricing` (`pricing`);
 2. per layer type, the op costs of `ops` (attention or GDN mixer, norms, MoE), each turned into seconds by its
    roofline on one device, times the number of layers of that type;
 3. the collectives of the whole step (`traffic.step_collectives`: per layer, embedding, logits, sampling), each
@@ -91,13 +91,13 @@ def expert_weight_passes(plan: BoundPlan) -> float:
 
 
 @functools.lru_cache(maxsize=1024)  # once per (stage, system), not per simulated step
-def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
+def pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None = None, page_size: int = 256,
               ideal: bool = False, expert_imbalance: float = 1.0, gmm_tile_rows: int = 0, onehot_threshold: int = 0,
-              row_overhead_s: float = 0.0, pools: Pools | None = None, layer_fixed_s: float = 0.0) -> ops.Placement:
-    """The `ops.Placement` of a stage on a system (bound there: each slot's implementation for its kind, priced by
+              row_overhead_s: float = 0.0, pools: Pools | None = None, layer_fixed_s: float = 0.0) -> ops.Pricing:
+    """The `ops.Pricing` of a stage on a system (bound there: each slot's implementation for its kind, priced by
     the facts of that implementation); `pools`: the engine's cache pools (None: no copies charged)."""
     if ideal:
-        return ops.Placement(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
+        return ops.Pricing(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
                              kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
     lay = bind_to(stage, cfg, specs)
     facts = kernel_facts()
@@ -131,7 +131,7 @@ def placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | Non
     if stage.fused_combine and specs.kind == "tpu":
         glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
     sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and ours_tpu and not stage.fused_combine else 0.0
-    return ops.Placement(**glue, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
+    return ops.Pricing(**glue, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,
                          expert_imbalance=expert_imbalance,
@@ -166,11 +166,11 @@ def mech_specs(specs: Specs, mech: Mechanisms | None) -> Specs:
     return specs.replace(**ch) if ch else specs
 
 
-def _mech_placement(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None, page_size: int,
-                    ideal: bool, mech: Mechanisms | None, pools: Pools | None = None) -> tuple[Specs, ops.Placement]:
-    """The specs with `mech`'s efficiencies, and the stage's placement with its MoE mechanisms."""
+def _mech_pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None, page_size: int,
+                    ideal: bool, mech: Mechanisms | None, pools: Pools | None = None) -> tuple[Specs, ops.Pricing]:
+    """The specs with `mech`'s efficiencies, and the stage's pricing with its MoE mechanisms."""
     specs = mech_specs(specs, mech)
-    return specs, placement(cfg, specs, stage, kv_dtype, page_size, ideal, *(
+    return specs, pricing(cfg, specs, stage, kv_dtype, page_size, ideal, *(
         (mech.expert_imbalance, mech.gmm_tile_rows, mech.onehot_permute_threshold, mech.moe_row_overhead_s)
         if mech else (1.0, 0, 0, 0.0)), pools=pools, layer_fixed_s=mech.moe_layer_fixed_s if mech else 0.0)
 
@@ -184,51 +184,51 @@ def step_costs(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, 
     cache pools, whose copies the engine's layer scan pays)."""
     if ideal:
         mech = None
-    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
+    specs, pr = _mech_pricing(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     if weight_passes is not None:
-        pl = dataclasses.replace(pl, weight_passes=weight_passes)
-    return _costs(cfg, specs.devices, pl, batch, kv_dtype, page_size, ideal)
+        pr = dataclasses.replace(pr, weight_passes=weight_passes)
+    return _costs(cfg, specs.devices, pr, batch, kv_dtype, page_size, ideal)
 
 
-def _costs(cfg: Config, devices: int, pl: ops.Placement, batch: ops.Batch, kv_dtype: str | None, page_size: int,
+def _costs(cfg: Config, devices: int, pr: ops.Pricing, batch: ops.Batch, kv_dtype: str | None, page_size: int,
            ideal: bool) -> dict[str, ops.Cost]:
-    """`step_costs` on the placement already resolved (`devices`: the system's): the attention layers here (their
+    """`step_costs` on the pricing already resolved (`devices`: the system's): the attention layers here (their
     core reads the contexts), the rest by the step's token counts (`_by_counts`)."""
     z = ops.sizes(cfg)
     dense = _dense(devices, kv_dtype, page_size) if ideal else None
-    attn = ops.attention_block(cfg, batch, pl)
+    attn = ops.attention_block(cfg, batch, pr)
     if dense is not None:
         attn["attn_proj"] = ops.attention_block(cfg, batch, dense)["attn_proj"]
     out = {name: c * z["n_attn"] for name, c in attn.items()}
-    for name, c in _by_counts(cfg, pl, batch.counts(), dense).items():
+    for name, c in _by_counts(cfg, pr, batch.counts(), dense).items():
         out[name] = out[name] + c if name in out else c
-    for name, c in ops.mtp_head(cfg, batch, pl).items():  # speculative decoding: the head's draft step
+    for name, c in ops.mtp_head(cfg, batch, pr).items():  # speculative decoding: the head's draft step
         out[name] = out[name] + c if name in out else c
     return out
 
 
-def _dense(devices: int, kv_dtype: str | None, page_size: int) -> ops.Placement:
-    """The ideal roofline's placement of the dense weights: every byte once over the slice, not once per
+def _dense(devices: int, kv_dtype: str | None, page_size: int) -> ops.Pricing:
+    """The ideal roofline's pricing of the dense weights: every byte once over the slice, not once per
     data-parallel rank."""
-    return ops.Placement(dp=devices, tp=devices, moe="ep", ep=devices, attention="pallas", moe_impl="gmm",
+    return ops.Pricing(dp=devices, tp=devices, moe="ep", ep=devices, attention="pallas", moe_impl="gmm",
                          kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
 
 
 @functools.lru_cache(maxsize=4096)  # a schedule's steps differ mostly in their contexts: ~6x fewer token counts
-def _by_counts(cfg: Config, pl: ops.Placement, batch: ops.Batch, dense: ops.Placement | None) -> dict[str, ops.Cost]:
+def _by_counts(cfg: Config, pr: ops.Pricing, batch: ops.Batch, dense: ops.Pricing | None) -> dict[str, ops.Cost]:
     """`step_costs` of every layer but the attention layers (GDN, MoE, norms, embedding and LM head), which read
-    `batch`'s token and sequence counts, not its contexts; `dense`: the ideal roofline's placement of the dense
-    weights (None: `pl`'s)."""
+    `batch`'s token and sequence counts, not its contexts; `dense`: the ideal roofline's pricing of the dense
+    weights (None: `pr`'s)."""
     z = ops.sizes(cfg)
-    gdn, moe = ops.gdn_block(cfg, batch, pl), ops.moe_block(cfg, batch, pl)
-    head = ops.embed_and_head(cfg, batch, dense or pl)
+    gdn, moe = ops.gdn_block(cfg, batch, pr), ops.moe_block(cfg, batch, pr)
+    head = ops.embed_and_head(cfg, batch, dense or pr)
     if dense is not None:
         gdn["gdn_proj"] = ops.gdn_block(cfg, batch, dense)["gdn_proj"]
         moe["shared_expert"] = ops.moe_block(cfg, batch, dense)["shared_expert"]
         moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
     out: dict[str, ops.Cost] = {}
-    norms, L = {"norms": ops.norms(cfg, batch, pl)}, cfg.num_layers
-    once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pl), "glue": ops.glue(cfg, batch, pl)}
+    norms, L = {"norms": ops.norms(cfg, batch, pr)}, cfg.num_layers
+    once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pr), "glue": ops.glue(cfg, batch, pr)}
     for costs, times in ((gdn, z["n_gdn"]), (moe, L), (norms, L), (once, 1)):
         for name, c in costs.items():
             out[name] = out[name] + c * times if name in out else c * times
@@ -242,8 +242,8 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
     pools on one device (`Pools`; None: their copies are not charged)."""
     if ideal:
         mech = None
-    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
-    costs = _costs(cfg, specs.devices, pl, batch, kv_dtype, page_size, ideal)
+    specs, pr = _mech_pricing(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
+    costs = _costs(cfg, specs.devices, pr, batch, kv_dtype, page_size, ideal)
     s = _ideal_specs(specs) if ideal else specs
     out = dict.fromkeys(COMPONENTS, 0.0)
     for name, c in costs.items():
@@ -263,11 +263,11 @@ def step_time(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch, k
             out["all_to_all"] += fused_combine.exposed(c.seconds, out["routed_experts"], mech)
             wire += c.wire_bytes
     if mech is not None:
-        _mechanism_rules(out, cfg, s, pl, batch, mech)
+        _mechanism_rules(out, cfg, s, pr, batch, mech)
     return StepTime(sum(out.values()), out, flops, hbm, wire)
 
 
-def _mechanism_rules(out: dict, cfg: Config, s: Specs, pl: ops.Placement, batch: ops.Batch | Steps,
+def _mechanism_rules(out: dict, cfg: Config, s: Specs, pr: ops.Pricing, batch: ops.Batch | Steps,
                      mech: Mechanisms) -> None:
     """`mech`'s rules on the seconds of `out` ({component: seconds}, or [n] arrays of n steps with `Steps`), in
     place (new values, never arrays changed in place)."""
@@ -275,7 +275,7 @@ def _mechanism_rules(out: dict, cfg: Config, s: Specs, pl: ops.Placement, batch:
         out["attn_core"] = out["attn_core"] * (s.eff_hbm / mech.attention_kernel_efficiency)
     mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
     out["attn_core"] = where(mixed, out["attn_core"] * mech.mixed_step_attention, out["attn_core"])
-    if pl.moe_impl == "gmm" and pl.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
+    if pr.moe_impl == "gmm" and pr.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
         # and the one-hot matmuls below the threshold, stay on the TensorCore
         big = batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold
         out["permute"] = where(big, out["permute"] * mech.sparsecore_permute, out["permute"])
@@ -314,35 +314,35 @@ def _stacked(each: list[dict[str, ops.Cost]]) -> dict[str, ops.Cost]:
     return {name: ops.Cost(*rows[:, i].T) for i, name in enumerate(names)}
 
 
-@functools.lru_cache(maxsize=8)  # a band re-times one schedule under a few placements (8 x ~3 MB at 4k steps)
-def _cost_table(cfg: Config, devices: int, pl: ops.Placement, batches: tuple[ops.Batch, ...], kv_dtype: str | None,
+@functools.lru_cache(maxsize=8)  # a band re-times one schedule under a few pricings (8 x ~3 MB at 4k steps)
+def _cost_table(cfg: Config, devices: int, pr: ops.Pricing, batches: tuple[ops.Batch, ...], kv_dtype: str | None,
                 page_size: int, ideal: bool) -> dict[str, ops.Cost]:
     """`_costs` of every batch at once, as {component: a `Cost` of [n] arrays}, in `_costs`' order of operations:
-    the attention layers' (`_attention_table`, shared by placements that differ in their MoE only) plus the rest,
+    the attention layers' (`_attention_table`, shared by pricings that differ in their MoE only) plus the rest,
     per distinct token counts (`_by_counts`)."""
     z = ops.sizes(cfg)
     dense = _dense(devices, kv_dtype, page_size) if ideal else None
-    moe_free = dataclasses.replace(pl, expert_imbalance=1.0, gmm_tile_rows=0, onehot_threshold=0, row_overhead_s=0.0,
+    moe_free = dataclasses.replace(pr, expert_imbalance=1.0, gmm_tile_rows=0, onehot_threshold=0, row_overhead_s=0.0,
                                    layer_fixed_s=0.0)
     out = {name: c * z["n_attn"] for name, c in _attention_table(cfg, moe_free, dense, batches).items()}
     index: dict[ops.Batch, int] = {}
     at = np.array([index.setdefault(b.counts(), len(index)) for b in batches], dtype=np.int64)  # [n]
-    for name, c in _stacked([_by_counts(cfg, pl, counts, dense) for counts in index]).items():
+    for name, c in _stacked([_by_counts(cfg, pr, counts, dense) for counts in index]).items():
         c = ops.Cost(*(v[at] for v in _COST_FIELDS(c)))
         out[name] = out[name] + c if name in out else c
     if any(b.drafts for b in batches):  # speculative decoding: the head's draft step (`ops.mtp_head`)
-        for name, c in _stacked([ops.mtp_head(cfg, b, pl) for b in batches]).items():
+        for name, c in _stacked([ops.mtp_head(cfg, b, pr) for b in batches]).items():
             out[name] = out[name] + c if name in out else c
     return out
 
 
 @functools.lru_cache(maxsize=4)
-def _attention_table(cfg: Config, pl: ops.Placement, dense: ops.Placement | None,
+def _attention_table(cfg: Config, pr: ops.Pricing, dense: ops.Pricing | None,
                      batches: tuple[ops.Batch, ...]) -> dict[str, ops.Cost]:
     """One attention layer of every batch (`_costs`' `attn`), as {component: a `Cost` of [n] arrays}."""
     each = []
     for b in batches:
-        attn = ops.attention_block(cfg, b, pl)
+        attn = ops.attention_block(cfg, b, pr)
         if dense is not None:
             attn["attn_proj"] = ops.attention_block(cfg, b, dense)["attn_proj"]
         each.append(attn)
@@ -353,16 +353,16 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
                kv_dtype: str | None = None, page_size: int = 256, ideal: bool = False, overlap: bool = True,
                mech: Mechanisms | None = None, pools: Pools | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """`step_time` of every one of `batches` at once, the same floats: (seconds [n], {component: seconds [n]});
-    the op costs are kept per placement (`_cost_table`), so that mechanisms changing only the efficiencies re-price
+    the op costs are kept per pricing (`_cost_table`), so that mechanisms changing only the efficiencies re-price
     them without computing them again."""
     if ideal:
         mech = None
-    specs, pl = _mech_placement(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
+    specs, pr = _mech_pricing(cfg, specs, stage, kv_dtype, page_size, ideal, mech, pools)
     batches = tuple(batches)
     n = len(batches)
     s = _ideal_specs(specs) if ideal else specs
     out = {name: np.zeros(n) for name in COMPONENTS}
-    for name, c in _cost_table(cfg, specs.devices, pl, batches, kv_dtype, page_size, ideal).items():
+    for name, c in _cost_table(cfg, specs.devices, pr, batches, kv_dtype, page_size, ideal).items():
         out[name] = out[name] + ops.seconds(c, s, np.maximum)
     if not ideal:
         hidden = 1.0 - (mech.collective_overlap if mech else 0.0)
@@ -377,7 +377,7 @@ def step_times(cfg: Config, specs: Specs, stage: ServingPlan, batches: Sequence[
             c = np.array([fused_combine.combine_comm(cfg, specs, b.computed).seconds for b in batches])
             out["all_to_all"] = out["all_to_all"] + fused_combine.exposed(c, out["routed_experts"], mech)
     if mech is not None:
-        _mechanism_rules(out, cfg, s, pl, Steps.of(batches), mech)
+        _mechanism_rules(out, cfg, s, pr, Steps.of(batches), mech)
     return sum(out.values()), out
 
 

@@ -45,7 +45,7 @@ def test_items_attention_reads_its_groups_longest_context_once_per_item():
     groups of WALK_ROWS by context, each to its own longest), not once per token (516 tokens, grouped so too); a
     decode step (ITEM_COST x items not fewer than tokens: the kernel runs the twin) costs what `xla` costs."""
     cfg = get_config("qwen3.5-mini", dtype="float32")
-    items, xla = (ops.Placement(attention=a, page_size=16) for a in ("items", "xla"))
+    items, xla = (ops.Pricing(attention=a, page_size=16) for a in ("items", "xla"))
     tok_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of a token, float32
     mixed = ops.Batch(decodes=4, decode_ctx=256, prefill_tokens=512, prefill_seqs=1, max_ctx=512, padded_tokens=516,
                       logit_rows=8)

@@ -14,7 +14,7 @@ from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms, extremes
 from qwen35_lib.costmodel.predict import serving_model
 from qwen35_lib.costmodel.specs import kernel_facts
-from qwen35_lib.costmodel.step import Pools, placement, step_costs, step_time, step_times
+from qwen35_lib.costmodel.step import Pools, pricing, step_costs, step_time, step_times
 from qwen35_lib.plan import STAGES, ServingPlan, any_stage
 from tests.costmodel.toy import BATCHES, toy
 
@@ -96,7 +96,7 @@ def test_cpu_engine_step_reads_weights_and_caches_in_place_and_runs_the_native_g
 def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
     """`step` caches the GDN, MoE, norm and head costs by `Batch.counts()`: the same counts with other contexts must
     give the same costs there (and different ones in the attention core, so the check can tell), and step_costs
-    must equal the ops summed by hand, on the real placement and on the ideal one."""
+    must equal the ops summed by hand, on the real pricing and on the ideal one."""
     cfg = costmodel.serving_model()
     s = specs.get("tpu7x-8")
     short = ops.Batch(decodes=64, decode_ctx=300, prefill_tokens=512, prefill_seqs=2, prefill_ctx=100, max_ctx=900)
@@ -106,14 +106,14 @@ def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
         a, b = (step_costs(cfg, s, STAGES[stage], x, "float8_e4m3fn", ideal=ideal) for x in (short, long))
         assert a["attn_core"] != b["attn_core"]
         assert {k: v for k, v in a.items() if k != "attn_core"} == {k: v for k, v in b.items() if k != "attn_core"}
-    pl = placement(cfg, s, STAGES[stage], "float8_e4m3fn")
+    pr = pricing(cfg, s, STAGES[stage], "float8_e4m3fn")
     z = ops.sizes(cfg)
     hand = {}
-    for costs, times in ((ops.attention_block(cfg, long, pl), z["n_attn"]), (ops.gdn_block(cfg, long, pl), z["n_gdn"]),
-                         (ops.moe_block(cfg, long, pl), cfg.num_layers),
-                         ({"norms": ops.norms(cfg, long, pl)}, cfg.num_layers),
-                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pl), "sampling": ops.sampling(cfg, long, pl),
-                           "glue": ops.glue(cfg, long, pl)}, 1)):
+    for costs, times in ((ops.attention_block(cfg, long, pr), z["n_attn"]), (ops.gdn_block(cfg, long, pr), z["n_gdn"]),
+                         (ops.moe_block(cfg, long, pr), cfg.num_layers),
+                         ({"norms": ops.norms(cfg, long, pr)}, cfg.num_layers),
+                         ({"embed_lm_head": ops.embed_and_head(cfg, long, pr), "sampling": ops.sampling(cfg, long, pr),
+                           "glue": ops.glue(cfg, long, pr)}, 1)):
         for name, c in costs.items():
             hand[name] = hand[name] + c * times if name in hand else c * times
     assert step_costs(cfg, s, STAGES[stage], long, "float8_e4m3fn") == hand
@@ -136,17 +136,17 @@ def test_step_times_are_step_time_exactly(stage):
 
 
 def test_the_cost_model_prices_each_slots_bound_implementation():
-    """The placement reads the bound plan's kernel of each slot, and its facts by implementation: the `kernels` stage
+    """The pricing reads the bound plan's kernel of each slot, and its facts by implementation: the `kernels` stage
     with `moe_kernel="ragged_dot"` is priced as XLA's grouped matmul (what runs), not the family's Pallas kernel; a
     layout plan that names no family is priced with each slot the platform's default."""
     cfg, sp = serving_model(), specs_lib.get("tpu7x-8")
     facts = kernel_facts()
-    gmm = placement(cfg, sp, STAGES["kernels"])
-    ragged = placement(cfg, sp, STAGES["kernels"].replace(moe_kernel="ragged_dot"))
+    gmm = pricing(cfg, sp, STAGES["kernels"])
+    ragged = pricing(cfg, sp, STAGES["kernels"].replace(moe_kernel="ragged_dot"))
     assert (gmm.moe_impl, gmm.expert_passes) == ("gmm", facts["pallas_weight_passes"]["value"])
     assert (ragged.moe_impl, ragged.expert_passes) == ("ragged_dot", facts["xla_weight_passes"]["value"])
     assert ragged.attention == gmm.attention == "pallas"
-    layout = placement(cfg, sp, any_stage(ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None)))
+    layout = pricing(cfg, sp, any_stage(ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None)))
     assert (layout.attention, layout.moe_impl) == ("pallas", "gmm")  # TPU's defaults (`plan.kernels`)
     doc = costmodel.predict(stage=ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None), isl=1024, osl=1024,
                             concurrency=8)

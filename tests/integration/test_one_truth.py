@@ -34,9 +34,9 @@ def test_each_stage_is_the_same_layout_and_kernels_in_code_and_cost_model(name):
     assert lay.plan is s  # the stage itself, as asked, bound to the 8-device mesh
     assert set(dict(lay.impls)) == set(plan_kernels.SLOTS)
     assert lay.moe == plan_lib.get_layout(run.layout).moe
-    pl = cm_step.placement(cfg, specs_lib.get("tpu7x-8"), s)
-    assert pl.attention == run.kernel("attention")
-    assert pl.moe_impl == {"pallas": "gmm"}.get(run.kernel("moe_matmul"), run.kernel("moe_matmul"))
+    pr = cm_step.pricing(cfg, specs_lib.get("tpu7x-8"), s)
+    assert pr.attention == run.kernel("attention")
+    assert pr.moe_impl == {"pallas": "gmm"}.get(run.kernel("moe_matmul"), run.kernel("moe_matmul"))
 
 
 def test_the_cost_model_refuses_what_the_engine_refuses_with_the_same_error():

@@ -62,10 +62,10 @@ def test_a_verify_step_costs_more_with_each_draft_and_less_per_token_at_the_assu
 
 def test_the_mtp_head_is_one_attention_layer_with_its_moe_and_the_lm_head_per_draft():
     b = dataclasses.replace(DECODE, drafts=3)
-    pl = step.placement(CFG, TPU, any_stage("kernels"), "float8_e4m3fn", 256)
-    head = ops.mtp_head(CFG, b, pl)
-    assert ops.mtp_head(CFG, DECODE, pl) == {}
-    moe = ops.moe_block(CFG, DECODE, pl)["routed_experts"].hbm_bytes  # one main layer's experts at c512
+    pr = step.pricing(CFG, TPU, any_stage("kernels"), "float8_e4m3fn", 256)
+    head = ops.mtp_head(CFG, b, pr)
+    assert ops.mtp_head(CFG, DECODE, pr) == {}
+    moe = ops.moe_block(CFG, DECODE, pr)["routed_experts"].hbm_bytes  # one main layer's experts at c512
     assert 2.5 * moe < head["routed_experts"].hbm_bytes < 3.5 * moe  # k = 3 passes, each about one layer's
     lm = ops.sizes(CFG)["lm_head"] * 2  # the replicated LM head, bf16, read once a pass
     assert 3 * lm < head["embed_lm_head"].hbm_bytes < 3 * lm * 1.2
