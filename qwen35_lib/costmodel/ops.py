@@ -5,6 +5,9 @@ priced (its share of the mesh, each slot's implementation, the measured pass fac
 function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
     max(mxu_flops / (peak * eff_matmul) + vector_flops / (peak * vector_fraction), bytes / (bw * eff_hbm))
     + launches * op_overhead
+A matmul whose rate the specs measured by its rows (the CPU: `cpu_bench`'s dense dots and native MoE handler,
+`Specs.row_efficiency`) takes flops / that rate: its FLOPs stay its own, and the difference from their time at the
+peak is charged beside them as peak FLOPs (`few_rows`, `Cost.extra_mxu_flops`).
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention/xla.py): every computed token reads the longest context of its
@@ -38,6 +41,7 @@ from qwen35_lib.config import FULL, LINEAR, Config
 from qwen35_lib.costmodel.experts import expected_distinct
 from qwen35_lib.costmodel.specs import Specs
 from qwen35_lib.kernels.attention.xla import ITEM_BLOCK, ITEM_COST, ITEM_KEYS, WALK_ROWS
+from qwen35_lib.kernels.dense.native import MAX_ROWS as NATIVE_DENSE_ROWS
 from qwen35_lib.stats import model_stats
 from qwen35_lib.weights import mtp_layer_config
 
@@ -144,6 +148,9 @@ class Pricing:
     # than the scoped VMEM (`fused_combine.GATHERED_RELAYOUTS`)
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
     # form) or "recurrent" (the CPU's native handler, `kernels.gdn.native`: one state update per token)
+    dense_row_efficiency: tuple[tuple[int, float], ...] = ()  # (rows, measured rate over the peak) of a dense dot
+    moe_row_efficiency: tuple[tuple[int, float], ...] = ()  # the same of the native MoE handler, by rows an expert
+    # (`Specs.row_efficiency`; (): every matmul at the peak)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,16 +162,19 @@ class Cost:
     copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
     seconds: float = 0.0  # time charged directly (a per-row overhead measured as time, `moe_layer`)
+    extra_mxu_flops: float = 0.0  # a matmul's time at its measured rate beyond its FLOPs at the peak, in peak FLOPs
+    # (`few_rows`; negative where that rate beats the peak): time, not work
 
     # field by field (dataclasses.astuple deep-copies: it was a seventh of a schedule simulation's time)
     def __add__(self, o: Cost) -> Cost:
         return Cost(self.mxu_flops + o.mxu_flops, self.vector_flops + o.vector_flops, self.bytes + o.bytes,
                     self.launches + o.launches, self.copy_bytes + o.copy_bytes,
-                    self.small_mxu_flops + o.small_mxu_flops, self.seconds + o.seconds)
+                    self.small_mxu_flops + o.small_mxu_flops, self.seconds + o.seconds,
+                    self.extra_mxu_flops + o.extra_mxu_flops)
 
     def __mul__(self, k: float) -> Cost:
         return Cost(self.mxu_flops * k, self.vector_flops * k, self.bytes * k, self.launches * k, self.copy_bytes * k,
-                    self.small_mxu_flops * k, self.seconds * k)
+                    self.small_mxu_flops * k, self.seconds * k, self.extra_mxu_flops * k)
 
     @property
     def flops(self) -> float:
@@ -178,11 +188,36 @@ class Cost:
 def seconds(c: Cost, s: Specs, maximum=max) -> float:
     """Roofline time of `c` on one device of `s`: max(compute, memory), plus launch overheads (`maximum=np.maximum`
     for a `Cost` of arrays: the times of many steps, [n])."""
-    compute = c.mxu_flops / (s.peak_flops * s.eff_matmul) + c.vector_flops / (s.peak_flops * s.vector_fraction) + \
+    compute = (c.mxu_flops + c.extra_mxu_flops) / (s.peak_flops * s.eff_matmul) + \
+        c.vector_flops / (s.peak_flops * s.vector_fraction) + \
         c.small_mxu_flops / (s.small_matmul_flops or s.peak_flops * s.eff_matmul)
     memory = c.bytes / (s.hbm_bytes_per_s * s.eff_hbm) + \
         c.copy_bytes / (s.copy_bytes_per_s or s.hbm_bytes_per_s * s.eff_hbm)
     return maximum(compute, memory) + c.launches * s.op_overhead_s + c.seconds
+
+
+def row_efficiency(table: tuple[tuple[int, float], ...], rows: float, cap: bool = True) -> float:
+    """The measured rate over the peak of a matmul with `rows` rows (`Pricing.*_row_efficiency`): linear between
+    the measured rows, the nearest measured one's outside them; at most 1 with `cap` (the peak is the rate of the
+    most rows); 1 without a table."""
+    if not table or rows <= 0:
+        return 1.0
+    r, e = zip(*table)
+    eff = float(np.interp(rows, r, e))
+    return min(1.0, eff) if cap else eff
+
+
+def few_rows(table: tuple[tuple[int, float], ...], rows: float, flops: float, cap: bool = True) -> Cost:
+    """What a matmul of `flops` with `rows` rows costs beyond its FLOPs at the peak, in peak FLOPs:
+    flops x (1 / `row_efficiency` - 1)."""
+    eff = row_efficiency(table, rows, cap)
+    return Cost(extra_mxu_flops=flops * (1 / eff - 1)) if eff != 1 else Cost()
+
+
+def dense_rows(pr: Pricing, rows: float, flops: float) -> Cost:
+    """`few_rows` of a dense projection's dot: XLA's past the native handler's rows (`kernels.dense.native`: up to
+    NATIVE_DENSE_ROWS rows a panel-packed weight streams through it, priced by its bytes and the peak as before)."""
+    return few_rows(pr.dense_row_efficiency, rows, flops) if rows > NATIVE_DENSE_ROWS else Cost()
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +256,7 @@ def attention_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     w_kv = 2 * cfg.hidden_size * cfg.num_kv_heads * hd
     w = (z["attn"] - w_kv) / pr.tp + w_kv * kvh / cfg.num_kv_heads  # params on this device
     proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
-                copy_bytes=w * z["act"] * (pr.weight_passes - 1))
+                copy_bytes=w * z["act"] * (pr.weight_passes - 1)) + dense_rows(pr, T, 2 * T * w)
     tok_bytes = 2 * kvh * hd * kv_item(cfg, pr)  # K and V of one token on this device
     new = b.tokens / pr.dp * tok_bytes  # the KV-cache write
     qo = T * hq * hd * z["act"] * 2
@@ -306,7 +341,7 @@ def gdn_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     T = b.computed / pr.dp
     w = z["gdn"] / pr.tp
     proj = Cost(mxu_flops=2 * T * w, bytes=w * z["act"] + T * cfg.hidden_size * z["act"] * 4, launches=6,
-                copy_bytes=w * z["act"] * (pr.weight_passes - 1))
+                copy_bytes=w * z["act"] * (pr.weight_passes - 1)) + dense_rows(pr, T, 2 * T * w)
     hv = cfg.gdn_num_v_heads / pr.tp
     dk, dv, C = cfg.gdn_k_head_dim, cfg.gdn_v_head_dim, cfg.gdn_chunk_size
     state = hv * dk * dv * ITEMSIZE[cfg.gdn_state_dtype]  # one sequence's state on this device
@@ -394,12 +429,12 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     copies = pr.weight_passes - 1  # a sliced copy: written once and read once more
     router_copies = copies if pr.router_passes is None else pr.router_passes - 1
     router = Cost(2 * T_dev * z["router"], 10 * E * T_dev, z["router"] * z["act"] + T_dev * E * 4, 3,
-                  z["router"] * z["act"] * router_copies)
+                  z["router"] * z["act"] * router_copies) + dense_rows(pr, T_dev, 2 * T_dev * z["router"])
     # the shared expert's FFN is split as the heads are (`ffn`: tp, tp_ep, dp_tp2_ep's cores): a layout's ranks times
     # its head ways are its devices (the ideal roofline's dense pricing, dp = tp = ep, keeps it whole per device)
     shared_w = z["shared"] / (pr.tp if pr.moe == "tp" or pr.dp * pr.tp == pr.ep else 1)
     shared = Cost(2 * T_dev * shared_w, 0, shared_w * z["act"] + T_dev * D * z["act"] * 3, 4,
-                  shared_w * z["act"] * copies)
+                  shared_w * z["act"] * copies) + dense_rows(pr, T_dev, 2 * T_dev * shared_w)
     if pr.moe == "ep":
         experts_dev, f_dev = E / pr.ep, F
         rows = b.computed * k / pr.ep  # every token of the slice, k copies, spread over the EP devices
@@ -408,7 +443,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
         rows = b.computed * k
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
-    small = 0.0
+    small = idle = 0.0
     scales = None
     copies = (pr.weight_passes if pr.expert_passes is None else pr.expert_passes) - 1
     if pr.moe == "ep":
@@ -431,6 +466,10 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     elif pr.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], 0.0
+        if pr.moe_row_efficiency and touched:  # the handler's own measured rate at its rows an expert (faster than
+            # the dense peak at many rows), its weights streamed inside that measurement: not charged again
+            idle = few_rows(pr.moe_row_efficiency, rows / touched, ideal, cap=False).extra_mxu_flops
+            wbytes = 0.0
     elif pr.moe_impl == "loop":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0
@@ -444,7 +483,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
         mxu = ideal
         if pr.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
             mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
-    routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small)
+    routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small, extra_mxu_flops=idle)
     # the permute moves the static buffer the code sorts (`parallel.routing.local_experts`): under EP every
     # device's N·min(k, E/ep) rows (dropless worst case, the gathered or received tokens), not just its copies
     buffer = b.computed * min(k, E // pr.ep) if pr.moe == "ep" and pr.static_buffers else rows
@@ -524,7 +563,8 @@ def embed_and_head(cfg: Config, b: Batch, pr: Pricing) -> Cost:
     z = sizes(cfg)
     T, S = b.computed / pr.dp, b.rows / pr.dp
     w = z["lm_head"] / pr.tp
-    return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pr.tp * 4, 4)
+    return Cost(2 * S * w, 0, w * z["act"] + T * cfg.hidden_size * z["act"] + S * cfg.vocab_size / pr.tp * 4, 4) + \
+        dense_rows(pr, S, 2 * S * w)
 
 
 def mtp_head(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
@@ -547,9 +587,10 @@ def mtp_head(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     out: dict[str, Cost] = {}
     for p, rows in passes:
         T, S = p.computed / pr.dp, rows / pr.dp
-        fc = Cost(2 * T * 2 * D * D, 0, 2 * D * D * z["act"] + T * D * z["act"] * 5, 4)  # embed, 2 norms, fc
+        fc = Cost(2 * T * 2 * D * D, 0, 2 * D * D * z["act"] + T * D * z["act"] * 5, 4) + \
+            dense_rows(pr, T, 2 * T * 2 * D * D)  # embed, 2 norms, fc
         w = z["lm_head"] / pr.tp
-        lm = Cost(2 * S * w, 0, w * z["act"] + S * cfg.vocab_size / pr.tp * 4, 3)
+        lm = Cost(2 * S * w, 0, w * z["act"] + S * cfg.vocab_size / pr.tp * 4, 3) + dense_rows(pr, S, 2 * S * w)
         for name, c in (*attention_block(head, p, pr).items(), *moe_block(head, p, pr).items(),
                         ("norms", norms(head, p, pr) + fc), ("embed_lm_head", lm)):
             out[name] = out[name] + c if name in out else c

@@ -39,6 +39,35 @@ def test_cpu_regimes_are_charged_at_their_measured_rates():
     assert ops.seconds(ops.Cost(copy_bytes=8e9), toy(chips=1)) == pytest.approx(8e9 / (1e12 * 0.8))  # HBM rate
 
 
+def test_few_rows_are_charged_at_their_measured_rate():
+    """A matmul with few rows runs at the rate measured at its rows (linear between measured rows, the nearest
+    outside, never above the peak): its FLOPs stay its own, the peak FLOPs it idles through are charged beside them.
+    A dense projection's few-rows rate applies past the native handler's rows (decode rows stream through it)."""
+    table = ((32, 0.5), (64, 0.75), (256, 1.0))
+    assert ops.row_efficiency(table, 48) == pytest.approx(0.625) and ops.row_efficiency(table, 8) == 0.5
+    assert ops.row_efficiency(table, 4096) == ops.row_efficiency((), 64) == 1.0
+    c = ops.few_rows(table, 64, 3e9)  # 3 GFLOP at 0.75 of the peak: 1 GFLOP's time idle
+    assert c.extra_mxu_flops == pytest.approx(1e9) and c.flops == 0 and ops.few_rows(table, 512, 3e9) == ops.Cost()
+    s = toy(chips=1)  # 100 TFLOP/s x 0.5
+    assert ops.seconds(ops.Cost(mxu_flops=3e9) + c, s) == pytest.approx(4e9 / 50e12)
+    cfg = get_config("qwen3.5-mini", dtype="float32")
+    pl = ops.Pricing(dense_row_efficiency=table)
+    for rows, slower in ((ops.NATIVE_DENSE_ROWS, False), (64, True)):
+        b = ops.Batch(decodes=rows)
+        plain = ops.gdn_block(cfg, b, ops.Pricing())["gdn_proj"]
+        priced = ops.gdn_block(cfg, b, pl)["gdn_proj"]
+        assert priced.flops == plain.flops and (priced.extra_mxu_flops > 0) == slower
+    b = ops.Batch(decodes=64)  # 512 routed rows over ~all 64 experts: ~8 rows an expert, at the handler's rate there
+    native = ops.Pricing(moe_impl="native", moe_row_efficiency=((2, 0.2), (8, 0.5), (32, 1.5)))
+    plain, routed = (ops.moe_block(cfg, b, pl)["routed_experts"] for pl in (ops.Pricing(moe_impl="native"), native))
+    r = 512 / ops.expected_distinct(64, 64, 8)
+    assert routed.extra_mxu_flops == pytest.approx(routed.mxu_flops * (1 / ops.row_efficiency(
+        native.moe_row_efficiency, r, cap=False) - 1)) and routed.flops == plain.flops
+    assert plain.bytes - routed.bytes == pytest.approx(ops.expected_distinct(64, 64, 8) * ops.sizes(cfg)["expert"] * 4)
+    many = ops.moe_block(cfg, ops.Batch(decodes=512), native)["routed_experts"]  # 64 rows an expert: beats the peak
+    assert many.extra_mxu_flops < 0
+
+
 def test_items_attention_reads_its_groups_longest_context_once_per_item():
     """`items` (the CPU's paged attention): a step with a prefill reads its group's longest context once per item
     (blocks of ITEM_BLOCK tokens + the page table's S rows, as `paged_attention_items` computes them: 41 items in
