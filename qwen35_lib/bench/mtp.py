@@ -30,12 +30,16 @@ distilling it on the base model's own greedy continuations (offline, teacher-for
 5. Acceptance again; the table printed and the JSON document returned (`--json`). A benchmark reports: nothing here
    asserts a rate.
 
-6. The engine, measured (`engine_speculation`): the held-out prompts served greedily by the engine twice in one run,
-   without speculation and with `--k` drafts a step from the distilled head (`EngineConfig.speculative_tokens`),
-   the same knobs; each engine precompiled first, then timed: output tokens/s of each, their ratio, the outputs
-   compared (greedy: identical), and the acceptance length the engine counted (1 + accepted drafts per verified
-   row). Beside it the cost model's CPU prediction for the same run (`cpu_prediction`: `costmodel.predict` on the
-   measured `cpu` specs, one device, the engine's knobs, at the acceptance length the engine counted).
+6. The engine, measured (`bench.mtp_engine.engine_speculation`): the held-out prompts served greedily by the
+   engine twice in one run, without speculation and with `--k` drafts a step from the distilled head
+   (`EngineConfig.speculative_tokens`), the same knobs; each engine precompiled first, then timed: output tokens/s
+   of each, their ratio, the outputs compared (greedy: identical), and the acceptance length the engine counted
+   (1 + accepted drafts per verified row). Beside it the cost model's CPU prediction for the same run
+   (`cpu_prediction`: `costmodel.predict` on the `cpu` specs measured before each round of timed runs, the median
+   of each figure, so that the rates the model reads and the runs it predicts see the same load; one device, the
+   engine's knobs, at the acceptance length the engine counted), and measured / predicted.
+7. Each program alone (`bench.mtp_engine.step_ratios`): the decode, verify and draft steps at a full decode
+   bucket, timed interleaved, beside the cost model's price of each on the same specs (measured / predicted).
 
 The head's programs run on one device with the XLA `capacity` MoE kernel (`HEAD_PLAN`: dropless and exact, and
 differentiable, which the CPU's native kernel is not); the base model runs with the platform's default kernels.
@@ -54,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from qwen35_lib.bench.mtp_engine import cpu_prediction, engine_speculation, step_ratios
 from qwen35_lib.bench.timing import environment, format_table, progress, warn_if_busy
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.model.decoder import forward
@@ -259,78 +264,6 @@ def evaluate(config: Config, weights: dict, head: dict, seqs: Sequences, k: int)
 # --- the command ------------------------------------------------------------------------------------------------
 
 
-def engine_speculation(config: Config, weights: dict, head: dict, prompts: np.ndarray, new_tokens: int, k: int,
-                       max_num_seqs: int = 16, precompile: bool = True, repeats: int = 3) -> dict:
-    """The engine's greedy run of `prompts` [N, P] (`new_tokens` each, EOS ignored) without speculation and with `k`
-    drafts a step from `head`, the same knobs otherwise (`max_num_seqs`, a budget of every decode row plus one
-    prompt, pages for every sequence): each engine precompiled for the workload and run once untimed (programs a
-    run steps with that the precompile's dry run did not foresee are compiled then, not while timed), then a fresh
-    engine's `generate` timed, `repeats` times, the two engines alternating (a busy machine's load moves within
-    seconds: one timed run each measured x0.57 and x0.73 in two runs of the same settings); each run's wall is the
-    median of its `repeats`. Returns
-    {"0": run, str(k): run, "speedup", "same_outputs", "acceptance_length"}, a run {"wall_s", "wall_s_each",
-    "output_tokens", "output_tokens_per_s", "steps", "drafted", "accepted", "traces_while_timed"} (the counts of
-    one timed run: greedy, each is the same); the acceptance length the engine
-    counted: 1 + accepted drafts per verified row (k drafts a row). `precompile=False` leaves the compiling to the
-    untimed run (greedy: the timed run steps through the same shapes; `traces_while_timed` says if it did not)."""
-    from qwen35_lib.engine import Engine
-    from qwen35_lib.engine.engine_config import EngineConfig
-    from qwen35_lib.engine.sampling import SamplingParams
-
-    N, P = prompts.shape
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    out, outputs, configs, walls = {}, {}, {}, {0: [], k: []}
-    for drafts in (0, k):
-        configs[drafts] = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs * (k + 1) + P,
-                                       max_model_len=P + new_tokens + k + 1, speculative_tokens=drafts)
-        warm = Engine(config, weights, configs[drafts], mtp_weights=head if drafts else None)
-        if precompile:
-            warm.precompile([P] * N, new_tokens)
-        warm.generate(prompts.tolist(), params)
-    for _ in range(repeats):
-        for drafts in (0, k):
-            eng = Engine(config, weights, configs[drafts], mtp_weights=head if drafts else None)
-            traces = eng.stats.traces
-            start = time.perf_counter()
-            res = eng.generate(prompts.tolist(), params)
-            walls[drafts].append(time.perf_counter() - start)
-            outputs[drafts] = [r.output_ids for r in res]
-            n = sum(len(o) for o in outputs[drafts])
-            wall = float(np.median(walls[drafts]))
-            out[str(drafts)] = {"wall_s": wall, "wall_s_each": walls[drafts], "output_tokens": n,
-                                "output_tokens_per_s": n / wall, "steps": eng.stats.steps,
-                                "drafted": eng.stats.drafted, "accepted": eng.stats.accepted,
-                                "traces_while_timed": max(out.get(str(drafts), {}).get("traces_while_timed", 0),
-                                                          eng.stats.traces - traces)}
-    run = out[str(k)]
-    rows = run["drafted"] / k if run["drafted"] else 0
-    return out | {"k": k, "max_num_seqs": max_num_seqs, "prompts": N, "prompt_len": P, "new_tokens": new_tokens,
-                  "repeats": repeats,
-                  "speedup": run["output_tokens_per_s"] / out["0"]["output_tokens_per_s"],
-                  "same_outputs": outputs[0] == outputs[k],
-                  "acceptance_length": 1 + run["accepted"] / rows if rows else None}
-
-
-def cpu_prediction(config: Config, measured: dict) -> dict:
-    """The cost model's prediction of `engine_speculation`'s two runs on this CPU: `costmodel.predict` on the measured
-    `cpu` specs (`costmodel.cpu_bench`), one device under the engine's plan, the run's prompts, lengths (range ratio
-    1), sequences and budget, no serving mechanisms (those are TPU servers'), with k drafts at the acceptance length
-    the engine counted. Returns {"output_tokens_per_s": {"0", str(k)}, "speedup", "acceptance_length"}."""
-    from qwen35_lib.costmodel.predict import predict
-    from qwen35_lib.plan import SINGLE as plan
-
-    k, A = measured["k"], measured["acceptance_length"] or 1.0
-    common = dict(isl=measured["prompt_len"], osl=measured["new_tokens"], concurrency=measured["prompts"],
-                  max_batched_tokens=measured["max_num_seqs"] * (k + 1) + measured["prompt_len"],
-                  max_seqs=measured["max_num_seqs"], kv_dtype=None, page_size=16, num_prompts=measured["prompts"],
-                  range_ratio=1.0, roofline=False, mechanisms="off")
-    with_k = predict(config, "cpu", plan, **common, speculative_tokens=k, acceptance_length=min(A, k + 1.0))
-    without = with_k["speculation"]["without"]["output_tokens_per_s"]
-    return {"output_tokens_per_s": {"0": without, str(k): with_k["output_tokens_per_s"]},
-            "speedup": with_k["output_tokens_per_s"] / without, "acceptance_length": A,
-            "breakdown_s": with_k["breakdown_s"]}
-
-
 def _resolve(args: argparse.Namespace) -> dict:
     base = QUICK if args.quick else DEFAULTS
     r = {k: getattr(args, k, None) if getattr(args, k, None) is not None else v for k, v in base.items()}
@@ -421,7 +354,7 @@ def run(args: argparse.Namespace) -> dict:
                         *[f"length k={j}" for j in range(1, k + 1)]], rows))
     print(f"{before['origins']} draft origins; accept @j: drafts 1..j all equal the base model's greedy tokens; "
           f"length k: 1 + the first k rates (tokens a verify step yields). Distilling took {wall['distill_s']:.1f} s")
-    served = predicted = None
+    served = predicted = steps = None
     if not getattr(args, "no_engine", False):
         t = time.perf_counter()
         serve_tokens = getattr(args, "serve_tokens", None) or G
@@ -441,8 +374,17 @@ def run(args: argparse.Namespace) -> dict:
                              f"{predicted['output_tokens_per_s'][str(k)]:.1f}" if "error" not in predicted else
                              "-"]]))
         pred = f"x{predicted['speedup']:.2f}" if "error" not in predicted else f"- ({predicted['error']})"
-        print(f"speedup measured x{served['speedup']:.2f}, cost model {pred}; greedy outputs identical: "
+        ratio = f" (measured / cost model {served['speedup'] / predicted['speedup']:.3f})" if "error" not in \
+            predicted else ""
+        print(f"speedup measured x{served['speedup']:.2f}, cost model {pred}{ratio}; greedy outputs identical: "
               f"{served['same_outputs']}")
+        t = time.perf_counter()
+        steps = step_ratios(config, weights, head, prompts[opts["train_prompts"]:], serve_tokens, k,
+                            getattr(args, "max_num_seqs", 16), cpu_specs=served["cpu_specs"])
+        wall["steps_s"] = time.perf_counter() - t
+        print(format_table(["program alone", "tokens", "measured ms", "cost model ms", "measured / model"],
+                           [[name, r["tokens"], f"{1e3 * r['measured_s']:.2f}", f"{1e3 * r['predicted_s']:.2f}",
+                             f"{r['measured_over_predicted']:.2f}"] for name, r in steps.items()]))
     wall["total_s"] = time.perf_counter() - start
     return {
         "benchmark": "mtp",
@@ -466,6 +408,7 @@ def run(args: argparse.Namespace) -> dict:
         "after": after,
         "engine_speculation": served if served is not None else {"measured": False, "reason": "--no-engine"},
         "cpu_prediction": predicted,
+        "step_ratios": steps,
         "wall_s": wall,
         "head_kernels": {"moe_matmul": HEAD_PLAN.moe_kernel},
         "environment": environment(loadavg_1m_before=load_before),
@@ -473,4 +416,4 @@ def run(args: argparse.Namespace) -> dict:
 
 
 __all__ = ["Sequences", "acceptance", "cpu_prediction", "distill", "draft_chain", "engine_speculation", "evaluate",
-           "greedy_sequences", "origins", "run", "structured_base", "synthetic_prompts"]
+           "greedy_sequences", "origins", "run", "step_ratios", "structured_base", "synthetic_prompts"]
