@@ -26,7 +26,7 @@ from qwen35_lib.engine.cache import (
 from qwen35_lib.engine.engine_config import EngineConfig, check_cache_memory
 from qwen35_lib.engine.requests import Result, stop_set, validate_request
 from qwen35_lib.engine.sampling import SamplingParams, fill_processing_row, processing_arrays
-from qwen35_lib.engine.scheduler import Plan, RankScheduler, Request
+from qwen35_lib.engine.scheduler import RankScheduler, Request, Schedule
 from qwen35_lib.engine.speculative import (
     check_speculative,
     draft_step,
@@ -176,46 +176,46 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------------------
     def step(self) -> list[tuple[int, int]]:
-        plans = [s.plan() for s in self.ranks]
-        if not any(p.decodes or p.prefills for p in plans):
+        schedules = [s.schedule() for s in self.ranks]
+        if not any(p.decodes or p.prefills for p in schedules):
             if self.has_work:
                 raise RuntimeError("the scheduler made no progress: " + repr([(len(s.waiting), len(s.running))
                                                                               for s in self.ranks]))
             return []
-        D, T = self._step_shape(plans)
+        D, T = self._step_shape(schedules)
         S = self.ec.max_num_seqs
         packs = [pack([w for _, w in p.decodes], [w for _, w in p.prefills], D, T, S, self.ec.pages_per_seq,
-                      self.chunk, self.width) for p in plans]
+                      self.chunk, self.width) for p in schedules]
         tokens, meta = stack_ranks(packs)
-        samp = self._sampling_arrays(plans, S)
+        samp = self._sampling_arrays(schedules, S)
         self.stats.buckets.add((D, T))
         traced = TRACES[0]
         with self._on_mesh():
             tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
             self._check_step_memory(D, T, tokens, meta, samp)
             start = time.perf_counter()
-            next_tokens, accepted, drafts = self._forward(plans, packs, tokens, meta, samp)
+            next_tokens, accepted, drafts = self._forward(schedules, packs, tokens, meta, samp)
         self.stats.step_seconds.append(time.perf_counter() - start)
         self.stats.traces += TRACES[0] - traced
         now = time.perf_counter()
-        self._record(plans)  # before commit: the recomputed count reads the requests' high-water marks
+        self._record(schedules)  # before commit: the recomputed count reads the requests' high-water marks
         events = []
-        for rank, (sched, plan) in enumerate(zip(self.ranks, plans)):
+        for rank, (sched, schedule) in enumerate(zip(self.ranks, schedules)):
             if drafts is not None:
-                self._count_drafts(plan, accepted[rank])
+                self._count_drafts(schedule, accepted[rank])
             kept = None if accepted is None else accepted[rank]
-            for r, token in sched.commit(plan, next_tokens[rank], kept):
+            for r, token in sched.commit(schedule, next_tokens[rank], kept):
                 r.token_times.append(now)
                 events.append((r.id, token))
                 if r.finish_reason:
                     self.results[r.id] = Result(r.id, r.prompt, list(r.output), r.finish_reason, r.arrival,
                                                 r.token_times, r.preemptions)
             if drafts is not None:
-                self._next_drafts(plan, drafts[rank])
+                self._next_drafts(schedule, drafts[rank])
         self._copy_forked()
         return events
 
-    def _forward(self, plans: list[Plan], packs: list, tokens, meta, samp) -> tuple:
+    def _forward(self, schedules: list[Schedule], packs: list, tokens, meta, samp) -> tuple:
         """One step on the device, placed arguments: (next tokens [R, S] ([R, S, V] verified), and with drafts the
         tokens each row keeps [R, S] and the next drafts [R, S, k], else None, None), on the host."""
         weights = self._step_weights()
@@ -225,21 +225,21 @@ class Engine:
         # verify, accept and roll back, then draft for the next step (`engine.speculative`)
         next_tokens, accepted, self.cache, hidden = verify_step(self.config, self.plan, weights, self.cache, tokens,
                                                                 meta, samp)
-        ids, src = map(self._place, head_inputs(plans, packs, self.width))
+        ids, src = map(self._place, head_inputs(schedules, packs, self.width))
         drafts, self.head_cache = self.draft_fn(self.config, self.plan, self.width - 1, weights, self.mtp_weights,
                                                 self.head_cache, hidden, tokens, meta, next_tokens, accepted, ids,
                                                 src)
         return tuple(np.asarray(x.addressable_data(0)) for x in (next_tokens, accepted, drafts))
 
-    def _count_drafts(self, plan: Plan, accepted: np.ndarray) -> None:
-        for s, (_, w) in enumerate(plan.decodes):
+    def _count_drafts(self, schedule: Schedule, accepted: np.ndarray) -> None:
+        for s, (_, w) in enumerate(schedule.decodes):
             self.stats.drafted += len(w.tokens) - 1
             self.stats.accepted += int(accepted[s]) - 1
 
-    def _next_drafts(self, plan: Plan, drafts: np.ndarray) -> None:
+    def _next_drafts(self, schedule: Schedule, drafts: np.ndarray) -> None:
         """Each row's sequence that emitted a token and runs on takes its drafts for the next step: up to k, and no
         more than its remaining outputs after the next one."""
-        for s, (r, _) in enumerate(plan.items):
+        for s, (r, _) in enumerate(schedule.items):
             if r.finish_reason is None and r.slot and r.computed == len(r.known) - 1:
                 r.drafts = [int(t) for t in drafts[s, :max(0, r.params.max_new_tokens - len(r.output) - 1)]]
 
@@ -283,11 +283,11 @@ class Engine:
                              f"({ec.max_model_len}), max_num_seqs ({ec.max_num_seqs}) or max_num_batched_tokens "
                              f"({ec.max_num_batched_tokens})")
 
-    def _step_shape(self, plans: list[Plan]) -> tuple[int, int]:
-        """The (D, T) bucket of the step of `plans` (one a rank): `step_shape` of its most loaded rank."""
-        return self.step_shape(max(max(len(p.decodes) for p in plans), 1),
+    def _step_shape(self, schedules: list[Schedule]) -> tuple[int, int]:
+        """The (D, T) bucket of the step of `schedules` (one a rank): `step_shape` of its most loaded rank."""
+        return self.step_shape(max(max(len(p.decodes) for p in schedules), 1),
                                max(sum(-(-len(w.tokens) // self.chunk) * self.chunk for _, w in p.prefills)
-                                   for p in plans))
+                                   for p in schedules))
 
     def step_shape(self, decodes: int, prefill: int) -> tuple[int, int]:
         """The (D, T) bucket of a step of `decodes` decode rows and `prefill` prefill tokens (whole GDN chunks) a
@@ -327,14 +327,14 @@ class Engine:
                                     rank=rank))
         seen = []
         while any(s.waiting or s.running for s in ranks):
-            plans = [s.plan() for s in ranks]
-            if not any(p.decodes or p.prefills for p in plans):
+            schedules = [s.schedule() for s in ranks]
+            if not any(p.decodes or p.prefills for p in schedules):
                 raise RuntimeError("the scheduler made no progress in the dry run of the workload")
-            shape = self._step_shape(plans)
+            shape = self._step_shape(schedules)
             if shape not in seen:
                 seen.append(shape)
-            for sched, plan in zip(ranks, plans):
-                sched.commit(plan, [0] * len(plan.items))
+            for sched, schedule in zip(ranks, schedules):
+                sched.commit(schedule, [0] * len(schedule.items))
         if self.width > 1:  # drafts: how many tokens a step keeps is the acceptance's, so sequences finish at steps
             # the dry run cannot know and any smaller decode bucket may come (the dry run keeps one token a step)
             top = max(D for D, _ in seen)
@@ -361,16 +361,16 @@ class Engine:
         for D, T in buckets:
             if (D, T) not in formed:
                 raise ValueError(f"bucket (D={D}, T={T}) is not one this engine forms: {formed}")
-            plans = [Plan([], [])] * R
+            schedules = [Schedule([], [])] * R
             packs = [pack([], [], D, T, S, self.ec.pages_per_seq, self.chunk, self.width)] * R
             tokens, meta = stack_ranks(packs)
-            samp = self._sampling_arrays(plans, S)
+            samp = self._sampling_arrays(schedules, S)
             if processing:  # the step variant with the [R, S, V] logits-processing arrays (penalties, logit_bias)
                 samp["proc"] = self.processing_arrays(R, S)
             with self._on_mesh():
                 tokens, meta, samp = jax.tree.map(self._place, (tokens, meta, samp))
                 self._check_step_memory(D, T, tokens, meta, samp)
-                self._forward(plans, packs, tokens, meta, samp)  # on the host: done
+                self._forward(schedules, packs, tokens, meta, samp)  # on the host: done
         return {"buckets": [tuple(b) for b in buckets], "compiled": TRACES[0] - traced,
                 "seconds": time.perf_counter() - start}
 
@@ -390,26 +390,26 @@ class Engine:
         return jax.make_array_from_callback(x.shape, batch_sharding(self.plan, self.mesh, x.ndim),
                                             lambda index: x[index])
 
-    def _sampling_arrays(self, plans: list[Plan], S: int) -> dict:
-        R = len(plans)
+    def _sampling_arrays(self, schedules: list[Schedule], S: int) -> dict:
+        R = len(schedules)
         arr = dict(temperature=np.zeros((R, S), np.float32), top_k=np.zeros((R, S), np.int32),
                    top_p=np.ones((R, S), np.float32), seed=np.zeros((R, S), np.uint32),
                    position=np.zeros((R, S), np.int32), min_p=np.zeros((R, S), np.float32))
-        processed = any(r.params.processed for p in plans for r, _ in p.items)
+        processed = any(r.params.processed for p in schedules for r, _ in p.items)
         W = self.width  # with drafts, a row of processing a verified position ([R, S, W]: its state after the drafts
         # before it, as vLLM's rejection sampler processes each position)
         if processed:  # the [R, S, vocab] logits-processing path (a second compile of the step, used only when needed)
             arr["proc"] = self.processing_arrays(R, S)
             flat = {k: v.reshape(R * S * W, *v.shape[2 + (W > 1):]) for k, v in arr["proc"].items()}
-        for rank, plan in enumerate(plans):
-            for s, (r, w) in enumerate(plan.items):
+        for rank, schedule in enumerate(schedules):
+            for s, (r, w) in enumerate(schedule.items):
                 p = r.params
                 arr["temperature"][rank, s], arr["top_k"][rank, s], arr["top_p"][rank, s] = \
                     p.temperature, p.top_k, p.top_p
                 arr["seed"][rank, s], arr["min_p"][rank, s] = p.seed, p.min_p
                 arr["position"][rank, s] = w.start_pos + len(w.tokens)  # position of the token being sampled
                 if processed and p.processed:
-                    drafts = list(w.tokens[1:]) if s < len(plan.decodes) else []  # a decode row: [last, drafts]
+                    drafts = list(w.tokens[1:]) if s < len(schedule.decodes) else []  # a decode row: [last, drafts]
                     for j in range(W):  # the outputs before position j: the request's, then drafts 1..j
                         fill_processing_row(flat, (rank * S + s) * W + j, p, r.prompt, r.output + drafts[:j],
                                             sorted(r.stop_ids), r.matcher)
@@ -420,13 +420,13 @@ class Engine:
         with drafts (one a verified position)."""
         return processing_arrays((R, S) if self.width == 1 else (R, S, self.width), self.config.vocab_size)
 
-    def _record(self, plans: list[Plan]) -> None:
+    def _record(self, schedules: list[Schedule]) -> None:
         st = self.stats
         st.steps += 1
-        st.tokens.append(sum(p.tokens for p in plans))  # a verified row's drafts included
-        st.seqs.append(sum(len(p.decodes) + len(p.prefills) for p in plans))
-        st.mixed_steps += any(p.decodes and p.prefills for p in plans)
-        st.recomputed.append(sum(p.recomputed for p in plans))
+        st.tokens.append(sum(p.tokens for p in schedules))  # a verified row's drafts included
+        st.seqs.append(sum(len(p.decodes) + len(p.prefills) for p in schedules))
+        st.mixed_steps += any(p.decodes and p.prefills for p in schedules)
+        st.recomputed.append(sum(p.recomputed for p in schedules))
 
     @property
     def preemptions(self) -> int:

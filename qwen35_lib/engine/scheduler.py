@@ -1,10 +1,10 @@
 """Continuous batching: which tokens of which requests go into the next step, and the page/slot bookkeeping.
 
 Pure Python, no JAX. One `RankScheduler` per data-parallel rank owns that rank's free pages and slots, its
-waiting queue and its running requests, both in arrival order (request id). Each step (per rank), `plan()`:
+waiting queue and its running requests, both in arrival order (request id). Each step (per rank), `schedule()`:
 1. decodes every running request whose known tokens are all in the cache but the last, oldest first; one whose
    next token needs a page when none is free preempts the most recently arrived running request (itself, when it
-   is the newest: then it is not planned), as vLLM's recompute policy does;
+   is the newest: then it is not scheduled), as vLLM's recompute policy does;
 2. continues the prompts (prompt + kept outputs, after a preemption) of running requests part-way through
    them, a chunk each (chunked prefill);
 3. admits waiting requests in arrival order while a slot, the token budget and the batch allow, unless a
@@ -13,7 +13,7 @@ waiting queue and its running requests, both in arrival order (request id). Each
    can still grow by: the guard against thrashing, where a request is readmitted, recomputed and preempted
    again for every page an older one fills (a victim is recomputed only after the others have filled at least
    as many pages as it holds).
-A request preempted in a plan is in no list of that plan and cannot be admitted again in it. Preemption frees
+A request preempted in a schedule is in no list of that schedule and cannot be admitted again in it. Preemption frees
 its pages and slot and puts it back at the front of the queue with its outputs kept, to be recomputed (prompt +
 outputs) when it is admitted again; `commit()` then counts those tokens as recomputed.
 
@@ -68,12 +68,12 @@ class Request:
 
 
 @dataclasses.dataclass
-class Plan:
+class Schedule:
     """One rank's share of a step: decodes and prefill chunks, as (request, SeqWork)."""
 
     decodes: list[tuple[Request, SeqWork]]
     prefills: list[tuple[Request, SeqWork]]
-    preempted: list[Request] = dataclasses.field(default_factory=list)  # by this plan, in none of its lists
+    preempted: list[Request] = dataclasses.field(default_factory=list)  # by this schedule, in none of its lists
 
     @property
     def items(self) -> list[tuple[Request, SeqWork]]:  # in the order of the step's sequence rows
@@ -84,7 +84,7 @@ class Plan:
         return sum(len(w.tokens) for _, w in self.items)
 
     @property
-    def recomputed(self) -> int:  # planned tokens that were in the cache before a preemption (valid until commit)
+    def recomputed(self) -> int:  # scheduled tokens that were in the cache before a preemption (valid until commit)
         return sum(max(0, min(r.high, w.start_pos + len(w.tokens)) - w.start_pos) for r, w in self.items)
 
 
@@ -114,8 +114,8 @@ class RankScheduler:
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def plan(self) -> Plan:
-        plan = Plan([], [])
+    def schedule(self) -> Schedule:
+        schedule = Schedule([], [])
         budget, region = self.budget, self.prefill_region
         for r in list(self.running):  # 1. decodes, oldest first (with their drafts, as the budget allows)
             if budget == 0:
@@ -123,14 +123,14 @@ class RankScheduler:
             if r.computed != len(r.known) - 1:
                 continue
             new = r.known[r.computed:] + r.drafts[:budget - 1]
-            if not self._room_for_decode(r, plan, len(new)):
+            if not self._room_for_decode(r, schedule, len(new)):
                 break  # r preempted itself: it was the newest, no one after it is running
-            plan.decodes.append((r, SeqWork(new, r.computed, list(r.pages), r.slot)))
+            schedule.decodes.append((r, SeqWork(new, r.computed, list(r.pages), r.slot)))
             budget -= len(new)
         for r in self.running:  # 2. prompt chunks of running requests
             if r.computed < len(r.known) - 1 and budget > 0 and region >= self.chunk:
-                budget, region = self._add_chunk(plan, r, budget, region)
-        while not plan.preempted and self.waiting and budget > 0 and region >= self.chunk and self.free_slots \
+                budget, region = self._add_chunk(schedule, r, budget, region)
+        while not schedule.preempted and self.waiting and budget > 0 and region >= self.chunk and self.free_slots \
                 and len(self.running) < self.max_num_seqs:  # 3. admissions
             r = self.waiting[0]
             need = self._pages_for(len(r.known))
@@ -140,8 +140,8 @@ class RankScheduler:
             r.slot = self.free_slots.popleft()
             r.pages = [self.free_pages.popleft() for _ in range(need)]
             bisect.insort(self.running, r, key=lambda q: q.id)
-            budget, region = self._add_chunk(plan, r, budget, region)
-        return plan
+            budget, region = self._add_chunk(schedule, r, budget, region)
+        return schedule
 
     def _admissible(self, r: Request, need: int) -> bool:
         """Room for r's `need` pages, and after them either as many again or all that r and the running requests
@@ -156,25 +156,25 @@ class RankScheduler:
     def _growth(self, r: Request) -> int:  # pages r may still take: its last token is sampled, never written
         return max(0, self._pages_for(len(r.prompt) + r.params.max_new_tokens - 1) - len(r.pages))
 
-    def _room_for_decode(self, r: Request, plan: Plan, tokens: int = 1) -> bool:
+    def _room_for_decode(self, r: Request, schedule: Schedule, tokens: int = 1) -> bool:
         """Pages for r's next `tokens` tokens (its drafts too) where it needs them, preempting the newest running
         requests; False when r itself was preempted."""
         while self._pages_for(r.computed + tokens) > len(r.pages):
             while not self.free_pages:
                 victim = self.running[-1]
-                assert all(victim is not q for q, _ in plan.items), "a victim is newer than every planned request"
+                assert all(victim is not q for q, _ in schedule.items), "a victim is newer than every scheduled request"
                 self.preempt(victim)
-                plan.preempted.append(victim)
+                schedule.preempted.append(victim)
                 if victim is r:
                     return False
             r.pages.append(self.free_pages.popleft())
         return True
 
-    def _add_chunk(self, plan: Plan, r: Request, budget: int, region: int) -> tuple[int, int]:
+    def _add_chunk(self, schedule: Schedule, r: Request, budget: int, region: int) -> tuple[int, int]:
         end = r.fork_at if r.forks else len(r.known)  # a group's prompt stops before its last token, to fork there
         n = min(end - r.computed, budget, region)
         assert self._pages_for(r.computed + n) <= len(r.pages), "a prompt's pages are given at admission"
-        plan.prefills.append((r, SeqWork(r.known[r.computed : r.computed + n], r.computed, list(r.pages), r.slot)))
+        schedule.prefills.append((r, SeqWork(r.known[r.computed : r.computed + n], r.computed, list(r.pages), r.slot)))
         return budget - n, region - -(-n // self.chunk) * self.chunk
 
     def preempt(self, r: Request) -> None:
@@ -243,18 +243,18 @@ class RankScheduler:
             self.free_slots.append(r.slot)
             r.slot = 0
 
-    def commit(self, plan: Plan, sampled: Sequence, accepted: Sequence[int] | None = None
+    def commit(self, schedule: Schedule, sampled: Sequence, accepted: Sequence[int] | None = None
                ) -> list[tuple[Request, int]]:
-        """Apply a step: `sampled[s]` is the token sampled after row s of `plan.items`. Returns the (request,
+        """Apply a step: `sampled[s]` is the token sampled after row s of `schedule.items`. Returns the (request,
         token) pairs that became outputs; a request that then finished has its `finish_reason` set and is gone.
         With drafts verified (`accepted` given, `engine.speculative`): `sampled[s]` [V] holds the target's token after
         each of row s's tokens, and a decode row keeps `accepted[s]` of its tokens (its last one and the accepted
         drafts) and outputs as many: the accepted drafts (equal to the target's) and the target's next token, up
         to a stop token or max_new_tokens."""
         events = []
-        for s, (r, w) in enumerate(plan.items):
-            assert r.computed == w.start_pos, "a plan is committed once, right after it is made"
-            verified = accepted is not None and s < len(plan.decodes)
+        for s, (r, w) in enumerate(schedule.items):
+            assert r.computed == w.start_pos, "a schedule is committed once, right after it is made"
+            verified = accepted is not None and s < len(schedule.decodes)
             r.computed += int(accepted[s]) if verified else len(w.tokens)
             r.high = max(r.high, r.computed)
             r.drafts = []

@@ -160,17 +160,17 @@ def verify(logits: jax.Array, tokens: jax.Array, meta, samp: dict) -> tuple[jax.
     return jax.lax.cond(jnp.all(samp["temperature"] <= 0), greedy, sampled, logits)
 
 
-def head_inputs(plans, packs, V: int) -> tuple[np.ndarray, np.ndarray]:
-    """The head pass's `next_ids` [R, T] and `next_src` [R, T] from the step's plans and packs: the token after each
+def head_inputs(schedules, packs, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """The head pass's `next_ids` [R, T] and `next_src` [R, T] from the step's schedules and packs: the token after each
     position where the host knows it (the next token of the same row, or the prompt's next one past a prefill chunk
     that does not finish it), else (`next_src` >= 0) its index s V + j in the step's targets [S, V]: a decode row's
     target j, and the sampled token of a prefill row that finishes its prompt (j = 0)."""
     R, T = len(packs), packs[0][0].shape[0]
     ids, src = np.zeros((R, T), np.int32), np.full((R, T), -1, np.int32)
-    for rank, (plan, (_, meta)) in enumerate(zip(plans, packs)):
-        for s, (r, w) in enumerate(plan.items):
+    for rank, (schedule, (_, meta)) in enumerate(zip(schedules, packs)):
+        for s, (r, w) in enumerate(schedule.items):
             first, n = int(meta.q_start[s]), len(w.tokens)
-            if s < len(plan.decodes):
+            if s < len(schedule.decodes):
                 src[rank, first:first + n] = s * V + np.arange(n)
                 continue
             ids[rank, first:first + n - 1] = w.tokens[1:]

@@ -37,7 +37,7 @@ import numpy as np
 from qwen35_lib.engine import Engine, SamplingParams
 from qwen35_lib.engine.batch import pack, stack_ranks
 from qwen35_lib.engine.sampling import processing_arrays
-from qwen35_lib.engine.scheduler import Plan
+from qwen35_lib.engine.scheduler import Schedule
 
 log = logging.getLogger("qwen35_lib.serve")
 
@@ -287,7 +287,7 @@ class _WaitingStep:
         e = self.engine
         R, S = e.ec.ranks, e.ec.max_num_seqs
         tokens, meta = stack_ranks([pack([], [], D, T, S, e.ec.pages_per_seq, e.chunk)] * R)
-        samp = e._sampling_arrays([Plan([], [])] * R, S)
+        samp = e._sampling_arrays([Schedule([], [])] * R, S)
         if processing:
             samp["proc"] = processing_arrays((R, S), e.config.vocab_size)
         return tokens, meta, samp

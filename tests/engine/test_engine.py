@@ -280,8 +280,8 @@ def test_abort_request_frees_its_pages_and_slot(engine):
     pages, slots = len(sched.free_pages), len(sched.free_slots)
     a = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4))
     b = engine.add_request([4, 5], SamplingParams(max_new_tokens=4))
-    plan = sched.plan()  # a admitted (the thrash guard may hold b back): pages and a slot taken
-    sched.commit(plan, [0] * len(plan.items))
+    schedule = sched.schedule()  # a admitted (the thrash guard may hold b back): pages and a slot taken
+    sched.commit(schedule, [0] * len(schedule.items))
     assert sched.running[0].id == a and len(sched.free_pages) < pages and len(sched.free_slots) < slots
     assert engine.abort_request(b) and engine.abort_request(a) and not engine.has_work  # queued or running
     assert (len(sched.free_pages), len(sched.free_slots)) == (pages, slots)

@@ -1,9 +1,9 @@
 """The scheduler's invariants under random traffic (pure Python: no model, sampled tokens drawn at random).
 
-Every step, on every rank: no request is planned twice (nor one preempted by the plan), every planned chunk is
+Every step, on every rank: no request is scheduled twice (nor one preempted by the schedule), every scheduled chunk is
 the next tokens of its request from `computed` on and fits its pages and writes none that forks share, no page
-is held by more live requests than share it, no slot by two, and none is lost, the plan fits the budget and the
-batch; a commit advances `computed` by exactly the tokens planned (forks start at their group's prompt); every
+is held by more live requests than share it, no slot by two, and none is lost, the schedule fits the budget and the
+batch; a commit advances `computed` by exactly the tokens scheduled (forks start at their group's prompt); every
 request finishes with the outputs it asked for.
 """
 
@@ -26,17 +26,17 @@ def make_ranks(n: int, num_pages: int, page_size: int, max_num_seqs: int, budget
             for _ in range(n)]
 
 
-def check_rank(s: RankScheduler, plan, num_pages: int, num_slots: int) -> None:
-    items = plan.items
-    assert len({id(r) for r, _ in items}) == len(items), "a request planned twice"
-    assert not {id(r) for r in plan.preempted} & {id(r) for r, _ in items}, "a preempted request planned"
-    assert all(any(r is q for q in s.running) for r, _ in items), "a planned request is not running"
-    assert len(items) <= s.max_num_seqs and plan.tokens <= s.budget
-    assert sum(-(-len(w.tokens) // s.chunk) * s.chunk for _, w in plan.prefills) <= s.prefill_region
+def check_rank(s: RankScheduler, schedule, num_pages: int, num_slots: int) -> None:
+    items = schedule.items
+    assert len({id(r) for r, _ in items}) == len(items), "a request scheduled twice"
+    assert not {id(r) for r in schedule.preempted} & {id(r) for r, _ in items}, "a preempted request scheduled"
+    assert all(any(r is q for q in s.running) for r, _ in items), "a scheduled request is not running"
+    assert len(items) <= s.max_num_seqs and schedule.tokens <= s.budget
+    assert sum(-(-len(w.tokens) // s.chunk) * s.chunk for _, w in schedule.prefills) <= s.prefill_region
     for i, (r, w) in enumerate(items):
         n = len(w.tokens)
         assert n >= 1 and w.start_pos == r.computed and w.tokens == r.known[r.computed : r.computed + n]
-        if i < len(plan.decodes):
+        if i < len(schedule.decodes):
             assert n == 1 and r.computed == len(r.known) - 1
         assert w.pages == r.pages and len(r.pages) * s.page_size >= w.start_pos + n
         assert w.slot == r.slot != 0
@@ -67,21 +67,21 @@ def simulate(ranks, requests, arrivals, rng, num_pages, num_slots, check=True) -
             s = min(ranks, key=lambda q: q.load)  # the engine's rank choice
             s.add(r)
             k += 1
-        plans = [s.plan() for s in ranks]
-        planned = [r for p in plans for r, _ in p.items]
-        assert len({id(r) for r in planned}) == len(planned), "a request planned on two ranks"
-        for s, plan in zip(ranks, plans):
+        schedules = [s.schedule() for s in ranks]
+        scheduled = [r for p in schedules for r, _ in p.items]
+        assert len({id(r) for r in scheduled}) == len(scheduled), "a request scheduled on two ranks"
+        for s, schedule in zip(ranks, schedules):
             if check:
-                check_rank(s, plan, num_pages, num_slots)
-            assert plan.items or not (s.waiting or s.running), "a rank with work planned nothing"
-            computed, again = computed + plan.tokens, again + plan.recomputed
+                check_rank(s, schedule, num_pages, num_slots)
+            assert schedule.items or not (s.waiting or s.running), "a rank with work scheduled nothing"
+            computed, again = computed + schedule.tokens, again + schedule.recomputed
             before = {id(r): r.computed for r in s.running}
-            events = s.commit(plan, [rng.randrange(VOCAB) for _ in plan.items])
-            forked = [r for r in s.running if id(r) not in before and not any(r is q for q, _ in plan.items)]
+            events = s.commit(schedule, [rng.randrange(VOCAB) for _ in schedule.items])
+            forked = [r for r in s.running if id(r) not in before and not any(r is q for q, _ in schedule.items)]
             shared += sum(r.computed for r in forked)  # forks running from their group's prompt, never computed
-            for r, w in plan.items:
+            for r, w in schedule.items:
                 assert r.computed == before.pop(id(r)) + len(w.tokens)
-            assert all(r.computed == before[id(r)] for r in s.running if id(r) in before), "unplanned moved"
+            assert all(r.computed == before[id(r)] for r in s.running if id(r) in before), "unscheduled moved"
             for r, token in events:
                 assert r.output[-1] == token and r.computed == len(r.known) - 1
         step += 1
