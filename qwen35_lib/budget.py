@@ -178,14 +178,14 @@ class CompiledWeights:
 def weight_shardings(config: Config, mesh: Mesh, spread: str = "even") -> Any:
     """`NamedSharding`s over all axes of `mesh` for every weight, as `spread` says.
 
-    `experts_sharded`: the `dp_ep` layout's own shardings (`parallel.layouts.weight_shardings`: the `experts`
+    `experts_sharded`: the `dp_ep` layout's own shardings (`parallel.shardings.weight_shardings`: the `experts`
     logical axis over the whole mesh, the rest replicated). `even`: each weight split on its first dim the mesh
     size divides (replicated when none does: a few norm-sized arrays at most).
     """
     if spread not in WEIGHT_SPREADS:
         raise ValueError(f"unknown weight spread {spread!r}; use one of {WEIGHT_SPREADS}")
     if spread in SPREAD_PLANS:
-        from qwen35_lib.parallel.layouts import weight_shardings as layout_shardings
+        from qwen35_lib.parallel.shardings import weight_shardings as layout_shardings
 
         return layout_shardings(config, SPREAD_PLANS[spread].bind(mesh, config), mesh)
     axes, size = tuple(mesh.axis_names), mesh.devices.size

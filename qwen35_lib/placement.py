@@ -2,7 +2,7 @@
 
 `placement(config, layout, devices, ...)` answers, per device of a `('chip', 'core')` mesh: which query heads, KV
 heads, GDN key/value heads, experts and requests it holds, and how many bytes of weights, KV cache and GDN state,
-against the device's HBM. Everything is read from the same rules that shard the real arrays (`layouts.spec` over
+against the device's HBM. Everything is read from the same rules that shard the real arrays (`shardings.spec` over
 the `ArrayInfo` declarations of `weights.declare` and `engine.cache.declare_cache`), so the bytes here are the
 bytes `shard_weights` puts on a device (tested against real shards at CPU size).
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from qwen35_lib import hardware as hw
 from qwen35_lib.config import Config
 from qwen35_lib.engine.cache import CacheShape, declare_cache
-from qwen35_lib.parallel.layouts import spec
+from qwen35_lib.parallel.shardings import spec
 from qwen35_lib.plan import AXES, ServingPlan, abstract_mesh, axis_size, get_layout
 from qwen35_lib.weights import ArrayInfo, declare, is_info
 

@@ -178,7 +178,7 @@ def compile_step(config: Config, plan: ServingPlan, mesh: Mesh, *, requests: int
     from qwen35_lib.engine.batch import RaggedMeta
     from qwen35_lib.engine.cache import abstract_cache
     from qwen35_lib.engine.step import engine_step, verify_step
-    from qwen35_lib.parallel.layouts import batch_sharding, weight_shardings
+    from qwen35_lib.parallel.shardings import batch_sharding, weight_shardings
 
     plan = plan.bound(mesh, config, kv_dtype=kv_dtype)  # the KV dtype: the plan's, else `kv_dtype`
     config = plan.placed(config)  # tp_kvrep: the duplicated KV heads the weights and cache carry
@@ -223,8 +223,8 @@ def compile_moe_layer(config: Config, plan: ServingPlan, mesh: Mesh, tokens: int
     from jax.sharding import NamedSharding, PartitionSpec
 
     from qwen35_lib.model.moe import route
-    from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.parallel.routing import moe_ep
+    from qwen35_lib.parallel.shardings import weight_shardings
     from qwen35_lib.plan import ALL
 
     plan = plan.replace(moe_kernel="ragged_dot").bound(mesh, config)
@@ -242,7 +242,7 @@ def resident_bytes(config: Config, plan: ServingPlan, cache_shape, mesh: Mesh) -
     `memory_analysis()` of a program that keeps every input, or (None, the compiler's refusal, e.g.
     RESOURCE_EXHAUSTED)."""
     from qwen35_lib.engine.cache import abstract_cache
-    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.parallel.shardings import weight_shardings
 
     plan = plan.bound(mesh, config)
     config = plan.placed(config)

@@ -118,7 +118,7 @@ def resident(cfg, plan, shape: ServingShape, mesh, verify: int = 1) -> dict[str,
     import jax.numpy as jnp
 
     from qwen35_lib.engine.cache import abstract_cache
-    from qwen35_lib.parallel.layouts import weight_shardings
+    from qwen35_lib.parallel.shardings import weight_shardings
     from qwen35_lib.weights import abstract_weights
 
     def per_device(arrays) -> int:  # ShapeDtypeStructs with shardings -> the fullest device's bytes

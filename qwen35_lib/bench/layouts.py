@@ -78,7 +78,7 @@ def step_inputs(engine, batch: str, opts: dict, rng: np.random.Generator) -> dic
     import jax
 
     from qwen35_lib.engine.batch import SeqWork, pack, stack_ranks
-    from qwen35_lib.parallel.layouts import batch_sharding
+    from qwen35_lib.parallel.shardings import batch_sharding
 
     R, C, ec = engine.ec.ranks, engine.chunk, engine.ec
     if batch == "decode":

@@ -72,7 +72,7 @@ def sharded_place(config: Config, plan, mesh) -> Place:
     twin of the sliced load (`load_hf_checkpoint(..., mesh=)`), which never builds a whole leaf."""
     from jax.sharding import NamedSharding
 
-    from qwen35_lib.parallel.layouts import spec
+    from qwen35_lib.parallel.shardings import spec
 
     layout = plan.bound(mesh, config)
 
@@ -248,7 +248,7 @@ def _load_whole(groups: list[Group], infos: dict[Path, ArrayInfo], tensors: dict
 def _shardings(config: Config, plan, mesh, infos: dict[Path, ArrayInfo]) -> dict[Path, Any]:
     from jax.sharding import NamedSharding
 
-    from qwen35_lib.parallel.layouts import spec
+    from qwen35_lib.parallel.shardings import spec
 
     layout = plan.bound(mesh, config)
     return {p: NamedSharding(mesh, spec(layout, mesh, i.logical_axes, i.shape)) for p, i in infos.items()}

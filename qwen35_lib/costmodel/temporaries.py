@@ -52,7 +52,7 @@ from qwen35_lib.config import Config
 from qwen35_lib.costmodel.traffic import StepShape, per_device, sizes
 from qwen35_lib.engine.cache import CacheShape, declare_cache
 from qwen35_lib.model.layer_loop import STACKED_DENSE
-from qwen35_lib.parallel.layouts import spec
+from qwen35_lib.parallel.shardings import spec
 from qwen35_lib.plan import AXES, ServingPlan
 from qwen35_lib.weights import declare, is_info
 

@@ -37,7 +37,7 @@ backend "cpu"):
 
 (c = `routing.a2a_cap` rows per destination: N_p / n dropless; m = `plan.rs_slices`, the count the code runs.)
 `resident_bytes` gives the weights and caches one device holds: every declared array's bytes over the ways the
-plan's rules split it (`parallel.layouts.spec` on the plan's mesh sizes; `tp_kvrep`'s duplicated KV heads
+plan's rules split it (`parallel.shardings.spec` on the plan's mesh sizes; `tp_kvrep`'s duplicated KV heads
 included).
 """
 
@@ -52,8 +52,8 @@ from jax.sharding import AbstractMesh
 
 from qwen35_lib.config import Config
 from qwen35_lib.engine.cache import CacheShape, declare_cache
-from qwen35_lib.parallel.layouts import spec
 from qwen35_lib.parallel.routing import a2a_cap
+from qwen35_lib.parallel.shardings import spec
 from qwen35_lib.plan import ALL, AXES, ServingPlan
 from qwen35_lib.weights import declare, declare_mtp, is_info, mtp_layer_config
 

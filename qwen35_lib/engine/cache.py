@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from qwen35_lib.config import Config
 from qwen35_lib.kernels import for_plan
 from qwen35_lib.kernels.attention.xla import WORD
-from qwen35_lib.parallel.layouts import shardings
+from qwen35_lib.parallel.shardings import shardings
 from qwen35_lib.plan import BoundPlan, ServingPlan
 from qwen35_lib.weights import ArrayInfo, is_info
 

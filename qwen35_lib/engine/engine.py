@@ -37,7 +37,7 @@ from qwen35_lib.kernels import registry as kernel_registry
 from qwen35_lib.model.decoder import check_weights
 from qwen35_lib.model.layer_loop import per_layer_cache, prepare_weights
 from qwen35_lib.model.mtp import declare_mtp, mtp_layer_config
-from qwen35_lib.parallel.layouts import batch_sharding, shard_weights
+from qwen35_lib.parallel.shardings import batch_sharding, shard_weights
 from qwen35_lib.plan import SINGLE, ServingPlan
 
 

@@ -32,7 +32,7 @@ ones processed sampling takes without drafts; structured output is refused (`che
 
 Every layout runs it: the checkpoint pools are declared with the GDN state's logical axes (`engine.cache`), so a
 layout places them as it places the state (split by GDN heads under `tp`, by ranks under `dp_ep`), and the head as a
-layer (`weights.declare_mtp`, its KV heads duplicated where the plan's are: `parallel.layouts.shard_weights`). Tested
+layer (`weights.declare_mtp`, its KV heads duplicated where the plan's are: `parallel.shardings.shard_weights`). Tested
 greedy-equal to one device without drafts under `single`, `dp8_ep8`, `tp` (2 devices), `tp_ep` (4) and
 `dp4_tp2_ep8` (tests/engine/test_speculative.py)."""
 

@@ -7,6 +7,6 @@ collectives. The plans themselves, the layouts, the stage ladder and the mesh li
     weights = shard_weights(config, plan, init_weights(config), mesh)
 """
 
-from qwen35_lib.parallel.layouts import batch_sharding, placed_config, shard_weights, spec, weight_shardings
+from qwen35_lib.parallel.shardings import batch_sharding, placed_config, shard_weights, spec, weight_shardings
 
 __all__ = ["batch_sharding", "placed_config", "shard_weights", "spec", "weight_shardings"]

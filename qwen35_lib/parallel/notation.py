@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from jax.sharding import PartitionSpec
 
 from qwen35_lib.config import Config
-from qwen35_lib.parallel.layouts import leaf_infos, weight_shardings
+from qwen35_lib.parallel.shardings import leaf_infos, weight_shardings
 from qwen35_lib.plan import ALL, ServingPlan
 
 LETTERS = {"embed": "D", "experts": "E", "moe_ffn": "F", "ffn": "Fs", "q_heads": "Hq", "kv_heads": "Hkv",

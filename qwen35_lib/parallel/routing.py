@@ -323,7 +323,7 @@ def run_layer(cfg: Config, plan: ServingPlan, weights: dict, x, mesh, group: int
     import numpy as np
 
     from qwen35_lib.model.moe import route
-    from qwen35_lib.parallel.layouts import shard_weights
+    from qwen35_lib.parallel.shardings import shard_weights
 
     plan = plan.bound(mesh, cfg)
     layer = jax.tree.map(lambda a: a[group, position], shard_weights(cfg, plan, weights, mesh)["layers"]["moe"])

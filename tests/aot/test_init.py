@@ -77,7 +77,7 @@ def test_resident_bytes_are_the_references(mesh):
 
 def _baseline_pools() -> dict:  # in `aot_subprocess`'s child (libtpu): {pool: [dtype, row, rows a layer]}
     from qwen35_lib.aot import sweep
-    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.parallel.shardings import placed_config
     from qwen35_lib.plan import any_stage
 
     cfg = sweep.serving_config("qwen3.5-397b-a17b")

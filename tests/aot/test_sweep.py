@@ -121,7 +121,7 @@ def test_the_sweeps_pools_are_for_requests_and_its_resident_bytes_their_abstract
 
     from qwen35_lib import get_config
     from qwen35_lib.engine.cache import CacheShape, abstract_cache
-    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.parallel.shardings import placed_config
     from qwen35_lib.plan import AXES, get_stage, make_mesh
 
     small = sweep.ServingShape(requests=10, context_len=40, page_size=8)

@@ -21,8 +21,8 @@ from qwen35_lib.engine.sampling import token_keys
 from qwen35_lib.engine.speculative import accept, check_request, check_speculative, rejection_sample
 from qwen35_lib.kernels.gdn import xla as gdn_xla
 from qwen35_lib.model.ragged import keep_accepted
-from qwen35_lib.parallel.layouts import spec as layout_spec
 from qwen35_lib.parallel.parallelism import parallelism
+from qwen35_lib.parallel.shardings import spec as layout_spec
 from qwen35_lib.plan import SINGLE, get_layout, make_mesh
 
 EC = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=8, max_model_len=64)

@@ -64,7 +64,7 @@ def _step(groups: int, layouts: str = "mxu") -> dict:
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.costmodel.compiled import scan_weight_passes
     from qwen35_lib.kernels.moe import pallas as moe_pallas
-    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.parallel.shardings import placed_config
     from qwen35_lib.plan import get_stage
 
     moe_pallas.moe_pallas.reads_stacked = True  # what the kernels stage does (the control turns it off)
@@ -148,8 +148,8 @@ def _sliced_moe_loop() -> dict:
     from qwen35_lib.aot import hlo_checks, sweep
     from qwen35_lib.kernels.moe import pallas as moe_pallas
     from qwen35_lib.model.moe import route, stacked_experts
-    from qwen35_lib.parallel.layouts import weight_shardings
     from qwen35_lib.parallel.routing import moe_ep
+    from qwen35_lib.parallel.shardings import weight_shardings
     from qwen35_lib.plan import ALL, get_stage
     from qwen35_lib.weights import abstract_weights
 
@@ -183,7 +183,7 @@ def _xla_pool() -> str:
 
     from qwen35_lib import aot
     from qwen35_lib.aot import sweep
-    from qwen35_lib.parallel.layouts import placed_config
+    from qwen35_lib.parallel.shardings import placed_config
     from qwen35_lib.plan import get_stage
 
     cfg = sweep.serving_config(MODEL, 2, **REDUCED)

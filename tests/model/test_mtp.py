@@ -283,8 +283,8 @@ def test_sliced_onto_a_mesh_and_run_there(ckpts):
     unsharded load's; the head runs under that layout's MoE (dp8_ep8: tokens replicated to the experts) as on one
     device."""
     from qwen35_lib.parallel import shard_weights
-    from qwen35_lib.parallel.layouts import shardings
     from qwen35_lib.parallel.parallelism import parallelism
+    from qwen35_lib.parallel.shardings import shardings
     from qwen35_lib.plan import get_layout, make_mesh
 
     path = ckpts("qwen3_5_moe", "fp8")

@@ -1,6 +1,7 @@
-"""Layouts: logical axes -> mesh axes, applied. The rules themselves are the serving plan's (`qwen35_lib.plan`:
-one `ServingPlan` per layout name or stage), checked against a model and a mesh when it is bound there
-(`plan.bind(mesh, config)`); every function here takes the bound plan.
+"""Shardings: a layout's logical axes -> mesh axes, applied to arrays (PartitionSpecs, NamedShardings, placed
+weights). The rules themselves are the serving plan's (`qwen35_lib.plan`: one `ServingPlan` per layout name or
+stage), checked against a model and a mesh when it is bound there (`plan.bind(mesh, config)`); every function here
+takes the bound plan.
 
 Every weight and cache array declares logical axes (`qwen35_lib.weights`, `qwen35_lib.engine.cache`); a layout
 maps them to the `('chip', 'core')` mesh. A logical axis whose size does not divide its mesh axes is kept whole

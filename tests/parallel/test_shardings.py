@@ -1,5 +1,5 @@
-"""Layouts applied: which dims a PartitionSpec splits, the configs and weights tp_kvrep places (duplicated KV
-heads), the placed weights keeping their values, and the leaf listing."""
+"""Shardings (a layout applied): which dims a PartitionSpec splits, the configs and weights tp_kvrep places
+(duplicated KV heads), the placed weights keeping their values, and the leaf listing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from qwen35_lib import get_config
-from qwen35_lib.parallel.layouts import (
+from qwen35_lib.parallel.shardings import (
     batch_sharding,
     duplicate_kv_heads,
     leaf_infos,
