@@ -10,7 +10,7 @@ half of what TPU7x measures (issue 30): production's layer (tpu_inference/layers
    4·k·N²·D MXU FLOPs; above it as SparseCore ragged gathers;
 3. moves N·k-row buffers: the permuted tokens `[N·k, D]` written and the expert outputs `[N·k, D]` read back
    for the weighted sum over k (bf16, 2 x 2 bytes an element);
-4. runs the grouped matmul over its local experts (`ops.moe_block`'s `gmm`: touched weights once, whole tiles
+4. runs the grouped matmul over its local experts (`ops.moe_block`'s `pallas`: touched weights once, whole tiles
    of `gmm_tile_rows` rows an expert).
 `ops.layer_costs` returns items 1-3 as `Cost`s (the step model adds them to the layer's `routed_experts`):
 - `onehot_permute`: the one-hot matmuls (MXU FLOPs) while N·k is under the threshold, else nothing;
@@ -63,7 +63,7 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
 
     sp = mech_specs(specs, mech)
     ep = ep or sp.devices
-    pr = ops.Pricing(dp=ep, tp=1, moe="ep", ep=ep, attention="pallas", moe_impl="gmm",
+    pr = ops.Pricing(dp=ep, tp=1, moe="ep", ep=ep, attention="pallas", moe_impl="pallas",
                        expert_imbalance=mech.expert_imbalance, gmm_tile_rows=mech.gmm_tile_rows,
                        onehot_threshold=mech.onehot_permute_threshold, row_overhead_s=mech.moe_row_overhead_s,
                        layer_fixed_s=mech.moe_layer_fixed_s)

@@ -24,7 +24,7 @@ moved, as data/costmodel_hardware.json 'kernels' records from the code:
   read per parameter; `capacity`: every expert computes C
   slots (C from `moe_xla.moe_capacity`'s rule), every expert's weights read; `loop` (the CPU default,
   `moe_xla.moe_loop`): only the experts hit, each copied once (XLA:CPU copies an expert's weights before its
-  matmuls), real rows only in tiles of at most 32 rows (the small-matmul regime); `gmm` (Pallas grouped matmul):
+  matmuls), real rows only in tiles of at most 32 rows (the small-matmul regime); `pallas` (the Pallas grouped matmul):
   ideal FLOPs, only the experts hit are read, FP8 read as FP8.
 """
 
@@ -104,7 +104,7 @@ class Pricing:
     moe: str = "local"  # "tp", "ep", "local"
     ep: int = 1
     attention: str = "xla"  # "xla", "items" or "pallas"
-    moe_impl: str = "ragged_dot"  # "ragged_dot", "capacity", "loop", "gmm", "native" (the CPU's C++ handler)
+    moe_impl: str = "ragged_dot"  # the `moe_matmul` slot's: "ragged_dot", "capacity", "loop", "pallas", "native"
     kv_dtype: str | None = None  # None: the model dtype
     page_size: int = 256
     max_batched_tokens_per_rank: int = 0  # 0: not padded to buckets
@@ -120,13 +120,13 @@ class Pricing:
     static_buffers: bool = True  # the code's worst-case MoE buffers are moved whole (False: the ideal roofline)
     expert_imbalance: float = 1.0  # the busiest EP device's rows over the mean (its row work scales by it)
     gmm_tile_rows: int = 0  # the grouped matmul computes whole tiles of this many rows per expert (0: real rows)
-    onehot_threshold: int = 0  # gmm: one-hot matmul permutes while N·k <= this (`moe_layer`); 0: never
-    row_overhead_s: float = 0.0  # gmm: seconds a routed row of the slice costs every device (`moe_layer`)
-    layer_fixed_s: float = 0.0  # gmm: seconds every layer call costs every device outside its grouped matmul,
+    onehot_threshold: int = 0  # pallas: one-hot matmul permutes while N·k <= this (`moe_layer`); 0: never
+    row_overhead_s: float = 0.0  # pallas: seconds a routed row of the slice costs every device (`moe_layer`)
+    layer_fixed_s: float = 0.0  # pallas: seconds every layer call costs every device outside its grouped matmul,
     # whatever its rows (`moe_layer`)
-    production_moe: bool = True  # gmm: tpu-inference's layer around the grouped matmul (`moe_layer`: one-hot
+    production_moe: bool = True  # pallas: tpu-inference's layer around the grouped matmul (`moe_layer`: one-hot
     # permutes, per-row overhead, SparseCore gathers); False: this library's (XLA gathers and a scatter-add)
-    permute_passes: float = 2.0  # gmm: passes over the [N·k, D] routed rows around the grouped matmul
+    permute_passes: float = 2.0  # pallas: passes over the [N·k, D] routed rows around the grouped matmul
     expert_bytes_per_param: float = 0.0  # ragged_dot / capacity: HBM bytes a layer moves per local expert
     # parameter as the compiled program does (XLA:TPU's FP8 path: kernels.xla_tpu_fp8_expert_bytes); 0: the rule
     cache_copy_passes: float = 0.0  # passes over each layer's whole local cache pool a step (an engine that slices
@@ -449,7 +449,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     if pr.moe == "ep":
         rows *= pr.expert_imbalance  # the busiest device's
         ideal *= pr.expert_imbalance
-    if pr.moe_impl == "gmm":
+    if pr.moe_impl == "pallas":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         if pr.gmm_tile_rows and touched:  # whole tiles of tile_m rows per expert group hit
             tm = pr.gmm_tile_rows
@@ -491,7 +491,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
            "permute": Cost(0, 0, buffer * D * z["act"] * 4, 6)}
     if scales is not None:
         out["expert_scales"] = scales
-    if pr.moe_impl == "gmm" and pr.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
+    if pr.moe_impl == "pallas" and pr.static_buffers:  # the layer around the grouped matmul (`moe_layer`)
         out.update(layer_costs(cfg, b.computed, pr.onehot_threshold, pr.row_overhead_s, pr.permute_passes,
                                pr.layer_fixed_s))
         sums = b.computed * D * z["act"]  # the combine's sums of every gathered token (replicate routing)

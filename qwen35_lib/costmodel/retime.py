@@ -55,7 +55,7 @@ def retimed(cfg: Config, specs: Specs, stage: ServingPlan, batch: ops.Batch | St
                                  out["attn_core"])
     if new.sparsecore_permute != old.sparsecore_permute:
         pr = pricing(cfg, specs, stage)
-        if pr.moe_impl == "gmm" and pr.production_moe:
+        if pr.moe_impl == "pallas" and pr.production_moe:
             big = batch.computed * cfg.num_experts_per_tok > old.onehot_permute_threshold
             out["permute"] = where(big, out["permute"] * (new.sparsecore_permute / old.sparsecore_permute),
                                    out["permute"])

@@ -97,12 +97,11 @@ def pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None 
     """The `ops.Pricing` of a stage on a system (bound there: each slot's implementation for its kind, priced by
     the facts of that implementation); `pools`: the engine's cache pools (None: no copies charged)."""
     if ideal:
-        return ops.Pricing(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="gmm",
+        return ops.Pricing(dp=specs.devices, tp=1, moe="ep", ep=specs.devices, attention="pallas", moe_impl="pallas",
                              kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
     lay = bind_to(stage, cfg, specs)
     facts = kernel_facts()
     attention, moe_impl, gdn = lay.kernel("attention"), lay.kernel("moe_matmul"), lay.kernel("gdn")
-    moe_impl = "gmm" if moe_impl == "pallas" else moe_impl  # the Pallas grouped matmul (`ops` names it gmm)
     expert_passes = expert_weight_passes(lay)
     # the dense projections: the plan's `dense` kernel on the layer scan (XLA's dots on the scan's sliced inputs;
     # the Pallas projection reads the stacks in place, `kernels.dense.pallas`), each measured off its compile;
@@ -130,13 +129,13 @@ def pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None 
         glue["hier_rs_glue_passes"] = facts["pallas_hier_rs_glue_passes"]["value"]
     if stage.fused_combine and specs.kind == "tpu":
         glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
-    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "gmm" and ours_tpu and not stage.fused_combine else 0.0
+    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "pallas" and ours_tpu and not stage.fused_combine else 0.0
     rates = dict(dense_row_efficiency=specs.row_efficiency("dense"), moe_row_efficiency=specs.row_efficiency("moe"))
     return ops.Pricing(**glue, **rates, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,
                          expert_imbalance=expert_imbalance,
-                         gmm_tile_rows=gmm_tile_rows if moe_impl == "gmm" else 0,
+                         gmm_tile_rows=gmm_tile_rows if moe_impl == "pallas" else 0,
                          onehot_threshold=onehot_threshold if production else 0,
                          row_overhead_s=row_overhead_s if production else 0.0, production_moe=production,
                          layer_fixed_s=layer_fixed_s if production else 0.0,
@@ -211,7 +210,7 @@ def _costs(cfg: Config, devices: int, pr: ops.Pricing, batch: ops.Batch, kv_dtyp
 def _dense(devices: int, kv_dtype: str | None, page_size: int) -> ops.Pricing:
     """The ideal roofline's pricing of the dense weights: every byte once over the slice, not once per
     data-parallel rank."""
-    return ops.Pricing(dp=devices, tp=devices, moe="ep", ep=devices, attention="pallas", moe_impl="gmm",
+    return ops.Pricing(dp=devices, tp=devices, moe="ep", ep=devices, attention="pallas", moe_impl="pallas",
                          kv_dtype=kv_dtype, page_size=page_size, static_buffers=False)
 
 
@@ -276,7 +275,7 @@ def _mechanism_rules(out: dict, cfg: Config, s: Specs, pr: ops.Pricing, batch: o
         out["attn_core"] = out["attn_core"] * (s.eff_hbm / mech.attention_kernel_efficiency)
     mixed = (batch.decodes != 0) & (batch.prefill_tokens != 0)
     out["attn_core"] = where(mixed, out["attn_core"] * mech.mixed_step_attention, out["attn_core"])
-    if pr.moe_impl == "gmm" and pr.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
+    if pr.moe_impl == "pallas" and pr.production_moe:  # production's SparseCore gathers (`moe_layer`); XLA's permutes,
         # and the one-hot matmuls below the threshold, stay on the TensorCore
         big = batch.computed * cfg.num_experts_per_tok > mech.onehot_permute_threshold
         out["permute"] = where(big, out["permute"] * mech.sparsecore_permute, out["permute"])

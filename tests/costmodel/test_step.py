@@ -143,11 +143,11 @@ def test_the_cost_model_prices_each_slots_bound_implementation():
     facts = kernel_facts()
     gmm = pricing(cfg, sp, STAGES["kernels"])
     ragged = pricing(cfg, sp, STAGES["kernels"].replace(moe_kernel="ragged_dot"))
-    assert (gmm.moe_impl, gmm.expert_passes) == ("gmm", facts["pallas_weight_passes"]["value"])
+    assert (gmm.moe_impl, gmm.expert_passes) == ("pallas", facts["pallas_weight_passes"]["value"])
     assert (ragged.moe_impl, ragged.expert_passes) == ("ragged_dot", facts["xla_weight_passes"]["value"])
     assert ragged.attention == gmm.attention == "pallas"
     layout = pricing(cfg, sp, any_stage(ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None)))
-    assert (layout.attention, layout.moe_impl) == ("pallas", "gmm")  # TPU's defaults (`plan.kernels`)
+    assert (layout.attention, layout.moe_impl) == ("pallas", "pallas")  # TPU's defaults (`plan.kernels`)
     doc = costmodel.predict(stage=ServingPlan("dp8_ep8", "dp8_ep8", "replicate", kernels=None), isl=1024, osl=1024,
                             concurrency=8)
     assert doc["fits"] and doc["total_tokens_per_s"] > 0
