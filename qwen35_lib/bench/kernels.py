@@ -2,7 +2,8 @@
 
 Each case is (tokens T, dtype) at the model's MoE shapes (qwen3.5-mini: 64 experts top-8, D 512, F 128): the
 N = T * k token copies are routed by a random router and sorted by expert (the library's `route` and
-`permute` dispatch), then every registered `moe_matmul` implementation runs the grouped SwiGLU on them.
+`permute` dispatch), then every registered `moe_matmul` implementation runs the grouped SwiGLU on them, and beside
+them the library's forms that are no slot implementation (`bench.kernels_moe.VARIANTS`: `tiled`, `blocked`).
 Two baselines, not slot implementations (they never win):
 - "dense matmul (equal FLOPs)": x_sorted [N, D] @ W [D, 3F], the useful FLOPs of the MoE (2 * T * k * 3 * D * F)
   in one plain matmul, accumulated in float32 and rounded to x's dtype as the slot's output is (on XLA:CPU the
@@ -10,15 +11,15 @@ Two baselines, not slot implementations (they never win):
   `throughput_ratio_vs_dense` is its useful FLOP/s over this one's, measured in the same run; the acceptance
   figure is the default implementation's at 4096 tokens (target 0.5);
 - "dense (all experts)": every expert on every token, masked by the routing weights (E / k times the FLOPs).
-Pallas TPU kernels ("pallas", and megablox `gmm` for comparison) run only in interpret mode off a TPU: there
-they are checked for numerics at each case and never timed (`numerics_only`); on a TPU they are timed.
+Pallas TPU kernels ("pallas", and megablox `gmm` for comparison: `bench.kernels_moe`) run only in interpret mode
+off a TPU: there they are checked for numerics at each case and never timed (`numerics_only`); on a TPU they are timed.
 Next to the MoE section, the same side-by-side figures for the `attention` slot (`kernels_attention.attention_rows`:
 ragged paged attention vs `paged_attention_xla`) and the `gdn` slot (`kernels_gdn.gdn_rows`: the chunked and decode
 kernels vs the XLA scan), at small CPU cases by default (`--no-attention`, `--no-gdn` skip them); off a TPU their
 Pallas rows run in interpret mode and are labelled numerics-only (the time of an emulator, not of a TPU).
 `--tile-sweep` also times "tiled" at fixed tile sizes, to check `moe_xla.tile_rows`. `--write-choice` writes the
 measured winner per case to `data/kernel_choice_cpu.json`, which backs the CPU default in
-`qwen35_lib/kernels/registry.py`.
+`qwen35_lib/plan/kernels.py` (`BACKEND_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35_lib import data
+from qwen35_lib.bench.kernels_moe import MEGABLOX, VARIANTS, moe_megablox
 from qwen35_lib.bench.timing import environment, format_table, measure, warn_if_busy, write_json
 from qwen35_lib.config import Config, get_config
 from qwen35_lib.kernels import registry
-from qwen35_lib.kernels.moe.pallas import moe_megablox
 from qwen35_lib.kernels.moe.xla import moe_tiled, tile_rows
 from qwen35_lib.kernels.permute.pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.model.moe import route
@@ -46,7 +47,6 @@ CHOICE_PATH = data.path("kernel_choice_cpu.json")
 REFERENCE = "ragged_dot"  # the slot's reference twin: every other implementation's output is compared to it
 DENSE = "dense (all experts)"
 DENSE_EQ = "dense matmul (equal FLOPs)"
-MEGABLOX = "megablox gmm"
 TPU_ONLY = ("pallas",)  # interpret mode off a TPU: numerics only
 TARGET_RATIO = 0.5
 
@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen3.5-mini", help="preset giving the MoE shapes (default: %(default)s)")
     p.add_argument("--tokens", default="8,64,512,4096", help="tokens per case, comma-separated (default: %(default)s)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="activation/weight dtypes (default: %(default)s)")
-    p.add_argument("--impls", help="moe_matmul implementations to time (default: every registered one)")
+    p.add_argument("--impls", help="moe_matmul implementations to time (default: every registered one and "
+                                         f"{', '.join(VARIANTS)})")
     p.add_argument("--tile-sweep", default="", help="also time 'tiled' at these tile sizes, e.g. 16,32,64,128")
     p.add_argument("--no-dense", action="store_true", help="skip the dense all-experts baseline")
     p.add_argument("--no-interpret-check", action="store_true",
@@ -79,11 +80,12 @@ def run(args: argparse.Namespace) -> dict:
        the most tokens (the model's dtype first), judged for the backend's default implementation.
     4. Print a table per case and a summary; write the choice file when asked; return the JSON document.
     """
-    requested = _split(args.impls) if args.impls else list(registry.available("moe_matmul"))
-    unknown = set(requested) - set(registry.available("moe_matmul"))
+    known = list(registry.available("moe_matmul")) + list(VARIANTS)
+    requested = _split(args.impls) if args.impls else known
+    unknown = set(requested) - set(known)
     if unknown:
         raise ValueError(f"unknown moe_matmul implementations {sorted(unknown)}; registered: "
-                         f"{', '.join(registry.available('moe_matmul'))}")
+                         f"{', '.join(registry.available('moe_matmul'))}; variants: {', '.join(VARIANTS)}")
     on_tpu = jax.default_backend() == "tpu"
     impls = [n for n in requested if on_tpu or n not in TPU_ONLY]  # timed
     numerics_only = [] if on_tpu or args.no_interpret_check else [n for n in requested if n in TPU_ONLY]
@@ -141,6 +143,11 @@ def run(args: argparse.Namespace) -> dict:
     return doc
 
 
+def _impl(name: str):
+    """A slot implementation by its registered name, or one of the variants (`VARIANTS`)."""
+    return VARIANTS[name] if name in VARIANTS else registry.get("moe_matmul", name)
+
+
 def _case(cfg: Config, tokens: int, impls: list[str], tiles: list[int], dense: bool, numerics_only: list[str],
           on_tpu: bool, args) -> dict:
     """Time one (tokens, dtype) case; returns its JSON record (and prints its table)."""
@@ -152,7 +159,7 @@ def _case(cfg: Config, tokens: int, impls: list[str], tiles: list[int], dense: b
 
     candidates, grouped = {}, {}
     for name in impls:
-        grouped[name] = jax.jit(functools.partial(registry.get("moe_matmul", name), fp8_block=None))
+        grouped[name] = jax.jit(functools.partial(_impl(name), fp8_block=None))
     for m in tiles:
         grouped[f"tiled m={m}"] = jax.jit(functools.partial(moe_tiled, tile=m))
     if on_tpu:
@@ -167,7 +174,7 @@ def _case(cfg: Config, tokens: int, impls: list[str], tiles: list[int], dense: b
     timings, outputs = measure(candidates, repeats=args.repeats, settle=args.settle, desc=f"{cfg.dtype} T={tokens}")
 
     for name in numerics_only:  # interpret mode: run once, never timed
-        fn = moe_megablox if name == MEGABLOX else registry.get("moe_matmul", name)
+        fn = moe_megablox if name == MEGABLOX else _impl(name)
         outputs[name] = jax.jit(fn)(x_sorted, group_sizes, w_gate_up, w_down)
 
     ref = outputs.get(REFERENCE)

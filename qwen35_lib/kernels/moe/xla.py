@@ -1,4 +1,5 @@
-"""Grouped SwiGLU expert FFNs in XLA: implementations of the `moe_matmul` slot.
+"""Grouped SwiGLU expert FFNs in XLA: the `moe_matmul` slot's `ragged_dot`, `loop` and `capacity`, and the forms
+they run inside (`moe_tiled`: capacity's fallback; `moe_blocked`: the loop at decode sizes; `moe_loop_fused`).
 
 Protocol: `fn(x_sorted, group_sizes, w_gate_up, w_down, fp8_block) -> y_sorted`
 - x_sorted: [N, D], rows sorted by expert, group e holding `group_sizes[e]` rows (rows past the sum are padding);
@@ -52,9 +53,9 @@ def tile_rows(n_rows: int, num_experts: int) -> int:
     return int(min(128, max(8, 1 << (mean - 1).bit_length())))
 
 
-@register("moe_matmul", "tiled")
 def moe_tiled(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None = None):
     """Each group padded to whole tiles of m rows; one batched matmul over tiles with each tile's expert weights.
+    `moe_capacity`'s fallback, no slot implementation of its own (`bench kernels` times it: `bench.kernels_moe`).
 
     What a TPU grouped-matmul kernel does, written with XLA ops:
     1. padded group sizes = ceil(size / m) * m; each sorted row moves to its group's padded block;
@@ -199,11 +200,11 @@ moe_loop.fused = moe_loop_fused
 moe_loop.fuses = lambda copies, num_experts: copies > BLOCKED_MAX_MEAN * num_experts  # where the loop runs
 
 
-@register("moe_matmul", "blocked")
 def moe_blocked(x, group_sizes, w_gate_up, w_down, fp8_block=None, tile: int | None = None, block: int = 4):
     """The experts' row tiles, `block` of them at a time: a loop over only the tiles that hold rows, each step one
     gather of its tiles' expert weights and rows and one batched matmul pair (what `moe_loop` does one expert and
-    one tile at a time, in a tenth of the loop steps at decode sizes).
+    one tile at a time, in a tenth of the loop steps at decode sizes). The form `moe_loop` takes at decode sizes, no
+    slot implementation of its own (`bench kernels` times it: `bench.kernels_moe`).
 
     1. tiles: ceil(size_e / m) of m rows per expert, in expert order (a static bound of cdiv(N, m) + E of them;
        `n_tiles` hold rows); tile t's expert, its first sorted row, and which of its m rows are real;

@@ -1,5 +1,6 @@
-"""kernels.moe.xla: every grouped MoE kernel (ragged_dot, tiled, capacity, the expert loop and its blocked and
-fused forms) against per-row math and the dense reference, with empty groups, padding rows and FP8 experts."""
+"""kernels.moe.xla: every grouped MoE kernel (ragged_dot, capacity and its tiled fallback, the expert loop and its
+blocked and fused forms) against per-row math and the dense reference, with empty groups, padding rows and FP8
+experts."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ moe_block = jax.jit(lambda cfg, w, x, plan=SINGLE: moe.moe_block(cfg, w, x, para
 moe_dense_reference = jax.jit(moe.moe_dense_reference, static_argnums=0)
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
+@pytest.mark.parametrize("kernel", ["ragged_dot", "capacity"])
 @pytest.mark.parametrize("n", [1, 64, 333])
 def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
     cfg, w = tiny_moe
@@ -31,7 +32,7 @@ def test_grouped_moe_matches_dense(tiny_moe, kernel, n):
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=1e-5)  # float32; only summation order differs
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])
+@pytest.mark.parametrize("kernel", ["ragged_dot", "tiled", "capacity"])  # tiled: capacity's fallback, no slot name
 # capacity: 20 rows over 6 experts get 16 slots each, so the 17-row group takes the fallback
 @pytest.mark.parametrize("sizes", [[0, 5, 0, 0, 9, 1], [3, 2, 0, 4, 1, 5], [0, 17, 0, 0, 1, 0]])
 def test_moe_matmul_empty_groups_and_padding_rows(kernel, sizes):
@@ -41,7 +42,7 @@ def test_moe_matmul_empty_groups_and_padding_rows(kernel, sizes):
     x = jax.random.normal(kx, (20, D))
     wgu = jax.random.normal(kw, (E, D, 2, F))
     wd = jax.random.normal(kd, (E, F, D))
-    y = jax.jit(get("moe_matmul", kernel))(x, sizes, wgu, wd)
+    y = jax.jit(moe_xla.moe_tiled if kernel == "tiled" else get("moe_matmul", kernel))(x, sizes, wgu, wd)
     expert = np.repeat(np.arange(E), np.asarray(sizes))
     for r in range(20):
         if r < int(sizes.sum()):
@@ -58,9 +59,15 @@ def test_moe_fp8_experts_match_dequantized(tiny_moe):
     w8 = dict(w, w_gate_up=quantize_fp8(w["w_gate_up"], 16, (1, 3)), w_down=quantize_fp8(w["w_down"], 16, (1, 2)))
     wdq = dict(w, **{n: dequantize_fp8(w8[n], 16, jnp.float32) for n in ("w_gate_up", "w_down")})
     x = jax.random.normal(jax.random.key(9), (40, cfg.hidden_size))
-    for kernel in ("ragged_dot", "tiled", "capacity"):
+    for kernel in ("ragged_dot", "capacity"):
         np.testing.assert_allclose(moe_block(cfg8, w8, x, SINGLE.replace(moe_kernel=kernel)), moe_block(cfg, wdq, x),
                                    atol=1e-6, rtol=1e-5)
+    xs, sizes = x[:, :16], jnp.array([9, 0, 21, 10], jnp.int32)  # capacity's fallback on sorted rows, FP8 experts
+    wgu8 = quantize_fp8(w["w_gate_up"][:4, :16], 16, (1, 3))
+    wd8 = quantize_fp8(w["w_down"][:4, :, :16], 16, (1, 2))
+    np.testing.assert_allclose(moe_xla.moe_tiled(xs, sizes, wgu8, wd8, 16),
+                               moe_xla.moe_ragged_dot(xs, sizes, dequantize_fp8(wgu8, 16, jnp.float32),
+                                                      dequantize_fp8(wd8, 16, jnp.float32)), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("n", [40, 333])
