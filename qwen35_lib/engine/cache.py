@@ -5,9 +5,9 @@ rank owns its own page and slot pools, so a data-parallel layout only shards wha
 of a kind, L (La attention layers, Lg GDN layers; layer j of a kind is group j // n, position j % n of that kind).
 
 One pool per kind, updated in place: a step reads the pool of a kind as one array [R, L*X, ...] (its leading layer
-and page/slot dims merged: a bitcast) and addresses layer j's page p as row j*X + p (`layer_rows`), so no layer's
-pool is ever sliced out and written back (the engine's scan carries whole pools; every write is a scatter or an
-aliased kernel output into them).
+and page/slot dims merged: a bitcast) and addresses layer j's page p as row j*X + p
+(`model.layer_loop.LayerPools`), so no layer's pool is ever sliced out and written back (the engine's scan carries
+whole pools; every write is a scatter or an aliased kernel output into them).
 
 - `kv`    [R, La, P, ps, 2*Hkv*d]: P pages of ps tokens per rank and layer; in a page, token-major, then K and V of
   every KV head interleaved in one minor dim (index (2h + j)*d + i: j = 0 K, j = 1 V of head h, i < d); an FP8

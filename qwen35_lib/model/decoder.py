@@ -9,7 +9,7 @@ import numpy as np
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_block
 from qwen35_lib.model.deltanet import gdn_block
-from qwen35_lib.model.layer_loop import LayerWeights, group_layers, is_per_layer, per_layer_weights, prepare_weights
+from qwen35_lib.model.layer_loop import LayerWeights, is_per_layer, layer_groups, per_layer_weights, prepare_weights
 from qwen35_lib.model.layers import linear, rms_norm
 from qwen35_lib.model.moe import moe_block
 from qwen35_lib.model.parallelism import check_parallelism
@@ -56,16 +56,8 @@ def _forward_body(cfg: Config, parallelism, weights: dict, token_ids: jax.Array,
     B, T = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h = weights["embed"][token_ids]  # [B, T, D]
-    if is_per_layer(weights["layers"]):  # unrolled over per-layer leaves (`model.layer_loop`)
-        for g, layers in enumerate(weights["layers"]):
-            with jax.named_scope(f"layer_group_{g}"):
-                h = _group(cfg, parallelism, h, list(layers), positions, lengths)
-    else:
-        def body(h, w):
-            with jax.named_scope("layer_group"):
-                return _group(cfg, parallelism, h, group_layers(cfg, w), positions, lengths), None
-
-        h, _ = jax.lax.scan(body, h, weights["layers"])
+    group = lambda h, layers, gi: _group(cfg, parallelism, h, layers, positions, lengths)
+    h = layer_groups(cfg, weights["layers"], group, h)  # unrolled or a scan, as the weights come (`model.layer_loop`)
     h = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)  # [B, T, D]: the MTP head's input (`model.mtp`)
     with jax.named_scope("lm_head"):
         logits = linear(h, weights["lm_head"], dtype=jnp.float32)  # [B, T, V]

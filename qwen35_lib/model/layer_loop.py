@@ -9,7 +9,10 @@ long (the 60-layer 397B compiles once per group body), so TPU programs and ahead
 
 The caches follow the weights: where `unrolled`, each pool [R, L, ...] of a kind (`engine.cache`) is split once into
 per-layer buffers (`per_layer_cache`), each layer's slot and page updates in-place scatters into its own donated
-buffer; the scan keeps one pool a kind and addresses a layer's rows in it (`model.ragged`), also in place.
+buffer; the scan keeps one pool a kind and addresses a layer's rows in it, also in place.
+
+One loop body for both forms: `layer_groups` runs a group's body as an unrolled loop or a scan, as the weights
+come, and the body reads and writes layer j's pools through `LayerPools` (`get`, `put`, `rows`), whatever theirs.
 
 The scan need not slice what a kernel can read in place: where the plan's MoE kernel reads stacks, the routed
 experts stay whole (`model.moe.stacked_experts`); where its `dense` kernel does (`kernels.dense.pallas`, the TPU's
@@ -33,11 +36,12 @@ import weakref
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.kernels import dense, for_plan
 from qwen35_lib.kernels.stacked import LayerOf, layer_index
-from qwen35_lib.model.moe import EXPERT_WEIGHTS
+from qwen35_lib.model.moe import EXPERT_WEIGHTS, stacked_experts, with_experts
 from qwen35_lib.plan import SINGLE, ServingPlan
 
 MAX_UNROLLED_LAYERS = 16  # deeper models scan on every backend: an unrolled HLO grows (and compiles) per layer
@@ -203,3 +207,82 @@ def with_dense(cfg: Config, layers: list[LayerWeights], stacks: dict, group, par
         seen[part] += 1
         out.append(lw._replace(mixer=mixer, moe=dict(lw.moe, **view(stacks["moe"], p))))
     return out
+
+
+def layer_groups(cfg: Config, layers, body, carry, parallelism=None):
+    """`carry` after `body(carry, group, gi)` over the layer groups in order, `group` the group's `LayerWeights` in
+    `layer_pattern` order: an unrolled loop over per-layer weights (gi an int), a scan over stacked ones (gi
+    traced). `parallelism` given (the engine's step): the stacks its plan's kernels read in place stay whole, each
+    layer handed `LayerOf` views of them (`model.moe.stacked_experts`, `stacked_dense`); else every layer's weights
+    are the scan's slices (`forward`)."""
+    if is_per_layer(layers):
+        for gi, group in enumerate(layers):
+            with jax.named_scope(f"layer_group_{gi}"):
+                carry = body(carry, list(group), gi)
+        return carry
+    experts = dense_stacks = {}
+    if parallelism is not None:
+        layers, experts = stacked_experts(cfg, layers, parallelism.plan)
+        layers, dense_stacks = stacked_dense(cfg, layers, parallelism.plan)
+
+    def step(carry, xs):
+        w, gi = xs
+        group = with_dense(cfg, with_experts(group_layers(cfg, w), experts, gi), dense_stacks, gi, parallelism)
+        return body(carry, group, gi), None
+
+    with jax.named_scope("layer_group"):
+        carry, _ = jax.lax.scan(step, carry, (layers, jnp.arange(cfg.num_groups)))
+    return carry
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerPools:
+    """The cache's pools, layer j's part of each read and written the same way whatever its form (a pytree: it
+    rides the scan's carry):
+    - per-layer (a tuple of L buffers [R, ...], `per_layer_cache`): layer j gets its own buffer, and `put` replaces
+      it (j an int: the unrolled loop);
+    - stacked ([R, L, X, ...]): held merged as [R, L*X, ...] (a bitcast); every layer gets the whole pool and
+      addresses its pages or slots as rows j*X + x (`rows`), so each update lands in place: no layer's pool is
+      sliced out and written back (j may be traced: the scan).
+    `cache()` gives the pools back in the cache's form."""
+
+    def __init__(self, pools: dict, stacked: tuple = ()):
+        self.pools = pools
+        self.stacked = stacked  # ((name, its stacked shape [R, L, X, ...]), ...): the merged pools
+
+    @classmethod
+    def of(cls, cache: dict) -> LayerPools:
+        merge = lambda a: a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+        return cls({n: a if is_per_layer(a) else merge(a) for n, a in cache.items()},
+                   tuple((n, a.shape) for n, a in cache.items() if not is_per_layer(a)))
+
+    def cache(self) -> dict:
+        shapes = dict(self.stacked)
+        return {n: a.reshape(shapes[n]) if n in shapes else a for n, a in self.pools.items()}
+
+    def get(self, j, names) -> dict:
+        """Layer j's pools among `names` (those the cache holds): its own buffer, or the whole merged pool."""
+        return {n: self.pools[n][j] if is_per_layer(self.pools[n]) else self.pools[n] for n in names
+                if n in self.pools}
+
+    def put(self, j, new: dict) -> LayerPools:
+        """`new` {name: layer j's pool as `get` gave it, updated} written back."""
+        pools = dict(self.pools)
+        for n, a in new.items():
+            pools[n] = pools[n][:j] + (a,) + pools[n][j + 1:] if is_per_layer(pools[n]) else a
+        return LayerPools(pools, self.stacked)
+
+    def rows(self, meta, field: str, name: str, j):
+        """`meta` with its page table (field "page_table") or slots ("slot") moved to layer j's rows of pool
+        `name`, merged (X rows a layer); as it is for a per-layer pool."""
+        shapes = dict(self.stacked)
+        if name not in shapes:
+            return meta
+        return meta._replace(**{field: getattr(meta, field) + j * shapes[name][2]})
+
+    def tree_flatten(self):
+        return (self.pools,), self.stacked
+
+    @classmethod
+    def tree_unflatten(cls, stacked, children):
+        return cls(children[0], stacked)

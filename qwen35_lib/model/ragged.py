@@ -9,9 +9,8 @@ from qwen35_lib.config import LINEAR, Config
 from qwen35_lib.model.attention import attention_ragged_block
 from qwen35_lib.model.decoder import residual_layer
 from qwen35_lib.model.deltanet import gdn_ragged_block
-from qwen35_lib.model.layer_loop import group_layers, is_per_layer, stacked_dense, with_dense
+from qwen35_lib.model.layer_loop import LayerPools, is_per_layer, layer_groups
 from qwen35_lib.model.layers import linear, rms_norm
-from qwen35_lib.model.moe import stacked_experts, with_experts
 from qwen35_lib.model.parallelism import check_parallelism
 
 
@@ -38,87 +37,39 @@ GDN_POOLS = ("conv_q", "conv_k", "conv_v", "state", "conv_q_ckpt", "conv_k_ckpt"
 ATTN_POOLS = ("kv", "kv_scale")
 
 
-def merged_pools(cache: dict) -> tuple[dict, dict]:
-    """Each pool [R, L, X, ...] of `cache` as one array [R, L*X, ...] (a bitcast), and {name: X}: layer j's page or
-    slot x is row j*X + x of its kind's pool (`layer_rows`). Per-layer pools (a tuple: `layer_loop.per_layer_cache`)
-    pass as they are."""
-    merged, rows = {}, {}
-    for name, pool in cache.items():
-        if is_per_layer(pool):
-            merged[name] = pool
-        else:
-            R, L, X = pool.shape[:3]
-            merged[name], rows[name] = pool.reshape(R, L * X, *pool.shape[3:]), X
-    return merged, rows
-
-
-def layer_rows(meta, field: str, j, rows: int | None):
-    """`meta` with its page table (field "page_table") or slots ("slot") moved to layer j's rows of a merged pool
-    (`merged_pools`: rows a layer); as it is for a per-layer pool (rows None)."""
-    if rows is None:
-        return meta
-    return meta._replace(**{field: getattr(meta, field) + j * rows})
-
-
 def _ragged_forward(cfg: Config, weights: dict, cache: dict, tokens: jax.Array, meta, parallelism, embedded=None,
                     return_hidden: bool = False) -> tuple[jax.Array, ...]:
     h = weights["embed"][tokens] if embedded is None else embedded  # [R, T, D]
     valid = meta.token_seq >= 0  # [R, T]: padding tokens are routed to no expert
-    shapes = {name: pool.shape for name, pool in cache.items() if not is_per_layer(pool)}
-    cache, rows = merged_pools(cache)  # {name: [R, L*X, ...]}: every layer's update lands in place
 
-    def layer(cache, names, j):  # layer j's pools: its own buffer (per-layer) or the whole merged pool of its kind
-        return {n: cache[n][j] if is_per_layer(cache[n]) else cache[n] for n in names if n in cache}
-
-    def put(cache, j, new):
-        out = dict(cache)
-        for n, value in new.items():
-            pool = cache[n]
-            out[n] = tuple(value if k == j else a for k, a in enumerate(pool)) if is_per_layer(pool) else value
-        return out
-
-    def group(h, cache, layers, gi):
-        """Group gi's layers; layer j of a kind (j = gi * n + i) reads and writes its rows of the kind's pools."""
+    def group(carry, layers, gi):
+        """Group gi's layers; layer j of a kind (j = gi * n + i) reads and writes its part of the kind's pools."""
+        h, pools = carry
         i_gdn = i_attn = 0
         for kind, lw in zip(cfg.layer_pattern, layers):
             if kind == LINEAR:
                 def mixer(w, x, j=gi * cfg.gdn_per_group + i_gdn):
-                    nonlocal cache
-                    m = layer_rows(meta, "slot", j, rows.get("state"))
-                    x, new = gdn_ragged_block(cfg, w, x, m, layer(cache, GDN_POOLS, j), parallelism)
-                    cache = put(cache, j, new)
+                    nonlocal pools
+                    x, new = gdn_ragged_block(cfg, w, x, pools.rows(meta, "slot", "state", j),
+                                              pools.get(j, GDN_POOLS), parallelism)
+                    pools = pools.put(j, new)
                     return x
                 i_gdn += 1
             else:
                 def mixer(w, x, j=gi * cfg.attn_per_group + i_attn):
-                    nonlocal cache
-                    m = layer_rows(meta, "page_table", j, rows.get("kv"))
-                    pools = layer(cache, ATTN_POOLS, j)
-                    x, kv, scales = attention_ragged_block(cfg, w, x, m, pools["kv"], pools.get("kv_scale"),
-                                                           parallelism)
-                    cache = put(cache, j, {"kv": kv} | ({} if scales is None else {"kv_scale": scales}))
+                    nonlocal pools
+                    own = pools.get(j, ATTN_POOLS)
+                    x, kv, scales = attention_ragged_block(cfg, w, x, pools.rows(meta, "page_table", "kv", j),
+                                                           own["kv"], own.get("kv_scale"), parallelism)
+                    pools = pools.put(j, {"kv": kv} | ({} if scales is None else {"kv_scale": scales}))
                     return x
                 i_attn += 1
             h = residual_layer(cfg, parallelism, lw, h, mixer, valid)
-        return h, cache
+        return h, pools
 
-    if is_per_layer(weights["layers"]):  # unrolled over per-layer leaves (`model.layer_loop`)
-        for gi, layers in enumerate(weights["layers"]):
-            with jax.named_scope(f"layer_group_{gi}"):
-                h, cache = group(h, cache, layers, gi)
-    else:
-        # experts read in place (the plan's MoE kernel reads stacks): not scanned
-        scanned, experts = stacked_experts(cfg, weights["layers"], parallelism.plan)
-        scanned, dense = stacked_dense(cfg, scanned, parallelism.plan)  # and the projections, where read in place
-
-        def body(carry, xs):
-            w, gi = xs
-            layers = with_dense(cfg, with_experts(group_layers(cfg, w), experts, gi), dense, gi, parallelism)
-            return group(*carry, layers, gi), None
-
-        with jax.named_scope("layer_group"):
-            (h, cache), _ = jax.lax.scan(body, (h, cache), (scanned, jnp.arange(cfg.num_groups)))
-    cache = {name: pool.reshape(shapes[name]) if name in shapes else pool for name, pool in cache.items()}
+    # the stacked form's pools merged, every layer's update in place; the weights' form picks the loop
+    h, pools = layer_groups(cfg, weights["layers"], group, (h, LayerPools.of(cache)), parallelism)
+    cache = pools.cache()
     R = h.shape[0]
     if return_hidden:  # every token's, normed (the MTP head's input); the logits' rows taken from them
         hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)  # [R, T, D]
