@@ -95,7 +95,7 @@ devices, SIZE, mesh = notebook.setup(prefer_accelerator=True)
 #   (`sparsecore_permute`), not of this stage.
 # - dense projections (attention's and GDN's, the shared expert's, the router's; the row `dense` is one layer's,
 #   averaged over the 3:1 layer pattern): XLA's dots read each layer's weights as slices of the layer scan's stack,
-#   several passes over them as compiled (`xla_weight_passes`); the Pallas projection (`kernels/dense_pallas.py`)
+#   several passes over them as compiled (`xla_weight_passes`); the Pallas projection (`kernels/dense/pallas.py`)
 #   streams each layer's blocks from where they lie (`pallas_dense_weight_passes`). Section 3 prices it in the step.
 # Where XLA's compiled code moves more than the arithmetic says, the model charges what the TPU7x compile moves,
 # read off its HLO text (`costmodel.compiled`; the facts in `data/costmodel_hardware.json`, each with its ops).
@@ -272,7 +272,7 @@ assert moe[1]["implementation"] == "pallas" and moe[1]["max_abs_diff_vs_xla"] < 
 #
 # The ragged protocol the engine uses: 4 decodes from their state slots next to two prompts in chunks of 64, one
 # of them continuing mid-sequence from its slot, float32. On the CPU a third row times the native kernels, the CPU
-# default (`kernels/gdn_native.py`: C++ handlers that run the recurrence token after token on each state in place).
+# default (`kernels/gdn/native.py`: C++ handlers that run the recurrence token after token on each state in place).
 
 # %%
 from qwen35_lib.bench.kernels_gdn import gdn_rows
