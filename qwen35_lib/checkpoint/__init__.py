@@ -2,7 +2,7 @@
 
 Public: `load_hf_checkpoint(path, ...) -> (Config, weights)`. The tree is exactly `declare(config)`'s, filled.
 `load_mtp(path, ...) -> (Config, mtp_weights)`: the multi-token-prediction head (`mtp.*`), a tree of its own
-(`model.mtp.declare_mtp(config)`), read by the same plan, checks and readers (opt-in: the main load skips it).
+(`model.mtp.declare_mtp(config)`), read by the same groups, checks and readers (opt-in: the main load skips it).
 
 On-disk forms read (HF name -> our leaf; HF `nn.Linear` weights are [out, in], ours [in, ..., out]):
 - prefix `model.` (text checkpoints) or `model.language_model.` (the Qwen3.5 VL checkpoints); `model.visual.*`
@@ -51,7 +51,15 @@ from qwen35_lib.checkpoint.files import (
     read,
     scale_name,
 )
-from qwen35_lib.checkpoint.names import MTP_PREFIXES, SKIPPED_PREFIXES, Group, Path, path_infos, plan_model, plan_mtp
+from qwen35_lib.checkpoint.names import (
+    MTP_PREFIXES,
+    SKIPPED_PREFIXES,
+    Group,
+    Path,
+    model_groups,
+    mtp_groups,
+    path_infos,
+)
 from qwen35_lib.checkpoint.sliced import load_sliced, op_bytes
 from qwen35_lib.config import Config, ConfigError, eos_ids, from_hf_config, read_json
 from qwen35_lib.weights import ArrayInfo, declare, is_info
@@ -105,7 +113,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
 
     1. Find the safetensors files (`model.safetensors.index.json`, else every `*.safetensors`); build the Config
        (EOS ids from `generation_config.json` when present).
-    2. Plan: for every group of leaves, the HF tensors it needs, their expected shapes, and how they split.
+    2. Groups: for every group of leaves, the HF tensors it needs, their expected shapes, and how they split.
     3. Check before reading: missing tensors, shapes that disagree with config.json, stored dtypes of the wrong
        kind, leftover tensors.
     4. With a mesh, every device's shards read slice by slice (`load_sliced`); else per group: allocate the numpy
@@ -114,7 +122,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, dtype: Any = None, fp8: str 
     6. Wait for the finiteness checks; name the HF tensors of any leaf that failed.
     """
     ck = _open_checkpoint(path, dtype, fp8, place, mesh, layout, config_changes)
-    groups = plan_model(ck.config, ck.prefix, ck.tensors, ck.tied)
+    groups = model_groups(ck.config, ck.prefix, ck.tensors, ck.tied)
     return ck.config, _load_tree(ck, declare(ck.config), groups, place, mesh, check_weights, progress)
 
 
@@ -142,7 +150,7 @@ def load_mtp(path: str | pathlib.Path, *, dtype: Any = None, fp8: str = "dequant
     if prefix is None:
         raise CheckpointError(f"{ck.root}: no multi-token-prediction head (no mtp.* tensors); load a checkpoint that "
                               "ships one (the published Qwen3.5 / Qwen3-Next ones do), or serve without MTP")
-    groups = plan_mtp(ck.config, prefix, ck.tensors)
+    groups = mtp_groups(ck.config, prefix, ck.tensors)
     return ck.config, _load_tree(ck, declare_mtp(ck.config), groups, place, mesh, check_weights, progress,
                                  mtp_prefix=prefix)
 
@@ -216,7 +224,7 @@ def _load_tree(ck: _Checkpoint, decl: Any, groups: list[Group], place: Place | N
                              f"{infos[p].shape} {infos[p].dtype}; place must keep the shape and dtype")
         if check_weights and jnp.issubdtype(leaf.dtype, jnp.inexact):
             finite.append((p, _all_finite(leaf)))  # dispatched, not awaited
-    assert out.keys() == infos.keys(), f"internal error: no plan for {sorted(set(infos) - set(out))}"
+    assert out.keys() == infos.keys(), f"internal error: no group for {sorted(set(infos) - set(out))}"
     bad = [p for (p, _), ok in zip(finite, jax.device_get([f for _, f in finite]), strict=True) if not ok]
     if bad:
         names = list(dict.fromkeys(n for p in bad for n in _nonfinite_sources(p, out[p], groups, tensors)))

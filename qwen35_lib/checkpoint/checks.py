@@ -1,4 +1,4 @@
-"""The checks before any byte is read: every tensor the plan needs is there, of the shape config.json implies,
+"""The checks before any byte is read: every tensor the groups read is there, of the shape config.json implies,
 of the weight's kind of number, FP8 with its scales; nothing left over (the vision tower and the MTP head are
 skipped with one warning); the float-to-float casts said in one logged line."""
 
@@ -65,7 +65,7 @@ def check(root: pathlib.Path, c: Config, tensors: dict, groups: list[Group], blo
 
 
 def _scan(tensors: dict, groups: list[Group], block: int | None, infos: dict[Path, ArrayInfo]) -> tuple:
-    """Every source the plan reads, against the files: (used names, missing, misshapen, FP8 problems, stored as
+    """Every source the groups read, against the files: (used names, missing, misshapen, FP8 problems, stored as
     another kind of number, {"stored -> leaf dtype": count} of the float casts)."""
     used: set[str] = set()
     missing: list[str] = []

@@ -1,5 +1,5 @@
-"""The plan of a load: which HF tensors fill which leaves of our weight tree, and how (`plan_model` for the main
-model, `plan_mtp` for the multi-token-prediction head): groups of leaves filled by ops, each op reading some HF
+"""The groups of a load: which HF tensors fill which leaves of our weight tree, and how (`model_groups` for the main
+model, `mtp_groups` for the multi-token-prediction head): groups of leaves filled by ops, each op reading some HF
 tensors once and splitting them into pieces of its leaves (the module doc of `qwen35_lib.checkpoint` lists the
 forms). `path_infos` names every leaf of a declared tree by its path."""
 
@@ -37,7 +37,7 @@ class Group:
     ops: list[Op] = dataclasses.field(default_factory=list)
 
 
-class _Planner:
+class _Groups:
     """Collects ops into groups: `add` for an op filling several leaves, `one` for a single tensor -> leaf."""
 
     def __init__(self):
@@ -63,29 +63,29 @@ def _out_heads(w: np.ndarray, n: int, d: int) -> np.ndarray:
     return w.reshape(w.shape[0], n, d).transpose(1, 2, 0)
 
 
-def plan_model(c: Config, prefix: str, tensors: dict, tied: bool) -> list[Group]:
+def model_groups(c: Config, prefix: str, tensors: dict, tied: bool) -> list[Group]:
     """Every group of leaves and the ops that fill it.
 
     1. Top level: embed, final_norm, lm_head (`lm_head.weight`, else the embedding if `tied`).
     2. Per layer i (group g = i // P, slot p = i % P, slot j among layers of its kind): norms and MoE at
        [g, p], then the GDN or attention block at [g, j].
     """
-    pl = _Planner()
+    gs = _Groups()
     D, V = c.hidden_size, c.vocab_size
     embed = prefix + "embed_tokens.weight"
     if "lm_head.weight" in tensors or not tied:
-        pl.one(("embed",), embed, (V, D))
-        pl.one(("lm_head",), "lm_head.weight", (V, D), fn=lambda a: a.T)
+        gs.one(("embed",), embed, (V, D))
+        gs.one(("lm_head",), "lm_head.weight", (V, D), fn=lambda a: a.T)
     else:  # tied: one read feeds both leaves
-        pl.add({"embed": ("embed",), "lm_head": ("lm_head",)}, [(embed, (V, D))], (),
+        gs.add({"embed": ("embed",), "lm_head": ("lm_head",)}, [(embed, (V, D))], (),
                lambda a: {"embed": a, "lm_head": a.T})
-    pl.one(("final_norm",), prefix + "norm.weight", (D,))
+    gs.one(("final_norm",), prefix + "norm.weight", (D,))
     for i in range(c.num_layers):
-        _plan_layer(pl, c, f"{prefix}layers.{i}.", i, tensors)
-    return list(pl.groups.values())
+        _layer_groups(gs, c, f"{prefix}layers.{i}.", i, tensors)
+    return list(gs.groups.values())
 
 
-def _plan_layer(pl: _Planner, c: Config, pre: str, i: int, tensors: dict) -> None:
+def _layer_groups(gs: _Groups, c: Config, pre: str, i: int, tensors: dict) -> None:
     """Decoder layer i of `c` (HF names under `pre`, e.g. "model.layers.3."), into the `layers` leaves: norms and
     MoE at [g, p], the GDN or attention block at [g, j] (g = i // P, p = i % P, j = its index among the layers of
     its kind in the group). The experts' form (fused or per expert) is read per layer."""
@@ -93,32 +93,32 @@ def _plan_layer(pl: _Planner, c: Config, pre: str, i: int, tensors: dict) -> Non
     kind = c.layer_types[i]
     g, p = divmod(i, len(c.layer_pattern))
     j = c.layer_pattern[:p].count(kind)
-    pl.one(("layers", "input_norm"), pre + "input_layernorm.weight", (D,), (g, p))
-    pl.one(("layers", "post_norm"), pre + "post_attention_layernorm.weight", (D,), (g, p))
-    _plan_moe(pl, c, pre + "mlp.", (g, p), fused=pre + "mlp.experts.gate_up_proj" in tensors)
+    gs.one(("layers", "input_norm"), pre + "input_layernorm.weight", (D,), (g, p))
+    gs.one(("layers", "post_norm"), pre + "post_attention_layernorm.weight", (D,), (g, p))
+    _moe_groups(gs, c, pre + "mlp.", (g, p), fused=pre + "mlp.experts.gate_up_proj" in tensors)
     if kind == LINEAR:
-        _plan_gdn(pl, c, pre + "linear_attn.", (g, j))
+        _gdn_groups(gs, c, pre + "linear_attn.", (g, j))
     else:
         assert kind == FULL, kind
-        _plan_attn(pl, c, pre + "self_attn.", (g, j))
+        _attn_groups(gs, c, pre + "self_attn.", (g, j))
 
 
-def plan_mtp(c: Config, prefix: str, tensors: dict) -> list[Group]:
+def mtp_groups(c: Config, prefix: str, tensors: dict) -> list[Group]:
     """Every group of the MTP head's leaves (`model.mtp.declare_mtp`) and the ops that fill it: its norms, `fc`
     (HF [D, 2D] on cat([embedding, hidden]) -> ours [2, D, D]: fc[0] the embedding half, fc[1] the hidden half) and
-    its one decoder layer, planned as layer 0 of a one-layer model (`mtp_layer_config`)."""
+    its one decoder layer, read as layer 0 of a one-layer model (`mtp_layer_config`)."""
     from qwen35_lib.model.mtp import mtp_layer_config
 
-    pl = _Planner()
+    gs = _Groups()
     D = c.hidden_size
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        pl.one((name,), f"{prefix}{name}.weight", (D,))
-    pl.one(("fc",), prefix + "fc.weight", (D, 2 * D), fn=lambda a: a.T.reshape(2, D, D))
-    _plan_layer(pl, mtp_layer_config(c), prefix + "layers.0.", 0, tensors)
-    return list(pl.groups.values())
+        gs.one((name,), f"{prefix}{name}.weight", (D,))
+    gs.one(("fc",), prefix + "fc.weight", (D, 2 * D), fn=lambda a: a.T.reshape(2, D, D))
+    _layer_groups(gs, mtp_layer_config(c), prefix + "layers.0.", 0, tensors)
+    return list(gs.groups.values())
 
 
-def _plan_gdn(pl: _Planner, c: Config, la: str, gj: tuple[int, int]) -> None:
+def _gdn_groups(gs: _Groups, c: Config, la: str, gj: tuple[int, int]) -> None:
     """One Gated DeltaNet layer (`la` = "...linear_attn.")."""
     D, K = c.hidden_size, c.gdn_conv_kernel
     nk, nv, dk, dv, kd, vd = c.gdn_num_k_heads, c.gdn_num_v_heads, c.gdn_k_head_dim, c.gdn_v_head_dim, \
@@ -136,7 +136,7 @@ def _plan_gdn(pl: _Planner, c: Config, la: str, gj: tuple[int, int]) -> None:
                         w_v=_in_heads(v, nv, dv), w_z=_in_heads(z, nv, dv),  # [D, nv, dv]
                         w_b=b.reshape(nv, D).T, w_a=a.reshape(nv, D).T)  # [D, nv]
 
-        pl.add(proj, [(la + "in_proj_qkvz.weight", (2 * kd + 2 * vd, D)), (la + "in_proj_ba.weight", (2 * nv, D))],
+        gs.add(proj, [(la + "in_proj_qkvz.weight", (2 * kd + 2 * vd, D)), (la + "in_proj_ba.weight", (2 * nv, D))],
                gj, split_next)
     else:
         def split_qkv(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray) -> dict[str, np.ndarray]:
@@ -144,22 +144,22 @@ def _plan_gdn(pl: _Planner, c: Config, la: str, gj: tuple[int, int]) -> None:
             return dict(w_q=_in_heads(q, nk, dk), w_k=_in_heads(k, nk, dk), w_v=_in_heads(v, nv, dv),
                         w_z=_in_heads(z, nv, dv), w_b=b.T, w_a=a.T)
 
-        pl.add(proj, [(la + "in_proj_qkv.weight", (2 * kd + vd, D)), (la + "in_proj_z.weight", (vd, D)),
+        gs.add(proj, [(la + "in_proj_qkv.weight", (2 * kd + vd, D)), (la + "in_proj_z.weight", (vd, D)),
                       (la + "in_proj_b.weight", (nv, D)), (la + "in_proj_a.weight", (nv, D))], gj, split_qkv)
 
     def split_conv(w: np.ndarray) -> dict[str, np.ndarray]:
         q, k, v = np.split(w[:, 0, :], [kd, 2 * kd])  # channels [q | k | v] (both model types), each [ch, K]
         return dict(conv_q=_in_heads(q, nk, dk), conv_k=_in_heads(k, nk, dk), conv_v=_in_heads(v, nv, dv))  # [K, n, d]
 
-    pl.add({n: (*gdn, n) for n in ("conv_q", "conv_k", "conv_v")}, [(la + "conv1d.weight", (2 * kd + vd, 1, K))],
+    gs.add({n: (*gdn, n) for n in ("conv_q", "conv_k", "conv_v")}, [(la + "conv1d.weight", (2 * kd + vd, 1, K))],
            gj, split_conv)
-    pl.one((*gdn, "A_log"), la + "A_log", (nv,), gj)
-    pl.one((*gdn, "dt_bias"), la + "dt_bias", (nv,), gj)
-    pl.one((*gdn, "norm"), la + "norm.weight", (dv,), gj)
-    pl.one((*gdn, "w_out"), la + "out_proj.weight", (D, vd), gj, lambda a: _out_heads(a, nv, dv))
+    gs.one((*gdn, "A_log"), la + "A_log", (nv,), gj)
+    gs.one((*gdn, "dt_bias"), la + "dt_bias", (nv,), gj)
+    gs.one((*gdn, "norm"), la + "norm.weight", (dv,), gj)
+    gs.one((*gdn, "w_out"), la + "out_proj.weight", (D, vd), gj, lambda a: _out_heads(a, nv, dv))
 
 
-def _plan_attn(pl: _Planner, c: Config, sa: str, gj: tuple[int, int]) -> None:
+def _attn_groups(gs: _Groups, c: Config, sa: str, gj: tuple[int, int]) -> None:
     """One gated attention layer (`sa` = "...self_attn.")."""
     D, Hq, Hkv, hd = c.hidden_size, c.num_q_heads, c.num_kv_heads, c.head_dim
     attn = ("layers", "attn")
@@ -168,16 +168,16 @@ def _plan_attn(pl: _Planner, c: Config, sa: str, gj: tuple[int, int]) -> None:
         qg = w.reshape(Hq, 2, hd, D)  # per head [query hd | gate hd]
         return dict(w_q=qg[:, 0].transpose(2, 0, 1), w_gate=qg[:, 1].transpose(2, 0, 1))  # [D, Hq, hd]
 
-    pl.add({"w_q": (*attn, "w_q"), "w_gate": (*attn, "w_gate")}, [(sa + "q_proj.weight", (Hq * 2 * hd, D))], gj,
+    gs.add({"w_q": (*attn, "w_q"), "w_gate": (*attn, "w_gate")}, [(sa + "q_proj.weight", (Hq * 2 * hd, D))], gj,
            split_q)
-    pl.one((*attn, "w_k"), sa + "k_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
-    pl.one((*attn, "w_v"), sa + "v_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
-    pl.one((*attn, "w_o"), sa + "o_proj.weight", (D, Hq * hd), gj, lambda a: _out_heads(a, Hq, hd))
-    pl.one((*attn, "q_norm"), sa + "q_norm.weight", (hd,), gj)
-    pl.one((*attn, "k_norm"), sa + "k_norm.weight", (hd,), gj)
+    gs.one((*attn, "w_k"), sa + "k_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
+    gs.one((*attn, "w_v"), sa + "v_proj.weight", (Hkv * hd, D), gj, lambda a: _in_heads(a, Hkv, hd))
+    gs.one((*attn, "w_o"), sa + "o_proj.weight", (D, Hq * hd), gj, lambda a: _out_heads(a, Hq, hd))
+    gs.one((*attn, "q_norm"), sa + "q_norm.weight", (hd,), gj)
+    gs.one((*attn, "k_norm"), sa + "k_norm.weight", (hd,), gj)
 
 
-def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool) -> None:
+def _moe_groups(gs: _Groups, c: Config, m: str, gp: tuple[int, int], fused: bool) -> None:
     """One MoE block (`m` = "...mlp."): router, shared expert, routed experts.
 
     Experts: `w_gate_up [E, D, 2, F]`, `w_down [E, F, D]`. Fused tensors give one op per layer, per-expert tensors
@@ -186,11 +186,11 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
     """
     D, E, F, Fs, b = c.hidden_size, c.num_experts, c.moe_ffn, c.shared_ffn, c.fp8_block_size
     moe, s, x = ("layers", "moe"), m + "shared_expert.", m + "experts."
-    pl.one((*moe, "router"), m + "gate.weight", (E, D), gp, lambda a: a.T)
-    pl.one((*moe, "shared_gate"), m + "shared_expert_gate.weight", (1, D), gp, lambda a: a[0])
-    pl.add({"x": (*moe, "shared_gate_up")}, [(s + "gate_proj.weight", (Fs, D)), (s + "up_proj.weight", (Fs, D))],
+    gs.one((*moe, "router"), m + "gate.weight", (E, D), gp, lambda a: a.T)
+    gs.one((*moe, "shared_gate"), m + "shared_expert_gate.weight", (1, D), gp, lambda a: a[0])
+    gs.add({"x": (*moe, "shared_gate_up")}, [(s + "gate_proj.weight", (Fs, D)), (s + "up_proj.weight", (Fs, D))],
            gp, lambda gw, uw: {"x": np.stack([gw.T, uw.T], axis=1)})  # [D, 2, Fs]
-    pl.one((*moe, "shared_down"), s + "down_proj.weight", (D, Fs), gp, lambda a: a.T)
+    gs.one((*moe, "shared_down"), s + "down_proj.weight", (D, Fs), gp, lambda a: a.T)
 
     fp8 = c.expert_dtype is not None
     cd, cf = -(-D // b), -(-F // b)
@@ -199,9 +199,9 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
     if fused:  # the splits take the expert count from their sources: a sliced load reads only its experts' rows
         gate_up, down = x + "gate_up_proj", x + "down_proj"  # [E, 2F, D] rows [gate | up]; [E, D, F]
         if not fp8:
-            pl.add(gu, [(gate_up, (E, 2 * F, D))], gp,
+            gs.add(gu, [(gate_up, (E, 2 * F, D))], gp,
                    lambda a: {"v": a.reshape(-1, 2, F, D).transpose(0, 3, 1, 2)}, experts=True)
-            pl.add(dn, [(down, (E, D, F))], gp, lambda a: {"v": a.transpose(0, 2, 1)}, experts=True)
+            gs.add(dn, [(down, (E, D, F))], gp, lambda a: {"v": a.transpose(0, 2, 1)}, experts=True)
             return
         if F % b:
             raise ValueError(f"fused FP8 experts with moe_intermediate_size {F}, not a multiple of the FP8 block {b}: "
@@ -211,21 +211,21 @@ def _plan_moe(pl: _Planner, c: Config, m: str, gp: tuple[int, int], fused: bool)
             return {"v": v.reshape(-1, 2, F, D).transpose(0, 3, 1, 2),  # [E, D, 2, F]
                     "s": sc.reshape(-1, 2, cf, cd).transpose(0, 3, 1, 2)}  # [E, cdiv(D, b), 2, cdiv(F, b)]
 
-        pl.add(gu, [(gate_up, (E, 2 * F, D)), (scale_name(gate_up), (E, 2 * cf, cd))], gp, split_gate_up, raw=True,
+        gs.add(gu, [(gate_up, (E, 2 * F, D)), (scale_name(gate_up), (E, 2 * cf, cd))], gp, split_gate_up, raw=True,
                experts=True)
-        pl.add(dn, [(down, (E, D, F)), (scale_name(down), (E, cd, cf))], gp,
+        gs.add(dn, [(down, (E, D, F)), (scale_name(down), (E, cd, cf))], gp,
                lambda v, sc: {"v": v.transpose(0, 2, 1), "s": sc.transpose(0, 2, 1)}, raw=True, experts=True)
         return
     for e in range(E):
         gate, up, down = (f"{x}{e}.{n}_proj.weight" for n in ("gate", "up", "down"))  # [F, D], [F, D], [D, F]
         if not fp8:
-            pl.add(gu, [(gate, (F, D)), (up, (F, D))], (*gp, e), lambda gw, uw: {"v": np.stack([gw.T, uw.T], axis=1)})
-            pl.add(dn, [(down, (D, F))], (*gp, e), lambda a: {"v": a.T})
+            gs.add(gu, [(gate, (F, D)), (up, (F, D))], (*gp, e), lambda gw, uw: {"v": np.stack([gw.T, uw.T], axis=1)})
+            gs.add(dn, [(down, (D, F))], (*gp, e), lambda a: {"v": a.T})
             continue
-        pl.add(gu, [(gate, (F, D)), (up, (F, D)), (scale_name(gate), (cf, cd)), (scale_name(up), (cf, cd))], (*gp, e),
+        gs.add(gu, [(gate, (F, D)), (up, (F, D)), (scale_name(gate), (cf, cd)), (scale_name(up), (cf, cd))], (*gp, e),
                lambda gv, uv, gs, us: {"v": np.stack([gv.T, uv.T], axis=1), "s": np.stack([gs.T, us.T], axis=1)},
                raw=True)
-        pl.add(dn, [(down, (D, F)), (scale_name(down), (cd, cf))], (*gp, e),
+        gs.add(dn, [(down, (D, F)), (scale_name(down), (cd, cf))], (*gp, e),
                lambda v, sc: {"v": v.T, "s": sc.T}, raw=True)
 
 

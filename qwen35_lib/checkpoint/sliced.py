@@ -39,11 +39,11 @@ def load_sliced(groups: list[Group], infos: dict[Path, ArrayInfo], tensors: dict
     (dequantized to float32 if FP8) and transformed, before the cut to the box: under TP a whole tensor, not 1/8.
     """
     chunk = max(_piece_bytes(g, infos, shardings) for g in groups)
-    plans = [(g, _boxes(g, infos, shardings)) for g in groups]
-    bar.start(sum(len(ops) for _, boxes in plans for ops, _, _ in boxes),
-              sum(op_bytes(op, rows, tensors) for _, boxes in plans for ops, rows, _ in boxes for op in ops))
+    boxed = [(g, _boxes(g, infos, shardings)) for g in groups]
+    bar.start(sum(len(ops) for _, boxes in boxed for ops, _, _ in boxes),
+              sum(op_bytes(op, rows, tensors) for _, boxes in boxed for ops, rows, _ in boxes for op in ops))
     out: dict[Path, jax.Array] = {}
-    for group, boxes in plans:
+    for group, boxes in boxed:
         shards: dict[str, dict[Any, jax.Array]] = {key: {} for key in group.leaves}
         for ops, rows, (box, devices) in boxes:
             for key, arrays in _build_box(group, ops, rows, box, devices, infos, tensors, block, chunk, bar).items():

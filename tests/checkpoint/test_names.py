@@ -1,4 +1,4 @@
-"""checkpoint.names: the plan reads every HF tensor once, whatever the form."""
+"""checkpoint.names: the groups read every HF tensor once, whatever the form."""
 
 from __future__ import annotations
 
