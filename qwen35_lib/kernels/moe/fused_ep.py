@@ -158,7 +158,7 @@ def moe_fused_ep(x, copy, group_sizes, w_gate_up, w_down, fp8_block, k: int, exp
     make_call = lambda out_shape, interpret: pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(c.plan), grid=c.grid, in_specs=[any_, *c.in_specs[1:], smem, smem],
+            num_scalar_prefetch=len(c.prefetch), grid=c.grid, in_specs=[any_, *c.in_specs[1:], smem, smem],
             out_specs=any_, scratch_shapes=scratch),
         out_shape=out_shape,
         cost_estimate=c.cost,
@@ -167,7 +167,7 @@ def moe_fused_ep(x, copy, group_sizes, w_gate_up, w_down, fp8_block, k: int, exp
                                              has_side_effects=True),
         interpret=interpret,
     )
-    args = (*c.plan, x.reshape(N, *c.view), *c.args[1:], copy, expect)
+    args = (*c.prefetch, x.reshape(N, *c.view), *c.args[1:], copy, expect)
     return run_pallas(make_call, out_struct((n_out, *c.view), x.dtype, *args), interpret, *args)
 
 

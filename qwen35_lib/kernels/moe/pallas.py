@@ -95,7 +95,7 @@ def ffn_tile(tm: int, D: int, F: int, x_bytes: int, w_bytes: int, fp8_block: int
     return max(fits) if fits else min(cands)
 
 
-def visit_plan(group_sizes: jax.Array, group_offset, num_local: int, n_rows: int, tm: int) -> tuple[jax.Array, ...]:
+def visits(group_sizes: jax.Array, group_offset, num_local: int, n_rows: int, tm: int) -> tuple[jax.Array, ...]:
     """The kernel's visits, as int32 [V] arrays for scalar prefetch; V = cdiv(N, tm) + E + 1 (static bound).
 
     1. Cut the sorted rows into E + 2 segments: the rows before the local groups, each local group, the rest
@@ -214,7 +214,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     The weights may be one layer (`w_gate_up` [E, D, 2, F] or [E, D, 2F], `w_down` [E, F, D]) or a `LayerOf`
     the layer scan passes: the whole stack [G, P, ...] and the layer's (group, position), read in place.
     1. Tiles from shapes: tm = `row_tile` (about the mean group), tf = `ffn_tile` (VMEM budget).
-    2. `visit_plan` turns group sizes (and `group_offset`) into visits, scalar-prefetched to SMEM with the
+    2. `visits` turns group sizes (and `group_offset`) into visits, scalar-prefetched to SMEM with the
        layer index; every weight BlockSpec indexes [group, position, expert, ...] of the stack (a single layer
        is a stack of one), so no layer slice is copied out of the stack.
     3. x is padded to whole row tiles (interpret mode clamps out-of-bounds blocks instead of masking them);
@@ -233,7 +233,7 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
     make_call = lambda out_shape, interpret: pl.pallas_call(
         functools.partial(_ffn_kernel, tm=c.tm, fp8_block=c.fp8_block),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(c.plan), grid=c.grid, in_specs=c.in_specs,
+            num_scalar_prefetch=len(c.prefetch), grid=c.grid, in_specs=c.in_specs,
             out_specs=pl.BlockSpec((c.tm, *c.view), lambda v, f, tile, *_: (tile[v], 0, 0)),
             scratch_shapes=[*c.dequantized, c.acc]),
         out_shape=out_shape,
@@ -243,15 +243,16 @@ def moe_pallas(x, group_sizes, w_gate_up, w_down, fp8_block=None, group_offset=N
         interpret=interpret,
     )
     T = c.grid_rows // c.tm
-    y = run_pallas(make_call, out_struct((T * c.tm, *c.view), x.dtype, *c.plan, *c.args), interpret, *c.plan, *c.args)
+    y = run_pallas(make_call, out_struct((T * c.tm, *c.view), x.dtype, *c.prefetch, *c.args), interpret, *c.prefetch,
+                   *c.args)
     return y[:N].reshape(N, D)
 
 
 class FFNCall(NamedTuple):
-    """The parts of a grouped-FFN pallas_call (`ffn_call`): scalar-prefetched visit plan and layer index, the
+    """The parts of a grouped-FFN pallas_call (`ffn_call`): scalar-prefetched visits and layer index, the
     inputs (rows x padded to whole tiles, weight and scale blocks), scratch, tiles and estimates."""
 
-    plan: tuple  # int32 [V] x 7 (`visit_plan`) and the layer index [2]
+    prefetch: tuple  # int32 [V] x 7 (`visits`) and the layer index [2]
     in_specs: list
     args: list  # x [T*tm, D], w_gate (view), w_up (view), w_down[, scales x 3]
     dequantized: list  # FP8: VMEM tiles the weights are dequantized into; else []
@@ -291,11 +292,11 @@ def ffn_call(x, group_sizes, w_gate_up, w_down, fp8_block, group_offset, tm, tf)
     assert F % tf == 0 and (not fp8 or tf % fp8_block == 0), (F, tf, fp8_block)
     nf = F // tf
     T = pl.cdiv(N, tm)
-    plan = (*visit_plan(group_sizes, group_offset, E, N, tm), layer)
+    prefetch = (*visits(group_sizes, group_offset, E, N, tm), layer)
     # [T*tm, D]; x a ShapeDtypeStruct: a kernel that fetches its rows itself (`moe_fused_ep`) replaces this input
     xp = jnp.pad(x, ((0, T * tm - N), (0, 0))) if isinstance(x, jax.Array) else x
 
-    def f_of(v, f, fixed):  # the F tile a visit's weight blocks point at (see visit_plan)
+    def f_of(v, f, fixed):  # the F tile a visit's weight blocks point at (see visits)
         fx = fixed[v]
         return jnp.where(fx == -1, f, jnp.where(fx == -2, nf - 1, 0))
 
@@ -342,7 +343,7 @@ def ffn_call(x, group_sizes, w_gate_up, w_down, fp8_block, group_offset, tm, tf)
     # 0: XLA's cost analysis already counts a custom call's operand and result bytes, and adds these
     cost = pl.CostEstimate(flops=6 * N * D * F, transcendentals=N * F, bytes_accessed=0)
     acc = scratch[-1]
-    return FFNCall(plan, in_specs, args, scratch[:-1], acc, (plan[0].shape[0], nf), T * tm, tm,
+    return FFNCall(prefetch, in_specs, args, scratch[:-1], acc, (prefetch[0].shape[0], nf), T * tm, tm,
                    fp8_block if fp8 else None, view, cost, int(min(VMEM_BYTES, max(32 * 2**20, 1.5 * est))))
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from qwen35_lib import get_config, init_weights
 from qwen35_lib.kernels import get
-from qwen35_lib.kernels.moe.pallas import moe_pallas, visit_plan
+from qwen35_lib.kernels.moe.pallas import moe_pallas, visits
 from qwen35_lib.kernels.moe.xla import moe_ragged_dot
 from qwen35_lib.kernels.permute.pallas import combine_pallas, dispatch_pallas
 from qwen35_lib.kernels.stacked import LayerOf
@@ -123,9 +123,9 @@ def test_pallas_moe_reads_a_layer_of_stacked_weights_in_place(fp8):
         np.testing.assert_allclose(want, _reference(x, sizes, *layer, block, group_offset=3), atol=2e-5, rtol=2e-5)
 
 
-def test_visit_plan_covers_every_row_once_per_group():
+def test_visits_cover_every_row_once_per_group():
     sizes = jnp.array([0, 37, 0, 5, 60, 1], jnp.int32)
-    tile, expert, kind, first, start, end, fixed = map(np.asarray, visit_plan(sizes, None, 6, N, 16))
+    tile, expert, kind, first, start, end, fixed = map(np.asarray, visits(sizes, None, 6, N, 16))
     assert len(tile) == -(-N // 16) + 6 + 1  # the static bound V = cdiv(N, tm) + E + 1
     assert np.all(np.diff(tile) >= 0) and set(tile) == set(range(-(-N // 16)))  # in order, every tile
     covered = np.zeros(N, int)
