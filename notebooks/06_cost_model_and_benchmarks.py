@@ -503,13 +503,17 @@ notebook.claim("fused_ep_compiles", "compiled for TPU7x at the 397B serving shap
 # </details>
 #
 # **Measure** this CPU's specs: micro-benchmarks of matmul FLOP/s, streaming-read bandwidth, the cost of one
-# launched op, the rate of a materialized copy, a batched matmul with few rows, element-wise multiply-adds.
+# launched op, the rate of a materialized copy, a batched matmul with few rows, element-wise multiply-adds, and the
+# rate of the dense projections' dot and of the native MoE handler by the rows they run.
 
 # %%
 from qwen35_lib.costmodel import cpu_bench
 
 cpu = cpu_bench.measure()
-print({k: f"{v:.3g}" for k, v in cpu.items()})
+print({k: f"{v:.3g}" for k, v in cpu.items() if not isinstance(v, tuple)})
+for k, table in cpu.items():
+    if isinstance(table, tuple):  # ((rows, FLOP/s), ...)
+        print(f"{k}: " + ", ".join(f"{r} rows {f / 1e9:.0f} GFLOP/s" for r, f in table))
 
 # %% [markdown]
 # **Predict** the engine's jitted step for `qwen3.5-mini`'s first layer group (4 of its 8 layers, to keep this
