@@ -16,11 +16,7 @@ The CPU runs of the engine compute in float32 on one XLA:CPU device; so do these
    the same cores as the matmuls), FLOPs / seconds;
 7. `dense_rows_flops`: the dense projections' dot with few rows, as the engine's steps run it past the native
    handler's rows (`kernels.dense.native.MAX_ROWS`): [R, 512] x [512, 1024] float32 (qwen3.5-mini's hidden size
-   and its widest projection), 8 distinct weights a call, at each R of DENSE_ROWS; ((R, FLOPs / seconds), ...);
-8. `moe_rows_flops`: the native MoE handler (`kernels.moe.native.moe_native`, the grouped SwiGLU experts the
-   engine runs on the CPU) on a panel-packed stack of 64 experts [512 -> 2 x 128 -> 512] (qwen3.5-mini's), every
-   expert given R rows, at each R of MOE_ROWS (the weights, 50 MiB, stream from memory as a layer's do);
-   ((R, FLOPs / seconds), ...).
+   and its widest projection), 8 distinct weights a call, at each R of DENSE_ROWS; ((R, FLOPs / seconds), ...).
 Each runs jitted, warmed up once, then timed `repeats` times; the median is kept. `measure` is cached per process;
 `measure_now` measures again (a benchmark that times other work measures beside it, under the same load).
 """
@@ -39,11 +35,8 @@ DESCRIPTIONS = {
     "small_matmul_flops": "float32 [64,32,512]x[64,512,256] batched matmul (qwen35_lib.costmodel.cpu_bench)",
     "vector_flops": "element-wise multiply-adds on a cache-resident float32 [64,1024] (qwen35_lib.costmodel.cpu_bench)",
     "dense_rows_flops": "float32 [R,512]x[512,1024] XLA dots at R = 16..256 rows (qwen35_lib.costmodel.cpu_bench)",
-    "moe_rows_flops": "the native MoE handler on 64 float32 experts [512,2x128,512] at R = 1..96 rows each "
-                      "(qwen35_lib.costmodel.cpu_bench)",
 }
 DENSE_ROWS = (16, 32, 64, 128, 256)  # rows of the few-rows dots (the peak's chain has 512)
-MOE_ROWS = (1, 2, 8, 32, 96)  # rows an expert (96: the handler's unit, `kernels/native/moe.cc`)
 
 
 def median_time(fn, *args, repeats: int = 5) -> float:
@@ -64,7 +57,7 @@ def measure(repeats: int = 5) -> dict:
 
 def measure_now(repeats: int = 5) -> dict:
     """{"matmul_flops", "memory_bytes_per_s", "op_overhead_s", "copy_bytes_per_s", "small_matmul_flops",
-    "vector_flops", "dense_rows_flops", "moe_rows_flops"} of this machine, measured now (see the module doc)."""
+    "vector_flops", "dense_rows_flops"} of this machine, measured now (see the module doc)."""
     import jax
     import jax.numpy as jnp
 
@@ -114,7 +107,7 @@ def measure_now(repeats: int = 5) -> dict:
             "op_overhead_s": t_ops / (steps * ops_per_step), "copy_bytes_per_s": 2 * big.nbytes / t_copy,
             "small_matmul_flops": 2 * 64 * 32 * 512 * 256 / t_small,
             "vector_flops": 2 * fmas * v_steps * vec.size / t_vec,
-            "dense_rows_flops": _dense_rows(cpu, repeats), "moe_rows_flops": _moe_rows(cpu, repeats)}
+            "dense_rows_flops": _dense_rows(cpu, repeats)}
 
 
 @functools.cache
@@ -136,25 +129,6 @@ def _dense_rows(cpu, repeats: int) -> tuple[tuple[int, float], ...]:
     for R in DENSE_ROWS:
         x = jax.device_put(jnp.ones((R, K), jnp.float32), cpu)
         out.append((R, 2 * R * K * N * count / median_time(_sum_of_dots(), x, ws, repeats=repeats)))
-    return tuple(out)
-
-
-def _moe_rows(cpu, repeats: int) -> tuple[tuple[int, float], ...]:
-    """((R, FLOP/s), ...) of the native MoE handler on 64 packed experts [512 -> 2 x 128 -> 512], R rows each."""
-    import jax
-    import jax.numpy as jnp
-
-    from qwen35_lib.kernels.moe.native import moe_native, pack_experts
-
-    E, D, F = 64, 512, 128
-    wgu = pack_experts(jax.device_put(jnp.full((E, D, 2, F), 1.0 / D, jnp.float32), cpu))
-    wd = pack_experts(jax.device_put(jnp.full((E, F, D), 1.0 / F, jnp.float32), cpu))
-    fn = jax.jit(lambda x, sizes, wgu, wd: moe_native(x, sizes, wgu, wd, platform="cpu"))
-    out = []
-    for R in MOE_ROWS:
-        x = jax.device_put(jnp.ones((E * R, D), jnp.float32), cpu)
-        sizes = jax.device_put(jnp.full((E,), R, jnp.int32), cpu)
-        out.append((R, 2 * E * R * 3 * D * F / median_time(fn, x, sizes, wgu, wd, repeats=repeats)))
     return tuple(out)
 
 

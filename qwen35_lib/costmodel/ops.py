@@ -5,9 +5,9 @@ priced (its share of the mesh, each slot's implementation, the measured pass fac
 function returns a `Cost`; `seconds(cost, specs)` is its roofline time:
     max(mxu_flops / (peak * eff_matmul) + vector_flops / (peak * vector_fraction), bytes / (bw * eff_hbm))
     + launches * op_overhead
-A matmul whose rate the specs measured by its rows (the CPU: `cpu_bench`'s dense dots and native MoE handler,
-`Specs.row_efficiency`) takes flops / that rate: its FLOPs stay its own, and the difference from their time at the
-peak is charged beside them as peak FLOPs (`few_rows`, `Cost.extra_mxu_flops`).
+A dense dot whose rate the specs measured by its rows (the CPU: `cpu_bench.dense_rows_flops`,
+`Specs.dense_row_efficiency`) takes flops / that rate: its FLOPs stay its own, and the difference from their time at
+the peak is charged beside them as peak FLOPs (`few_rows`, `Cost.extra_mxu_flops`).
 Sizes come from the weight declarations (`qwen35_lib.stats`), never typed in. Kernel families change what is
 moved, as data/costmodel_hardware.json 'kernels' records from the code:
 - attention `xla` (qwen35_lib/kernels/attention/xla.py): every computed token reads the longest context of its
@@ -149,8 +149,7 @@ class Pricing:
     gdn_prefill: str = "chunked"  # how prompt tokens run the delta rule: "chunked" (XLA's and Pallas' chunked
     # form) or "recurrent" (the CPU's native handler, `kernels.gdn.native`: one state update per token)
     dense_row_efficiency: tuple[tuple[int, float], ...] = ()  # (rows, measured rate over the peak) of a dense dot
-    moe_row_efficiency: tuple[tuple[int, float], ...] = ()  # the same of the native MoE handler, by rows an expert
-    # (`Specs.row_efficiency`; (): every matmul at the peak)
+    # (`Specs.dense_row_efficiency`; (): every dot at the peak)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +161,8 @@ class Cost:
     copy_bytes: float = 0.0  # materialized copies (read + write bytes), e.g. XLA's sliced scan inputs
     small_mxu_flops: float = 0.0  # matmuls with few rows per batch (the CPU MoE kernel's expert slots)
     seconds: float = 0.0  # time charged directly (a per-row overhead measured as time, `moe_layer`)
-    extra_mxu_flops: float = 0.0  # a matmul's time at its measured rate beyond its FLOPs at the peak, in peak FLOPs
-    # (`few_rows`; negative where that rate beats the peak): time, not work
+    extra_mxu_flops: float = 0.0  # a dot's time at its measured rate beyond its FLOPs at the peak, in peak FLOPs
+    # (`few_rows`): time, not work
 
     # field by field (dataclasses.astuple deep-copies: it was a seventh of a schedule simulation's time)
     def __add__(self, o: Cost) -> Cost:
@@ -196,22 +195,21 @@ def seconds(c: Cost, s: Specs, maximum=max) -> float:
     return maximum(compute, memory) + c.launches * s.op_overhead_s + c.seconds
 
 
-def row_efficiency(table: tuple[tuple[int, float], ...], rows: float, cap: bool = True) -> float:
-    """The measured rate over the peak of a matmul with `rows` rows (`Pricing.*_row_efficiency`): linear between
-    the measured rows, the nearest measured one's outside them; at most 1 with `cap` (the peak is the rate of the
-    most rows); 1 without a table."""
+def row_efficiency(table: tuple[tuple[int, float], ...], rows: float) -> float:
+    """The measured rate over the peak of a matmul with `rows` rows (`Pricing.dense_row_efficiency`): linear between
+    the measured rows, the nearest measured one's outside them, at most 1 (the peak is the rate of the most rows);
+    1 without a table."""
     if not table or rows <= 0:
         return 1.0
     r, e = zip(*table)
-    eff = float(np.interp(rows, r, e))
-    return min(1.0, eff) if cap else eff
+    return min(1.0, float(np.interp(rows, r, e)))
 
 
-def few_rows(table: tuple[tuple[int, float], ...], rows: float, flops: float, cap: bool = True) -> Cost:
+def few_rows(table: tuple[tuple[int, float], ...], rows: float, flops: float) -> Cost:
     """What a matmul of `flops` with `rows` rows costs beyond its FLOPs at the peak, in peak FLOPs:
     flops x (1 / `row_efficiency` - 1)."""
-    eff = row_efficiency(table, rows, cap)
-    return Cost(extra_mxu_flops=flops * (1 / eff - 1)) if eff != 1 else Cost()
+    eff = row_efficiency(table, rows)
+    return Cost(extra_mxu_flops=flops * (1 / eff - 1)) if eff < 1 else Cost()
 
 
 def dense_rows(pr: Pricing, rows: float, flops: float) -> Cost:
@@ -443,7 +441,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
         rows = b.computed * k
     ideal = 2 * rows * 3 * D * f_dev
     w_expert = 3 * D * f_dev  # params of one expert on this device
-    small = idle = 0.0
+    small = 0.0
     scales = None
     copies = (pr.weight_passes if pr.expert_passes is None else pr.expert_passes) - 1
     if pr.moe == "ep":
@@ -466,10 +464,6 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
     elif pr.moe_impl == "native":  # the touched experts read in place, once; no copies, no dequantization (f32/bf16)
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         mxu, wbytes, copy = ideal, touched * w_expert * z["exp_item"], 0.0
-        if pr.moe_row_efficiency and touched:  # the handler's own measured rate at its rows an expert (faster than
-            # the dense peak at many rows), its weights streamed inside that measurement: not charged again
-            idle = few_rows(pr.moe_row_efficiency, rows / touched, ideal, cap=False).extra_mxu_flops
-            wbytes = 0.0
     elif pr.moe_impl == "loop":
         touched = expected_distinct(b.tokens, E, k) * experts_dev / E
         dequant = 4 if cfg.expert_dtype == "float8_e4m3fn" else 0
@@ -483,7 +477,7 @@ def moe_block(cfg: Config, b: Batch, pr: Pricing) -> dict[str, Cost]:
         mxu = ideal
         if pr.moe_impl == "capacity":  # C slots per expert, few rows each: the small-matmul regime
             mxu, small = 0.0, 2 * experts_dev * capacity_slots(rows, experts_dev) * 3 * D * f_dev
-    routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small, extra_mxu_flops=idle)
+    routed = Cost(mxu, 0, wbytes + rows * (2 * D + 3 * f_dev) * z["act"], 4, copy, small)
     # the permute moves the static buffer the code sorts (`parallel.routing.local_experts`): under EP every
     # device's N·min(k, E/ep) rows (dropless worst case, the gathered or received tokens), not just its copies
     buffer = b.computed * min(k, E // pr.ep) if pr.moe == "ep" and pr.static_buffers else rows

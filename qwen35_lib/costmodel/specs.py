@@ -44,9 +44,8 @@ class Specs:
     op_overhead_s: float = 0.0  # fixed cost per launched op (measured on the CPU; 0 on accelerators, see sources)
     copy_bytes_per_s: float | None = None  # a materialized copy, read + write bytes (None: the HBM rate)
     small_matmul_flops: float | None = None  # matmuls with few rows per batch (None: peak x eff_matmul)
-    dense_rows_flops: tuple[tuple[int, float], ...] = ()  # (rows, FLOP/s) of a dense dot with that many rows
-    moe_rows_flops: tuple[tuple[int, float], ...] = ()  # (rows an expert, FLOP/s) of the native MoE handler; ()
-    # for both: priced at the peak (accelerators; see sources)
+    dense_rows_flops: tuple[tuple[int, float], ...] = ()  # (rows, FLOP/s) of a dense dot with that many rows; ():
+    # priced at the peak (accelerators; see sources)
     sources: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -58,11 +57,12 @@ class Specs:
         """Bandwidth of one ring hop between chips, one direction."""
         return self.ici_link_bytes_per_s * self.links_per_neighbour
 
-    def row_efficiency(self, kind: str) -> tuple[tuple[int, float], ...]:
-        """((rows, measured FLOP/s at those rows over peak_flops x eff_matmul), ...) of `kind` ("dense" or "moe"):
-        what `ops.row_efficiency` prices a matmul with few rows by; () where none is measured."""
-        table = self.dense_rows_flops if kind == "dense" else self.moe_rows_flops
-        return tuple((r, f / self.devices_per_chip / (self.peak_flops * self.eff_matmul)) for r, f in table)
+    @property
+    def dense_row_efficiency(self) -> tuple[tuple[int, float], ...]:
+        """((rows, measured FLOP/s of a dense dot with those rows over peak_flops x eff_matmul), ...): what
+        `ops.row_efficiency` prices a dense projection with few rows by; () where none is measured."""
+        return tuple((r, f / self.devices_per_chip / (self.peak_flops * self.eff_matmul))
+                     for r, f in self.dense_rows_flops)
 
     def replace(self, **changes: Any) -> Specs:
         return dataclasses.replace(self, **changes)
@@ -120,15 +120,15 @@ def get(name: str, cpu_measured: dict | None = None) -> Specs:
                                 "back to back; gaps between ops are not modelled")
     sources["copy_bytes_per_s"] = "assumption: on accelerators a copy streams at the HBM rate (read + write)"
     sources["small_matmul_flops"] = "assumption: on accelerators no separate small-matmul regime is modelled"
-    for k in ("dense_rows_flops", "moe_rows_flops"):
-        sources[k] = "assumption: on accelerators a matmul with few rows is priced at the peak (not measured)"
+    sources["dense_rows_flops"] = "assumption: on accelerators a matmul with few rows is priced at the peak"
     if base.kind == "cpu":
         from qwen35_lib.costmodel import cpu_bench
 
         m = cpu_measured or cpu_bench.measure()
         peak, bw, overhead = m["matmul_flops"], m["memory_bytes_per_s"], m["op_overhead_s"]
         extra = {k: m[k] for k in ("copy_bytes_per_s", "small_matmul_flops")}
-        extra.update({k: tuple(map(tuple, m[k])) for k in ("dense_rows_flops", "moe_rows_flops") if k in m})
+        if "dense_rows_flops" in m:  # records measured before the table price every dot at the peak
+            extra["dense_rows_flops"] = tuple(map(tuple, m["dense_rows_flops"]))
         values["ici_link_bytes_per_s"] = bw
         for k in ("peak_flops", "hbm_bytes_per_s", "op_overhead_s", *extra):
             sources[k] = f"measured: {cpu_bench.DESCRIPTIONS[k]}"

@@ -130,7 +130,7 @@ def pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None 
     if stage.fused_combine and specs.kind == "tpu":
         glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
     sums = ops.SCOPED_VMEM_BYTES if moe_impl == "pallas" and ours_tpu and not stage.fused_combine else 0.0
-    rates = dict(dense_row_efficiency=specs.row_efficiency("dense"), moe_row_efficiency=specs.row_efficiency("moe"))
+    rates = dict(dense_row_efficiency=specs.dense_row_efficiency)  # the CPU's measured few-rows dots
     return ops.Pricing(**glue, **rates, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
                          weight_passes=passes, router_passes=router, expert_passes=expert_passes,

@@ -26,13 +26,12 @@ def test_cpu_vector_work_is_priced_at_its_measured_rate():
 
 
 def test_cpu_few_row_rates_are_measured_and_read_over_the_peak():
-    """The CPU's few-rows tables come from `cpu_bench` (measured, with its description) and are read as rates over
-    the peak; a record measured before them prices every matmul at the peak; accelerators have none."""
+    """The CPU's few-rows table comes from `cpu_bench` (measured, with its description) and is read as rates over
+    the peak; a record measured before it prices every dot at the peak; accelerators have none."""
     m = dict(matmul_flops=100e9, memory_bytes_per_s=20e9, op_overhead_s=1e-6, copy_bytes_per_s=10e9,
-             small_matmul_flops=50e9, vector_flops=25e9, dense_rows_flops=[[32, 50e9], [256, 100e9]],
-             moe_rows_flops=[[8, 40e9]])
+             small_matmul_flops=50e9, vector_flops=25e9, dense_rows_flops=[[32, 50e9], [256, 100e9]])
     sp = specs.get("cpu", m)
-    assert sp.row_efficiency("dense") == ((32, 0.5), (256, 1.0)) and sp.row_efficiency("moe") == ((8, 0.4),)
-    assert sp.sources["dense_rows_flops"].startswith("measured") and hash(sp)
-    older = {k: v for k, v in m.items() if not k.endswith("rows_flops")}
-    assert specs.get("cpu", older).row_efficiency("dense") == () == specs.get("tpu7x-8").row_efficiency("moe")
+    assert sp.dense_row_efficiency == ((32, 0.5), (256, 1.0)) and hash(sp)
+    assert sp.sources["dense_rows_flops"].startswith("measured")
+    older = {k: v for k, v in m.items() if k != "dense_rows_flops"}
+    assert specs.get("cpu", older).dense_row_efficiency == () == specs.get("tpu7x-8").dense_row_efficiency
