@@ -504,7 +504,7 @@ notebook.claim("fused_ep_compiles", "compiled for TPU7x at the 397B serving shap
 #
 # **Measure** this CPU's specs: micro-benchmarks of matmul FLOP/s, streaming-read bandwidth, the cost of one
 # launched op, the rate of a materialized copy, a batched matmul with few rows, element-wise multiply-adds, and the
-# rate of the dense projections' dot and of the native MoE handler by the rows they run.
+# rate of the dense projections' dot by the rows it runs.
 
 # %%
 from qwen35_lib.costmodel import cpu_bench
