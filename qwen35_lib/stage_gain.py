@@ -101,12 +101,12 @@ def expert_bytes(stage: str, requests: int = 512, model: str = "qwen3.5-397b-a17
     model's accounting: `experts_hit` of its `local_experts`, and `bytes_per_param`, the HBM bytes (reads and
     materialized copies) the step moves per expert parameter the device holds.
 
-    1. the stage's `costmodel.step.pricing` on the system and `costmodel.ops.moe_block` of a decode step of n =
+    1. the stage's `costmodel.step.pricing` on the system and `costmodel.moe_costs.moe_block` of a decode step of n =
        `requests` tokens and of 2n;
     2. each one's routed-expert bytes C = W + A n: weights W (every local expert hit at both sizes, checked) and
        rows A n, linear in the tokens; so W = 2 C(n) - C(2n);
     3. W over the device's expert parameters (local experts x 3 D F, the FFN split under a TP MoE)."""
-    from qwen35_lib.costmodel import ops, serving_model, specs
+    from qwen35_lib.costmodel import moe_costs, ops, serving_model, specs
     from qwen35_lib.costmodel.experts import expected_distinct
     from qwen35_lib.costmodel.step import pricing
     from qwen35_lib.plan import any_stage
@@ -119,7 +119,7 @@ def expert_bytes(stage: str, requests: int = 512, model: str = "qwen3.5-397b-a17
     if local - hit > 1e-3 * local:
         raise ValueError(f"{requests} tokens hit {hit:.2f} of {local} local experts: the weights' bytes cannot be "
                          "separated from the rows'; use more requests")
-    routed = [ops.moe_block(cfg, ops.Batch(decodes=n), pr)["routed_experts"] for n in (requests, 2 * requests)]
+    routed = [moe_costs.moe_block(cfg, ops.Batch(decodes=n), pr)["routed_experts"] for n in (requests, 2 * requests)]
     weights = 2 * routed[0].hbm_bytes - routed[1].hbm_bytes
     params = local * 3 * cfg.hidden_size * cfg.moe_ffn / (pr.tp if pr.moe == "tp" else 1)
     return dict(stage=stage, requests=requests, local_experts=local, experts_hit=hit,

@@ -437,11 +437,11 @@ def _dense_projections(cfg, b, pr) -> dict:
     """{"dense": the `dense` slot's cost for one layer, averaged over the layer pattern}: attention's projections
     in the share of attention layers, GDN's in the share of GDN layers, and the shared expert and router of every
     layer's MoE (`costmodel.ops`)."""
-    from qwen35_lib.costmodel import ops
+    from qwen35_lib.costmodel import moe_costs, ops
 
     z = ops.sizes(cfg)
     n = z["n_attn"] + z["n_gdn"]
-    moe = ops.moe_block(cfg, b, pr)
+    moe = moe_costs.moe_block(cfg, b, pr)
     projections = (ops.attention_block(cfg, b, pr)["attn_proj"] * (z["n_attn"] / n)
                    + ops.gdn_block(cfg, b, pr)["gdn_proj"] * (z["n_gdn"] / n))
     return {"dense": projections + moe["shared_expert"] + moe["router"]}
@@ -464,7 +464,7 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
     The cost model credits the GDN kernel with nothing over XLA at prefill (same bytes, same FLOPs): its rows say so
     by being equal.
     """
-    from qwen35_lib.costmodel import ops, specs, step
+    from qwen35_lib.costmodel import moe_costs, ops, specs, step
     from qwen35_lib.costmodel.predict import serving_model
     from qwen35_lib.plan import get_stage
 
@@ -474,8 +474,8 @@ def roofline_rows(model: str = "qwen3.5-397b-a17b", hardware: str = "tpu7x-8", c
     batches = {"decode": ops.Batch(decodes=concurrency, decode_ctx=context / 2, max_ctx=context),
                "prefill": ops.Batch(prefill_tokens=dp * prefill_chunk, prefill_seqs=dp, prefill_ctx=context / 2,
                                     max_ctx=context)}
-    blocks = {"attn_core": ops.attention_block, "gdn_core": ops.gdn_block, "routed_experts": ops.moe_block,
-              "permute": ops.moe_block, "dense": _dense_projections}
+    blocks = {"attn_core": ops.attention_block, "gdn_core": ops.gdn_block, "routed_experts": moe_costs.moe_block,
+              "permute": moe_costs.moe_block, "dense": _dense_projections}
     out = []
     for stage, impl in (("hier_rs", "xla"), ("kernels", "pallas")):
         pr = step.pricing(cfg, sp, get_stage(stage), kv_dtype="float8_e4m3fn")

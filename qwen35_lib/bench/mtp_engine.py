@@ -125,12 +125,12 @@ def step_ratios(config: Config, weights: dict, head: dict, prompts: np.ndarray, 
     copied), then run `repeats` times, the three interleaved, the first round dropped (warm-up), the median kept.
     Priced by `step_time` on the `cpu` specs (`cpu_specs`, else this process's measurement), one device, for the
     same batch (D decode rows at their mean and longest context, the step's T computed tokens, one logit row a
-    sequence): the draft step is `ops.mtp_head`'s components, the verify step the rest of the speculative step.
+    sequence): the draft step is `mtp_costs.mtp_head`'s components, the verify step the rest of the speculative step.
     Returns {"decode" | "verify" | "draft": {"measured_s", "predicted_s", "measured_over_predicted", "tokens",
     "context"}}; a program never captured (a run too short to fill the bucket) is left out."""
     from unittest import mock
 
-    from qwen35_lib.costmodel import ops
+    from qwen35_lib.costmodel import mtp_costs, ops
     from qwen35_lib.costmodel import specs as specs_lib
     from qwen35_lib.costmodel.step import pricing, step_time
     from qwen35_lib.engine import Engine
@@ -169,7 +169,7 @@ def step_ratios(config: Config, weights: dict, head: dict, prompts: np.ndarray, 
                           drafts=0 if name == "decode" else k)
         total = step_time(config, sp, plan, batch, None, 16).seconds
         pr = pricing(config, sp, plan, None, 16)
-        draft = sum(ops.seconds(c, sp) for c in ops.mtp_head(config, batch, pr).values())
+        draft = sum(ops.seconds(c, sp) for c in mtp_costs.mtp_head(config, batch, pr).values())
         predicted = {"decode": total, "verify": total - draft, "draft": draft}[name]
         measured = float(np.median(times[name][1:] or times[name]))
         out[name] = {"measured_s": measured, "predicted_s": predicted, "measured_over_predicted": measured / predicted,

@@ -44,7 +44,7 @@ reduce-scatter, and its all-gathered tokens relaid out twice a layer, `fused_com
 off its own mixed text); the residual stream's passes are nearly the same at decode (15.7) as in the mixed step
 (15.8), the attention's are not (1.8 against 9.6: at decode its arrays stay in VMEM). The permute is priced
 from the structure: the fact's 3 passes and, in the mixed step, the combine's bf16 sums [8704, 4096] written (too
-large for the scoped VMEM, `ops.SCOPED_VMEM_BYTES`), 132.6 GB against the text's 132.9 (the combine wrote float32
+large for the scoped VMEM, `moe_costs.SCOPED_VMEM_BYTES`), 132.6 GB against the text's 132.9 (the combine wrote float32
 sums there for XLA to read and cast before: 150.0 GB, 229.0 around the Mosaic calls)
 
 The baseline's mixed step does not fit at the serving shape and is not compared; the tests hold the decode steps.

@@ -18,7 +18,7 @@ traffic (`ops.moe`'s routed rows, read and written once); what is left is the we
 copies: recv [n·k, D] read, the output [n, D] written, (1 + 1/k) / ep passes over the [N·k, D] rows the kernels stage
 moves 3 times (its compiled fact `kernels_moe_permute_passes`). The expert sort is int32 work, not charged. Besides,
 XLA relays the all-gathered tokens [N, D] out twice a layer for the kernel's row fetches (`GATHERED_RELAYOUTS`, on
-the SparseCore), in HBM once larger than the scoped VMEM (`ops.moe_block`).
+the SparseCore), in HBM once larger than the scoped VMEM (`moe_costs.moe_block`).
 """
 
 from __future__ import annotations

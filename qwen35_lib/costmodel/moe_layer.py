@@ -1,6 +1,6 @@
 """The MoE layer as tpu-inference's production path runs it (token replication, two grouped matmuls), per device.
 
-The op costs of `ops.moe_block` charge the grouped matmul its weights and FLOPs. At prefill token counts that is
+The op costs of `moe_costs.moe_block` charge the grouped matmul its weights and FLOPs. At prefill token counts that is
 half of what TPU7x measures (issue 30): production's layer (tpu_inference/layers/common/fused_moe_gmm.py at the
 #3050 commit) also
 1. sorts the slice's N·k expert ids twice (argsort into expert order, argsort back) and counts each expert's rows,
@@ -10,9 +10,9 @@ half of what TPU7x measures (issue 30): production's layer (tpu_inference/layers
    4·k·N²·D MXU FLOPs; above it as SparseCore ragged gathers;
 3. moves N·k-row buffers: the permuted tokens `[N·k, D]` written and the expert outputs `[N·k, D]` read back
    for the weighted sum over k (bf16, 2 x 2 bytes an element);
-4. runs the grouped matmul over its local experts (`ops.moe_block`'s `pallas`: touched weights once, whole tiles
+4. runs the grouped matmul over its local experts (`moe_costs.moe_block`'s `pallas`: touched weights once, whole tiles
    of `gmm_tile_rows` rows an expert).
-`ops.layer_costs` returns items 1-3 as `Cost`s (the step model adds them to the layer's `routed_experts`):
+`moe_costs.layer_costs` returns items 1-3 as `Cost`s (the step model adds them to the layer's `routed_experts`):
 - `onehot_permute`: the one-hot matmuls (MXU FLOPs) while N·k is under the threshold, else nothing;
 - `permute`: the N·k-row buffers (HBM bytes); above the threshold the SparseCore gathers these rows, so the step
   model scales it by the `sparsecore_permute` assumption there (and only there);
@@ -39,7 +39,7 @@ import dataclasses
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import ops
+from qwen35_lib.costmodel import moe_costs, ops
 from qwen35_lib.costmodel.specs import Specs
 
 
@@ -53,7 +53,7 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
                reduce_scatter: str = "flat", gathered: bool = True) -> LayerTime:
     """One MoE layer call at `tokens` tokens in the slice (EP over `ep` devices, default all), as production's
     layer runs it under `mech` (an `assumptions.Mechanisms`): the module doc's items, the grouped matmul and
-    top-k of `ops.moe_block`, and the hidden and routing all-gathers and the reduce-scatter of its output
+    top-k of `moe_costs.moe_block`, and the hidden and routing all-gathers and the reduce-scatter of its output
     (`reduce_scatter`: "flat", XLA's `psum_scatter` as #3050 ran it). `gathered` False: the layer as tpu-inference
     runs it at its upstream defaults on a mesh without attention DP (the benchmark's second shape): the tokens come
     in replicated, so no all-gather, and `scatter_results` is off, so the combine ends in a `psum` (an all-reduce of
@@ -68,7 +68,7 @@ def layer_time(cfg: Config, specs: Specs, tokens: int, mech, ep: int | None = No
                        onehot_threshold=mech.onehot_permute_threshold, row_overhead_s=mech.moe_row_overhead_s,
                        layer_fixed_s=mech.moe_layer_fixed_s)
     b = ops.Batch(prefill_tokens=tokens, prefill_seqs=1, max_ctx=tokens)
-    moe = ops.moe_block(cfg, b, pr)
+    moe = moe_costs.moe_block(cfg, b, pr)
     out = {name: ops.seconds(moe[name], sp) for name in ("routed_experts", "onehot_permute", "permute", "moe_rows")}
     out["top_k"] = ops.seconds(dataclasses.replace(moe["router"], mxu_flops=0.0, bytes=tokens / ep * cfg.num_experts
                                                    * 4, copy_bytes=0.0), sp)

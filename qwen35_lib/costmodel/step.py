@@ -31,7 +31,7 @@ import numpy as np
 
 from qwen35_lib.config import Config
 from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import fused_combine, ops, traffic
+from qwen35_lib.costmodel import fused_combine, moe_costs, mtp_costs, ops, traffic
 from qwen35_lib.costmodel.assumptions import Mechanisms
 from qwen35_lib.costmodel.specs import Specs, kernel_facts
 from qwen35_lib.costmodel.temporaries import IN_PLACE_MOE
@@ -129,7 +129,7 @@ def pricing(cfg: Config, specs: Specs, stage: ServingPlan, kv_dtype: str | None 
         glue["hier_rs_glue_passes"] = facts["pallas_hier_rs_glue_passes"]["value"]
     if stage.fused_combine and specs.kind == "tpu":
         glue["gathered_relayouts"] = fused_combine.GATHERED_RELAYOUTS
-    sums = ops.SCOPED_VMEM_BYTES if moe_impl == "pallas" and ours_tpu and not stage.fused_combine else 0.0
+    sums = moe_costs.SCOPED_VMEM_BYTES if moe_impl == "pallas" and ours_tpu and not stage.fused_combine else 0.0
     rates = dict(dense_row_efficiency=specs.dense_row_efficiency)  # the CPU's measured few-rows dots
     return ops.Pricing(**glue, **rates, combine_sum_hbm_bytes=sums, dp=lay.dp, tp=lay.tp, moe=lay.moe, ep=lay.ep,
                          attention=attention, moe_impl=moe_impl, kv_dtype=kv_dtype, page_size=page_size,
@@ -202,7 +202,7 @@ def _costs(cfg: Config, devices: int, pr: ops.Pricing, batch: ops.Batch, kv_dtyp
     out = {name: c * z["n_attn"] for name, c in attn.items()}
     for name, c in _by_counts(cfg, pr, batch.counts(), dense).items():
         out[name] = out[name] + c if name in out else c
-    for name, c in ops.mtp_head(cfg, batch, pr).items():  # speculative decoding: the head's draft step
+    for name, c in mtp_costs.mtp_head(cfg, batch, pr).items():  # speculative decoding: the head's draft step
         out[name] = out[name] + c if name in out else c
     return out
 
@@ -220,12 +220,12 @@ def _by_counts(cfg: Config, pr: ops.Pricing, batch: ops.Batch, dense: ops.Pricin
     `batch`'s token and sequence counts, not its contexts; `dense`: the ideal roofline's pricing of the dense
     weights (None: `pr`'s)."""
     z = ops.sizes(cfg)
-    gdn, moe = ops.gdn_block(cfg, batch, pr), ops.moe_block(cfg, batch, pr)
+    gdn, moe = ops.gdn_block(cfg, batch, pr), moe_costs.moe_block(cfg, batch, pr)
     head = ops.embed_and_head(cfg, batch, dense or pr)
     if dense is not None:
         gdn["gdn_proj"] = ops.gdn_block(cfg, batch, dense)["gdn_proj"]
-        moe["shared_expert"] = ops.moe_block(cfg, batch, dense)["shared_expert"]
-        moe["router"] = ops.moe_block(cfg, batch, dense)["router"]
+        moe["shared_expert"] = moe_costs.moe_block(cfg, batch, dense)["shared_expert"]
+        moe["router"] = moe_costs.moe_block(cfg, batch, dense)["router"]
     out: dict[str, ops.Cost] = {}
     norms, L = {"norms": ops.norms(cfg, batch, pr)}, cfg.num_layers
     once = {"embed_lm_head": head, "sampling": ops.sampling(cfg, batch, pr), "glue": ops.glue(cfg, batch, pr)}
@@ -330,8 +330,8 @@ def _cost_table(cfg: Config, devices: int, pr: ops.Pricing, batches: tuple[ops.B
     for name, c in _stacked([_by_counts(cfg, pr, counts, dense) for counts in index]).items():
         c = ops.Cost(*(v[at] for v in _COST_FIELDS(c)))
         out[name] = out[name] + c if name in out else c
-    if any(b.drafts for b in batches):  # speculative decoding: the head's draft step (`ops.mtp_head`)
-        for name, c in _stacked([ops.mtp_head(cfg, b, pr) for b in batches]).items():
+    if any(b.drafts for b in batches):  # speculative decoding: the head's draft step (`mtp_costs.mtp_head`)
+        for name, c in _stacked([mtp_costs.mtp_head(cfg, b, pr) for b in batches]).items():
             out[name] = out[name] + c if name in out else c
     return out
 

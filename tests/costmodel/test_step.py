@@ -9,7 +9,7 @@ import pytest
 
 from qwen35_lib import costmodel, get_config, model_stats
 from qwen35_lib.costmodel import collectives as cc
-from qwen35_lib.costmodel import ops, specs
+from qwen35_lib.costmodel import moe_costs, ops, specs
 from qwen35_lib.costmodel import specs as specs_lib
 from qwen35_lib.costmodel.assumptions import Mechanisms, extremes
 from qwen35_lib.costmodel.predict import serving_model
@@ -110,7 +110,7 @@ def test_every_cost_but_the_attention_layers_reads_only_the_token_counts(stage):
     z = ops.sizes(cfg)
     hand = {}
     for costs, times in ((ops.attention_block(cfg, long, pr), z["n_attn"]), (ops.gdn_block(cfg, long, pr), z["n_gdn"]),
-                         (ops.moe_block(cfg, long, pr), cfg.num_layers),
+                         (moe_costs.moe_block(cfg, long, pr), cfg.num_layers),
                          ({"norms": ops.norms(cfg, long, pr)}, cfg.num_layers),
                          ({"embed_lm_head": ops.embed_and_head(cfg, long, pr), "sampling": ops.sampling(cfg, long, pr),
                            "glue": ops.glue(cfg, long, pr)}, 1)):

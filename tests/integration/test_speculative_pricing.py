@@ -60,17 +60,6 @@ def test_a_verify_step_costs_more_with_each_draft_and_less_per_token_at_the_assu
     assert gdn[3] - gdn[2] == pytest.approx(rows * state, rel=0.05)
 
 
-def test_the_mtp_head_is_one_attention_layer_with_its_moe_and_the_lm_head_per_draft():
-    b = dataclasses.replace(DECODE, drafts=3)
-    pr = step.pricing(CFG, TPU, any_stage("kernels"), "float8_e4m3fn", 256)
-    head = ops.mtp_head(CFG, b, pr)
-    assert ops.mtp_head(CFG, DECODE, pr) == {}
-    moe = ops.moe_block(CFG, DECODE, pr)["routed_experts"].hbm_bytes  # one main layer's experts at c512
-    assert 2.5 * moe < head["routed_experts"].hbm_bytes < 3.5 * moe  # k = 3 passes, each about one layer's
-    lm = ops.sizes(CFG)["lm_head"] * 2  # the replicated LM head, bf16, read once a pass
-    assert 3 * lm < head["embed_lm_head"].hbm_bytes < 3 * lm * 1.2
-
-
 def test_the_schedule_emits_the_acceptance_length_a_step():
     plain = lambda batches: step_fn(batches)  # noqa: E731
     args = (1024, 256, 16, 1, 4096, 64, 64, 32)
